@@ -1,0 +1,447 @@
+//! Host backend: Linux virtual memory standing in for GPU memory.
+//!
+//! * reserve = `mmap(PROT_NONE, MAP_NORESERVE)`, aligned to the granularity;
+//! * a physical page = a page-sized, page-aligned slot of one `memfd`;
+//! * map = `mmap(MAP_FIXED | MAP_SHARED)` of the slot at the page's address;
+//! * unmap = replace the pages with a fresh `PROT_NONE` anonymous mapping;
+//! * release = punch a hole in the memfd, so the memory really returns to the system.
+//!
+//! Memory written through a mapping is in the memfd, so remapping a page elsewhere shows the
+//! same bytes, exactly as re-mapping a GPU physical handle does.
+
+use super::{Backend, BackendKind, PageHandle, RangeBook, KIB128, KIB256, KIB64, MIB2};
+use crate::error::{Result, VmemError};
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Mutex;
+
+/// When the memfd's memory is allocated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostCommit {
+    /// `fallocate` each page when it is created: creation fails (ENOSPC/ENOMEM) when the
+    /// memory is not there, as `cuMemCreate` does. The default.
+    Eager,
+    /// Let the kernel allocate on first touch: pages that are mapped but never written cost
+    /// nothing, which lets paper-scale replays (40 GB of KV) run on a small machine.
+    Lazy,
+}
+
+/// Linux host-memory backend. See the module docs.
+#[derive(Debug)]
+pub struct HostBackend {
+    memfd: OwnedFd,
+    commit: HostCommit,
+    page_sizes: Vec<u64>,
+    granularity: u64,
+    state: Mutex<HostState>,
+}
+
+#[derive(Debug, Default)]
+struct HostState {
+    book: RangeBook,
+    /// Released slots, by page size, for reuse.
+    free_slots: HashMap<u64, Vec<u64>>,
+    /// End of the highest slot ever handed out.
+    high_water: u64,
+    /// Current memfd length.
+    file_len: u64,
+}
+
+impl HostBackend {
+    /// A host backend with 64 KB, 128 KB, 256 KB and 2 MB pages, committing eagerly.
+    pub fn new() -> Result<Self> {
+        Self::with_page_sizes(&[KIB64, KIB128, KIB256, MIB2], HostCommit::Eager)
+    }
+
+    /// A host backend with the given page sizes (each a multiple of 4 KiB; the largest must be
+    /// a multiple of every other) and commit policy.
+    pub fn with_page_sizes(page_sizes: &[u64], commit: HostCommit) -> Result<Self> {
+        let mut sizes = page_sizes.to_vec();
+        sizes.sort_unstable();
+        sizes.dedup();
+        let granularity = *sizes.last().ok_or_else(|| {
+            VmemError::InvalidConfig("host backend needs at least one page size".into())
+        })?;
+        let os_page = sys::os_page_size();
+        for &s in &sizes {
+            if s == 0 || s % os_page != 0 || granularity % s != 0 {
+                return Err(VmemError::InvalidConfig(format!(
+                    "host page size {s} must be a non-zero multiple of {os_page} dividing {granularity}"
+                )));
+            }
+        }
+        Ok(HostBackend {
+            memfd: sys::memfd_create("vmem-host-pages")?,
+            commit,
+            page_sizes: sizes,
+            granularity,
+            state: Mutex::new(HostState::default()),
+        })
+    }
+
+    /// Bytes of memory the memfd holds now (its allocated blocks). Zero once every page has
+    /// been released: the proof that nothing leaks.
+    pub fn resident_bytes(&self) -> Result<u64> {
+        sys::allocated_bytes(&self.memfd)
+    }
+
+    /// Number of pages currently mapped.
+    pub fn mapped_pages(&self) -> usize {
+        self.lock().book.mapped_pages()
+    }
+
+    /// Number of live (created, not released) pages.
+    pub fn live_pages(&self) -> usize {
+        self.lock().book.live_pages()
+    }
+
+    /// Number of reserved ranges.
+    pub fn reserved_ranges(&self) -> usize {
+        self.lock().book.ranges()
+    }
+
+    /// Copies `data` to `addr` through the mapping, as a kernel would write. Fails, writing
+    /// nothing, unless every byte lies in a mapped page.
+    pub fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
+        let st = self.lock();
+        check_mapped_span(&st.book, addr, data.len() as u64)?;
+        // SAFETY: every byte of [addr, addr + len) lies in a page this backend mapped
+        // read/write (checked above under the lock, which `unmap` also takes, so the mapping
+        // cannot go away during the copy); `data` is a distinct Rust slice.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
+        Ok(())
+    }
+
+    /// Copies from `addr` through the mapping into `buf`. Fails unless every byte is mapped.
+    pub fn read(&self, addr: u64, buf: &mut [u8]) -> Result<()> {
+        let st = self.lock();
+        check_mapped_span(&st.book, addr, buf.len() as u64)?;
+        // SAFETY: as in `write`: the span is mapped readable for the whole copy.
+        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, buf.as_mut_ptr(), buf.len()) };
+        Ok(())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HostState> {
+        // A panic while holding the lock cannot leave the bookkeeping half-updated: every
+        // update happens after its system call succeeded. So a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+fn check_mapped_span(book: &RangeBook, addr: u64, len: u64) -> Result<()> {
+    let end = addr.checked_add(len).ok_or(VmemError::InvalidAddress {
+        addr,
+        size: len,
+        why: "address + size overflows",
+    })?;
+    let mut at = addr;
+    while at < end {
+        match book.page_at(at) {
+            Some((start, _, size)) => at = start + size,
+            None => {
+                return Err(VmemError::InvalidAddress {
+                    addr,
+                    size: len,
+                    why: "not entirely inside mapped pages",
+                })
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Backend for HostBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Host
+    }
+
+    fn page_sizes(&self) -> Vec<u64> {
+        self.page_sizes.clone()
+    }
+
+    fn granularity(&self) -> u64 {
+        self.granularity
+    }
+
+    fn reserve(&self, size: u64) -> Result<u64> {
+        if size == 0 || size % self.granularity != 0 {
+            return Err(VmemError::InvalidAddress {
+                addr: 0,
+                size,
+                why: "reservation size must be a non-zero multiple of the granularity",
+            });
+        }
+        let addr = sys::reserve_aligned(size, self.granularity)?;
+        self.lock().book.add_range(addr, size);
+        Ok(addr)
+    }
+
+    fn free_range(&self, addr: u64) -> Result<()> {
+        let mut st = self.lock();
+        let size = st.book.remove_range(addr)?;
+        if let Err(e) = sys::munmap(addr, size) {
+            st.book.add_range(addr, size);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn create_page(&self, page_size: u64) -> Result<PageHandle> {
+        self.check_page_size(page_size)?;
+        let mut st = self.lock();
+        let reused = st.free_slots.get_mut(&page_size).and_then(Vec::pop);
+        let offset = match reused {
+            Some(off) => off,
+            None => st.high_water.next_multiple_of(page_size),
+        };
+        let end = offset + page_size;
+        if end > st.file_len {
+            // Grow geometrically: the file is sparse, so length costs nothing.
+            let new_len = end.max(st.file_len.saturating_mul(2)).max(64 << 20);
+            sys::ftruncate(&self.memfd, new_len)?;
+            st.file_len = new_len;
+        }
+        if self.commit == HostCommit::Eager {
+            if let Err(e) = sys::fallocate(&self.memfd, 0, offset, page_size) {
+                if reused.is_some() {
+                    st.free_slots.entry(page_size).or_default().push(offset);
+                }
+                return Err(e);
+            }
+        }
+        st.high_water = st.high_water.max(end);
+        st.book.add_page(PageHandle(offset), page_size);
+        Ok(PageHandle(offset))
+    }
+
+    fn release_page(&self, page: PageHandle) -> Result<()> {
+        let mut st = self.lock();
+        let size = st.book.check_release(page)?;
+        sys::fallocate(
+            &self.memfd,
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            page.0,
+            size,
+        )?;
+        st.book.remove_page(page);
+        st.free_slots.entry(size).or_default().push(page.0);
+        Ok(())
+    }
+
+    fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()> {
+        self.check_page_size(page_size)?;
+        let mut st = self.lock();
+        st.book.check_map(addr, pages, page_size)?;
+        // Map runs of pages whose memfd offsets are consecutive with one call each.
+        let mut i = 0;
+        while i < pages.len() {
+            let mut j = i + 1;
+            while j < pages.len() && pages[j].0 == pages[j - 1].0 + page_size {
+                j += 1;
+            }
+            let at = addr + i as u64 * page_size;
+            let len = (j - i) as u64 * page_size;
+            if let Err(e) = sys::map_shared_fixed(&self.memfd, at, len, pages[i].0) {
+                // Undo this call's earlier runs: on error nothing of the call stays mapped.
+                if i > 0 {
+                    let _ = sys::reserve_fixed(addr, i as u64 * page_size);
+                }
+                return Err(e);
+            }
+            i = j;
+        }
+        st.book.record_map(addr, pages, page_size);
+        Ok(())
+    }
+
+    fn unmap(&self, addr: u64, size: u64) -> Result<()> {
+        let mut st = self.lock();
+        st.book.mapped_run(addr, size)?;
+        sys::reserve_fixed(addr, size)?;
+        st.book.record_unmap(addr, size);
+        Ok(())
+    }
+}
+
+impl Drop for HostBackend {
+    fn drop(&mut self) {
+        // The allocator layer unmaps and frees everything it reserved before the last handle
+        // to the backend goes; whatever a direct user left behind is freed here.
+        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        let ranges: Vec<(u64, u64)> = st.book.take_ranges();
+        for (addr, size) in ranges {
+            let _ = sys::munmap(addr, size);
+        }
+    }
+}
+
+/// The system calls, each wrapped once. Every `unsafe` block of this backend that is not a
+/// copy through a checked mapping lives here.
+mod sys {
+    use super::*;
+
+    pub(super) fn os_page_size() -> u64 {
+        // SAFETY: sysconf has no memory-safety preconditions.
+        let v = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        if v > 0 {
+            v as u64
+        } else {
+            4096
+        }
+    }
+
+    pub(super) fn memfd_create(name: &str) -> Result<OwnedFd> {
+        let cname = std::ffi::CString::new(name).expect("static name has no NUL");
+        // SAFETY: `cname` is a valid NUL-terminated string for the duration of the call.
+        let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(VmemError::os(
+                "memfd_create",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    pub(super) fn ftruncate(fd: &OwnedFd, len: u64) -> Result<()> {
+        // SAFETY: plain syscall on a descriptor we own.
+        let r = unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) };
+        if r != 0 {
+            return Err(VmemError::os(
+                "ftruncate(memfd)",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
+    }
+
+    pub(super) fn fallocate(fd: &OwnedFd, mode: i32, offset: u64, len: u64) -> Result<()> {
+        // SAFETY: plain syscall on a descriptor we own; no user memory is passed.
+        let r = unsafe {
+            libc::fallocate(
+                fd.as_raw_fd(),
+                mode,
+                offset as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        if r != 0 {
+            return Err(VmemError::os(
+                "fallocate(memfd)",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
+    }
+
+    pub(super) fn allocated_bytes(fd: &OwnedFd) -> Result<u64> {
+        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+        // SAFETY: `st` is a writable buffer of the size fstat fills.
+        let r = unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) };
+        if r != 0 {
+            return Err(VmemError::os(
+                "fstat(memfd)",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: fstat returned 0, so it initialised `st`.
+        let st = unsafe { st.assume_init() };
+        Ok(st.st_blocks as u64 * 512)
+    }
+
+    /// Reserves `size` bytes aligned to `align` by over-reserving and trimming.
+    pub(super) fn reserve_aligned(size: u64, align: u64) -> Result<u64> {
+        let span = size
+            .checked_add(align)
+            .ok_or(VmemError::SizeOverflow("reservation"))?;
+        // SAFETY: a fresh anonymous PROT_NONE mapping at an address the kernel chooses touches
+        // no existing memory.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                span as usize,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(VmemError::os(
+                "mmap(PROT_NONE reserve)",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let base = p as u64;
+        let start = base.next_multiple_of(align);
+        let end = start + size;
+        if start > base {
+            munmap(base, start - base)?;
+        }
+        if base + span > end {
+            munmap(end, base + span - end)?;
+        }
+        Ok(start)
+    }
+
+    /// Replaces `[addr, addr + len)` with a fresh PROT_NONE anonymous mapping (unmap while
+    /// keeping the address space reserved).
+    pub(super) fn reserve_fixed(addr: u64, len: u64) -> Result<()> {
+        // SAFETY: callers pass only spans inside a range this backend reserved (checked
+        // against its RangeBook), so MAP_FIXED replaces nothing but our own mappings.
+        let p = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                len as usize,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(VmemError::os(
+                "mmap(PROT_NONE, MAP_FIXED)",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Maps `len` bytes of the memfd from `offset` at `addr`, read/write, shared.
+    pub(super) fn map_shared_fixed(fd: &OwnedFd, addr: u64, len: u64, offset: u64) -> Result<()> {
+        // SAFETY: `[addr, addr + len)` lies inside a range this backend reserved and holds no
+        // mapping of ours (both checked against the RangeBook under its lock), so MAP_FIXED
+        // replaces only our own PROT_NONE placeholder.
+        let p = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                fd.as_raw_fd(),
+                offset as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::ENOMEM) {
+                tracing::warn!(
+                    "mmap failed with ENOMEM: the process may have hit vm.max_map_count"
+                );
+            }
+            return Err(VmemError::os("mmap(MAP_SHARED, MAP_FIXED)", err));
+        }
+        Ok(())
+    }
+
+    pub(super) fn munmap(addr: u64, len: u64) -> Result<()> {
+        // SAFETY: callers pass only ranges this backend reserved itself and no longer tracks.
+        let r = unsafe { libc::munmap(addr as *mut libc::c_void, len as usize) };
+        if r != 0 {
+            return Err(VmemError::os("munmap", std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+}

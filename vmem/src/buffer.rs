@@ -1,0 +1,139 @@
+//! Virtual buffers: a reserved range split into equal per-request slices, each mapped page by
+//! page from its start as the request grows.
+
+use crate::backend::{Backend, PageHandle};
+use crate::error::{Result, VmemError};
+use std::sync::Arc;
+
+/// A reserved virtual range of `slices x slice_bytes`, with exact bookkeeping of the pages
+/// mapped in each slice (always a prefix of the slice).
+///
+/// Dropping it unmaps every page, releases them, and frees the range.
+#[derive(Debug)]
+pub struct VirtualBuffer {
+    backend: Arc<dyn Backend>,
+    addr: u64,
+    page_size: u64,
+    slice_bytes: u64,
+    /// Pages mapped in each slice, in address order.
+    slices: Vec<Vec<PageHandle>>,
+}
+
+impl VirtualBuffer {
+    /// Reserves a buffer of `slices` slices of `slice_bytes` (a non-zero multiple of
+    /// `page_size`) each.
+    pub fn new(
+        backend: Arc<dyn Backend>,
+        slices: usize,
+        slice_bytes: u64,
+        page_size: u64,
+    ) -> Result<Self> {
+        backend.check_page_size(page_size)?;
+        if slices == 0 || slice_bytes == 0 || slice_bytes % page_size != 0 {
+            return Err(VmemError::InvalidConfig(format!(
+                "buffer of {slices} slices of {slice_bytes} bytes cannot be paged by {page_size}"
+            )));
+        }
+        let size = (slices as u64)
+            .checked_mul(slice_bytes)
+            .and_then(|s| s.checked_next_multiple_of(backend.granularity()))
+            .ok_or(VmemError::SizeOverflow("buffer size"))?;
+        let addr = backend.reserve(size)?;
+        Ok(VirtualBuffer {
+            backend,
+            addr,
+            page_size,
+            slice_bytes,
+            slices: vec![Vec::new(); slices],
+        })
+    }
+
+    /// Start address of the buffer.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Bytes between consecutive slices.
+    pub fn slice_bytes(&self) -> u64 {
+        self.slice_bytes
+    }
+
+    /// Pages a slice can hold.
+    pub fn slice_pages(&self) -> u64 {
+        self.slice_bytes / self.page_size
+    }
+
+    /// Start address of slice `i`.
+    pub fn slice_addr(&self, i: usize) -> u64 {
+        self.addr + i as u64 * self.slice_bytes
+    }
+
+    /// Pages mapped in slice `i`.
+    pub fn mapped(&self, i: usize) -> u64 {
+        self.slices[i].len() as u64
+    }
+
+    /// The pages mapped in slice `i`, in address order.
+    pub fn pages(&self, i: usize) -> &[PageHandle] {
+        &self.slices[i]
+    }
+
+    /// Maps `pages` right after the pages slice `i` already has. On error the slice is as it
+    /// was and the caller still owns `pages`.
+    pub fn grow(&mut self, i: usize, pages: &[PageHandle]) -> Result<()> {
+        let have = self.mapped(i);
+        if have + pages.len() as u64 > self.slice_pages() {
+            return Err(VmemError::InvalidAddress {
+                addr: self.slice_addr(i),
+                size: (have + pages.len() as u64) * self.page_size,
+                why: "grows past the end of its slice",
+            });
+        }
+        if pages.is_empty() {
+            return Ok(());
+        }
+        let at = self.slice_addr(i) + have * self.page_size;
+        self.backend.map(at, pages, self.page_size)?;
+        self.slices[i].extend_from_slice(pages);
+        Ok(())
+    }
+
+    /// Unmaps the last `n` pages of slice `i` (all it has if fewer) and hands them back.
+    /// On error the slice is as it was.
+    pub fn shrink(&mut self, i: usize, n: u64) -> Result<Vec<PageHandle>> {
+        let have = self.mapped(i);
+        let n = n.min(have);
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let keep = have - n;
+        let at = self.slice_addr(i) + keep * self.page_size;
+        self.backend.unmap(at, n * self.page_size)?;
+        Ok(self.slices[i].split_off(keep as usize))
+    }
+
+    /// Total pages mapped in the buffer.
+    pub fn total_mapped(&self) -> u64 {
+        self.slices.iter().map(|s| s.len() as u64).sum()
+    }
+}
+
+impl Drop for VirtualBuffer {
+    fn drop(&mut self) {
+        for i in 0..self.slices.len() {
+            match self.shrink(i, u64::MAX) {
+                Ok(pages) => {
+                    for p in pages {
+                        if let Err(e) = self.backend.release_page(p) {
+                            tracing::error!(error = %e, "releasing a page failed");
+                        }
+                    }
+                }
+                Err(e) => tracing::error!(error = %e, slice = i, "unmapping a slice failed"),
+            }
+        }
+        if let Err(e) = self.backend.free_range(self.addr) {
+            tracing::error!(error = %e, "freeing a virtual range failed");
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! The crate's one error type.
+
+use std::io;
+
+/// Every way a `vmem` call can fail. Each variant says what was asked and why it was refused;
+/// none of them leaves a prior mapping changed (see the method docs for the exact guarantee).
+#[derive(Debug, thiserror::Error)]
+pub enum VmemError {
+    /// A configuration value is zero, inconsistent or out of range.
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+
+    /// A size computation (e.g. `B x L x H x D x P`) does not fit in 64 bits.
+    #[error("size overflow while computing {0}")]
+    SizeOverflow(&'static str),
+
+    /// The backend cannot create physical pages of this size.
+    #[error("page size {requested} bytes is not supported by the {backend} backend (supported: {supported:?})")]
+    UnsupportedPageSize {
+        /// Page size that was asked for.
+        requested: u64,
+        /// Backend that refused it.
+        backend: &'static str,
+        /// Page sizes the backend does support.
+        supported: Vec<u64>,
+    },
+
+    /// Not enough physical memory under the pool's cap for this step; nothing was mapped.
+    #[error("out of memory: {needed_pages} more pages needed, {available_pages} can be had (cap {cap_bytes} bytes)")]
+    OutOfMemory {
+        /// Pages the step would have to map.
+        needed_pages: u64,
+        /// Pages available: free in the pool, creatable under the cap, or reclaimable.
+        available_pages: u64,
+        /// The pool's cap in bytes.
+        cap_bytes: u64,
+    },
+
+    /// A sequence length is larger than the configured maximum context.
+    #[error("request {req}: sequence length {len} exceeds max context {max}")]
+    SeqLenTooLong {
+        /// Request id.
+        req: usize,
+        /// Length that was asked for.
+        len: u64,
+        /// Configured maximum context length.
+        max: u64,
+    },
+
+    /// `step` was given a slice whose length is not the max batch size.
+    #[error("step expects {expected} sequence lengths (max batch), got {got}")]
+    BatchLenMismatch {
+        /// Configured max batch size.
+        expected: usize,
+        /// Length of the slice given.
+        got: usize,
+    },
+
+    /// A request id is outside `0..max_batch`.
+    #[error("unknown request id {req} (max batch is {max_batch})")]
+    UnknownRequest {
+        /// The id.
+        req: usize,
+        /// Configured max batch size.
+        max_batch: usize,
+    },
+
+    /// A request id that is not allocated was given a non-zero length.
+    #[error("request id {0} is not active (allocate it with alloc_reqid first)")]
+    InactiveRequest(usize),
+
+    /// `free_reqid` on an id that is already free.
+    #[error("request id {0} freed twice")]
+    DoubleFree(usize),
+
+    /// All `max_batch` request ids are in use.
+    #[error("all {0} request ids are in use")]
+    TooManyRequests(usize),
+
+    /// An address or size given to a backend is not aligned, not inside a range the backend
+    /// reserved, or overlaps a mapping.
+    #[error("invalid address {addr:#x} (+{size:#x}): {why}")]
+    InvalidAddress {
+        /// Start address.
+        addr: u64,
+        /// Size in bytes.
+        size: u64,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+
+    /// A page handle the backend does not know (never created or already released).
+    #[error("unknown or released page handle {0:#x}")]
+    UnknownPage(u64),
+
+    /// An operating-system call of the host backend failed.
+    #[error("{op} failed: {source}")]
+    Os {
+        /// The call, e.g. `mmap(MAP_FIXED)`.
+        op: &'static str,
+        /// The errno.
+        #[source]
+        source: io::Error,
+    },
+
+    /// A CUDA driver call failed.
+    #[error("CUDA {op} failed: {msg}")]
+    Cuda {
+        /// The driver function.
+        op: &'static str,
+        /// The driver's error string.
+        msg: String,
+    },
+
+    /// The patched UVM driver failed or is absent.
+    #[error("UVM: {0}")]
+    Uvm(#[from] uvm_ioctl::UvmError),
+
+    /// No backend of the requested kind is available on this machine.
+    #[error("backend {backend} is not available: {why}")]
+    BackendUnavailable {
+        /// Backend that was asked for.
+        backend: &'static str,
+        /// Why it cannot be used.
+        why: String,
+    },
+
+    /// A fault injected by [`crate::backend::FaultyBackend`] (tests only).
+    #[error("injected fault in {0}")]
+    InjectedFault(&'static str),
+
+    /// A request trace file could not be read or parsed.
+    #[error("trace {path}:{line}: {why}")]
+    Trace {
+        /// File path.
+        path: String,
+        /// 1-based line number (0 when the file could not be opened).
+        line: usize,
+        /// What is wrong.
+        why: String,
+    },
+}
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = VmemError> = std::result::Result<T, E>;
+
+impl VmemError {
+    /// Wraps the current `errno` of a failed OS call.
+    pub(crate) fn os(op: &'static str, source: impl Into<io::Error>) -> Self {
+        VmemError::Os {
+            op,
+            source: source.into(),
+        }
+    }
+}

@@ -1,0 +1,218 @@
+//! KV-cache configuration, the two layouts, and the tensor views kernels get.
+
+use crate::error::{Result, VmemError};
+
+/// How K and V of all layers are laid out in virtual memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Layout {
+    /// The paper's layout: 2 x layers buffers, each `[B, L, H, D]`. Growing a request by one
+    /// page's worth of tokens maps one page in every buffer (2 x layers pages).
+    PerLayer,
+    /// One buffer `[B, L, layers, 2, H, D]`; each layer's K and V are strided views. One page
+    /// holds every layer of a run of tokens, so growing a request maps one page.
+    TokenMajor,
+}
+
+impl Layout {
+    /// Short name, as used on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::PerLayer => "per-layer",
+            Layout::TokenMajor => "token-major",
+        }
+    }
+}
+
+impl std::str::FromStr for Layout {
+    type Err = VmemError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "per-layer" => Ok(Layout::PerLayer),
+            "token-major" => Ok(Layout::TokenMajor),
+            _ => Err(VmemError::InvalidConfig(format!(
+                "unknown layout {s:?} (per-layer, token-major)"
+            ))),
+        }
+    }
+}
+
+/// Everything `init` needs. Build with [`KvConfig::new`], then adjust the public fields.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvConfig {
+    /// Layers on this worker (N').
+    pub layers: usize,
+    /// Maximum batch size (B): the number of request ids.
+    pub max_batch: usize,
+    /// Maximum context length in tokens (L).
+    pub max_context: usize,
+    /// KV heads on this worker (H').
+    pub kv_heads: usize,
+    /// Head dimension (D).
+    pub head_dim: usize,
+    /// Bytes per element (P): 2 for fp16/bf16.
+    pub elem_bytes: usize,
+    /// Physical page size in bytes; the backend must support it.
+    pub page_size: u64,
+    /// Buffer layout.
+    pub layout: Layout,
+    /// Most physical memory the cache may hold, in bytes.
+    pub memory_cap: u64,
+    /// Physical memory created at `init`, in bytes (pre-allocated pool pages).
+    pub prealloc: u64,
+    /// Map the pages the next iteration needs on a background thread.
+    pub overlap: bool,
+    /// Keep a freed request's pages mapped and hand its id to the next request.
+    pub deferred_reclaim: bool,
+    /// Tokens' worth of pages kept mapped for the next request id to be handed out (0 = off).
+    pub eager_tokens: usize,
+    /// Reclaim deferred requests' pages only when the pool's available memory falls below
+    /// this many bytes (allocation failures always reclaim).
+    pub reclaim_threshold: u64,
+}
+
+impl KvConfig {
+    /// A configuration with the optimizations on and a cap of 40 GiB.
+    pub fn new(
+        layers: usize,
+        max_batch: usize,
+        max_context: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        elem_bytes: usize,
+        page_size: u64,
+    ) -> Self {
+        KvConfig {
+            layers,
+            max_batch,
+            max_context,
+            kv_heads,
+            head_dim,
+            elem_bytes,
+            page_size,
+            layout: Layout::PerLayer,
+            memory_cap: 40 << 30,
+            prealloc: 0,
+            overlap: true,
+            deferred_reclaim: true,
+            eager_tokens: 1024,
+            reclaim_threshold: 1 << 30,
+        }
+    }
+
+    /// Checks every field, and that every size computed from them fits in 64 bits.
+    pub fn validate(&self) -> Result<Geometry> {
+        let fields = [
+            ("layers", self.layers),
+            ("max_batch", self.max_batch),
+            ("max_context", self.max_context),
+            ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+            ("elem_bytes", self.elem_bytes),
+        ];
+        for (name, v) in fields {
+            if v == 0 {
+                return Err(VmemError::InvalidConfig(format!("{name} must be non-zero")));
+            }
+        }
+        if self.page_size == 0 || self.page_size % 4096 != 0 {
+            return Err(VmemError::InvalidConfig(format!(
+                "page size {} is not a non-zero multiple of 4096",
+                self.page_size
+            )));
+        }
+        if self.page_size % self.elem_bytes as u64 != 0 {
+            return Err(VmemError::InvalidConfig(
+                "page size must be a multiple of elem_bytes".into(),
+            ));
+        }
+        if self.eager_tokens > self.max_context {
+            return Err(VmemError::InvalidConfig(format!(
+                "eager_tokens {} exceeds max_context {}",
+                self.eager_tokens, self.max_context
+            )));
+        }
+        let mul = |a: u64, b: u64, what| a.checked_mul(b).ok_or(VmemError::SizeOverflow(what));
+        let head_bytes = mul(self.kv_heads as u64, self.head_dim as u64, "H x D")?;
+        let head_bytes = mul(head_bytes, self.elem_bytes as u64, "H x D x P")?;
+        let (buffers, token_bytes) = match self.layout {
+            Layout::PerLayer => (mul(2, self.layers as u64, "2 x layers")?, head_bytes),
+            Layout::TokenMajor => (
+                1,
+                mul(head_bytes, 2 * self.layers as u64, "layers x 2 x H x D x P")?,
+            ),
+        };
+        let slice_bytes = mul(token_bytes, self.max_context as u64, "L x token bytes")?
+            .checked_next_multiple_of(self.page_size)
+            .ok_or(VmemError::SizeOverflow("slice rounded to pages"))?;
+        let buffer_bytes = mul(slice_bytes, self.max_batch as u64, "B x slice bytes")?;
+        mul(buffer_bytes, buffers, "total virtual size")?;
+        Ok(Geometry {
+            buffers: buffers as usize,
+            token_bytes,
+            slice_bytes,
+            page_size: self.page_size,
+        })
+    }
+}
+
+/// Sizes derived from a validated [`KvConfig`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    /// Virtual buffers: 2 x layers (per-layer) or 1 (token-major).
+    pub buffers: usize,
+    /// Bytes one token occupies in one buffer.
+    pub token_bytes: u64,
+    /// Bytes between consecutive requests in a buffer (L x token bytes, rounded up to pages).
+    pub slice_bytes: u64,
+    /// Page size.
+    pub page_size: u64,
+}
+
+impl Geometry {
+    /// Pages one buffer needs for `tokens` tokens.
+    pub fn pages_for(&self, tokens: u64) -> u64 {
+        (tokens * self.token_bytes).div_ceil(self.page_size)
+    }
+
+    /// Tokens one page of one buffer holds (the paper's Table 8, "tokens per page").
+    pub fn tokens_per_page(&self) -> u64 {
+        self.page_size / self.token_bytes
+    }
+}
+
+/// A strided 4-D view `[batch, token, head, dim]` into virtual memory, as a kernel (or
+/// `torch.as_strided`) takes it. Strides are in elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorView {
+    /// Device (or host) address of element `[0, 0, 0, 0]`.
+    pub addr: u64,
+    /// `[B, L, H, D]`.
+    pub shape: [usize; 4],
+    /// Element strides of the four dimensions.
+    pub strides: [usize; 4],
+    /// Bytes per element.
+    pub elem_bytes: usize,
+}
+
+impl TensorView {
+    /// Address of element `[b, t, h, d]`, or `None` when out of bounds.
+    pub fn element_addr(&self, index: [usize; 4]) -> Option<u64> {
+        let mut off = 0u64;
+        for ((&i, &n), &s) in index.iter().zip(&self.shape).zip(&self.strides) {
+            if i >= n {
+                return None;
+            }
+            off += (i * s) as u64;
+        }
+        Some(self.addr + off * self.elem_bytes as u64)
+    }
+}
+
+/// The K and V views of one layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerView {
+    /// The K cache of the layer.
+    pub k: TensorView,
+    /// The V cache of the layer.
+    pub v: TensorView,
+}

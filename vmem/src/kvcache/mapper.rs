@@ -1,0 +1,59 @@
+//! The background thread that maps the next iteration's pages while the engine computes.
+
+use super::Shared;
+use crate::error::{Result, VmemError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// Starts the mapping thread.
+pub(super) fn spawn(shared: Arc<Shared>) -> Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("vmem-mapper".into())
+        .spawn(move || run(&shared))
+        .map_err(|e| VmemError::os("spawning the mapping thread", e))
+}
+
+fn run(shared: &Shared) {
+    loop {
+        // Wait for work, then take a snapshot of what to map.
+        let targets: Vec<(usize, u64)> = {
+            let mut st = shared.lock();
+            while !st.work_pending && !st.shutdown {
+                st = shared.wake.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+            if st.shutdown {
+                return;
+            }
+            st.work_pending = false;
+            st.busy = true;
+            (0..st.active.len())
+                .filter(|&r| st.active[r] && st.lookahead[r] > 0)
+                .map(|r| (r, st.lookahead[r]))
+                .collect()
+        };
+        // One request per lock hold, so a `step` arriving meanwhile waits for at most one
+        // request's pages. Only free or creatable pages are used: the background never evicts.
+        for (r, tokens) in targets {
+            let mut st = shared.lock();
+            if st.shutdown {
+                return;
+            }
+            if !st.active[r] || st.lookahead[r] != tokens {
+                continue;
+            }
+            if st.deficit(r, tokens) > st.pool.available_pages() {
+                continue;
+            }
+            match st.ensure(r, tokens, false) {
+                Ok(n) => st.background_pages += n,
+                Err(e) => tracing::debug!(req = r, error = %e, "background mapping stopped"),
+            }
+        }
+        let mut st = shared.lock();
+        let n = st.maintain();
+        st.background_pages += n;
+        st.busy = false;
+        drop(st);
+        shared.wake.notify_all();
+    }
+}

@@ -1,0 +1,405 @@
+//! The KV-cache manager: the paper's `init` / `alloc_reqid` / `free_reqid` / `step` API over
+//! virtually contiguous K and V tensors, with its three optimizations.
+//!
+//! * **Overlap**: after `step(i)`, a background thread maps the pages iteration `i + 1` will
+//!   need (every active request one token longer) while the engine computes. `step` still maps
+//!   whatever is missing itself and reports how many pages that was.
+//! * **Deferred reclamation**: a freed request keeps its pages; its id goes to the next
+//!   request, which then needs fewer new pages.
+//! * **Eager allocation**: the id `alloc_reqid` will hand out next is kept pre-mapped with
+//!   [`KvConfig::eager_tokens`] tokens' worth of pages.
+//!
+//! Deferred requests' pages are reclaimed only when the pool's available memory falls below
+//! [`KvConfig::reclaim_threshold`], or when a step cannot be served otherwise.
+
+mod config;
+mod mapper;
+mod state;
+
+pub use config::{Geometry, KvConfig, LayerView, Layout, TensorView};
+
+use crate::backend::Backend;
+use crate::buffer::VirtualBuffer;
+use crate::error::{Result, VmemError};
+use crate::pool::PagePool;
+use state::State;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+/// What one `step` did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepReport {
+    /// Pages `step` mapped itself, on the critical path.
+    pub sync_pages: u64,
+    /// Pages the background thread (or upkeep) mapped since the previous step.
+    pub background_pages: u64,
+    /// Pages unmapped from deferred requests since the previous step.
+    pub reclaimed_pages: u64,
+}
+
+/// Memory held by the cache right now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryUsage {
+    /// Bytes of K and V the active requests' tokens occupy.
+    pub kv_bytes: u64,
+    /// Bytes of pages mapped to active requests.
+    pub active_mapped_bytes: u64,
+    /// Bytes of pages mapped to any request (active, deferred, or pre-mapped).
+    pub mapped_bytes: u64,
+    /// Bytes of physical pages created (mapped + pooled).
+    pub physical_bytes: u64,
+    /// The cap.
+    pub cap_bytes: u64,
+    /// Active requests.
+    pub active_requests: usize,
+}
+
+/// One mapped run of pages: request `req`'s pages in buffer `buffer`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MappedSpan {
+    /// Request id.
+    pub req: usize,
+    /// Buffer index (per-layer: `2 x layer` for K, `2 x layer + 1` for V; token-major: 0).
+    pub buffer: usize,
+    /// Start address.
+    pub addr: u64,
+    /// Bytes mapped from `addr`.
+    pub len: u64,
+}
+
+#[derive(Debug)]
+struct Shared {
+    state: Mutex<State>,
+    /// Signals the background thread that work arrived, and waiters that it finished.
+    wake: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Every update to State keeps it consistent at each point where a backend call could
+        // fail, so a panic elsewhere does not make the bookkeeping unusable.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The KV-cache manager. All methods take `&self`; it is `Send + Sync`.
+///
+/// Dropping it stops the background thread, unmaps and releases every page and frees every
+/// virtual range.
+///
+/// ```
+/// use std::sync::Arc;
+/// use vmem::{backend::{HostBackend, KIB64}, KvCacheManager, KvConfig};
+///
+/// let backend = Arc::new(HostBackend::new()?);
+/// // 2 layers, batch 4, context 1024, 2 KV heads of dim 64, fp16, 64 KB pages.
+/// let mut cfg = KvConfig::new(2, 4, 1024, 2, 64, 2, KIB64);
+/// cfg.memory_cap = 64 << 20;
+/// let kv = KvCacheManager::init(backend, cfg)?;
+/// let r = kv.alloc_reqid()?;
+/// let mut lens = vec![0; 4];
+/// lens[r] = 300; // prefill 300 tokens
+/// let report = kv.step(&lens)?;
+/// assert_eq!(kv.request_pages(r)?, vec![2; 4]); // 300 x 256 B = 75 KB -> 2 pages per buffer
+/// assert!(report.sync_pages <= 8);
+/// kv.free_reqid(r)?;
+/// # Ok::<(), vmem::VmemError>(())
+/// ```
+#[derive(Debug)]
+pub struct KvCacheManager {
+    shared: Arc<Shared>,
+    backend: Arc<dyn Backend>,
+    views: Vec<LayerView>,
+    geo: Geometry,
+    cfg: KvConfig,
+    mapper: Option<JoinHandle<()>>,
+}
+
+impl KvCacheManager {
+    /// Reserves the virtual buffers, creates the pool (pre-allocating `cfg.prealloc`), and
+    /// starts the background thread when `cfg.overlap`.
+    pub fn init(backend: Arc<dyn Backend>, cfg: KvConfig) -> Result<Self> {
+        let geo = cfg.validate()?;
+        backend.check_page_size(cfg.page_size)?;
+        let pool = PagePool::new(backend.clone(), cfg.page_size, cfg.memory_cap, cfg.prealloc)?;
+        let buffers = (0..geo.buffers)
+            .map(|_| {
+                VirtualBuffer::new(
+                    backend.clone(),
+                    cfg.max_batch,
+                    geo.slice_bytes,
+                    cfg.page_size,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let views = layer_views(&cfg, &geo, &buffers);
+        tracing::info!(
+            backend = backend.name(),
+            layout = cfg.layout.name(),
+            page_size = cfg.page_size,
+            buffers = geo.buffers,
+            virtual_bytes = geo.slice_bytes * cfg.max_batch as u64 * geo.buffers as u64,
+            "KV cache initialised"
+        );
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::new(cfg.clone(), geo, buffers, pool)),
+            wake: Condvar::new(),
+        });
+        let mut mgr = KvCacheManager {
+            shared: shared.clone(),
+            backend,
+            views,
+            geo,
+            cfg: cfg.clone(),
+            mapper: None,
+        };
+        if cfg.overlap {
+            mgr.mapper = Some(mapper::spawn(shared)?);
+        } else {
+            mgr.shared.lock().maintain();
+        }
+        Ok(mgr)
+    }
+
+    /// Hands out a request id (`0..max_batch`), preferring the pre-mapped one.
+    pub fn alloc_reqid(&self) -> Result<usize> {
+        let mut st = self.shared.lock();
+        let id = match st.next_id.filter(|&r| !st.active[r]) {
+            Some(r) => r,
+            None => st
+                .pick_next_id()
+                .ok_or(VmemError::TooManyRequests(self.cfg.max_batch))?,
+        };
+        st.active[id] = true;
+        st.seq_lens[id] = 0;
+        st.next_id = st.pick_next_id();
+        self.kick(st);
+        Ok(id)
+    }
+
+    /// Returns a request id. With deferred reclamation its pages stay mapped for the next
+    /// request; otherwise they go back to the pool now.
+    pub fn free_reqid(&self, req: usize) -> Result<()> {
+        let mut st = self.shared.lock();
+        st.check_id(req)?;
+        if !st.active[req] {
+            return Err(VmemError::DoubleFree(req));
+        }
+        st.active[req] = false;
+        st.seq_lens[req] = 0;
+        st.lookahead[req] = 0;
+        if !self.cfg.deferred_reclaim {
+            st.unmap_request(req)?;
+        }
+        if st.next_id.is_none_or(|r| st.active[r]) || self.cfg.deferred_reclaim {
+            st.next_id = st.pick_next_id();
+        }
+        self.kick(st);
+        Ok(())
+    }
+
+    /// Makes sure every active request has pages for `seq_lens[r]` tokens (0 = inactive).
+    ///
+    /// Fails with [`VmemError::OutOfMemory`] before mapping anything when the pool, even after
+    /// reclaiming every deferred request, cannot cover the step; the engine can then preempt
+    /// a request and retry. On any error every mapping made before the call is intact.
+    pub fn step(&self, seq_lens: &[u64]) -> Result<StepReport> {
+        let _span = tracing::debug_span!("step").entered();
+        let mut st = self.shared.lock();
+        st.check_step(seq_lens)?;
+        let needed: u64 = (0..seq_lens.len())
+            .filter(|&r| seq_lens[r] > 0)
+            .map(|r| st.deficit(r, seq_lens[r]))
+            .sum();
+        let available = st.pool.available_pages() + st.reclaimable(None);
+        if needed > available {
+            return Err(VmemError::OutOfMemory {
+                needed_pages: needed,
+                available_pages: available,
+                cap_bytes: st.pool.cap_pages() * self.geo.page_size,
+            });
+        }
+        let mut report = StepReport::default();
+        for (r, &len) in seq_lens.iter().enumerate() {
+            if len > 0 {
+                report.sync_pages += st.ensure(r, len, true)?;
+            }
+        }
+        for (r, &len) in seq_lens.iter().enumerate() {
+            st.seq_lens[r] = len;
+            st.lookahead[r] = if len > 0 {
+                (len + 1).min(self.cfg.max_context as u64)
+            } else {
+                0
+            };
+        }
+        if !self.cfg.overlap {
+            // No background thread: upkeep happens here, on the critical path.
+            report.sync_pages += st.maintain();
+        }
+        report.background_pages = std::mem::take(&mut st.background_pages);
+        report.reclaimed_pages = std::mem::take(&mut st.reclaimed_pages);
+        tracing::trace!(?report, "step done");
+        self.kick(st);
+        Ok(report)
+    }
+
+    /// Blocks until the background thread has finished the work it was given (returns at
+    /// once without overlap). Replays call it to stand in for an iteration's compute time.
+    pub fn wait_idle(&self) {
+        let mut st = self.shared.lock();
+        while self.mapper.is_some() && (st.work_pending || st.busy) {
+            st = self.shared.wake.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Per-layer K and V views; index = layer.
+    pub fn layer_views(&self) -> &[LayerView] {
+        &self.views
+    }
+
+    /// Derived sizes.
+    pub fn geometry(&self) -> Geometry {
+        self.geo
+    }
+
+    /// The configuration the manager was built with.
+    pub fn config(&self) -> &KvConfig {
+        &self.cfg
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// Pages request `req` holds in each buffer.
+    pub fn request_pages(&self, req: usize) -> Result<Vec<u64>> {
+        let st = self.shared.lock();
+        st.check_id(req)?;
+        Ok(st.buffers.iter().map(|b| b.mapped(req)).collect())
+    }
+
+    /// Whether `req` is handed out.
+    pub fn is_active(&self, req: usize) -> Result<bool> {
+        let st = self.shared.lock();
+        st.check_id(req)?;
+        Ok(st.active[req])
+    }
+
+    /// Every mapped run of pages, by request and buffer.
+    pub fn mapped_spans(&self) -> Vec<MappedSpan> {
+        let st = self.shared.lock();
+        let mut spans = Vec::new();
+        for (b, buf) in st.buffers.iter().enumerate() {
+            for req in 0..self.cfg.max_batch {
+                let n = buf.mapped(req);
+                if n > 0 {
+                    spans.push(MappedSpan {
+                        req,
+                        buffer: b,
+                        addr: buf.slice_addr(req),
+                        len: n * self.geo.page_size,
+                    });
+                }
+            }
+        }
+        spans
+    }
+
+    /// Every physical page handle mapped, with its request and buffer (for invariant checks).
+    pub fn mapped_handles(&self) -> Vec<(usize, usize, crate::backend::PageHandle)> {
+        let st = self.shared.lock();
+        let mut out = Vec::new();
+        for (b, buf) in st.buffers.iter().enumerate() {
+            for req in 0..self.cfg.max_batch {
+                out.extend(buf.pages(req).iter().map(|&p| (req, b, p)));
+            }
+        }
+        out
+    }
+
+    /// Pool counters: (created, free, cap) in pages.
+    pub fn pool_pages(&self) -> (u64, u64, u64) {
+        let st = self.shared.lock();
+        (
+            st.pool.created_pages(),
+            st.pool.free_pages(),
+            st.pool.cap_pages(),
+        )
+    }
+
+    /// Memory held right now.
+    pub fn usage(&self) -> MemoryUsage {
+        let st = self.shared.lock();
+        let page = self.geo.page_size;
+        let mut u = MemoryUsage {
+            cap_bytes: st.pool.cap_pages() * page,
+            physical_bytes: st.pool.created_pages() * page,
+            ..Default::default()
+        };
+        for r in 0..self.cfg.max_batch {
+            let bytes = st.pages_of(r) * page;
+            u.mapped_bytes += bytes;
+            if st.active[r] {
+                u.active_requests += 1;
+                u.active_mapped_bytes += bytes;
+                u.kv_bytes += st.seq_lens[r] * self.geo.token_bytes * self.geo.buffers as u64;
+            }
+        }
+        u
+    }
+
+    /// Tells the background thread there is work, and releases the lock.
+    fn kick(&self, mut st: MutexGuard<'_, State>) {
+        if self.mapper.is_some() {
+            st.work_pending = true;
+            drop(st);
+            self.shared.wake.notify_all();
+        }
+    }
+}
+
+impl Drop for KvCacheManager {
+    fn drop(&mut self) {
+        if let Some(handle) = self.mapper.take() {
+            self.shared.lock().shutdown = true;
+            self.shared.wake.notify_all();
+            if handle.join().is_err() {
+                tracing::error!("background mapping thread panicked");
+            }
+        }
+        // The state (buffers, then pool) drops with the last Arc<Shared>: buffers unmap and
+        // release their pages and free their ranges; the pool releases its free pages.
+    }
+}
+
+fn layer_views(cfg: &KvConfig, geo: &Geometry, buffers: &[VirtualBuffer]) -> Vec<LayerView> {
+    let p = cfg.elem_bytes;
+    let (h, d) = (cfg.kv_heads, cfg.head_dim);
+    let shape = [cfg.max_batch, cfg.max_context, h, d];
+    let batch_stride = (geo.slice_bytes / p as u64) as usize;
+    let view = |addr, token_stride| TensorView {
+        addr,
+        shape,
+        strides: [batch_stride, token_stride, d, 1],
+        elem_bytes: p,
+    };
+    (0..cfg.layers)
+        .map(|l| match cfg.layout {
+            Layout::PerLayer => LayerView {
+                k: view(buffers[2 * l].addr(), h * d),
+                v: view(buffers[2 * l + 1].addr(), h * d),
+            },
+            Layout::TokenMajor => {
+                let base = buffers[0].addr();
+                let kv_bytes = (h * d * p) as u64;
+                let token_stride = cfg.layers * 2 * h * d;
+                LayerView {
+                    k: view(base + (2 * l) as u64 * kv_bytes, token_stride),
+                    v: view(base + (2 * l + 1) as u64 * kv_bytes, token_stride),
+                }
+            }
+        })
+        .collect()
+}

@@ -1,0 +1,239 @@
+//! The manager's mutable state and the page bookkeeping both threads share.
+
+use super::config::{Geometry, KvConfig};
+use crate::buffer::VirtualBuffer;
+use crate::error::{Result, VmemError};
+use crate::pool::PagePool;
+
+/// Everything behind the manager's lock.
+#[derive(Debug)]
+pub(super) struct State {
+    pub(super) cfg: KvConfig,
+    pub(super) geo: Geometry,
+    pub(super) buffers: Vec<VirtualBuffer>,
+    pub(super) pool: PagePool,
+    /// Whether each request id is handed out.
+    pub(super) active: Vec<bool>,
+    /// Length each request had at the last successful step.
+    pub(super) seq_lens: Vec<u64>,
+    /// Pages each request holds, summed over buffers.
+    req_pages: Vec<u64>,
+    /// Fewest pages any buffer holds for each request (fast "already mapped" test).
+    req_floor: Vec<u64>,
+    /// The id `alloc_reqid` hands out next; kept pre-mapped (eager allocation).
+    pub(super) next_id: Option<usize>,
+    /// Lengths the background thread maps for (the next iteration's), per request.
+    pub(super) lookahead: Vec<u64>,
+    /// The background thread has lookahead work to do.
+    pub(super) work_pending: bool,
+    /// The background thread is mapping right now.
+    pub(super) busy: bool,
+    /// The manager is being dropped.
+    pub(super) shutdown: bool,
+    /// Pages mapped off the critical path since the last step.
+    pub(super) background_pages: u64,
+    /// Pages unmapped from deferred requests since the last step.
+    pub(super) reclaimed_pages: u64,
+}
+
+impl State {
+    pub(super) fn new(
+        cfg: KvConfig,
+        geo: Geometry,
+        buffers: Vec<VirtualBuffer>,
+        pool: PagePool,
+    ) -> Self {
+        let b = cfg.max_batch;
+        State {
+            cfg,
+            geo,
+            buffers,
+            pool,
+            active: vec![false; b],
+            seq_lens: vec![0; b],
+            req_pages: vec![0; b],
+            req_floor: vec![0; b],
+            next_id: Some(0),
+            lookahead: vec![0; b],
+            work_pending: false,
+            busy: false,
+            shutdown: false,
+            background_pages: 0,
+            reclaimed_pages: 0,
+        }
+    }
+
+    /// Pages request `r` holds in all buffers together.
+    pub(super) fn pages_of(&self, r: usize) -> u64 {
+        self.req_pages[r]
+    }
+
+    /// Pages still to map so that every buffer holds `tokens` tokens of request `r`.
+    pub(super) fn deficit(&self, r: usize, tokens: u64) -> u64 {
+        let target = self.geo.pages_for(tokens);
+        if self.req_floor[r] >= target {
+            return 0;
+        }
+        self.buffers
+            .iter()
+            .map(|b| target.saturating_sub(b.mapped(r)))
+            .sum()
+    }
+
+    /// Pages held by requests that are not active (deferred reclamation), except `keep`.
+    pub(super) fn reclaimable(&self, keep: Option<usize>) -> u64 {
+        (0..self.active.len())
+            .filter(|&r| !self.active[r] && Some(r) != keep)
+            .map(|r| self.req_pages[r])
+            .sum()
+    }
+
+    fn refresh_floor(&mut self, r: usize) {
+        self.req_floor[r] = self.buffers.iter().map(|b| b.mapped(r)).min().unwrap_or(0);
+    }
+
+    /// Maps pages until every buffer holds `tokens` tokens of request `r`, taking pages from
+    /// the pool and, if `reclaim` and the pool runs short, from inactive requests other than
+    /// `r`. Returns the pages mapped. On error, what was mapped before stays mapped and
+    /// accounted; pages taken for the failed buffer go back to the pool.
+    pub(super) fn ensure(&mut self, r: usize, tokens: u64, reclaim: bool) -> Result<u64> {
+        let target = self.geo.pages_for(tokens);
+        if self.req_floor[r] >= target {
+            return Ok(0);
+        }
+        let _span = tracing::debug_span!("map", req = r, tokens, target).entered();
+        let mut mapped = 0;
+        let result = (|| {
+            for b in 0..self.buffers.len() {
+                let k = target.saturating_sub(self.buffers[b].mapped(r));
+                if k == 0 {
+                    continue;
+                }
+                if reclaim && self.pool.available_pages() < k {
+                    self.reclaim(k, Some(r))?;
+                }
+                let pages = self.pool.take(k)?;
+                if let Err(e) = self.buffers[b].grow(r, &pages) {
+                    self.pool.put(pages);
+                    return Err(e);
+                }
+                self.req_pages[r] += k;
+                mapped += k;
+            }
+            Ok(())
+        })();
+        self.refresh_floor(r);
+        result.map(|()| mapped)
+    }
+
+    /// Unmaps every page of inactive request `r` into the pool. Returns the pages unmapped.
+    pub(super) fn unmap_request(&mut self, r: usize) -> Result<u64> {
+        let mut n = 0;
+        let mut result = Ok(());
+        for b in 0..self.buffers.len() {
+            match self.buffers[b].shrink(r, u64::MAX) {
+                Ok(pages) => {
+                    n += pages.len() as u64;
+                    self.pool.put(pages);
+                }
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        self.req_pages[r] -= n;
+        self.refresh_floor(r);
+        result.map(|()| n)
+    }
+
+    /// Reclaims inactive requests' pages (largest holder first, the pre-mapped next id last,
+    /// never `protect`) until the pool can hand out `need` pages or nothing is left.
+    pub(super) fn reclaim(&mut self, need: u64, protect: Option<usize>) -> Result<()> {
+        while self.pool.available_pages() < need {
+            let victim = (0..self.active.len())
+                .filter(|&r| !self.active[r] && Some(r) != protect && self.req_pages[r] > 0)
+                .max_by_key(|&r| {
+                    (
+                        Some(r) != self.next_id,
+                        self.req_pages[r],
+                        std::cmp::Reverse(r),
+                    )
+                });
+            let Some(v) = victim else { break };
+            let n = self.unmap_request(v)?;
+            self.reclaimed_pages += n;
+            tracing::debug!(req = v, pages = n, "reclaimed a deferred request's pages");
+        }
+        Ok(())
+    }
+
+    /// The id to hand out after the current ones: the inactive id holding the most pages when
+    /// deferred reclamation is on (ties: lowest id), else the lowest inactive id.
+    pub(super) fn pick_next_id(&self) -> Option<usize> {
+        let free = (0..self.active.len()).filter(|&r| !self.active[r]);
+        if self.cfg.deferred_reclaim {
+            free.max_by_key(|&r| (self.req_pages[r], std::cmp::Reverse(r)))
+        } else {
+            free.min()
+        }
+    }
+
+    /// Off-critical-path upkeep: keep the next id pre-mapped (eager allocation), and reclaim
+    /// deferred requests' pages when available memory is below the threshold. Returns the
+    /// pages mapped.
+    pub(super) fn maintain(&mut self) -> u64 {
+        let page = self.geo.page_size;
+        let threshold_pages = self.cfg.reclaim_threshold.div_ceil(page);
+        if self.pool.available_pages() < threshold_pages {
+            if let Err(e) = self.reclaim(threshold_pages, self.next_id) {
+                tracing::warn!(error = %e, "threshold reclamation failed");
+            }
+        }
+        let mut mapped = 0;
+        if let Some(id) = self.next_id {
+            let eager = self.cfg.eager_tokens as u64;
+            // Only from free or creatable pages: eager allocation never evicts anything.
+            if eager > 0 && self.deficit(id, eager) <= self.pool.available_pages() {
+                match self.ensure(id, eager, false) {
+                    Ok(n) => mapped += n,
+                    Err(e) => tracing::debug!(error = %e, "eager allocation skipped"),
+                }
+            }
+        }
+        mapped
+    }
+
+    /// Validates a step's lengths without changing anything.
+    pub(super) fn check_step(&self, seq_lens: &[u64]) -> Result<()> {
+        if seq_lens.len() != self.cfg.max_batch {
+            return Err(VmemError::BatchLenMismatch {
+                expected: self.cfg.max_batch,
+                got: seq_lens.len(),
+            });
+        }
+        for (r, &len) in seq_lens.iter().enumerate() {
+            if len > self.cfg.max_context as u64 {
+                return Err(VmemError::SeqLenTooLong {
+                    req: r,
+                    len,
+                    max: self.cfg.max_context as u64,
+                });
+            }
+            if len > 0 && !self.active[r] {
+                return Err(VmemError::InactiveRequest(r));
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn check_id(&self, r: usize) -> Result<()> {
+        if r >= self.cfg.max_batch {
+            return Err(VmemError::UnknownRequest {
+                req: r,
+                max_batch: self.cfg.max_batch,
+            });
+        }
+        Ok(())
+    }
+}

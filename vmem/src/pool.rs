@@ -1,0 +1,136 @@
+//! The physical page pool: pre-created pages, a free list and a cap.
+
+use crate::backend::{Backend, PageHandle};
+use crate::error::{Result, VmemError};
+use std::sync::Arc;
+
+/// Physical pages of one size, created through a backend up to a cap in bytes.
+///
+/// Pages lent out with [`PagePool::take`] belong to the borrower until they come back with
+/// [`PagePool::put`]; the pool counts them, so `free + lent == created` always holds. Dropping
+/// the pool releases the free pages.
+#[derive(Debug)]
+pub struct PagePool {
+    backend: Arc<dyn Backend>,
+    page_size: u64,
+    cap_pages: u64,
+    free: Vec<PageHandle>,
+    created: u64,
+}
+
+impl PagePool {
+    /// A pool of `page_size` pages holding at most `cap_bytes`, with `prealloc_bytes` created
+    /// up front (rounded down to whole pages).
+    pub fn new(
+        backend: Arc<dyn Backend>,
+        page_size: u64,
+        cap_bytes: u64,
+        prealloc_bytes: u64,
+    ) -> Result<Self> {
+        backend.check_page_size(page_size)?;
+        let cap_pages = cap_bytes / page_size;
+        if cap_pages == 0 {
+            return Err(VmemError::InvalidConfig(format!(
+                "memory cap {cap_bytes} bytes holds no {page_size}-byte page"
+            )));
+        }
+        if prealloc_bytes > cap_bytes {
+            return Err(VmemError::InvalidConfig(format!(
+                "pre-allocation {prealloc_bytes} bytes exceeds the cap {cap_bytes}"
+            )));
+        }
+        let mut pool = PagePool {
+            backend,
+            page_size,
+            cap_pages,
+            free: Vec::new(),
+            created: 0,
+        };
+        let pre = pool.take(prealloc_bytes / page_size)?;
+        pool.put(pre);
+        Ok(pool)
+    }
+
+    /// Page size in bytes.
+    pub fn page_size(&self) -> u64 {
+        self.page_size
+    }
+
+    /// The cap, in pages.
+    pub fn cap_pages(&self) -> u64 {
+        self.cap_pages
+    }
+
+    /// Pages created and not released (free + lent).
+    pub fn created_pages(&self) -> u64 {
+        self.created
+    }
+
+    /// Pages on the free list.
+    pub fn free_pages(&self) -> u64 {
+        self.free.len() as u64
+    }
+
+    /// Pages lent out.
+    pub fn lent_pages(&self) -> u64 {
+        self.created - self.free.len() as u64
+    }
+
+    /// Pages that [`PagePool::take`] can hand out now: free ones plus those still creatable.
+    pub fn available_pages(&self) -> u64 {
+        self.free.len() as u64 + (self.cap_pages - self.created)
+    }
+
+    /// Takes `n` pages, from the free list first, creating the rest. All or nothing: on error
+    /// every page this call created stays in the pool and nothing is lent.
+    pub fn take(&mut self, n: u64) -> Result<Vec<PageHandle>> {
+        if n > self.available_pages() {
+            return Err(VmemError::OutOfMemory {
+                needed_pages: n,
+                available_pages: self.available_pages(),
+                cap_bytes: self.cap_pages * self.page_size,
+            });
+        }
+        let from_free = (n as usize).min(self.free.len());
+        let mut pages = self.free.split_off(self.free.len() - from_free);
+        while (pages.len() as u64) < n {
+            match self.backend.create_page(self.page_size) {
+                Ok(p) => {
+                    self.created += 1;
+                    pages.push(p);
+                }
+                Err(e) => {
+                    self.free.extend(pages);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(pages)
+    }
+
+    /// Returns lent pages to the free list. They must be unmapped.
+    pub fn put(&mut self, pages: impl IntoIterator<Item = PageHandle>) {
+        self.free.extend(pages);
+    }
+
+    /// Releases free pages until at most `keep` remain; returns how many were released.
+    pub fn trim(&mut self, keep: u64) -> Result<u64> {
+        let mut released = 0;
+        while self.free.len() as u64 > keep {
+            let p = self.free[self.free.len() - 1];
+            self.backend.release_page(p)?;
+            self.free.pop();
+            self.created -= 1;
+            released += 1;
+        }
+        Ok(released)
+    }
+}
+
+impl Drop for PagePool {
+    fn drop(&mut self) {
+        if let Err(e) = self.trim(0) {
+            tracing::error!(error = %e, "releasing pooled pages failed");
+        }
+    }
+}

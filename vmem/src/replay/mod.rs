@@ -1,0 +1,276 @@
+//! Replaying request traces through a KV-cache memory with a continuous-batching scheduler.
+//!
+//! The scheduler is what an engine such as vLLM does, reduced to memory: each iteration it
+//! admits arrived requests while ids and memory allow (prefill: the prompt at once), grows
+//! every running request by one token (decode), finishes requests that produced all their
+//! tokens, and on out-of-memory preempts the most recently admitted request (recompute: it
+//! goes back to the head of the queue). The memory is anything implementing [`KvMemory`]:
+//! the real [`KvCacheManager`] here, and baseline allocators in the fragmentation suite.
+
+mod trace;
+
+pub use trace::{load_trace, parse_trace, TraceRequest};
+
+use crate::error::{Result, VmemError};
+use crate::kvcache::{KvCacheManager, MemoryUsage, StepReport};
+use std::collections::VecDeque;
+
+/// A KV-cache memory the scheduler can drive: the paper's API.
+pub trait KvMemory {
+    /// Maximum batch size (number of request ids).
+    fn max_batch(&self) -> usize;
+    /// Maximum context length.
+    fn max_context(&self) -> u64;
+    /// Hands out a request id.
+    fn alloc_reqid(&mut self) -> Result<usize>;
+    /// Returns a request id.
+    fn free_reqid(&mut self, req: usize) -> Result<()>;
+    /// Ensures memory for every request's length; out-of-memory leaves everything as it was.
+    fn step(&mut self, seq_lens: &[u64]) -> Result<StepReport>;
+    /// Memory held now.
+    fn usage(&self) -> MemoryUsage;
+    /// Stands in for an iteration's compute: lets background work finish.
+    fn compute(&mut self) {}
+}
+
+impl KvMemory for &KvCacheManager {
+    fn max_batch(&self) -> usize {
+        self.config().max_batch
+    }
+    fn max_context(&self) -> u64 {
+        self.config().max_context as u64
+    }
+    fn alloc_reqid(&mut self) -> Result<usize> {
+        KvCacheManager::alloc_reqid(self)
+    }
+    fn free_reqid(&mut self, req: usize) -> Result<()> {
+        KvCacheManager::free_reqid(self, req)
+    }
+    fn step(&mut self, seq_lens: &[u64]) -> Result<StepReport> {
+        KvCacheManager::step(self, seq_lens)
+    }
+    fn usage(&self) -> MemoryUsage {
+        KvCacheManager::usage(self)
+    }
+    fn compute(&mut self) {
+        self.wait_idle();
+    }
+}
+
+/// Scheduler settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplayConfig {
+    /// Simulated duration of one iteration, seconds (arrivals are released by this clock).
+    pub iteration_s: f64,
+    /// Ignore arrival times: every request is queued at time 0 (measures capacity).
+    pub offline: bool,
+    /// Replay at most this many requests (from the start of the trace).
+    pub max_requests: Option<usize>,
+}
+
+impl Default for ReplayConfig {
+    fn default() -> Self {
+        ReplayConfig {
+            iteration_s: 0.025,
+            offline: false,
+            max_requests: None,
+        }
+    }
+}
+
+/// What a replay measured.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ReplayStats {
+    /// Requests that ran to completion.
+    pub completed: usize,
+    /// Requests longer than the max context, skipped.
+    pub skipped_too_long: usize,
+    /// Scheduler iterations.
+    pub iterations: u64,
+    /// Preemptions on out-of-memory.
+    pub preemptions: u64,
+    /// Largest number of requests running at once.
+    pub peak_batch: usize,
+    /// Largest KV bytes in use at once.
+    pub peak_kv_bytes: u64,
+    /// Largest bytes mapped to running requests at once.
+    pub peak_active_mapped_bytes: u64,
+    /// Largest bytes of physical pages held at once (mapped anywhere, or pooled).
+    pub peak_physical_bytes: u64,
+    /// Sum over iterations of KV bytes in use (for time averages).
+    pub sum_kv_bytes: u128,
+    /// Sum over iterations of bytes mapped to running requests.
+    pub sum_active_mapped_bytes: u128,
+    /// Pages mapped on the critical path (inside `step`).
+    pub sync_pages: u64,
+    /// Pages mapped off the critical path.
+    pub background_pages: u64,
+    /// Pages reclaimed from deferred requests.
+    pub reclaimed_pages: u64,
+    /// Total tokens of the completed requests (prompt + output).
+    pub tokens: u64,
+}
+
+impl ReplayStats {
+    /// Time-averaged fraction of the memory mapped to running requests that holds no KV data.
+    pub fn avg_waste(&self) -> f64 {
+        if self.sum_active_mapped_bytes == 0 {
+            return 0.0;
+        }
+        1.0 - self.sum_kv_bytes as f64 / self.sum_active_mapped_bytes as f64
+    }
+
+    /// Mapped bytes per KV byte, time-averaged (1.0 = no waste).
+    pub fn avg_overhead(&self) -> f64 {
+        if self.sum_kv_bytes == 0 {
+            return 1.0;
+        }
+        self.sum_active_mapped_bytes as f64 / self.sum_kv_bytes as f64
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Running {
+    trace_idx: usize,
+    req: usize,
+    len: u64,
+    final_len: u64,
+}
+
+/// Replays `trace` through `mem`. `progress` is called with the number of finished requests.
+pub fn replay<M: KvMemory>(
+    mem: &mut M,
+    trace: &[TraceRequest],
+    cfg: &ReplayConfig,
+    mut progress: impl FnMut(usize),
+) -> Result<ReplayStats> {
+    if cfg.iteration_s.is_nan() || cfg.iteration_s <= 0.0 {
+        return Err(VmemError::InvalidConfig(
+            "iteration_s must be positive".into(),
+        ));
+    }
+    let trace = &trace[..cfg.max_requests.unwrap_or(trace.len()).min(trace.len())];
+    let batch = mem.max_batch();
+    let mut stats = ReplayStats::default();
+    // Waiting requests: (trace index, tokens already generated before a preemption).
+    let mut waiting: VecDeque<(usize, u64)> = VecDeque::new();
+    let mut next_arrival = 0;
+    let mut running: Vec<Running> = Vec::new();
+    let mut lens = vec![0u64; batch];
+    let mut clock = 0.0f64;
+
+    loop {
+        // Release arrivals.
+        while next_arrival < trace.len() && (cfg.offline || trace[next_arrival].arrival_s <= clock)
+        {
+            let r = trace[next_arrival];
+            if r.final_len() > mem.max_context() {
+                stats.skipped_too_long += 1;
+            } else {
+                waiting.push_back((next_arrival, 0));
+            }
+            next_arrival += 1;
+        }
+        if running.is_empty() && waiting.is_empty() {
+            if next_arrival == trace.len() {
+                break;
+            }
+            clock = clock.max(trace[next_arrival].arrival_s);
+            continue;
+        }
+
+        // Decode: every running request grows by one token (the one the last iteration made).
+        for r in &mut running {
+            r.len += 1;
+            lens[r.req] = r.len;
+        }
+        let mut report = loop {
+            match mem.step(&lens) {
+                Ok(rep) => break rep,
+                Err(VmemError::OutOfMemory { .. }) if !running.is_empty() => {
+                    // Preempt the most recently admitted request; it will recompute.
+                    let victim = running.pop().expect("non-empty");
+                    lens[victim.req] = 0;
+                    mem.free_reqid(victim.req)?;
+                    let done = victim.len - 1 - trace[victim.trace_idx].prompt_tokens;
+                    waiting.push_front((victim.trace_idx, done));
+                    stats.preemptions += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+
+        // Admit (prefill) while ids and memory allow, in arrival order.
+        while running.len() < batch {
+            let Some(&(idx, done)) = waiting.front() else {
+                break;
+            };
+            let t = trace[idx];
+            let req = mem.alloc_reqid()?;
+            let len = t.prompt_tokens + done;
+            lens[req] = len;
+            match mem.step(&lens) {
+                Ok(rep) => {
+                    add_report(&mut report, rep);
+                    waiting.pop_front();
+                    running.push(Running {
+                        trace_idx: idx,
+                        req,
+                        len,
+                        final_len: t.final_len(),
+                    });
+                }
+                Err(VmemError::OutOfMemory { .. }) => {
+                    lens[req] = 0;
+                    mem.free_reqid(req)?;
+                    if running.is_empty() {
+                        // Does not fit even alone: it never will.
+                        waiting.pop_front();
+                        stats.skipped_too_long += 1;
+                        continue;
+                    }
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+
+        // Account this iteration.
+        stats.iterations += 1;
+        stats.sync_pages += report.sync_pages;
+        stats.background_pages += report.background_pages;
+        stats.reclaimed_pages += report.reclaimed_pages;
+        let u = mem.usage();
+        stats.peak_batch = stats.peak_batch.max(running.len());
+        stats.peak_kv_bytes = stats.peak_kv_bytes.max(u.kv_bytes);
+        stats.peak_active_mapped_bytes = stats.peak_active_mapped_bytes.max(u.active_mapped_bytes);
+        stats.peak_physical_bytes = stats.peak_physical_bytes.max(u.physical_bytes);
+        stats.sum_kv_bytes += u.kv_bytes as u128;
+        stats.sum_active_mapped_bytes += u.active_mapped_bytes as u128;
+
+        mem.compute();
+        clock += cfg.iteration_s;
+
+        // Finish requests that have produced all their tokens.
+        let mut i = 0;
+        while i < running.len() {
+            if running[i].len >= running[i].final_len {
+                let r = running.remove(i);
+                lens[r.req] = 0;
+                mem.free_reqid(r.req)?;
+                stats.completed += 1;
+                stats.tokens += r.final_len;
+                progress(stats.completed);
+            } else {
+                i += 1;
+            }
+        }
+    }
+    Ok(stats)
+}
+
+fn add_report(a: &mut StepReport, b: StepReport) {
+    a.sync_pages += b.sync_pages;
+    a.background_pages += b.background_pages;
+    a.reclaimed_pages += b.reclaimed_pages;
+}
