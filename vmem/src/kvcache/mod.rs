@@ -154,6 +154,8 @@ impl KvCacheManager {
             mapper: None,
         };
         if cfg.overlap {
+            // First job: pre-map the first id (eager allocation).
+            shared.lock().work_pending = true;
             mgr.mapper = Some(mapper::spawn(shared)?);
         } else {
             mgr.shared.lock().maintain();

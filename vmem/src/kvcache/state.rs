@@ -186,15 +186,18 @@ impl State {
         let page = self.geo.page_size;
         let threshold_pages = self.cfg.reclaim_threshold.div_ceil(page);
         if self.pool.available_pages() < threshold_pages {
-            if let Err(e) = self.reclaim(threshold_pages, self.next_id) {
+            // The pre-mapped next id goes last (see `reclaim`), but does go.
+            if let Err(e) = self.reclaim(threshold_pages, None) {
                 tracing::warn!(error = %e, "threshold reclamation failed");
             }
         }
         let mut mapped = 0;
         if let Some(id) = self.next_id {
             let eager = self.cfg.eager_tokens as u64;
-            // Only from free or creatable pages: eager allocation never evicts anything.
-            if eager > 0 && self.deficit(id, eager) <= self.pool.available_pages() {
+            // Only from free or creatable pages, and never below the reclaim threshold: eager
+            // allocation evicts nothing and does not make the next upkeep reclaim.
+            let spare = self.pool.available_pages().saturating_sub(threshold_pages);
+            if eager > 0 && self.deficit(id, eager) <= spare {
                 match self.ensure(id, eager, false) {
                     Ok(n) => mapped += n,
                     Err(e) => tracing::debug!(error = %e, "eager allocation skipped"),

@@ -1,0 +1,120 @@
+//! Backend failures in the middle of a step leave every prior mapping intact, and the manager
+//! keeps working afterwards.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use vmem::backend::{Backend, FaultPlan, FaultyBackend, HostBackend, KIB64};
+use vmem::{KvCacheManager, KvConfig, VmemError};
+
+fn setup() -> (Arc<HostBackend>, Arc<FaultyBackend>, KvCacheManager) {
+    setup_with_cap(256)
+}
+
+fn setup_with_cap(pages: u64) -> (Arc<HostBackend>, Arc<FaultyBackend>, KvCacheManager) {
+    let host = Arc::new(HostBackend::new().unwrap());
+    let faulty = Arc::new(FaultyBackend::new(host.clone() as Arc<dyn Backend>));
+    let mut c = KvConfig::new(2, 4, 4096, 2, 64, 2, KIB64);
+    c.memory_cap = pages * KIB64;
+    c.overlap = false;
+    c.reclaim_threshold = 0;
+    c.eager_tokens = 0;
+    let kv = KvCacheManager::init(faulty.clone(), c).unwrap();
+    (host, faulty, kv)
+}
+
+fn assert_contains_all(kv: &KvCacheManager, before: &[(usize, usize, vmem::backend::PageHandle)]) {
+    let after: HashSet<_> = kv.mapped_handles().into_iter().collect();
+    for h in before {
+        assert!(after.contains(h), "lost {h:?}");
+    }
+}
+
+#[test]
+fn a_failed_map_or_create_keeps_prior_mappings_and_data() {
+    for plan in [
+        FaultPlan {
+            map: Some(3),
+            ..Default::default()
+        },
+        FaultPlan {
+            create: Some(5),
+            ..Default::default()
+        },
+    ] {
+        let (host, faulty, kv) = setup();
+        let r = kv.alloc_reqid().unwrap();
+        kv.step(&[1000, 0, 0, 0]).unwrap();
+        // Data the engine wrote must survive the failure.
+        let addr = kv.layer_views()[1].v.element_addr([r, 999, 1, 0]).unwrap();
+        host.write(addr, b"survives").unwrap();
+        let before = kv.mapped_handles();
+
+        faulty.set_plan(plan);
+        let err = kv.step(&[3000, 0, 0, 0]).unwrap_err();
+        assert!(matches!(err, VmemError::InjectedFault(_)), "{err}");
+        assert_contains_all(&kv, &before);
+        let mut buf = [0u8; 8];
+        host.read(addr, &mut buf).unwrap();
+        assert_eq!(&buf, b"survives");
+
+        // The pool's accounting still adds up, and the retry completes the step.
+        let (created, free, _) = kv.pool_pages();
+        assert_eq!(created, free + kv.mapped_handles().len() as u64);
+        faulty.set_plan(FaultPlan::default());
+        kv.step(&[3000, 0, 0, 0]).unwrap();
+        assert!(kv.request_pages(r).unwrap().iter().all(|&n| n == 12));
+        drop(kv);
+        assert_eq!(host.resident_bytes().unwrap(), 0);
+    }
+}
+
+#[test]
+fn a_failed_unmap_during_reclamation_keeps_everything_mapped() {
+    let (host, faulty, kv) = setup_with_cap(100);
+    let a = kv.alloc_reqid().unwrap();
+    let e = kv.alloc_reqid().unwrap();
+    let mut lens = [0u64; 4];
+    lens[a] = 2048; // 8 pages in each of 4 buffers
+    lens[e] = 4096; // 16 pages in each
+    kv.step(&lens).unwrap(); // 96 of 100 pages
+    kv.free_reqid(e).unwrap(); // deferred: keeps its 64 pages
+    lens[e] = 0;
+    lens[a] = 4096; // needs 32 more: only by reclaiming e
+    let before = kv.mapped_handles();
+    faulty.set_plan(FaultPlan {
+        unmap: Some(1),
+        ..Default::default()
+    });
+    assert!(matches!(
+        kv.step(&lens),
+        Err(VmemError::InjectedFault("unmap"))
+    ));
+    assert_contains_all(&kv, &before);
+    let (created, free, _) = kv.pool_pages();
+    assert_eq!(created, free + kv.mapped_handles().len() as u64);
+    faulty.set_plan(FaultPlan::default());
+    let rep = kv.step(&lens).unwrap();
+    assert_eq!(rep.reclaimed_pages, 64);
+    assert_eq!(kv.request_pages(a).unwrap(), vec![16; 4]);
+    drop(kv);
+    assert_eq!(host.resident_bytes().unwrap(), 0);
+}
+
+#[test]
+fn a_failed_reservation_at_init_frees_what_was_reserved() {
+    let host = Arc::new(HostBackend::new().unwrap());
+    let faulty = Arc::new(FaultyBackend::new(host.clone() as Arc<dyn Backend>));
+    faulty.set_plan(FaultPlan {
+        reserve: Some(3),
+        ..Default::default()
+    });
+    let mut c = KvConfig::new(2, 4, 4096, 2, 64, 2, KIB64);
+    c.memory_cap = 64 * KIB64;
+    c.prealloc = 16 * KIB64;
+    assert!(matches!(
+        KvCacheManager::init(faulty, c),
+        Err(VmemError::InjectedFault("reserve"))
+    ));
+    assert_eq!(host.reserved_ranges(), 0);
+    assert_eq!(host.resident_bytes().unwrap(), 0);
+}

@@ -1,0 +1,178 @@
+//! The host backend is a real backend: bytes survive remapping, released memory returns to
+//! the system, and every bad argument is refused without changing anything.
+
+use std::sync::Arc;
+use vmem::backend::{Backend, HostBackend, HostCommit, KIB256, KIB64, MIB2};
+use vmem::VmemError;
+
+#[test]
+fn bytes_written_through_a_mapping_follow_the_page() {
+    let b = HostBackend::new().unwrap();
+    let range = b.reserve(4 * MIB2).unwrap();
+    assert_eq!(range % MIB2, 0, "ranges are aligned to the granularity");
+    let p = b.create_page(KIB64).unwrap();
+    b.map(range, &[p], KIB64).unwrap();
+    let pattern: Vec<u8> = (0..KIB64).map(|i| (i * 7 % 251) as u8).collect();
+    b.write(range, &pattern).unwrap();
+    b.unmap(range, KIB64).unwrap();
+    // The same physical page, mapped elsewhere, holds the same bytes.
+    let elsewhere = range + 3 * MIB2;
+    b.map(elsewhere, &[p], KIB64).unwrap();
+    let mut back = vec![0u8; KIB64 as usize];
+    b.read(elsewhere, &mut back).unwrap();
+    assert_eq!(back, pattern);
+    // The old address is no longer readable.
+    assert!(b.read(range, &mut back[..1]).is_err());
+    b.unmap(elsewhere, KIB64).unwrap();
+    b.release_page(p).unwrap();
+    b.free_range(range).unwrap();
+}
+
+#[test]
+fn released_pages_return_their_memory() {
+    let b = HostBackend::new().unwrap();
+    let pages: Vec<_> = (0..16).map(|_| b.create_page(KIB256).unwrap()).collect();
+    assert_eq!(
+        b.resident_bytes().unwrap(),
+        16 * KIB256,
+        "eager commit allocates at create"
+    );
+    for p in pages {
+        b.release_page(p).unwrap();
+    }
+    assert_eq!(b.resident_bytes().unwrap(), 0);
+}
+
+#[test]
+fn lazy_commit_allocates_on_first_touch() {
+    let b = HostBackend::with_page_sizes(&[KIB64, MIB2], HostCommit::Lazy).unwrap();
+    let r = b.reserve(MIB2).unwrap();
+    let p = b.create_page(KIB64).unwrap();
+    assert_eq!(b.resident_bytes().unwrap(), 0);
+    b.map(r, &[p], KIB64).unwrap();
+    b.write(r, &[1; 4096]).unwrap();
+    assert!(b.resident_bytes().unwrap() >= 4096);
+    b.unmap(r, KIB64).unwrap();
+    b.release_page(p).unwrap();
+    assert_eq!(b.resident_bytes().unwrap(), 0);
+}
+
+#[test]
+fn a_multi_page_map_is_contiguous_memory() {
+    let b = HostBackend::new().unwrap();
+    let r = b.reserve(MIB2).unwrap();
+    let pages: Vec<_> = (0..4).map(|_| b.create_page(KIB64).unwrap()).collect();
+    // Map in reverse slot order, so no two neighbours are adjacent in the memfd.
+    let rev: Vec<_> = pages.iter().rev().copied().collect();
+    b.map(r, &rev, KIB64).unwrap();
+    let data: Vec<u8> = (0..4 * KIB64).map(|i| (i / 4096) as u8).collect();
+    b.write(r, &data).unwrap();
+    let mut back = vec![0; data.len()];
+    b.read(r, &mut back).unwrap();
+    assert_eq!(back, data);
+    assert_eq!(b.mapped_pages(), 4);
+    b.unmap(r, 4 * KIB64).unwrap();
+    assert_eq!(b.mapped_pages(), 0);
+}
+
+#[test]
+fn bad_arguments_are_refused_and_change_nothing() {
+    let b = HostBackend::new().unwrap();
+    let r = b.reserve(MIB2).unwrap();
+    let p = b.create_page(KIB64).unwrap();
+    let q = b.create_page(KIB64).unwrap();
+    let big = b.create_page(KIB256).unwrap();
+
+    assert!(matches!(
+        b.create_page(4096),
+        Err(VmemError::UnsupportedPageSize { .. })
+    ));
+    assert!(matches!(
+        b.reserve(0),
+        Err(VmemError::InvalidAddress { .. })
+    ));
+    assert!(matches!(
+        b.reserve(MIB2 + 1),
+        Err(VmemError::InvalidAddress { .. })
+    ));
+    // Unaligned, outside any range, past the end of the range.
+    assert!(b.map(r + 4096, &[p], KIB64).is_err());
+    assert!(b.map(0x1000_0000, &[p], KIB64).is_err());
+    assert!(b.map(r + MIB2 - KIB64, &[p, q], KIB64).is_err());
+    // Wrong size, unknown handle, same page twice.
+    assert!(b.map(r, &[big], KIB64).is_err());
+    assert!(matches!(
+        b.map(r, &[vmem::backend::PageHandle(12345)], KIB64),
+        Err(VmemError::UnknownPage(_))
+    ));
+    assert!(b.map(r, &[p, p], KIB64).is_err());
+    assert_eq!(b.mapped_pages(), 0, "no failed call left a mapping");
+
+    b.map(r, &[p], KIB64).unwrap();
+    // Double map of the address or of the page; release of a mapped page.
+    assert!(b.map(r, &[q], KIB64).is_err());
+    assert!(b.map(r + KIB64, &[p], KIB64).is_err());
+    assert!(b.release_page(p).is_err());
+    // Unmap of a span that is not exactly mapped; free of a range with pages mapped.
+    assert!(b.unmap(r, 2 * KIB64).is_err());
+    assert!(b.unmap(r + KIB64, KIB64).is_err());
+    assert!(b.free_range(r).is_err());
+    assert!(b.free_range(r + MIB2).is_err());
+    // Reads outside mappings.
+    let mut buf = [0u8; 8];
+    assert!(b.read(r + KIB64 - 4, &mut buf).is_err());
+    assert!(b.read(u64::MAX - 2, &mut buf).is_err());
+    // Everything still works.
+    b.write(r, b"intact!!").unwrap();
+    b.read(r, &mut buf).unwrap();
+    assert_eq!(&buf, b"intact!!");
+    b.unmap(r, KIB64).unwrap();
+    for page in [p, q, big] {
+        b.release_page(page).unwrap();
+    }
+    assert!(
+        matches!(b.release_page(p), Err(VmemError::UnknownPage(_))),
+        "double release"
+    );
+    b.free_range(r).unwrap();
+    assert_eq!(b.reserved_ranges(), 0);
+}
+
+#[test]
+fn custom_page_sizes_are_validated() {
+    assert!(HostBackend::with_page_sizes(&[], HostCommit::Eager).is_err());
+    assert!(HostBackend::with_page_sizes(&[3000], HostCommit::Eager).is_err());
+    assert!(
+        HostBackend::with_page_sizes(&[KIB64 * 3, MIB2], HostCommit::Eager).is_err(),
+        "192K does not divide 2M"
+    );
+    let b = HostBackend::with_page_sizes(&[8192, KIB64], HostCommit::Eager).unwrap();
+    assert_eq!(b.page_sizes(), vec![8192, KIB64]);
+    assert_eq!(b.granularity(), KIB64);
+}
+
+#[test]
+fn the_backend_is_shared_across_threads() {
+    let b = Arc::new(HostBackend::new().unwrap());
+    let r = b.reserve(8 * MIB2).unwrap();
+    let handles: Vec<_> = (0..4u64)
+        .map(|t| {
+            let b = b.clone();
+            std::thread::spawn(move || {
+                for i in 0..32u64 {
+                    let at = r + t * 2 * MIB2 + i * KIB64;
+                    let p = b.create_page(KIB64).unwrap();
+                    b.map(at, &[p], KIB64).unwrap();
+                    b.write(at, &[t as u8; 64]).unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert_eq!(b.mapped_pages(), 128);
+    let mut buf = [0u8; 64];
+    b.read(r + 3 * 2 * MIB2 + 31 * KIB64, &mut buf).unwrap();
+    assert_eq!(buf, [3u8; 64]);
+}

@@ -1,0 +1,374 @@
+//! The KV-cache manager on the host backend: real memory behind every page it maps, the
+//! paper's API and optimizations, and clear errors that lose nothing.
+
+use std::sync::Arc;
+use vmem::backend::{Backend, HostBackend, KIB128, KIB64, MIB2};
+use vmem::{KvCacheManager, KvConfig, Layout, VmemError};
+
+/// Small model: 2 layers, batch 4, context 2048, 2 heads x 64 dims, fp16 -> 256 B per token
+/// per buffer (per-layer: 4 buffers; token-major: one buffer of 1 KB per token).
+fn cfg(page: u64, layout: Layout) -> KvConfig {
+    let mut c = KvConfig::new(2, 4, 2048, 2, 64, 2, page);
+    c.layout = layout;
+    c.memory_cap = 64 << 20;
+    c.reclaim_threshold = 0;
+    c.eager_tokens = 0;
+    c
+}
+
+fn lens(b: usize, set: &[(usize, u64)]) -> Vec<u64> {
+    let mut v = vec![0; b];
+    for &(r, l) in set {
+        v[r] = l;
+    }
+    v
+}
+
+#[test]
+fn every_mapped_page_holds_what_is_written_through_the_views() {
+    for layout in [Layout::PerLayer, Layout::TokenMajor] {
+        let host = Arc::new(HostBackend::new().unwrap());
+        let kv = KvCacheManager::init(host.clone(), cfg(KIB64, layout)).unwrap();
+        let a = kv.alloc_reqid().unwrap();
+        let b = kv.alloc_reqid().unwrap();
+        kv.step(&lens(4, &[(a, 700), (b, 1500)])).unwrap();
+        // Write one distinct value per (request, layer, K/V, token, head) through the views,
+        // exactly as a kernel indexes them, then read all back.
+        let value = |r: usize, l: usize, kv_: usize, t: usize, h: usize| -> u16 {
+            (r * 7919 + l * 104_729 + kv_ * 31 + t * 3 + h) as u16
+        };
+        for (r, n) in [(a, 700usize), (b, 1500)] {
+            for (l, view) in kv.layer_views().iter().enumerate() {
+                for (which, v) in [(0, view.k), (1, view.v)] {
+                    for t in 0..n {
+                        for h in 0..2 {
+                            let addr = v.element_addr([r, t, h, 0]).unwrap();
+                            let x = value(r, l, which, t, h);
+                            let row: Vec<u8> = (0..64).flat_map(|_| x.to_le_bytes()).collect();
+                            host.write(addr, &row).unwrap();
+                        }
+                    }
+                }
+            }
+        }
+        for (r, n) in [(a, 700usize), (b, 1500)] {
+            for (l, view) in kv.layer_views().iter().enumerate() {
+                for (which, v) in [(0, view.k), (1, view.v)] {
+                    for t in (0..n).step_by(13).chain([n - 1]) {
+                        let addr = v.element_addr([r, t, 1, 63]).unwrap();
+                        let mut buf = [0u8; 2];
+                        host.read(addr, &mut buf).unwrap();
+                        assert_eq!(
+                            u16::from_le_bytes(buf),
+                            value(r, l, which, t, 1),
+                            "{layout:?} r{r} l{l} t{t}"
+                        );
+                    }
+                }
+            }
+        }
+        // Also fill every mapped page end to end: all of it is real memory.
+        for span in kv.mapped_spans() {
+            let pattern: Vec<u8> = (0..span.len)
+                .map(|i| (i as usize ^ span.req ^ span.buffer) as u8)
+                .collect();
+            host.write(span.addr, &pattern).unwrap();
+            let mut back = vec![0; pattern.len()];
+            host.read(span.addr, &mut back).unwrap();
+            assert_eq!(back, pattern);
+        }
+        // Past the mapped pages nothing is readable.
+        let past = kv.layer_views()[0].k.element_addr([a, 2047, 0, 0]).unwrap();
+        assert!(host.read(past, &mut [0u8; 2]).is_err());
+    }
+}
+
+#[test]
+fn pages_follow_the_paper_arithmetic() {
+    // Per-layer: 256 B/token/buffer, 64 KB page = 256 tokens; 4 buffers. No background
+    // thread, so that only `step` maps.
+    let host = Arc::new(HostBackend::new().unwrap());
+    let mut c = cfg(KIB64, Layout::PerLayer);
+    c.overlap = false;
+    let kv = KvCacheManager::init(host.clone(), c.clone()).unwrap();
+    let r = kv.alloc_reqid().unwrap();
+    let rep = kv.step(&lens(4, &[(r, 1)])).unwrap();
+    assert_eq!(rep.sync_pages, 4, "one page in each of 2 x layers buffers");
+    kv.wait_idle();
+    kv.step(&lens(4, &[(r, 256)])).unwrap();
+    assert_eq!(kv.request_pages(r).unwrap(), vec![1; 4]);
+    kv.step(&lens(4, &[(r, 257)])).unwrap();
+    assert_eq!(kv.request_pages(r).unwrap(), vec![2; 4]);
+    drop(kv);
+    // Token-major: 1 KB per token in one buffer: 64 tokens per 64 KB page, one page per growth.
+    c.layout = Layout::TokenMajor;
+    let kv = KvCacheManager::init(host.clone(), c).unwrap();
+    let r = kv.alloc_reqid().unwrap();
+    let rep = kv.step(&lens(4, &[(r, 65)])).unwrap();
+    assert_eq!(rep.sync_pages, 2);
+    assert_eq!(kv.request_pages(r).unwrap(), vec![2]);
+}
+
+#[test]
+fn dropping_the_manager_returns_every_byte() {
+    let host = Arc::new(HostBackend::new().unwrap());
+    let mut c = cfg(KIB128, Layout::PerLayer);
+    c.prealloc = 4 << 20;
+    c.eager_tokens = 512;
+    let kv = KvCacheManager::init(host.clone(), c).unwrap();
+    for _ in 0..3 {
+        kv.alloc_reqid().unwrap();
+    }
+    kv.step(&lens(4, &[(0, 2000), (1, 100), (2, 1)])).unwrap();
+    kv.free_reqid(1).unwrap(); // deferred: stays mapped
+    kv.wait_idle();
+    assert!(host.resident_bytes().unwrap() > 0);
+    assert!(host.mapped_pages() > 0);
+    drop(kv);
+    assert_eq!(host.resident_bytes().unwrap(), 0, "memfd holds no blocks");
+    assert_eq!(host.mapped_pages(), 0);
+    assert_eq!(host.live_pages(), 0);
+    assert_eq!(host.reserved_ranges(), 0);
+}
+
+#[test]
+fn bad_input_gets_a_typed_error_and_loses_nothing() {
+    let host = Arc::new(HostBackend::new().unwrap());
+    let kv = KvCacheManager::init(host.clone(), cfg(KIB64, Layout::PerLayer)).unwrap();
+    let r = kv.alloc_reqid().unwrap();
+    kv.step(&lens(4, &[(r, 300)])).unwrap();
+    let before = kv.mapped_handles();
+
+    assert!(matches!(
+        kv.step(&lens(4, &[(r, 2049)])),
+        Err(VmemError::SeqLenTooLong { len: 2049, .. })
+    ));
+    assert!(matches!(
+        kv.step(&[300, 0, 0]),
+        Err(VmemError::BatchLenMismatch {
+            expected: 4,
+            got: 3
+        })
+    ));
+    assert!(matches!(
+        kv.step(&lens(4, &[(r, 300), (3, 5)])),
+        Err(VmemError::InactiveRequest(3))
+    ));
+    assert!(matches!(
+        kv.free_reqid(9),
+        Err(VmemError::UnknownRequest { req: 9, .. })
+    ));
+    assert!(matches!(kv.free_reqid(2), Err(VmemError::DoubleFree(2))));
+    assert!(matches!(
+        kv.request_pages(4),
+        Err(VmemError::UnknownRequest { .. })
+    ));
+    for _ in 0..3 {
+        kv.alloc_reqid().unwrap();
+    }
+    assert!(matches!(
+        kv.alloc_reqid(),
+        Err(VmemError::TooManyRequests(4))
+    ));
+    kv.free_reqid(r).unwrap();
+    assert!(matches!(kv.free_reqid(r), Err(VmemError::DoubleFree(_))));
+    assert_eq!(kv.mapped_handles(), before, "no error changed a mapping");
+}
+
+#[test]
+fn bad_configurations_are_refused() {
+    let host = Arc::new(HostBackend::new().unwrap());
+    let bad = |f: fn(&mut KvConfig)| {
+        let mut c = cfg(KIB64, Layout::PerLayer);
+        f(&mut c);
+        KvCacheManager::init(host.clone() as Arc<dyn Backend>, c).unwrap_err()
+    };
+    assert!(matches!(bad(|c| c.layers = 0), VmemError::InvalidConfig(_)));
+    assert!(matches!(
+        bad(|c| c.max_batch = 0),
+        VmemError::InvalidConfig(_)
+    ));
+    assert!(matches!(
+        bad(|c| c.page_size = 4096 * 3),
+        VmemError::UnsupportedPageSize { .. }
+    ));
+    assert!(matches!(
+        bad(|c| c.page_size = 1000),
+        VmemError::InvalidConfig(_)
+    ));
+    assert!(matches!(
+        bad(|c| c.memory_cap = 1000),
+        VmemError::InvalidConfig(_)
+    ));
+    assert!(matches!(
+        bad(|c| c.prealloc = 1 << 40),
+        VmemError::InvalidConfig(_)
+    ));
+    assert!(matches!(
+        bad(|c| c.eager_tokens = 4096),
+        VmemError::InvalidConfig(_)
+    ));
+    assert!(matches!(
+        bad(|c| c.max_context = usize::MAX / 2),
+        VmemError::SizeOverflow(_)
+    ));
+    assert!(matches!(
+        bad(|c| c.head_dim = usize::MAX),
+        VmemError::SizeOverflow(_)
+    ));
+    assert_eq!(
+        host.reserved_ranges(),
+        0,
+        "failed inits freed what they reserved"
+    );
+    assert_eq!(host.live_pages(), 0);
+}
+
+#[test]
+fn out_of_memory_maps_nothing_and_preemption_frees_room() {
+    let host = Arc::new(HostBackend::new().unwrap());
+    let mut c = cfg(KIB64, Layout::PerLayer);
+    c.memory_cap = 16 * KIB64; // 16 pages = 4 pages per buffer = 1024 tokens in all
+    c.overlap = false;
+    let kv = KvCacheManager::init(host.clone(), c).unwrap();
+    let a = kv.alloc_reqid().unwrap();
+    let b = kv.alloc_reqid().unwrap();
+    kv.step(&lens(4, &[(a, 512), (b, 256)])).unwrap();
+    let before = kv.mapped_handles();
+    match kv.step(&lens(4, &[(a, 512), (b, 700)])) {
+        Err(VmemError::OutOfMemory {
+            needed_pages: 8,
+            available_pages: 4,
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(kv.mapped_handles(), before);
+    // The engine preempts `a`; with deferred reclamation its pages are reclaimed on demand.
+    kv.free_reqid(a).unwrap();
+    let rep = kv.step(&lens(4, &[(b, 700)])).unwrap();
+    assert_eq!(rep.sync_pages, 8);
+    assert_eq!(rep.reclaimed_pages, 8);
+    assert_eq!(kv.request_pages(b).unwrap(), vec![3; 4]);
+}
+
+#[test]
+fn deferred_reclamation_hands_the_mapped_id_to_the_next_request() {
+    let host = Arc::new(HostBackend::new().unwrap());
+    let mut c = cfg(KIB64, Layout::PerLayer);
+    c.overlap = false;
+    let kv = KvCacheManager::init(host.clone(), c.clone()).unwrap();
+    let a = kv.alloc_reqid().unwrap();
+    kv.step(&lens(4, &[(a, 1000)])).unwrap();
+    kv.free_reqid(a).unwrap();
+    let b = kv.alloc_reqid().unwrap();
+    assert_eq!(b, a, "the id with pages is handed out first");
+    let rep = kv.step(&lens(4, &[(b, 900)])).unwrap();
+    assert_eq!(rep.sync_pages, 0, "a shorter request needs no new page");
+
+    // Without deferred reclamation the pages go back to the pool at free time.
+    c.deferred_reclaim = false;
+    let kv = KvCacheManager::init(host.clone(), c).unwrap();
+    let a = kv.alloc_reqid().unwrap();
+    kv.step(&lens(4, &[(a, 1000)])).unwrap();
+    kv.free_reqid(a).unwrap();
+    assert_eq!(kv.request_pages(a).unwrap(), vec![0; 4]);
+    let b = kv.alloc_reqid().unwrap();
+    assert_eq!(kv.step(&lens(4, &[(b, 900)])).unwrap().sync_pages, 16);
+}
+
+#[test]
+fn eager_allocation_premaps_the_next_id() {
+    let host = Arc::new(HostBackend::new().unwrap());
+    let mut c = cfg(KIB64, Layout::PerLayer);
+    c.eager_tokens = 512;
+    let kv = KvCacheManager::init(host.clone(), c).unwrap();
+    kv.wait_idle();
+    let r = kv.alloc_reqid().unwrap();
+    assert_eq!(
+        kv.request_pages(r).unwrap(),
+        vec![2; 4],
+        "512 tokens were mapped before the request came"
+    );
+    let rep = kv.step(&lens(4, &[(r, 400)])).unwrap();
+    assert_eq!(rep.sync_pages, 0);
+    kv.wait_idle();
+    // And the id after it is being prepared meanwhile.
+    let next = kv.alloc_reqid().unwrap();
+    assert_eq!(kv.request_pages(next).unwrap(), vec![2; 4]);
+}
+
+#[test]
+fn reclamation_waits_for_the_threshold() {
+    let host = Arc::new(HostBackend::new().unwrap());
+    let mut c = cfg(KIB64, Layout::PerLayer);
+    c.memory_cap = 64 * KIB64;
+    c.reclaim_threshold = 40 * KIB64;
+    let kv = KvCacheManager::init(host.clone(), c).unwrap();
+    let a = kv.alloc_reqid().unwrap();
+    kv.step(&lens(4, &[(a, 1024)])).unwrap();
+    kv.wait_idle(); // + lookahead for token 1025: 20 pages; 44 available > 40
+    kv.free_reqid(a).unwrap();
+    kv.wait_idle();
+    assert_eq!(
+        kv.request_pages(a).unwrap(),
+        vec![5; 4],
+        "above the threshold: kept"
+    );
+    let b = kv.alloc_reqid().unwrap();
+    assert_eq!(b, a);
+    let c2 = kv.alloc_reqid().unwrap();
+    kv.step(&lens(4, &[(b, 1024), (c2, 1024)])).unwrap(); // 40 mapped with lookahead: 24 left < 40
+    kv.free_reqid(b).unwrap();
+    kv.wait_idle();
+    // The background thread reclaimed the freed request's pages to get back above 40.
+    assert_eq!(kv.request_pages(b).unwrap(), vec![0; 4]);
+}
+
+#[test]
+fn background_mapping_takes_decode_growth_off_the_critical_path() {
+    let run = |overlap: bool| {
+        let host = Arc::new(HostBackend::new().unwrap());
+        let mut c = cfg(KIB64, Layout::PerLayer);
+        c.overlap = overlap;
+        let kv = KvCacheManager::init(host, c).unwrap();
+        let r = kv.alloc_reqid().unwrap();
+        let mut sync = 0;
+        for len in 1..=2048 {
+            sync += kv.step(&lens(4, &[(r, len)])).unwrap().sync_pages;
+            kv.wait_idle(); // the iteration's compute
+        }
+        sync
+    };
+    assert_eq!(
+        run(false),
+        32,
+        "8 pages per buffer, 4 buffers, all on the critical path"
+    );
+    assert_eq!(
+        run(true),
+        4,
+        "only the first token's pages (prefill) are synchronous"
+    );
+}
+
+#[test]
+fn token_major_views_interleave_layers_in_one_buffer() {
+    let host = Arc::new(HostBackend::new().unwrap());
+    let kv = KvCacheManager::init(host, cfg(MIB2, Layout::TokenMajor)).unwrap();
+    let v = kv.layer_views();
+    let (h, d, p) = (2usize, 64usize, 2u64);
+    assert_eq!(
+        v[0].k.strides[1],
+        2 * 2 * h * d,
+        "token stride spans every layer's K and V"
+    );
+    assert_eq!(v[0].v.addr - v[0].k.addr, (h * d) as u64 * p);
+    assert_eq!(v[1].k.addr - v[0].k.addr, 2 * (h * d) as u64 * p);
+    assert_eq!(v[0].k.strides[2..], [d, 1]);
+    assert_eq!(v[0].k.strides[0] as u64 * p, kv.geometry().slice_bytes);
+    assert!(
+        v[0].k.element_addr([4, 0, 0, 0]).is_none(),
+        "batch index out of range"
+    );
+}
