@@ -40,6 +40,8 @@ fn config(page: u64, layout: Layout, overlap: bool, deferred: bool, eager: usize
 }
 
 fn check(kv: &KvCacheManager, lens: &[u64], active: &[bool]) -> Result<(), TestCaseError> {
+    // Let the background thread finish, so that the reads below see one state.
+    kv.wait_idle();
     let geo = kv.geometry();
     for r in 0..B {
         prop_assert_eq!(kv.is_active(r).unwrap(), active[r]);

@@ -42,6 +42,7 @@ pub mod kvcache;
 pub mod models;
 pub mod pool;
 pub mod replay;
+pub mod units;
 
 pub use error::{Result, VmemError};
 pub use kvcache::{KvCacheManager, KvConfig, Layout, StepReport};

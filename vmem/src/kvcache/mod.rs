@@ -190,6 +190,7 @@ impl KvCacheManager {
         st.active[req] = false;
         st.seq_lens[req] = 0;
         st.lookahead[req] = 0;
+        st.pending[req] = 0;
         if !self.cfg.deferred_reclaim {
             st.unmap_request(req)?;
         }
@@ -213,8 +214,10 @@ impl KvCacheManager {
             .filter(|&r| seq_lens[r] > 0)
             .map(|r| st.deficit(r, seq_lens[r]))
             .sum();
-        let available = st.pool.available_pages() + st.reclaimable(None);
+        let old_pending = std::mem::replace(&mut st.pending, seq_lens.to_vec());
+        let available = st.pool.available_pages() + st.reclaimable();
         if needed > available {
+            st.pending = old_pending;
             return Err(VmemError::OutOfMemory {
                 needed_pages: needed,
                 available_pages: available,

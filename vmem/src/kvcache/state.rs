@@ -24,6 +24,8 @@ pub(super) struct State {
     pub(super) next_id: Option<usize>,
     /// Lengths the background thread maps for (the next iteration's), per request.
     pub(super) lookahead: Vec<u64>,
+    /// Lengths the step in progress maps for: never trimmed below, even if the step fails.
+    pub(super) pending: Vec<u64>,
     /// The background thread has lookahead work to do.
     pub(super) work_pending: bool,
     /// The background thread is mapping right now.
@@ -55,6 +57,7 @@ impl State {
             req_floor: vec![0; b],
             next_id: Some(0),
             lookahead: vec![0; b],
+            pending: vec![0; b],
             work_pending: false,
             busy: false,
             shutdown: false,
@@ -80,12 +83,31 @@ impl State {
             .sum()
     }
 
-    /// Pages held by requests that are not active (deferred reclamation), except `keep`.
-    pub(super) fn reclaimable(&self, keep: Option<usize>) -> u64 {
-        (0..self.active.len())
-            .filter(|&r| !self.active[r] && Some(r) != keep)
-            .map(|r| self.req_pages[r])
+    /// Tokens request `r` must keep mapped: 0 when inactive, else its current or pending length.
+    fn keep_tokens(&self, r: usize) -> u64 {
+        if self.active[r] {
+            self.seq_lens[r].max(self.pending[r])
+        } else {
+            0
+        }
+    }
+
+    /// Pages request `r` holds beyond what it must keep (all of them when inactive): a
+    /// reused id's leftovers from a longer predecessor, or lookahead pages.
+    pub(super) fn excess(&self, r: usize) -> u64 {
+        let target = self.geo.pages_for(self.keep_tokens(r));
+        if self.req_floor[r] >= target {
+            return self.req_pages[r] - target * self.buffers.len() as u64;
+        }
+        self.buffers
+            .iter()
+            .map(|b| b.mapped(r).saturating_sub(target))
             .sum()
+    }
+
+    /// Pages that reclamation could free: every page beyond what each request must keep.
+    pub(super) fn reclaimable(&self) -> u64 {
+        (0..self.active.len()).map(|r| self.excess(r)).sum()
     }
 
     fn refresh_floor(&mut self, r: usize) {
@@ -110,7 +132,7 @@ impl State {
                     continue;
                 }
                 if reclaim && self.pool.available_pages() < k {
-                    self.reclaim(k, Some(r))?;
+                    self.reclaim(k, Some(r), false)?;
                 }
                 let pages = self.pool.take(k)?;
                 if let Err(e) = self.buffers[b].grow(r, &pages) {
@@ -128,10 +150,16 @@ impl State {
 
     /// Unmaps every page of inactive request `r` into the pool. Returns the pages unmapped.
     pub(super) fn unmap_request(&mut self, r: usize) -> Result<u64> {
+        self.trim_request(r, 0)
+    }
+
+    /// Unmaps request `r`'s pages beyond `keep` pages per buffer into the pool.
+    fn trim_request(&mut self, r: usize, keep: u64) -> Result<u64> {
         let mut n = 0;
         let mut result = Ok(());
         for b in 0..self.buffers.len() {
-            match self.buffers[b].shrink(r, u64::MAX) {
+            let extra = self.buffers[b].mapped(r).saturating_sub(keep);
+            match self.buffers[b].shrink(r, extra) {
                 Ok(pages) => {
                     n += pages.len() as u64;
                     self.pool.put(pages);
@@ -147,23 +175,38 @@ impl State {
         result.map(|()| n)
     }
 
-    /// Reclaims inactive requests' pages (largest holder first, the pre-mapped next id last,
-    /// never `protect`) until the pool can hand out `need` pages or nothing is left.
-    pub(super) fn reclaim(&mut self, need: u64, protect: Option<usize>) -> Result<()> {
+    /// Reclaims pages until the pool can hand out `need` pages or nothing is left: first
+    /// whole inactive requests (largest holder first, the pre-mapped next id last), then,
+    /// unless `only_inactive`, active requests' pages beyond their length. Never `protect`.
+    pub(super) fn reclaim(
+        &mut self,
+        need: u64,
+        protect: Option<usize>,
+        only_inactive: bool,
+    ) -> Result<()> {
         while self.pool.available_pages() < need {
             let victim = (0..self.active.len())
-                .filter(|&r| !self.active[r] && Some(r) != protect && self.req_pages[r] > 0)
+                .filter(|&r| {
+                    Some(r) != protect && !(only_inactive && self.active[r]) && self.excess(r) > 0
+                })
                 .max_by_key(|&r| {
                     (
+                        !self.active[r],
                         Some(r) != self.next_id,
-                        self.req_pages[r],
+                        self.excess(r),
                         std::cmp::Reverse(r),
                     )
                 });
             let Some(v) = victim else { break };
-            let n = self.unmap_request(v)?;
+            let keep = self.geo.pages_for(self.keep_tokens(v));
+            let n = self.trim_request(v, keep)?;
             self.reclaimed_pages += n;
-            tracing::debug!(req = v, pages = n, "reclaimed a deferred request's pages");
+            tracing::debug!(
+                req = v,
+                pages = n,
+                active = self.active[v],
+                "reclaimed pages"
+            );
         }
         Ok(())
     }
@@ -187,7 +230,7 @@ impl State {
         let threshold_pages = self.cfg.reclaim_threshold.div_ceil(page);
         if self.pool.available_pages() < threshold_pages {
             // The pre-mapped next id goes last (see `reclaim`), but does go.
-            if let Err(e) = self.reclaim(threshold_pages, None) {
+            if let Err(e) = self.reclaim(threshold_pages, None, true) {
                 tracing::warn!(error = %e, "threshold reclamation failed");
             }
         }
