@@ -113,7 +113,6 @@ fn run(kv: &KvCacheManager, ops: &[Op]) -> Result<(), TestCaseError> {
         }
         check(kv, &lens, &active)?;
     }
-    drop(ops);
     Ok(())
 }
 

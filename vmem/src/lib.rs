@@ -38,6 +38,8 @@
 pub mod backend;
 pub mod buffer;
 mod error;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod kvcache;
 pub mod models;
 pub mod pool;

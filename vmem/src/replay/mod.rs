@@ -83,7 +83,7 @@ impl Default for ReplayConfig {
 pub struct ReplayStats {
     /// Requests that ran to completion.
     pub completed: usize,
-    /// Requests longer than the max context, skipped.
+    /// Requests skipped: longer than the max context, or larger than the whole budget.
     pub skipped_too_long: usize,
     /// Scheduler iterations.
     pub iterations: u64,
@@ -187,6 +187,14 @@ pub fn replay<M: KvMemory>(
         let mut report = loop {
             match mem.step(&lens) {
                 Ok(rep) => break rep,
+                Err(VmemError::OutOfMemory { .. }) if running.len() == 1 => {
+                    // Alone and still out of memory: it outgrew the whole budget and never
+                    // will complete. Drop it rather than preempt and recompute forever.
+                    let r = running.pop().expect("one");
+                    lens[r.req] = 0;
+                    mem.free_reqid(r.req)?;
+                    stats.skipped_too_long += 1;
+                }
                 Err(VmemError::OutOfMemory { .. }) if !running.is_empty() => {
                     // Preempt the most recently admitted request; it will recompute.
                     let victim = running.pop().expect("non-empty");
@@ -237,6 +245,7 @@ pub fn replay<M: KvMemory>(
 
         // Account this iteration.
         stats.iterations += 1;
+
         stats.sync_pages += report.sync_pages;
         stats.background_pages += report.background_pages;
         stats.reclaimed_pages += report.reclaimed_pages;

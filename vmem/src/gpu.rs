@@ -1,0 +1,302 @@
+//! Small GPU kernels for checking and exercising vmem-backed memory (feature `cuda`):
+//! fill a span with a pattern, count mismatches against it, and spin for a while (a stand-in
+//! for an iteration's compute). Hand-written PTX, loaded with `cuModuleLoadData`, so no
+//! compiler (nvrtc) is needed on the GPU machine.
+
+use crate::backend::CudaBackend;
+use crate::error::{Result, VmemError};
+use cudarc::driver::result as cu;
+use cudarc::driver::sys;
+use std::ffi::{c_void, CString};
+
+const PTX: &str = r#"
+.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry vmem_fill(.param .u64 base, .param .u64 n, .param .u32 seed)
+{
+    .reg .pred %p;
+    .reg .b32 %r<8>;
+    .reg .b64 %rd<8>;
+    ld.param.u64 %rd1, [base];
+    ld.param.u64 %rd2, [n];
+    ld.param.u32 %r1, [seed];
+    mov.u32 %r2, %ctaid.x;
+    mov.u32 %r3, %ntid.x;
+    mov.u32 %r4, %tid.x;
+    mul.wide.u32 %rd3, %r2, %r3;
+    cvt.u64.u32 %rd4, %r4;
+    add.u64 %rd3, %rd3, %rd4;
+    mov.u32 %r5, %nctaid.x;
+    mul.wide.u32 %rd5, %r5, %r3;
+FILL_LOOP:
+    setp.ge.u64 %p, %rd3, %rd2;
+    @%p bra FILL_DONE;
+    cvt.u32.u64 %r6, %rd3;
+    mul.lo.u32 %r6, %r6, -1640531535;
+    xor.b32 %r7, %r6, %r1;
+    shl.b64 %rd6, %rd3, 2;
+    add.u64 %rd7, %rd1, %rd6;
+    st.global.u32 [%rd7], %r7;
+    add.u64 %rd3, %rd3, %rd5;
+    bra FILL_LOOP;
+FILL_DONE:
+    ret;
+}
+
+.visible .entry vmem_check(.param .u64 base, .param .u64 n, .param .u32 seed, .param .u64 errors)
+{
+    .reg .pred %p<3>;
+    .reg .b32 %r<10>;
+    .reg .b64 %rd<10>;
+    ld.param.u64 %rd1, [base];
+    ld.param.u64 %rd2, [n];
+    ld.param.u32 %r1, [seed];
+    ld.param.u64 %rd8, [errors];
+    mov.u32 %r2, %ctaid.x;
+    mov.u32 %r3, %ntid.x;
+    mov.u32 %r4, %tid.x;
+    mul.wide.u32 %rd3, %r2, %r3;
+    cvt.u64.u32 %rd4, %r4;
+    add.u64 %rd3, %rd3, %rd4;
+    mov.u32 %r5, %nctaid.x;
+    mul.wide.u32 %rd5, %r5, %r3;
+CHECK_LOOP:
+    setp.ge.u64 %p1, %rd3, %rd2;
+    @%p1 bra CHECK_DONE;
+    cvt.u32.u64 %r6, %rd3;
+    mul.lo.u32 %r6, %r6, -1640531535;
+    xor.b32 %r7, %r6, %r1;
+    shl.b64 %rd6, %rd3, 2;
+    add.u64 %rd7, %rd1, %rd6;
+    ld.global.u32 %r8, [%rd7];
+    setp.ne.u32 %p2, %r8, %r7;
+    @%p2 atom.global.add.u32 %r9, [%rd8], 1;
+    add.u64 %rd3, %rd3, %rd5;
+    bra CHECK_LOOP;
+CHECK_DONE:
+    ret;
+}
+
+.visible .entry vmem_spin(.param .u64 cycles)
+{
+    .reg .pred %p;
+    .reg .b64 %rd<5>;
+    ld.param.u64 %rd1, [cycles];
+    mov.u64 %rd2, %clock64;
+SPIN:
+    mov.u64 %rd3, %clock64;
+    sub.u64 %rd4, %rd3, %rd2;
+    setp.lt.u64 %p, %rd4, %rd1;
+    @%p bra SPIN;
+    ret;
+}
+"#;
+
+/// The loaded kernels and a device word for the error count.
+#[derive(Debug)]
+pub struct GpuKernels {
+    fill: sys::CUfunction,
+    check: sys::CUfunction,
+    spin: sys::CUfunction,
+    errors: sys::CUdeviceptr,
+}
+
+fn err(op: &'static str) -> impl Fn(cu::DriverError) -> VmemError {
+    move |e| VmemError::Cuda {
+        op,
+        msg: format!("{e:?}"),
+    }
+}
+
+impl GpuKernels {
+    /// Loads the kernels into `backend`'s context (made current on this thread).
+    pub fn load(backend: &CudaBackend) -> Result<Self> {
+        backend.bind_to_thread()?;
+        let image = CString::new(PTX).expect("PTX has no NUL");
+        // SAFETY: `image` is a NUL-terminated PTX module that outlives the call.
+        let module = unsafe { cu::module::load_data(image.as_ptr() as *const c_void) }
+            .map_err(err("cuModuleLoadData"))?;
+        let func = |name: &str| {
+            // SAFETY: `module` was just loaded and is never unloaded (the kernels live as long
+            // as the context).
+            unsafe { cu::module::get_function(module, CString::new(name).expect("no NUL")) }
+                .map_err(err("cuModuleGetFunction"))
+        };
+        // SAFETY: a 4-byte device allocation, freed in Drop.
+        let errors = unsafe { cu::malloc_sync(4) }.map_err(err("cuMemAlloc"))?;
+        Ok(GpuKernels {
+            fill: func("vmem_fill")?,
+            check: func("vmem_check")?,
+            spin: func("vmem_spin")?,
+            errors,
+        })
+    }
+
+    /// Fills `[addr, addr + len)` (device memory, mapped read/write) with the pattern `seed`.
+    pub fn fill(&self, addr: u64, len: u64, seed: u32) -> Result<()> {
+        let (mut a, mut n, mut s) = (addr, len / 4, seed);
+        let mut params = [
+            &mut a as *mut u64 as *mut c_void,
+            &mut n as *mut u64 as *mut c_void,
+            &mut s as *mut u32 as *mut c_void,
+        ];
+        self.launch(self.fill, &mut params)
+    }
+
+    /// Counts the 4-byte words of `[addr, addr + len)` that differ from the pattern `seed`.
+    pub fn check(&self, addr: u64, len: u64, seed: u32) -> Result<u32> {
+        // SAFETY: `errors` is our 4-byte device allocation.
+        unsafe { cu::memset_d8_sync(self.errors, 0, 4) }.map_err(err("cuMemsetD8"))?;
+        let (mut a, mut n, mut s, mut e) = (addr, len / 4, seed, self.errors);
+        let mut params = [
+            &mut a as *mut u64 as *mut c_void,
+            &mut n as *mut u64 as *mut c_void,
+            &mut s as *mut u32 as *mut c_void,
+            &mut e as *mut u64 as *mut c_void,
+        ];
+        self.launch(self.check, &mut params)?;
+        let mut out = [0u32; 1];
+        // SAFETY: copies 4 bytes from our allocation into a 4-byte buffer; the launch above
+        // is ordered before it on the null stream.
+        unsafe { cu::memcpy_dtoh_sync(&mut out, self.errors) }.map_err(err("cuMemcpyDtoH"))?;
+        Ok(out[0])
+    }
+
+    /// Launches one block that spins for `cycles` GPU clock cycles (asynchronous).
+    pub fn spin(&self, cycles: u64) -> Result<()> {
+        let mut c = cycles;
+        let mut params = [&mut c as *mut u64 as *mut c_void];
+        // SAFETY: one u64 parameter, matching vmem_spin's signature.
+        unsafe {
+            cu::launch_kernel(
+                self.spin,
+                (1, 1, 1),
+                (1, 1, 1),
+                0,
+                std::ptr::null_mut(),
+                &mut params,
+            )
+        }
+        .map_err(err("cuLaunchKernel"))
+    }
+
+    /// Waits for all work on the context.
+    pub fn synchronize(&self) -> Result<()> {
+        cu::ctx::synchronize().map_err(err("cuCtxSynchronize"))
+    }
+
+    fn launch(&self, f: sys::CUfunction, params: &mut [*mut c_void]) -> Result<()> {
+        // SAFETY: `params` point at live locals whose types match the kernel's parameters
+        // (u64 base, u64 n, u32 seed[, u64 errors]); the caller passes only memory that is
+        // mapped read/write for the device. We synchronize before returning, so the locals
+        // outlive the kernel.
+        unsafe { cu::launch_kernel(f, (264, 1, 1), (256, 1, 1), 0, std::ptr::null_mut(), params) }
+            .map_err(err("cuLaunchKernel"))?;
+        self.synchronize()
+    }
+}
+
+impl Drop for GpuKernels {
+    fn drop(&mut self) {
+        // SAFETY: frees our own 4-byte allocation once.
+        let _ = unsafe { cu::free_sync(self.errors) };
+    }
+}
+
+/// Median microseconds of each raw CUDA VMM call, measured on `n` pages of `page_size`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RawTimes {
+    /// cuMemCreate.
+    pub create_us: f64,
+    /// cuMemMap of one page.
+    pub map_us: f64,
+    /// cuMemSetAccess of one page.
+    pub set_access_us: f64,
+    /// cuMemUnmap of one page.
+    pub unmap_us: f64,
+    /// cuMemRelease.
+    pub release_us: f64,
+}
+
+/// Times the raw driver calls that [`CudaBackend`] makes, one page at a time, with nothing
+/// of vmem in between (the baseline of the per-call ratios).
+pub fn time_raw_calls(
+    backend: &CudaBackend,
+    ordinal: i32,
+    page_size: u64,
+    n: usize,
+) -> Result<RawTimes> {
+    use std::time::Instant;
+    backend.bind_to_thread()?;
+    let size = page_size as usize * n;
+    let mut base: sys::CUdeviceptr = 0;
+    // SAFETY: out-pointer valid; reserves fresh address space.
+    unsafe { sys::cuMemAddressReserve(&mut base, size, page_size as usize, 0, 0) }
+        .result()
+        .map_err(err("cuMemAddressReserve"))?;
+    // SAFETY: all-zero is the documented default of this plain C struct.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ordinal;
+    let access = sys::CUmemAccessDesc {
+        location: prop.location,
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    let mut t = [Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+    let mut handles = vec![0u64; n];
+    let us = |s: Instant| s.elapsed().as_secs_f64() * 1e6;
+    for (i, h) in handles.iter_mut().enumerate() {
+        let at = base + (i as u64) * page_size;
+        let s = Instant::now();
+        // SAFETY: valid out-pointer and property struct.
+        unsafe { sys::cuMemCreate(h, page_size as usize, &prop, 0) }
+            .result()
+            .map_err(err("cuMemCreate"))?;
+        t[0].push(us(s));
+        let s = Instant::now();
+        // SAFETY: `at` is an unmapped page-aligned address of our reservation; `h` is fresh.
+        unsafe { sys::cuMemMap(at, page_size as usize, 0, *h, 0) }
+            .result()
+            .map_err(err("cuMemMap"))?;
+        t[1].push(us(s));
+        let s = Instant::now();
+        // SAFETY: the page was just mapped.
+        unsafe { sys::cuMemSetAccess(at, page_size as usize, &access, 1) }
+            .result()
+            .map_err(err("cuMemSetAccess"))?;
+        t[2].push(us(s));
+    }
+    for (i, h) in handles.iter().enumerate() {
+        let at = base + (i as u64) * page_size;
+        let s = Instant::now();
+        // SAFETY: unmaps the page mapped above.
+        unsafe { sys::cuMemUnmap(at, page_size as usize) }
+            .result()
+            .map_err(err("cuMemUnmap"))?;
+        t[3].push(us(s));
+        let s = Instant::now();
+        // SAFETY: the handle is unmapped and released once.
+        unsafe { sys::cuMemRelease(*h) }
+            .result()
+            .map_err(err("cuMemRelease"))?;
+        t[4].push(us(s));
+    }
+    // SAFETY: frees our own reservation, now empty.
+    unsafe { sys::cuMemAddressFree(base, size) }
+        .result()
+        .map_err(err("cuMemAddressFree"))?;
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok(RawTimes {
+        create_us: med(&mut t[0]),
+        map_us: med(&mut t[1]),
+        set_access_us: med(&mut t[2]),
+        unmap_us: med(&mut t[3]),
+        release_us: med(&mut t[4]),
+    })
+}
