@@ -110,10 +110,16 @@ impl UvmFile {
                     .collect(),
                 range_align: p.rangeAlign,
             }),
-            // A stock driver routes unknown commands to its test ioctls, which answer EINVAL
-            // (ENOTTY from other kernels' paths): not an error, an answer.
+            // A stock driver routes unknown commands to its test ioctls, which answer EINVAL;
+            // other kernels' paths (gVisor's nvproxy on our GPU machine) answer ENOSYS or
+            // ENOTTY. The device is nvidia-uvm (checked on open): these mean "no such command".
             Err(UvmError::Ioctl { errno, .. })
-                if errno == nix::errno::Errno::EINVAL || errno == nix::errno::Errno::ENOTTY =>
+                if matches!(
+                    errno,
+                    nix::errno::Errno::EINVAL
+                        | nix::errno::Errno::ENOTTY
+                        | nix::errno::Errno::ENOSYS
+                ) =>
             {
                 Err(UvmError::NotPatched)
             }

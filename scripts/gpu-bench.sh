@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# GPU checks and benchmarks, built here, run on the GPU machine in one call.
+#   scripts/gpu-bench.sh build   # here: release-build vmem-gpu and vmem into .carry/
+#   scripts/gpu-bench.sh run     # there: run them (carry .carry), print the table last
+# The GPU machine has no Rust toolchain; the binaries load libcuda at run time.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+case "${1:-}" in
+  build)
+    cd "$root"
+    cargo build --release -p vmem --bins
+    mkdir -p .carry
+    cp target/release/vmem-gpu target/release/vmem .carry/
+    cp -r data .carry/ 2>/dev/null || true
+    echo "built .carry/vmem-gpu .carry/vmem"
+    ;;
+  run)
+    cd "$root"
+    out=${OUT:-/tmp/vmem-gpu-out}
+    mkdir -p "$out"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv | tee "$out/gpu.txt"
+    ls -l /dev/nvidia-uvm 2>&1 | tee -a "$out/gpu.txt" || true
+    echo "== vmem detect"
+    .carry/vmem detect 2>&1 | tee "$out/detect.txt"
+    echo "== vmem replay on the GPU (CUDA backend, 2MB), first 500 requests"
+    .carry/vmem replay --trace .carry/data/traces/azure-conv-2023-first2000.csv --requests 500 --budget 8GiB 2>&1 | tee "$out/replay.txt"
+    echo "== vmem-gpu"
+    RUST_LOG=warn .carry/vmem-gpu 2>&1 | tee "$out/vmem-gpu.txt"
+    ;;
+  *)
+    echo "usage: $0 build|run" >&2
+    exit 2
+    ;;
+esac
