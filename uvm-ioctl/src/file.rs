@@ -113,16 +113,11 @@ impl UvmFile {
             // A stock driver routes unknown commands to its test ioctls, which answer EINVAL;
             // other kernels' paths (gVisor's nvproxy on our GPU machine) answer ENOSYS or
             // ENOTTY. The device is nvidia-uvm (checked on open): these mean "no such command".
-            Err(UvmError::Ioctl { errno, .. })
-                if matches!(
-                    errno,
-                    nix::errno::Errno::EINVAL
-                        | nix::errno::Errno::ENOTTY
-                        | nix::errno::Errno::ENOSYS
-                ) =>
-            {
-                Err(UvmError::NotPatched)
-            }
+            Err(UvmError::Ioctl {
+                errno:
+                    nix::errno::Errno::EINVAL | nix::errno::Errno::ENOTTY | nix::errno::Errno::ENOSYS,
+                ..
+            }) => Err(UvmError::NotPatched),
             Err(e) => Err(e),
         }
     }
