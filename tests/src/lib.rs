@@ -166,13 +166,28 @@ pub fn run_config(
     })
 }
 
-/// Request-id bookkeeping shared by the baselines.
+/// Request ids and lengths, shared by the baselines.
 #[derive(Debug)]
-struct Ids {
+struct Requests {
     active: Vec<bool>,
+    lens: Vec<u64>,
+    max_context: u64,
+    token_bytes: u64,
 }
 
-impl Ids {
+impl Requests {
+    fn new(cfg: &ExperimentConfig, token_bytes: u64) -> Self {
+        Requests {
+            active: vec![false; cfg.max_batch],
+            lens: vec![0; cfg.max_batch],
+            max_context: cfg.max_context as u64,
+            token_bytes,
+        }
+    }
+    /// KV bytes the requests' tokens occupy.
+    fn kv_bytes(&self) -> u64 {
+        self.lens.iter().sum::<u64>() * self.token_bytes
+    }
     fn alloc(&mut self) -> Result<usize> {
         let r = self
             .active
@@ -191,6 +206,7 @@ impl Ids {
             Some(false) => Err(VmemError::DoubleFree(r)),
             Some(a) => {
                 *a = false;
+                self.lens[r] = 0;
                 Ok(())
             }
         }
@@ -201,13 +217,10 @@ impl Ids {
 /// tokens (all layers' K and V), a request holds `ceil(len / block_tokens)` blocks.
 #[derive(Debug)]
 pub struct BlockMemory {
-    ids: Ids,
+    req: Requests,
     blocks: Vec<u64>,
-    lens: Vec<u64>,
     block_tokens: u64,
-    token_bytes: u64,
     total_blocks: u64,
-    max_context: u64,
 }
 
 impl BlockMemory {
@@ -215,33 +228,27 @@ impl BlockMemory {
     pub fn new(dep: Deployment, block_tokens: u64, cfg: &ExperimentConfig) -> Result<Self> {
         let token_bytes = dep.model.token_bytes(dep.tp)?;
         Ok(BlockMemory {
-            ids: Ids {
-                active: vec![false; cfg.max_batch],
-            },
+            req: Requests::new(cfg, token_bytes),
             blocks: vec![0; cfg.max_batch],
-            lens: vec![0; cfg.max_batch],
             block_tokens,
-            token_bytes,
             total_blocks: cfg.budget / (block_tokens * token_bytes),
-            max_context: cfg.max_context as u64,
         })
     }
 }
 
 impl KvMemory for BlockMemory {
     fn max_batch(&self) -> usize {
-        self.ids.active.len()
+        self.req.active.len()
     }
     fn max_context(&self) -> u64 {
-        self.max_context
+        self.req.max_context
     }
     fn alloc_reqid(&mut self) -> Result<usize> {
-        self.ids.alloc()
+        self.req.alloc()
     }
     fn free_reqid(&mut self, r: usize) -> Result<()> {
-        self.ids.free(r)?;
+        self.req.free(r)?;
         self.blocks[r] = 0;
-        self.lens[r] = 0;
         Ok(())
     }
     fn step(&mut self, lens: &[u64]) -> Result<StepReport> {
@@ -254,28 +261,28 @@ impl KvMemory for BlockMemory {
             return Err(VmemError::OutOfMemory {
                 needed_pages: total - self.blocks.iter().sum::<u64>(),
                 available_pages: self.total_blocks - self.blocks.iter().sum::<u64>(),
-                cap_bytes: self.total_blocks * self.block_tokens * self.token_bytes,
+                cap_bytes: self.total_blocks * self.block_tokens * self.req.token_bytes,
             });
         }
         let mut rep = StepReport::default();
-        for r in 0..lens.len() {
-            if want[r] > self.blocks[r] {
-                rep.sync_pages += want[r] - self.blocks[r];
-                self.blocks[r] = want[r];
+        for (have, &w) in self.blocks.iter_mut().zip(&want) {
+            if w > *have {
+                rep.sync_pages += w - *have;
+                *have = w;
             }
-            self.lens[r] = lens[r];
         }
+        self.req.lens.copy_from_slice(lens);
         Ok(rep)
     }
     fn usage(&self) -> MemoryUsage {
-        let block_bytes = self.block_tokens * self.token_bytes;
+        let block_bytes = self.block_tokens * self.req.token_bytes;
         MemoryUsage {
-            kv_bytes: self.lens.iter().sum::<u64>() * self.token_bytes,
+            kv_bytes: self.req.kv_bytes(),
             active_mapped_bytes: self.blocks.iter().sum::<u64>() * block_bytes,
             mapped_bytes: self.blocks.iter().sum::<u64>() * block_bytes,
             physical_bytes: self.total_blocks * block_bytes,
             cap_bytes: self.total_blocks * block_bytes,
-            active_requests: self.ids.active.iter().filter(|&&a| a).count(),
+            active_requests: self.req.active.iter().filter(|&&a| a).count(),
         }
     }
 }
@@ -283,10 +290,7 @@ impl KvMemory for BlockMemory {
 /// Orca / FasterTransformer: a request reserves `max_context` tokens when admitted.
 #[derive(Debug)]
 pub struct MaxReservation {
-    ids: Ids,
-    lens: Vec<u64>,
-    token_bytes: u64,
-    max_context: u64,
+    req: Requests,
     slots: u64,
 }
 
@@ -295,12 +299,7 @@ impl MaxReservation {
     pub fn new(dep: Deployment, cfg: &ExperimentConfig) -> Result<Self> {
         let token_bytes = dep.model.token_bytes(dep.tp)?;
         Ok(MaxReservation {
-            ids: Ids {
-                active: vec![false; cfg.max_batch],
-            },
-            lens: vec![0; cfg.max_batch],
-            token_bytes,
-            max_context: cfg.max_context as u64,
+            req: Requests::new(cfg, token_bytes),
             slots: cfg.budget / (token_bytes * cfg.max_context as u64),
         })
     }
@@ -308,18 +307,16 @@ impl MaxReservation {
 
 impl KvMemory for MaxReservation {
     fn max_batch(&self) -> usize {
-        self.ids.active.len()
+        self.req.active.len()
     }
     fn max_context(&self) -> u64 {
-        self.max_context
+        self.req.max_context
     }
     fn alloc_reqid(&mut self) -> Result<usize> {
-        self.ids.alloc()
+        self.req.alloc()
     }
     fn free_reqid(&mut self, r: usize) -> Result<()> {
-        self.ids.free(r)?;
-        self.lens[r] = 0;
-        Ok(())
+        self.req.free(r)
     }
     fn step(&mut self, lens: &[u64]) -> Result<StepReport> {
         let running = lens.iter().filter(|&&l| l > 0).count() as u64;
@@ -327,17 +324,17 @@ impl KvMemory for MaxReservation {
             return Err(VmemError::OutOfMemory {
                 needed_pages: running,
                 available_pages: self.slots,
-                cap_bytes: self.slots * self.max_context * self.token_bytes,
+                cap_bytes: self.slots * self.req.max_context * self.req.token_bytes,
             });
         }
-        self.lens.copy_from_slice(lens);
+        self.req.lens.copy_from_slice(lens);
         Ok(StepReport::default())
     }
     fn usage(&self) -> MemoryUsage {
-        let running = self.lens.iter().filter(|&&l| l > 0).count() as u64;
-        let per = self.max_context * self.token_bytes;
+        let running = self.req.lens.iter().filter(|&&l| l > 0).count() as u64;
+        let per = self.req.max_context * self.req.token_bytes;
         MemoryUsage {
-            kv_bytes: self.lens.iter().sum::<u64>() * self.token_bytes,
+            kv_bytes: self.req.kv_bytes(),
             active_mapped_bytes: running * per,
             mapped_bytes: running * per,
             physical_bytes: self.slots * per,

@@ -3,7 +3,9 @@
 //! and trace errors.
 
 use std::sync::Arc;
-use vmem::backend::{Backend, HostBackend, HostCommit, SimBackend, KIB128, KIB256, KIB64, MIB2};
+use vmem::backend::{
+    Backend, HostBackend, HostCommit, SimBackend, KIB256, KIB64, MIB2, PAGE_SIZES,
+};
 use vmem::models::ModelSpec;
 use vmem::replay::{load_trace, ReplayConfig};
 use vmem::{Layout, VmemError};
@@ -37,7 +39,7 @@ fn table8_is_reproduced_exactly_by_the_manager() {
         ("llama-3.1-70b", 2, [64, 128, 256, 2048], [10 * MB, 20 * MB, 40 * MB, 320 * MB]),
     ];
     for (model, tp, tokens, waste) in expected {
-        for (i, page) in [KIB64, KIB128, KIB256, MIB2].into_iter().enumerate() {
+        for (i, page) in PAGE_SIZES.into_iter().enumerate() {
             let got = table8_cell(dep(model, tp), page, Arc::new(SimBackend::new())).unwrap();
             assert_eq!(
                 got.tokens_per_page, tokens[i],
@@ -73,12 +75,7 @@ fn fast_config(budget: u64) -> ExperimentConfig {
 fn real_traces_host_and_sim_agree_and_waste_grows_with_page_size() {
     // 1.5 GiB keeps the host backend under the kernel's default 65,530 mappings at 64 KB.
     let cfg = fast_config(3 << 29);
-    let host = || -> vmem::Result<Arc<dyn Backend>> {
-        Ok(Arc::new(HostBackend::with_page_sizes(
-            &[KIB64, KIB128, KIB256, MIB2],
-            HostCommit::Lazy,
-        )?))
-    };
+    let host = || -> vmem::Result<Arc<dyn Backend>> { Ok(Arc::new(HostBackend::lazy()?)) };
     let sim = || -> vmem::Result<Arc<dyn Backend>> { Ok(Arc::new(SimBackend::new())) };
     for (name, path) in default_traces() {
         let trace = load_trace(&path).unwrap();
@@ -99,7 +96,7 @@ fn real_traces_host_and_sim_agree_and_waste_grows_with_page_size() {
         )
         .unwrap();
         let mut last = -1.0;
-        for page in [KIB64, KIB128, KIB256, MIB2] {
+        for page in PAGE_SIZES {
             let alloc = Allocator::Vmem {
                 page,
                 layout: Layout::PerLayer,

@@ -3,8 +3,8 @@
 //! for an iteration's compute). Hand-written PTX, loaded with `cuModuleLoadData`, so no
 //! compiler (nvrtc) is needed on the GPU machine.
 
-use crate::backend::CudaBackend;
-use crate::error::{Result, VmemError};
+use crate::backend::{allocation_prop, cuda_err, CudaBackend};
+use crate::error::Result;
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 use std::ffi::{c_void, CString};
@@ -103,13 +103,6 @@ pub struct GpuKernels {
     errors: sys::CUdeviceptr,
 }
 
-fn err(op: &'static str) -> impl Fn(cu::DriverError) -> VmemError {
-    move |e| VmemError::Cuda {
-        op,
-        msg: format!("{e:?}"),
-    }
-}
-
 impl GpuKernels {
     /// Loads the kernels into `backend`'s context (made current on this thread).
     pub fn load(backend: &CudaBackend) -> Result<Self> {
@@ -117,15 +110,15 @@ impl GpuKernels {
         let image = CString::new(PTX).expect("PTX has no NUL");
         // SAFETY: `image` is a NUL-terminated PTX module that outlives the call.
         let module = unsafe { cu::module::load_data(image.as_ptr() as *const c_void) }
-            .map_err(err("cuModuleLoadData"))?;
+            .map_err(cuda_err("cuModuleLoadData"))?;
         let func = |name: &str| {
             // SAFETY: `module` was just loaded and is never unloaded (the kernels live as long
             // as the context).
             unsafe { cu::module::get_function(module, CString::new(name).expect("no NUL")) }
-                .map_err(err("cuModuleGetFunction"))
+                .map_err(cuda_err("cuModuleGetFunction"))
         };
         // SAFETY: a 4-byte device allocation, freed in Drop.
-        let errors = unsafe { cu::malloc_sync(4) }.map_err(err("cuMemAlloc"))?;
+        let errors = unsafe { cu::malloc_sync(4) }.map_err(cuda_err("cuMemAlloc"))?;
         Ok(GpuKernels {
             fill: func("vmem_fill")?,
             check: func("vmem_check")?,
@@ -148,7 +141,7 @@ impl GpuKernels {
     /// Counts the 4-byte words of `[addr, addr + len)` that differ from the pattern `seed`.
     pub fn check(&self, addr: u64, len: u64, seed: u32) -> Result<u32> {
         // SAFETY: `errors` is our 4-byte device allocation.
-        unsafe { cu::memset_d8_sync(self.errors, 0, 4) }.map_err(err("cuMemsetD8"))?;
+        unsafe { cu::memset_d8_sync(self.errors, 0, 4) }.map_err(cuda_err("cuMemsetD8"))?;
         let (mut a, mut n, mut s, mut e) = (addr, len / 4, seed, self.errors);
         let mut params = [
             &mut a as *mut u64 as *mut c_void,
@@ -160,7 +153,7 @@ impl GpuKernels {
         let mut out = [0u32; 1];
         // SAFETY: copies 4 bytes from our allocation into a 4-byte buffer; the launch above
         // is ordered before it on the null stream.
-        unsafe { cu::memcpy_dtoh_sync(&mut out, self.errors) }.map_err(err("cuMemcpyDtoH"))?;
+        unsafe { cu::memcpy_dtoh_sync(&mut out, self.errors) }.map_err(cuda_err("cuMemcpyDtoH"))?;
         Ok(out[0])
     }
 
@@ -179,12 +172,12 @@ impl GpuKernels {
                 &mut params,
             )
         }
-        .map_err(err("cuLaunchKernel"))
+        .map_err(cuda_err("cuLaunchKernel"))
     }
 
     /// Waits for all work on the context.
     pub fn synchronize(&self) -> Result<()> {
-        cu::ctx::synchronize().map_err(err("cuCtxSynchronize"))
+        cu::ctx::synchronize().map_err(cuda_err("cuCtxSynchronize"))
     }
 
     fn launch(&self, f: sys::CUfunction, params: &mut [*mut c_void]) -> Result<()> {
@@ -193,7 +186,7 @@ impl GpuKernels {
         // mapped read/write for the device. We synchronize before returning, so the locals
         // outlive the kernel.
         unsafe { cu::launch_kernel(f, (264, 1, 1), (256, 1, 1), 0, std::ptr::null_mut(), params) }
-            .map_err(err("cuLaunchKernel"))?;
+            .map_err(cuda_err("cuLaunchKernel"))?;
         self.synchronize()
     }
 }
@@ -235,12 +228,8 @@ pub fn time_raw_calls(
     // SAFETY: out-pointer valid; reserves fresh address space.
     unsafe { sys::cuMemAddressReserve(&mut base, size, page_size as usize, 0, 0) }
         .result()
-        .map_err(err("cuMemAddressReserve"))?;
-    // SAFETY: all-zero is the documented default of this plain C struct.
-    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = ordinal;
+        .map_err(cuda_err("cuMemAddressReserve"))?;
+    let prop = allocation_prop(ordinal);
     let access = sys::CUmemAccessDesc {
         location: prop.location,
         flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
@@ -254,19 +243,19 @@ pub fn time_raw_calls(
         // SAFETY: valid out-pointer and property struct.
         unsafe { sys::cuMemCreate(h, page_size as usize, &prop, 0) }
             .result()
-            .map_err(err("cuMemCreate"))?;
+            .map_err(cuda_err("cuMemCreate"))?;
         t[0].push(us(s));
         let s = Instant::now();
         // SAFETY: `at` is an unmapped page-aligned address of our reservation; `h` is fresh.
         unsafe { sys::cuMemMap(at, page_size as usize, 0, *h, 0) }
             .result()
-            .map_err(err("cuMemMap"))?;
+            .map_err(cuda_err("cuMemMap"))?;
         t[1].push(us(s));
         let s = Instant::now();
         // SAFETY: the page was just mapped.
         unsafe { sys::cuMemSetAccess(at, page_size as usize, &access, 1) }
             .result()
-            .map_err(err("cuMemSetAccess"))?;
+            .map_err(cuda_err("cuMemSetAccess"))?;
         t[2].push(us(s));
     }
     for (i, h) in handles.iter().enumerate() {
@@ -275,19 +264,19 @@ pub fn time_raw_calls(
         // SAFETY: unmaps the page mapped above.
         unsafe { sys::cuMemUnmap(at, page_size as usize) }
             .result()
-            .map_err(err("cuMemUnmap"))?;
+            .map_err(cuda_err("cuMemUnmap"))?;
         t[3].push(us(s));
         let s = Instant::now();
         // SAFETY: the handle is unmapped and released once.
         unsafe { sys::cuMemRelease(*h) }
             .result()
-            .map_err(err("cuMemRelease"))?;
+            .map_err(cuda_err("cuMemRelease"))?;
         t[4].push(us(s));
     }
     // SAFETY: frees our own reservation, now empty.
     unsafe { sys::cuMemAddressFree(base, size) }
         .result()
-        .map_err(err("cuMemAddressFree"))?;
+        .map_err(cuda_err("cuMemAddressFree"))?;
     let med = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]

@@ -7,9 +7,7 @@ use plotters::prelude::*;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
-use vmem::backend::{
-    Backend, BackendChoice, HostBackend, HostCommit, SimBackend, KIB128, KIB256, KIB64, MIB2,
-};
+use vmem::backend::{Backend, BackendChoice, HostBackend, SimBackend, PAGE_SIZES};
 use vmem::replay::{load_trace, ReplayConfig};
 use vmem::units::{format_bytes, parse_bytes};
 use vmem::{Layout, Result};
@@ -70,10 +68,7 @@ fn run(args: Args) -> Result<()> {
     let backend_choice: BackendChoice = args.backend.parse()?;
     let make_backend = move || -> Result<Arc<dyn Backend>> {
         Ok(match backend_choice {
-            BackendChoice::Host => Arc::new(HostBackend::with_page_sizes(
-                &[KIB64, KIB128, KIB256, MIB2],
-                HostCommit::Lazy,
-            )?),
+            BackendChoice::Host => Arc::new(HostBackend::lazy()?),
             _ => Arc::new(SimBackend::new()),
         })
     };
@@ -100,7 +95,7 @@ fn run(args: Args) -> Result<()> {
         .collect();
     let mut allocators = vec![Allocator::Blocks(16), Allocator::MaxReservation];
     for layout in [Layout::PerLayer, Layout::TokenMajor] {
-        for page in [KIB64, KIB128, KIB256, MIB2] {
+        for page in PAGE_SIZES {
             allocators.push(Allocator::Vmem { page, layout });
         }
     }
@@ -137,7 +132,7 @@ fn run(args: Args) -> Result<()> {
                 bar.inc(1);
                 let s = &o.online;
                 let avg = s.avg_waste();
-                let peak = 1.0 - s.peak_kv_bytes as f64 / s.peak_active_mapped_bytes.max(1) as f64;
+                let peak = s.peak_waste();
                 if alloc == Allocator::Blocks(16) {
                     blocks_waste = Some(avg);
                 }
@@ -217,7 +212,7 @@ fn plot(
     let root = SVGBackend::new(path, (640 * traces.len().max(1) as u32, 480)).into_drawing_area();
     root.fill(&WHITE)?;
     let panels = root.split_evenly((1, traces.len().max(1)));
-    let pages = [KIB64, KIB128, KIB256, MIB2];
+    let pages = PAGE_SIZES;
     for (panel, trace) in panels.iter().zip(&traces) {
         let ymax = points
             .iter()

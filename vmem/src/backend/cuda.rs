@@ -37,7 +37,8 @@ unsafe impl Send for ContextHandle {}
 // SAFETY: as above; it is never mutated after creation.
 unsafe impl Sync for ContextHandle {}
 
-fn cuda_err(op: &'static str) -> impl Fn(DriverError) -> VmemError {
+/// Turns a driver error into [`VmemError::Cuda`] naming the call.
+pub(crate) fn cuda_err(op: &'static str) -> impl Fn(DriverError) -> VmemError {
     move |e| VmemError::Cuda {
         op,
         msg: e
@@ -133,7 +134,8 @@ impl CudaBackend {
     }
 }
 
-fn allocation_prop(ordinal: i32) -> sys::CUmemAllocationProp {
+/// Properties of a pinned device allocation on GPU `ordinal`.
+pub(crate) fn allocation_prop(ordinal: i32) -> sys::CUmemAllocationProp {
     // SAFETY: CUmemAllocationProp is a plain C struct for which all-zero is the documented
     // default (no handle types, no flags, null win32 metadata).
     let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };

@@ -9,7 +9,7 @@
 //! Memory written through a mapping is in the memfd, so remapping a page elsewhere shows the
 //! same bytes, exactly as re-mapping a GPU physical handle does.
 
-use super::{Backend, BackendKind, PageHandle, RangeBook, KIB128, KIB256, KIB64, MIB2};
+use super::{Backend, BackendKind, PageHandle, RangeBook, PAGE_SIZES};
 use crate::error::{Result, VmemError};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -50,7 +50,13 @@ struct HostState {
 impl HostBackend {
     /// A host backend with 64 KB, 128 KB, 256 KB and 2 MB pages, committing eagerly.
     pub fn new() -> Result<Self> {
-        Self::with_page_sizes(&[KIB64, KIB128, KIB256, MIB2], HostCommit::Eager)
+        Self::with_page_sizes(&PAGE_SIZES, HostCommit::Eager)
+    }
+
+    /// A host backend with the standard page sizes that allocates memory only on first
+    /// touch: for replays, which map pages but write no KV data.
+    pub fn lazy() -> Result<Self> {
+        Self::with_page_sizes(&PAGE_SIZES, HostCommit::Lazy)
     }
 
     /// A host backend with the given page sizes (each a multiple of 4 KiB; the largest must be

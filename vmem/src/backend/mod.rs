@@ -28,6 +28,8 @@ mod uvm;
 pub use counting::{CallCounts, CountingBackend};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaBackend;
+#[cfg(feature = "cuda")]
+pub(crate) use cuda::{allocation_prop, cuda_err};
 pub use fault::{FaultPlan, FaultyBackend};
 pub use host::{HostBackend, HostCommit};
 pub use select::{open_backend, BackendChoice, Selected};
@@ -45,6 +47,8 @@ pub const KIB128: u64 = 128 << 10;
 pub const KIB256: u64 = 256 << 10;
 /// 2 MiB, CUDA's virtual-memory granularity.
 pub const MIB2: u64 = 2 << 20;
+/// The page sizes vmem compares: the driver patch's three small pages and CUDA's 2 MB.
+pub const PAGE_SIZES: [u64; 4] = [KIB64, KIB128, KIB256, MIB2];
 
 /// An opaque handle to one physical page, as a backend created it.
 ///

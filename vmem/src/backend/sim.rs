@@ -3,7 +3,7 @@
 //! GB of KV, hundreds of thousands of pages) cost only the bookkeeping; the fragmentation
 //! suite checks that it maps exactly the pages the host backend maps for the same replay.
 
-use super::{Backend, BackendKind, PageHandle, RangeBook, KIB128, KIB256, KIB64, MIB2};
+use super::{Backend, BackendKind, PageHandle, RangeBook, MIB2, PAGE_SIZES};
 use crate::error::{Result, VmemError};
 use std::sync::Mutex;
 
@@ -29,7 +29,7 @@ const SIM_VA_LIMIT: u64 = 1 << 57;
 impl SimBackend {
     /// A simulation backend with 64 KB, 128 KB, 256 KB and 2 MB pages.
     pub fn new() -> Self {
-        Self::with_page_sizes(&[KIB64, KIB128, KIB256, MIB2])
+        Self::with_page_sizes(&PAGE_SIZES)
     }
 
     /// A simulation backend with the given page sizes (largest = granularity).

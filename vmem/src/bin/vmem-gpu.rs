@@ -20,6 +20,27 @@ fn p99(v: &mut [f64]) -> f64 {
     v[v.len() * 99 / 100]
 }
 
+/// A manager shaped like Llama-3-8B (32 layers, 8 KV heads of 128, fp16; 2 MB pages, B = 32,
+/// 40 GB cap), adjusted by `tweak`, with 32 requests prefilled at staggered lengths so that
+/// decode steps cross page boundaries at different times. Returns it with the lengths.
+fn staggered_decode(
+    backend: Arc<dyn Backend>,
+    tweak: impl FnOnce(&mut KvConfig),
+) -> Result<(KvCacheManager, Vec<u64>)> {
+    let mut cfg = KvConfig::new(32, 32, 8192, 8, 128, 2, MIB2);
+    cfg.memory_cap = 40 << 30;
+    tweak(&mut cfg);
+    let kv = KvCacheManager::init(backend, cfg)?;
+    let mut lens = vec![0u64; 32];
+    for (i, l) in lens.iter_mut().enumerate() {
+        kv.alloc_reqid()?;
+        *l = 64 + (i as u64 * 331) % 1024;
+    }
+    kv.step(&lens)?;
+    kv.wait_idle();
+    Ok((kv, lens))
+}
+
 fn main() {
     if let Err(e) = run() {
         eprintln!("error: {e}");
@@ -178,17 +199,7 @@ fn run() -> Result<()> {
 
     // 4. Decode loop: GPU "compute" (a spinning kernel, ~10 ms) per iteration; step before it.
     for overlap in [false, true] {
-        let mut cfg = KvConfig::new(32, 32, 8192, 8, 128, 2, MIB2);
-        cfg.memory_cap = 40 << 30;
-        cfg.overlap = overlap;
-        let kv = KvCacheManager::init(cuda.clone(), cfg)?;
-        let mut lens = vec![0u64; 32];
-        for (i, l) in lens.iter_mut().enumerate() {
-            kv.alloc_reqid()?;
-            *l = 64 + (i as u64 * 331) % 1024;
-        }
-        kv.step(&lens)?;
-        kv.wait_idle();
+        let (kv, mut lens) = staggered_decode(cuda.clone(), |cfg| cfg.overlap = overlap)?;
         let (mut steps, mut iters, mut sync) = (Vec::new(), Vec::new(), 0);
         for _ in 0..400 {
             lens.iter_mut().for_each(|l| *l += 1);
@@ -214,18 +225,11 @@ fn run() -> Result<()> {
     // 5. Layouts: pages mapped and driver calls per 1000 decode steps.
     for layout in [Layout::PerLayer, Layout::TokenMajor] {
         let counting = Arc::new(CountingBackend::new(cuda.clone() as Arc<dyn Backend>));
-        let mut cfg = KvConfig::new(32, 32, 8192, 8, 128, 2, MIB2);
-        cfg.layout = layout;
-        cfg.memory_cap = 40 << 30;
-        cfg.overlap = false;
-        cfg.eager_tokens = 0;
-        let kv = KvCacheManager::init(counting.clone(), cfg)?;
-        let mut lens = vec![0u64; 32];
-        for (i, l) in lens.iter_mut().enumerate() {
-            kv.alloc_reqid()?;
-            *l = 64 + (i as u64 * 331) % 1024;
-        }
-        kv.step(&lens)?;
+        let (kv, mut lens) = staggered_decode(counting.clone(), |cfg| {
+            cfg.layout = layout;
+            cfg.overlap = false;
+            cfg.eager_tokens = 0;
+        })?;
         counting.reset();
         for _ in 0..1000 {
             lens.iter_mut().for_each(|l| *l += 1);

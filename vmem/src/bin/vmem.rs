@@ -5,10 +5,7 @@ use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::sync::Arc;
-use vmem::backend::{
-    open_backend, Backend, BackendChoice, BackendKind, HostBackend, HostCommit, KIB128, KIB256,
-    KIB64, MIB2,
-};
+use vmem::backend::{open_backend, Backend, BackendChoice, BackendKind, HostBackend, PAGE_SIZES};
 use vmem::models::ModelSpec;
 use vmem::replay::{load_trace, replay, ReplayConfig};
 use vmem::units::{format_bytes, parse_bytes};
@@ -133,16 +130,13 @@ fn run_replay(args: &ReplayArgs) -> Result<()> {
     let selected = open_backend(choice, args.device)?;
     // A replay writes no KV data: on host memory, let untouched pages cost nothing.
     let backend: Arc<dyn Backend> = if selected.backend.kind() == BackendKind::Host {
-        Arc::new(HostBackend::with_page_sizes(
-            &[KIB64, KIB128, KIB256, MIB2],
-            HostCommit::Lazy,
-        )?)
+        Arc::new(HostBackend::lazy()?)
     } else {
         selected.backend.clone()
     };
     let page_sizes: Vec<u64> = if args.page_sizes.is_empty() {
         let supported = backend.page_sizes();
-        [KIB64, KIB128, KIB256, MIB2]
+        PAGE_SIZES
             .into_iter()
             .filter(|p| supported.contains(p))
             .collect()
@@ -202,8 +196,7 @@ fn run_replay(args: &ReplayArgs) -> Result<()> {
             format_bytes(stats.peak_kv_bytes),
             format_bytes(stats.peak_physical_bytes),
             stats.avg_waste() * 100.0,
-            (1.0 - stats.peak_kv_bytes as f64 / stats.peak_active_mapped_bytes.max(1) as f64)
-                * 100.0,
+            stats.peak_waste() * 100.0,
             stats.peak_batch,
             stats.preemptions,
             stats.sync_pages,

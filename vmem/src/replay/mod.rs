@@ -120,6 +120,12 @@ impl ReplayStats {
         1.0 - self.sum_kv_bytes as f64 / self.sum_active_mapped_bytes as f64
     }
 
+    /// Fraction of the peak memory mapped to running requests that the peak KV bytes do not
+    /// fill (the two peaks may fall on different iterations).
+    pub fn peak_waste(&self) -> f64 {
+        1.0 - self.peak_kv_bytes as f64 / self.peak_active_mapped_bytes.max(1) as f64
+    }
+
     /// Mapped bytes per KV byte, time-averaged (1.0 = no waste).
     pub fn avg_overhead(&self) -> f64 {
         if self.sum_kv_bytes == 0 {
@@ -245,7 +251,6 @@ pub fn replay<M: KvMemory>(
 
         // Account this iteration.
         stats.iterations += 1;
-
         stats.sync_pages += report.sync_pages;
         stats.background_pages += report.background_pages;
         stats.reclaimed_pages += report.reclaimed_pages;
