@@ -11,7 +11,11 @@ case "${1:-}" in
     cargo build --release -p vmem --bins
     mkdir -p .carry
     cp target/release/vmem-gpu target/release/vmem .carry/
-    cp -r data .carry/ 2>/dev/null || true
+    # The GPU tests, as a test executable (they skip without a GPU; here they run).
+    exe=$(cargo test --release -p vmem-tests --test gpu --no-run --message-format=json 2>/dev/null \
+      | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | tail -1)
+    cp "$exe" .carry/gpu-tests
+    strip .carry/vmem-gpu .carry/vmem .carry/gpu-tests   # stay under the 64 MiB carry limit
     echo "built .carry/vmem-gpu .carry/vmem"
     ;;
   run)
@@ -23,7 +27,9 @@ case "${1:-}" in
     echo "== vmem detect"
     .carry/vmem detect 2>&1 | tee "$out/detect.txt"
     echo "== vmem replay on the GPU (CUDA backend, 2MB), first 500 requests"
-    .carry/vmem replay --trace .carry/data/traces/azure-conv-2023-first2000.csv --requests 500 --budget 8GiB 2>&1 | tee "$out/replay.txt"
+    .carry/vmem replay --trace data/traces/azure-conv-2023-first2000.csv --requests 500 --budget 8GiB 2>&1 | tee "$out/replay.txt"
+    echo "== GPU tests (cargo test -p vmem-tests --test gpu, built here)"
+    .carry/gpu-tests --nocapture --test-threads=1 2>&1 | tee "$out/gpu-tests.txt"
     echo "== vmem-gpu"
     RUST_LOG=warn .carry/vmem-gpu 2>&1 | tee "$out/vmem-gpu.txt"
     ;;

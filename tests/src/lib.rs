@@ -378,8 +378,15 @@ pub fn table8_cell(dep: Deployment, page: u64, backend: Arc<dyn Backend>) -> Res
 }
 
 /// The two Azure traces: from `../shared/traces/` when present, else the bundled subsets.
+/// Paths are relative to the workspace this was built in, or, where that is gone (a test
+/// binary carried to another machine), to the current directory.
 pub fn default_traces() -> Vec<(String, PathBuf)> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let built_in = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let root = if built_in.join("data/traces").exists() {
+        built_in
+    } else {
+        PathBuf::from(".")
+    };
     ["code", "conv"]
         .into_iter()
         .map(|t| {
