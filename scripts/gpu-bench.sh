@@ -13,7 +13,7 @@ case "${1:-}" in
     cp target/release/vmem-gpu target/release/vmem .carry/
     # The GPU tests, as a test executable (they skip without a GPU; here they run).
     exe=$(cargo test --release -p vmem-tests --test gpu --no-run --message-format=json 2>/dev/null \
-      | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | tail -1)
+      | grep -o '"executable":"[^"]*/deps/gpu-[^"]*"' | cut -d'"' -f4 | tail -1)
     cp "$exe" .carry/gpu-tests
     strip .carry/vmem-gpu .carry/vmem .carry/gpu-tests   # stay under the 64 MiB carry limit
     echo "built .carry/vmem-gpu .carry/vmem"
@@ -31,7 +31,9 @@ case "${1:-}" in
     echo "== GPU tests (cargo test -p vmem-tests --test gpu, built here)"
     .carry/gpu-tests --nocapture --test-threads=1 2>&1 | tee "$out/gpu-tests.txt"
     echo "== vmem-gpu"
-    RUST_LOG=warn .carry/vmem-gpu 2>&1 | tee "$out/vmem-gpu.txt"
+    # cuBLAS and nvrtc are loaded at run time: point the loader at the CUDA toolkit's copies.
+    export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    RUST_LOG=warn VMEM_OUT="$out" .carry/vmem-gpu 2>&1 | tee "$out/vmem-gpu.txt"
     ;;
   *)
     echo "usage: $0 build|run" >&2

@@ -7,7 +7,7 @@ use std::time::Instant;
 use vmem::backend::{
     open_backend, Backend, BackendChoice, CountingBackend, CudaBackend, KIB64, MIB2,
 };
-use vmem::gpu::{time_raw_calls, GpuKernels};
+use vmem::gpu::{time_raw_calls, DecodeModel, GpuKernels};
 use vmem::{KvCacheManager, KvConfig, Layout, Result, VmemError};
 
 fn median(v: &mut [f64]) -> f64 {
@@ -197,30 +197,67 @@ fn run() -> Result<()> {
     cuda.free_range(big)?;
     cuda.free_range(range)?;
 
-    // 4. Decode loop: GPU "compute" (a spinning kernel, ~10 ms) per iteration; step before it.
-    for overlap in [false, true] {
-        let (kv, mut lens) = staggered_decode(cuda.clone(), |cfg| cfg.overlap = overlap)?;
+    // 4. Decode loop: a Llama-3-8B-shaped iteration (cuBLAS GEMMs + append/attention
+    //    kernels over the vmem cache, all 32 layers) after each step; background on vs off,
+    //    then token-major (which the same kernels read through its strided views).
+    let mut model = DecodeModel::new(0, 32)?;
+    let mut series: Vec<(String, Vec<f64>)> = Vec::new();
+    for (layout, overlap) in [
+        (Layout::PerLayer, false),
+        (Layout::PerLayer, true),
+        (Layout::TokenMajor, true),
+    ] {
+        let (kv, mut lens) = staggered_decode(cuda.clone(), |cfg| {
+            cfg.overlap = overlap;
+            cfg.layout = layout;
+        })?;
+        let views = kv.layer_views().to_vec();
+        for _ in 0..5 {
+            model.iteration(&views, &lens)?; // warm-up: cuBLAS heuristics, module load
+        }
         let (mut steps, mut iters, mut sync) = (Vec::new(), Vec::new(), 0);
         for _ in 0..400 {
             lens.iter_mut().for_each(|l| *l += 1);
             let t = Instant::now();
             sync += kv.step(&lens)?.sync_pages;
             let ts = t.elapsed().as_secs_f64() * 1e3;
-            kernels.spin(17_000_000)?;
-            kernels.synchronize()?;
+            model.iteration(&views, &lens)?;
             steps.push(ts);
             iters.push(t.elapsed().as_secs_f64() * 1e3);
         }
+        let name = format!(
+            "{} background {}",
+            layout.name(),
+            if overlap { "on" } else { "off" }
+        );
+        series.push((name.clone(), iters.clone()));
         table.push(format!(
-            "decode B=32 llama-3-8b per-layer 2MB, background {:<3}: step median {:.3} ms p99 {:.3} ms | iteration median {:.2} ms p99 {:.2} ms | sync pages {}",
-            if overlap { "on" } else { "off" },
+            "decode B=32 llama-3-8b 2MB, {name:<26}: step median {:.3} ms p99 {:.3} ms | iteration median {:.2} ms p99 {:.2} ms max {:.2} ms | sync pages {}",
             median(&mut steps),
             p99(&mut steps),
             median(&mut iters),
             p99(&mut iters),
+            iters.iter().copied().fold(0.0, f64::max),
             sync
         ));
     }
+    if let Ok(dir) = std::env::var("VMEM_OUT") {
+        let mut csv = String::from("iteration");
+        for (name, _) in &series {
+            csv.push_str(&format!(",{name}"));
+        }
+        for i in 0..series[0].1.len() {
+            csv.push_str(&format!("\n{i}"));
+            for (_, v) in &series {
+                csv.push_str(&format!(",{:.4}", v[i]));
+            }
+        }
+        csv.push('\n');
+        let path = std::path::Path::new(&dir).join("decode_iterations.csv");
+        std::fs::write(&path, csv)
+            .map_err(|e| VmemError::InvalidConfig(format!("{}: {e}", path.display())))?;
+    }
+    drop(model);
 
     // 5. Layouts: pages mapped and driver calls per 1000 decode steps.
     for layout in [Layout::PerLayer, Layout::TokenMajor] {

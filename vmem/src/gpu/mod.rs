@@ -1,7 +1,11 @@
 //! Small GPU kernels for checking and exercising vmem-backed memory (feature `cuda`):
-//! fill a span with a pattern, count mismatches against it, and spin for a while (a stand-in
-//! for an iteration's compute). Hand-written PTX, loaded with `cuModuleLoadData`, so no
-//! compiler (nvrtc) is needed on the GPU machine.
+//! fill a span with a pattern and count mismatches against it (hand-written PTX, loaded with
+//! `cuModuleLoadData`: no compiler needed), and [`DecodeModel`], a Llama-3-8B-shaped decode
+//! iteration over a vmem KV cache (cuBLAS + nvrtc-compiled kernels).
+
+mod decode;
+
+pub use decode::DecodeModel;
 
 use crate::backend::{allocation_prop, cuda_err, CudaBackend};
 use crate::error::Result;
@@ -79,19 +83,6 @@ CHECK_DONE:
     ret;
 }
 
-.visible .entry vmem_spin(.param .u64 cycles)
-{
-    .reg .pred %p;
-    .reg .b64 %rd<5>;
-    ld.param.u64 %rd1, [cycles];
-    mov.u64 %rd2, %clock64;
-SPIN:
-    mov.u64 %rd3, %clock64;
-    sub.u64 %rd4, %rd3, %rd2;
-    setp.lt.u64 %p, %rd4, %rd1;
-    @%p bra SPIN;
-    ret;
-}
 "#;
 
 /// The loaded kernels and a device word for the error count.
@@ -99,7 +90,6 @@ SPIN:
 pub struct GpuKernels {
     fill: sys::CUfunction,
     check: sys::CUfunction,
-    spin: sys::CUfunction,
     errors: sys::CUdeviceptr,
 }
 
@@ -122,7 +112,6 @@ impl GpuKernels {
         Ok(GpuKernels {
             fill: func("vmem_fill")?,
             check: func("vmem_check")?,
-            spin: func("vmem_spin")?,
             errors,
         })
     }
@@ -155,24 +144,6 @@ impl GpuKernels {
         // is ordered before it on the null stream.
         unsafe { cu::memcpy_dtoh_sync(&mut out, self.errors) }.map_err(cuda_err("cuMemcpyDtoH"))?;
         Ok(out[0])
-    }
-
-    /// Launches one block that spins for `cycles` GPU clock cycles (asynchronous).
-    pub fn spin(&self, cycles: u64) -> Result<()> {
-        let mut c = cycles;
-        let mut params = [&mut c as *mut u64 as *mut c_void];
-        // SAFETY: one u64 parameter, matching vmem_spin's signature.
-        unsafe {
-            cu::launch_kernel(
-                self.spin,
-                (1, 1, 1),
-                (1, 1, 1),
-                0,
-                std::ptr::null_mut(),
-                &mut params,
-            )
-        }
-        .map_err(cuda_err("cuLaunchKernel"))
     }
 
     /// Waits for all work on the context.
