@@ -35,7 +35,7 @@ typedef uint8_t NvU8;
 typedef uint32_t NvU32;
 typedef uint64_t NvU64;
 typedef NvU32 NV_STATUS;
-typedef struct {
+typedef struct nv_processor_uuid {
 	NvU8 uuid[16];
 } NvProcessorUuid;
 #endif
@@ -70,14 +70,14 @@ typedef struct {
 /* UVM_VMEM_RELEASE_PARAMS.flags: unmap the page first if it is mapped. */
 #define UVM_VMEM_RELEASE_UNMAP 0x1u
 
-typedef struct {
+typedef struct uvm_vmem_query_params {
 	NvU64 pageSizes; /* OUT: UVM_VMEM_PAGE_* bits */
 	NvU64 rangeAlign; /* OUT: UVM_VMEM_RANGE_ALIGN */
 	NvU32 version; /* OUT: UVM_VMEM_VERSION */
 	NV_STATUS rmStatus; /* OUT */
 } UVM_VMEM_QUERY_PARAMS;
 
-typedef struct {
+typedef struct uvm_vmem_reserve_params {
 	NvProcessorUuid gpuUuid; /* IN: a GPU registered on this file */
 	NvU64 length; /* IN: multiple of rangeAlign */
 	NvU64 base; /* OUT: start of the range, aligned to rangeAlign */
@@ -85,7 +85,7 @@ typedef struct {
 	NV_STATUS rmStatus; /* OUT */
 } UVM_VMEM_RESERVE_PARAMS;
 
-typedef struct {
+typedef struct uvm_vmem_create_params {
 	NvProcessorUuid gpuUuid; /* IN: the GPU whose memory backs the page */
 	NvU64 pageSize; /* IN: one of UVM_VMEM_PAGE_* */
 	NvU64 handle; /* OUT: non-zero, unique on this file */
@@ -93,27 +93,27 @@ typedef struct {
 	NV_STATUS rmStatus; /* OUT */
 } UVM_VMEM_CREATE_PARAMS;
 
-typedef struct {
+typedef struct uvm_vmem_map_params {
 	NvU64 base; /* IN: page-aligned address inside a reserved range */
 	NvU64 handle; /* IN: a page created on this file, not mapped */
 	NvU32 flags; /* IN: must be 0 */
 	NV_STATUS rmStatus; /* OUT */
 } UVM_VMEM_MAP_PARAMS;
 
-typedef struct {
+typedef struct uvm_vmem_unmap_params {
 	NvU64 base; /* IN: first page of a run of mapped pages */
 	NvU64 length; /* IN: bytes; the run must be exactly mapped */
 	NvU32 flags; /* IN: must be 0 */
 	NV_STATUS rmStatus; /* OUT */
 } UVM_VMEM_UNMAP_PARAMS;
 
-typedef struct {
+typedef struct uvm_vmem_release_params {
 	NvU64 handle; /* IN */
 	NvU32 flags; /* IN: 0 or UVM_VMEM_RELEASE_UNMAP */
 	NV_STATUS rmStatus; /* OUT */
 } UVM_VMEM_RELEASE_PARAMS;
 
-typedef struct {
+typedef struct uvm_vmem_free_params {
 	NvU64 base; /* IN: start of a reserved range with nothing mapped */
 	NvU32 flags; /* IN: must be 0 */
 	NV_STATUS rmStatus; /* OUT */

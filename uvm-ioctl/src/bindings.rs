@@ -24,19 +24,20 @@ pub type NvU64 = u64;
 pub type NV_STATUS = NvU32;
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, Hash, PartialEq, Eq)]
-pub struct NvProcessorUuid {
+pub struct nv_processor_uuid {
     pub uuid: [NvU8; 16usize],
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of NvProcessorUuid"][::core::mem::size_of::<NvProcessorUuid>() - 16usize];
-    ["Alignment of NvProcessorUuid"][::core::mem::align_of::<NvProcessorUuid>() - 1usize];
-    ["Offset of field: NvProcessorUuid::uuid"]
-        [::core::mem::offset_of!(NvProcessorUuid, uuid) - 0usize];
+    ["Size of nv_processor_uuid"][::core::mem::size_of::<nv_processor_uuid>() - 16usize];
+    ["Alignment of nv_processor_uuid"][::core::mem::align_of::<nv_processor_uuid>() - 1usize];
+    ["Offset of field: nv_processor_uuid::uuid"]
+        [::core::mem::offset_of!(nv_processor_uuid, uuid) - 0usize];
 };
+pub type NvProcessorUuid = nv_processor_uuid;
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, Hash, PartialEq, Eq)]
-pub struct UVM_VMEM_QUERY_PARAMS {
+pub struct uvm_vmem_query_params {
     pub pageSizes: NvU64,
     pub rangeAlign: NvU64,
     pub version: NvU32,
@@ -44,21 +45,22 @@ pub struct UVM_VMEM_QUERY_PARAMS {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of UVM_VMEM_QUERY_PARAMS"][::core::mem::size_of::<UVM_VMEM_QUERY_PARAMS>() - 24usize];
-    ["Alignment of UVM_VMEM_QUERY_PARAMS"]
-        [::core::mem::align_of::<UVM_VMEM_QUERY_PARAMS>() - 8usize];
-    ["Offset of field: UVM_VMEM_QUERY_PARAMS::pageSizes"]
-        [::core::mem::offset_of!(UVM_VMEM_QUERY_PARAMS, pageSizes) - 0usize];
-    ["Offset of field: UVM_VMEM_QUERY_PARAMS::rangeAlign"]
-        [::core::mem::offset_of!(UVM_VMEM_QUERY_PARAMS, rangeAlign) - 8usize];
-    ["Offset of field: UVM_VMEM_QUERY_PARAMS::version"]
-        [::core::mem::offset_of!(UVM_VMEM_QUERY_PARAMS, version) - 16usize];
-    ["Offset of field: UVM_VMEM_QUERY_PARAMS::rmStatus"]
-        [::core::mem::offset_of!(UVM_VMEM_QUERY_PARAMS, rmStatus) - 20usize];
+    ["Size of uvm_vmem_query_params"][::core::mem::size_of::<uvm_vmem_query_params>() - 24usize];
+    ["Alignment of uvm_vmem_query_params"]
+        [::core::mem::align_of::<uvm_vmem_query_params>() - 8usize];
+    ["Offset of field: uvm_vmem_query_params::pageSizes"]
+        [::core::mem::offset_of!(uvm_vmem_query_params, pageSizes) - 0usize];
+    ["Offset of field: uvm_vmem_query_params::rangeAlign"]
+        [::core::mem::offset_of!(uvm_vmem_query_params, rangeAlign) - 8usize];
+    ["Offset of field: uvm_vmem_query_params::version"]
+        [::core::mem::offset_of!(uvm_vmem_query_params, version) - 16usize];
+    ["Offset of field: uvm_vmem_query_params::rmStatus"]
+        [::core::mem::offset_of!(uvm_vmem_query_params, rmStatus) - 20usize];
 };
+pub type UVM_VMEM_QUERY_PARAMS = uvm_vmem_query_params;
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, Hash, PartialEq, Eq)]
-pub struct UVM_VMEM_RESERVE_PARAMS {
+pub struct uvm_vmem_reserve_params {
     pub gpuUuid: NvProcessorUuid,
     pub length: NvU64,
     pub base: NvU64,
@@ -67,24 +69,25 @@ pub struct UVM_VMEM_RESERVE_PARAMS {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of UVM_VMEM_RESERVE_PARAMS"]
-        [::core::mem::size_of::<UVM_VMEM_RESERVE_PARAMS>() - 40usize];
-    ["Alignment of UVM_VMEM_RESERVE_PARAMS"]
-        [::core::mem::align_of::<UVM_VMEM_RESERVE_PARAMS>() - 8usize];
-    ["Offset of field: UVM_VMEM_RESERVE_PARAMS::gpuUuid"]
-        [::core::mem::offset_of!(UVM_VMEM_RESERVE_PARAMS, gpuUuid) - 0usize];
-    ["Offset of field: UVM_VMEM_RESERVE_PARAMS::length"]
-        [::core::mem::offset_of!(UVM_VMEM_RESERVE_PARAMS, length) - 16usize];
-    ["Offset of field: UVM_VMEM_RESERVE_PARAMS::base"]
-        [::core::mem::offset_of!(UVM_VMEM_RESERVE_PARAMS, base) - 24usize];
-    ["Offset of field: UVM_VMEM_RESERVE_PARAMS::flags"]
-        [::core::mem::offset_of!(UVM_VMEM_RESERVE_PARAMS, flags) - 32usize];
-    ["Offset of field: UVM_VMEM_RESERVE_PARAMS::rmStatus"]
-        [::core::mem::offset_of!(UVM_VMEM_RESERVE_PARAMS, rmStatus) - 36usize];
+    ["Size of uvm_vmem_reserve_params"]
+        [::core::mem::size_of::<uvm_vmem_reserve_params>() - 40usize];
+    ["Alignment of uvm_vmem_reserve_params"]
+        [::core::mem::align_of::<uvm_vmem_reserve_params>() - 8usize];
+    ["Offset of field: uvm_vmem_reserve_params::gpuUuid"]
+        [::core::mem::offset_of!(uvm_vmem_reserve_params, gpuUuid) - 0usize];
+    ["Offset of field: uvm_vmem_reserve_params::length"]
+        [::core::mem::offset_of!(uvm_vmem_reserve_params, length) - 16usize];
+    ["Offset of field: uvm_vmem_reserve_params::base"]
+        [::core::mem::offset_of!(uvm_vmem_reserve_params, base) - 24usize];
+    ["Offset of field: uvm_vmem_reserve_params::flags"]
+        [::core::mem::offset_of!(uvm_vmem_reserve_params, flags) - 32usize];
+    ["Offset of field: uvm_vmem_reserve_params::rmStatus"]
+        [::core::mem::offset_of!(uvm_vmem_reserve_params, rmStatus) - 36usize];
 };
+pub type UVM_VMEM_RESERVE_PARAMS = uvm_vmem_reserve_params;
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, Hash, PartialEq, Eq)]
-pub struct UVM_VMEM_CREATE_PARAMS {
+pub struct uvm_vmem_create_params {
     pub gpuUuid: NvProcessorUuid,
     pub pageSize: NvU64,
     pub handle: NvU64,
@@ -93,23 +96,24 @@ pub struct UVM_VMEM_CREATE_PARAMS {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of UVM_VMEM_CREATE_PARAMS"][::core::mem::size_of::<UVM_VMEM_CREATE_PARAMS>() - 40usize];
-    ["Alignment of UVM_VMEM_CREATE_PARAMS"]
-        [::core::mem::align_of::<UVM_VMEM_CREATE_PARAMS>() - 8usize];
-    ["Offset of field: UVM_VMEM_CREATE_PARAMS::gpuUuid"]
-        [::core::mem::offset_of!(UVM_VMEM_CREATE_PARAMS, gpuUuid) - 0usize];
-    ["Offset of field: UVM_VMEM_CREATE_PARAMS::pageSize"]
-        [::core::mem::offset_of!(UVM_VMEM_CREATE_PARAMS, pageSize) - 16usize];
-    ["Offset of field: UVM_VMEM_CREATE_PARAMS::handle"]
-        [::core::mem::offset_of!(UVM_VMEM_CREATE_PARAMS, handle) - 24usize];
-    ["Offset of field: UVM_VMEM_CREATE_PARAMS::flags"]
-        [::core::mem::offset_of!(UVM_VMEM_CREATE_PARAMS, flags) - 32usize];
-    ["Offset of field: UVM_VMEM_CREATE_PARAMS::rmStatus"]
-        [::core::mem::offset_of!(UVM_VMEM_CREATE_PARAMS, rmStatus) - 36usize];
+    ["Size of uvm_vmem_create_params"][::core::mem::size_of::<uvm_vmem_create_params>() - 40usize];
+    ["Alignment of uvm_vmem_create_params"]
+        [::core::mem::align_of::<uvm_vmem_create_params>() - 8usize];
+    ["Offset of field: uvm_vmem_create_params::gpuUuid"]
+        [::core::mem::offset_of!(uvm_vmem_create_params, gpuUuid) - 0usize];
+    ["Offset of field: uvm_vmem_create_params::pageSize"]
+        [::core::mem::offset_of!(uvm_vmem_create_params, pageSize) - 16usize];
+    ["Offset of field: uvm_vmem_create_params::handle"]
+        [::core::mem::offset_of!(uvm_vmem_create_params, handle) - 24usize];
+    ["Offset of field: uvm_vmem_create_params::flags"]
+        [::core::mem::offset_of!(uvm_vmem_create_params, flags) - 32usize];
+    ["Offset of field: uvm_vmem_create_params::rmStatus"]
+        [::core::mem::offset_of!(uvm_vmem_create_params, rmStatus) - 36usize];
 };
+pub type UVM_VMEM_CREATE_PARAMS = uvm_vmem_create_params;
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, Hash, PartialEq, Eq)]
-pub struct UVM_VMEM_MAP_PARAMS {
+pub struct uvm_vmem_map_params {
     pub base: NvU64,
     pub handle: NvU64,
     pub flags: NvU32,
@@ -117,20 +121,21 @@ pub struct UVM_VMEM_MAP_PARAMS {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of UVM_VMEM_MAP_PARAMS"][::core::mem::size_of::<UVM_VMEM_MAP_PARAMS>() - 24usize];
-    ["Alignment of UVM_VMEM_MAP_PARAMS"][::core::mem::align_of::<UVM_VMEM_MAP_PARAMS>() - 8usize];
-    ["Offset of field: UVM_VMEM_MAP_PARAMS::base"]
-        [::core::mem::offset_of!(UVM_VMEM_MAP_PARAMS, base) - 0usize];
-    ["Offset of field: UVM_VMEM_MAP_PARAMS::handle"]
-        [::core::mem::offset_of!(UVM_VMEM_MAP_PARAMS, handle) - 8usize];
-    ["Offset of field: UVM_VMEM_MAP_PARAMS::flags"]
-        [::core::mem::offset_of!(UVM_VMEM_MAP_PARAMS, flags) - 16usize];
-    ["Offset of field: UVM_VMEM_MAP_PARAMS::rmStatus"]
-        [::core::mem::offset_of!(UVM_VMEM_MAP_PARAMS, rmStatus) - 20usize];
+    ["Size of uvm_vmem_map_params"][::core::mem::size_of::<uvm_vmem_map_params>() - 24usize];
+    ["Alignment of uvm_vmem_map_params"][::core::mem::align_of::<uvm_vmem_map_params>() - 8usize];
+    ["Offset of field: uvm_vmem_map_params::base"]
+        [::core::mem::offset_of!(uvm_vmem_map_params, base) - 0usize];
+    ["Offset of field: uvm_vmem_map_params::handle"]
+        [::core::mem::offset_of!(uvm_vmem_map_params, handle) - 8usize];
+    ["Offset of field: uvm_vmem_map_params::flags"]
+        [::core::mem::offset_of!(uvm_vmem_map_params, flags) - 16usize];
+    ["Offset of field: uvm_vmem_map_params::rmStatus"]
+        [::core::mem::offset_of!(uvm_vmem_map_params, rmStatus) - 20usize];
 };
+pub type UVM_VMEM_MAP_PARAMS = uvm_vmem_map_params;
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, Hash, PartialEq, Eq)]
-pub struct UVM_VMEM_UNMAP_PARAMS {
+pub struct uvm_vmem_unmap_params {
     pub base: NvU64,
     pub length: NvU64,
     pub flags: NvU32,
@@ -138,53 +143,56 @@ pub struct UVM_VMEM_UNMAP_PARAMS {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of UVM_VMEM_UNMAP_PARAMS"][::core::mem::size_of::<UVM_VMEM_UNMAP_PARAMS>() - 24usize];
-    ["Alignment of UVM_VMEM_UNMAP_PARAMS"]
-        [::core::mem::align_of::<UVM_VMEM_UNMAP_PARAMS>() - 8usize];
-    ["Offset of field: UVM_VMEM_UNMAP_PARAMS::base"]
-        [::core::mem::offset_of!(UVM_VMEM_UNMAP_PARAMS, base) - 0usize];
-    ["Offset of field: UVM_VMEM_UNMAP_PARAMS::length"]
-        [::core::mem::offset_of!(UVM_VMEM_UNMAP_PARAMS, length) - 8usize];
-    ["Offset of field: UVM_VMEM_UNMAP_PARAMS::flags"]
-        [::core::mem::offset_of!(UVM_VMEM_UNMAP_PARAMS, flags) - 16usize];
-    ["Offset of field: UVM_VMEM_UNMAP_PARAMS::rmStatus"]
-        [::core::mem::offset_of!(UVM_VMEM_UNMAP_PARAMS, rmStatus) - 20usize];
+    ["Size of uvm_vmem_unmap_params"][::core::mem::size_of::<uvm_vmem_unmap_params>() - 24usize];
+    ["Alignment of uvm_vmem_unmap_params"]
+        [::core::mem::align_of::<uvm_vmem_unmap_params>() - 8usize];
+    ["Offset of field: uvm_vmem_unmap_params::base"]
+        [::core::mem::offset_of!(uvm_vmem_unmap_params, base) - 0usize];
+    ["Offset of field: uvm_vmem_unmap_params::length"]
+        [::core::mem::offset_of!(uvm_vmem_unmap_params, length) - 8usize];
+    ["Offset of field: uvm_vmem_unmap_params::flags"]
+        [::core::mem::offset_of!(uvm_vmem_unmap_params, flags) - 16usize];
+    ["Offset of field: uvm_vmem_unmap_params::rmStatus"]
+        [::core::mem::offset_of!(uvm_vmem_unmap_params, rmStatus) - 20usize];
 };
+pub type UVM_VMEM_UNMAP_PARAMS = uvm_vmem_unmap_params;
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, Hash, PartialEq, Eq)]
-pub struct UVM_VMEM_RELEASE_PARAMS {
+pub struct uvm_vmem_release_params {
     pub handle: NvU64,
     pub flags: NvU32,
     pub rmStatus: NV_STATUS,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of UVM_VMEM_RELEASE_PARAMS"]
-        [::core::mem::size_of::<UVM_VMEM_RELEASE_PARAMS>() - 16usize];
-    ["Alignment of UVM_VMEM_RELEASE_PARAMS"]
-        [::core::mem::align_of::<UVM_VMEM_RELEASE_PARAMS>() - 8usize];
-    ["Offset of field: UVM_VMEM_RELEASE_PARAMS::handle"]
-        [::core::mem::offset_of!(UVM_VMEM_RELEASE_PARAMS, handle) - 0usize];
-    ["Offset of field: UVM_VMEM_RELEASE_PARAMS::flags"]
-        [::core::mem::offset_of!(UVM_VMEM_RELEASE_PARAMS, flags) - 8usize];
-    ["Offset of field: UVM_VMEM_RELEASE_PARAMS::rmStatus"]
-        [::core::mem::offset_of!(UVM_VMEM_RELEASE_PARAMS, rmStatus) - 12usize];
+    ["Size of uvm_vmem_release_params"]
+        [::core::mem::size_of::<uvm_vmem_release_params>() - 16usize];
+    ["Alignment of uvm_vmem_release_params"]
+        [::core::mem::align_of::<uvm_vmem_release_params>() - 8usize];
+    ["Offset of field: uvm_vmem_release_params::handle"]
+        [::core::mem::offset_of!(uvm_vmem_release_params, handle) - 0usize];
+    ["Offset of field: uvm_vmem_release_params::flags"]
+        [::core::mem::offset_of!(uvm_vmem_release_params, flags) - 8usize];
+    ["Offset of field: uvm_vmem_release_params::rmStatus"]
+        [::core::mem::offset_of!(uvm_vmem_release_params, rmStatus) - 12usize];
 };
+pub type UVM_VMEM_RELEASE_PARAMS = uvm_vmem_release_params;
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, Hash, PartialEq, Eq)]
-pub struct UVM_VMEM_FREE_PARAMS {
+pub struct uvm_vmem_free_params {
     pub base: NvU64,
     pub flags: NvU32,
     pub rmStatus: NV_STATUS,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of UVM_VMEM_FREE_PARAMS"][::core::mem::size_of::<UVM_VMEM_FREE_PARAMS>() - 16usize];
-    ["Alignment of UVM_VMEM_FREE_PARAMS"][::core::mem::align_of::<UVM_VMEM_FREE_PARAMS>() - 8usize];
-    ["Offset of field: UVM_VMEM_FREE_PARAMS::base"]
-        [::core::mem::offset_of!(UVM_VMEM_FREE_PARAMS, base) - 0usize];
-    ["Offset of field: UVM_VMEM_FREE_PARAMS::flags"]
-        [::core::mem::offset_of!(UVM_VMEM_FREE_PARAMS, flags) - 8usize];
-    ["Offset of field: UVM_VMEM_FREE_PARAMS::rmStatus"]
-        [::core::mem::offset_of!(UVM_VMEM_FREE_PARAMS, rmStatus) - 12usize];
+    ["Size of uvm_vmem_free_params"][::core::mem::size_of::<uvm_vmem_free_params>() - 16usize];
+    ["Alignment of uvm_vmem_free_params"][::core::mem::align_of::<uvm_vmem_free_params>() - 8usize];
+    ["Offset of field: uvm_vmem_free_params::base"]
+        [::core::mem::offset_of!(uvm_vmem_free_params, base) - 0usize];
+    ["Offset of field: uvm_vmem_free_params::flags"]
+        [::core::mem::offset_of!(uvm_vmem_free_params, flags) - 8usize];
+    ["Offset of field: uvm_vmem_free_params::rmStatus"]
+        [::core::mem::offset_of!(uvm_vmem_free_params, rmStatus) - 12usize];
 };
+pub type UVM_VMEM_FREE_PARAMS = uvm_vmem_free_params;
