@@ -324,7 +324,6 @@ NV_STATUS uvm_api_vmem_reserve(UVM_VMEM_RESERVE_PARAMS *params, struct file *fil
 	struct vmem_state *state;
 	struct vmem_range *range;
 	unsigned long cpu, span;
-	uvm_gpu_t *gpu;
 	NV_STATUS status = NV_OK;
 
 	if (params->flags || !params->length || params->length % UVM_VMEM_RANGE_ALIGN ||
@@ -332,21 +331,14 @@ NV_STATUS uvm_api_vmem_reserve(UVM_VMEM_RESERVE_PARAMS *params, struct file *fil
 		return NV_ERR_INVALID_ARGUMENT;
 	if (!current->mm)
 		return NV_ERR_NOT_SUPPORTED;
-
-	uvm_va_space_down_read(va_space);
-	gpu = vmem_gpu(va_space, &params->gpuUuid);
-	uvm_va_space_up_read(va_space);
-	if (!gpu)
-		return NV_ERR_INVALID_DEVICE;
-
-	state = vmem_state_find(va_space, true);
-	if (!state)
-		return NV_ERR_NO_MEMORY;
 	range = uvm_kvmalloc_zero(sizeof(*range));
 	if (!range)
 		return NV_ERR_NO_MEMORY;
 
-	/* Reserve CPU VA aligned to rangeAlign: over-reserve, keep it all. */
+	/*
+	 * Reserve CPU VA aligned to rangeAlign (over-reserve, keep it all) before taking the
+	 * VA space lock: UVM orders mmap_lock before it.
+	 */
 	span = params->length + UVM_VMEM_RANGE_ALIGN;
 	cpu = vm_mmap(NULL, 0, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, 0);
 	if (IS_ERR_VALUE(cpu)) {
@@ -358,12 +350,26 @@ NV_STATUS uvm_api_vmem_reserve(UVM_VMEM_RESERVE_PARAMS *params, struct file *fil
 	range->mm = current->mm;
 	range->base = UVM_ALIGN_UP((NvU64)cpu, UVM_VMEM_RANGE_ALIGN);
 	range->length = params->length;
-	range->gpu = gpu;
 
-	mutex_lock(&state->lock);
-	list_add(&range->link, &state->ranges);
-	mutex_unlock(&state->lock);
-	params->base = range->base;
+	/* Held until the range is listed, so the GPU VA space cannot go away meanwhile. */
+	uvm_va_space_down_read(va_space);
+	range->gpu = vmem_gpu(va_space, &params->gpuUuid);
+	state = range->gpu ? vmem_state_find(va_space, true) : NULL;
+	if (!range->gpu) {
+		status = NV_ERR_INVALID_DEVICE;
+	} else if (!state) {
+		status = NV_ERR_NO_MEMORY;
+	} else {
+		mutex_lock(&state->lock);
+		list_add(&range->link, &state->ranges);
+		mutex_unlock(&state->lock);
+		params->base = range->base;
+	}
+	uvm_va_space_up_read(va_space);
+	if (status != NV_OK) {
+		vm_munmap(range->cpu_start, range->cpu_length);
+		uvm_kvfree(range);
+	}
 	return status;
 }
 
@@ -379,51 +385,55 @@ NV_STATUS uvm_api_vmem_create(UVM_VMEM_CREATE_PARAMS *params, struct file *filp)
 
 	if (params->flags || !vmem_page_size_valid(params->pageSize))
 		return NV_ERR_INVALID_ARGUMENT;
-
-	uvm_va_space_down_read(va_space);
-	gpu = vmem_gpu(va_space, &params->gpuUuid);
-	uvm_va_space_up_read(va_space);
-	if (!gpu)
-		return NV_ERR_INVALID_DEVICE;
-
-	state = vmem_state_find(va_space, true);
-	if (!state)
-		return NV_ERR_NO_MEMORY;
 	page = uvm_kvmalloc_zero(sizeof(*page));
 	if (!page)
 		return NV_ERR_NO_MEMORY;
 	chunk_size = params->pageSize == UVM_VMEM_PAGE_2M ? UVM_CHUNK_SIZE_2M : UVM_CHUNK_SIZE_64K;
 	page->chunk_count = params->pageSize / chunk_size;
+	page->page_size = params->pageSize;
 	page->chunks = uvm_kvmalloc_zero(page->chunk_count * sizeof(*page->chunks));
 	if (!page->chunks) {
 		uvm_kvfree(page);
 		return NV_ERR_NO_MEMORY;
 	}
+
+	/* Held until the page is listed, so the GPU VA space cannot go away meanwhile. */
+	uvm_va_space_down_read(va_space);
+	gpu = vmem_gpu(va_space, &params->gpuUuid);
+	state = gpu ? vmem_state_find(va_space, true) : NULL;
+	if (!gpu || !state) {
+		status = gpu ? NV_ERR_NO_MEMORY : NV_ERR_INVALID_DEVICE;
+		goto error;
+	}
 	page->gpu = gpu;
-	page->page_size = params->pageSize;
 
 	/* PMM returns the chunks pinned: never evicted until we free them. */
 	status = uvm_pmm_gpu_alloc_user(&gpu->pmm, page->chunk_count, chunk_size,
 					UVM_PMM_ALLOC_FLAGS_EVICT, page->chunks, NULL);
 	if (status == NV_OK)
 		status = vmem_page_zero(page);
-	if (status != NV_OK) {
-		vmem_page_destroy(page);
-		return status;
-	}
+	if (status != NV_OK)
+		goto error;
 
 	mutex_lock(&state->lock);
 	id = idr_alloc(&state->pages, page, 1, VMEM_MAX_HANDLE, GFP_KERNEL);
-	if (id < 0) {
-		mutex_unlock(&state->lock);
-		vmem_page_destroy(page);
-		return NV_ERR_NO_MEMORY;
+	if (id >= 0) {
+		page->handle = id;
+		state->bytes += page->page_size;
 	}
-	page->handle = id;
-	state->bytes += page->page_size;
 	mutex_unlock(&state->lock);
+	if (id < 0) {
+		status = NV_ERR_NO_MEMORY;
+		goto error;
+	}
+	uvm_va_space_up_read(va_space);
 	params->handle = page->handle;
 	return NV_OK;
+
+error:
+	uvm_va_space_up_read(va_space);
+	vmem_page_destroy(page);
+	return status;
 }
 
 static struct vmem_page *vmem_page_get(struct vmem_state *state, NvU64 handle)
