@@ -170,15 +170,23 @@ static NvU64 vmem_pte_maker(uvm_page_table_range_vec_t *range_vec, NvU64 offset,
 				   UVM_MMU_PTE_FLAGS_CACHED);
 }
 
-static NV_STATUS vmem_page_unmap(struct vmem_state *state, struct vmem_page *page)
+/*
+ * Clears a page's PTEs and puts its page tables. On failure the mapping stays as it was,
+ * unless `force` (teardown, where there is no caller to report to): then the error is logged
+ * and the page tables are put anyway, as UVM's own uvm_mem teardown does.
+ */
+static NV_STATUS vmem_page_unmap(struct vmem_state *state, struct vmem_page *page, bool force)
 {
 	NV_STATUS status;
 
 	if (!page->range)
 		return NV_OK;
 	status = uvm_page_table_range_vec_clear_ptes(page->ptes, UVM_MEMBAR_GPU);
-	if (status != NV_OK)
+	if (status != NV_OK && !force)
 		return status;
+	if (status != NV_OK)
+		UVM_ERR_PRINT("vmem: clearing PTEs failed: %s, GPU %s\n",
+			      nvstatusToString(status), uvm_gpu_name(page->gpu));
 	uvm_page_table_range_vec_destroy(page->ptes);
 	page->ptes = NULL;
 	page->range->mapped_pages--;
@@ -261,9 +269,7 @@ static void vmem_release_gpu(struct vmem_state *state, uvm_gpu_t *gpu)
 	idr_for_each_entry(&state->pages, page, id) {
 		if (gpu && page->gpu != gpu)
 			continue;
-		if (vmem_page_unmap(state, page) != NV_OK)
-			UVM_ERR_PRINT("vmem: clearing PTEs failed, GPU %s\n",
-				      uvm_gpu_name(page->gpu));
+		vmem_page_unmap(state, page, true);
 		vmem_page_free(state, page);
 	}
 	list_for_each_entry_safe(range, next_range, &state->ranges, link) {
@@ -533,7 +539,7 @@ NV_STATUS uvm_api_vmem_unmap(UVM_VMEM_UNMAP_PARAMS *params, struct file *filp)
 	for (at = params->base; at < end && status == NV_OK; ) {
 		page = vmem_mapped_overlap(state, at, 1);
 		at += page->page_size;
-		status = vmem_page_unmap(state, page);
+		status = vmem_page_unmap(state, page, false);
 	}
 out:
 	mutex_unlock(&state->lock);
@@ -561,7 +567,7 @@ NV_STATUS uvm_api_vmem_release(UVM_VMEM_RELEASE_PARAMS *params, struct file *fil
 	} else if (page->range && !(params->flags & UVM_VMEM_RELEASE_UNMAP)) {
 		status = NV_ERR_IN_USE;
 	} else {
-		status = vmem_page_unmap(state, page);
+		status = vmem_page_unmap(state, page, false);
 		if (status == NV_OK)
 			vmem_page_free(state, page);
 	}
