@@ -5,6 +5,7 @@
 //! unchanged for either layout. Norms, rotary embeddings and activations are left out: they
 //! cost little next to the GEMMs and the attention, and touch no KV memory.
 
+use crate::backend::cuda_err;
 use crate::error::{Result, VmemError};
 use crate::kvcache::LayerView;
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
@@ -67,10 +68,6 @@ const HEAD_DIM: usize = 128;
 const INTER: usize = 14336;
 const QKV: usize = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM;
 
-fn err(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> VmemError {
-    crate::backend::cuda_err(op)
-}
-
 fn blas_err(e: cudarc::cublas::result::CublasError) -> VmemError {
     VmemError::Cuda {
         op: "cublasSgemm",
@@ -103,7 +100,7 @@ impl DecodeModel {
     /// Compiles the kernels, creates the cuBLAS handle and fills weights with small
     /// pseudo-random values (never zeros: zeros can run faster than real data).
     pub fn new(ordinal: usize, batch: usize) -> Result<Self> {
-        let ctx = CudaContext::new(ordinal).map_err(err("cuDevicePrimaryCtxRetain"))?;
+        let ctx = CudaContext::new(ordinal).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
         let stream = ctx.default_stream();
         let ptx = cudarc::nvrtc::compile_ptx_with_opts(
             KERNELS,
@@ -116,7 +113,7 @@ impl DecodeModel {
             op: "nvrtcCompileProgram",
             msg: format!("{e:?}"),
         })?;
-        let module = ctx.load_module(ptx).map_err(err("cuModuleLoadData"))?;
+        let module = ctx.load_module(ptx).map_err(cuda_err("cuModuleLoadData"))?;
         let blas = CudaBlas::new(stream.clone()).map_err(blas_err)?;
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
         let mut weights = |n: usize, fan_in: usize| -> Result<CudaSlice<f32>> {
@@ -129,21 +126,21 @@ impl DecodeModel {
                     ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
                 })
                 .collect();
-            stream.clone_htod(&host).map_err(err("cuMemcpyHtoD"))
+            stream.clone_htod(&host).map_err(cuda_err("cuMemcpyHtoD"))
         };
         let w_qkv = weights(HIDDEN * QKV, HIDDEN)?;
         let w_o = weights(HIDDEN * HIDDEN, HIDDEN)?;
         let w_gate_up = weights(HIDDEN * 2 * INTER, HIDDEN)?;
         let w_down = weights(INTER * HIDDEN, INTER)?;
         let x = weights(batch * HIDDEN, 1)?;
-        let zeros = |n: usize| stream.alloc_zeros::<f32>(n).map_err(err("cuMemAlloc"));
+        let zeros = |n: usize| stream.alloc_zeros::<f32>(n).map_err(cuda_err("cuMemAlloc"));
         Ok(DecodeModel {
             append: module
                 .load_function("append_kv")
-                .map_err(err("cuModuleGetFunction"))?,
+                .map_err(cuda_err("cuModuleGetFunction"))?,
             attend: module
                 .load_function("attend")
-                .map_err(err("cuModuleGetFunction"))?,
+                .map_err(cuda_err("cuModuleGetFunction"))?,
             batch,
             w_qkv,
             w_o,
@@ -156,7 +153,7 @@ impl DecodeModel {
             gate_up: zeros(batch * 2 * INTER)?,
             lens: stream
                 .alloc_zeros::<u64>(batch)
-                .map_err(err("cuMemAlloc"))?,
+                .map_err(cuda_err("cuMemAlloc"))?,
             blas,
             stream,
         })
@@ -178,7 +175,7 @@ impl DecodeModel {
         }
         self.stream
             .memcpy_htod(seq_lens, &mut self.lens)
-            .map_err(err("cuMemcpyHtoD"))?;
+            .map_err(cuda_err("cuMemcpyHtoD"))?;
         let b = self.batch as i32;
         for view in views {
             // qkv[B, QKV] = x[B, HIDDEN] . Wqkv[HIDDEN, QKV]
@@ -216,7 +213,7 @@ impl DecodeModel {
             // SAFETY: the arguments match append_kv's parameters in order and type; every
             // address written is token len-1 of an active request, which `step` mapped (the
             // views come from the manager, and len <= max context).
-            unsafe { launch.launch(cfg) }.map_err(err("cuLaunchKernel"))?;
+            unsafe { launch.launch(cfg) }.map_err(cuda_err("cuLaunchKernel"))?;
             let (group, out_ld, scale) = (
                 (Q_HEADS / KV_HEADS) as i32,
                 HIDDEN as i32,
@@ -239,7 +236,7 @@ impl DecodeModel {
             launch.arg(&group).arg(&qkv_ld).arg(&out_ld).arg(&scale);
             // SAFETY: arguments match attend's parameters; it reads tokens 0..len-1 of active
             // requests, all mapped by `step`, and writes `attn`, of B x HIDDEN floats.
-            unsafe { launch.launch(cfg) }.map_err(err("cuLaunchKernel"))?;
+            unsafe { launch.launch(cfg) }.map_err(cuda_err("cuLaunchKernel"))?;
             // h = attn . Wo; gate_up = h . Wgu; x = gate_up[:, :INTER] . Wdown
             gemm(
                 &self.blas,
@@ -274,7 +271,7 @@ impl DecodeModel {
         }
         self.stream
             .synchronize()
-            .map_err(err("cuStreamSynchronize"))
+            .map_err(cuda_err("cuStreamSynchronize"))
     }
 }
 
