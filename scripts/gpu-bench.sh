@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks, built here, run on the GPU machine in one call.
-#   scripts/gpu-bench.sh build   # here: release-build vmem-gpu and vmem into .carry/
+#   scripts/gpu-bench.sh build   # here: release-build vmem-gpu, vmem and the GPU tests into .carry/
 #   scripts/gpu-bench.sh run     # there: run them (carry .carry), print the table last
 # The GPU machine has no Rust toolchain; the binaries load libcuda at run time.
 set -euo pipefail
@@ -8,10 +8,11 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 case "${1:-}" in
   build)
     cd "$root"
-    cargo build --release -p vmem --bins
+    cargo build --release -p vmem-bench -p vmem-cli --bins
     mkdir -p .carry
     cp target/release/vmem-gpu target/release/vmem .carry/
-    # The GPU tests, as a test executable (they skip without a GPU; here they run).
+    # The GPU tests, as a test executable (#[ignore]d in `cargo test`; run with
+    # --include-ignored there, where a missing GPU fails them).
     exe=$(cargo test --release -p vmem-tests --test gpu --no-run --message-format=json 2>/dev/null \
       | grep -o '"executable":"[^"]*/deps/gpu-[^"]*"' | cut -d'"' -f4 | tail -1)
     cp "$exe" .carry/gpu-tests
@@ -29,7 +30,7 @@ case "${1:-}" in
     echo "== vmem replay on the GPU (CUDA backend, 2MB), first 500 requests"
     .carry/vmem replay --trace data/traces/azure-conv-2023-first2000.csv --requests 500 --budget 8GiB 2>&1 | tee "$out/replay.txt"
     echo "== GPU tests (cargo test -p vmem-tests --test gpu, built here)"
-    .carry/gpu-tests --nocapture --test-threads=1 2>&1 | tee "$out/gpu-tests.txt"
+    .carry/gpu-tests --include-ignored --nocapture --test-threads=1 2>&1 | tee "$out/gpu-tests.txt"
     echo "== vmem-gpu"
     # cuBLAS and nvrtc are loaded at run time: point the loader at the CUDA toolkit's copies.
     export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}

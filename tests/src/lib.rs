@@ -3,6 +3,8 @@
 //! the two classic baselines (vLLM-style 16-token blocks, ahead-of-time max-length
 //! reservation) replayed by the same scheduler.
 
+pub mod conformance;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use vmem::backend::Backend;

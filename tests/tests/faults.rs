@@ -13,7 +13,15 @@ fn setup() -> (Arc<HostBackend>, Arc<FaultyBackend>, KvCacheManager) {
 fn setup_with_cap(pages: u64) -> (Arc<HostBackend>, Arc<FaultyBackend>, KvCacheManager) {
     let host = Arc::new(HostBackend::new().unwrap());
     let faulty = Arc::new(FaultyBackend::new(host.clone() as Arc<dyn Backend>));
-    let mut c = KvConfig::new(2, 4, 4096, 2, 64, 2, KIB64);
+    let mut c = KvConfig::builder()
+        .layers(2)
+        .max_batch(4)
+        .max_context(4096)
+        .kv_heads(2)
+        .head_dim(64)
+        .elem_bytes(2)
+        .page_size(KIB64)
+        .build();
     c.memory_cap = pages * KIB64;
     c.overlap = false;
     c.reclaim_threshold = 0;
@@ -108,7 +116,15 @@ fn a_failed_reservation_at_init_frees_what_was_reserved() {
         reserve: Some(3),
         ..Default::default()
     });
-    let mut c = KvConfig::new(2, 4, 4096, 2, 64, 2, KIB64);
+    let mut c = KvConfig::builder()
+        .layers(2)
+        .max_batch(4)
+        .max_context(4096)
+        .kv_heads(2)
+        .head_dim(64)
+        .elem_bytes(2)
+        .page_size(KIB64)
+        .build();
     c.memory_cap = 64 * KIB64;
     c.prealloc = 16 * KIB64;
     assert!(matches!(

@@ -29,7 +29,15 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn config(page: u64, layout: Layout, overlap: bool, deferred: bool, eager: usize) -> KvConfig {
-    let mut c = KvConfig::new(3, B, L as usize, 2, 32, 2, page);
+    let mut c = KvConfig::builder()
+        .layers(3)
+        .max_batch(B)
+        .max_context(L as usize)
+        .kv_heads(2)
+        .head_dim(32)
+        .elem_bytes(2)
+        .page_size(page)
+        .build();
     c.layout = layout;
     c.memory_cap = 48 * page; // tight: out-of-memory happens
     c.overlap = overlap;

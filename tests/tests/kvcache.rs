@@ -8,7 +8,15 @@ use vmem::{KvCacheManager, KvConfig, Layout, VmemError};
 /// Small model: 2 layers, batch 4, context 2048, 2 heads x 64 dims, fp16 -> 256 B per token
 /// per buffer (per-layer: 4 buffers; token-major: one buffer of 1 KB per token).
 fn cfg(page: u64, layout: Layout) -> KvConfig {
-    let mut c = KvConfig::new(2, 4, 2048, 2, 64, 2, page);
+    let mut c = KvConfig::builder()
+        .layers(2)
+        .max_batch(4)
+        .max_context(2048)
+        .kv_heads(2)
+        .head_dim(64)
+        .elem_bytes(2)
+        .page_size(page)
+        .build();
     c.layout = layout;
     c.memory_cap = 64 << 20;
     c.reclaim_threshold = 0;

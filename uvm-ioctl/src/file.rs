@@ -64,7 +64,7 @@ impl UvmFile {
             else {
                 continue;
             };
-            // SAFETY of the borrow: the descriptor is open now (we just read its link) and the
+            // SAFETY: the descriptor is open now (we just read its link) and the
             // CUDA driver keeps it open for the life of the process; we only dup it.
             let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
             let owned = borrowed.try_clone_to_owned().map_err(|e| UvmError::Io {
@@ -124,7 +124,7 @@ impl UvmFile {
 
     /// Reserves `length` bytes of GPU virtual address space; returns the base.
     pub fn reserve(&self, gpu: &GpuUuid, length: u64) -> Result<u64, UvmError> {
-        if length == 0 || length % UVM_VMEM_RANGE_ALIGN as u64 != 0 {
+        if length == 0 || !length.is_multiple_of(UVM_VMEM_RANGE_ALIGN as u64) {
             return Err(UvmError::InvalidArgument(format!(
                 "reservation length {length} is not a non-zero multiple of {UVM_VMEM_RANGE_ALIGN}"
             )));

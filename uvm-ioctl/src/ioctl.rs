@@ -1,4 +1,5 @@
-//! The thin ioctl calls: the crate's only `unsafe` code.
+//! The thin ioctl call. The crate has two `unsafe` blocks: the `ioctl` here, and borrowing the
+//! CUDA driver's descriptor in `UvmFile::from_cuda_process` (file.rs).
 
 use crate::bindings::*;
 use crate::error::UvmError;

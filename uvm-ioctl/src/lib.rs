@@ -4,7 +4,7 @@
 //!   uapi header `driver-patch/include/uvm_vmem_ioctl.h` (regenerate with
 //!   `scripts/gen-bindings.sh`; layout tests pin every struct);
 //! * [`UvmFile`]: an open `/dev/nvidia-uvm` file with one safe method per ioctl (the thin
-//!   `unsafe` calls live in one private module);
+//!   `unsafe` ioctl lives in one private module);
 //! * [`detect`]: tells "patched, with these page sizes" from "stock driver" from "no driver",
 //!   without creating any UVM state.
 //!

@@ -29,7 +29,7 @@ impl VirtualBuffer {
         page_size: u64,
     ) -> Result<Self> {
         backend.check_page_size(page_size)?;
-        if slices == 0 || slice_bytes == 0 || slice_bytes % page_size != 0 {
+        if slices == 0 || slice_bytes == 0 || !slice_bytes.is_multiple_of(page_size) {
             return Err(VmemError::InvalidConfig(format!(
                 "buffer of {slices} slices of {slice_bytes} bytes cannot be paged by {page_size}"
             )));
@@ -110,11 +110,6 @@ impl VirtualBuffer {
         let at = self.slice_addr(i) + keep * self.page_size;
         self.backend.unmap(at, n * self.page_size)?;
         Ok(self.slices[i].split_off(keep as usize))
-    }
-
-    /// Total pages mapped in the buffer.
-    pub fn total_mapped(&self) -> u64 {
-        self.slices.iter().map(|s| s.len() as u64).sum()
     }
 }
 

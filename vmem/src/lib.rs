@@ -19,7 +19,7 @@
 //! use vmem::{backend::{HostBackend, KIB256}, KvCacheManager, KvConfig, Layout};
 //!
 //! let backend = Arc::new(HostBackend::new()?);
-//! let mut cfg = KvConfig::new(4, 8, 4096, 8, 128, 2, KIB256);
+//! let mut cfg = KvConfig::builder().layers(4).max_batch(8).max_context(4096).kv_heads(8).head_dim(128).elem_bytes(2).page_size(KIB256).build();
 //! cfg.layout = Layout::TokenMajor;
 //! cfg.memory_cap = 256 << 20;
 //! let kv = KvCacheManager::init(backend.clone(), cfg)?;
@@ -33,13 +33,9 @@
 //! # Ok::<(), vmem::VmemError>(())
 //! ```
 
-#![warn(missing_docs)]
-
 pub mod backend;
 pub mod buffer;
 mod error;
-#[cfg(feature = "cuda")]
-pub mod gpu;
 pub mod kvcache;
 pub mod models;
 pub mod pool;

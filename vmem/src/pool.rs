@@ -71,11 +71,6 @@ impl PagePool {
         self.free.len() as u64
     }
 
-    /// Pages lent out.
-    pub fn lent_pages(&self) -> u64 {
-        self.created - self.free.len() as u64
-    }
-
     /// Pages that [`PagePool::take`] can hand out now: free ones plus those still creatable.
     pub fn available_pages(&self) -> u64 {
         self.free.len() as u64 + (self.cap_pages - self.created)

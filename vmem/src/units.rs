@@ -36,7 +36,7 @@ pub fn format_bytes(b: u64) -> String {
     ];
     for (u, v) in UNITS {
         if b >= v {
-            return if b % v == 0 {
+            return if b.is_multiple_of(v) {
                 format!("{}{u}", b / v)
             } else {
                 format!("{:.2}{u}", b as f64 / v as f64)

@@ -45,8 +45,35 @@ impl CallCounts {
     }
 }
 
+/// What a [`CountingBackend`] counts, one atomic each.
+#[derive(Debug, Clone, Copy)]
+enum Counter {
+    Reserve,
+    Free,
+    Create,
+    Release,
+    Map,
+    Pages,
+    Unmap,
+    CreateNs,
+    MapNs,
+    UnmapNs,
+    ReleaseNs,
+}
+
+const COUNTERS: usize = Counter::ReleaseNs as usize + 1;
+
 #[derive(Debug, Default)]
-struct Counters([AtomicU64; 11]);
+struct Counters([AtomicU64; COUNTERS]);
+
+impl Counters {
+    fn add(&self, c: Counter, n: u64) {
+        self.0[c as usize].fetch_add(n, Relaxed);
+    }
+    fn get(&self, c: Counter) -> u64 {
+        self.0[c as usize].load(Relaxed)
+    }
+}
 
 /// Counts the calls made to an inner backend. Cheap: two atomics per call.
 #[derive(Debug)]
@@ -54,18 +81,6 @@ pub struct CountingBackend {
     inner: Arc<dyn Backend>,
     counters: Counters,
 }
-
-const RESERVE: usize = 0;
-const FREE: usize = 1;
-const CREATE: usize = 2;
-const RELEASE: usize = 3;
-const MAP: usize = 4;
-const PAGES: usize = 5;
-const UNMAP: usize = 6;
-const CREATE_NS: usize = 7;
-const MAP_NS: usize = 8;
-const UNMAP_NS: usize = 9;
-const RELEASE_NS: usize = 10;
 
 impl CountingBackend {
     /// Wraps `inner`.
@@ -78,19 +93,19 @@ impl CountingBackend {
 
     /// The counts so far.
     pub fn counts(&self) -> CallCounts {
-        let c = |i: usize| self.counters.0[i].load(Relaxed);
+        let c = |k| self.counters.get(k);
         CallCounts {
-            reserve: c(RESERVE),
-            free_range: c(FREE),
-            create: c(CREATE),
-            release: c(RELEASE),
-            map_calls: c(MAP),
-            pages_mapped: c(PAGES),
-            unmap_calls: c(UNMAP),
-            create_ns: c(CREATE_NS),
-            map_ns: c(MAP_NS),
-            unmap_ns: c(UNMAP_NS),
-            release_ns: c(RELEASE_NS),
+            reserve: c(Counter::Reserve),
+            free_range: c(Counter::Free),
+            create: c(Counter::Create),
+            release: c(Counter::Release),
+            map_calls: c(Counter::Map),
+            pages_mapped: c(Counter::Pages),
+            unmap_calls: c(Counter::Unmap),
+            create_ns: c(Counter::CreateNs),
+            map_ns: c(Counter::MapNs),
+            unmap_ns: c(Counter::UnmapNs),
+            release_ns: c(Counter::ReleaseNs),
         }
     }
 
@@ -101,11 +116,11 @@ impl CountingBackend {
         }
     }
 
-    fn timed<T>(&self, count: usize, ns: usize, f: impl FnOnce() -> T) -> T {
+    fn timed<T>(&self, count: Counter, ns: Counter, f: impl FnOnce() -> T) -> T {
         let t = Instant::now();
         let r = f();
-        self.counters.0[count].fetch_add(1, Relaxed);
-        self.counters.0[ns].fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
+        self.counters.add(count, 1);
+        self.counters.add(ns, t.elapsed().as_nanos() as u64);
         r
     }
 }
@@ -114,31 +129,39 @@ impl Backend for CountingBackend {
     fn kind(&self) -> BackendKind {
         self.inner.kind()
     }
-    fn page_sizes(&self) -> Vec<u64> {
+    fn page_sizes(&self) -> &[u64] {
         self.inner.page_sizes()
     }
     fn granularity(&self) -> u64 {
         self.inner.granularity()
     }
     fn reserve(&self, size: u64) -> Result<u64> {
-        self.counters.0[RESERVE].fetch_add(1, Relaxed);
+        self.counters.add(Counter::Reserve, 1);
         self.inner.reserve(size)
     }
     fn free_range(&self, addr: u64) -> Result<()> {
-        self.counters.0[FREE].fetch_add(1, Relaxed);
+        self.counters.add(Counter::Free, 1);
         self.inner.free_range(addr)
     }
     fn create_page(&self, page_size: u64) -> Result<PageHandle> {
-        self.timed(CREATE, CREATE_NS, || self.inner.create_page(page_size))
+        self.timed(Counter::Create, Counter::CreateNs, || {
+            self.inner.create_page(page_size)
+        })
     }
     fn release_page(&self, page: PageHandle) -> Result<()> {
-        self.timed(RELEASE, RELEASE_NS, || self.inner.release_page(page))
+        self.timed(Counter::Release, Counter::ReleaseNs, || {
+            self.inner.release_page(page)
+        })
     }
     fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()> {
-        self.counters.0[PAGES].fetch_add(pages.len() as u64, Relaxed);
-        self.timed(MAP, MAP_NS, || self.inner.map(addr, pages, page_size))
+        self.counters.add(Counter::Pages, pages.len() as u64);
+        self.timed(Counter::Map, Counter::MapNs, || {
+            self.inner.map(addr, pages, page_size)
+        })
     }
     fn unmap(&self, addr: u64, size: u64) -> Result<()> {
-        self.timed(UNMAP, UNMAP_NS, || self.inner.unmap(addr, size))
+        self.timed(Counter::Unmap, Counter::UnmapNs, || {
+            self.inner.unmap(addr, size)
+        })
     }
 }

@@ -6,21 +6,25 @@
 //! granularity (2 MB on every GPU we know of); smaller pages are refused with
 //! [`VmemError::UnsupportedPageSize`].
 
-use super::{Backend, BackendKind, PageHandle, RangeBook};
+use super::{BackendKind, Checked, PageHandle, PartialMap, RawBackend};
 use crate::error::{Result, VmemError};
 use cudarc::driver::result::{self as cu, DriverError};
 use cudarc::driver::sys;
-use std::sync::Mutex;
 
-/// CUDA VMM backend for one device. See the module docs.
+/// The CUDA VMM backend: [`Checked`] over [`CudaDriver`].
+pub type CudaBackend = Checked<CudaDriver>;
+
+/// CUDA's virtual memory management on one device. See the module docs.
 #[derive(Debug)]
-pub struct CudaBackend {
+pub struct CudaDriver {
     ordinal: i32,
     ctx: ContextHandle,
-    granularity: u64,
+    /// `[granularity]`: CUDA's one page size.
+    page_sizes: [u64; 1],
     uuid: [u8; 16],
     name: String,
-    state: Mutex<RangeBook>,
+    /// Read/write access for this device, as `cuMemSetAccess` takes it.
+    access: sys::CUmemAccessDesc,
 }
 
 /// The device's primary context, shared with every other user of it in the process (cudarc,
@@ -38,7 +42,7 @@ unsafe impl Send for ContextHandle {}
 unsafe impl Sync for ContextHandle {}
 
 /// Turns a driver error into [`VmemError::Cuda`] naming the call.
-pub(crate) fn cuda_err(op: &'static str) -> impl Fn(DriverError) -> VmemError {
+fn cuda_err(op: &'static str) -> impl Fn(DriverError) -> VmemError {
     move |e| VmemError::Cuda {
         op,
         msg: e
@@ -48,10 +52,38 @@ pub(crate) fn cuda_err(op: &'static str) -> impl Fn(DriverError) -> VmemError {
     }
 }
 
-impl CudaBackend {
+impl Checked<CudaDriver> {
+    /// Opens device `ordinal` (see [`CudaDriver::open`]).
+    pub fn new(ordinal: usize) -> Result<Self> {
+        Checked::wrap(CudaDriver::open(ordinal)?)
+    }
+
+    /// The device's UUID (what the patched UVM driver's ioctls take).
+    pub fn device_uuid(&self) -> [u8; 16] {
+        self.driver().uuid
+    }
+
+    /// The device's name, e.g. "NVIDIA H100 80GB HBM3".
+    pub fn device_name(&self) -> &str {
+        &self.driver().name
+    }
+
+    /// Free and total device memory in bytes (`cuMemGetInfo`).
+    pub fn mem_info(&self) -> Result<(u64, u64)> {
+        self.driver().mem_info()
+    }
+
+    /// Makes the backend's context current on the calling thread (for kernels launched
+    /// through other cudarc calls on the same device).
+    pub fn bind_to_thread(&self) -> Result<()> {
+        self.driver().ctx.make_current()
+    }
+}
+
+impl CudaDriver {
     /// Opens device `ordinal`: loads libcuda, initialises the driver, retains the primary
     /// context and queries the allocation granularity.
-    pub fn new(ordinal: usize) -> Result<Self> {
+    pub fn open(ordinal: usize) -> Result<Self> {
         let unavailable = |why: String| VmemError::BackendUnavailable {
             backend: "cuda",
             why,
@@ -88,24 +120,17 @@ impl CudaBackend {
         .result()
         .map_err(cuda_err("cuMemGetAllocationGranularity"))?;
         tracing::debug!(ordinal, %name, granularity, "CUDA VMM backend ready");
-        Ok(CudaBackend {
+        Ok(CudaDriver {
             ordinal,
             ctx,
-            granularity: granularity as u64,
+            page_sizes: [granularity as u64],
             uuid,
             name,
-            state: Mutex::new(RangeBook::default()),
+            access: sys::CUmemAccessDesc {
+                location: prop.location,
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            },
         })
-    }
-
-    /// The device's UUID (what the patched UVM driver's ioctls take).
-    pub fn device_uuid(&self) -> [u8; 16] {
-        self.uuid
-    }
-
-    /// The device's name, e.g. "NVIDIA H100 80GB HBM3".
-    pub fn device_name(&self) -> &str {
-        &self.name
     }
 
     /// Free and total device memory in bytes (`cuMemGetInfo`).
@@ -114,28 +139,10 @@ impl CudaBackend {
         let (free, total) = cu::mem_get_info().map_err(cuda_err("cuMemGetInfo"))?;
         Ok((free as u64, total as u64))
     }
-
-    /// Makes the backend's context current on the calling thread (for kernels launched
-    /// through other cudarc calls on the same device).
-    pub fn bind_to_thread(&self) -> Result<()> {
-        self.ctx.make_current()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, RangeBook> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn unmap_raw(&self, addr: u64, size: u64) -> Result<()> {
-        // SAFETY: callers pass only spans of pages this backend mapped (checked against the
-        // RangeBook); the addresses are device virtual addresses, never dereferenced here.
-        unsafe { sys::cuMemUnmap(addr, size as usize) }
-            .result()
-            .map_err(cuda_err("cuMemUnmap"))
-    }
 }
 
 /// Properties of a pinned device allocation on GPU `ordinal`.
-pub(crate) fn allocation_prop(ordinal: i32) -> sys::CUmemAllocationProp {
+fn allocation_prop(ordinal: i32) -> sys::CUmemAllocationProp {
     // SAFETY: CUmemAllocationProp is a plain C struct for which all-zero is the documented
     // default (no handle types, no flags, null win32 metadata).
     let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
@@ -162,53 +169,40 @@ impl Drop for ContextHandle {
     }
 }
 
-impl Backend for CudaBackend {
+impl RawBackend for CudaDriver {
     fn kind(&self) -> BackendKind {
         BackendKind::Cuda
     }
 
-    fn page_sizes(&self) -> Vec<u64> {
-        vec![self.granularity]
+    fn page_sizes(&self) -> &[u64] {
+        &self.page_sizes
     }
 
     fn granularity(&self) -> u64 {
-        self.granularity
+        self.page_sizes[0]
     }
 
     fn reserve(&self, size: u64) -> Result<u64> {
-        if size == 0 || size % self.granularity != 0 {
-            return Err(VmemError::InvalidAddress {
-                addr: 0,
-                size,
-                why: "reservation size must be a non-zero multiple of the granularity",
-            });
-        }
         self.ctx.make_current()?;
         let mut addr: sys::CUdeviceptr = 0;
         // SAFETY: `addr` is a valid out-pointer; no existing memory is touched.
         unsafe {
-            sys::cuMemAddressReserve(&mut addr, size as usize, self.granularity as usize, 0, 0)
+            sys::cuMemAddressReserve(&mut addr, size as usize, self.granularity() as usize, 0, 0)
         }
         .result()
         .map_err(cuda_err("cuMemAddressReserve"))?;
-        self.lock().add_range(addr, size);
         Ok(addr)
     }
 
-    fn free_range(&self, addr: u64) -> Result<()> {
+    unsafe fn free_range(&self, addr: u64, size: u64) -> Result<()> {
         self.ctx.make_current()?;
-        let mut book = self.lock();
-        let size = book.remove_range(addr)?;
-        // SAFETY: `addr`/`size` is a range this backend reserved, now with nothing mapped.
-        if let Err(e) = unsafe { sys::cuMemAddressFree(addr, size as usize) }.result() {
-            book.add_range(addr, size);
-            return Err(cuda_err("cuMemAddressFree")(e));
-        }
-        Ok(())
+        // SAFETY: by the caller's contract, a range this driver reserved with nothing mapped.
+        unsafe { sys::cuMemAddressFree(addr, size as usize) }
+            .result()
+            .map_err(cuda_err("cuMemAddressFree"))
     }
 
-    fn create_page(&self, page_size: u64) -> Result<PageHandle> {
-        self.check_page_size(page_size)?;
+    fn create(&self, page_size: u64) -> Result<PageHandle> {
         self.ctx.make_current()?;
         let prop = allocation_prop(self.ordinal);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
@@ -216,75 +210,56 @@ impl Backend for CudaBackend {
         unsafe { sys::cuMemCreate(&mut handle, page_size as usize, &prop, 0) }
             .result()
             .map_err(cuda_err("cuMemCreate"))?;
-        self.lock().add_page(PageHandle(handle), page_size);
         Ok(PageHandle(handle))
     }
 
-    fn release_page(&self, page: PageHandle) -> Result<()> {
+    unsafe fn release(&self, page: PageHandle, _page_size: u64) -> Result<()> {
         self.ctx.make_current()?;
-        let mut book = self.lock();
-        book.check_release(page)?;
-        // SAFETY: `page` is a live, unmapped handle from cuMemCreate (checked above).
+        // SAFETY: by the caller's contract, a live unmapped handle from cuMemCreate.
         unsafe { sys::cuMemRelease(page.0) }
             .result()
-            .map_err(cuda_err("cuMemRelease"))?;
-        book.remove_page(page);
-        Ok(())
+            .map_err(cuda_err("cuMemRelease"))
     }
 
     /// Maps each page with `cuMemMap`, then enables access over the whole run with a single
     /// `cuMemSetAccess` (the most expensive call; once per run, not per page).
-    fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()> {
-        self.check_page_size(page_size)?;
-        self.ctx.make_current()?;
-        let mut book = self.lock();
-        let total = book.check_map(addr, pages, page_size)?;
+    unsafe fn map(
+        &self,
+        addr: u64,
+        pages: &[PageHandle],
+        page_size: u64,
+    ) -> std::result::Result<(), PartialMap> {
+        self.ctx.make_current().map_err(PartialMap::none)?;
         for (i, p) in pages.iter().enumerate() {
             let at = addr + i as u64 * page_size;
-            // SAFETY: `at` is a page-aligned, unmapped address inside a range we reserved and
-            // `p` a live unmapped handle of `page_size` bytes (all checked by check_map).
+            // SAFETY: by the caller's contract `at` is a page-aligned, unmapped address inside
+            // a range we reserved and `p` a live unmapped handle of `page_size` bytes.
             let r = unsafe { sys::cuMemMap(at, page_size as usize, 0, p.0, 0) }.result();
             if let Err(e) = r {
-                if i > 0 {
-                    let _ = self.unmap_raw(addr, i as u64 * page_size);
-                }
-                return Err(cuda_err("cuMemMap")(e));
+                return Err(PartialMap {
+                    mapped: i,
+                    error: cuda_err("cuMemMap")(e),
+                });
             }
         }
-        let access = sys::CUmemAccessDesc {
-            location: allocation_prop(self.ordinal).location,
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
+        let total = pages.len() as u64 * page_size;
         // SAFETY: the span was just mapped in full; `access` is valid for the call.
-        if let Err(e) = unsafe { sys::cuMemSetAccess(addr, total as usize, &access, 1) }.result() {
-            let _ = self.unmap_raw(addr, total);
-            return Err(cuda_err("cuMemSetAccess")(e));
+        let r = unsafe { sys::cuMemSetAccess(addr, total as usize, &self.access, 1) };
+        if let Err(e) = r.result() {
+            return Err(PartialMap {
+                mapped: pages.len(),
+                error: cuda_err("cuMemSetAccess")(e),
+            });
         }
-        book.record_map(addr, pages, page_size);
         Ok(())
     }
 
-    fn unmap(&self, addr: u64, size: u64) -> Result<()> {
+    unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()> {
         self.ctx.make_current()?;
-        let mut book = self.lock();
-        book.mapped_run(addr, size)?;
-        self.unmap_raw(addr, size)?;
-        book.record_unmap(addr, size);
-        Ok(())
-    }
-}
-
-impl Drop for CudaBackend {
-    fn drop(&mut self) {
-        if self.ctx.make_current().is_err() {
-            return;
-        }
-        let book = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
-        for (addr, size) in book.take_ranges() {
-            // SAFETY: ranges this backend reserved and nobody else knows of.
-            let _ = unsafe { sys::cuMemUnmap(addr, size as usize) };
-            // SAFETY: as above.
-            let _ = unsafe { sys::cuMemAddressFree(addr, size as usize) };
-        }
+        // SAFETY: by the caller's contract, a run of pages this driver mapped that no queued
+        // work reads any more.
+        unsafe { sys::cuMemUnmap(addr, size as usize) }
+            .result()
+            .map_err(cuda_err("cuMemUnmap"))
     }
 }

@@ -3,11 +3,43 @@
 use super::{Backend, BackendKind, PageHandle};
 use crate::error::{Result, VmemError};
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+/// The backend operations a [`FaultPlan`] can make fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// [`Backend::reserve`].
+    Reserve,
+    /// [`Backend::create_page`].
+    Create,
+    /// [`Backend::map`].
+    Map,
+    /// [`Backend::unmap`].
+    Unmap,
+}
+
+impl Op {
+    /// Every operation, in a fixed order.
+    pub const ALL: [Op; 4] = [Op::Reserve, Op::Create, Op::Map, Op::Unmap];
+
+    /// The operation's name, as [`VmemError::InjectedFault`] reports it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Reserve => "reserve",
+            Op::Create => "create_page",
+            Op::Map => "map",
+            Op::Unmap => "unmap",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
 
 /// Which calls fail: the `n`-th call (1-based, counted from when the plan was set) of each
 /// operation named. `None` never fails.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct FaultPlan {
     /// Fail the n-th `create_page`.
     pub create: Option<u64>,
@@ -19,12 +51,25 @@ pub struct FaultPlan {
     pub reserve: Option<u64>,
 }
 
+impl FaultPlan {
+    /// Which call of `op` fails, if any.
+    pub fn target(&self, op: Op) -> Option<u64> {
+        match op {
+            Op::Reserve => self.reserve,
+            Op::Create => self.create,
+            Op::Map => self.map,
+            Op::Unmap => self.unmap,
+        }
+    }
+}
+
 /// Injects the failures of a [`FaultPlan`] into an inner backend; all other calls pass through.
+/// A failed call reaches nothing of the inner backend.
 #[derive(Debug)]
 pub struct FaultyBackend {
     inner: Arc<dyn Backend>,
-    plan: std::sync::Mutex<FaultPlan>,
-    calls: [AtomicU64; 4],
+    plan: Mutex<FaultPlan>,
+    calls: [AtomicU64; Op::ALL.len()],
 }
 
 impl FaultyBackend {
@@ -32,7 +77,7 @@ impl FaultyBackend {
     pub fn new(inner: Arc<dyn Backend>) -> Self {
         FaultyBackend {
             inner,
-            plan: std::sync::Mutex::new(FaultPlan::default()),
+            plan: Mutex::new(FaultPlan::default()),
             calls: Default::default(),
         }
     }
@@ -45,12 +90,16 @@ impl FaultyBackend {
         }
     }
 
-    fn check(&self, which: usize, op: &'static str) -> Result<()> {
-        let n = self.calls[which].fetch_add(1, SeqCst) + 1;
+    /// Calls of `op` since the plan was set.
+    pub fn calls(&self, op: Op) -> u64 {
+        self.calls[op.index()].load(SeqCst)
+    }
+
+    fn check(&self, op: Op) -> Result<()> {
+        let n = self.calls[op.index()].fetch_add(1, SeqCst) + 1;
         let plan = *self.plan.lock().unwrap_or_else(|e| e.into_inner());
-        let target = [plan.create, plan.map, plan.unmap, plan.reserve][which];
-        if target == Some(n) {
-            return Err(VmemError::InjectedFault(op));
+        if plan.target(op) == Some(n) {
+            return Err(VmemError::InjectedFault(op.name()));
         }
         Ok(())
     }
@@ -60,32 +109,32 @@ impl Backend for FaultyBackend {
     fn kind(&self) -> BackendKind {
         self.inner.kind()
     }
-    fn page_sizes(&self) -> Vec<u64> {
+    fn page_sizes(&self) -> &[u64] {
         self.inner.page_sizes()
     }
     fn granularity(&self) -> u64 {
         self.inner.granularity()
     }
     fn reserve(&self, size: u64) -> Result<u64> {
-        self.check(3, "reserve")?;
+        self.check(Op::Reserve)?;
         self.inner.reserve(size)
     }
     fn free_range(&self, addr: u64) -> Result<()> {
         self.inner.free_range(addr)
     }
     fn create_page(&self, page_size: u64) -> Result<PageHandle> {
-        self.check(0, "create_page")?;
+        self.check(Op::Create)?;
         self.inner.create_page(page_size)
     }
     fn release_page(&self, page: PageHandle) -> Result<()> {
         self.inner.release_page(page)
     }
     fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()> {
-        self.check(1, "map")?;
+        self.check(Op::Map)?;
         self.inner.map(addr, pages, page_size)
     }
     fn unmap(&self, addr: u64, size: u64) -> Result<()> {
-        self.check(2, "unmap")?;
+        self.check(Op::Unmap)?;
         self.inner.unmap(addr, size)
     }
 }

@@ -9,11 +9,11 @@
 //! Memory written through a mapping is in the memfd, so remapping a page elsewhere shows the
 //! same bytes, exactly as re-mapping a GPU physical handle does.
 
-use super::{Backend, BackendKind, PageHandle, RangeBook, PAGE_SIZES};
+use super::{BackendKind, Checked, PageHandle, PartialMap, RawBackend, PAGE_SIZES};
 use crate::error::{Result, VmemError};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 /// When the memfd's memory is allocated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,28 +26,31 @@ pub enum HostCommit {
     Lazy,
 }
 
-/// Linux host-memory backend. See the module docs.
+/// The host-memory backend: [`Checked`] over [`HostMemory`].
+pub type HostBackend = Checked<HostMemory>;
+
+/// The host-memory driver. See the module docs.
 #[derive(Debug)]
-pub struct HostBackend {
+pub struct HostMemory {
     memfd: OwnedFd,
     commit: HostCommit,
     page_sizes: Vec<u64>,
     granularity: u64,
-    state: Mutex<HostState>,
+    slots: Mutex<Slots>,
 }
 
+/// Where pages live in the memfd.
 #[derive(Debug, Default)]
-struct HostState {
-    book: RangeBook,
+struct Slots {
     /// Released slots, by page size, for reuse.
-    free_slots: HashMap<u64, Vec<u64>>,
+    free: HashMap<u64, Vec<u64>>,
     /// End of the highest slot ever handed out.
     high_water: u64,
     /// Current memfd length.
     file_len: u64,
 }
 
-impl HostBackend {
+impl Checked<HostMemory> {
     /// A host backend with 64 KB, 128 KB, 256 KB and 2 MB pages, committing eagerly.
     pub fn new() -> Result<Self> {
         Self::with_page_sizes(&PAGE_SIZES, HostCommit::Eager)
@@ -59,9 +62,42 @@ impl HostBackend {
         Self::with_page_sizes(&PAGE_SIZES, HostCommit::Lazy)
     }
 
-    /// A host backend with the given page sizes (each a multiple of 4 KiB; the largest must be
-    /// a multiple of every other) and commit policy.
+    /// A host backend with the given page sizes (each a multiple of the OS page; the largest
+    /// must be a multiple of every other) and commit policy.
     pub fn with_page_sizes(page_sizes: &[u64], commit: HostCommit) -> Result<Self> {
+        Checked::wrap(HostMemory::new(page_sizes, commit)?)
+    }
+
+    /// Bytes of memory the memfd holds now (its allocated blocks). Zero once every page has
+    /// been released: the proof that nothing leaks.
+    pub fn resident_bytes(&self) -> Result<u64> {
+        sys::allocated_bytes(&self.driver().memfd)
+    }
+
+    /// Copies `data` to `addr` through the mapping, as a kernel would write. Fails, writing
+    /// nothing, unless every byte lies in a mapped page.
+    pub fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
+        self.with_mapped_span(addr, data.len() as u64, || {
+            // SAFETY: every byte of [addr, addr + len) lies in a page this backend mapped
+            // read/write, and the checked core holds its lock while this closure runs, so no
+            // unmap can take the mapping away during the copy; `data` is a distinct slice.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) }
+        })
+    }
+
+    /// Copies from `addr` through the mapping into `buf`. Fails unless every byte is mapped.
+    pub fn read(&self, addr: u64, buf: &mut [u8]) -> Result<()> {
+        let len = buf.len();
+        self.with_mapped_span(addr, len as u64, || {
+            // SAFETY: as in `write`: the span is mapped readable for the whole copy.
+            unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, buf.as_mut_ptr(), len) }
+        })
+    }
+}
+
+impl HostMemory {
+    /// A driver on a fresh memfd with the given page sizes and commit policy.
+    pub fn new(page_sizes: &[u64], commit: HostCommit) -> Result<Self> {
         let mut sizes = page_sizes.to_vec();
         sizes.sort_unstable();
         sizes.dedup();
@@ -76,93 +112,28 @@ impl HostBackend {
                 )));
             }
         }
-        Ok(HostBackend {
+        Ok(HostMemory {
             memfd: sys::memfd_create("vmem-host-pages")?,
             commit,
             page_sizes: sizes,
             granularity,
-            state: Mutex::new(HostState::default()),
+            slots: Mutex::new(Slots::default()),
         })
     }
 
-    /// Bytes of memory the memfd holds now (its allocated blocks). Zero once every page has
-    /// been released: the proof that nothing leaks.
-    pub fn resident_bytes(&self) -> Result<u64> {
-        sys::allocated_bytes(&self.memfd)
-    }
-
-    /// Number of pages currently mapped.
-    pub fn mapped_pages(&self) -> usize {
-        self.lock().book.mapped_pages()
-    }
-
-    /// Number of live (created, not released) pages.
-    pub fn live_pages(&self) -> usize {
-        self.lock().book.live_pages()
-    }
-
-    /// Number of reserved ranges.
-    pub fn reserved_ranges(&self) -> usize {
-        self.lock().book.ranges()
-    }
-
-    /// Copies `data` to `addr` through the mapping, as a kernel would write. Fails, writing
-    /// nothing, unless every byte lies in a mapped page.
-    pub fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
-        let st = self.lock();
-        check_mapped_span(&st.book, addr, data.len() as u64)?;
-        // SAFETY: every byte of [addr, addr + len) lies in a page this backend mapped
-        // read/write (checked above under the lock, which `unmap` also takes, so the mapping
-        // cannot go away during the copy); `data` is a distinct Rust slice.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
-        Ok(())
-    }
-
-    /// Copies from `addr` through the mapping into `buf`. Fails unless every byte is mapped.
-    pub fn read(&self, addr: u64, buf: &mut [u8]) -> Result<()> {
-        let st = self.lock();
-        check_mapped_span(&st.book, addr, buf.len() as u64)?;
-        // SAFETY: as in `write`: the span is mapped readable for the whole copy.
-        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, buf.as_mut_ptr(), buf.len()) };
-        Ok(())
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HostState> {
-        // A panic while holding the lock cannot leave the bookkeeping half-updated: every
-        // update happens after its system call succeeded. So a poisoned lock is still usable.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn slots(&self) -> MutexGuard<'_, Slots> {
+        // Slots are updated only after the system call they record succeeded.
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
-fn check_mapped_span(book: &RangeBook, addr: u64, len: u64) -> Result<()> {
-    let end = addr.checked_add(len).ok_or(VmemError::InvalidAddress {
-        addr,
-        size: len,
-        why: "address + size overflows",
-    })?;
-    let mut at = addr;
-    while at < end {
-        match book.page_at(at) {
-            Some((start, _, size)) => at = start + size,
-            None => {
-                return Err(VmemError::InvalidAddress {
-                    addr,
-                    size: len,
-                    why: "not entirely inside mapped pages",
-                })
-            }
-        }
-    }
-    Ok(())
-}
-
-impl Backend for HostBackend {
+impl RawBackend for HostMemory {
     fn kind(&self) -> BackendKind {
         BackendKind::Host
     }
 
-    fn page_sizes(&self) -> Vec<u64> {
-        self.page_sizes.clone()
+    fn page_sizes(&self) -> &[u64] {
+        &self.page_sizes
     }
 
     fn granularity(&self) -> u64 {
@@ -170,32 +141,17 @@ impl Backend for HostBackend {
     }
 
     fn reserve(&self, size: u64) -> Result<u64> {
-        if size == 0 || size % self.granularity != 0 {
-            return Err(VmemError::InvalidAddress {
-                addr: 0,
-                size,
-                why: "reservation size must be a non-zero multiple of the granularity",
-            });
-        }
-        let addr = sys::reserve_aligned(size, self.granularity)?;
-        self.lock().book.add_range(addr, size);
-        Ok(addr)
+        sys::reserve_aligned(size, self.granularity)
     }
 
-    fn free_range(&self, addr: u64) -> Result<()> {
-        let mut st = self.lock();
-        let size = st.book.remove_range(addr)?;
-        if let Err(e) = sys::munmap(addr, size) {
-            st.book.add_range(addr, size);
-            return Err(e);
-        }
-        Ok(())
+    unsafe fn free_range(&self, addr: u64, size: u64) -> Result<()> {
+        // SAFETY: the caller passes a range this driver reserved and nothing uses any more.
+        unsafe { sys::munmap(addr, size) }
     }
 
-    fn create_page(&self, page_size: u64) -> Result<PageHandle> {
-        self.check_page_size(page_size)?;
-        let mut st = self.lock();
-        let reused = st.free_slots.get_mut(&page_size).and_then(Vec::pop);
+    fn create(&self, page_size: u64) -> Result<PageHandle> {
+        let mut st = self.slots();
+        let reused = st.free.get_mut(&page_size).and_then(Vec::pop);
         let offset = match reused {
             Some(off) => off,
             None => st.high_water.next_multiple_of(page_size),
@@ -210,34 +166,32 @@ impl Backend for HostBackend {
         if self.commit == HostCommit::Eager {
             if let Err(e) = sys::fallocate(&self.memfd, 0, offset, page_size) {
                 if reused.is_some() {
-                    st.free_slots.entry(page_size).or_default().push(offset);
+                    st.free.entry(page_size).or_default().push(offset);
                 }
                 return Err(e);
             }
         }
         st.high_water = st.high_water.max(end);
-        st.book.add_page(PageHandle(offset), page_size);
         Ok(PageHandle(offset))
     }
 
-    fn release_page(&self, page: PageHandle) -> Result<()> {
-        let mut st = self.lock();
-        let size = st.book.check_release(page)?;
+    unsafe fn release(&self, page: PageHandle, page_size: u64) -> Result<()> {
         sys::fallocate(
             &self.memfd,
             libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
             page.0,
-            size,
+            page_size,
         )?;
-        st.book.remove_page(page);
-        st.free_slots.entry(size).or_default().push(page.0);
+        self.slots().free.entry(page_size).or_default().push(page.0);
         Ok(())
     }
 
-    fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()> {
-        self.check_page_size(page_size)?;
-        let mut st = self.lock();
-        st.book.check_map(addr, pages, page_size)?;
+    unsafe fn map(
+        &self,
+        addr: u64,
+        pages: &[PageHandle],
+        page_size: u64,
+    ) -> std::result::Result<(), PartialMap> {
         // Map runs of pages whose memfd offsets are consecutive with one call each.
         let mut i = 0;
         while i < pages.len() {
@@ -247,37 +201,20 @@ impl Backend for HostBackend {
             }
             let at = addr + i as u64 * page_size;
             let len = (j - i) as u64 * page_size;
-            if let Err(e) = sys::map_shared_fixed(&self.memfd, at, len, pages[i].0) {
-                // Undo this call's earlier runs: on error nothing of the call stays mapped.
-                if i > 0 {
-                    let _ = sys::reserve_fixed(addr, i as u64 * page_size);
-                }
-                return Err(e);
+            // SAFETY: the caller guarantees [at, at + len) lies in a range this driver
+            // reserved with nothing mapped, so MAP_FIXED replaces only our own PROT_NONE
+            // placeholder; the offsets are slots of our memfd.
+            if let Err(error) = unsafe { sys::map_shared_fixed(&self.memfd, at, len, pages[i].0) } {
+                return Err(PartialMap { mapped: i, error });
             }
             i = j;
         }
-        st.book.record_map(addr, pages, page_size);
         Ok(())
     }
 
-    fn unmap(&self, addr: u64, size: u64) -> Result<()> {
-        let mut st = self.lock();
-        st.book.mapped_run(addr, size)?;
-        sys::reserve_fixed(addr, size)?;
-        st.book.record_unmap(addr, size);
-        Ok(())
-    }
-}
-
-impl Drop for HostBackend {
-    fn drop(&mut self) {
-        // The allocator layer unmaps and frees everything it reserved before the last handle
-        // to the backend goes; whatever a direct user left behind is freed here.
-        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
-        let ranges: Vec<(u64, u64)> = st.book.take_ranges();
-        for (addr, size) in ranges {
-            let _ = sys::munmap(addr, size);
-        }
+    unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()> {
+        // SAFETY: the caller passes a run of pages this driver mapped, inside its range.
+        unsafe { sys::reserve_fixed(addr, size) }
     }
 }
 
@@ -383,19 +320,26 @@ mod sys {
         let start = base.next_multiple_of(align);
         let end = start + size;
         if start > base {
-            munmap(base, start - base)?;
+            // SAFETY: the head trimmed off is part of the mapping just made, which nothing
+            // else knows of.
+            unsafe { munmap(base, start - base) }?;
         }
         if base + span > end {
-            munmap(end, base + span - end)?;
+            // SAFETY: likewise for the tail.
+            unsafe { munmap(end, base + span - end) }?;
         }
         Ok(start)
     }
 
     /// Replaces `[addr, addr + len)` with a fresh PROT_NONE anonymous mapping (unmap while
     /// keeping the address space reserved).
-    pub(super) fn reserve_fixed(addr: u64, len: u64) -> Result<()> {
-        // SAFETY: callers pass only spans inside a range this backend reserved (checked
-        // against its RangeBook), so MAP_FIXED replaces nothing but our own mappings.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` lies inside a range reserved by `reserve_aligned` and not freed:
+    /// MAP_FIXED replaces whatever is there.
+    pub(super) unsafe fn reserve_fixed(addr: u64, len: u64) -> Result<()> {
+        // SAFETY: the caller passes only spans inside a range this driver reserved, so
+        // MAP_FIXED replaces nothing but our own mappings.
         let p = unsafe {
             libc::mmap(
                 addr as *mut libc::c_void,
@@ -416,10 +360,18 @@ mod sys {
     }
 
     /// Maps `len` bytes of the memfd from `offset` at `addr`, read/write, shared.
-    pub(super) fn map_shared_fixed(fd: &OwnedFd, addr: u64, len: u64, offset: u64) -> Result<()> {
-        // SAFETY: `[addr, addr + len)` lies inside a range this backend reserved and holds no
-        // mapping of ours (both checked against the RangeBook under its lock), so MAP_FIXED
-        // replaces only our own PROT_NONE placeholder.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` lies inside a range reserved by `reserve_aligned` and holds no
+    /// mapping that anything still uses: MAP_FIXED replaces whatever is there.
+    pub(super) unsafe fn map_shared_fixed(
+        fd: &OwnedFd,
+        addr: u64,
+        len: u64,
+        offset: u64,
+    ) -> Result<()> {
+        // SAFETY: by the caller's contract MAP_FIXED replaces only our own PROT_NONE
+        // placeholder; `fd` is our memfd.
         let p = unsafe {
             libc::mmap(
                 addr as *mut libc::c_void,
@@ -442,8 +394,12 @@ mod sys {
         Ok(())
     }
 
-    pub(super) fn munmap(addr: u64, len: u64) -> Result<()> {
-        // SAFETY: callers pass only ranges this backend reserved itself and no longer tracks.
+    /// Unmaps `[addr, addr + len)`.
+    ///
+    /// # Safety
+    /// The span is part of a reservation of ours that nothing uses any more.
+    pub(super) unsafe fn munmap(addr: u64, len: u64) -> Result<()> {
+        // SAFETY: by the caller's contract nothing refers to these addresses any more.
         let r = unsafe { libc::munmap(addr as *mut libc::c_void, len as usize) };
         if r != 0 {
             return Err(VmemError::os("munmap", std::io::Error::last_os_error()));

@@ -1,21 +1,31 @@
 //! Backends: the five virtual-memory operations of the paper, behind one trait.
 //!
-//! | operation | host ([`HostBackend`]) | CUDA ([`CudaBackend`]) | patched UVM ([`UvmBackend`]) |
-//! |---|---|---|---|
-//! | reserve a virtual range | `mmap(PROT_NONE)` | `cuMemAddressReserve` | `vMemReserve` |
-//! | create a physical page | a slot of a `memfd` | `cuMemCreate` | `vMemCreate` |
-//! | map pages (+access) | `mmap(MAP_FIXED\|MAP_SHARED)` | `cuMemMap` + `cuMemSetAccess` | `vMemMap` |
-//! | unmap / release | remap `PROT_NONE` / punch a hole | `cuMemUnmap` / `cuMemRelease` | `vMemRelease` |
-//! | free the range | `munmap` | `cuMemAddressFree` | `vMemFree` |
+//! A backend is two layers:
 //!
-//! [`SimBackend`] does the same bookkeeping with no memory behind it, for paper-scale replays;
-//! [`FaultyBackend`] and [`CountingBackend`] wrap any backend for fault and call-count tests.
+//! * a **driver** implements [`RawBackend`]: how one memory system does the operations, and
+//!   nothing else (no validation, no bookkeeping, no locking);
+//! * the **checked core** [`Checked`] wraps any driver and does, once for all of them, what
+//!   makes the operations safe to call with any value: validation of every address, size,
+//!   page size and handle against what was reserved and created, one lock, the bookkeeping
+//!   of what is mapped where, rollback of a half-done `map`, tracing, and cleanup on drop.
 //!
-//! A backend validates every argument against what it created: an address must lie inside a
-//! range it reserved, aligned to the page size, and a page handle must be one it created and
-//! has not released. The layers above never hand it anything else, but a backend is a public
-//! type and is safe to call with any value.
+//! [`Checked<R>`] implements [`Backend`], the object-safe interface the allocator layers use
+//! (`Arc<dyn Backend>`). The backends vmem ships are the checked core over each driver:
+//!
+//! | operation | [`HostBackend`] | [`CudaBackend`] | [`UvmBackend`] | [`SimBackend`] |
+//! |---|---|---|---|---|
+//! | reserve a virtual range | `mmap(PROT_NONE)` | `cuMemAddressReserve` | `vMemReserve` | a counter |
+//! | create a physical page | a slot of a `memfd` | `cuMemCreate` | `vMemCreate` | a counter |
+//! | map pages (+access) | `mmap(MAP_FIXED\|MAP_SHARED)` | `cuMemMap` + one `cuMemSetAccess` | `vMemMap` | nothing |
+//! | unmap / release | remap `PROT_NONE` / punch a hole | `cuMemUnmap` / `cuMemRelease` | `vMemUnmap` / `vMemRelease` | nothing |
+//! | free the range | `munmap` | `cuMemAddressFree` | `vMemFree` | nothing |
+//!
+//! A new backend (ROCm, a second GPU, a remote pool) implements [`RawBackend`] for its driver
+//! and must pass the conformance suite in `tests/` (`vmem_tests::conformance`).
+//! [`FaultyBackend`] and [`CountingBackend`] wrap any [`Backend`] for fault and call-count
+//! tests.
 
+mod checked;
 mod counting;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -25,18 +35,17 @@ mod select;
 mod sim;
 mod uvm;
 
+pub use checked::Checked;
 pub use counting::{CallCounts, CountingBackend};
 #[cfg(feature = "cuda")]
-pub use cuda::CudaBackend;
-#[cfg(feature = "cuda")]
-pub(crate) use cuda::{allocation_prop, cuda_err};
-pub use fault::{FaultPlan, FaultyBackend};
-pub use host::{HostBackend, HostCommit};
+pub use cuda::{CudaBackend, CudaDriver};
+pub use fault::{FaultPlan, FaultyBackend, Op};
+pub use host::{HostBackend, HostCommit, HostMemory};
 pub use select::{open_backend, BackendChoice, Selected};
-pub use sim::SimBackend;
-pub use uvm::UvmBackend;
+pub use sim::{SimBackend, SimMemory};
+pub use uvm::{UvmBackend, UvmDriver};
 
-use crate::error::Result;
+use crate::error::{Result, VmemError};
 use std::fmt::Debug;
 
 /// 64 KiB.
@@ -84,20 +93,27 @@ impl BackendKind {
 
 /// The five operations every backend provides, plus what page sizes it supports.
 ///
+/// Every method is safe to call with any value: an address must lie inside a range the
+/// backend reserved, aligned to the page size, and a page handle must be one it created and
+/// has not released; anything else is refused with an error and changes nothing.
 /// Implementations are `Send + Sync`: the KV-cache manager maps pages from a background
 /// thread while the engine's thread calls `step`.
+///
+/// Implement [`RawBackend`] instead of this trait: [`Checked`] turns any driver into a
+/// `Backend` with all of those checks.
 pub trait Backend: Send + Sync + Debug {
     /// Which implementation this is.
     fn kind(&self) -> BackendKind;
 
     /// Page sizes (bytes) that [`Backend::create_page`] accepts, ascending.
-    fn page_sizes(&self) -> Vec<u64>;
+    fn page_sizes(&self) -> &[u64];
 
     /// Alignment (bytes) of reserved ranges; every supported page size divides it.
     fn granularity(&self) -> u64;
 
-    /// Reserves `size` bytes of virtual address space (a multiple of the granularity, aligned
-    /// to it) with nothing mapped; returns its start address.
+    /// Reserves `size` bytes of virtual address space (a non-zero multiple of the
+    /// granularity) with nothing mapped; returns its start address, aligned to the
+    /// granularity.
     fn reserve(&self, size: u64) -> Result<u64>;
 
     /// Frees a range returned by [`Backend::reserve`]. It must have nothing mapped.
@@ -115,7 +131,7 @@ pub trait Backend: Send + Sync + Debug {
     fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()>;
 
     /// Unmaps `[addr, addr + size)`, which must be exactly a run of mapped pages.
-    /// The pages stay alive and can be mapped again.
+    /// The pages stay alive and can be mapped again. On error nothing is unmapped.
     fn unmap(&self, addr: u64, size: u64) -> Result<()>;
 
     /// Short name for logs and tables.
@@ -129,211 +145,87 @@ pub trait Backend: Send + Sync + Debug {
         if supported.contains(&page_size) {
             Ok(())
         } else {
-            Err(crate::VmemError::UnsupportedPageSize {
+            Err(VmemError::UnsupportedPageSize {
                 requested: page_size,
                 backend: self.name(),
-                supported,
+                supported: supported.to_vec(),
             })
         }
     }
 }
 
-/// Bookkeeping shared by backends that validate addresses: the ranges they reserved and the
-/// pages mapped in them, by address.
-#[derive(Debug, Default)]
-pub(crate) struct RangeBook {
-    /// start -> size of each reserved range.
-    ranges: std::collections::BTreeMap<u64, u64>,
-    /// address of each mapped page -> (page, page size).
-    mapped: std::collections::BTreeMap<u64, (PageHandle, u64)>,
-    /// the pages that are mapped somewhere.
-    mapped_handles: std::collections::HashSet<PageHandle>,
-    /// live (created, not released) pages -> page size.
-    live: std::collections::HashMap<PageHandle, u64>,
+/// A `map` that failed after mapping a prefix of its pages.
+#[derive(Debug)]
+pub struct PartialMap {
+    /// How many of the call's pages, from its start address, are still mapped.
+    pub mapped: usize,
+    /// Why the call stopped.
+    pub error: VmemError,
 }
 
-impl RangeBook {
-    pub(crate) fn add_range(&mut self, addr: u64, size: u64) {
-        self.ranges.insert(addr, size);
+impl PartialMap {
+    /// A failure that left nothing mapped.
+    pub fn none(error: VmemError) -> Self {
+        PartialMap { mapped: 0, error }
     }
+}
 
-    /// Removes a range; refuses when it is unknown or still has pages mapped.
-    pub(crate) fn remove_range(&mut self, addr: u64) -> Result<u64> {
-        let size = *self
-            .ranges
-            .get(&addr)
-            .ok_or(crate::VmemError::InvalidAddress {
-                addr,
-                size: 0,
-                why: "not the start of a reserved range",
-            })?;
-        if self.mapped.range(addr..addr + size).next().is_some() {
-            return Err(crate::VmemError::InvalidAddress {
-                addr,
-                size,
-                why: "range still has pages mapped",
-            });
-        }
-        self.ranges.remove(&addr);
-        Ok(size)
-    }
+/// How one memory system does the five operations: what a new backend implements.
+///
+/// A driver does no validation and keeps no bookkeeping of its own: [`Checked`] calls it only
+/// with arguments it has checked, one call at a time, and records what each call did. The
+/// operations that act on caller-named addresses or handles are `unsafe fn`s, whose
+/// contracts [`Checked`] upholds.
+pub trait RawBackend: Send + Sync + Debug {
+    /// Which implementation this is.
+    fn kind(&self) -> BackendKind;
 
-    /// Checks that `[addr, addr + size)` lies inside one reserved range and is aligned.
-    pub(crate) fn check_inside(&self, addr: u64, size: u64, align: u64) -> Result<()> {
-        let bad = |why| crate::VmemError::InvalidAddress { addr, size, why };
-        if size == 0 {
-            return Err(bad("zero size"));
-        }
-        if addr % align != 0 || size % align != 0 {
-            return Err(bad("not aligned to the page size"));
-        }
-        let end = addr
-            .checked_add(size)
-            .ok_or(bad("address + size overflows"))?;
-        match self.ranges.range(..=addr).next_back() {
-            Some((&start, &len)) if end <= start + len => Ok(()),
-            _ => Err(bad("not inside a reserved range")),
-        }
-    }
+    /// Page sizes (bytes) that [`RawBackend::create`] accepts, ascending, each dividing
+    /// [`RawBackend::granularity`].
+    fn page_sizes(&self) -> &[u64];
 
-    /// Checks that nothing is mapped in `[addr, addr + size)`.
-    pub(crate) fn check_unmapped(&self, addr: u64, size: u64) -> Result<()> {
-        // A mapping that starts before `addr` may still cover it.
-        let overlaps_before = self
-            .mapped
-            .range(..addr)
-            .next_back()
-            .is_some_and(|(&a, &(_, len))| a + len > addr);
-        if overlaps_before || self.mapped.range(addr..addr + size).next().is_some() {
-            return Err(crate::VmemError::InvalidAddress {
-                addr,
-                size,
-                why: "already mapped",
-            });
-        }
-        Ok(())
-    }
+    /// Alignment (bytes) of reserved ranges.
+    fn granularity(&self) -> u64;
 
-    pub(crate) fn record_map(&mut self, addr: u64, pages: &[PageHandle], page_size: u64) {
-        for (i, &p) in pages.iter().enumerate() {
-            self.mapped
-                .insert(addr + i as u64 * page_size, (p, page_size));
-            self.mapped_handles.insert(p);
-        }
-    }
+    /// Reserves `size` bytes (a non-zero multiple of the granularity) of fresh virtual
+    /// address space, aligned to the granularity, with nothing mapped.
+    fn reserve(&self, size: u64) -> Result<u64>;
 
-    /// Checks that `[addr, addr + size)` is exactly covered by mapped pages and returns them.
-    pub(crate) fn mapped_run(&self, addr: u64, size: u64) -> Result<Vec<(u64, PageHandle, u64)>> {
-        let mut run = Vec::new();
-        let mut next = addr;
-        for (&a, &(p, len)) in self.mapped.range(addr..addr.saturating_add(size)) {
-            if a != next {
-                break;
-            }
-            run.push((a, p, len));
-            next = a + len;
-        }
-        if next != addr + size {
-            return Err(crate::VmemError::InvalidAddress {
-                addr,
-                size,
-                why: "not exactly a run of mapped pages",
-            });
-        }
-        Ok(run)
-    }
+    /// Frees the range `[addr, addr + size)`.
+    ///
+    /// # Safety
+    /// `addr` and `size` are exactly a range this driver reserved and has not freed, with
+    /// nothing mapped in it, and nothing will use its addresses again.
+    unsafe fn free_range(&self, addr: u64, size: u64) -> Result<()>;
 
-    pub(crate) fn record_unmap(&mut self, addr: u64, size: u64) {
-        let keys: Vec<u64> = self
-            .mapped
-            .range(addr..addr + size)
-            .map(|(&a, _)| a)
-            .collect();
-        for a in keys {
-            if let Some((p, _)) = self.mapped.remove(&a) {
-                self.mapped_handles.remove(&p);
-            }
-        }
-    }
+    /// Creates one physical page of `page_size` bytes (one of [`RawBackend::page_sizes`]).
+    fn create(&self, page_size: u64) -> Result<PageHandle>;
 
-    /// The mapped page containing `addr`, with its start address and size.
-    pub(crate) fn page_at(&self, addr: u64) -> Option<(u64, PageHandle, u64)> {
-        self.mapped
-            .range(..=addr)
-            .next_back()
-            .filter(|(&a, &(_, len))| addr < a + len)
-            .map(|(&a, &(p, len))| (a, p, len))
-    }
+    /// Releases a page.
+    ///
+    /// # Safety
+    /// `page` is a live page of `page_size` bytes that this driver created, not mapped
+    /// anywhere; it is not used again.
+    unsafe fn release(&self, page: PageHandle, page_size: u64) -> Result<()>;
 
-    pub(crate) fn mapped_pages(&self) -> usize {
-        self.mapped.len()
-    }
+    /// Maps `pages` at consecutive addresses from `addr` with read/write access. On failure
+    /// it reports how many leading pages stay mapped (the caller unmaps them).
+    ///
+    /// # Safety
+    /// `[addr, addr + pages.len() * page_size)` lies inside one range this driver reserved,
+    /// is aligned to `page_size` and has nothing mapped; every page is live, of `page_size`
+    /// bytes, unmapped, and named once.
+    unsafe fn map(
+        &self,
+        addr: u64,
+        pages: &[PageHandle],
+        page_size: u64,
+    ) -> std::result::Result<(), PartialMap>;
 
-    /// Records a created page.
-    pub(crate) fn add_page(&mut self, page: PageHandle, size: u64) {
-        self.live.insert(page, size);
-    }
-
-    /// Checks that `page` is live and unmapped, so it may be released; returns its size.
-    pub(crate) fn check_release(&self, page: PageHandle) -> Result<u64> {
-        let size = *self
-            .live
-            .get(&page)
-            .ok_or(crate::VmemError::UnknownPage(page.0))?;
-        if self.mapped_handles.contains(&page) {
-            return Err(crate::VmemError::InvalidAddress {
-                addr: page.0,
-                size,
-                why: "page is still mapped; unmap before release",
-            });
-        }
-        Ok(size)
-    }
-
-    /// Forgets a released page.
-    pub(crate) fn remove_page(&mut self, page: PageHandle) {
-        self.live.remove(&page);
-    }
-
-    /// Number of live pages.
-    pub(crate) fn live_pages(&self) -> usize {
-        self.live.len()
-    }
-
-    /// Checks a whole `map` call: the span is inside a range, aligned and unmapped, and every
-    /// page is live, of this size, unmapped and named once. Returns the span's size.
-    pub(crate) fn check_map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<u64> {
-        let total = (pages.len() as u64)
-            .checked_mul(page_size)
-            .ok_or(crate::VmemError::SizeOverflow("map size"))?;
-        self.check_inside(addr, total, page_size)?;
-        self.check_unmapped(addr, total)?;
-        let mut seen = std::collections::HashSet::with_capacity(pages.len());
-        for &p in pages {
-            match self.live.get(&p) {
-                Some(&s)
-                    if s == page_size && !self.mapped_handles.contains(&p) && seen.insert(p) => {}
-                Some(_) => {
-                    return Err(crate::VmemError::InvalidAddress {
-                        addr: p.0,
-                        size: page_size,
-                        why: "page is already mapped, of another size, or named twice",
-                    })
-                }
-                None => return Err(crate::VmemError::UnknownPage(p.0)),
-            }
-        }
-        Ok(total)
-    }
-
-    /// Takes every reserved range out of the book (for a backend's Drop).
-    pub(crate) fn take_ranges(&mut self) -> Vec<(u64, u64)> {
-        self.mapped.clear();
-        self.mapped_handles.clear();
-        std::mem::take(&mut self.ranges).into_iter().collect()
-    }
-
-    pub(crate) fn ranges(&self) -> usize {
-        self.ranges.len()
-    }
+    /// Unmaps `[addr, addr + size)`; the pages stay alive. On error nothing is unmapped.
+    ///
+    /// # Safety
+    /// The span is exactly a run of pages this driver mapped, and no device or host access
+    /// to it is in flight or will follow until it is mapped again.
+    unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()>;
 }

@@ -4,55 +4,60 @@
 //! disabled on its GPU machine), so this backend is compile-checked and its argument
 //! handling unit-tested, but has never mapped GPU memory: see docs/driver-patch.md.
 
-use super::{Backend, BackendKind, PageHandle, RangeBook};
+use super::{BackendKind, Checked, PageHandle, PartialMap, RawBackend};
 use crate::error::{Result, VmemError};
-use std::sync::Mutex;
 use uvm_ioctl::{GpuUuid, UvmFile};
 
-/// vMem backend on an initialised `/dev/nvidia-uvm` file. See the module docs.
+/// The patched-driver backend: [`Checked`] over [`UvmDriver`].
+pub type UvmBackend = Checked<UvmDriver>;
+
+/// The vMem ioctls on an initialised `/dev/nvidia-uvm` file, for one GPU.
 #[derive(Debug)]
-pub struct UvmBackend {
+pub struct UvmDriver {
     file: UvmFile,
     gpu: GpuUuid,
     page_sizes: Vec<u64>,
     granularity: u64,
-    state: Mutex<RangeBook>,
 }
 
-impl UvmBackend {
+impl Checked<UvmDriver> {
+    /// A UVM backend on `file` for GPU `gpu` (see [`UvmDriver::new`]).
+    pub fn new(file: UvmFile, gpu: GpuUuid) -> Result<Self> {
+        Checked::wrap(UvmDriver::new(file, gpu)?)
+    }
+}
+
+impl UvmDriver {
     /// Uses `file` (normally [`UvmFile::from_cuda_process`], where the CUDA driver registered
     /// the GPU) for GPU `gpu`. Fails with [`uvm_ioctl::UvmError::NotPatched`] on a stock driver.
     pub fn new(file: UvmFile, gpu: GpuUuid) -> Result<Self> {
         let info = file.query()?;
-        if info.page_sizes.is_empty() || info.range_align == 0 {
+        let largest = info.page_sizes.iter().copied().max().unwrap_or(0);
+        if largest == 0 || info.range_align == 0 {
             return Err(VmemError::BackendUnavailable {
                 backend: "uvm",
                 why: format!("driver reports no usable page sizes: {info:?}"),
             });
         }
-        Ok(UvmBackend {
+        let mut page_sizes = info.page_sizes;
+        page_sizes.sort_unstable();
+        page_sizes.dedup();
+        Ok(UvmDriver {
             file,
             gpu,
-            granularity: info
-                .range_align
-                .max(*info.page_sizes.iter().max().unwrap_or(&0)),
-            page_sizes: info.page_sizes,
-            state: Mutex::new(RangeBook::default()),
+            granularity: info.range_align.max(largest),
+            page_sizes,
         })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, RangeBook> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
-impl Backend for UvmBackend {
+impl RawBackend for UvmDriver {
     fn kind(&self) -> BackendKind {
         BackendKind::Uvm
     }
 
-    fn page_sizes(&self) -> Vec<u64> {
-        self.page_sizes.clone()
+    fn page_sizes(&self) -> &[u64] {
+        &self.page_sizes
     }
 
     fn granularity(&self) -> u64 {
@@ -60,64 +65,39 @@ impl Backend for UvmBackend {
     }
 
     fn reserve(&self, size: u64) -> Result<u64> {
-        if size == 0 || size % self.granularity != 0 {
-            return Err(VmemError::InvalidAddress {
-                addr: 0,
-                size,
-                why: "reservation size must be a non-zero multiple of the granularity",
-            });
-        }
-        let addr = self.file.reserve(&self.gpu, size)?;
-        self.lock().add_range(addr, size);
-        Ok(addr)
+        Ok(self.file.reserve(&self.gpu, size)?)
     }
 
-    fn free_range(&self, addr: u64) -> Result<()> {
-        let mut book = self.lock();
-        let size = book.remove_range(addr)?;
-        if let Err(e) = self.file.free(addr) {
-            book.add_range(addr, size);
-            return Err(e.into());
-        }
-        Ok(())
+    unsafe fn free_range(&self, addr: u64, _size: u64) -> Result<()> {
+        Ok(self.file.free(addr)?)
     }
 
-    fn create_page(&self, page_size: u64) -> Result<PageHandle> {
-        self.check_page_size(page_size)?;
-        let h = PageHandle(self.file.create(&self.gpu, page_size)?);
-        self.lock().add_page(h, page_size);
-        Ok(h)
+    fn create(&self, page_size: u64) -> Result<PageHandle> {
+        Ok(PageHandle(self.file.create(&self.gpu, page_size)?))
     }
 
-    fn release_page(&self, page: PageHandle) -> Result<()> {
-        let mut book = self.lock();
-        book.check_release(page)?;
-        self.file.release(page.0, false)?;
-        book.remove_page(page);
-        Ok(())
+    unsafe fn release(&self, page: PageHandle, _page_size: u64) -> Result<()> {
+        Ok(self.file.release(page.0, false)?)
     }
 
-    fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()> {
-        self.check_page_size(page_size)?;
-        let mut book = self.lock();
-        book.check_map(addr, pages, page_size)?;
+    unsafe fn map(
+        &self,
+        addr: u64,
+        pages: &[PageHandle],
+        page_size: u64,
+    ) -> std::result::Result<(), PartialMap> {
         for (i, p) in pages.iter().enumerate() {
             if let Err(e) = self.file.map(addr + i as u64 * page_size, p.0) {
-                if i > 0 {
-                    let _ = self.file.unmap(addr, i as u64 * page_size);
-                }
-                return Err(e.into());
+                return Err(PartialMap {
+                    mapped: i,
+                    error: e.into(),
+                });
             }
         }
-        book.record_map(addr, pages, page_size);
         Ok(())
     }
 
-    fn unmap(&self, addr: u64, size: u64) -> Result<()> {
-        let mut book = self.lock();
-        book.mapped_run(addr, size)?;
-        self.file.unmap(addr, size)?;
-        book.record_unmap(addr, size);
-        Ok(())
+    unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()> {
+        Ok(self.file.unmap(addr, size)?)
     }
 }

@@ -36,7 +36,25 @@ impl std::str::FromStr for Layout {
     }
 }
 
-/// Everything `init` needs. Build with [`KvConfig::new`], then adjust the public fields.
+/// Everything `init` needs. Build it with [`KvConfig::builder`] (or
+/// [`crate::models::ModelSpec::kv_config`]); the fields stay public for adjusting.
+///
+/// ```
+/// use vmem::{backend::KIB256, KvConfig, Layout};
+/// let cfg = KvConfig::builder()
+///     .layers(32)
+///     .kv_heads(8)
+///     .head_dim(128)
+///     .elem_bytes(2)
+///     .max_batch(64)
+///     .max_context(8192)
+///     .page_size(KIB256)
+///     .layout(Layout::TokenMajor)
+///     .memory_cap(16 << 30)
+///     .build();
+/// assert_eq!(cfg.validate()?.token_bytes, 32 * 2 * 8 * 128 * 2);
+/// # Ok::<(), vmem::VmemError>(())
+/// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvConfig {
     /// Layers on this worker (N').
@@ -70,25 +88,76 @@ pub struct KvConfig {
     pub reclaim_threshold: u64,
 }
 
-impl KvConfig {
-    /// A configuration with the optimizations on and a cap of 40 GiB.
-    pub fn new(
+/// Builds a [`KvConfig`] field by field. The shape (layers, batch, context, heads, head
+/// dimension, element size, page size) has no default and must be set; the rest defaults to
+/// the per-layer layout, a 40 GiB cap, no pre-allocation, and the three optimizations on
+/// (overlap, deferred reclamation, 1,024 eager tokens, a 1 GiB reclaim threshold).
+/// [`KvCacheManager::init`](crate::KvCacheManager::init) validates the result.
+#[derive(Debug, Clone, PartialEq)]
+#[must_use]
+pub struct KvConfigBuilder(KvConfig);
+
+macro_rules! setters {
+    ($($(#[$doc:meta])* $name:ident: $ty:ty),* $(,)?) => {
+        $(
+            $(#[$doc])*
+            pub fn $name(mut self, value: $ty) -> Self {
+                self.0.$name = value;
+                self
+            }
+        )*
+    };
+}
+
+impl KvConfigBuilder {
+    setters! {
+        /// Layers on this worker.
         layers: usize,
+        /// Maximum batch size (request ids).
         max_batch: usize,
+        /// Maximum context length in tokens.
         max_context: usize,
+        /// KV heads on this worker.
         kv_heads: usize,
+        /// Head dimension.
         head_dim: usize,
+        /// Bytes per element (2 for fp16/bf16, 1 for fp8, 4 for fp32).
         elem_bytes: usize,
+        /// Physical page size in bytes.
         page_size: u64,
-    ) -> Self {
-        KvConfig {
-            layers,
-            max_batch,
-            max_context,
-            kv_heads,
-            head_dim,
-            elem_bytes,
-            page_size,
+        /// Buffer layout.
+        layout: Layout,
+        /// Most physical memory the cache may hold, in bytes.
+        memory_cap: u64,
+        /// Physical memory created at `init`, in bytes.
+        prealloc: u64,
+        /// Map the next iteration's pages on a background thread.
+        overlap: bool,
+        /// Keep a freed request's pages mapped for the next request.
+        deferred_reclaim: bool,
+        /// Tokens' worth of pages kept mapped for the next request id (0 = off).
+        eager_tokens: usize,
+        /// Available-memory threshold (bytes) below which deferred pages are reclaimed.
+        reclaim_threshold: u64,
+    }
+
+    /// The configuration. Validation happens in [`KvConfig::validate`], which `init` calls.
+    pub fn build(self) -> KvConfig {
+        self.0
+    }
+}
+
+impl KvConfig {
+    /// A builder with no shape and the default policies (see [`KvConfigBuilder`]).
+    pub fn builder() -> KvConfigBuilder {
+        KvConfigBuilder(KvConfig {
+            layers: 0,
+            max_batch: 0,
+            max_context: 0,
+            kv_heads: 0,
+            head_dim: 0,
+            elem_bytes: 0,
+            page_size: 0,
             layout: Layout::PerLayer,
             memory_cap: 40 << 30,
             prealloc: 0,
@@ -96,7 +165,7 @@ impl KvConfig {
             deferred_reclaim: true,
             eager_tokens: 1024,
             reclaim_threshold: 1 << 30,
-        }
+        })
     }
 
     /// Checks every field, and that every size computed from them fits in 64 bits.
@@ -114,13 +183,13 @@ impl KvConfig {
                 return Err(VmemError::InvalidConfig(format!("{name} must be non-zero")));
             }
         }
-        if self.page_size == 0 || self.page_size % 4096 != 0 {
+        if self.page_size == 0 || !self.page_size.is_multiple_of(4096) {
             return Err(VmemError::InvalidConfig(format!(
                 "page size {} is not a non-zero multiple of 4096",
                 self.page_size
             )));
         }
-        if self.page_size % self.elem_bytes as u64 != 0 {
+        if !self.page_size.is_multiple_of(self.elem_bytes as u64) {
             return Err(VmemError::InvalidConfig(
                 "page size must be a multiple of elem_bytes".into(),
             ));

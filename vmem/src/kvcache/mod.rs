@@ -16,7 +16,7 @@ mod config;
 mod mapper;
 mod state;
 
-pub use config::{Geometry, KvConfig, LayerView, Layout, TensorView};
+pub use config::{Geometry, KvConfig, KvConfigBuilder, LayerView, Layout, TensorView};
 
 use crate::backend::Backend;
 use crate::buffer::VirtualBuffer;
@@ -93,7 +93,7 @@ impl Shared {
 ///
 /// let backend = Arc::new(HostBackend::new()?);
 /// // 2 layers, batch 4, context 1024, 2 KV heads of dim 64, fp16, 64 KB pages.
-/// let mut cfg = KvConfig::new(2, 4, 1024, 2, 64, 2, KIB64);
+/// let mut cfg = KvConfig::builder().layers(2).max_batch(4).max_context(1024).kv_heads(2).head_dim(64).elem_bytes(2).page_size(KIB64).build();
 /// cfg.memory_cap = 64 << 20;
 /// let kv = KvCacheManager::init(backend, cfg)?;
 /// let r = kv.alloc_reqid()?;

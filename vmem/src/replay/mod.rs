@@ -125,14 +125,6 @@ impl ReplayStats {
     pub fn peak_waste(&self) -> f64 {
         1.0 - self.peak_kv_bytes as f64 / self.peak_active_mapped_bytes.max(1) as f64
     }
-
-    /// Mapped bytes per KV byte, time-averaged (1.0 = no waste).
-    pub fn avg_overhead(&self) -> f64 {
-        if self.sum_kv_bytes == 0 {
-            return 1.0;
-        }
-        self.sum_active_mapped_bytes as f64 / self.sum_kv_bytes as f64
-    }
 }
 
 #[derive(Debug, Clone, Copy)]

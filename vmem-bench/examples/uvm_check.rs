@@ -5,8 +5,8 @@
 
 use std::sync::Arc;
 use vmem::backend::{open_backend, Backend, BackendChoice, BackendKind, CudaBackend, PAGE_SIZES};
-use vmem::gpu::GpuKernels;
 use vmem::{KvCacheManager, KvConfig};
+use vmem_bench::GpuKernels;
 
 fn main() -> vmem::Result<()> {
     println!("driver: {}", uvm_ioctl::detect().describe());
@@ -25,8 +25,11 @@ fn main() -> vmem::Result<()> {
             .map(|_| uvm.create_page(page))
             .collect::<vmem::Result<_>>()?;
         uvm.map(range, &pages, page)?;
-        kernels.fill(range, 4 * page, 42)?;
-        let bad = kernels.check(range, 4 * page, 42)?;
+        // SAFETY: the four pages were just mapped at `range`, read/write, in the context the
+        // kernels were loaded into; nothing unmaps them until after the check.
+        unsafe { kernels.fill(range, 4 * page, 42) }?;
+        // SAFETY: as above.
+        let bad = unsafe { kernels.check(range, 4 * page, 42) }?;
         uvm.unmap(range, 4 * page)?;
         for p in pages {
             uvm.release_page(p)?;
@@ -42,7 +45,15 @@ fn main() -> vmem::Result<()> {
             )));
         }
     }
-    let mut cfg = KvConfig::new(32, 8, 4096, 8, 128, 2, 64 << 10);
+    let mut cfg = KvConfig::builder()
+        .layers(32)
+        .max_batch(8)
+        .max_context(4096)
+        .kv_heads(8)
+        .head_dim(128)
+        .elem_bytes(2)
+        .page_size(64 << 10)
+        .build();
     cfg.memory_cap = 4 << 30;
     let kv = KvCacheManager::init(uvm.clone() as Arc<dyn Backend>, cfg)?;
     let r = kv.alloc_reqid()?;
@@ -52,8 +63,16 @@ fn main() -> vmem::Result<()> {
         kv.step(&lens)?;
     }
     for s in kv.mapped_spans() {
-        kernels.fill(s.addr, s.len, s.buffer as u32)?;
-        assert_eq!(kernels.check(s.addr, s.len, s.buffer as u32)?, 0);
+        // SAFETY: the manager mapped every span it reports, and no step runs meanwhile.
+        unsafe { kernels.fill(s.addr, s.len, s.buffer as u32) }?;
+        // SAFETY: as above.
+        let bad = unsafe { kernels.check(s.addr, s.len, s.buffer as u32) }?;
+        if bad != 0 {
+            return Err(vmem::VmemError::InvalidConfig(format!(
+                "KV span of buffer {}: {bad} words read back wrong",
+                s.buffer
+            )));
+        }
     }
     println!(
         "KV cache at 64 KB pages: {:?} pages per buffer, all written and read back",

@@ -1,17 +1,12 @@
-//! Small GPU kernels for checking and exercising vmem-backed memory (feature `cuda`):
-//! fill a span with a pattern and count mismatches against it (hand-written PTX, loaded with
-//! `cuModuleLoadData`: no compiler needed), and [`DecodeModel`], a Llama-3-8B-shaped decode
-//! iteration over a vmem KV cache (cuBLAS + nvrtc-compiled kernels).
+//! Pattern kernels (fill a span, count mismatches; hand-written PTX loaded with
+//! `cuModuleLoadData`, so no compiler is needed) and a timing of the raw CUDA VMM calls.
 
-mod decode;
-
-pub use decode::DecodeModel;
-
-use crate::backend::{allocation_prop, cuda_err, CudaBackend};
-use crate::error::Result;
+use crate::{allocation_prop, cuda_err};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 use std::ffi::{c_void, CString};
+use vmem::backend::CudaBackend;
+use vmem::Result;
 
 const PTX: &str = r#"
 .version 7.0
@@ -116,19 +111,28 @@ impl GpuKernels {
         })
     }
 
-    /// Fills `[addr, addr + len)` (device memory, mapped read/write) with the pattern `seed`.
-    pub fn fill(&self, addr: u64, len: u64, seed: u32) -> Result<()> {
+    /// Fills `[addr, addr + len)` with the pattern `seed` and waits for it.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` is device memory mapped read/write in this context for the whole
+    /// call, and nothing else uses it meanwhile.
+    pub unsafe fn fill(&self, addr: u64, len: u64, seed: u32) -> Result<()> {
         let (mut a, mut n, mut s) = (addr, len / 4, seed);
         let mut params = [
             &mut a as *mut u64 as *mut c_void,
             &mut n as *mut u64 as *mut c_void,
             &mut s as *mut u32 as *mut c_void,
         ];
-        self.launch(self.fill, &mut params)
+        // SAFETY: the parameters match vmem_fill's; the span is mapped by our caller's contract.
+        unsafe { self.launch(self.fill, &mut params) }
     }
 
     /// Counts the 4-byte words of `[addr, addr + len)` that differ from the pattern `seed`.
-    pub fn check(&self, addr: u64, len: u64, seed: u32) -> Result<u32> {
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` is device memory mapped readable in this context for the whole
+    /// call.
+    pub unsafe fn check(&self, addr: u64, len: u64, seed: u32) -> Result<u32> {
         // SAFETY: `errors` is our 4-byte device allocation.
         unsafe { cu::memset_d8_sync(self.errors, 0, 4) }.map_err(cuda_err("cuMemsetD8"))?;
         let (mut a, mut n, mut s, mut e) = (addr, len / 4, seed, self.errors);
@@ -138,7 +142,9 @@ impl GpuKernels {
             &mut s as *mut u32 as *mut c_void,
             &mut e as *mut u64 as *mut c_void,
         ];
-        self.launch(self.check, &mut params)?;
+        // SAFETY: the parameters match vmem_check's; the span is mapped by our caller's
+        // contract and `errors` is our own allocation.
+        unsafe { self.launch(self.check, &mut params) }?;
         let mut out = [0u32; 1];
         // SAFETY: copies 4 bytes from our allocation into a 4-byte buffer; the launch above
         // is ordered before it on the null stream.
@@ -151,11 +157,14 @@ impl GpuKernels {
         cu::ctx::synchronize().map_err(cuda_err("cuCtxSynchronize"))
     }
 
-    fn launch(&self, f: sys::CUfunction, params: &mut [*mut c_void]) -> Result<()> {
-        // SAFETY: `params` point at live locals whose types match the kernel's parameters
-        // (u64 base, u64 n, u32 seed[, u64 errors]); the caller passes only memory that is
-        // mapped read/write for the device. We synchronize before returning, so the locals
-        // outlive the kernel.
+    /// Launches `f` over a grid of 264 x 256 threads and waits for it.
+    ///
+    /// # Safety
+    /// `params` point at live values whose types match `f`'s parameters, and every address
+    /// among them is device memory the kernel may access for the whole call.
+    unsafe fn launch(&self, f: sys::CUfunction, params: &mut [*mut c_void]) -> Result<()> {
+        // SAFETY: by the caller's contract; we synchronize before returning, so the
+        // parameter values outlive the kernel.
         unsafe { cu::launch_kernel(f, (264, 1, 1), (256, 1, 1), 0, std::ptr::null_mut(), params) }
             .map_err(cuda_err("cuLaunchKernel"))?;
         self.synchronize()

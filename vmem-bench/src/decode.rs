@@ -5,14 +5,15 @@
 //! unchanged for either layout. Norms, rotary embeddings and activations are left out: they
 //! cost little next to the GEMMs and the attention, and touch no KV memory.
 
-use crate::backend::cuda_err;
-use crate::error::{Result, VmemError};
-use crate::kvcache::LayerView;
+use crate::cuda_err;
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 use std::sync::Arc;
+use vmem::kvcache::LayerView;
+use vmem::models::ModelSpec;
+use vmem::{Result, VmemError};
 
 const KERNELS: &str = r#"
 __device__ __forceinline__ unsigned short f2bf(float x) { return (unsigned short)(__float_as_uint(x) >> 16); }
@@ -60,12 +61,13 @@ extern "C" __global__ void attend(const float* qkv, unsigned long long k_base, u
 }
 "#;
 
-/// Llama-3-8B's per-layer shapes.
-const HIDDEN: usize = 4096;
-const Q_HEADS: usize = 32;
-const KV_HEADS: usize = 8;
-const HEAD_DIM: usize = 128;
-const INTER: usize = 14336;
+/// The model whose per-layer shapes the decode step has (stated once, in vmem's models.rs).
+pub const MODEL: ModelSpec = vmem::models::LLAMA_3_8B;
+const HIDDEN: usize = MODEL.hidden;
+const Q_HEADS: usize = MODEL.q_heads;
+const KV_HEADS: usize = MODEL.kv_heads;
+const HEAD_DIM: usize = MODEL.head_dim;
+const INTER: usize = MODEL.intermediate;
 const QKV: usize = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM;
 
 fn blas_err(e: cudarc::cublas::result::CublasError) -> VmemError {
@@ -162,7 +164,14 @@ impl DecodeModel {
     /// Runs one decode iteration over every layer whose views are given (Llama-3-8B: 32),
     /// for requests of lengths `seq_lens` (0 = inactive; the new token is at `len - 1`), and
     /// waits for it.
-    pub fn iteration(&mut self, views: &[LayerView], seq_lens: &[u64]) -> Result<()> {
+    ///
+    /// # Safety
+    /// The kernels write token `len - 1` and read tokens `0..len` of every request `b` with
+    /// `seq_lens[b] > 0` through the views' addresses and strides: those elements must be
+    /// device memory mapped read/write in this device's context for the whole call (for
+    /// views of a [`vmem::KvCacheManager`], a successful `step(seq_lens)` before the call and
+    /// no unmapping during it), and nothing else may use them meanwhile.
+    pub unsafe fn iteration(&mut self, views: &[LayerView], seq_lens: &[u64]) -> Result<()> {
         if seq_lens.len() != self.batch
             || views
                 .iter()
@@ -211,8 +220,8 @@ impl DecodeModel {
                 .arg(&self.lens);
             launch.arg(&qkv_ld).arg(&k_off).arg(&v_off);
             // SAFETY: the arguments match append_kv's parameters in order and type; every
-            // address written is token len-1 of an active request, which `step` mapped (the
-            // views come from the manager, and len <= max context).
+            // address written is token len-1 of an active request, mapped by the caller's
+            // contract.
             unsafe { launch.launch(cfg) }.map_err(cuda_err("cuLaunchKernel"))?;
             let (group, out_ld, scale) = (
                 (Q_HEADS / KV_HEADS) as i32,
@@ -235,7 +244,7 @@ impl DecodeModel {
                 .arg(&mut self.attn);
             launch.arg(&group).arg(&qkv_ld).arg(&out_ld).arg(&scale);
             // SAFETY: arguments match attend's parameters; it reads tokens 0..len-1 of active
-            // requests, all mapped by `step`, and writes `attn`, of B x HIDDEN floats.
+            // requests, mapped by the caller's contract, and writes `attn`, B x HIDDEN floats.
             unsafe { launch.launch(cfg) }.map_err(cuda_err("cuLaunchKernel"))?;
             // h = attn . Wo; gate_up = h . Wgu; x = gate_up[:, :INTER] . Wdown
             gemm(

@@ -7,8 +7,8 @@ use std::time::Instant;
 use vmem::backend::{
     open_backend, Backend, BackendChoice, CountingBackend, CudaBackend, KIB64, MIB2,
 };
-use vmem::gpu::{time_raw_calls, DecodeModel, GpuKernels};
 use vmem::{KvCacheManager, KvConfig, Layout, Result, VmemError};
+use vmem_bench::{time_raw_calls, DecodeModel, GpuKernels};
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -27,7 +27,7 @@ fn staggered_decode(
     backend: Arc<dyn Backend>,
     tweak: impl FnOnce(&mut KvConfig),
 ) -> Result<(KvCacheManager, Vec<u64>)> {
-    let mut cfg = KvConfig::new(32, 32, 8192, 8, 128, 2, MIB2);
+    let mut cfg = vmem_bench::decode::MODEL.kv_config(1, 32, 8192, MIB2)?;
     cfg.memory_cap = 40 << 30;
     tweak(&mut cfg);
     let kv = KvCacheManager::init(backend, cfg)?;
@@ -85,7 +85,15 @@ fn run() -> Result<()> {
     let (free_before, _) = cuda.mem_info()?;
     {
         for layout in [Layout::PerLayer, Layout::TokenMajor] {
-            let mut cfg = KvConfig::new(4, 8, 8192, 8, 128, 2, MIB2);
+            let mut cfg = KvConfig::builder()
+                .layers(4)
+                .max_batch(8)
+                .max_context(8192)
+                .kv_heads(8)
+                .head_dim(128)
+                .elem_bytes(2)
+                .page_size(MIB2)
+                .build();
             cfg.layout = layout;
             cfg.memory_cap = 8 << 30;
             let kv = KvCacheManager::init(cuda.clone(), cfg)?;
@@ -99,13 +107,17 @@ fn run() -> Result<()> {
             let spans = kv.mapped_spans();
             let bytes: u64 = spans.iter().map(|s| s.len).sum();
             for (i, s) in spans.iter().enumerate() {
-                kernels.fill(s.addr, s.len, i as u32)?;
+                // SAFETY: every span the manager reports is mapped read/write, and nothing
+                // unmaps it while `kv` lives and no step runs.
+                unsafe { kernels.fill(s.addr, s.len, i as u32) }?;
             }
             let mut errors = 0;
             for (i, s) in spans.iter().enumerate() {
-                errors += kernels.check(s.addr, s.len, i as u32)?;
+                // SAFETY: as above.
+                errors += unsafe { kernels.check(s.addr, s.len, i as u32) }?;
                 // A wrong seed must be detected: the check can fail.
-                if i == 0 && kernels.check(s.addr, s.len, 0xdead_beef)? == 0 {
+                // SAFETY: as above.
+                if i == 0 && unsafe { kernels.check(s.addr, s.len, 0xdead_beef) }? == 0 {
                     failures.push("check kernel did not detect a wrong pattern".into());
                 }
             }
@@ -213,7 +225,10 @@ fn run() -> Result<()> {
         })?;
         let views = kv.layer_views().to_vec();
         for _ in 0..5 {
-            model.iteration(&views, &lens)?; // warm-up: cuBLAS heuristics, module load
+            // Warm-up: cuBLAS heuristics, module load.
+            // SAFETY: `step(&lens)` succeeded for these lengths (staggered_decode), so every
+            // token the model touches is mapped, and nothing unmaps during the call.
+            unsafe { model.iteration(&views, &lens) }?;
         }
         let (mut steps, mut iters, mut sync) = (Vec::new(), Vec::new(), 0);
         for _ in 0..400 {
@@ -221,7 +236,9 @@ fn run() -> Result<()> {
             let t = Instant::now();
             sync += kv.step(&lens)?.sync_pages;
             let ts = t.elapsed().as_secs_f64() * 1e3;
-            model.iteration(&views, &lens)?;
+            // SAFETY: `step(&lens)` just succeeded, so every token the model touches is
+            // mapped; the background thread only maps, never unmaps, active requests' pages.
+            unsafe { model.iteration(&views, &lens) }?;
             steps.push(ts);
             iters.push(t.elapsed().as_secs_f64() * 1e3);
         }

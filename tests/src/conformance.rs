@@ -1,0 +1,514 @@
+//! The backend conformance suite: the same checks, generic over the backend, that every
+//! backend must pass — sim, host and the fault-injecting wrapper in CI, CUDA on the GPU
+//! machine (`tests/tests/gpu.rs`). A new backend passes it or is not done.
+//!
+//! Each check panics with a message on the first violation. [`run_all`] runs the checks that
+//! need only a [`Backend`]; [`run_raw`] runs those that wrap the driver underneath (drop with
+//! live mappings, rollback of a half-done map), for backends built as [`Checked`] over a
+//! [`RawBackend`].
+
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::sync::Arc;
+use vmem::backend::{Backend, Checked, HostBackend, PageHandle, PartialMap, RawBackend};
+use vmem::{KvCacheManager, KvConfig, Result, VmemError};
+
+/// Reads and writes a backend's mapped memory, to check that contents follow pages.
+pub trait Contents {
+    /// Fills `[addr, addr + len)` with a pattern derived from `seed`.
+    ///
+    /// # Safety
+    /// The span is mapped read/write for the whole call.
+    unsafe fn fill(&self, addr: u64, len: u64, seed: u32) -> Result<()>;
+
+    /// Counts the 4-byte words of `[addr, addr + len)` that differ from `seed`'s pattern.
+    ///
+    /// # Safety
+    /// The span is mapped readable for the whole call.
+    unsafe fn check(&self, addr: u64, len: u64, seed: u32) -> Result<u64>;
+}
+
+/// The pattern word `i` of a span filled with `seed` holds (the GPU kernels use the same).
+pub fn pattern_word(i: u64, seed: u32) -> u32 {
+    (i as u32).wrapping_mul(0x9E37_79B1) ^ seed
+}
+
+/// [`Contents`] of the host backend, through its checked `read` and `write`.
+#[derive(Debug)]
+pub struct HostContents<'a>(pub &'a HostBackend);
+
+impl Contents for HostContents<'_> {
+    unsafe fn fill(&self, addr: u64, len: u64, seed: u32) -> Result<()> {
+        let bytes: Vec<u8> = (0..len / 4)
+            .flat_map(|i| pattern_word(i, seed).to_le_bytes())
+            .collect();
+        self.0.write(addr, &bytes)
+    }
+
+    unsafe fn check(&self, addr: u64, len: u64, seed: u32) -> Result<u64> {
+        let mut bytes = vec![0u8; len as usize];
+        self.0.read(addr, &mut bytes)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .enumerate()
+            .filter(|(i, w)| {
+                u32::from_le_bytes([w[0], w[1], w[2], w[3]]) != pattern_word(*i as u64, seed)
+            })
+            .count() as u64)
+    }
+}
+
+fn refused<T: std::fmt::Debug>(r: Result<T>, what: &str) -> VmemError {
+    match r {
+        Ok(v) => panic!("{what}: accepted ({v:?}), must be refused"),
+        Err(e) => e,
+    }
+}
+
+/// Every [`Backend`]-level check, at the smallest and the largest page size.
+pub fn run_all(b: &Arc<dyn Backend>, contents: Option<&dyn Contents>) {
+    let sizes = b.page_sizes().to_vec();
+    let mut pages = vec![sizes[0]];
+    if sizes.len() > 1 {
+        pages.push(*sizes.last().expect("non-empty"));
+    }
+    for page in pages {
+        map_unmap_remap_contents(&**b, page, contents);
+        double_map_refused(&**b, page);
+        foreign_handle_refused(&**b, page);
+        out_of_range_refused(&**b, page);
+        misaligned_refused(&**b, page);
+        release_while_mapped_refused(&**b, page);
+        oom_keeps_mappings(b, page, contents);
+    }
+}
+
+/// Every driver-level check, on drivers `make` returns.
+pub fn run_raw<R: RawBackend + 'static>(make: impl Fn() -> R) {
+    drop_with_live_mappings(&make);
+    failed_map_is_rolled_back(&make);
+}
+
+/// A range of `n` pages' worth, rounded up to the granularity.
+fn reserve_pages(b: &dyn Backend, n: u64, page: u64) -> u64 {
+    let size = (n * page).next_multiple_of(b.granularity());
+    b.reserve(size).expect("reserve")
+}
+
+/// Pages mapped at one address, unmapped, and mapped again elsewhere in another order carry
+/// their contents with them.
+pub fn map_unmap_remap_contents(b: &dyn Backend, page: u64, contents: Option<&dyn Contents>) {
+    let r = reserve_pages(b, 8, page);
+    let pages: Vec<PageHandle> = (0..4)
+        .map(|_| b.create_page(page).expect("create"))
+        .collect();
+    b.map(r, &pages, page).expect("map 4 pages");
+    if let Some(c) = contents {
+        for i in 0..4u64 {
+            // SAFETY: page i is mapped at r + i * page just above.
+            unsafe { c.fill(r + i * page, page, i as u32 + 1) }.expect("fill");
+        }
+    }
+    b.unmap(r, 4 * page).expect("unmap");
+    let reversed: Vec<PageHandle> = pages.iter().rev().copied().collect();
+    let at = r + 4 * page;
+    b.map(at, &reversed, page).expect("remap in reverse order");
+    if let Some(c) = contents {
+        for i in 0..4u64 {
+            // pages[i] now sits at position 3 - i.
+            let addr = at + (3 - i) * page;
+            // SAFETY: mapped just above.
+            let bad = unsafe { c.check(addr, page, i as u32 + 1) }.expect("check");
+            assert_eq!(bad, 0, "{}: page {i} lost its contents on remap", b.name());
+            // The check can fail: another seed is seen as wrong.
+            // SAFETY: as above.
+            let wrong = unsafe { c.check(addr, page, 0xdead_beef) }.expect("check");
+            assert_eq!(wrong, page / 4, "{}: contents check cannot fail", b.name());
+        }
+    }
+    b.unmap(at, 4 * page).expect("unmap");
+    for p in pages {
+        b.release_page(p).expect("release");
+    }
+    b.free_range(r).expect("free");
+}
+
+/// A page maps once; an address maps once; a page named twice in one call is refused; a
+/// refused call changes nothing.
+pub fn double_map_refused(b: &dyn Backend, page: u64) {
+    let r = reserve_pages(b, 4, page);
+    let p = b.create_page(page).expect("create");
+    let q = b.create_page(page).expect("create");
+    b.map(r, &[p], page).expect("map");
+    refused(b.map(r + page, &[p], page), "mapping a mapped page again");
+    refused(b.map(r, &[q], page), "mapping over a mapped address");
+    refused(
+        b.map(r + page, &[q, q], page),
+        "one page named twice in a map",
+    );
+    refused(
+        b.map(r + page, &[q, p], page),
+        "a run that includes a mapped page",
+    );
+    // None of the refused calls mapped anything: q is still free to map at r + page, and the
+    // run r..r+2 pages unmaps in one call.
+    b.map(r + page, &[q], page)
+        .expect("q maps after the refusals");
+    b.unmap(r, 2 * page).expect("unmap both");
+    refused(b.unmap(r, page), "unmapping twice");
+    b.release_page(p).expect("release");
+    b.release_page(q).expect("release");
+    b.free_range(r).expect("free");
+}
+
+/// Handles the backend did not create, or released, are refused everywhere.
+pub fn foreign_handle_refused(b: &dyn Backend, page: u64) {
+    let r = reserve_pages(b, 2, page);
+    let stale = b.create_page(page).expect("create");
+    b.release_page(stale).expect("release");
+    for h in [stale, PageHandle(0xdead_beef_0000), PageHandle(u64::MAX)] {
+        let e = refused(b.map(r, &[h], page), "mapping a foreign or released handle");
+        assert!(matches!(e, VmemError::UnknownPage(_)), "{}: {e}", b.name());
+        refused(b.release_page(h), "releasing a foreign or released handle");
+    }
+    let p = b.create_page(page).expect("create");
+    b.map(r, &[p], page).expect("a live page still maps");
+    b.unmap(r, page).expect("unmap");
+    b.release_page(p).expect("release");
+    b.free_range(r).expect("free");
+}
+
+/// Addresses outside every reserved range, or straddling a range's end, are refused.
+pub fn out_of_range_refused(b: &dyn Backend, page: u64) {
+    let size = (2 * page).next_multiple_of(b.granularity());
+    let r = b.reserve(size).expect("reserve");
+    let p = b.create_page(page).expect("create");
+    let q = b.create_page(page).expect("create");
+    if r >= page {
+        refused(b.map(r - page, &[p], page), "mapping below the range");
+    }
+    refused(b.map(r + size, &[p], page), "mapping just past the range");
+    refused(
+        b.map(r + size - page, &[p, q], page),
+        "a run straddling the range's end",
+    );
+    refused(
+        b.map(u64::MAX - page + 1, &[p], page),
+        "mapping at the top of memory",
+    );
+    refused(b.unmap(r + size, page), "unmapping outside the range");
+    refused(b.free_range(r + page), "freeing from inside a range");
+    refused(
+        b.free_range(r + size),
+        "freeing an address that is no range",
+    );
+    b.map(r + size - page, &[p], page)
+        .expect("the range's last page maps");
+    b.unmap(r + size - page, page).expect("unmap");
+    b.release_page(p).expect("release");
+    b.release_page(q).expect("release");
+    b.free_range(r).expect("free");
+    refused(b.free_range(r), "freeing twice");
+}
+
+/// Misaligned addresses and sizes, unsupported page sizes and bad reservation sizes are
+/// refused.
+pub fn misaligned_refused(b: &dyn Backend, page: u64) {
+    let r = reserve_pages(b, 4, page);
+    let p = b.create_page(page).expect("create");
+    refused(
+        b.map(r + page / 2, &[p], page),
+        "mapping at a misaligned address",
+    );
+    refused(b.map(r, &[p], page / 2), "mapping with another page size");
+    b.map(r, &[p], page).expect("map");
+    refused(b.unmap(r, page / 2), "unmapping half a page");
+    refused(b.unmap(r, 0), "unmapping zero bytes");
+    refused(b.unmap(r + 1, page), "unmapping at a misaligned address");
+    b.unmap(r, page).expect("unmap");
+    refused(b.create_page(page + 4096), "an unsupported page size");
+    refused(b.create_page(0), "page size zero");
+    refused(b.reserve(0), "reserving zero bytes");
+    refused(
+        b.reserve(b.granularity() + 1),
+        "reserving a size off the granularity",
+    );
+    refused(b.map(r, &[], page), "mapping no pages");
+    b.release_page(p).expect("release");
+    b.free_range(r).expect("free");
+}
+
+/// A mapped page cannot be released, nor a range with mappings freed.
+pub fn release_while_mapped_refused(b: &dyn Backend, page: u64) {
+    let r = reserve_pages(b, 2, page);
+    let p = b.create_page(page).expect("create");
+    b.map(r, &[p], page).expect("map");
+    refused(b.release_page(p), "releasing a mapped page");
+    refused(b.free_range(r), "freeing a range with a page mapped");
+    b.unmap(r, page).expect("unmap");
+    b.release_page(p).expect("release after unmap");
+    b.free_range(r).expect("free after unmap");
+}
+
+/// A KV cache over the backend that runs out of its cap fails the step with `OutOfMemory`,
+/// maps nothing, and keeps every earlier mapping and its contents.
+pub fn oom_keeps_mappings(b: &Arc<dyn Backend>, page: u64, contents: Option<&dyn Contents>) {
+    let backend = b.clone();
+    // 1 layer, 4 ids, 1 head of 64 fp16: 128 bytes a token, both buffers.
+    let tokens_per_page = page / 128;
+    let cfg = KvConfig::builder()
+        .layers(1)
+        .max_batch(4)
+        .max_context(4 * tokens_per_page as usize)
+        .kv_heads(1)
+        .head_dim(64)
+        .elem_bytes(2)
+        .page_size(page)
+        .memory_cap(4 * page)
+        .overlap(false)
+        .eager_tokens(0)
+        .reclaim_threshold(0)
+        .build();
+    let kv = KvCacheManager::init(backend, cfg).expect("init");
+    let a = kv.alloc_reqid().expect("id");
+    let mut lens = vec![0u64; 4];
+    lens[a] = tokens_per_page; // one page in K, one in V
+    kv.step(&lens).expect("first step");
+    let spans = kv.mapped_spans();
+    if let Some(c) = contents {
+        for (i, s) in spans.iter().enumerate() {
+            // SAFETY: the manager mapped these spans and nothing unmaps them meanwhile.
+            unsafe { c.fill(s.addr, s.len, 7 + i as u32) }.expect("fill");
+        }
+    }
+    let c2 = kv.alloc_reqid().expect("id");
+    lens[c2] = 3 * tokens_per_page; // 6 more pages: over the cap of 4
+    let e = refused(kv.step(&lens), "a step over the cap");
+    assert!(
+        matches!(e, VmemError::OutOfMemory { .. }),
+        "{}: {e}",
+        b.name()
+    );
+    assert_eq!(
+        kv.mapped_spans(),
+        spans,
+        "{}: OOM changed the mappings",
+        b.name()
+    );
+    if let Some(c) = contents {
+        for (i, s) in spans.iter().enumerate() {
+            // SAFETY: as above.
+            let bad = unsafe { c.check(s.addr, s.len, 7 + i as u32) }.expect("check");
+            assert_eq!(bad, 0, "{}: OOM lost data", b.name());
+        }
+    }
+    lens[c2] = tokens_per_page;
+    kv.step(&lens).expect("a step that fits still succeeds");
+}
+
+/// What a [`Tally`] driver saw: every driver call that acquires something, and its release.
+#[derive(Debug, Default)]
+pub struct Counts {
+    /// Bytes reserved, and freed.
+    pub reserved: AtomicU64,
+    /// Bytes freed.
+    pub freed: AtomicU64,
+    /// Pages created.
+    pub created: AtomicU64,
+    /// Pages released.
+    pub released: AtomicU64,
+    /// Bytes mapped.
+    pub mapped: AtomicU64,
+    /// Bytes unmapped.
+    pub unmapped: AtomicU64,
+    /// Fail the map whose page this is (0-based, counted over all maps), reporting the pages
+    /// before it in that call as mapped. `u64::MAX`: never.
+    pub fail_at_page: AtomicU64,
+    /// Pages maps have been asked for so far.
+    pub pages_seen: AtomicU64,
+}
+
+impl Counts {
+    fn get(a: &AtomicU64) -> u64 {
+        a.load(SeqCst)
+    }
+
+    /// Panics unless every acquisition was released.
+    pub fn assert_balanced(&self, what: &str) {
+        assert_eq!(
+            Self::get(&self.reserved),
+            Self::get(&self.freed),
+            "{what}: ranges leaked"
+        );
+        assert_eq!(
+            Self::get(&self.created),
+            Self::get(&self.released),
+            "{what}: pages leaked"
+        );
+        assert_eq!(
+            Self::get(&self.mapped),
+            Self::get(&self.unmapped),
+            "{what}: mappings leaked"
+        );
+    }
+}
+
+/// A driver that counts what the driver underneath acquires and releases, and can fail a map
+/// half-way.
+#[derive(Debug)]
+pub struct Tally<R> {
+    inner: R,
+    /// The counts, shared with the test.
+    pub counts: Arc<Counts>,
+}
+
+impl<R> Tally<R> {
+    /// Wraps `inner`, failing no map.
+    pub fn new(inner: R) -> Self {
+        let counts = Counts {
+            fail_at_page: AtomicU64::new(u64::MAX),
+            ..Default::default()
+        };
+        Tally {
+            inner,
+            counts: Arc::new(counts),
+        }
+    }
+}
+
+impl<R: RawBackend> RawBackend for Tally<R> {
+    fn kind(&self) -> vmem::backend::BackendKind {
+        self.inner.kind()
+    }
+    fn page_sizes(&self) -> &[u64] {
+        self.inner.page_sizes()
+    }
+    fn granularity(&self) -> u64 {
+        self.inner.granularity()
+    }
+    fn reserve(&self, size: u64) -> Result<u64> {
+        let a = self.inner.reserve(size)?;
+        self.counts.reserved.fetch_add(size, SeqCst);
+        Ok(a)
+    }
+    unsafe fn free_range(&self, addr: u64, size: u64) -> Result<()> {
+        // SAFETY: forwarded under our caller's contract.
+        unsafe { self.inner.free_range(addr, size) }?;
+        self.counts.freed.fetch_add(size, SeqCst);
+        Ok(())
+    }
+    fn create(&self, page_size: u64) -> Result<PageHandle> {
+        let p = self.inner.create(page_size)?;
+        self.counts.created.fetch_add(1, SeqCst);
+        Ok(p)
+    }
+    unsafe fn release(&self, page: PageHandle, page_size: u64) -> Result<()> {
+        // SAFETY: forwarded under our caller's contract.
+        unsafe { self.inner.release(page, page_size) }?;
+        self.counts.released.fetch_add(1, SeqCst);
+        Ok(())
+    }
+    unsafe fn map(
+        &self,
+        addr: u64,
+        pages: &[PageHandle],
+        page_size: u64,
+    ) -> std::result::Result<(), PartialMap> {
+        let first = self.counts.pages_seen.fetch_add(pages.len() as u64, SeqCst);
+        let fail = self.counts.fail_at_page.load(SeqCst);
+        let n = if (first..first + pages.len() as u64).contains(&fail) {
+            (fail - first) as usize
+        } else {
+            pages.len()
+        };
+        if n > 0 {
+            // SAFETY: a prefix of a call that satisfies the contract satisfies it too.
+            let r = unsafe { self.inner.map(addr, &pages[..n], page_size) };
+            let done = match &r {
+                Ok(()) => n,
+                Err(p) => p.mapped,
+            };
+            self.counts
+                .mapped
+                .fetch_add(done as u64 * page_size, SeqCst);
+            r?;
+        }
+        if n < pages.len() {
+            return Err(PartialMap {
+                mapped: n,
+                error: VmemError::InjectedFault("map (half-way)"),
+            });
+        }
+        Ok(())
+    }
+    unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()> {
+        // SAFETY: forwarded under our caller's contract.
+        unsafe { self.inner.unmap(addr, size) }?;
+        self.counts.unmapped.fetch_add(size, SeqCst);
+        Ok(())
+    }
+}
+
+/// Dropping a backend with ranges reserved, pages mapped and pages created but unmapped
+/// gives every one of them back to the driver.
+pub fn drop_with_live_mappings<R: RawBackend + 'static>(make: &impl Fn() -> R) {
+    let tally = Tally::new(make());
+    let counts = tally.counts.clone();
+    let b = Checked::wrap(tally).expect("wrap");
+    let page = b.page_sizes()[0];
+    let name = b.name();
+    let r = reserve_pages(&b, 8, page);
+    let _r2 = reserve_pages(&b, 2, page);
+    let pages: Vec<PageHandle> = (0..5)
+        .map(|_| b.create_page(page).expect("create"))
+        .collect();
+    b.map(r, &pages[..2], page).expect("map");
+    b.map(r + 3 * page, &pages[2..4], page).expect("map");
+    // pages[4] stays created and unmapped.
+    assert!(counts.mapped.load(SeqCst) > 0);
+    drop(b);
+    counts.assert_balanced(&format!("{name}: drop with live mappings"));
+}
+
+/// A map the driver fails half-way leaves nothing of the call mapped (the checked core rolls
+/// the mapped prefix back), and the same pages then map in full.
+pub fn failed_map_is_rolled_back<R: RawBackend + 'static>(make: &impl Fn() -> R) {
+    let tally = Tally::new(make());
+    let counts = tally.counts.clone();
+    let b = Checked::wrap(tally).expect("wrap");
+    let page = b.page_sizes()[0];
+    let r = reserve_pages(&b, 8, page);
+    let pages: Vec<PageHandle> = (0..4)
+        .map(|_| b.create_page(page).expect("create"))
+        .collect();
+    counts
+        .fail_at_page
+        .store(counts.pages_seen.load(SeqCst) + 2, SeqCst);
+    let e = refused(b.map(r, &pages, page), "a map failing on its third page");
+    assert!(matches!(e, VmemError::InjectedFault(_)), "{e}");
+    assert_eq!(
+        b.mapped_pages(),
+        0,
+        "{}: the failed map left pages recorded",
+        b.name()
+    );
+    assert_eq!(
+        counts.mapped.load(SeqCst),
+        counts.unmapped.load(SeqCst),
+        "{}: the failed map's prefix was not rolled back",
+        b.name()
+    );
+    assert!(
+        counts.mapped.load(SeqCst) >= 2 * page,
+        "the driver did map a prefix"
+    );
+    b.map(r, &pages, page)
+        .expect("the same map succeeds afterwards");
+    assert_eq!(b.mapped_pages(), 4);
+    b.unmap(r, 4 * page).expect("unmap");
+    for p in pages {
+        b.release_page(p).expect("release");
+    }
+    b.free_range(r).expect("free");
+    drop(b);
+    counts.assert_balanced("rollback");
+}

@@ -1,0 +1,483 @@
+//! The checked core: validation, locking, bookkeeping, rollback and tracing for every driver.
+
+use super::{Backend, BackendKind, PageHandle, RawBackend};
+use crate::error::{Result, VmemError};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Mutex, MutexGuard};
+
+/// A [`RawBackend`] made safe: every call is validated against what this backend reserved,
+/// created and mapped, under one lock, before the driver sees it, and recorded after the
+/// driver did it.
+///
+/// * addresses must lie inside one reserved range, aligned to the page size, and (for `map`)
+///   be unmapped; `unmap` takes exactly a run of mapped pages;
+/// * handles must be live pages of this backend, of the right size, unmapped for `map` and
+///   `release`, and named once per `map`;
+/// * a `map` the driver fails half-way is rolled back: nothing of the call stays mapped;
+/// * a failed call changes no bookkeeping, so every prior mapping is intact;
+/// * dropping it unmaps whatever is still mapped, releases every live page and frees every
+///   range, in that order, through the driver.
+///
+/// ```
+/// use vmem::backend::{Backend, SimBackend, MIB2};
+/// let b = SimBackend::new();
+/// let range = b.reserve(4 * MIB2)?;
+/// let page = b.create_page(MIB2)?;
+/// b.map(range, &[page], MIB2)?;
+/// assert!(b.map(range + MIB2, &[page], MIB2).is_err()); // a page maps once
+/// assert!(b.release_page(page).is_err());               // not while mapped
+/// b.unmap(range, MIB2)?;
+/// b.release_page(page)?;
+/// b.free_range(range)?;
+/// # Ok::<(), vmem::VmemError>(())
+/// ```
+#[derive(Debug)]
+pub struct Checked<R: RawBackend> {
+    raw: R,
+    book: Mutex<Book>,
+}
+
+impl<R: RawBackend> Checked<R> {
+    /// Wraps a driver. The driver's page sizes must be non-empty and divide its granularity.
+    pub fn wrap(raw: R) -> Result<Self> {
+        let g = raw.granularity();
+        let sizes = raw.page_sizes();
+        if sizes.is_empty()
+            || g == 0
+            || sizes.windows(2).any(|w| w[0] >= w[1])
+            || sizes.iter().any(|&s| s == 0 || !g.is_multiple_of(s))
+        {
+            return Err(VmemError::InvalidConfig(format!(
+                "{} driver: page sizes {sizes:?} must be ascending, non-zero and divide the granularity {g}",
+                raw.kind().name()
+            )));
+        }
+        Ok(Checked {
+            raw,
+            book: Mutex::new(Book::default()),
+        })
+    }
+
+    /// The driver underneath.
+    pub fn driver(&self) -> &R {
+        &self.raw
+    }
+
+    /// Number of pages currently mapped.
+    pub fn mapped_pages(&self) -> usize {
+        self.lock().mapped.len()
+    }
+
+    /// Number of live (created, not released) pages.
+    pub fn live_pages(&self) -> usize {
+        self.lock().live.len()
+    }
+
+    /// Number of reserved ranges.
+    pub fn reserved_ranges(&self) -> usize {
+        self.lock().ranges.len()
+    }
+
+    /// Runs `f` with the lock held after checking that every byte of `[addr, addr + len)`
+    /// lies in a mapped page, so no mapping of the span can go away while `f` runs.
+    pub(crate) fn with_mapped_span<T>(
+        &self,
+        addr: u64,
+        len: u64,
+        f: impl FnOnce() -> T,
+    ) -> Result<T> {
+        let book = self.lock();
+        book.check_mapped_span(addr, len)?;
+        Ok(f())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Book> {
+        // Every update of the book happens after its driver call succeeded, so a panic
+        // elsewhere cannot leave it half-updated: a poisoned lock is still consistent.
+        self.book.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn refuse(&self, op: &'static str, e: VmemError) -> VmemError {
+        tracing::debug!(backend = self.raw.kind().name(), op, error = %e, "refused");
+        e
+    }
+}
+
+impl<R: RawBackend> Backend for Checked<R> {
+    fn kind(&self) -> BackendKind {
+        self.raw.kind()
+    }
+
+    fn page_sizes(&self) -> &[u64] {
+        self.raw.page_sizes()
+    }
+
+    fn granularity(&self) -> u64 {
+        self.raw.granularity()
+    }
+
+    fn reserve(&self, size: u64) -> Result<u64> {
+        let g = self.raw.granularity();
+        if size == 0 || !size.is_multiple_of(g) {
+            return Err(self.refuse(
+                "reserve",
+                VmemError::InvalidAddress {
+                    addr: 0,
+                    size,
+                    why: "reservation size must be a non-zero multiple of the granularity",
+                },
+            ));
+        }
+        let mut book = self.lock();
+        let addr = self.raw.reserve(size)?;
+        if addr % g != 0 || addr.checked_add(size).is_none() {
+            // A driver bug: refuse the range rather than hand out something unaligned.
+            // SAFETY: the driver just reserved exactly this range and nothing uses it.
+            let _ = unsafe { self.raw.free_range(addr, size) };
+            return Err(VmemError::InvalidAddress {
+                addr,
+                size,
+                why: "driver returned a misaligned range",
+            });
+        }
+        book.ranges.insert(addr, size);
+        tracing::trace!(backend = self.raw.kind().name(), addr, size, "reserve");
+        Ok(addr)
+    }
+
+    fn free_range(&self, addr: u64) -> Result<()> {
+        let mut book = self.lock();
+        let size = book
+            .check_free(addr)
+            .map_err(|e| self.refuse("free_range", e))?;
+        // SAFETY: `addr` starts a range this backend reserved, of `size` bytes, with nothing
+        // mapped (checked above, under the lock that every map takes); after this call the
+        // book no longer knows it, so no later call can reach it.
+        unsafe { self.raw.free_range(addr, size) }?;
+        book.ranges.remove(&addr);
+        tracing::trace!(backend = self.raw.kind().name(), addr, size, "free_range");
+        Ok(())
+    }
+
+    fn create_page(&self, page_size: u64) -> Result<PageHandle> {
+        self.check_page_size(page_size)
+            .map_err(|e| self.refuse("create_page", e))?;
+        let mut book = self.lock();
+        let page = self.raw.create(page_size)?;
+        if book.live.insert(page, page_size).is_some() {
+            // A driver that hands out a live handle twice would corrupt the book.
+            return Err(VmemError::UnknownPage(page.0));
+        }
+        tracing::trace!(
+            backend = self.raw.kind().name(),
+            page = page.0,
+            page_size,
+            "create"
+        );
+        Ok(page)
+    }
+
+    fn release_page(&self, page: PageHandle) -> Result<()> {
+        let mut book = self.lock();
+        let size = book
+            .check_release(page)
+            .map_err(|e| self.refuse("release_page", e))?;
+        // SAFETY: `page` is live, of `size` bytes and unmapped (checked above under the
+        // lock); the book forgets it below, so it is never used again.
+        unsafe { self.raw.release(page, size) }?;
+        book.live.remove(&page);
+        tracing::trace!(backend = self.raw.kind().name(), page = page.0, "release");
+        Ok(())
+    }
+
+    fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()> {
+        self.check_page_size(page_size)
+            .map_err(|e| self.refuse("map", e))?;
+        let mut book = self.lock();
+        let total = book
+            .check_map(addr, pages, page_size)
+            .map_err(|e| self.refuse("map", e))?;
+        // SAFETY: check_map verified every clause of RawBackend::map's contract under the
+        // lock, which every other operation takes too.
+        if let Err(partial) = unsafe { self.raw.map(addr, pages, page_size) } {
+            let done = partial.mapped.min(pages.len()) as u64 * page_size;
+            if done > 0 {
+                // Roll back: on error nothing of this call stays mapped.
+                // SAFETY: the driver reports that exactly these leading pages are mapped;
+                // nobody has seen them, since the call is failing.
+                if let Err(e) = unsafe { self.raw.unmap(addr, done) } {
+                    // The pages stay mapped: record them so that the book matches the driver
+                    // and Drop can clean them up.
+                    tracing::error!(error = %e, addr, done, "rolling back a failed map failed");
+                    book.record_map(addr, &pages[..partial.mapped], page_size);
+                }
+            }
+            tracing::debug!(
+                backend = self.raw.kind().name(),
+                addr,
+                pages = pages.len(),
+                error = %partial.error,
+                "map failed"
+            );
+            return Err(partial.error);
+        }
+        book.record_map(addr, pages, page_size);
+        tracing::trace!(backend = self.raw.kind().name(), addr, size = total, "map");
+        Ok(())
+    }
+
+    fn unmap(&self, addr: u64, size: u64) -> Result<()> {
+        let mut book = self.lock();
+        book.check_run(addr, size)
+            .map_err(|e| self.refuse("unmap", e))?;
+        // SAFETY: the span is exactly a run of pages this backend mapped (checked above under
+        // the lock). Whether device work still reads it is the caller's side of the contract
+        // documented on the KV-cache manager; the host backend's own reads hold this lock.
+        unsafe { self.raw.unmap(addr, size) }?;
+        book.record_unmap(addr, size);
+        tracing::trace!(backend = self.raw.kind().name(), addr, size, "unmap");
+        Ok(())
+    }
+}
+
+impl<R: RawBackend> Drop for Checked<R> {
+    fn drop(&mut self) {
+        // The allocator layer unmaps, releases and frees everything it made before the last
+        // handle to the backend goes; whatever a direct user left behind goes here.
+        let book = std::mem::take(self.book.get_mut().unwrap_or_else(|e| e.into_inner()));
+        for (addr, size) in book.runs() {
+            // SAFETY: a run of pages this backend mapped; nothing can reach it any more.
+            if let Err(e) = unsafe { self.raw.unmap(addr, size) } {
+                tracing::error!(error = %e, addr, size, "unmapping on drop failed");
+            }
+        }
+        for (page, size) in book.live {
+            // SAFETY: a live page of this backend, unmapped just above.
+            if let Err(e) = unsafe { self.raw.release(page, size) } {
+                tracing::error!(error = %e, page = page.0, "releasing on drop failed");
+            }
+        }
+        for (addr, size) in book.ranges {
+            // SAFETY: a range this backend reserved, emptied just above.
+            if let Err(e) = unsafe { self.raw.free_range(addr, size) } {
+                tracing::error!(error = %e, addr, size, "freeing a range on drop failed");
+            }
+        }
+    }
+}
+
+/// What a checked backend reserved, created and mapped.
+#[derive(Debug, Default)]
+struct Book {
+    /// start -> size of each reserved range.
+    ranges: BTreeMap<u64, u64>,
+    /// address of each mapped page -> (page, page size).
+    mapped: BTreeMap<u64, (PageHandle, u64)>,
+    /// the pages that are mapped somewhere.
+    mapped_handles: HashSet<PageHandle>,
+    /// live (created, not released) pages -> page size.
+    live: HashMap<PageHandle, u64>,
+    /// Scratch set for duplicate detection in `check_map`, kept to avoid an allocation per
+    /// call.
+    seen: HashSet<PageHandle>,
+}
+
+impl Book {
+    /// Checks that `addr` starts a reserved range with nothing mapped; returns its size.
+    fn check_free(&self, addr: u64) -> Result<u64> {
+        let size = *self.ranges.get(&addr).ok_or(VmemError::InvalidAddress {
+            addr,
+            size: 0,
+            why: "not the start of a reserved range",
+        })?;
+        if self.mapped.range(addr..addr + size).next().is_some() {
+            return Err(VmemError::InvalidAddress {
+                addr,
+                size,
+                why: "range still has pages mapped",
+            });
+        }
+        Ok(size)
+    }
+
+    /// Checks that `[addr, addr + size)` lies inside one reserved range and is aligned.
+    fn check_inside(&self, addr: u64, size: u64, align: u64) -> Result<()> {
+        let bad = |why| VmemError::InvalidAddress { addr, size, why };
+        if size == 0 {
+            return Err(bad("zero size"));
+        }
+        if !addr.is_multiple_of(align) || !size.is_multiple_of(align) {
+            return Err(bad("not aligned to the page size"));
+        }
+        let end = addr
+            .checked_add(size)
+            .ok_or(bad("address + size overflows"))?;
+        match self.ranges.range(..=addr).next_back() {
+            Some((&start, &len)) if end <= start + len => Ok(()),
+            _ => Err(bad("not inside a reserved range")),
+        }
+    }
+
+    /// Checks that nothing is mapped in `[addr, addr + size)`.
+    fn check_unmapped(&self, addr: u64, size: u64) -> Result<()> {
+        // A mapping that starts before `addr` may still cover it.
+        let overlaps_before = self
+            .mapped
+            .range(..addr)
+            .next_back()
+            .is_some_and(|(&a, &(_, len))| a + len > addr);
+        if overlaps_before || self.mapped.range(addr..addr + size).next().is_some() {
+            return Err(VmemError::InvalidAddress {
+                addr,
+                size,
+                why: "already mapped",
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks a whole `map` call: the span is inside a range, aligned and unmapped, and every
+    /// page is live, of this size, unmapped and named once. Returns the span's size.
+    fn check_map(&mut self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<u64> {
+        let total = (pages.len() as u64)
+            .checked_mul(page_size)
+            .ok_or(VmemError::SizeOverflow("map size"))?;
+        self.check_inside(addr, total, page_size)?;
+        self.check_unmapped(addr, total)?;
+        self.seen.clear();
+        for &p in pages {
+            match self.live.get(&p) {
+                Some(&s) if s == page_size && !self.mapped_handles.contains(&p) => {
+                    if !self.seen.insert(p) {
+                        return Err(VmemError::InvalidAddress {
+                            addr: p.0,
+                            size: page_size,
+                            why: "page named twice in one map",
+                        });
+                    }
+                }
+                Some(&s) if s != page_size => {
+                    return Err(VmemError::InvalidAddress {
+                        addr: p.0,
+                        size: page_size,
+                        why: "page is of another size",
+                    })
+                }
+                Some(_) => {
+                    return Err(VmemError::InvalidAddress {
+                        addr: p.0,
+                        size: page_size,
+                        why: "page is already mapped",
+                    })
+                }
+                None => return Err(VmemError::UnknownPage(p.0)),
+            }
+        }
+        Ok(total)
+    }
+
+    fn record_map(&mut self, addr: u64, pages: &[PageHandle], page_size: u64) {
+        for (i, &p) in pages.iter().enumerate() {
+            self.mapped
+                .insert(addr + i as u64 * page_size, (p, page_size));
+            self.mapped_handles.insert(p);
+        }
+    }
+
+    /// Checks that `[addr, addr + size)` is exactly covered by mapped pages.
+    fn check_run(&self, addr: u64, size: u64) -> Result<()> {
+        let end = addr.checked_add(size).filter(|_| size > 0);
+        let mut next = addr;
+        if let Some(end) = end {
+            for (&a, &(_, len)) in self.mapped.range(addr..end) {
+                if a != next {
+                    break;
+                }
+                next = a + len;
+            }
+        }
+        if Some(next) != end {
+            return Err(VmemError::InvalidAddress {
+                addr,
+                size,
+                why: "not exactly a run of mapped pages",
+            });
+        }
+        Ok(())
+    }
+
+    fn record_unmap(&mut self, addr: u64, size: u64) {
+        let keys: Vec<u64> = self
+            .mapped
+            .range(addr..addr + size)
+            .map(|(&a, _)| a)
+            .collect();
+        for a in keys {
+            if let Some((p, _)) = self.mapped.remove(&a) {
+                self.mapped_handles.remove(&p);
+            }
+        }
+    }
+
+    /// Checks that `page` is live and unmapped, so it may be released; returns its size.
+    fn check_release(&self, page: PageHandle) -> Result<u64> {
+        let size = *self.live.get(&page).ok_or(VmemError::UnknownPage(page.0))?;
+        if self.mapped_handles.contains(&page) {
+            return Err(VmemError::InvalidAddress {
+                addr: page.0,
+                size,
+                why: "page is still mapped; unmap before release",
+            });
+        }
+        Ok(size)
+    }
+
+    /// Checks that every byte of `[addr, addr + len)` lies in a mapped page.
+    fn check_mapped_span(&self, addr: u64, len: u64) -> Result<()> {
+        let end = addr.checked_add(len).ok_or(VmemError::InvalidAddress {
+            addr,
+            size: len,
+            why: "address + size overflows",
+        })?;
+        let mut at = addr;
+        while at < end {
+            let page = self
+                .mapped
+                .range(..=at)
+                .next_back()
+                .filter(|(&a, &(_, size))| at < a + size);
+            match page {
+                Some((&a, &(_, size))) => at = a + size,
+                None => {
+                    return Err(VmemError::InvalidAddress {
+                        addr,
+                        size: len,
+                        why: "not entirely inside mapped pages",
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The mapped pages merged into maximal runs of consecutive addresses, each inside one
+    /// reserved range.
+    fn runs(&self) -> Vec<(u64, u64)> {
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for (&start, &len) in &self.ranges {
+            let mut run: Option<(u64, u64)> = None;
+            for (&a, &(_, size)) in self.mapped.range(start..start + len) {
+                run = match run {
+                    Some((s, n)) if s + n == a => Some((s, n + size)),
+                    Some(done) => {
+                        runs.push(done);
+                        Some((a, size))
+                    }
+                    None => Some((a, size)),
+                };
+            }
+            runs.extend(run);
+        }
+        runs
+    }
+}
