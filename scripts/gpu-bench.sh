@@ -28,7 +28,7 @@ case "${1:-}" in
     echo "== vmem detect"
     .carry/vmem detect 2>&1 | tee "$out/detect.txt"
     echo "== vmem replay on the GPU (CUDA backend, 2MB), first 500 requests"
-    .carry/vmem replay --trace data/traces/azure-conv-2023-first2000.csv --requests 500 --budget 8GiB 2>&1 | tee "$out/replay.txt"
+    .carry/vmem replay --trace vmem-cli/data/traces/azure-conv-2023-first2000.csv --requests 500 --budget 8GiB 2>&1 | tee "$out/replay.txt"
     echo "== GPU tests (cargo test -p vmem-tests --test gpu, built here)"
     .carry/gpu-tests --include-ignored --nocapture --test-threads=1 2>&1 | tee "$out/gpu-tests.txt"
     echo "== vmem-gpu"

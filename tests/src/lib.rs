@@ -8,10 +8,11 @@ pub mod conformance;
 use std::path::PathBuf;
 use std::sync::Arc;
 use vmem::backend::Backend;
-use vmem::kvcache::MemoryUsage;
 use vmem::models::ModelSpec;
-use vmem::replay::{replay, KvMemory, ReplayConfig, ReplayStats, TraceRequest};
-use vmem::{KvCacheManager, Layout, Result, StepReport, VmemError};
+use vmem::{KvCacheManager, Layout};
+use vmem_replay::{
+    replay, BlockMemory, MaxReservation, ReplayConfig, ReplayStats, Result, TraceRequest,
+};
 
 /// Which memory manager a configuration replays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,7 +124,7 @@ pub fn run_config(
     dep: Deployment,
     alloc: Allocator,
     cfg: &ExperimentConfig,
-    make_backend: &dyn Fn() -> Result<Arc<dyn Backend>>,
+    make_backend: &dyn Fn() -> vmem::Result<Arc<dyn Backend>>,
 ) -> Result<Outcome> {
     let run = |offline: bool| -> Result<ReplayStats> {
         let rcfg = ReplayConfig {
@@ -151,11 +152,24 @@ pub fn run_config(
                 replay(&mut m, trace, &rcfg, |_| {})
             }
             Allocator::Blocks(tokens) => {
-                let mut m = BlockMemory::new(dep, tokens, cfg)?;
+                let token_bytes = dep.model.token_bytes(dep.tp)?;
+                let mut m = BlockMemory::new(
+                    token_bytes,
+                    tokens,
+                    cfg.max_batch,
+                    cfg.max_context as u64,
+                    cfg.budget,
+                )?;
                 replay(&mut m, trace, &rcfg, |_| {})
             }
             Allocator::MaxReservation => {
-                let mut m = MaxReservation::new(dep, cfg)?;
+                let token_bytes = dep.model.token_bytes(dep.tp)?;
+                let mut m = MaxReservation::new(
+                    token_bytes,
+                    cfg.max_batch,
+                    cfg.max_context as u64,
+                    cfg.budget,
+                )?;
                 replay(&mut m, trace, &rcfg, |_| {})
             }
         }
@@ -166,184 +180,6 @@ pub fn run_config(
         online,
         max_batch_offline,
     })
-}
-
-/// Request ids and lengths, shared by the baselines.
-#[derive(Debug)]
-struct Requests {
-    active: Vec<bool>,
-    lens: Vec<u64>,
-    max_context: u64,
-    token_bytes: u64,
-}
-
-impl Requests {
-    fn new(cfg: &ExperimentConfig, token_bytes: u64) -> Self {
-        Requests {
-            active: vec![false; cfg.max_batch],
-            lens: vec![0; cfg.max_batch],
-            max_context: cfg.max_context as u64,
-            token_bytes,
-        }
-    }
-    /// KV bytes the requests' tokens occupy.
-    fn kv_bytes(&self) -> u64 {
-        self.lens.iter().sum::<u64>() * self.token_bytes
-    }
-    fn alloc(&mut self) -> Result<usize> {
-        let r = self
-            .active
-            .iter()
-            .position(|a| !a)
-            .ok_or(VmemError::TooManyRequests(self.active.len()))?;
-        self.active[r] = true;
-        Ok(r)
-    }
-    fn free(&mut self, r: usize) -> Result<()> {
-        match self.active.get_mut(r) {
-            None => Err(VmemError::UnknownRequest {
-                req: r,
-                max_batch: self.active.len(),
-            }),
-            Some(false) => Err(VmemError::DoubleFree(r)),
-            Some(a) => {
-                *a = false;
-                self.lens[r] = 0;
-                Ok(())
-            }
-        }
-    }
-}
-
-/// vLLM's PagedAttention allocator, reduced to memory: fixed blocks of `block_tokens`
-/// tokens (all layers' K and V), a request holds `ceil(len / block_tokens)` blocks.
-#[derive(Debug)]
-pub struct BlockMemory {
-    req: Requests,
-    blocks: Vec<u64>,
-    block_tokens: u64,
-    total_blocks: u64,
-}
-
-impl BlockMemory {
-    /// Blocks of `block_tokens` tokens filling `cfg.budget`.
-    pub fn new(dep: Deployment, block_tokens: u64, cfg: &ExperimentConfig) -> Result<Self> {
-        let token_bytes = dep.model.token_bytes(dep.tp)?;
-        Ok(BlockMemory {
-            req: Requests::new(cfg, token_bytes),
-            blocks: vec![0; cfg.max_batch],
-            block_tokens,
-            total_blocks: cfg.budget / (block_tokens * token_bytes),
-        })
-    }
-}
-
-impl KvMemory for BlockMemory {
-    fn max_batch(&self) -> usize {
-        self.req.active.len()
-    }
-    fn max_context(&self) -> u64 {
-        self.req.max_context
-    }
-    fn alloc_reqid(&mut self) -> Result<usize> {
-        self.req.alloc()
-    }
-    fn free_reqid(&mut self, r: usize) -> Result<()> {
-        self.req.free(r)?;
-        self.blocks[r] = 0;
-        Ok(())
-    }
-    fn step(&mut self, lens: &[u64]) -> Result<StepReport> {
-        let want: Vec<u64> = lens
-            .iter()
-            .map(|&l| l.div_ceil(self.block_tokens))
-            .collect();
-        let total: u64 = want.iter().zip(&self.blocks).map(|(&w, &b)| w.max(b)).sum();
-        if total > self.total_blocks {
-            return Err(VmemError::OutOfMemory {
-                needed_pages: total - self.blocks.iter().sum::<u64>(),
-                available_pages: self.total_blocks - self.blocks.iter().sum::<u64>(),
-                cap_bytes: self.total_blocks * self.block_tokens * self.req.token_bytes,
-            });
-        }
-        let mut rep = StepReport::default();
-        for (have, &w) in self.blocks.iter_mut().zip(&want) {
-            if w > *have {
-                rep.sync_pages += w - *have;
-                *have = w;
-            }
-        }
-        self.req.lens.copy_from_slice(lens);
-        Ok(rep)
-    }
-    fn usage(&self) -> MemoryUsage {
-        let block_bytes = self.block_tokens * self.req.token_bytes;
-        MemoryUsage {
-            kv_bytes: self.req.kv_bytes(),
-            active_mapped_bytes: self.blocks.iter().sum::<u64>() * block_bytes,
-            mapped_bytes: self.blocks.iter().sum::<u64>() * block_bytes,
-            physical_bytes: self.total_blocks * block_bytes,
-            cap_bytes: self.total_blocks * block_bytes,
-            active_requests: self.req.active.iter().filter(|&&a| a).count(),
-        }
-    }
-}
-
-/// Orca / FasterTransformer: a request reserves `max_context` tokens when admitted.
-#[derive(Debug)]
-pub struct MaxReservation {
-    req: Requests,
-    slots: u64,
-}
-
-impl MaxReservation {
-    /// As many max-length reservations as `cfg.budget` holds.
-    pub fn new(dep: Deployment, cfg: &ExperimentConfig) -> Result<Self> {
-        let token_bytes = dep.model.token_bytes(dep.tp)?;
-        Ok(MaxReservation {
-            req: Requests::new(cfg, token_bytes),
-            slots: cfg.budget / (token_bytes * cfg.max_context as u64),
-        })
-    }
-}
-
-impl KvMemory for MaxReservation {
-    fn max_batch(&self) -> usize {
-        self.req.active.len()
-    }
-    fn max_context(&self) -> u64 {
-        self.req.max_context
-    }
-    fn alloc_reqid(&mut self) -> Result<usize> {
-        self.req.alloc()
-    }
-    fn free_reqid(&mut self, r: usize) -> Result<()> {
-        self.req.free(r)
-    }
-    fn step(&mut self, lens: &[u64]) -> Result<StepReport> {
-        let running = lens.iter().filter(|&&l| l > 0).count() as u64;
-        if running > self.slots {
-            return Err(VmemError::OutOfMemory {
-                needed_pages: running,
-                available_pages: self.slots,
-                cap_bytes: self.slots * self.req.max_context * self.req.token_bytes,
-            });
-        }
-        self.req.lens.copy_from_slice(lens);
-        Ok(StepReport::default())
-    }
-    fn usage(&self) -> MemoryUsage {
-        let running = self.req.lens.iter().filter(|&&l| l > 0).count() as u64;
-        let per = self.req.max_context * self.req.token_bytes;
-        MemoryUsage {
-            kv_bytes: self.req.kv_bytes(),
-            active_mapped_bytes: running * per,
-            mapped_bytes: running * per,
-            physical_bytes: self.slots * per,
-            cap_bytes: self.slots * per,
-            active_requests: running as usize,
-        }
-    }
 }
 
 /// One row of the paper's Table 8, measured through the manager.
@@ -357,7 +193,11 @@ pub struct Table8Row {
 
 /// Measures a Table 8 cell with the real manager (per-layer layout) on `backend`: the largest
 /// length that still fits one page per buffer, and what a one-token request maps.
-pub fn table8_cell(dep: Deployment, page: u64, backend: Arc<dyn Backend>) -> Result<Table8Row> {
+pub fn table8_cell(
+    dep: Deployment,
+    page: u64,
+    backend: Arc<dyn Backend>,
+) -> vmem::Result<Table8Row> {
     let mut kc = dep.model.kv_config(dep.tp, 1, 8192, page)?;
     kc.memory_cap = 1 << 40;
     kc.overlap = false;
@@ -384,7 +224,7 @@ pub fn table8_cell(dep: Deployment, page: u64, backend: Arc<dyn Backend>) -> Res
 /// binary carried to another machine), to the current directory.
 pub fn default_traces() -> Vec<(String, PathBuf)> {
     let built_in = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let root = if built_in.join("data/traces").exists() {
+    let root = if built_in.join("vmem-cli/data/traces").exists() {
         built_in
     } else {
         PathBuf::from(".")
@@ -396,7 +236,7 @@ pub fn default_traces() -> Vec<(String, PathBuf)> {
             let path = if full.exists() {
                 full
             } else {
-                root.join(format!("data/traces/azure-{t}-2023-first2000.csv"))
+                root.join(format!("vmem-cli/data/traces/azure-{t}-2023-first2000.csv"))
             };
             (t.to_string(), path)
         })

@@ -7,8 +7,12 @@ use vmem::backend::{
     Backend, HostBackend, HostCommit, SimBackend, KIB256, KIB64, MIB2, PAGE_SIZES,
 };
 use vmem::models::ModelSpec;
-use vmem::replay::{load_trace, ReplayConfig};
-use vmem::{Layout, VmemError};
+use vmem_replay::{ReplayConfig, ReplayError, TraceOptions};
+
+fn load_trace(path: &std::path::Path) -> vmem_replay::Result<Vec<vmem_replay::TraceRequest>> {
+    vmem_replay::load_trace(path, &TraceOptions::default()).map(|t| t.requests)
+}
+use vmem::Layout;
 use vmem_tests::{
     default_traces, run_config, table8_cell, Allocator, Deployment, ExperimentConfig,
 };
@@ -117,7 +121,7 @@ fn real_traces_host_and_sim_agree_and_waste_grows_with_page_size() {
                 (h.online.preemptions, h.max_batch_offline),
                 (s.online.preemptions, s.max_batch_offline)
             );
-            assert_eq!(h.online.completed + h.online.skipped_too_long, 150);
+            assert_eq!(h.online.completed + h.online.rejected(), 150);
             let waste = s.online.avg_waste();
             assert!(
                 waste >= last,
@@ -178,7 +182,7 @@ fn out_of_memory_preempts_and_everything_completes() {
     )
     .unwrap();
     assert!(o.online.preemptions > 0, "{:?}", o.online);
-    assert_eq!(o.online.completed + o.online.skipped_too_long, 150);
+    assert_eq!(o.online.completed + o.online.rejected(), 150);
     assert!(o.online.peak_physical_bytes <= 512 * MB);
 }
 
@@ -189,11 +193,11 @@ fn a_malformed_trace_names_the_line() {
     let path = dir.join("bad.csv");
     std::fs::write(&path, "TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:17:03.9799600,4808,10\r\n2023-11-16 18:17:04.0319600,3180\r\n").unwrap();
     match load_trace(&path) {
-        Err(VmemError::Trace { line: 3, why, .. }) => assert!(why.contains("3 columns"), "{why}"),
+        Err(ReplayError::Trace { line: 3, why, .. }) => assert!(why.contains("3 columns"), "{why}"),
         other => panic!("{other:?}"),
     }
     match load_trace(&dir.join("missing.csv")) {
-        Err(VmemError::Trace { line: 0, .. }) => {}
+        Err(ReplayError::Trace { line: 0, .. }) => {}
         other => panic!("{other:?}"),
     }
     std::fs::remove_dir_all(&dir).unwrap();

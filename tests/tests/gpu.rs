@@ -4,7 +4,11 @@
 
 use std::sync::Arc;
 use vmem::backend::{Backend, CudaBackend, CudaDriver, SimBackend, MIB2};
-use vmem::replay::{load_trace, ReplayConfig};
+use vmem_replay::{ReplayConfig, TraceOptions};
+
+fn load_trace(path: &std::path::Path) -> vmem_replay::Result<Vec<vmem_replay::TraceRequest>> {
+    vmem_replay::load_trace(path, &TraceOptions::default()).map(|t| t.requests)
+}
 use vmem::{KvCacheManager, KvConfig, Layout, VmemError};
 use vmem_bench::GpuKernels;
 use vmem_tests::conformance::{self, Contents};

@@ -1,34 +1,48 @@
-//! `vmem`: replay a request trace through the KV-cache manager on the best backend available,
-//! and report physical memory mapped vs KV bytes used per page size.
+//! `vmem`: replay a request trace through vmem's KV-cache manager at each page size and
+//! through the classic allocators, and report what each wastes; or say which driver and
+//! backend this machine has.
 
-use clap::{Parser, Subcommand};
-use indicatif::{ProgressBar, ProgressStyle};
+mod report;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use report::{Progress, Row, Settings};
 use std::path::PathBuf;
 use std::sync::Arc;
 use vmem::backend::{open_backend, Backend, BackendChoice, BackendKind, HostBackend, PAGE_SIZES};
 use vmem::models::ModelSpec;
-use vmem::replay::{load_trace, replay, ReplayConfig};
 use vmem::units::{format_bytes, parse_bytes};
-use vmem::{KvCacheManager, Layout, Result, VmemError};
+use vmem::{KvCacheManager, KvConfig, Layout};
+use vmem_replay::{
+    fit_to_context, load_trace, parse_trace, poisson_arrivals, replay, BlockMemory, Columns,
+    MaxReservation, Oversize, ReplayConfig, ReplayError, TimeUnit, TraceFormat, TraceOptions,
+};
+
+/// The bundled trace: the first 2,000 requests of Azure's 2023 conversation trace (CC BY 4.0,
+/// see data/traces/README.md), inside the binary so `vmem` runs anywhere.
+const BUNDLED_TRACE: &[u8] = include_bytes!("../data/traces/azure-conv-2023-first2000.csv");
+const BUNDLED_NAME: &str = "bundled:azure-conv-2023-first2000.csv";
 
 #[derive(Parser, Debug)]
 #[command(
     name = "vmem",
     version,
-    about = "Demand-paged, virtually contiguous KV-cache memory"
+    about = "Demand-paged, virtually contiguous KV-cache memory: replay LLM request traces and \
+             measure what each allocator wastes",
+    long_about = None,
+    after_help = "With no subcommand, runs `replay` with the options given."
 )]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
-    /// Options of the default command (`replay`).
     #[command(flatten)]
     replay: ReplayArgs,
 }
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Replay a request trace through the manager, once per page size (the default).
-    Replay(ReplayArgs),
+    /// Replay a request trace through vmem at each page size and through 16-token blocks and
+    /// max-length reservation; print waste, batch and request counts per allocator.
+    Replay(Box<ReplayArgs>),
     /// Say which driver and backend this machine has.
     Detect {
         /// GPU ordinal.
@@ -37,49 +51,139 @@ enum Command {
     },
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum OnOff {
+    On,
+    Off,
+}
+
+impl OnOff {
+    fn on(self) -> bool {
+        self == OnOff::On
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum FormatArg {
+    Auto,
+    Azure,
+    Csv,
+    Jsonl,
+    Mooncake,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum OversizeArg {
+    Error,
+    Skip,
+    Truncate,
+}
+
 #[derive(clap::Args, Debug, Clone)]
 struct ReplayArgs {
-    /// Trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens). Default: the bundled first 2,000
-    /// requests of the Azure 2023 conversation trace.
-    #[arg(long)]
+    /// Trace file: Azure CSV, Mooncake JSONL, or a generic CSV/JSONL (see --format).
+    /// [default: the bundled first 2,000 requests of Azure's 2023 conversation trace]
+    #[arg(long, value_name = "PATH")]
     trace: Option<PathBuf>,
-    /// Replay at most this many requests.
-    #[arg(long)]
+    /// Trace format; auto detects it from the extension and the first line.
+    #[arg(long, value_enum, default_value = "auto")]
+    format: FormatArg,
+    /// Generic formats: the input-token column [default: found by name, e.g. input_tokens,
+    /// prompt_tokens, input_length]
+    #[arg(long, value_name = "NAME")]
+    input_col: Option<String>,
+    /// Generic formats: the output-token column [default: found by name, e.g. output_tokens,
+    /// completion_tokens, output_length]
+    #[arg(long, value_name = "NAME")]
+    output_col: Option<String>,
+    /// Generic formats: the arrival-time column [default: timestamp, arrival_time or time if
+    /// present; else no arrival times]
+    #[arg(long, value_name = "NAME")]
+    time_col: Option<String>,
+    /// Generic formats: unit of the arrival-time column.
+    #[arg(long, value_name = "s|ms", default_value = "s")]
+    time_unit: String,
+    /// Replay only the first N requests of the trace (N >= 1) [default: all]
+    #[arg(long, value_name = "N")]
     requests: Option<usize>,
-    /// Model: yi-6b, llama-3-8b, yi-34b, llama-3.1-70b.
+    /// Poisson arrivals at this many requests per second, replacing the trace's times
+    /// [default: the trace's timestamps; all at time 0 when it has none]
+    #[arg(long, value_name = "REQ/S", allow_negative_numbers = true)]
+    rate: Option<f64>,
+    /// Seed of the Poisson arrivals.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Queue every request at time 0 (measures capacity) instead of following arrivals.
+    #[arg(long)]
+    offline: bool,
+    /// Simulated time one scheduler iteration takes, in milliseconds.
+    #[arg(
+        long,
+        value_name = "MS",
+        default_value_t = 25.0,
+        allow_negative_numbers = true
+    )]
+    iteration_ms: f64,
+    /// Stop at this simulated time, in seconds, counting what is still running or queued
+    /// [default: run until every request finished]
+    #[arg(long, value_name = "SECONDS", allow_negative_numbers = true)]
+    horizon: Option<f64>,
+    /// Requests longer than --max-context: error (refuse the trace), skip them, or truncate
+    /// them to the context. Their count is always printed.
+    #[arg(long, value_enum, default_value = "error")]
+    oversize: OversizeArg,
+    /// Model whose KV shape to use: yi-6b, llama-3-8b, yi-34b, llama-3.1-70b.
     #[arg(long, default_value = "llama-3-8b")]
     model: String,
-    /// Tensor-parallel degree (KV heads are split across workers; one worker is replayed).
+    /// Tensor-parallel degree: KV heads are split across workers; one worker is replayed.
     #[arg(long, default_value_t = 1)]
     tp: usize,
-    /// Layout: per-layer or token-major.
+    /// vmem's layout: per-layer (2 x layers buffers) or token-major (one buffer).
     #[arg(long, default_value = "per-layer")]
     layout: String,
-    /// Page sizes to compare, comma-separated (default: every size the backend supports
-    /// among 64K, 128K, 256K, 2M).
-    #[arg(long, value_delimiter = ',')]
+    /// vmem page sizes to compare, comma-separated, in bytes with an optional K/M/G suffix
+    /// [default: each of 64K,128K,256K,2M the backend supports]
+    #[arg(long, value_delimiter = ',', value_name = "SIZES")]
     page_sizes: Vec<String>,
-    /// Physical memory for the KV cache.
-    #[arg(long, default_value = "2GiB")]
+    /// Physical memory for the KV cache of one worker, bytes with an optional K/M/G suffix.
+    #[arg(long, value_name = "BYTES", default_value = "2GiB")]
     budget: String,
-    /// Maximum batch size (request ids).
-    #[arg(long, default_value_t = 256)]
+    /// Maximum batch size: request ids.
+    #[arg(long, value_name = "N", default_value_t = 256)]
     max_batch: usize,
-    /// Maximum context length.
-    #[arg(long, default_value_t = 16384)]
+    /// Maximum context length, in tokens.
+    #[arg(long, value_name = "TOKENS", default_value_t = 16384)]
     max_context: usize,
-    /// Backend: auto, uvm, cuda, host, sim (or the VMEM_BACKEND environment variable).
+    /// Tokens per block of the PagedAttention baseline.
+    #[arg(long, value_name = "TOKENS", default_value_t = 16)]
+    block_tokens: u64,
+    /// vmem: keep a freed request's pages mapped for the next request (deferred
+    /// reclamation). Off measures fragmentation as docs/fragmentation.md defines it.
+    #[arg(long, value_enum, default_value = "off")]
+    deferred_reclaim: OnOff,
+    /// vmem: keep 1,024 tokens' worth of pages mapped for the next request (eager
+    /// allocation).
+    #[arg(long, value_enum, default_value = "off")]
+    eager: OnOff,
+    /// vmem: map the next iteration's pages on a background thread. On, the split of pages
+    /// between the critical path and the background depends on timing, so runs differ.
+    #[arg(long, value_enum, default_value = "off")]
+    overlap: OnOff,
+    /// Backend: auto, uvm, cuda, host, sim [default: VMEM_BACKEND, else auto]
     #[arg(long)]
     backend: Option<String>,
     /// GPU ordinal for the GPU backends.
     #[arg(long, default_value_t = 0)]
     device: usize,
-    /// Queue every request at time 0 (capacity) instead of following arrival times.
+    /// Print the results as JSON (one object) instead of a table.
+    #[arg(long, conflicts_with = "csv")]
+    json: bool,
+    /// Print the results as CSV instead of a table.
     #[arg(long)]
-    offline: bool,
-    /// Map synchronously only (no background thread).
-    #[arg(long)]
-    no_overlap: bool,
+    csv: bool,
+    /// No progress on stderr.
+    #[arg(long, short)]
+    quiet: bool,
 }
 
 fn main() {
@@ -101,32 +205,89 @@ fn main() {
     }
 }
 
-fn detect(device: usize) -> Result<()> {
+fn detect(device: usize) -> Result<(), ReplayError> {
     println!("nvidia-uvm: {}", uvm_ioctl::detect().describe());
     let sel = open_backend(BackendChoice::from_env_or(BackendChoice::Auto)?, device)?;
+    let sizes: Vec<String> = sel
+        .backend
+        .page_sizes()
+        .iter()
+        .map(|&p| format_bytes(p))
+        .collect();
     println!(
-        "backend:    {} (page sizes {:?})",
+        "backend:    {} (page sizes {})",
         sel.backend.name(),
-        sel.backend.page_sizes()
+        sizes.join(", ")
     );
     println!("reason:     {}", sel.reason);
     Ok(())
 }
 
-fn default_trace() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../data/traces/azure-conv-2023-first2000.csv")
+fn config_err(flag: &str, e: impl std::fmt::Display) -> ReplayError {
+    ReplayError::Config(format!("{flag}: {e}"))
 }
 
-fn run_replay(args: &ReplayArgs) -> Result<()> {
-    let model = ModelSpec::by_name(&args.model)?;
-    let layout: Layout = args.layout.parse()?;
-    let budget = parse_bytes(&args.budget)?;
+/// Everything a replay needs, validated before anything is printed.
+struct Plan {
+    settings: Settings,
+    trace: Vec<vmem_replay::TraceRequest>,
+    backend: Arc<dyn Backend>,
+    configs: Vec<KvConfig>,
+    rcfg: ReplayConfig,
+}
+
+fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
+    let model = ModelSpec::by_name(&args.model).map_err(|e| config_err("--model", e))?;
+    let layout: Layout = args.layout.parse().map_err(|e| config_err("--layout", e))?;
+    let budget = parse_bytes(&args.budget).map_err(|e| config_err("--budget", e))?;
+    if budget == 0 {
+        return Err(config_err("--budget", "must be more than 0 bytes"));
+    }
+    for (flag, v) in [
+        ("--max-batch", args.max_batch),
+        ("--max-context", args.max_context),
+        ("--block-tokens", args.block_tokens as usize),
+        ("--tp", args.tp),
+    ] {
+        if v == 0 {
+            return Err(config_err(flag, "must be at least 1"));
+        }
+    }
+    let token_bytes = model
+        .token_bytes(args.tp)
+        .map_err(|e| config_err("--tp", e))?;
+    if args.requests == Some(0) {
+        return Err(config_err("--requests", "must be at least 1"));
+    }
+    if !(args.iteration_ms.is_finite() && args.iteration_ms > 0.0) {
+        return Err(config_err("--iteration-ms", "must be a positive number"));
+    }
+    if let Some(h) = args.horizon {
+        if !(h.is_finite() && h > 0.0) {
+            return Err(config_err(
+                "--horizon",
+                "must be a positive number of seconds",
+            ));
+        }
+    }
+    if let Some(r) = args.rate {
+        if !(r.is_finite() && r > 0.0) {
+            return Err(config_err(
+                "--rate",
+                "must be a positive number of requests per second",
+            ));
+        }
+    }
+    let time_unit: TimeUnit = args
+        .time_unit
+        .parse()
+        .map_err(|e| config_err("--time-unit", e))?;
     let choice = match &args.backend {
-        Some(b) => b.parse()?,
+        Some(b) => b.parse().map_err(|e| config_err("--backend", e))?,
         None => BackendChoice::from_env_or(BackendChoice::Auto)?,
     };
-    let trace_path = args.trace.clone().unwrap_or_else(default_trace);
-    let trace = load_trace(&trace_path)?;
+
+    // The backend first: the page sizes it supports decide what --page-sizes may ask for.
     let selected = open_backend(choice, args.device)?;
     // A replay writes no KV data: on host memory, let untouched pages cost nothing.
     let backend: Arc<dyn Backend> = if selected.backend.kind() == BackendKind::Host {
@@ -134,91 +295,235 @@ fn run_replay(args: &ReplayArgs) -> Result<()> {
     } else {
         selected.backend.clone()
     };
+    let supported = backend.page_sizes().to_vec();
     let page_sizes: Vec<u64> = if args.page_sizes.is_empty() {
-        let supported = backend.page_sizes();
         PAGE_SIZES
             .into_iter()
             .filter(|p| supported.contains(p))
             .collect()
     } else {
-        args.page_sizes
-            .iter()
-            .map(|s| parse_bytes(s))
-            .collect::<Result<_>>()?
+        let mut sizes = Vec::new();
+        for s in &args.page_sizes {
+            let p = parse_bytes(s).map_err(|e| config_err("--page-sizes", e))?;
+            if !supported.contains(&p) {
+                let names: Vec<String> = supported.iter().map(|&p| format_bytes(p)).collect();
+                return Err(config_err(
+                    "--page-sizes",
+                    format!(
+                        "{s} is not a page size of the {} backend (it has {})",
+                        backend.name(),
+                        names.join(", ")
+                    ),
+                ));
+            }
+            if !sizes.contains(&p) {
+                sizes.push(p);
+            }
+        }
+        sizes
     };
-    let n = args.requests.unwrap_or(trace.len()).min(trace.len());
-    println!(
-        "replaying {n} requests of {} | {} TP-{} {} | budget {} | B={} L={} | backend {} ({})",
-        trace_path.display(),
-        model.name,
-        args.tp,
-        layout.name(),
-        format_bytes(budget),
-        args.max_batch,
-        args.max_context,
-        backend.name(),
-        selected.reason
-    );
-    let rcfg = ReplayConfig {
-        offline: args.offline,
-        max_requests: Some(n),
-        ..Default::default()
-    };
-    let mut rows = Vec::new();
+    if page_sizes.is_empty() {
+        return Err(config_err("--page-sizes", "no page size to replay"));
+    }
+    let mut configs = Vec::new();
     for &page in &page_sizes {
-        let mut cfg = model.kv_config(args.tp, args.max_batch, args.max_context, page)?;
+        let mut cfg = model
+            .kv_config(args.tp, args.max_batch, args.max_context, page)
+            .map_err(|e| config_err("--tp", e))?;
         cfg.layout = layout;
         cfg.memory_cap = budget;
-        cfg.overlap = !args.no_overlap;
         cfg.reclaim_threshold = budget / 16;
-        let kv = match KvCacheManager::init(backend.clone(), cfg) {
-            Ok(kv) => kv,
-            Err(e @ VmemError::UnsupportedPageSize { .. }) => {
-                rows.push(format!("{:>6}  {e}", format_bytes(page)));
-                continue;
-            }
-            Err(e) => return Err(e),
+        cfg.deferred_reclaim = args.deferred_reclaim.on();
+        cfg.eager_tokens = if args.eager.on() {
+            1024.min(args.max_context)
+        } else {
+            0
         };
-        let bar = ProgressBar::new(n as u64).with_style(
-            ProgressStyle::with_template("{prefix:>6} [{bar:30}] {pos}/{len} requests {elapsed}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
-        );
-        bar.set_prefix(format_bytes(page));
-        let mut kv_ref = &kv;
-        let stats = replay(&mut kv_ref, &trace, &rcfg, |done| {
-            bar.set_position(done as u64)
-        })?;
-        bar.finish_and_clear();
-        rows.push(format!(
-            "{:>6} {:>10} {:>10} {:>10} {:>8.1}% {:>8.1}% {:>6} {:>7} {:>10} {:>10}",
-            format_bytes(page),
-            format_bytes(stats.peak_active_mapped_bytes),
-            format_bytes(stats.peak_kv_bytes),
-            format_bytes(stats.peak_physical_bytes),
-            stats.avg_waste() * 100.0,
-            stats.peak_waste() * 100.0,
-            stats.peak_batch,
-            stats.preemptions,
-            stats.sync_pages,
-            stats.background_pages,
-        ));
+        cfg.overlap = args.overlap.on();
+        cfg.validate()
+            .map_err(|e| config_err("--max-batch/--max-context", e))?;
+        if budget < page {
+            return Err(config_err(
+                "--budget",
+                format!(
+                    "{} holds no {} page",
+                    format_bytes(budget),
+                    format_bytes(page)
+                ),
+            ));
+        }
+        configs.push(cfg);
     }
-    println!(
-        "{:>6} {:>10} {:>10} {:>10} {:>9} {:>9} {:>6} {:>7} {:>10} {:>10}",
-        "page",
-        "mapped",
-        "kv used",
-        "physical",
-        "avg waste",
-        "peak wst",
-        "batch",
-        "preempt",
-        "sync pages",
-        "bg pages"
+
+    // The trace.
+    let opts = TraceOptions {
+        format: match args.format {
+            FormatArg::Auto => None,
+            FormatArg::Azure => Some(TraceFormat::Azure),
+            FormatArg::Csv => Some(TraceFormat::Csv),
+            FormatArg::Jsonl => Some(TraceFormat::Jsonl),
+            FormatArg::Mooncake => Some(TraceFormat::Mooncake),
+        },
+        columns: Columns {
+            input: args.input_col.clone(),
+            output: args.output_col.clone(),
+            time: args.time_col.clone(),
+            time_unit,
+        },
+    };
+    let (trace, trace_name) = match &args.trace {
+        Some(p) => (load_trace(p, &opts)?, p.display().to_string()),
+        None => (
+            parse_trace(BUNDLED_TRACE, BUNDLED_NAME, &opts)?,
+            BUNDLED_NAME.to_string(),
+        ),
+    };
+    let total = trace.requests.len();
+    let take = args.requests.unwrap_or(total).min(total);
+    let oversize = match args.oversize {
+        OversizeArg::Error => Oversize::Error,
+        OversizeArg::Skip => Oversize::Skip,
+        OversizeArg::Truncate => Oversize::Truncate,
+    };
+    let (mut requests, over) = fit_to_context(
+        &trace.requests[..take],
+        args.max_context as u64,
+        oversize,
+        &trace_name,
+    )?;
+    if requests.is_empty() {
+        return Err(ReplayError::Trace {
+            path: trace_name,
+            line: 0,
+            why: format!(
+                "every one of the {take} requests is longer than the max context {}",
+                args.max_context
+            ),
+        });
+    }
+    let arrivals = if args.offline {
+        "all at time 0 (--offline)".to_string()
+    } else if let Some(rate) = args.rate {
+        poisson_arrivals(&mut requests, rate, args.seed)?;
+        format!("Poisson, {rate} req/s, seed {}", args.seed)
+    } else if trace.timed {
+        "the trace's timestamps".to_string()
+    } else {
+        "all at time 0 (the trace has no timestamps; --rate for Poisson arrivals)".to_string()
+    };
+    let rcfg = ReplayConfig {
+        iteration_s: args.iteration_ms / 1000.0,
+        offline: args.offline || (args.rate.is_none() && !trace.timed),
+        max_requests: None,
+        horizon_s: args.horizon,
+    };
+    let settings = Settings {
+        trace: trace_name,
+        format: trace.format.name(),
+        trace_requests: take,
+        replayed: requests.len(),
+        oversize: oversize.name(),
+        oversize_count: over,
+        arrivals,
+        model: model.name,
+        tp: args.tp,
+        layout: layout.name(),
+        budget,
+        max_batch: args.max_batch,
+        max_context: args.max_context,
+        iteration_ms: args.iteration_ms,
+        horizon_s: args.horizon,
+        block_tokens: args.block_tokens,
+        token_bytes,
+        deferred_reclaim: args.deferred_reclaim.on(),
+        eager: args.eager.on(),
+        overlap: args.overlap.on(),
+        backend: backend.name(),
+        backend_reason: selected.reason,
+    };
+    Ok(Plan {
+        settings,
+        trace: requests,
+        backend,
+        configs,
+        rcfg,
+    })
+}
+
+fn run_replay(args: &ReplayArgs) -> Result<(), ReplayError> {
+    let p = plan(args)?;
+    let s = &p.settings;
+    let human = !args.json && !args.csv;
+    if human {
+        report::print_header(s);
+        report::print_table_header();
+    }
+    let emit = |rows: &mut Vec<Row>, row: Row| {
+        if human {
+            report::print_row(&row);
+        }
+        rows.push(row);
+    };
+    let n = p.trace.len();
+    let mut rows = Vec::new();
+
+    let blocks = {
+        let mut progress = Progress::new(&format!("blocks-{}", s.block_tokens), n, args.quiet);
+        let mut m = BlockMemory::new(
+            s.token_bytes,
+            s.block_tokens,
+            s.max_batch,
+            s.max_context as u64,
+            s.budget,
+        )?;
+        let stats = replay(&mut m, &p.trace, &p.rcfg, |d| progress.update(d))?;
+        progress.finish();
+        stats
+    };
+    let block_waste = blocks.avg_waste();
+    emit(
+        &mut rows,
+        Row::new(
+            format!("blocks-{}tok", s.block_tokens),
+            None,
+            &blocks,
+            block_waste,
+        ),
     );
-    for r in rows {
-        println!("{r}");
+    for cfg in &p.configs {
+        let label = format!("vmem-{}", format_bytes(cfg.page_size));
+        let mut progress = Progress::new(&label, n, args.quiet);
+        let kv = KvCacheManager::init(p.backend.clone(), cfg.clone())?;
+        let mut m = &kv;
+        let stats = replay(&mut m, &p.trace, &p.rcfg, |d| progress.update(d))?;
+        progress.finish();
+        emit(
+            &mut rows,
+            Row::new(
+                format!("{label}-{}", s.layout),
+                Some(cfg.page_size),
+                &stats,
+                block_waste,
+            ),
+        );
     }
-    println!("mapped/kv used: peak bytes mapped to running requests / peak KV bytes they hold; waste = 1 - kv/mapped");
+    {
+        let mut progress = Progress::new("max-reservation", n, args.quiet);
+        let mut m =
+            MaxReservation::new(s.token_bytes, s.max_batch, s.max_context as u64, s.budget)?;
+        let stats = replay(&mut m, &p.trace, &p.rcfg, |d| progress.update(d))?;
+        progress.finish();
+        emit(
+            &mut rows,
+            Row::new("max-reservation".into(), None, &stats, block_waste),
+        );
+    }
+    if args.json {
+        report::print_json(s, &rows);
+    } else if args.csv {
+        report::print_csv(&rows);
+    } else {
+        report::print_legend();
+    }
     Ok(())
 }

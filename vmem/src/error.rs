@@ -128,17 +128,6 @@ pub enum VmemError {
     /// A fault injected by [`crate::backend::FaultyBackend`] (tests only).
     #[error("injected fault in {0}")]
     InjectedFault(&'static str),
-
-    /// A request trace file could not be read or parsed.
-    #[error("trace {path}:{line}: {why}")]
-    Trace {
-        /// File path.
-        path: String,
-        /// 1-based line number (0 when the file could not be opened).
-        line: usize,
-        /// What is wrong.
-        why: String,
-    },
 }
 
 /// Result alias used throughout the crate.

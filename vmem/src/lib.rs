@@ -12,7 +12,10 @@
 //! * [`pool`] and [`buffer`]: the physical page pool and virtual buffers with exact
 //!   bookkeeping of what is mapped where (RAII: dropping releases everything);
 //! * [`kvcache`]: the KV-cache manager with the paper's API and optimizations;
-//! * [`models`] and [`replay`]: model shapes, request traces and a continuous-batching replay.
+//! * [`models`]: the shapes of the models vmem is measured with.
+//!
+//! Trace replay, baselines and the fragmentation metrics live in the `vmem-replay` crate; GPU
+//! benchmarks in `vmem-bench`; the command line in `vmem-cli`.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -39,7 +42,6 @@ mod error;
 pub mod kvcache;
 pub mod models;
 pub mod pool;
-pub mod replay;
 pub mod units;
 
 pub use error::{Result, VmemError};

@@ -8,9 +8,9 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 use vmem::backend::{Backend, BackendChoice, HostBackend, SimBackend, PAGE_SIZES};
-use vmem::replay::{load_trace, ReplayConfig};
 use vmem::units::{format_bytes, parse_bytes};
-use vmem::{Layout, Result};
+use vmem::Layout;
+use vmem_replay::{load_trace, ReplayConfig, ReplayError, Result, TraceOptions};
 use vmem_tests::{default_traces, deployments, run_config, Allocator, ExperimentConfig};
 
 #[derive(Parser, Debug)]
@@ -38,7 +38,7 @@ struct Args {
     #[arg(long, value_delimiter = ',')]
     models: Vec<String>,
     /// Output directory for fragmentation.csv and fragmentation.svg.
-    #[arg(long, default_value = "docs/results")]
+    #[arg(long, default_value = "target/fragmentation")]
     out: PathBuf,
 }
 
@@ -66,7 +66,7 @@ fn run(args: Args) -> Result<()> {
             .collect()
     };
     let backend_choice: BackendChoice = args.backend.parse()?;
-    let make_backend = move || -> Result<Arc<dyn Backend>> {
+    let make_backend = move || -> vmem::Result<Arc<dyn Backend>> {
         Ok(match backend_choice {
             BackendChoice::Host => Arc::new(HostBackend::lazy()?),
             _ => Arc::new(SimBackend::new()),
@@ -100,14 +100,14 @@ fn run(args: Args) -> Result<()> {
         }
     }
     std::fs::create_dir_all(&args.out)
-        .map_err(|e| vmem::VmemError::InvalidConfig(format!("{}: {e}", args.out.display())))?;
+        .map_err(|e| ReplayError::Config(format!("{}: {e}", args.out.display())))?;
     let csv_path = args.out.join("fragmentation.csv");
     let mut csv = std::fs::File::create(&csv_path)
-        .map_err(|e| vmem::VmemError::InvalidConfig(format!("{}: {e}", csv_path.display())))?;
+        .map_err(|e| ReplayError::Config(format!("{}: {e}", csv_path.display())))?;
     let w = |csv: &mut std::fs::File, line: String| {
         csv.write_all(line.as_bytes())
             .and_then(|_| csv.write_all(b"\n"))
-            .map_err(|e| vmem::VmemError::InvalidConfig(format!("writing CSV: {e}")))
+            .map_err(|e| ReplayError::Config(format!("writing CSV: {e}")))
     };
     w(&mut csv, "trace,model,tp,allocator,requests,completed,avg_waste,peak_waste,waste_vs_blocks,max_batch_offline,peak_batch,preemptions,sync_pages,background_pages".into())?;
     let total = traces.len() * deps.len() * allocators.len();
@@ -118,7 +118,7 @@ fn run(args: Args) -> Result<()> {
     let mut points: Vec<(String, String, u64, Layout, f64)> = Vec::new();
     let mut table = Vec::new();
     for (tname, tpath) in &traces {
-        let trace = load_trace(tpath)?;
+        let trace = load_trace(tpath, &TraceOptions::default())?.requests;
         for &dep in &deps {
             let mut blocks_waste = None;
             for &alloc in &allocators {
@@ -195,7 +195,7 @@ fn run(args: Args) -> Result<()> {
         println!("{r}");
     }
     let svg = args.out.join("fragmentation.svg");
-    plot(&svg, &points).map_err(|e| vmem::VmemError::InvalidConfig(format!("plot: {e}")))?;
+    plot(&svg, &points).map_err(|e| ReplayError::Config(format!("plot: {e}")))?;
     println!("wrote {} and {}", csv_path.display(), svg.display());
     Ok(())
 }

@@ -1,57 +1,30 @@
-//! Request traces: the Azure LLM inference trace format (`TIMESTAMP,ContextTokens,GeneratedTokens`).
+//! The Azure LLM inference trace format (`TIMESTAMP,ContextTokens,GeneratedTokens`).
 
-use crate::error::{Result, VmemError};
-use std::io::BufRead;
-use std::path::Path;
+use super::{finish, parse_tokens, TraceRequest};
+use crate::error::{ReplayError, Result};
 
-/// One request of a trace.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct TraceRequest {
-    /// Arrival time in seconds after the trace's first request.
-    pub arrival_s: f64,
-    /// Prompt (context) tokens.
-    pub prompt_tokens: u64,
-    /// Generated (output) tokens.
-    pub output_tokens: u64,
+/// Whether `line` is the Azure header.
+pub(super) fn is_header(line: &str) -> bool {
+    let cols: Vec<&str> = line
+        .trim_end_matches('\r')
+        .split(',')
+        .map(str::trim)
+        .collect();
+    cols == ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
 }
 
-impl TraceRequest {
-    /// Length when the request finishes.
-    pub fn final_len(&self) -> u64 {
-        self.prompt_tokens + self.output_tokens
-    }
-}
-
-/// Reads a trace file. Errors name the file and line.
-pub fn load_trace(path: &Path) -> Result<Vec<TraceRequest>> {
-    let name = path.display().to_string();
-    let file = std::fs::File::open(path).map_err(|e| VmemError::Trace {
-        path: name.clone(),
-        line: 0,
-        why: e.to_string(),
-    })?;
-    parse_trace(std::io::BufReader::new(file), &name)
-}
-
-/// Parses a trace from a reader; `name` is used in error messages.
-///
-/// The first line must be the header; CRLF or LF line endings; blank lines are skipped.
-pub fn parse_trace(reader: impl BufRead, name: &str) -> Result<Vec<TraceRequest>> {
-    let err = |line: usize, why: String| VmemError::Trace {
-        path: name.to_string(),
-        line,
-        why,
-    };
-    let mut out = Vec::new();
-    let mut first_ts: Option<f64> = None;
-    let mut prev_ts = f64::NEG_INFINITY;
-    for (i, line) in reader.lines().enumerate() {
+/// Parses an Azure trace. The first line must be the header; CRLF or LF line endings; blank
+/// lines are skipped.
+pub(super) fn parse(
+    text: &str,
+    err: &dyn Fn(usize, String) -> ReplayError,
+) -> Result<Vec<TraceRequest>> {
+    let mut rows = Vec::new();
+    for (i, line) in text.lines().enumerate() {
         let n = i + 1;
-        let line = line.map_err(|e| err(n, e.to_string()))?;
         let line = line.trim_end_matches('\r');
         if n == 1 {
-            let cols: Vec<&str> = line.split(',').map(str::trim).collect();
-            if cols != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"] {
+            if !is_header(line) {
                 return Err(err(
                     n,
                     format!(
@@ -69,33 +42,11 @@ pub fn parse_trace(reader: impl BufRead, name: &str) -> Result<Vec<TraceRequest>
             return Err(err(n, format!("expected 3 columns, found {}", cols.len())));
         }
         let ts = parse_timestamp(cols[0].trim()).map_err(|why| err(n, why))?;
-        let tokens = |s: &str, what: &str| -> Result<u64> {
-            let v: u64 = s
-                .trim()
-                .parse()
-                .map_err(|_| err(n, format!("{what} {s:?} is not a non-negative integer")))?;
-            if v == 0 {
-                return Err(err(n, format!("{what} is zero")));
-            }
-            Ok(v)
-        };
-        let prompt_tokens = tokens(cols[1], "ContextTokens")?;
-        let output_tokens = tokens(cols[2], "GeneratedTokens")?;
-        if ts < prev_ts {
-            return Err(err(n, "timestamps go backwards".into()));
-        }
-        prev_ts = ts;
-        let t0 = *first_ts.get_or_insert(ts);
-        out.push(TraceRequest {
-            arrival_s: ts - t0,
-            prompt_tokens,
-            output_tokens,
-        });
+        let prompt = parse_tokens(cols[1], "ContextTokens").map_err(|why| err(n, why))?;
+        let output = parse_tokens(cols[2], "GeneratedTokens").map_err(|why| err(n, why))?;
+        rows.push((Some(ts), prompt, output, n));
     }
-    if out.is_empty() {
-        return Err(err(0, "trace has no requests".into()));
-    }
-    Ok(out)
+    Ok(finish(rows, err)?.0)
 }
 
 /// Parses `YYYY-MM-DD HH:MM:SS[.fraction]` into seconds since 1970-01-01 (no time zone).
@@ -135,12 +86,16 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::super::{parse_trace, TraceOptions};
+
+    fn parse(text: &str, name: &str) -> crate::Result<Vec<super::TraceRequest>> {
+        parse_trace(text.as_bytes(), name, &TraceOptions::default()).map(|t| t.requests)
+    }
 
     #[test]
     fn parses_crlf_and_relative_times() {
         let text = "TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 23:59:59.5000000,10,2\r\n2023-11-17 00:00:01.0000000,5,7";
-        let t = parse_trace(text.as_bytes(), "t").unwrap();
+        let t = parse(text, "t").unwrap();
         assert_eq!(t.len(), 2);
         assert_eq!(t[0].arrival_s, 0.0);
         assert!((t[1].arrival_s - 1.5).abs() < 1e-6, "{}", t[1].arrival_s);
@@ -150,29 +105,31 @@ mod tests {
     #[test]
     fn errors_name_the_line() {
         let text = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00.0,10,2\n2023-11-16 18:00:01.0,ten,2\n";
-        let e = parse_trace(text.as_bytes(), "bad.csv")
-            .unwrap_err()
-            .to_string();
+        let e = parse(text, "bad.csv").unwrap_err().to_string();
         assert!(
             e.contains("bad.csv:3") && e.contains("ContextTokens"),
             "{e}"
         );
-        let e = parse_trace("x,y\n".as_bytes(), "h.csv")
-            .unwrap_err()
-            .to_string();
+        let e = parse_trace(
+            "x,y\n".as_bytes(),
+            "h.csv",
+            &TraceOptions {
+                format: Some(super::super::TraceFormat::Azure),
+                ..Default::default()
+            },
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("h.csv:1") && e.contains("header"), "{e}");
         let text = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00.0,10\n";
-        assert!(parse_trace(text.as_bytes(), "c")
-            .unwrap_err()
-            .to_string()
-            .contains("c:2"));
+        assert!(parse(text, "c").unwrap_err().to_string().contains("c:2"));
         let text = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-13-16 18:00:00.0,10,1\n";
-        assert!(parse_trace(text.as_bytes(), "d")
+        assert!(parse(text, "d")
             .unwrap_err()
             .to_string()
             .contains("timestamp"));
         let text = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:02.0,10,1\n2023-11-16 18:00:01.0,10,1\n";
-        assert!(parse_trace(text.as_bytes(), "e")
+        assert!(parse(text, "e")
             .unwrap_err()
             .to_string()
             .contains("backwards"));

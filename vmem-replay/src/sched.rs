@@ -1,19 +1,16 @@
-//! Replaying request traces through a KV-cache memory with a continuous-batching scheduler.
+//! The continuous-batching scheduler, reduced to memory.
 //!
-//! The scheduler is what an engine such as vLLM does, reduced to memory: each iteration it
-//! admits arrived requests while ids and memory allow (prefill: the prompt at once), grows
-//! every running request by one token (decode), finishes requests that produced all their
-//! tokens, and on out-of-memory preempts the most recently admitted request (recompute: it
-//! goes back to the head of the queue). The memory is anything implementing [`KvMemory`]:
-//! the real [`KvCacheManager`] here, and baseline allocators in the fragmentation suite.
+//! Each iteration it admits arrived requests while ids and memory allow (prefill: the prompt
+//! at once), grows every running request by one token (decode), finishes requests that
+//! produced all their tokens, and on out-of-memory preempts the most recently admitted
+//! request (recompute: it goes back to the head of the queue). The memory is anything
+//! implementing [`KvMemory`]: vmem's [`KvCacheManager`], and the baselines.
 
-mod trace;
-
-pub use trace::{load_trace, parse_trace, TraceRequest};
-
-use crate::error::{Result, VmemError};
-use crate::kvcache::{KvCacheManager, MemoryUsage, StepReport};
+use crate::error::{ReplayError, Result};
+use crate::trace::TraceRequest;
 use std::collections::VecDeque;
+use vmem::kvcache::{KvCacheManager, MemoryUsage, StepReport};
+use vmem::VmemError;
 
 /// A KV-cache memory the scheduler can drive: the paper's API.
 pub trait KvMemory {
@@ -22,11 +19,11 @@ pub trait KvMemory {
     /// Maximum context length.
     fn max_context(&self) -> u64;
     /// Hands out a request id.
-    fn alloc_reqid(&mut self) -> Result<usize>;
+    fn alloc_reqid(&mut self) -> vmem::Result<usize>;
     /// Returns a request id.
-    fn free_reqid(&mut self, req: usize) -> Result<()>;
+    fn free_reqid(&mut self, req: usize) -> vmem::Result<()>;
     /// Ensures memory for every request's length; out-of-memory leaves everything as it was.
-    fn step(&mut self, seq_lens: &[u64]) -> Result<StepReport>;
+    fn step(&mut self, seq_lens: &[u64]) -> vmem::Result<StepReport>;
     /// Memory held now.
     fn usage(&self) -> MemoryUsage;
     /// Stands in for an iteration's compute: lets background work finish.
@@ -40,13 +37,13 @@ impl KvMemory for &KvCacheManager {
     fn max_context(&self) -> u64 {
         self.config().max_context as u64
     }
-    fn alloc_reqid(&mut self) -> Result<usize> {
+    fn alloc_reqid(&mut self) -> vmem::Result<usize> {
         KvCacheManager::alloc_reqid(self)
     }
-    fn free_reqid(&mut self, req: usize) -> Result<()> {
+    fn free_reqid(&mut self, req: usize) -> vmem::Result<()> {
         KvCacheManager::free_reqid(self, req)
     }
-    fn step(&mut self, seq_lens: &[u64]) -> Result<StepReport> {
+    fn step(&mut self, seq_lens: &[u64]) -> vmem::Result<StepReport> {
         KvCacheManager::step(self, seq_lens)
     }
     fn usage(&self) -> MemoryUsage {
@@ -66,6 +63,9 @@ pub struct ReplayConfig {
     pub offline: bool,
     /// Replay at most this many requests (from the start of the trace).
     pub max_requests: Option<usize>,
+    /// Stop once the simulated clock reaches this many seconds; what is still running or
+    /// queued then is counted, not finished. `None`: run until every request finished.
+    pub horizon_s: Option<f64>,
 }
 
 impl Default for ReplayConfig {
@@ -74,6 +74,7 @@ impl Default for ReplayConfig {
             iteration_s: 0.025,
             offline: false,
             max_requests: None,
+            horizon_s: None,
         }
     }
 }
@@ -83,8 +84,15 @@ impl Default for ReplayConfig {
 pub struct ReplayStats {
     /// Requests that ran to completion.
     pub completed: usize,
-    /// Requests skipped: longer than the max context, or larger than the whole budget.
-    pub skipped_too_long: usize,
+    /// Requests refused because they are longer than the max context (a trace fitted with
+    /// [`crate::fit_to_context`] has none).
+    pub rejected_context: usize,
+    /// Requests refused because they do not fit the whole memory budget even alone.
+    pub rejected_budget: usize,
+    /// Requests still running when the horizon was reached.
+    pub running_at_end: usize,
+    /// Requests arrived but not admitted when the horizon was reached.
+    pub queued_at_end: usize,
     /// Scheduler iterations.
     pub iterations: u64,
     /// Preemptions on out-of-memory.
@@ -112,6 +120,11 @@ pub struct ReplayStats {
 }
 
 impl ReplayStats {
+    /// Requests refused for any reason.
+    pub fn rejected(&self) -> usize {
+        self.rejected_context + self.rejected_budget
+    }
+
     /// Time-averaged fraction of the memory mapped to running requests that holds no KV data.
     pub fn avg_waste(&self) -> f64 {
         if self.sum_active_mapped_bytes == 0 {
@@ -142,9 +155,14 @@ pub fn replay<M: KvMemory>(
     cfg: &ReplayConfig,
     mut progress: impl FnMut(usize),
 ) -> Result<ReplayStats> {
-    if cfg.iteration_s.is_nan() || cfg.iteration_s <= 0.0 {
-        return Err(VmemError::InvalidConfig(
-            "iteration_s must be positive".into(),
+    if !(cfg.iteration_s.is_finite() && cfg.iteration_s > 0.0) {
+        return Err(ReplayError::Config(
+            "the iteration time must be a positive number of seconds".into(),
+        ));
+    }
+    if cfg.horizon_s.is_some_and(|h| !(h.is_finite() && h > 0.0)) {
+        return Err(ReplayError::Config(
+            "the horizon must be a positive number of seconds".into(),
         ));
     }
     let trace = &trace[..cfg.max_requests.unwrap_or(trace.len()).min(trace.len())];
@@ -163,11 +181,16 @@ pub fn replay<M: KvMemory>(
         {
             let r = trace[next_arrival];
             if r.final_len() > mem.max_context() {
-                stats.skipped_too_long += 1;
+                stats.rejected_context += 1;
             } else {
                 waiting.push_back((next_arrival, 0));
             }
             next_arrival += 1;
+        }
+        if cfg.horizon_s.is_some_and(|h| clock >= h) {
+            stats.running_at_end = running.len();
+            stats.queued_at_end = waiting.len();
+            break;
         }
         if running.is_empty() && waiting.is_empty() {
             if next_arrival == trace.len() {
@@ -191,7 +214,7 @@ pub fn replay<M: KvMemory>(
                     let r = running.pop().expect("one");
                     lens[r.req] = 0;
                     mem.free_reqid(r.req)?;
-                    stats.skipped_too_long += 1;
+                    stats.rejected_budget += 1;
                 }
                 Err(VmemError::OutOfMemory { .. }) if !running.is_empty() => {
                     // Preempt the most recently admitted request; it will recompute.
@@ -202,7 +225,7 @@ pub fn replay<M: KvMemory>(
                     waiting.push_front((victim.trace_idx, done));
                     stats.preemptions += 1;
                 }
-                Err(e) => return Err(e),
+                Err(e) => return Err(e.into()),
             }
         };
 
@@ -232,12 +255,12 @@ pub fn replay<M: KvMemory>(
                     if running.is_empty() {
                         // Does not fit even alone: it never will.
                         waiting.pop_front();
-                        stats.skipped_too_long += 1;
+                        stats.rejected_budget += 1;
                         continue;
                     }
                     break;
                 }
-                Err(e) => return Err(e),
+                Err(e) => return Err(e.into()),
             }
         }
 

@@ -1,0 +1,334 @@
+//! What `vmem replay` prints: the header, the table (or JSON, or CSV), and progress.
+
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::IsTerminal;
+use std::time::{Duration, Instant};
+use vmem::units::format_bytes;
+use vmem_replay::ReplayStats;
+
+/// The settings of a replay, echoed in every output format.
+#[derive(Debug)]
+pub struct Settings {
+    pub trace: String,
+    pub format: &'static str,
+    pub trace_requests: usize,
+    pub replayed: usize,
+    pub oversize: &'static str,
+    pub oversize_count: usize,
+    pub arrivals: String,
+    pub model: &'static str,
+    pub tp: usize,
+    pub layout: &'static str,
+    pub budget: u64,
+    pub max_batch: usize,
+    pub max_context: usize,
+    pub iteration_ms: f64,
+    pub horizon_s: Option<f64>,
+    pub block_tokens: u64,
+    pub token_bytes: u64,
+    pub deferred_reclaim: bool,
+    pub eager: bool,
+    pub overlap: bool,
+    pub backend: &'static str,
+    pub backend_reason: String,
+}
+
+/// One allocator's results.
+#[derive(Debug)]
+pub struct Row {
+    pub allocator: String,
+    pub page_size: Option<u64>,
+    pub avg_waste: f64,
+    pub peak_waste: f64,
+    /// Average waste divided by the blocks baseline's.
+    pub vs_blocks: Option<f64>,
+    pub completed: usize,
+    pub rejected_budget: usize,
+    pub preemptions: u64,
+    pub running_at_end: usize,
+    pub queued_at_end: usize,
+    pub peak_batch: usize,
+    pub peak_mapped_bytes: u64,
+    pub peak_kv_bytes: u64,
+    pub sync_pages: u64,
+    pub background_pages: u64,
+}
+
+impl Row {
+    pub fn new(allocator: String, page_size: Option<u64>, s: &ReplayStats, blocks: f64) -> Self {
+        let avg = s.avg_waste();
+        Row {
+            allocator,
+            page_size,
+            avg_waste: avg,
+            peak_waste: s.peak_waste(),
+            vs_blocks: (blocks > 0.0).then(|| avg / blocks),
+            completed: s.completed,
+            rejected_budget: s.rejected_budget,
+            preemptions: s.preemptions,
+            running_at_end: s.running_at_end,
+            queued_at_end: s.queued_at_end,
+            peak_batch: s.peak_batch,
+            peak_mapped_bytes: s.peak_active_mapped_bytes,
+            peak_kv_bytes: s.peak_kv_bytes,
+            sync_pages: s.sync_pages,
+            background_pages: s.background_pages,
+        }
+    }
+}
+
+fn on(b: bool) -> &'static str {
+    if b {
+        "on"
+    } else {
+        "off"
+    }
+}
+
+pub fn print_header(s: &Settings) {
+    println!(
+        "trace      {} ({}, {} requests, {} replayed)",
+        s.trace, s.format, s.trace_requests, s.replayed
+    );
+    println!(
+        "oversize   {} requests longer than the max context ({} tokens): {}",
+        s.oversize_count,
+        s.max_context,
+        match s.oversize {
+            "skip" => "skipped",
+            "truncate" => "truncated to the context",
+            _ => "none allowed",
+        }
+    );
+    println!("arrivals   {}", s.arrivals);
+    println!(
+        "model      {} TP-{}, {} bytes of K+V per token | vmem layout {}",
+        s.model, s.tp, s.token_bytes, s.layout
+    );
+    println!(
+        "memory     budget {} | B={} L={} | iteration {} ms{}",
+        format_bytes(s.budget),
+        s.max_batch,
+        s.max_context,
+        s.iteration_ms,
+        s.horizon_s
+            .map(|h| format!(" | horizon {h} s"))
+            .unwrap_or_default()
+    );
+    println!(
+        "vmem       deferred-reclaim {}, eager {}, overlap {}",
+        on(s.deferred_reclaim),
+        on(s.eager),
+        on(s.overlap)
+    );
+    println!("backend    {} ({})", s.backend, s.backend_reason);
+    println!();
+}
+
+/// The table's column names (printed once, before the first row).
+pub fn print_table_header() {
+    println!(
+        "{:<24} {:>9} {:>10} {:>9} {:>9} {:>8} {:>9} {:>9} {:>10} {:>10} {:>10}",
+        "allocator",
+        "avg waste",
+        "peak waste",
+        "vs blocks",
+        "completed",
+        "rejected",
+        "preempted",
+        "queued",
+        "peak batch",
+        "sync pages",
+        "bg pages"
+    );
+}
+
+/// One row of the table, printed as soon as its replay finished.
+pub fn print_row(r: &Row) {
+    {
+        println!(
+            "{:<24} {:>8.2}% {:>9.2}% {:>9} {:>9} {:>8} {:>9} {:>9} {:>10} {:>10} {:>10}",
+            r.allocator,
+            r.avg_waste * 100.0,
+            r.peak_waste * 100.0,
+            r.vs_blocks
+                .map(|v| format!("{v:.2}x"))
+                .unwrap_or_else(|| "-".into()),
+            r.completed,
+            r.rejected_budget,
+            r.preemptions,
+            r.queued_at_end,
+            r.peak_batch,
+            r.sync_pages,
+            r.background_pages,
+        );
+    }
+}
+
+/// What the columns mean, after the table.
+pub fn print_legend() {
+    println!();
+    println!("avg waste   time-averaged share of the memory mapped to running requests that holds no KV data");
+    println!("peak waste  1 - peak KV bytes / peak bytes mapped to running requests");
+    println!("vs blocks   avg waste / the 16-token blocks' avg waste (ratios hold across traces; percentages move with request lengths)");
+    println!("rejected    requests that do not fit the whole budget even alone; queued: arrived but not admitted at the horizon");
+}
+
+fn row_json(r: &Row) -> serde_json::Value {
+    serde_json::json!({
+        "allocator": r.allocator,
+        "page_size": r.page_size,
+        "avg_waste": r.avg_waste,
+        "peak_waste": r.peak_waste,
+        "vs_blocks": r.vs_blocks,
+        "completed": r.completed,
+        "rejected_budget": r.rejected_budget,
+        "preemptions": r.preemptions,
+        "running_at_end": r.running_at_end,
+        "queued_at_end": r.queued_at_end,
+        "peak_batch": r.peak_batch,
+        "peak_mapped_bytes": r.peak_mapped_bytes,
+        "peak_kv_bytes": r.peak_kv_bytes,
+        "sync_pages": r.sync_pages,
+        "background_pages": r.background_pages,
+    })
+}
+
+pub fn print_json(s: &Settings, rows: &[Row]) {
+    let v = serde_json::json!({
+        "settings": {
+            "trace": s.trace,
+            "format": s.format,
+            "trace_requests": s.trace_requests,
+            "replayed": s.replayed,
+            "oversize": s.oversize,
+            "oversize_count": s.oversize_count,
+            "arrivals": s.arrivals,
+            "model": s.model,
+            "tp": s.tp,
+            "layout": s.layout,
+            "budget": s.budget,
+            "max_batch": s.max_batch,
+            "max_context": s.max_context,
+            "iteration_ms": s.iteration_ms,
+            "horizon_s": s.horizon_s,
+            "block_tokens": s.block_tokens,
+            "token_bytes": s.token_bytes,
+            "deferred_reclaim": s.deferred_reclaim,
+            "eager": s.eager,
+            "overlap": s.overlap,
+            "backend": s.backend,
+        },
+        "rows": rows.iter().map(row_json).collect::<Vec<_>>(),
+    });
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&v).expect("plain JSON values")
+    );
+}
+
+pub fn print_csv(rows: &[Row]) {
+    println!("allocator,page_size,avg_waste,peak_waste,vs_blocks,completed,rejected_budget,preemptions,running_at_end,queued_at_end,peak_batch,peak_mapped_bytes,peak_kv_bytes,sync_pages,background_pages");
+    for r in rows {
+        println!(
+            "{},{},{:.6},{:.6},{},{},{},{},{},{},{},{},{},{},{}",
+            r.allocator,
+            r.page_size.map(|p| p.to_string()).unwrap_or_default(),
+            r.avg_waste,
+            r.peak_waste,
+            r.vs_blocks.map(|v| format!("{v:.4}")).unwrap_or_default(),
+            r.completed,
+            r.rejected_budget,
+            r.preemptions,
+            r.running_at_end,
+            r.queued_at_end,
+            r.peak_batch,
+            r.peak_mapped_bytes,
+            r.peak_kv_bytes,
+            r.sync_pages,
+            r.background_pages
+        );
+    }
+}
+
+/// Progress on stderr: a bar on a terminal, a line every few seconds otherwise, nothing with
+/// `--quiet`.
+pub enum Progress {
+    Bar(ProgressBar),
+    Lines {
+        label: String,
+        total: usize,
+        start: Instant,
+        last: Instant,
+    },
+    Quiet,
+}
+
+const LINE_EVERY: Duration = Duration::from_secs(5);
+
+impl Progress {
+    pub fn new(label: &str, total: usize, quiet: bool) -> Self {
+        if quiet {
+            return Progress::Quiet;
+        }
+        if std::io::stderr().is_terminal() {
+            let bar = ProgressBar::new(total as u64).with_style(
+                ProgressStyle::with_template(
+                    "{prefix:>22} [{bar:30}] {pos}/{len} requests {elapsed}",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            bar.set_prefix(label.to_string());
+            Progress::Bar(bar)
+        } else {
+            let now = Instant::now();
+            Progress::Lines {
+                label: label.to_string(),
+                total,
+                start: now,
+                last: now,
+            }
+        }
+    }
+
+    pub fn update(&mut self, done: usize) {
+        match self {
+            Progress::Bar(b) => b.set_position(done as u64),
+            Progress::Lines {
+                label,
+                total,
+                start,
+                last,
+            } => {
+                if last.elapsed() >= LINE_EVERY {
+                    *last = Instant::now();
+                    eprintln!(
+                        "{label}: {done}/{total} requests finished, {:.0} s",
+                        start.elapsed().as_secs_f64()
+                    );
+                }
+            }
+            Progress::Quiet => {}
+        }
+    }
+
+    pub fn finish(self) {
+        match self {
+            Progress::Bar(b) => b.finish_and_clear(),
+            Progress::Lines {
+                label,
+                total,
+                start,
+                ..
+            } => {
+                if start.elapsed() >= LINE_EVERY {
+                    eprintln!(
+                        "{label}: done ({total} requests), {:.0} s",
+                        start.elapsed().as_secs_f64()
+                    );
+                }
+            }
+            Progress::Quiet => {}
+        }
+    }
+}

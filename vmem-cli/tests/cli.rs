@@ -1,0 +1,486 @@
+//! The `vmem` command as a user runs it: the binary, its exit status, stdout and stderr.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use vmem_replay::{ReplayConfig, TraceOptions};
+use vmem_tests::{run_config, Allocator, Deployment, ExperimentConfig};
+
+fn vmem(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_vmem"))
+        .args(args)
+        .env_remove("VMEM_BACKEND")
+        .output()
+        .expect("run vmem")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn bundled() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("data/traces/azure-conv-2023-first2000.csv")
+}
+
+/// A scratch file with `content`, removed at drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str, content: &[u8]) -> Self {
+        let dir = std::env::temp_dir().join(format!("vmem-cli-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(name);
+        std::fs::write(&p, content).unwrap();
+        Scratch(p)
+    }
+    fn path(&self) -> &str {
+        self.0.to_str().unwrap()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+const QUICK: [&str; 6] = [
+    "--backend",
+    "sim",
+    "--requests",
+    "200",
+    "--page-sizes",
+    "64K,2M",
+];
+
+#[test]
+fn the_main_command_prints_a_table_of_every_allocator() {
+    let out = vmem(&["--quiet", "--requests", "100", "--page-sizes", "256K"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let s = text(&out.stdout);
+    for want in [
+        "bundled:azure-conv-2023-first2000.csv",
+        "deferred-reclaim off, eager off, overlap off",
+        "blocks-16tok",
+        "vmem-256K-per-layer",
+        "max-reservation",
+        "vs blocks",
+        "backend    host",
+    ] {
+        assert!(s.contains(want), "missing {want:?} in\n{s}");
+    }
+}
+
+#[test]
+fn identical_runs_print_identical_bytes() {
+    for backend in ["sim", "host"] {
+        let args = [
+            "replay",
+            "--quiet",
+            "--backend",
+            backend,
+            "--requests",
+            "300",
+            "--page-sizes",
+            "64K,2M",
+        ];
+        let a = vmem(&args);
+        let b = vmem(&args);
+        assert!(a.status.success(), "{}", text(&a.stderr));
+        assert_eq!(a.stdout, b.stdout, "{backend}: two runs differ");
+    }
+}
+
+#[test]
+fn bad_flags_are_refused_before_any_output() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--page-sizes", "4K"], "--page-sizes"),
+        (&["--page-sizes", "1G"], "--page-sizes"),
+        (&["--page-sizes", "lots"], "--page-sizes"),
+        (&["--requests", "0"], "--requests"),
+        (&["--budget", "0"], "--budget"),
+        (&["--budget", "99999999999T"], "--budget"),
+        (&["--budget", "32K"], "--budget"),
+        (&["--max-batch", "0"], "--max-batch"),
+        (&["--max-context", "0"], "--max-context"),
+        (&["--max-batch", "18446744073709551615"], "--max-batch"),
+        (&["--tp", "3"], "--tp"),
+        (&["--model", "gpt-5"], "--model"),
+        (&["--layout", "diagonal"], "--layout"),
+        (&["--iteration-ms", "-1"], "--iteration-ms"),
+        (&["--iteration-ms", "NaN"], "--iteration-ms"),
+        (&["--rate", "0"], "--rate"),
+        (&["--rate", "inf"], "--rate"),
+        (&["--horizon", "-5"], "--horizon"),
+        (&["--time-unit", "h"], "--time-unit"),
+        (&["--backend", "tpu"], "--backend"),
+        (&["--block-tokens", "0"], "--block-tokens"),
+    ];
+    for (args, flag) in cases {
+        let mut all = vec!["replay"];
+        if !args.contains(&"--backend") {
+            all.extend(["--backend", "sim"]);
+        }
+        all.extend_from_slice(args);
+        let out = vmem(&all);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            out.stdout.is_empty(),
+            "{args:?} printed {}",
+            text(&out.stdout)
+        );
+        assert!(err.contains(flag), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+    // clap's own refusals (unknown values, malformed numbers) exit 2, also before output.
+    for args in [
+        &["--tp", "-1"][..],
+        &["--oversize", "maybe"],
+        &["--no-such-flag"],
+    ] {
+        let out = vmem(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(out.stdout.is_empty());
+    }
+}
+
+#[test]
+fn bad_traces_are_refused_with_the_line_and_nothing_panics() {
+    let header = "TIMESTAMP,ContextTokens,GeneratedTokens\n";
+    let row = "2023-11-16 18:00:00.0,10,2\n";
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("empty.csv", b"".to_vec(), "empty"),
+        ("header.csv", header.as_bytes().to_vec(), "no requests"),
+        (
+            "max.csv",
+            format!(
+                "{header}{row}2023-11-16 18:00:01.0,18446744073709551615,18446744073709551615\n"
+            )
+            .into_bytes(),
+            ":3:",
+        ),
+        (
+            "huge.csv",
+            format!("{header}{row}2023-11-16 18:00:01.0,1000000000000,5\n").into_bytes(),
+            ":3:",
+        ),
+        (
+            "over.csv",
+            format!("{header}{row}2023-11-16 18:00:01.0,18446744073709551616,5\n").into_bytes(),
+            ":3:",
+        ),
+        (
+            "neg.csv",
+            format!("{header}{row}2023-11-16 18:00:01.0,-5,5\n").into_bytes(),
+            "negative",
+        ),
+        (
+            "cols.csv",
+            format!("{header}2023-11-16 18:00:01.0,5\n").into_bytes(),
+            ":2:",
+        ),
+        (
+            "back.csv",
+            format!("{header}2023-11-16 18:00:02.0,5,5\n2023-11-16 18:00:01.0,5,5\n").into_bytes(),
+            "backwards",
+        ),
+        (
+            "zero.csv",
+            format!("{header}2023-11-16 18:00:02.0,0,5\n").into_bytes(),
+            "zero",
+        ),
+        ("other.csv", b"a,b,c\n1,2,3\n".to_vec(), "--input-col"),
+        (
+            "binary.bin",
+            (0..=255u8).cycle().take(4096).collect(),
+            "UTF-8",
+        ),
+        (
+            "bad.jsonl",
+            b"{\"input_tokens\": 5, \"output_tokens\": 1}\n{not json\n".to_vec(),
+            ":2:",
+        ),
+        (
+            "neg.jsonl",
+            b"{\"input_tokens\": -5, \"output_tokens\": 1}\n".to_vec(),
+            "negative",
+        ),
+        (
+            "frac.jsonl",
+            b"{\"input_tokens\": 5.5, \"output_tokens\": 1}\n".to_vec(),
+            "whole",
+        ),
+        (
+            "big.jsonl",
+            b"{\"input_tokens\": 1e400, \"output_tokens\": 1}\n".to_vec(),
+            ":1:",
+        ),
+        (
+            "str.jsonl",
+            b"{\"input_tokens\": [1], \"output_tokens\": 1}\n".to_vec(),
+            "not a number",
+        ),
+        (
+            "nan.csv",
+            b"input_tokens,output_tokens,time\n5,1,NaN\n".to_vec(),
+            "not a number",
+        ),
+    ];
+    for (name, content, want) in cases {
+        let f = Scratch::new(name, &content);
+        let out = vmem(&["replay", "--backend", "sim", "--trace", f.path()]);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {err}");
+        assert!(
+            out.stdout.is_empty(),
+            "{name} printed {}",
+            text(&out.stdout)
+        );
+        assert!(err.contains(want), "{name}: wanted {want:?} in {err}");
+        assert!(!err.contains("panicked"), "{name}: {err}");
+    }
+    let missing = vmem(&["--trace", "/nonexistent/trace.csv"]);
+    assert_eq!(missing.status.code(), Some(1));
+}
+
+#[test]
+fn oversize_requests_are_an_error_unless_skipped_or_truncated_and_always_counted() {
+    let t = "input_tokens,output_tokens\n100,10\n20000,10\n30,5000\n9000,9000\n";
+    let f = Scratch::new("oversize.csv", t.as_bytes());
+    let base = [
+        "replay",
+        "--quiet",
+        "--backend",
+        "sim",
+        "--page-sizes",
+        "2M",
+        "--trace",
+        f.path(),
+    ];
+    let out = vmem(&base);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(err.contains(":3:") && err.contains("2 of 4"), "{err}");
+    for (policy, replayed, what) in [
+        ("skip", "2 replayed", "skipped"),
+        ("truncate", "4 replayed", "truncated"),
+    ] {
+        let mut args = base.to_vec();
+        args.extend(["--oversize", policy]);
+        let out = vmem(&args);
+        let s = text(&out.stdout);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert!(s.contains(replayed), "{s}");
+        assert!(
+            s.contains("2 requests longer than the max context") && s.contains(what),
+            "{s}"
+        );
+    }
+}
+
+#[test]
+fn every_trace_format_replays() {
+    let csv = Scratch::new(
+        "g.csv",
+        b"prompt_tokens,completion_tokens,arrival_time\n100,20,0.0\n50,5,0.5\n",
+    );
+    let named = Scratch::new("n.csv", b"p,o\n100,20\n50,5\n");
+    let jsonl = Scratch::new("g.jsonl", b"{\"input_length\": 100, \"output_length\": 20}\n\n{\"input_length\": 50, \"output_length\": 5}\n");
+    let moon = Scratch::new("m.jsonl", b"{\"timestamp\": 0, \"input_length\": 100, \"output_length\": 20, \"hash_ids\": [1, 2]}\n{\"timestamp\": 500, \"input_length\": 50, \"output_length\": 5, \"hash_ids\": [1]}\n");
+    let ms = Scratch::new(
+        "ms.csv",
+        b"input_tokens,output_tokens,t\n100,20,1000\n50,5,1500\n",
+    );
+    let azure = bundled();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--trace", csv.path()], "(csv, 2 requests"),
+        (
+            vec![
+                "--trace",
+                named.path(),
+                "--input-col",
+                "p",
+                "--output-col",
+                "o",
+            ],
+            "all at time 0",
+        ),
+        (
+            vec![
+                "--trace",
+                named.path(),
+                "--input-col",
+                "p",
+                "--output-col",
+                "o",
+                "--rate",
+                "2",
+            ],
+            "Poisson, 2 req/s",
+        ),
+        (vec!["--trace", jsonl.path()], "(jsonl, 2 requests"),
+        (vec!["--trace", moon.path()], "(mooncake, 2 requests"),
+        (
+            vec!["--trace", moon.path(), "--format", "jsonl"],
+            "(jsonl, 2 requests",
+        ),
+        (
+            vec!["--trace", ms.path(), "--time-col", "t", "--time-unit", "ms"],
+            "the trace's timestamps",
+        ),
+        (
+            vec!["--trace", azure.to_str().unwrap(), "--requests", "50"],
+            "(azure, 50 requests",
+        ),
+    ];
+    for (args, want) in cases {
+        let mut all = vec![
+            "replay",
+            "--quiet",
+            "--backend",
+            "sim",
+            "--page-sizes",
+            "64K",
+        ];
+        all.extend(args.iter().copied());
+        let out = vmem(&all);
+        let s = text(&out.stdout);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        assert!(s.contains(want), "{args:?}: wanted {want:?} in\n{s}");
+        let done = s
+            .lines()
+            .find(|l| l.starts_with("vmem-64K"))
+            .and_then(|l| l.split_whitespace().nth(4))
+            .unwrap();
+        let expected = if want.contains("50 requests") {
+            "50"
+        } else {
+            "2"
+        };
+        assert_eq!(done, expected, "{args:?}: completed\n{s}");
+    }
+}
+
+#[test]
+fn json_and_csv_outputs_parse_and_carry_the_settings() {
+    let mut args = vec!["replay", "--json"];
+    args.extend(QUICK);
+    args.extend(["--overlap", "on", "--eager", "on"]);
+    let out = vmem(&args);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["settings"]["overlap"], true);
+    assert_eq!(v["settings"]["eager"], true);
+    assert_eq!(v["settings"]["deferred_reclaim"], false);
+    assert_eq!(v["rows"].as_array().unwrap().len(), 4);
+    let mut args = vec!["replay", "--csv"];
+    args.extend(QUICK);
+    let out = vmem(&args);
+    let s = text(&out.stdout);
+    assert_eq!(s.lines().count(), 5, "{s}");
+    assert!(s.starts_with("allocator,page_size,avg_waste"));
+}
+
+#[test]
+fn help_gives_units_and_defaults() {
+    let out = vmem(&["replay", "--help"]);
+    let s = text(&out.stdout);
+    for want in [
+        "[default: 2GiB]",
+        "[default: 16384]",
+        "[default: 25]",
+        "[default: error]",
+        "[default: off]",
+        "BYTES",
+        "TOKENS",
+        "REQ/S",
+        "SECONDS",
+        "MS",
+    ] {
+        assert!(s.contains(want), "help lacks {want:?}:\n{s}");
+    }
+}
+
+/// `vmem replay` and the fragmentation suite measure the same thing: on the same trace and
+/// settings they print the same numbers.
+#[test]
+fn replay_agrees_with_the_fragmentation_suite() {
+    let trace_path = bundled();
+    let out = vmem(&[
+        "replay",
+        "--json",
+        "--backend",
+        "sim",
+        "--trace",
+        trace_path.to_str().unwrap(),
+        "--requests",
+        "400",
+        "--budget",
+        "4GiB",
+        "--page-sizes",
+        "64K,2M",
+        "--oversize",
+        "skip",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    let trace = vmem_replay::load_trace(&trace_path, &TraceOptions::default())
+        .unwrap()
+        .requests;
+    let cfg = ExperimentConfig {
+        budget: 4 << 30,
+        max_batch: 256,
+        max_context: 16384,
+        replay: ReplayConfig {
+            max_requests: Some(400),
+            ..Default::default()
+        },
+        deferred_reclaim: false,
+        overlap: false,
+    };
+    let dep = Deployment {
+        model: vmem::models::LLAMA_3_8B,
+        tp: 1,
+    };
+    let sim = || -> vmem::Result<std::sync::Arc<dyn vmem::backend::Backend>> {
+        Ok(std::sync::Arc::new(vmem::backend::SimBackend::new()))
+    };
+    let allocs = [
+        Allocator::Blocks(16),
+        Allocator::Vmem {
+            page: 64 << 10,
+            layout: vmem::Layout::PerLayer,
+        },
+        Allocator::Vmem {
+            page: 2 << 20,
+            layout: vmem::Layout::PerLayer,
+        },
+        Allocator::MaxReservation,
+    ];
+    for (row, alloc) in rows.iter().zip(allocs) {
+        let o = run_config(&trace, dep, alloc, &cfg, &sim).unwrap().online;
+        let label = alloc.label();
+        assert_eq!(row["avg_waste"].as_f64().unwrap(), o.avg_waste(), "{label}");
+        assert_eq!(
+            row["peak_waste"].as_f64().unwrap(),
+            o.peak_waste(),
+            "{label}"
+        );
+        assert_eq!(
+            row["completed"].as_u64().unwrap() as usize,
+            o.completed,
+            "{label}"
+        );
+        assert_eq!(
+            row["preemptions"].as_u64().unwrap(),
+            o.preemptions,
+            "{label}"
+        );
+        assert_eq!(
+            row["peak_batch"].as_u64().unwrap() as usize,
+            o.peak_batch,
+            "{label}"
+        );
+    }
+}

@@ -1,0 +1,197 @@
+//! Generic CSV and JSON-lines traces: input tokens, output tokens, optional arrival time.
+
+use super::{
+    finish, parse_tokens, Columns, TimeUnit, TraceRequest, INPUT_NAMES, OUTPUT_NAMES, TIME_NAMES,
+};
+use crate::error::{ReplayError, Result};
+
+type Err<'a> = &'a dyn Fn(usize, String) -> ReplayError;
+type Rows = Vec<(Option<f64>, u64, u64, usize)>;
+
+/// Finds the column to use among `names` (a header row, or a JSON object's keys): the one the
+/// user named, else the first of the usual names present.
+fn pick<'a>(
+    names: &[&'a str],
+    wanted: Option<&str>,
+    usual: &[&str],
+    what: &str,
+) -> std::result::Result<Option<&'a str>, String> {
+    if let Some(w) = wanted {
+        return names
+            .iter()
+            .find(|n| n.eq_ignore_ascii_case(w))
+            .copied()
+            .map(Some)
+            .ok_or_else(|| format!("no {what} column {w:?} (columns: {names:?})"));
+    }
+    Ok(usual
+        .iter()
+        .find_map(|u| names.iter().find(|n| n.eq_ignore_ascii_case(u)))
+        .copied())
+}
+
+fn required<'a>(
+    names: &[&'a str],
+    wanted: Option<&str>,
+    usual: &[&str],
+    what: &str,
+    flag: &str,
+) -> std::result::Result<&'a str, String> {
+    pick(names, wanted, usual, what)?
+        .ok_or_else(|| format!("no {what} column among {names:?}: name it with {flag}"))
+}
+
+fn time_value(v: f64, unit: TimeUnit) -> f64 {
+    match unit {
+        TimeUnit::Seconds => v,
+        TimeUnit::Milliseconds => v / 1000.0,
+    }
+}
+
+fn parse_time(s: &str, unit: TimeUnit) -> std::result::Result<f64, String> {
+    let t = s.trim();
+    match t.parse::<f64>() {
+        Ok(v) if v.is_finite() => Ok(time_value(v, unit)),
+        _ => Err(format!("arrival time {t:?} is not a number")),
+    }
+}
+
+/// Parses a CSV trace with a header row.
+pub(super) fn parse_csv(
+    text: &str,
+    cols: &Columns,
+    err: Err<'_>,
+) -> Result<(Vec<TraceRequest>, bool)> {
+    let mut reader = csv::ReaderBuilder::new()
+        .has_headers(true)
+        .flexible(false)
+        .trim(csv::Trim::All)
+        .from_reader(text.as_bytes());
+    let headers = reader
+        .headers()
+        .map_err(|e| err(1, format!("cannot read the header: {e}")))?
+        .clone();
+    let names: Vec<&str> = headers.iter().collect();
+    let idx = |name: &str| {
+        names
+            .iter()
+            .position(|n| *n == name)
+            .expect("picked from names")
+    };
+    let input = required(
+        &names,
+        cols.input.as_deref(),
+        &INPUT_NAMES,
+        "input-token",
+        "--input-col",
+    )
+    .map_err(|why| err(1, why))?;
+    let output = required(
+        &names,
+        cols.output.as_deref(),
+        &OUTPUT_NAMES,
+        "output-token",
+        "--output-col",
+    )
+    .map_err(|why| err(1, why))?;
+    let time = pick(&names, cols.time.as_deref(), &TIME_NAMES, "arrival-time")
+        .map_err(|why| err(1, why))?;
+    let (i_in, i_out, i_time) = (idx(input), idx(output), time.map(idx));
+    let mut rows: Rows = Vec::new();
+    for record in reader.records() {
+        let record = record.map_err(|e| {
+            let line = e.position().map_or(0, |p| p.line() as usize);
+            err(line, format!("malformed CSV: {e}"))
+        })?;
+        let line = record.position().map_or(0, |p| p.line() as usize);
+        if record.iter().all(|f| f.is_empty()) {
+            continue;
+        }
+        let field = |i: usize| record.get(i).unwrap_or("");
+        let prompt = parse_tokens(field(i_in), input).map_err(|why| err(line, why))?;
+        let out = parse_tokens(field(i_out), output).map_err(|why| err(line, why))?;
+        let ts = match i_time {
+            Some(i) => Some(parse_time(field(i), cols.time_unit).map_err(|why| err(line, why))?),
+            None => None,
+        };
+        rows.push((ts, prompt, out, line));
+    }
+    finish(rows, err)
+}
+
+/// A JSON value as a token count or a time: a number, or a string holding one.
+fn json_text(v: &serde_json::Value) -> Option<String> {
+    match v {
+        serde_json::Value::Number(n) => Some(n.to_string()),
+        serde_json::Value::String(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+/// Parses a JSON-lines trace: one object a line; blank lines are skipped.
+pub(super) fn parse_jsonl(
+    text: &str,
+    cols: &Columns,
+    err: Err<'_>,
+) -> Result<(Vec<TraceRequest>, bool)> {
+    let mut rows: Rows = Vec::new();
+    let mut keys: Option<(String, String, Option<String>)> = None;
+    for (i, raw) in text.lines().enumerate() {
+        let line = i + 1;
+        if raw.trim().is_empty() {
+            continue;
+        }
+        let value: serde_json::Value =
+            serde_json::from_str(raw).map_err(|e| err(line, format!("not a JSON object: {e}")))?;
+        let obj = value
+            .as_object()
+            .ok_or_else(|| err(line, "not a JSON object".into()))?;
+        if keys.is_none() {
+            let names: Vec<&str> = obj.keys().map(String::as_str).collect();
+            let input = required(
+                &names,
+                cols.input.as_deref(),
+                &INPUT_NAMES,
+                "input-token",
+                "--input-col",
+            )
+            .map_err(|why| err(line, why))?;
+            let output = required(
+                &names,
+                cols.output.as_deref(),
+                &OUTPUT_NAMES,
+                "output-token",
+                "--output-col",
+            )
+            .map_err(|why| err(line, why))?;
+            let time = pick(&names, cols.time.as_deref(), &TIME_NAMES, "arrival-time")
+                .map_err(|why| err(line, why))?;
+            keys = Some((
+                input.to_string(),
+                output.to_string(),
+                time.map(str::to_string),
+            ));
+        }
+        let (input, output, time) = keys.as_ref().expect("set above");
+        let get = |k: &str| -> std::result::Result<String, String> {
+            let v = obj.get(k).ok_or_else(|| format!("no {k:?} here"))?;
+            json_text(v).ok_or_else(|| format!("{k} {v} is not a number"))
+        };
+        let prompt = get(input)
+            .and_then(|s| parse_tokens(&s, input))
+            .map_err(|why| err(line, why))?;
+        let out = get(output)
+            .and_then(|s| parse_tokens(&s, output))
+            .map_err(|why| err(line, why))?;
+        let ts = match time {
+            Some(k) => Some(
+                get(k)
+                    .and_then(|s| parse_time(&s, cols.time_unit))
+                    .map_err(|why| err(line, why))?,
+            ),
+            None => None,
+        };
+        rows.push((ts, prompt, out, line));
+    }
+    finish(rows, err)
+}
