@@ -380,3 +380,106 @@ fn token_major_views_interleave_layers_in_one_buffer() {
         "batch index out of range"
     );
 }
+
+fn small(pad_rows: bool) -> (std::sync::Arc<vmem::backend::SimBackend>, KvCacheManager) {
+    let b = std::sync::Arc::new(vmem::backend::SimBackend::new());
+    let cfg = KvConfig::builder()
+        .layers(2)
+        .max_batch(4)
+        .max_context(4096)
+        .kv_heads(2)
+        .head_dim(64)
+        .elem_bytes(2)
+        .page_size(vmem::backend::KIB64)
+        .memory_cap(256 * vmem::backend::KIB64)
+        .overlap(false)
+        .eager_tokens(0)
+        .reclaim_threshold(0)
+        .pad_rows(pad_rows)
+        .build();
+    let kv = KvCacheManager::init(b.clone(), cfg).unwrap();
+    (b, kv)
+}
+
+#[test]
+fn best_fit_reuses_the_smallest_inactive_id_that_covers_the_request() {
+    let (_b, kv) = small(false);
+    // 256 bytes a token per buffer: 256 tokens a 64 KB page.
+    let ids: Vec<usize> = (0..3).map(|_| kv.alloc_reqid().unwrap()).collect();
+    let mut lens = vec![0u64; 4];
+    for (&r, l) in ids.iter().zip([300u64, 1000, 2000]) {
+        lens[r] = l;
+    }
+    kv.step(&lens).unwrap();
+    for &r in &ids {
+        kv.free_reqid(r).unwrap(); // deferred: pages stay
+    }
+    // 900 tokens need 4 pages: ids[1] (4 pages) fits best, not ids[2] (8) nor ids[0] (2).
+    assert_eq!(kv.alloc_reqid_for(900).unwrap(), ids[1]);
+    // Nothing covers 3000 tokens: the lowest inactive id.
+    let low = (0..4).find(|&r| r != ids[1]).unwrap();
+    assert_eq!(kv.alloc_reqid_for(3000).unwrap(), low);
+    assert!(matches!(
+        kv.alloc_reqid_for(5000),
+        Err(VmemError::SeqLenTooLong { .. })
+    ));
+    kv.alloc_reqid_for(1).unwrap();
+    kv.alloc_reqid_for(1).unwrap();
+    assert!(matches!(
+        kv.alloc_reqid_for(1),
+        Err(VmemError::TooManyRequests(4))
+    ));
+}
+
+#[test]
+fn reserve_physical_creates_the_pool_and_reclaim_inactive_empties_deferred_ids() {
+    let (b, kv) = small(false);
+    assert_eq!(kv.reserve_physical(64 * vmem::backend::KIB64).unwrap(), 64);
+    assert_eq!(b.live_pages(), 64);
+    assert_eq!(kv.pool_pages(), (64, 64, 64));
+    assert!(kv.reserve_physical(100).is_err());
+    let r = kv.alloc_reqid().unwrap();
+    let mut lens = vec![0u64; 4];
+    lens[r] = 1024; // 4 pages in each of 4 buffers
+    kv.step(&lens).unwrap();
+    assert_eq!(kv.free_blocks(), (64 - 16) / 4);
+    kv.free_reqid(r).unwrap();
+    assert_eq!(
+        kv.free_blocks(),
+        64 / 4,
+        "deferred pages count as free blocks"
+    );
+    assert_eq!(kv.request_pages(r).unwrap(), vec![4; 4]);
+    assert_eq!(kv.reclaim_inactive().unwrap(), 16);
+    assert_eq!(kv.request_pages(r).unwrap(), vec![0; 4]);
+    // A lower cap releases free pages.
+    kv.reserve_physical(16 * vmem::backend::KIB64).unwrap();
+    assert_eq!(b.live_pages(), 16);
+    // Over the cap: out of memory, nothing mapped.
+    let r = kv.alloc_reqid().unwrap();
+    lens = vec![0; 4];
+    lens[r] = 4096;
+    assert!(matches!(kv.step(&lens), Err(VmemError::OutOfMemory { .. })));
+    assert_eq!(b.mapped_pages(), 0);
+    kv.set_deferred_reclaim(false);
+    assert!(!kv.deferred_reclaim());
+}
+
+#[test]
+fn padded_rows_are_mapped_as_far_as_the_longest_request() {
+    for pad in [false, true] {
+        let (_b, kv) = small(pad);
+        let a = kv.alloc_reqid().unwrap();
+        let c = kv.alloc_reqid().unwrap();
+        let mut lens = vec![0u64; 4];
+        lens[a] = 100;
+        lens[c] = 3000;
+        kv.step(&lens).unwrap();
+        let want = if pad { 12 } else { 1 };
+        assert_eq!(kv.request_pages(a).unwrap(), vec![want; 4], "pad {pad}");
+        assert_eq!(kv.request_pages(c).unwrap(), vec![12; 4]);
+        // KV bytes count real tokens only; padding is mapped memory.
+        let u = kv.usage();
+        assert_eq!(u.kv_bytes, 3100 * 256 * 4);
+    }
+}

@@ -103,6 +103,35 @@ impl PagePool {
         Ok(pages)
     }
 
+    /// Sets the cap to `pages` and creates pages until `pages` are created; a lower cap
+    /// releases free pages down to it (lent pages stay). Returns the pages created. On error
+    /// the cap is as before and the pages created so far stay in the pool.
+    pub fn set_cap_pages(&mut self, pages: u64) -> Result<u64> {
+        if pages == 0 {
+            return Err(VmemError::InvalidConfig("a pool cap of 0 pages".into()));
+        }
+        if pages < self.created {
+            let keep = self.free.len() as u64 - (self.created - pages).min(self.free.len() as u64);
+            self.trim(keep)?;
+            self.cap_pages = pages.max(self.created);
+            return Ok(0);
+        }
+        let old = self.cap_pages;
+        self.cap_pages = pages;
+        let want = pages - self.created;
+        let created_before = self.created;
+        match self.take(want) {
+            Ok(p) => {
+                self.put(p);
+                Ok(self.created - created_before)
+            }
+            Err(e) => {
+                self.cap_pages = old.max(self.created);
+                Err(e)
+            }
+        }
+    }
+
     /// Returns lent pages to the free list. They must be unmapped.
     pub fn put(&mut self, pages: impl IntoIterator<Item = PageHandle>) {
         self.free.extend(pages);

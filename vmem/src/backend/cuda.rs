@@ -254,10 +254,20 @@ impl RawBackend for CudaDriver {
         Ok(())
     }
 
+    /// Waits for every kernel and copy queued in the context, then unmaps.
+    ///
+    /// `cuMemUnmap` does not wait for queued work: measured on the H100, unmapping pages a
+    /// queued kernel still reads kills the context with `CUDA_ERROR_ILLEGAL_ADDRESS`. So every
+    /// unmap — freeing a request without deferred reclamation, reclaiming, shrinking, dropping
+    /// — first synchronizes the context (the device's primary context, which PyTorch and
+    /// cudarc share). Unmaps are off the decode path (deferred reclamation keeps them rare;
+    /// the background thread does threshold reclamation), so this costs a wait, not
+    /// correctness.
     unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()> {
         self.ctx.make_current()?;
-        // SAFETY: by the caller's contract, a run of pages this driver mapped that no queued
-        // work reads any more.
+        cu::ctx::synchronize().map_err(cuda_err("cuCtxSynchronize"))?;
+        // SAFETY: by the caller's contract, a run of pages this driver mapped; the
+        // synchronization above finished all work queued before it that could read them.
         unsafe { sys::cuMemUnmap(addr, size as usize) }
             .result()
             .map_err(cuda_err("cuMemUnmap"))

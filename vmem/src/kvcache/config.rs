@@ -86,6 +86,10 @@ pub struct KvConfig {
     /// Reclaim deferred requests' pages only when the pool's available memory falls below
     /// this many bytes (allocation failures always reclaim).
     pub reclaim_threshold: u64,
+    /// Map every active request as far as the longest active one, so that a batched kernel
+    /// reading every row up to the batch's length (SDPA over `[B, len]` with a mask) reads
+    /// only mapped memory. The extra pages count as mapped, not as KV data.
+    pub pad_rows: bool,
 }
 
 /// Builds a [`KvConfig`] field by field. The shape (layers, batch, context, heads, head
@@ -139,6 +143,8 @@ impl KvConfigBuilder {
         eager_tokens: usize,
         /// Available-memory threshold (bytes) below which deferred pages are reclaimed.
         reclaim_threshold: u64,
+        /// Map every active row as far as the longest one.
+        pad_rows: bool,
     }
 
     /// The configuration. Validation happens in [`KvConfig::validate`], which `init` calls.
@@ -165,6 +171,7 @@ impl KvConfig {
             deferred_reclaim: true,
             eager_tokens: 1024,
             reclaim_threshold: 1 << 30,
+            pad_rows: false,
         })
     }
 

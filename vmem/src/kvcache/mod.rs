@@ -179,6 +179,87 @@ impl KvCacheManager {
         Ok(id)
     }
 
+    /// Hands out the inactive id that best fits a request of `tokens` tokens: the one holding
+    /// the fewest pages that still cover `tokens` (so its prefill maps nothing), else the
+    /// lowest inactive id (vAttention's `alloc_new_batch_idx`). Fails with
+    /// [`VmemError::TooManyRequests`] when every id is active, and with
+    /// [`VmemError::SeqLenTooLong`] when `tokens` exceeds the max context.
+    pub fn alloc_reqid_for(&self, tokens: u64) -> Result<usize> {
+        let mut st = self.shared.lock();
+        if tokens > self.cfg.max_context as u64 {
+            return Err(VmemError::SeqLenTooLong {
+                req: self.cfg.max_batch,
+                len: tokens,
+                max: self.cfg.max_context as u64,
+            });
+        }
+        let id = st
+            .best_fit(tokens)
+            .ok_or(VmemError::TooManyRequests(self.cfg.max_batch))?;
+        st.active[id] = true;
+        st.seq_lens[id] = 0;
+        if st.next_id == Some(id) {
+            st.next_id = st.pick_next_id();
+        }
+        self.kick(st);
+        Ok(id)
+    }
+
+    /// Makes the pool hold `bytes` of physical memory: sets the cap to `bytes` (whole pages)
+    /// and creates every page up to it now, so no step pays for creation (vAttention's
+    /// `reserve_physical_pages`). Lowering the cap below what is created releases free pages
+    /// down to it; pages mapped to requests stay. Returns the pages created now.
+    pub fn reserve_physical(&self, bytes: u64) -> Result<u64> {
+        let mut st = self.shared.lock();
+        let pages = bytes / self.geo.page_size;
+        if pages == 0 {
+            return Err(VmemError::InvalidConfig(format!(
+                "{bytes} bytes hold no {}-byte page",
+                self.geo.page_size
+            )));
+        }
+        let created = st.pool.set_cap_pages(pages)?;
+        self.kick(st);
+        Ok(created)
+    }
+
+    /// Unmaps every page of every inactive request into the pool (vAttention's
+    /// `step(..., eager_reclaim=True)`). Returns the pages unmapped.
+    pub fn reclaim_inactive(&self) -> Result<u64> {
+        let mut st = self.shared.lock();
+        let mut n = 0;
+        for r in 0..self.cfg.max_batch {
+            if !st.active[r] {
+                n += st.unmap_request(r)?;
+            }
+        }
+        st.reclaimed_pages += n;
+        self.kick(st);
+        Ok(n)
+    }
+
+    /// Free "KV blocks", one block being one page in every buffer: what the pool can hand out
+    /// now plus what inactive requests hold beyond their need, divided by the buffers
+    /// (vAttention's `num_free_kvblocks`).
+    pub fn free_blocks(&self) -> u64 {
+        let st = self.shared.lock();
+        (st.pool.available_pages() + st.reclaimable()) / self.geo.buffers as u64
+    }
+
+    /// Turns deferred reclamation on or off from now on. Turning it off unmaps no page by
+    /// itself: call [`KvCacheManager::reclaim_inactive`] for that.
+    pub fn set_deferred_reclaim(&self, on: bool) {
+        let mut st = self.shared.lock();
+        st.cfg.deferred_reclaim = on;
+        st.next_id = st.pick_next_id();
+        self.kick(st);
+    }
+
+    /// Whether deferred reclamation is on.
+    pub fn deferred_reclaim(&self) -> bool {
+        self.shared.lock().cfg.deferred_reclaim
+    }
+
     /// Returns a request id. With deferred reclamation its pages stay mapped for the next
     /// request; otherwise they go back to the pool now.
     pub fn free_reqid(&self, req: usize) -> Result<()> {
@@ -191,10 +272,11 @@ impl KvCacheManager {
         st.seq_lens[req] = 0;
         st.lookahead[req] = 0;
         st.pending[req] = 0;
-        if !self.cfg.deferred_reclaim {
+        let deferred = st.cfg.deferred_reclaim;
+        if !deferred {
             st.unmap_request(req)?;
         }
-        if st.next_id.is_none_or(|r| st.active[r]) || self.cfg.deferred_reclaim {
+        if st.next_id.is_none_or(|r| st.active[r]) || deferred {
             st.next_id = st.pick_next_id();
         }
         self.kick(st);
@@ -210,9 +292,19 @@ impl KvCacheManager {
         let _span = tracing::debug_span!("step").entered();
         let mut st = self.shared.lock();
         st.check_step(seq_lens)?;
+        // With padded rows every active request is mapped as far as the longest one, so a
+        // batched kernel that reads every row up to the batch's length reads mapped memory.
+        let longest = seq_lens.iter().copied().max().unwrap_or(0);
+        let target = |len: u64| {
+            if self.cfg.pad_rows && len > 0 {
+                longest
+            } else {
+                len
+            }
+        };
         let needed: u64 = (0..seq_lens.len())
             .filter(|&r| seq_lens[r] > 0)
-            .map(|r| st.deficit(r, seq_lens[r]))
+            .map(|r| st.deficit(r, target(seq_lens[r])))
             .sum();
         let old_pending = std::mem::replace(&mut st.pending, seq_lens.to_vec());
         let available = st.pool.available_pages() + st.reclaimable();
@@ -227,13 +319,13 @@ impl KvCacheManager {
         let mut report = StepReport::default();
         for (r, &len) in seq_lens.iter().enumerate() {
             if len > 0 {
-                report.sync_pages += st.ensure(r, len, true)?;
+                report.sync_pages += st.ensure(r, target(len), true)?;
             }
         }
         for (r, &len) in seq_lens.iter().enumerate() {
             st.seq_lens[r] = len;
             st.lookahead[r] = if len > 0 {
-                (len + 1).min(self.cfg.max_context as u64)
+                (target(len) + 1).min(self.cfg.max_context as u64)
             } else {
                 0
             };

@@ -83,13 +83,21 @@ impl State {
             .sum()
     }
 
-    /// Tokens request `r` must keep mapped: 0 when inactive, else its current or pending length.
+    /// Tokens request `r` must keep mapped: 0 when inactive, else its current or pending length
+    /// (with padded rows, the longest active request's).
     fn keep_tokens(&self, r: usize) -> u64 {
-        if self.active[r] {
-            self.seq_lens[r].max(self.pending[r])
-        } else {
-            0
+        if !self.active[r] {
+            return 0;
         }
+        if self.cfg.pad_rows {
+            let longest = (0..self.active.len())
+                .filter(|&q| self.active[q])
+                .map(|q| self.seq_lens[q].max(self.pending[q]))
+                .max()
+                .unwrap_or(0);
+            return longest;
+        }
+        self.seq_lens[r].max(self.pending[r])
     }
 
     /// Pages request `r` holds beyond what it must keep (all of them when inactive): a
@@ -220,6 +228,17 @@ impl State {
         } else {
             free.min()
         }
+    }
+
+    /// The inactive id holding the fewest pages that cover `tokens`, else the lowest inactive
+    /// id.
+    pub(super) fn best_fit(&self, tokens: u64) -> Option<usize> {
+        let target = self.geo.pages_for(tokens);
+        let inactive = || (0..self.active.len()).filter(|&r| !self.active[r]);
+        inactive()
+            .filter(|&r| self.req_floor[r] >= target)
+            .min_by_key(|&r| (self.req_pages[r], r))
+            .or_else(|| inactive().next())
     }
 
     /// Off-critical-path upkeep: keep the next id pre-mapped (eager allocation), and reclaim

@@ -1,0 +1,216 @@
+"""vmem.KVCache on the host backend, through NumPy's DLPack import."""
+
+import gc
+
+import numpy as np
+import pytest
+
+import vmem
+
+GEOM = dict(layers=3, kv_heads=2, head_dim=64, max_batch=4, max_context=2048)
+
+
+def cache(layout="per-layer", dtype="fp16", **kw):
+    args = dict(GEOM, dtype=dtype, page_size="64K", backend="host", layout=layout,
+                overlap=False, eager_tokens=0)
+    args.update(kw)
+    return vmem.KVCache(**args)
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "token-major"])
+@pytest.mark.parametrize("dtype,np_dtype", [("fp16", np.float16), ("fp32", np.float32)])
+def test_dlpack_views_have_the_layouts_shape_and_strides(layout, dtype, np_dtype):
+    kv = cache(layout, dtype)
+    item = np.dtype(np_dtype).itemsize
+    for i in range(GEOM["layers"]):
+        k, v = kv.layer(i)
+        K, V = np.from_dlpack(k), np.from_dlpack(v)
+        assert K.shape == (4, 2048, 2, 64) and K.dtype == np_dtype
+        assert k.__dlpack_device__() == (1, 0)
+        token = 2 * 64 if layout == "per-layer" else GEOM["layers"] * 2 * 2 * 64
+        assert K.strides == (2048 * token * item, token * item, 64 * item, item)
+        assert V.strides == K.strides
+        assert K.ctypes.data == k.data_ptr  # no copy
+    kv.close()
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "token-major"])
+def test_writes_through_one_view_are_seen_through_another_and_nowhere_else(layout):
+    kv = cache(layout)
+    a, b = kv.alloc(), kv.alloc()
+    kv.step({a: 700, b: 1500})
+    views = [tuple(np.from_dlpack(t) for t in kv.layer(i)) for i in range(3)]
+    for i, (K, V) in enumerate(views):
+        K[a, :700] = i + 1
+        V[a, :700] = -(i + 1)
+        K[b, :1500] = 10 * (i + 1)
+    # A fresh export of the same memory sees the writes; other layers and V are untouched.
+    for i in range(3):
+        K2, V2 = (np.from_dlpack(t) for t in kv.layer(i))
+        assert (K2[a, :700] == i + 1).all()
+        assert (V2[a, :700] == -(i + 1)).all()
+        assert (K2[b, :1500] == 10 * (i + 1)).all()
+    kv.close()
+
+
+def test_a_view_keeps_the_cache_alive_after_close_and_del():
+    kv = cache()
+    r = kv.alloc()
+    kv.step({r: 100})
+    K = np.from_dlpack(kv.layer(2)[0])
+    K[r, :100] = 7
+    kv.close()
+    assert kv.closed
+    with pytest.raises(vmem.Closed):
+        kv.step([0, 0, 0, 0])
+    with pytest.raises(vmem.Closed):
+        kv.layer(0)
+    del kv
+    gc.collect()
+    assert (K[r, :100] == 7).all()  # still mapped: the view holds the memory
+    del K
+    gc.collect()
+
+
+def test_step_takes_lists_arrays_dicts_and_cpu_tensors_alike():
+    kv = cache()
+    r = kv.alloc()
+    kv.step([0] * r + [256] + [0] * (3 - r))
+    kv.step(np.array([256 if i == r else 0 for i in range(4)], dtype=np.int64))
+    kv.step({r: 512})
+    assert kv.request_pages(r) == [2] * 6
+    torch = pytest.importorskip("torch", reason="torch is not installed here (CI); the GPU script checks tensors")
+    kv.step(torch.tensor([512 if i == r else 0 for i in range(4)]))
+
+
+@pytest.mark.parametrize(
+    "call,exc,words",
+    [
+        (lambda kv, r: kv.step([1, 2]), vmem.InvalidArgument, "4 lengths"),
+        (lambda kv, r: kv.step({r: -1}), vmem.InvalidArgument, "negative"),
+        (lambda kv, r: kv.step({r: 1.5}), vmem.InvalidArgument, "whole number"),
+        (lambda kv, r: kv.step({r: "10"}), vmem.InvalidArgument, "whole number"),
+        (lambda kv, r: kv.step({9: 10}), vmem.InvalidArgument, "out of range"),
+        (lambda kv, r: kv.step({r: 4096}), vmem.InvalidArgument, "exceeds max context"),
+        (lambda kv, r: kv.step({(r + 1) % 4: 10}), vmem.InvalidArgument, "not active"),
+        (lambda kv, r: kv.free(7), vmem.InvalidArgument, "unknown request id"),
+        (lambda kv, r: kv.free(-1), vmem.InvalidArgument, ">= 0"),
+        (lambda kv, r: kv.layer(3), vmem.InvalidArgument, "out of range"),
+        (lambda kv, r: kv.alloc_for(1 << 40), vmem.InvalidArgument, "exceeds max context"),
+        (lambda kv, r: kv.reserve_physical("1K"), vmem.InvalidArgument, "no"),
+    ],
+)
+def test_bad_input_raises_a_clear_exception_and_changes_nothing(call, exc, words):
+    kv = cache()
+    r = kv.alloc()
+    kv.step({r: 300})
+    before = (kv.usage(), kv.request_pages(r))
+    with pytest.raises(exc, match=words):
+        call(kv, r)
+    assert (kv.usage(), kv.request_pages(r)) == before
+    kv.close()
+
+
+def test_double_free_and_freed_ids_are_refused():
+    kv = cache()
+    r = kv.alloc()
+    kv.free(r)
+    with pytest.raises(vmem.InvalidArgument, match="freed twice"):
+        kv.free(r)
+    with pytest.raises(vmem.InvalidArgument, match="not active"):
+        kv.step({r: 10})
+
+
+@pytest.mark.parametrize(
+    "kw,words",
+    [
+        (dict(dtype="int8"), "unknown dtype"),
+        (dict(page_size="4K"), "page size"),
+        (dict(page_size="lots"), "cannot read size"),
+        (dict(layout="diagonal"), "unknown layout"),
+        (dict(backend="tpu"), "unknown backend"),
+        (dict(max_batch=0), "max_batch"),
+        (dict(max_context=-5), "max_context"),
+        (dict(memory_cap="32K"), "holds no"),
+    ],
+)
+def test_bad_construction_is_refused(kw, words):
+    with pytest.raises(vmem.VmemError, match=words):
+        cache(**kw)
+
+
+def test_models_by_name_and_tensor_parallel():
+    assert vmem.models()["llama-3-8b"]["kv_heads"] == 8
+    kv = vmem.KVCache("llama-3-8b", tp=2, max_batch=2, max_context=1024, backend="sim")
+    c = kv.config()
+    assert (c["layers"], c["kv_heads"], c["head_dim"], c["buffers"]) == (32, 4, 128, 64)
+    with pytest.raises(vmem.InvalidArgument, match="TP-3"):
+        vmem.KVCache("llama-3-8b", tp=3, max_batch=2, max_context=1024, backend="sim")
+    with pytest.raises(vmem.InvalidArgument, match="unknown model"):
+        vmem.KVCache("gpt-9", max_batch=2, max_context=1024, backend="sim")
+
+
+def test_out_of_memory_is_its_own_exception_and_loses_nothing():
+    # 6 buffers x 64 KB pages; a cap of 24 pages = 4 pages per buffer.
+    kv = cache(memory_cap=24 * 65536)
+    a, b = kv.alloc(), kv.alloc()
+    kv.step({a: 512})  # 2 pages per buffer
+    K = np.from_dlpack(kv.layer(1)[0])
+    K[a, :512] = 5
+    before = kv.usage()
+    with pytest.raises(vmem.OutOfMemory) as e:
+        kv.step({a: 512, b: 1024})  # 4 more per buffer: over the cap
+    assert isinstance(e.value, RuntimeError) and isinstance(e.value, vmem.VmemError)
+    assert "out of memory" in str(e.value)
+    assert kv.usage() == before
+    assert (K[a, :512] == 5).all()
+    kv.step({a: 512, b: 512})  # what fits still maps
+    del K
+    kv.close()
+
+
+def test_usage_pool_and_vattention_style_calls():
+    kv = cache(deferred_reclaim=True)
+    assert kv.reserve_physical("3M") == 48
+    r = kv.alloc_for(300)
+    kv.step({r: 300})
+    u = kv.usage()
+    assert u["kv_bytes"] == 300 * 256 * 6
+    assert u["mapped_bytes"] == 12 * 65536
+    assert u["physical_bytes"] == 48 * 65536
+    assert kv.free_blocks() == (48 - 12) // 6
+    kv.free(r)
+    assert kv.free_blocks() == 48 // 6
+    assert kv.alloc_for(200) == r  # best fit: the id that already holds the pages
+    kv.free(r)
+    assert kv.reclaim_inactive() == 12
+    assert kv.request_pages(r) == [0] * 6
+
+
+def test_padded_rows_map_every_active_row_as_far_as_the_longest():
+    kv = cache(pad_rows=True)
+    a, b = kv.alloc(), kv.alloc()
+    kv.step({a: 100, b: 1000})
+    assert kv.request_pages(a) == kv.request_pages(b) == [4] * 6
+    K = np.from_dlpack(kv.layer(0)[0])
+    K[:2, :1000] = 1  # a batched write over [:, :longest] touches only mapped memory
+    assert K[a, 999, 0, 0] == 1
+
+
+def test_bfloat16_and_fp8_export_with_their_dlpack_codes():
+    for dtype, name in [("bf16", "bfloat16"), ("fp8_e4m3", "float8_e4m3fn")]:
+        kv = cache(dtype=dtype)
+        k, _ = kv.layer(0)
+        assert k.dtype == name
+        cap = k.__dlpack__()
+        assert type(cap).__name__ == "PyCapsule"
+        # NumPy has no such dtype: it refuses cleanly rather than misreading the bytes.
+        with pytest.raises((BufferError, TypeError, ValueError, RuntimeError), match="(?i)dtype|type"):
+            np.from_dlpack(k)
+        kv.close()
+
+
+def test_repr_and_context_manager():
+    with cache() as kv:
+        assert "KVCache(layers=3" in repr(kv)
+    assert kv.closed and repr(kv) == "KVCache(closed)"

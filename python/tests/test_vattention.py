@@ -1,0 +1,98 @@
+"""vmem.vattention: vAttention's API, on host memory.
+
+``init_kvcache`` returns torch tensors; where torch is not installed (CI) the test puts a
+stand-in module named ``torch`` whose ``from_dlpack`` is NumPy's, so every function of the
+compatibility layer still runs for real. tests/gpu_check.py runs it with torch on the GPU.
+"""
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import vmem
+import vmem.vattention as va
+
+
+@pytest.fixture
+def torch_or_numpy(monkeypatch):
+    try:
+        import torch  # noqa: F401
+
+        yield "torch"
+    except ImportError:
+        fake = types.ModuleType("torch")
+        fake.from_dlpack = np.from_dlpack
+        monkeypatch.setitem(sys.modules, "torch", fake)
+        yield "numpy"
+    va.cleanup()
+
+
+def test_the_vattention_workflow(torch_or_numpy):
+    ts = va.init_kvcache(2, 2, 64, 4, 2048, "cpu", "float16", 65536)
+    assert len(ts) == 4  # K of each layer, then V of each layer
+    assert tuple(ts[0].shape) == (4, 2048, 2, 64)
+    va.reserve_physical_pages(64 * 65536)
+    r = va.alloc_new_batch_idx(300)
+    assert r == 0
+    lens = [0, 0, 0, 0]
+    lens[r] = 300
+    va.step(lens)
+    ts[0][r, :300] = 1
+    ts[2][r, :300] = 2  # layer 0's V
+    assert float(ts[0][r, 299, 1, 63]) == 1 and float(ts[2][r, 0, 0, 0]) == 2
+    free_before = va.num_free_kvblocks()
+    va.free_batch_idx(r)  # deferred: the pages stay mapped
+    assert va.num_free_kvblocks() > free_before
+    assert va.alloc_new_batch_idx(200) == r  # best fit: the id holding the pages
+    va.free_batch_idx(r)
+    others = [va.alloc_new_batch_idx(10) for _ in range(4)]
+    assert sorted(others) == [0, 1, 2, 3]
+    assert va.alloc_new_batch_idx(10) == -1  # none free
+    for i in others:
+        va.free_batch_idx(i)
+    va.step([0, 0, 0, 0], eager_reclaim=True)
+    assert va.num_free_kvblocks() == 64 // 4
+    va.set_deferred_reclamation(False)
+    r = va.alloc_new_batch_idx(5)
+    lens = [0, 0, 0, 0]
+    lens[r] = 5
+    va.step_async(lens)
+    ts[1][r, :5] = 3
+    assert float(ts[1][r, 4, 0, 0]) == 3
+    va.free_batch_idx(r)  # deferred reclamation off: unmapped now
+    va.show_kvcache_config()
+    va.show_allocator_state()
+
+
+def test_oom_says_oom_on_demand_and_is_a_runtime_error(torch_or_numpy):
+    va.init_kvcache(2, 2, 64, 4, 2048, "cpu", "float16", 65536)
+    va.reserve_physical_pages(8 * 65536)  # 2 pages per buffer
+    r = va.alloc_new_batch_idx(2000)
+    lens = [0, 0, 0, 0]
+    lens[r] = 2000
+    with pytest.raises(RuntimeError, match="^OOM on demand") as e:
+        va.step_async(lens)
+    assert isinstance(e.value, vmem.OutOfMemory)
+
+
+def test_bad_arguments_raise_instead_of_aborting(torch_or_numpy):
+    with pytest.raises(vmem.Closed):
+        va.step([0])
+    with pytest.raises(vmem.InvalidArgument):
+        va.init_kvcache(2, 2, 64, 4, 2048, "tpu:0", "float16", 65536)
+    va.init_kvcache(2, 2, 64, 4, 2048, "cpu", "float16", 65536)
+    with pytest.raises(vmem.InvalidArgument):
+        va.init_kvcache(2, 2, 64, 4, 2048, "cpu", "float16", 65536)  # twice
+    with pytest.raises(vmem.InvalidArgument):
+        va.alloc_new_batch_idx(-3)
+    with pytest.raises(vmem.InvalidArgument):
+        va.free_batch_idx(99)
+    with pytest.raises(vmem.InvalidArgument):
+        va.step([1, 0, 0, 0])  # id 0 not active
+    with pytest.raises(vmem.InvalidArgument):
+        va.step([0, 0])
+    va.cleanup()
+    with pytest.raises(vmem.Closed):
+        va.num_free_kvblocks()

@@ -1,0 +1,298 @@
+"""vmem: demand-paged, virtually contiguous KV-cache memory for LLM serving.
+
+Each layer's K and V cache is one virtually contiguous tensor ``[max_batch, max_context,
+kv_heads, head_dim]``; physical pages are mapped into a request's rows only as its context
+grows, so unchanged attention kernels (SDPA, FlashAttention, FlashInfer) read it as an ordinary
+strided tensor.
+
+>>> import numpy as np, vmem
+>>> kv = vmem.KVCache(layers=2, kv_heads=2, head_dim=64, dtype="fp16", max_batch=4,
+...                   max_context=1024, page_size="64K", backend="host",
+...                   overlap=False, eager_tokens=0)
+>>> r = kv.alloc()
+>>> kv.step({r: 300})                       # map pages for 300 tokens of request r
+(8, 0, 0)
+>>> k, v = kv.layer(0)
+>>> K = np.from_dlpack(k)                   # no copy: shape (4, 1024, 2, 64)
+>>> K[r, :300] = 1.0
+>>> kv.close()
+
+Rust does the work (the ``vmem`` crate); this module only checks and converts arguments.
+``vmem.vattention`` offers vAttention's function-level API, ``vmem.hf`` a transformers cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+
+from . import _vmem
+from ._vmem import (
+    BackendUnavailable,
+    Closed,
+    InvalidArgument,
+    KVTensor,
+    OutOfMemory,
+    VmemError,
+    __version__,
+)
+
+__all__ = [
+    "KVCache",
+    "KVTensor",
+    "VmemError",
+    "OutOfMemory",
+    "InvalidArgument",
+    "BackendUnavailable",
+    "Closed",
+    "models",
+    "parse_bytes",
+    "__version__",
+]
+
+Size = Union[int, str]
+
+
+def parse_bytes(size: Size) -> int:
+    """A byte size: an int, or a string such as ``"64K"``, ``"2M"``, ``"40GiB"``."""
+    if isinstance(size, bool):
+        raise InvalidArgument(f"not a size: {size!r}")
+    if isinstance(size, int):
+        if size < 0:
+            raise InvalidArgument(f"a size must be >= 0, got {size}")
+        return size
+    if isinstance(size, str):
+        return _vmem.parse_bytes(size)
+    raise InvalidArgument(f"not a size: {size!r} (an int, or a string like '2M')")
+
+
+def models() -> Dict[str, Dict[str, int]]:
+    """The model shapes vmem knows, by name."""
+    return {m["name"]: m for m in _vmem.models()}
+
+
+def _lengths(lengths: Any, max_batch: int) -> List[int]:
+    """One length per request id from a list, a dict {id: length}, a NumPy array or a CPU
+    tensor."""
+    if isinstance(lengths, Mapping):
+        out = [0] * max_batch
+        for r, n in lengths.items():
+            if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < max_batch:
+                raise InvalidArgument(f"request id {r!r} out of range (0..{max_batch})")
+            out[r] = n
+        lengths = out
+    elif hasattr(lengths, "tolist"):  # NumPy arrays, torch tensors
+        device = getattr(lengths, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            raise InvalidArgument("lengths must be on the CPU (a device tensor would sync)")
+        lengths = lengths.tolist()
+    elif not isinstance(lengths, (list, tuple)):
+        lengths = list(lengths)
+    out = []
+    for i, n in enumerate(lengths):
+        if isinstance(n, bool) or not isinstance(n, int):
+            if isinstance(n, float) and n.is_integer():
+                n = int(n)
+            else:
+                raise InvalidArgument(f"lengths[{i}] = {n!r} is not a whole number of tokens")
+        if n < 0:
+            raise InvalidArgument(f"lengths[{i}] = {n} is negative")
+        out.append(n)
+    if len(out) != max_batch:
+        raise InvalidArgument(f"step expects {max_batch} lengths (max batch), got {len(out)}")
+    return out
+
+
+class KVCache:
+    """A KV cache of virtually contiguous per-layer tensors, mapped on demand.
+
+    Shape, from a model name or explicitly:
+
+    * ``model``: a name from :func:`models` (e.g. ``"llama-3-8b"``), split over ``tp`` workers;
+    * or ``layers``, ``kv_heads``, ``head_dim``.
+
+    Sizes: ``max_batch`` request ids, ``max_context`` tokens each; ``dtype`` one of ``bf16``,
+    ``fp16``, ``fp32``, ``fp8_e4m3`` (or a torch dtype); ``page_size`` (default 2 MB, the only
+    size CUDA has; 64K/128K/256K need the patched driver or the host backend).
+
+    Placement: ``backend`` is ``"auto"`` (patched driver, then CUDA, then host memory),
+    ``"cuda"``, ``"uvm"``, ``"host"`` or ``"sim"`` (no memory: views cannot be read);
+    ``device`` the GPU ordinal.
+
+    Memory and policy: ``memory_cap`` bytes of physical pages at most (default: the whole
+    virtual size), ``prealloc`` bytes created up front; ``overlap`` maps the next step's
+    pages on a background thread; ``deferred_reclaim`` keeps a freed id's pages for the next
+    request; ``eager_tokens`` pre-maps the next id (default 1024, 0 = off);
+    ``reclaim_threshold`` bytes; ``pad_rows`` maps every active row as far as the longest,
+    so a batched kernel over ``[:, :longest]`` reads only mapped memory.
+
+    Unmapping waits for the GPU work queued before it (the CUDA backend synchronizes the
+    context first), so no queued kernel reads memory that goes away. A view reaches only the
+    memory its request has mapped: read rows ``r`` up to the length given to :meth:`step`
+    (or the longest, with ``pad_rows``); reading further faults, as with any unmapped memory.
+    """
+
+    def __init__(
+        self,
+        model: Optional[str] = None,
+        *,
+        layers: Optional[int] = None,
+        kv_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        tp: int = 1,
+        dtype: Any = "bf16",
+        max_batch: int,
+        max_context: int,
+        page_size: Size = "2M",
+        layout: str = "per-layer",
+        backend: str = "auto",
+        device: int = 0,
+        memory_cap: Optional[Size] = None,
+        prealloc: Size = 0,
+        overlap: bool = True,
+        deferred_reclaim: bool = True,
+        eager_tokens: Optional[int] = None,
+        reclaim_threshold: Optional[Size] = None,
+        pad_rows: bool = False,
+    ) -> None:
+        if model is not None:
+            if layers is not None or kv_heads is not None or head_dim is not None:
+                raise InvalidArgument("give a model name or layers/kv_heads/head_dim, not both")
+            known = models()
+            spec = known.get(model.lower())
+            if spec is None:
+                raise InvalidArgument(f"unknown model {model!r} (known: {sorted(known)})")
+            if tp < 1 or spec["kv_heads"] % tp:
+                raise InvalidArgument(f"{model}: {spec['kv_heads']} KV heads cannot be split over TP-{tp}")
+            layers, kv_heads, head_dim = spec["layers"], spec["kv_heads"] // tp, spec["head_dim"]
+        if layers is None or kv_heads is None or head_dim is None:
+            raise InvalidArgument("give a model name, or all of layers, kv_heads and head_dim")
+        dtype_name = str(dtype).replace("torch.", "")
+        elem = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2, "fp32": 4,
+                "float32": 4, "float": 4, "fp8": 1, "fp8_e4m3": 1, "float8_e4m3fn": 1}.get(dtype_name.lower())
+        for name, val in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
+                          ("max_batch", max_batch), ("max_context", max_context)):
+            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+                raise InvalidArgument(f"{name} must be a positive int, got {val!r}")
+        page = parse_bytes(page_size)
+        if memory_cap is None:
+            # The whole virtual size: never more than every request at full length needs.
+            per_token = 2 * layers * kv_heads * head_dim * (elem or 2)
+            cap = max_batch * max_context * per_token
+            cap = max(page, -(-cap // page) * page)
+        else:
+            cap = parse_bytes(memory_cap)
+        if eager_tokens is None:
+            eager_tokens = min(1024, max_context)
+        threshold = cap // 16 if reclaim_threshold is None else parse_bytes(reclaim_threshold)
+        self._max_batch = max_batch
+        self._layers = layers
+        self._rs = _vmem.KVCache(
+            layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype_name,
+            max_batch=max_batch, max_context=max_context, page_size=page, layout=layout,
+            backend=backend, device=device, memory_cap=cap, prealloc=parse_bytes(prealloc),
+            overlap=bool(overlap), deferred_reclaim=bool(deferred_reclaim),
+            eager_tokens=eager_tokens, reclaim_threshold=threshold, pad_rows=bool(pad_rows),
+        )
+
+    # -- requests ---------------------------------------------------------------------------
+    def alloc(self) -> int:
+        """Hands out a request id (0 <= id < max_batch), preferring a pre-mapped one."""
+        return self._rs.alloc()
+
+    def alloc_for(self, tokens: int) -> int:
+        """Hands out the inactive id that best fits a request of ``tokens`` tokens."""
+        return self._rs.alloc_for(tokens)
+
+    def free(self, req: int) -> None:
+        """Returns a request id (its pages stay mapped with deferred reclamation)."""
+        self._rs.free(req)
+
+    def step(self, lengths: Any) -> Tuple[int, int, int]:
+        """Maps what every active request needs for its length: a list (or NumPy array, or
+        CPU tensor) with one length per id, 0 for inactive ids, or a dict ``{id: length}``.
+        Releases the GIL. Raises :class:`OutOfMemory` having mapped nothing when the pool
+        cannot cover it. Returns ``(sync_pages, background_pages, reclaimed_pages)``."""
+        return self._rs.step(_lengths(lengths, self._max_batch))
+
+    def wait_idle(self) -> None:
+        """Waits (GIL released) until the background thread finished its work."""
+        self._rs.wait_idle()
+
+    def reserve_physical(self, size: Size) -> int:
+        """Sets the pool to ``size`` bytes of pages, creating them now; returns pages created."""
+        return self._rs.reserve_physical(parse_bytes(size))
+
+    def reclaim_inactive(self) -> int:
+        """Unmaps every page of every inactive request; returns the pages unmapped."""
+        return self._rs.reclaim_inactive()
+
+    def free_blocks(self) -> int:
+        """Free KV blocks (one page in every buffer), counting inactive ids' spare pages."""
+        return self._rs.free_blocks()
+
+    def set_deferred_reclaim(self, on: bool) -> None:
+        """Turns deferred reclamation on or off."""
+        self._rs.set_deferred_reclaim(bool(on))
+
+    def is_active(self, req: int) -> bool:
+        """Whether ``req`` is handed out."""
+        return self._rs.is_active(req)
+
+    def request_pages(self, req: int) -> List[int]:
+        """Pages request ``req`` holds in each buffer."""
+        return self._rs.request_pages(req)
+
+    # -- tensors ----------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        """Number of layers."""
+        return self._layers
+
+    def layer(self, i: int) -> Tuple[KVTensor, KVTensor]:
+        """Layer ``i``'s K and V as DLPack objects of shape ``[max_batch, max_context,
+        kv_heads, head_dim]`` with the layout's strides: ``torch.from_dlpack(k)``,
+        ``numpy.from_dlpack(k)`` or ``cupy.from_dlpack(k)`` read them with no copy. Each keeps
+        the cache's memory alive until it is dropped."""
+        return self._rs.layer(i)
+
+    def torch_layers(self) -> List[Tuple[Any, Any]]:
+        """Every layer's K and V as torch tensors (imports torch)."""
+        import torch
+
+        return [tuple(torch.from_dlpack(t) for t in self.layer(i)) for i in range(self._layers)]
+
+    # -- state ------------------------------------------------------------------------------
+    def usage(self) -> Dict[str, int]:
+        """Bytes of KV data, of pages mapped (to active requests, to any), of physical pages
+        and the cap; active requests; pool counters."""
+        return self._rs.usage()
+
+    stats = usage
+
+    def config(self) -> Dict[str, Any]:
+        """The configuration, derived sizes and the backend (with why it was chosen)."""
+        return self._rs.config()
+
+    def close(self) -> None:
+        """Closes the cache: no call works afterwards. The memory goes when the last view is
+        dropped too."""
+        self._rs.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._rs.closed
+
+    def __enter__(self) -> "KVCache":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "KVCache(closed)"
+        c = self.config()
+        return (f"KVCache(layers={c['layers']}, kv_heads={c['kv_heads']}, head_dim={c['head_dim']}, "
+                f"dtype={c['dtype']}, max_batch={c['max_batch']}, max_context={c['max_context']}, "
+                f"page_size={c['page_size']}, layout={c['layout']}, backend={c['backend']})")
