@@ -199,10 +199,23 @@ impl KVCache {
             .overlap(overlap)
             .deferred_reclaim(deferred_reclaim)
             .eager_tokens(to_usize(eager_tokens, "eager_tokens")?)
-            .reclaim_threshold(to_u64(reclaim_threshold, "reclaim_threshold")?)
             .pad_rows(pad_rows)
             .build();
-        cfg.validate().map_err(py_err)?;
+        let mut cfg = cfg;
+        let geo = cfg.validate().map_err(py_err)?;
+        if memory_cap == 0 {
+            // The whole virtual size: every request at full length, in whole pages.
+            cfg.memory_cap = geo
+                .slice_bytes
+                .checked_mul(cfg.max_batch as u64)
+                .and_then(|b| b.checked_mul(geo.buffers as u64))
+                .ok_or_else(|| InvalidArgument::new_err("the cache's virtual size overflows"))?;
+        }
+        cfg.reclaim_threshold = if reclaim_threshold < 0 {
+            cfg.memory_cap / 16
+        } else {
+            to_u64(reclaim_threshold, "reclaim_threshold")?
+        };
         let (kv, name, reason, dev) = py
             .detach(|| -> Result<_, VmemError> {
                 let selected = open_backend(choice, ordinal)?;

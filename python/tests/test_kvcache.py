@@ -132,6 +132,7 @@ def test_double_free_and_freed_ids_are_refused():
         (dict(max_batch=0), "max_batch"),
         (dict(max_context=-5), "max_context"),
         (dict(memory_cap="32K"), "holds no"),
+        (dict(memory_cap=0), "more than 0"),
     ],
 )
 def test_bad_construction_is_refused(kw, words):
@@ -208,6 +209,18 @@ def test_bfloat16_and_fp8_export_with_their_dlpack_codes():
         with pytest.raises((BufferError, TypeError, ValueError, RuntimeError), match="(?i)dtype|type"):
             np.from_dlpack(k)
         kv.close()
+
+
+def test_the_default_cap_holds_every_request_at_full_length_in_whole_pages():
+    # 300 tokens x 64 B = 19 KB per buffer and id: one 64 KB page each, 16 pages for 4 ids and
+    # 4 buffers, though the bytes alone would fit in one page.
+    kv = vmem.KVCache(layers=2, kv_heads=1, head_dim=32, dtype="fp16", max_batch=4, max_context=300,
+                      page_size="64K", backend="host", overlap=False, eager_tokens=0)
+    assert kv.usage()["cap_bytes"] == 4 * 4 * 65536
+    for _ in range(4):
+        kv.alloc()
+    kv.step([300] * 4)  # every id at full length fits the default cap
+    assert kv.usage()["mapped_bytes"] == 16 * 65536
 
 
 def test_repr_and_context_manager():

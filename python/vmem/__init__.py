@@ -167,23 +167,19 @@ class KVCache:
         if layers is None or kv_heads is None or head_dim is None:
             raise InvalidArgument("give a model name, or all of layers, kv_heads and head_dim")
         dtype_name = str(dtype).replace("torch.", "")
-        elem = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2, "fp32": 4,
-                "float32": 4, "float": 4, "fp8": 1, "fp8_e4m3": 1, "float8_e4m3fn": 1}.get(dtype_name.lower())
         for name, val in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
                           ("max_batch", max_batch), ("max_context", max_context)):
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
                 raise InvalidArgument(f"{name} must be a positive int, got {val!r}")
         page = parse_bytes(page_size)
-        if memory_cap is None:
-            # The whole virtual size: never more than every request at full length needs.
-            per_token = 2 * layers * kv_heads * head_dim * (elem or 2)
-            cap = max_batch * max_context * per_token
-            cap = max(page, -(-cap // page) * page)
-        else:
-            cap = parse_bytes(memory_cap)
+        # 0 asks for the whole virtual size (every request at full length, page-rounded).
+        cap = 0 if memory_cap is None else parse_bytes(memory_cap)
+        if memory_cap is not None and cap == 0:
+            raise InvalidArgument("memory_cap must be more than 0 bytes")
         if eager_tokens is None:
             eager_tokens = min(1024, max_context)
-        threshold = cap // 16 if reclaim_threshold is None else parse_bytes(reclaim_threshold)
+        # None: a sixteenth of the cap (the Rust side resolves it once the cap is known).
+        threshold = -1 if reclaim_threshold is None else parse_bytes(reclaim_threshold)
         self._max_batch = max_batch
         self._layers = layers
         self._rs = _vmem.KVCache(

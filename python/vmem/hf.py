@@ -45,6 +45,8 @@ class VmemLayer(CacheLayerMixin):
         self._v = values
         self.length = 0
         self.dtype, self.device = keys.dtype, keys.device
+        self.batch_size = keys.shape[0]
+        self.max_cache_len = keys.shape[1]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -156,7 +158,7 @@ class VmemCache(Cache):
     def _ensure(self, length: int) -> None:
         """Maps every row as far as ``length`` tokens (once per new length, not per layer)."""
         if length > self._mapped:
-            self.kv.step([length if r in self._ids else 0 for r in range(len(self._ids))])
+            self.kv.step([length] * len(self._ids))
             self._mapped = length
 
     def reset(self) -> None:

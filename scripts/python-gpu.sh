@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The Python package's GPU checks and benchmarks, built here, run on the GPU machine in one call.
+#   scripts/python-gpu.sh build   # here: build the abi3 wheel into .whl/
+#   scripts/python-gpu.sh run     # there (carry .whl): install it, run the pytest suite with
+#                                 # torch and transformers, then python/tests/gpu_check.py
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+case "${1:-}" in
+  build)
+    cd "$root/python"
+    rm -f "$root"/.whl/vmem-*.whl
+    # abi3 (CPython 3.9+); the GPU machine has Python 3.12. No auditwheel: the extension needs
+    # only glibc, and loads libcuda at run time.
+    maturin build --release --out "$root/.whl" --compatibility linux --skip-auditwheel
+    ls -l "$root"/.whl/vmem-*.whl
+    ;;
+  run)
+    cd "$root"
+    out=${OUT:-/tmp/vmem-python-gpu}
+    mkdir -p "$out"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/vmem-*.whl
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    echo "== pytest python/tests (torch and transformers present here)"
+    status=0
+    python3 -m pytest -q -rs -p no:cacheprovider python/tests 2>&1 | tee "$out/pytest.txt" || status=1
+    echo "== python/tests/gpu_check.py"
+    OUT="$out" python3 python/tests/gpu_check.py 2>&1 | tee "$out/gpu_check.txt" || status=1
+    exit $status
+    ;;
+  *)
+    echo "usage: $0 build|run" >&2
+    exit 2
+    ;;
+esac
