@@ -1,10 +1,10 @@
 //! `vmem._vmem`: the Python extension over the `vmem` crate. Thin on purpose: the Rust API is
 //! the single source of truth; `vmem/__init__.py` adds argument handling and docs.
 //!
-//! * [`KVCache`] owns a [`KvCacheManager`] behind an `Arc` shared with every tensor view it
+//! * `KVCache` owns a [`KvCacheManager`] behind an `Arc` shared with every tensor view it
 //!   hands out, so a view keeps the memory it points at alive: dropping or closing the cache
 //!   while tensors exist never leaves a dangling pointer.
-//! * [`KVTensor`] is one layer's K or V as a DLPack producer (`__dlpack__`,
+//! * `KVTensor` is one layer's K or V as a DLPack producer (`__dlpack__`,
 //!   `__dlpack_device__`) through dlpark: `torch.from_dlpack`, `numpy.from_dlpack` and CuPy
 //!   read it with no copy.
 

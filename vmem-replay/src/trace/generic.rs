@@ -41,6 +41,29 @@ fn required<'a>(
         .ok_or_else(|| format!("no {what} column among {names:?}: name it with {flag}"))
 }
 
+/// The input, output and (optional) time columns among `names`.
+fn choose<'a>(
+    names: &[&'a str],
+    cols: &Columns,
+) -> std::result::Result<(&'a str, &'a str, Option<&'a str>), String> {
+    let input = required(
+        names,
+        cols.input.as_deref(),
+        &INPUT_NAMES,
+        "input-token",
+        "--input-col",
+    )?;
+    let output = required(
+        names,
+        cols.output.as_deref(),
+        &OUTPUT_NAMES,
+        "output-token",
+        "--output-col",
+    )?;
+    let time = pick(names, cols.time.as_deref(), &TIME_NAMES, "arrival-time")?;
+    Ok((input, output, time))
+}
+
 fn time_value(v: f64, unit: TimeUnit) -> f64 {
     match unit {
         TimeUnit::Seconds => v,
@@ -78,24 +101,7 @@ pub(super) fn parse_csv(
             .position(|n| *n == name)
             .expect("picked from names")
     };
-    let input = required(
-        &names,
-        cols.input.as_deref(),
-        &INPUT_NAMES,
-        "input-token",
-        "--input-col",
-    )
-    .map_err(|why| err(1, why))?;
-    let output = required(
-        &names,
-        cols.output.as_deref(),
-        &OUTPUT_NAMES,
-        "output-token",
-        "--output-col",
-    )
-    .map_err(|why| err(1, why))?;
-    let time = pick(&names, cols.time.as_deref(), &TIME_NAMES, "arrival-time")
-        .map_err(|why| err(1, why))?;
+    let (input, output, time) = choose(&names, cols).map_err(|why| err(1, why))?;
     let (i_in, i_out, i_time) = (idx(input), idx(output), time.map(idx));
     let mut rows: Rows = Vec::new();
     for record in reader.records() {
@@ -148,24 +154,7 @@ pub(super) fn parse_jsonl(
             .ok_or_else(|| err(line, "not a JSON object".into()))?;
         if keys.is_none() {
             let names: Vec<&str> = obj.keys().map(String::as_str).collect();
-            let input = required(
-                &names,
-                cols.input.as_deref(),
-                &INPUT_NAMES,
-                "input-token",
-                "--input-col",
-            )
-            .map_err(|why| err(line, why))?;
-            let output = required(
-                &names,
-                cols.output.as_deref(),
-                &OUTPUT_NAMES,
-                "output-token",
-                "--output-col",
-            )
-            .map_err(|why| err(line, why))?;
-            let time = pick(&names, cols.time.as_deref(), &TIME_NAMES, "arrival-time")
-                .map_err(|why| err(line, why))?;
+            let (input, output, time) = choose(&names, cols).map_err(|why| err(line, why))?;
             keys = Some((
                 input.to_string(),
                 output.to_string(),
