@@ -5,5 +5,5 @@
 #   scripts/driver-check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo run --release -q -p vmem -- detect
-cargo run --release -q -p vmem --example uvm_check
+cargo run --release -q -p vmem-cli -- detect
+cargo run --release -q -p vmem-bench --example uvm_check
