@@ -231,8 +231,8 @@ impl<R: RawBackend> Backend for Checked<R> {
         book.check_run(addr, size)
             .map_err(|e| self.refuse("unmap", e))?;
         // SAFETY: the span is exactly a run of pages this backend mapped (checked above under
-        // the lock). Whether device work still reads it is the caller's side of the contract
-        // documented on the KV-cache manager; the host backend's own reads hold this lock.
+        // the lock), and the host backend's own reads and writes hold this lock, so none is in
+        // flight; queued device work is the driver's to wait for (RawBackend::unmap).
         unsafe { self.raw.unmap(addr, size) }?;
         book.record_unmap(addr, size);
         tracing::trace!(backend = self.raw.kind().name(), addr, size, "unmap");

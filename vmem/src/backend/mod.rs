@@ -223,9 +223,11 @@ pub trait RawBackend: Send + Sync + Debug {
     ) -> std::result::Result<(), PartialMap>;
 
     /// Unmaps `[addr, addr + size)`; the pages stay alive. On error nothing is unmapped.
+    /// A driver whose device may still have queued work on the pages orders the unmap after
+    /// that work itself (the CUDA driver synchronizes its context first).
     ///
     /// # Safety
-    /// The span is exactly a run of pages this driver mapped, and no device or host access
-    /// to it is in flight or will follow until it is mapped again.
+    /// The span is exactly a run of pages this driver mapped, and no host access to it is in
+    /// flight or will follow until it is mapped again.
     unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()>;
 }
