@@ -3,6 +3,10 @@
 #   scripts/python-gpu.sh build   # here: build the abi3 wheel into .whl/
 #   scripts/python-gpu.sh run     # there (carry .whl): install it, run the pytest suite with
 #                                 # torch and transformers, then python/tests/gpu_check.py
+#   scripts/python-gpu.sh bench-build  # here: the wheel with the `bench` feature, into .whl/
+#   scripts/python-gpu.sh bench   # there (carry .whl): the in-process allocation benchmark,
+#                                 # vmem vs raw CUDA VMM vs kvcached; kvcached's PyPI sdist must
+#                                 # be in .whl/ (it is built there, never committed here)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 case "${1:-}" in
@@ -27,8 +31,24 @@ case "${1:-}" in
     OUT="$out" python3 python/tests/gpu_check.py 2>&1 | tee "$out/gpu_check.txt" || status=1
     exit $status
     ;;
+  bench-build)
+    cd "$root/python"
+    rm -f "$root"/.whl/vmem-*.whl
+    maturin build --release --features bench --out "$root/.whl" --compatibility linux --skip-auditwheel
+    ls -l "$root"/.whl/
+    ;;
+  bench)
+    cd "$root"
+    out=${OUT:-/tmp/vmem-python-gpu}
+    mkdir -p "$out"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/vmem-*.whl
+    rm -rf /tmp/kvcached && mkdir -p /tmp/kvcached && tar xzf .whl/kvcached-*.tar.gz -C /tmp/kvcached --strip-components=1
+    (cd /tmp/kvcached && python3 setup.py build_ext --inplace > "$out/kvcached-build.txt" 2>&1) || { tail -30 "$out/kvcached-build.txt"; exit 1; }
+    export PYTHONPATH=/tmp/site:/tmp/kvcached PYTHONUNBUFFERED=1
+    OUT="$out" python3 python/tests/alloc_bench.py 2>&1 | tee "$out/alloc_bench.txt"
+    ;;
   *)
-    echo "usage: $0 build|run" >&2
+    echo "usage: $0 build|run|bench-build|bench" >&2
     exit 2
     ;;
 esac
