@@ -69,7 +69,9 @@ impl VmemPages {
 
     /// Unmaps pages `0..n` in one call.
     fn unmap_run(&self, n: usize) -> PyResult<()> {
-        self.b.unmap(self.base, n as u64 * self.page).map_err(py_err)
+        self.b
+            .unmap(self.base, n as u64 * self.page)
+            .map_err(py_err)
     }
 }
 
@@ -190,9 +192,8 @@ impl Drop for RawPages {
             let _ = unsafe { sys::cuMemRelease(h) };
         }
         // SAFETY: our reservation, empty.
-        let _ = unsafe {
-            sys::cuMemAddressFree(self.base, self.handles.len() * self.page as usize)
-        };
+        let _ =
+            unsafe { sys::cuMemAddressFree(self.base, self.handles.len() * self.page as usize) };
     }
 }
 
