@@ -98,6 +98,24 @@ impl VirtualBuffer {
         Ok(())
     }
 
+    /// Where the next pages of slice `i` go: the address right after its mapped prefix, and
+    /// how many more pages the slice can hold.
+    pub fn next_free(&self, i: usize) -> (u64, u64) {
+        let have = self.mapped(i);
+        (
+            self.slice_addr(i) + have * self.page_size,
+            self.slice_pages() - have,
+        )
+    }
+
+    /// Records `pages` as mapped right after slice `i`'s prefix, where the caller mapped them
+    /// through the backend (at [`VirtualBuffer::next_free`]). Used to map without holding the
+    /// lock that guards the buffer; the caller makes sure nothing else grows or shrinks the
+    /// slice meanwhile.
+    pub(crate) fn record_mapped(&mut self, i: usize, pages: &[PageHandle]) {
+        self.slices[i].extend_from_slice(pages);
+    }
+
     /// Unmaps the last `n` pages of slice `i` (all it has if fewer) and hands them back.
     /// On error the slice is as it was.
     pub fn shrink(&mut self, i: usize, n: u64) -> Result<Vec<PageHandle>> {

@@ -132,6 +132,31 @@ impl PagePool {
         }
     }
 
+    /// Takes up to `n` pages from the free list and reserves the rest to be created by the
+    /// caller (outside whatever lock guards the pool), counting them as created so the cap
+    /// holds meanwhile. Returns the free pages and how many to create; all or nothing, as
+    /// [`PagePool::take`]. Each reserved page ends in [`PagePool::add_created`] or
+    /// [`PagePool::unreserve`].
+    pub fn take_deferred(&mut self, n: u64) -> Result<(Vec<PageHandle>, u64)> {
+        if n > self.available_pages() {
+            return Err(VmemError::OutOfMemory {
+                needed_pages: n,
+                available_pages: self.available_pages(),
+                cap_bytes: self.cap_pages * self.page_size,
+            });
+        }
+        let from_free = (n as usize).min(self.free.len());
+        let pages = self.free.split_off(self.free.len() - from_free);
+        let create = n - from_free as u64;
+        self.created += create;
+        Ok((pages, create))
+    }
+
+    /// Gives back `n` reservations of [`PagePool::take_deferred`] whose pages were not created.
+    pub fn unreserve(&mut self, n: u64) {
+        self.created -= n.min(self.created);
+    }
+
     /// Returns lent pages to the free list. They must be unmapped.
     pub fn put(&mut self, pages: impl IntoIterator<Item = PageHandle>) {
         self.free.extend(pages);

@@ -2,8 +2,8 @@
 
 use super::{Backend, BackendKind, PageHandle, RawBackend};
 use crate::error::{Result, VmemError};
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::{Mutex, MutexGuard};
 
 /// A [`RawBackend`] made safe: every call is validated against what this backend reserved,
 /// created and mapped, under one lock, before the driver sees it, and recorded after the
@@ -93,8 +93,8 @@ impl<R: RawBackend> Checked<R> {
 
     fn lock(&self) -> MutexGuard<'_, Book> {
         // Every update of the book happens after its driver call succeeded, so a panic
-        // elsewhere cannot leave it half-updated: a poisoned lock is still consistent.
-        self.book.lock().unwrap_or_else(|e| e.into_inner())
+        // elsewhere cannot leave it half-updated (parking_lot's lock does not poison).
+        self.book.lock()
     }
 
     fn refuse(&self, op: &'static str, e: VmemError) -> VmemError {
@@ -168,6 +168,9 @@ impl<R: RawBackend> Backend for Checked<R> {
             // A driver that hands out a live handle twice would corrupt the book.
             return Err(VmemError::UnknownPage(page.0));
         }
+        // Hand the lock to a waiting thread, if any: a thread creating or mapping many pages
+        // in a row must not starve the others (see `map`).
+        MutexGuard::unlock_fair(book);
         tracing::trace!(
             backend = self.raw.kind().name(),
             page = page.0,
@@ -222,6 +225,11 @@ impl<R: RawBackend> Backend for Checked<R> {
             return Err(partial.error);
         }
         book.record_map(addr, pages, page_size);
+        // A fair hand-off: without it the thread that just unlocked usually wins the lock again
+        // on its next call, and a long run of calls from one thread (a prefill mapped by
+        // `map_ahead`) starves another (the background mapper, and behind it `step`) for the
+        // whole run, measured on the H100 as a 220-300 ms step.
+        MutexGuard::unlock_fair(book);
         tracing::trace!(backend = self.raw.kind().name(), addr, size = total, "map");
         Ok(())
     }
@@ -235,6 +243,7 @@ impl<R: RawBackend> Backend for Checked<R> {
         // flight; queued device work is the driver's to wait for (RawBackend::unmap).
         unsafe { self.raw.unmap(addr, size) }?;
         book.record_unmap(addr, size);
+        MutexGuard::unlock_fair(book);
         tracing::trace!(backend = self.raw.kind().name(), addr, size, "unmap");
         Ok(())
     }
@@ -244,7 +253,7 @@ impl<R: RawBackend> Drop for Checked<R> {
     fn drop(&mut self) {
         // The allocator layer unmaps, releases and frees everything it made before the last
         // handle to the backend goes; whatever a direct user left behind goes here.
-        let book = std::mem::take(self.book.get_mut().unwrap_or_else(|e| e.into_inner()));
+        let book = std::mem::take(self.book.get_mut());
         for (addr, size) in book.runs() {
             // SAFETY: a run of pages this backend mapped; nothing can reach it any more.
             if let Err(e) = unsafe { self.raw.unmap(addr, size) } {

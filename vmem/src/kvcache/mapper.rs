@@ -38,7 +38,7 @@ fn run(shared: &Shared) {
             if st.shutdown {
                 return;
             }
-            if !st.active[r] || st.lookahead[r] != tokens {
+            if !st.active[r] || st.lookahead[r] != tokens || st.claimed[r] {
                 continue;
             }
             if st.deficit(r, tokens) > st.pool.available_pages() {

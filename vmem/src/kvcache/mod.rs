@@ -238,6 +238,124 @@ impl KvCacheManager {
         Ok(n)
     }
 
+    /// Maps pages so that active request `req` holds `tokens` tokens in every buffer, without
+    /// holding the manager's lock while the driver maps: a long prefill mapped from another
+    /// thread does not block `step` for the other requests (a `step` or `free_reqid` of `req`
+    /// itself waits until it is done). Pages come from the pool, reclaiming from other
+    /// requests if needed, exactly as `step` would take them. Returns the pages mapped.
+    ///
+    /// On error, the pages mapped before it stay mapped and accounted (a later `step` or
+    /// `map_ahead` maps the rest); [`VmemError::OutOfMemory`] maps nothing.
+    pub fn map_ahead(&self, req: usize, tokens: u64) -> Result<u64> {
+        /// Pages per backend call: short calls keep the backend's own lock free for `step`.
+        /// Measured on the H100 with a 128K-token prefill beside 64 decoding requests
+        /// (prefill-overlap): 16 pages gave a worst decode step of 90-97 ms, 4 pages 25-65 ms,
+        /// for a prefill mapped 1.2-1.4x slower than in one call.
+        const CHUNK: usize = 4;
+        let page = self.geo.page_size;
+        // 1. Under the lock: claim the request and take every page it needs from the pool.
+        let (plan, to_create, mut pages) = {
+            let mut st = self.shared.lock();
+            st.check_id(req)?;
+            if !st.active[req] {
+                return Err(VmemError::InactiveRequest(req));
+            }
+            if tokens > self.cfg.max_context as u64 {
+                return Err(VmemError::SeqLenTooLong {
+                    req,
+                    len: tokens,
+                    max: self.cfg.max_context as u64,
+                });
+            }
+            st = self.wait_unclaimed(st, |st| st.claimed[req]);
+            let target = self.geo.pages_for(tokens);
+            let plan: Vec<(usize, u64, usize)> = st
+                .buffers
+                .iter()
+                .enumerate()
+                .filter_map(|(b, buf)| {
+                    let k = target.saturating_sub(buf.mapped(req)) as usize;
+                    (k > 0).then(|| (b, buf.next_free(req).0, k))
+                })
+                .collect();
+            let total: u64 = plan.iter().map(|p| p.2 as u64).sum();
+            if total == 0 {
+                return Ok(0);
+            }
+            if st.pool.available_pages() < total {
+                st.reclaim(total, Some(req), false)?;
+            }
+            // Free pages now; the missing ones are created below, outside the lock.
+            let (pages, to_create) = st.pool.take_deferred(total)?;
+            st.claimed[req] = true;
+            (plan, to_create, pages)
+        };
+        // 2. Without it: create the missing pages, then map, chunk by chunk.
+        let mut result = Ok(());
+        let mut created = 0;
+        while created < to_create {
+            match self.backend.create_page(page) {
+                Ok(p) => {
+                    pages.push(p);
+                    created += 1;
+                }
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        // Pages mapped per planned buffer; empty when creation failed (nothing is mapped and
+        // every page goes back to the pool below).
+        let mut done: Vec<(usize, usize)> = Vec::with_capacity(plan.len());
+        let mut at_page = 0;
+        let plan_to_map = if result.is_ok() { &plan[..] } else { &[] };
+        'buffers: for &(b, addr, k) in plan_to_map {
+            let mut n = 0;
+            while n < k {
+                let c = CHUNK.min(k - n);
+                let run = &pages[at_page + n..at_page + n + c];
+                if let Err(e) = self.backend.map(addr + n as u64 * page, run, page) {
+                    result = Err(e);
+                    done.push((b, n));
+                    break 'buffers;
+                }
+                n += c;
+            }
+            done.push((b, n));
+            at_page += k;
+        }
+        // 3. Under the lock again: record what was mapped, return the rest, release the claim.
+        let mut st = self.shared.lock();
+        let mut used = 0;
+        let mut start = 0;
+        for (&(b, _, k), &(_, n)) in plan.iter().zip(&done) {
+            st.record_mapped(req, b, &pages[start..start + n]);
+            used += n as u64;
+            let unused: Vec<_> = pages[start + n..start + k].to_vec();
+            st.pool.put(unused);
+            start += k;
+        }
+        st.pool.put(pages.drain(start..));
+        st.pool.unreserve(to_create - created);
+        st.claimed[req] = false;
+        self.kick(st);
+        self.shared.wake.notify_all();
+        result.map(|()| used)
+    }
+
+    /// Waits on the manager's condition variable while `claimed` holds.
+    fn wait_unclaimed<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        claimed: impl Fn(&State) -> bool,
+    ) -> MutexGuard<'a, State> {
+        while claimed(&st) {
+            st = self.shared.wake.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        st
+    }
+
     /// Free "KV blocks", one block being one page in every buffer: what the pool can hand out
     /// now plus what inactive requests hold beyond their need, divided by the buffers
     /// (vAttention's `num_free_kvblocks`).
@@ -265,6 +383,7 @@ impl KvCacheManager {
     pub fn free_reqid(&self, req: usize) -> Result<()> {
         let mut st = self.shared.lock();
         st.check_id(req)?;
+        st = self.wait_unclaimed(st, |st| st.claimed[req]);
         if !st.active[req] {
             return Err(VmemError::DoubleFree(req));
         }
@@ -291,6 +410,15 @@ impl KvCacheManager {
     pub fn step(&self, seq_lens: &[u64]) -> Result<StepReport> {
         let _span = tracing::debug_span!("step").entered();
         let mut st = self.shared.lock();
+        st.check_step(seq_lens)?;
+        // A request `map_ahead` is mapping on another thread is waited for, only if this step
+        // maps it too; the other requests' steps do not wait for it.
+        st = self.wait_unclaimed(st, |st| {
+            seq_lens
+                .iter()
+                .enumerate()
+                .any(|(r, &l)| l > 0 && st.claimed[r])
+        });
         st.check_step(seq_lens)?;
         // With padded rows every active request is mapped as far as the longest one, so a
         // batched kernel that reads every row up to the batch's length reads mapped memory.

@@ -1,6 +1,7 @@
 //! The manager's mutable state and the page bookkeeping both threads share.
 
 use super::config::{Geometry, KvConfig};
+use crate::backend::PageHandle;
 use crate::buffer::VirtualBuffer;
 use crate::error::{Result, VmemError};
 use crate::pool::PagePool;
@@ -30,6 +31,9 @@ pub(super) struct State {
     pub(super) work_pending: bool,
     /// The background thread is mapping right now.
     pub(super) busy: bool,
+    /// Requests whose pages `map_ahead` is mapping outside the lock: nothing else maps,
+    /// unmaps or reclaims their pages until it is done.
+    pub(super) claimed: Vec<bool>,
     /// The manager is being dropped.
     pub(super) shutdown: bool,
     /// Pages mapped off the critical path since the last step.
@@ -60,6 +64,7 @@ impl State {
             pending: vec![0; b],
             work_pending: false,
             busy: false,
+            claimed: vec![false; b],
             shutdown: false,
             background_pages: 0,
             reclaimed_pages: 0,
@@ -113,9 +118,20 @@ impl State {
             .sum()
     }
 
-    /// Pages that reclamation could free: every page beyond what each request must keep.
+    /// Pages that reclamation could free: every page beyond what each request must keep
+    /// (claimed requests' pages excepted).
     pub(super) fn reclaimable(&self) -> u64 {
-        (0..self.active.len()).map(|r| self.excess(r)).sum()
+        (0..self.active.len())
+            .filter(|&r| !self.claimed[r])
+            .map(|r| self.excess(r))
+            .sum()
+    }
+
+    /// Records pages `map_ahead` mapped at the end of request `r`'s slice in buffer `b`.
+    pub(super) fn record_mapped(&mut self, r: usize, b: usize, pages: &[PageHandle]) {
+        self.buffers[b].record_mapped(r, pages);
+        self.req_pages[r] += pages.len() as u64;
+        self.refresh_floor(r);
     }
 
     fn refresh_floor(&mut self, r: usize) {
@@ -195,7 +211,10 @@ impl State {
         while self.pool.available_pages() < need {
             let victim = (0..self.active.len())
                 .filter(|&r| {
-                    Some(r) != protect && !(only_inactive && self.active[r]) && self.excess(r) > 0
+                    Some(r) != protect
+                        && !self.claimed[r]
+                        && !(only_inactive && self.active[r])
+                        && self.excess(r) > 0
                 })
                 .max_by_key(|&r| {
                     (
