@@ -261,6 +261,15 @@ impl KVCache {
         py.detach(|| inner.kv.alloc_reqid_for(t)).map_err(py_err)
     }
 
+    /// Maps pages for `tokens` tokens of active request `req` outside the manager's lock
+    /// (GIL released): other threads' steps for other requests go on meanwhile.
+    fn map_ahead(&self, py: Python<'_>, req: i64, tokens: i64) -> PyResult<u64> {
+        let inner = self.get()?;
+        let r = to_usize(req, "request id")?;
+        let t = to_u64(tokens, "tokens")?;
+        py.detach(|| inner.kv.map_ahead(r, t)).map_err(py_err)
+    }
+
     /// Returns a request id.
     fn free(&self, py: Python<'_>, req: i64) -> PyResult<()> {
         let inner = self.get()?;

@@ -227,3 +227,21 @@ def test_repr_and_context_manager():
     with cache() as kv:
         assert "KVCache(layers=3" in repr(kv)
     assert kv.closed and repr(kv) == "KVCache(closed)"
+
+
+def test_map_ahead_from_another_thread_while_steps_go_on():
+    import threading
+
+    kv = cache(max_context=2048)
+    a, b = kv.alloc(), kv.alloc()
+    kv.step({a: 100})
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("pages", kv.map_ahead(b, 2048)))
+    t.start()
+    for n in range(101, 120):
+        kv.step({a: n})
+    t.join()
+    assert result["pages"] == 8 * 6
+    assert kv.step({a: 120, b: 2048}) == (0, 0, 0)
+    with pytest.raises(vmem.InvalidArgument, match="not active"):
+        kv.map_ahead(3, 10)

@@ -199,6 +199,12 @@ class KVCache:
         """Hands out the inactive id that best fits a request of ``tokens`` tokens."""
         return self._rs.alloc_for(tokens)
 
+    def map_ahead(self, req: int, tokens: int) -> int:
+        """Maps pages for ``tokens`` tokens of active request ``req`` — a long prefill, from
+        another thread — without blocking :meth:`step` for the other requests (a step of
+        ``req`` itself waits for it). Releases the GIL. Returns the pages mapped."""
+        return self._rs.map_ahead(req, tokens)
+
     def free(self, req: int) -> None:
         """Returns a request id (its pages stay mapped with deferred reclamation)."""
         self._rs.free(req)
