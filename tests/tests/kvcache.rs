@@ -483,3 +483,55 @@ fn padded_rows_are_mapped_as_far_as_the_longest_request() {
         assert_eq!(u.kv_bytes, 3100 * 256 * 4);
     }
 }
+
+#[test]
+fn idle_pages_go_back_to_the_driver_below_the_free_memory_threshold() {
+    let b = std::sync::Arc::new(vmem::backend::SimBackend::new());
+    let page = vmem::backend::KIB64;
+    let cfg = KvConfig::builder()
+        .layers(2)
+        .max_batch(4)
+        .max_context(4096)
+        .kv_heads(2)
+        .head_dim(64)
+        .elem_bytes(2)
+        .page_size(page)
+        .memory_cap(256 * page)
+        .overlap(false)
+        .deferred_reclaim(false)
+        .eager_tokens(0)
+        .reclaim_threshold(0)
+        .min_free_memory(100 * page)
+        .build();
+    let kv = KvCacheManager::init(b.clone(), cfg).unwrap();
+    let r = kv.alloc_reqid().unwrap();
+    let mut lens = vec![0u64; 4];
+    lens[r] = 4096; // 16 pages in each of 4 buffers
+    kv.step(&lens).unwrap();
+    kv.free_reqid(r).unwrap(); // not deferred: 64 idle pages in the pool
+    assert_eq!(kv.pool_pages(), (64, 64, 256));
+    // Plenty of device memory, or a device that cannot tell: the pool keeps its pages.
+    b.set_free_memory(Some(1000 * page));
+    kv.step(&[0; 4]).unwrap();
+    b.set_free_memory(None);
+    kv.step(&[0; 4]).unwrap();
+    assert_eq!(kv.pool_pages().0, 64);
+    // 90 pages free, 100 wanted: 10 idle pages go back.
+    b.set_free_memory(Some(90 * page));
+    kv.step(&[0; 4]).unwrap();
+    assert_eq!(kv.pool_pages(), (54, 54, 256));
+    assert_eq!(b.live_pages(), 54);
+    // Far below: every idle page goes; the pool still grows when a step needs pages.
+    b.set_free_memory(Some(0));
+    kv.step(&[0; 4]).unwrap();
+    assert_eq!(b.live_pages(), 0);
+    let r = kv.alloc_reqid().unwrap();
+    lens = vec![0; 4];
+    lens[r] = 256;
+    kv.step(&lens).unwrap();
+    assert_eq!(kv.request_pages(r).unwrap(), vec![1; 4]);
+    kv.free_reqid(r).unwrap();
+    b.set_free_memory(None);
+    assert_eq!(kv.release_free_pages().unwrap(), 4);
+    assert_eq!(b.live_pages(), 0);
+}

@@ -135,8 +135,8 @@ impl PagePool {
     /// Takes up to `n` pages from the free list and reserves the rest to be created by the
     /// caller (outside whatever lock guards the pool), counting them as created so the cap
     /// holds meanwhile. Returns the free pages and how many to create; all or nothing, as
-    /// [`PagePool::take`]. Each reserved page ends in [`PagePool::add_created`] or
-    /// [`PagePool::unreserve`].
+    /// [`PagePool::take`]. Each reserved page comes back through [`PagePool::put`] once the
+    /// caller created it, or through [`PagePool::unreserve`] if it could not.
     pub fn take_deferred(&mut self, n: u64) -> Result<(Vec<PageHandle>, u64)> {
         if n > self.available_pages() {
             return Err(VmemError::OutOfMemory {
@@ -155,6 +155,11 @@ impl PagePool {
     /// Gives back `n` reservations of [`PagePool::take_deferred`] whose pages were not created.
     pub fn unreserve(&mut self, n: u64) {
         self.created -= n.min(self.created);
+    }
+
+    /// Free memory of the device the pages come from, where the backend can tell.
+    pub fn backend_free_memory(&self) -> Option<u64> {
+        self.backend.free_memory()
     }
 
     /// Returns lent pages to the free list. They must be unmapped.

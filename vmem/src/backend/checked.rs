@@ -116,6 +116,10 @@ impl<R: RawBackend> Backend for Checked<R> {
         self.raw.granularity()
     }
 
+    fn free_memory(&self) -> Option<u64> {
+        self.raw.free_memory()
+    }
+
     fn reserve(&self, size: u64) -> Result<u64> {
         let g = self.raw.granularity();
         if size == 0 || !size.is_multiple_of(g) {

@@ -135,6 +135,9 @@ impl Backend for CountingBackend {
     fn granularity(&self) -> u64 {
         self.inner.granularity()
     }
+    fn free_memory(&self) -> Option<u64> {
+        self.inner.free_memory()
+    }
     fn reserve(&self, size: u64) -> Result<u64> {
         self.counters.add(Counter::Reserve, 1);
         self.inner.reserve(size)

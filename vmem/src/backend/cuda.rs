@@ -182,6 +182,10 @@ impl RawBackend for CudaDriver {
         self.page_sizes[0]
     }
 
+    fn free_memory(&self) -> Option<u64> {
+        self.mem_info().ok().map(|(free, _)| free)
+    }
+
     fn reserve(&self, size: u64) -> Result<u64> {
         self.ctx.make_current()?;
         let mut addr: sys::CUdeviceptr = 0;

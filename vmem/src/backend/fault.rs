@@ -115,6 +115,9 @@ impl Backend for FaultyBackend {
     fn granularity(&self) -> u64 {
         self.inner.granularity()
     }
+    fn free_memory(&self) -> Option<u64> {
+        self.inner.free_memory()
+    }
     fn reserve(&self, size: u64) -> Result<u64> {
         self.check(Op::Reserve)?;
         self.inner.reserve(size)

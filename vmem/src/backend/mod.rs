@@ -134,6 +134,12 @@ pub trait Backend: Send + Sync + Debug {
     /// The pages stay alive and can be mapped again. On error nothing is unmapped.
     fn unmap(&self, addr: u64, size: u64) -> Result<()>;
 
+    /// Free memory of the device the pages come from, in bytes, where the backend can tell
+    /// (CUDA: `cuMemGetInfo`); `None` where it cannot.
+    fn free_memory(&self) -> Option<u64> {
+        None
+    }
+
     /// Short name for logs and tables.
     fn name(&self) -> &'static str {
         self.kind().name()
@@ -221,6 +227,11 @@ pub trait RawBackend: Send + Sync + Debug {
         pages: &[PageHandle],
         page_size: u64,
     ) -> std::result::Result<(), PartialMap>;
+
+    /// Free memory of the device, in bytes, where the driver can tell.
+    fn free_memory(&self) -> Option<u64> {
+        None
+    }
 
     /// Unmaps `[addr, addr + size)`; the pages stay alive. On error nothing is unmapped.
     /// A driver whose device may still have queued work on the pages orders the unmap after

@@ -18,6 +18,8 @@ pub struct SimMemory {
     next_page: AtomicU64,
     /// Next virtual address to hand out; starts high, like a GPU's VA space.
     next_addr: AtomicU64,
+    /// What `free_memory` reports (`u64::MAX`: nothing, as a device that cannot tell).
+    free_memory: AtomicU64,
 }
 
 /// Top of the simulated 64-bit address space (the 57-bit limit of x86-64 and Hopper).
@@ -48,7 +50,18 @@ impl SimMemory {
             granularity,
             next_page: AtomicU64::new(1),
             next_addr: AtomicU64::new(1 << 40),
+            free_memory: AtomicU64::new(u64::MAX),
         }
+    }
+}
+
+impl Checked<SimMemory> {
+    /// Makes the backend report `bytes` of free device memory (`None`: it cannot tell), to
+    /// test memory-pressure policies.
+    pub fn set_free_memory(&self, bytes: Option<u64>) {
+        self.driver()
+            .free_memory
+            .store(bytes.unwrap_or(u64::MAX), Relaxed);
     }
 }
 
@@ -69,6 +82,10 @@ impl RawBackend for SimMemory {
 
     fn granularity(&self) -> u64 {
         self.granularity
+    }
+
+    fn free_memory(&self) -> Option<u64> {
+        Some(self.free_memory.load(Relaxed)).filter(|&b| b != u64::MAX)
     }
 
     fn reserve(&self, size: u64) -> Result<u64> {

@@ -90,6 +90,10 @@ pub struct KvConfig {
     /// reading every row up to the batch's length (SDPA over `[B, len]` with a mask) reads
     /// only mapped memory. The extra pages count as mapped, not as KV data.
     pub pad_rows: bool,
+    /// Give the pool's idle pages back to the driver while the device's free memory (as the
+    /// backend reports it) is below this many bytes; 0 = never. The pool still grows to its
+    /// cap when steps need pages.
+    pub min_free_memory: u64,
 }
 
 /// Builds a [`KvConfig`] field by field. The shape (layers, batch, context, heads, head
@@ -145,6 +149,8 @@ impl KvConfigBuilder {
         reclaim_threshold: u64,
         /// Map every active row as far as the longest one.
         pad_rows: bool,
+        /// Release idle pool pages while free device memory is below this (0 = never).
+        min_free_memory: u64,
     }
 
     /// The configuration. Validation happens in [`KvConfig::validate`], which `init` calls.
@@ -172,6 +178,7 @@ impl KvConfig {
             eager_tokens: 1024,
             reclaim_threshold: 1 << 30,
             pad_rows: false,
+            min_free_memory: 0,
         })
     }
 

@@ -356,6 +356,13 @@ impl KvCacheManager {
         st
     }
 
+    /// Gives every idle page of the pool back to the driver now (pages mapped to requests,
+    /// deferred ones included, stay). Returns the pages released.
+    pub fn release_free_pages(&self) -> Result<u64> {
+        let mut st = self.shared.lock();
+        st.pool.trim(0)
+    }
+
     /// Free "KV blocks", one block being one page in every buffer: what the pool can hand out
     /// now plus what inactive requests hold beyond their need, divided by the buffers
     /// (vAttention's `num_free_kvblocks`).

@@ -264,6 +264,7 @@ impl State {
     /// deferred requests' pages when available memory is below the threshold. Returns the
     /// pages mapped.
     pub(super) fn maintain(&mut self) -> u64 {
+        self.release_under_pressure();
         let page = self.geo.page_size;
         let threshold_pages = self.cfg.reclaim_threshold.div_ceil(page);
         if self.pool.available_pages() < threshold_pages {
@@ -286,6 +287,35 @@ impl State {
             }
         }
         mapped
+    }
+
+    /// Releases the pool's idle pages, as many as bring the device's free memory back to
+    /// `min_free_memory` (all of them if needed), when it is below. Returns the pages released.
+    pub(super) fn release_under_pressure(&mut self) -> u64 {
+        let want = self.cfg.min_free_memory;
+        let free = match self.pool.backend_free_memory() {
+            Some(f) if want > 0 && f < want => f,
+            _ => return 0,
+        };
+        let short = (want - free).div_ceil(self.geo.page_size);
+        let keep = self.pool.free_pages().saturating_sub(short);
+        match self.pool.trim(keep) {
+            Ok(n) => {
+                if n > 0 {
+                    tracing::debug!(
+                        pages = n,
+                        free,
+                        want,
+                        "released idle pages under memory pressure"
+                    );
+                }
+                n
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "releasing idle pages failed");
+                0
+            }
+        }
     }
 
     /// Validates a step's lengths without changing anything.
