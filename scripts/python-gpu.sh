@@ -3,6 +3,7 @@
 #   scripts/python-gpu.sh build   # here: build the abi3 wheel into .whl/
 #   scripts/python-gpu.sh run     # there (carry .whl): install it, run the pytest suite with
 #                                 # torch and transformers, then python/tests/gpu_check.py
+#   scripts/python-gpu.sh prefill # there (carry .whl): TTFT of demand paging (prefill_cost.py)
 #   scripts/python-gpu.sh bench-build  # here: the wheel with the `bench` feature, into .whl/
 #   scripts/python-gpu.sh bench   # there (carry .whl): the in-process allocation benchmark,
 #                                 # vmem vs raw CUDA VMM vs kvcached; kvcached's PyPI sdist must
@@ -31,6 +32,13 @@ case "${1:-}" in
     OUT="$out" python3 python/tests/gpu_check.py 2>&1 | tee "$out/gpu_check.txt" || status=1
     exit $status
     ;;
+  prefill)
+    cd "$root"
+    out=${OUT:-/tmp/vmem-python-gpu}
+    mkdir -p "$out"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/vmem-*.whl
+    PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 OUT="$out" python3 python/tests/prefill_cost.py 2>&1 | tee "$out/prefill_cost.txt"
+    ;;
   bench-build)
     cd "$root/python"
     rm -f "$root"/.whl/vmem-*.whl
@@ -48,7 +56,7 @@ case "${1:-}" in
     OUT="$out" python3 python/tests/alloc_bench.py 2>&1 | tee "$out/alloc_bench.txt"
     ;;
   *)
-    echo "usage: $0 build|run|bench-build|bench" >&2
+    echo "usage: $0 build|run|prefill|bench-build|bench" >&2
     exit 2
     ;;
 esac
