@@ -293,8 +293,11 @@ impl State {
     /// `min_free_memory` (all of them if needed), when it is below. Returns the pages released.
     pub(super) fn release_under_pressure(&mut self) -> u64 {
         let want = self.cfg.min_free_memory;
+        if want == 0 {
+            return 0; // off: no driver query on the upkeep path
+        }
         let free = match self.pool.backend_free_memory() {
-            Some(f) if want > 0 && f < want => f,
+            Some(f) if f < want => f,
             _ => return 0,
         };
         let short = (want - free).div_ceil(self.geo.page_size);
