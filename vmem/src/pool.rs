@@ -79,13 +79,7 @@ impl PagePool {
     /// Takes `n` pages, from the free list first, creating the rest. All or nothing: on error
     /// every page this call created stays in the pool and nothing is lent.
     pub fn take(&mut self, n: u64) -> Result<Vec<PageHandle>> {
-        if n > self.available_pages() {
-            return Err(VmemError::OutOfMemory {
-                needed_pages: n,
-                available_pages: self.available_pages(),
-                cap_bytes: self.cap_pages * self.page_size,
-            });
-        }
+        self.check_available(n)?;
         let from_free = (n as usize).min(self.free.len());
         let mut pages = self.free.split_off(self.free.len() - from_free);
         while (pages.len() as u64) < n {
@@ -138,13 +132,7 @@ impl PagePool {
     /// [`PagePool::take`]. Each reserved page comes back through [`PagePool::put`] once the
     /// caller created it, or through [`PagePool::unreserve`] if it could not.
     pub fn take_deferred(&mut self, n: u64) -> Result<(Vec<PageHandle>, u64)> {
-        if n > self.available_pages() {
-            return Err(VmemError::OutOfMemory {
-                needed_pages: n,
-                available_pages: self.available_pages(),
-                cap_bytes: self.cap_pages * self.page_size,
-            });
-        }
+        self.check_available(n)?;
         let from_free = (n as usize).min(self.free.len());
         let pages = self.free.split_off(self.free.len() - from_free);
         let create = n - from_free as u64;
@@ -160,6 +148,18 @@ impl PagePool {
     /// Free memory of the device the pages come from, where the backend can tell.
     pub fn backend_free_memory(&self) -> Option<u64> {
         self.backend.free_memory()
+    }
+
+    /// Fails with [`VmemError::OutOfMemory`] unless `n` pages can be handed out.
+    fn check_available(&self, n: u64) -> Result<()> {
+        if n > self.available_pages() {
+            return Err(VmemError::OutOfMemory {
+                needed_pages: n,
+                available_pages: self.available_pages(),
+                cap_bytes: self.cap_pages * self.page_size,
+            });
+        }
+        Ok(())
     }
 
     /// Returns lent pages to the free list. They must be unmapped.
