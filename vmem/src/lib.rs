@@ -22,9 +22,17 @@
 //! use vmem::{backend::{HostBackend, KIB256}, KvCacheManager, KvConfig, Layout};
 //!
 //! let backend = Arc::new(HostBackend::new()?);
-//! let mut cfg = KvConfig::builder().layers(4).max_batch(8).max_context(4096).kv_heads(8).head_dim(128).elem_bytes(2).page_size(KIB256).build();
-//! cfg.layout = Layout::TokenMajor;
-//! cfg.memory_cap = 256 << 20;
+//! let cfg = KvConfig::builder()
+//!     .layers(4)
+//!     .max_batch(8)
+//!     .max_context(4096)
+//!     .kv_heads(8)
+//!     .head_dim(128)
+//!     .elem_bytes(2)
+//!     .page_size(KIB256)
+//!     .layout(Layout::TokenMajor)
+//!     .memory_cap(256 << 20)
+//!     .build();
 //! let kv = KvCacheManager::init(backend.clone(), cfg)?;
 //! let r = kv.alloc_reqid()?;
 //! let mut lens = vec![0u64; 8];

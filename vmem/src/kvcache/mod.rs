@@ -93,7 +93,15 @@ impl Shared {
 ///
 /// let backend = Arc::new(HostBackend::new()?);
 /// // 2 layers, batch 4, context 1024, 2 KV heads of dim 64, fp16, 64 KB pages.
-/// let mut cfg = KvConfig::builder().layers(2).max_batch(4).max_context(1024).kv_heads(2).head_dim(64).elem_bytes(2).page_size(KIB64).build();
+/// let mut cfg = KvConfig::builder()
+///     .layers(2)
+///     .max_batch(4)
+///     .max_context(1024)
+///     .kv_heads(2)
+///     .head_dim(64)
+///     .elem_bytes(2)
+///     .page_size(KIB64)
+///     .build();
 /// cfg.memory_cap = 64 << 20;
 /// let kv = KvCacheManager::init(backend, cfg)?;
 /// let r = kv.alloc_reqid()?;
@@ -332,8 +340,7 @@ impl KvCacheManager {
         for (&(b, _, k), &(_, n)) in plan.iter().zip(&done) {
             st.record_mapped(req, b, &pages[start..start + n]);
             used += n as u64;
-            let unused: Vec<_> = pages[start + n..start + k].to_vec();
-            st.pool.put(unused);
+            st.pool.put(pages[start + n..start + k].iter().copied());
             start += k;
         }
         st.pool.put(pages.drain(start..));
@@ -420,13 +427,17 @@ impl KvCacheManager {
         st.check_step(seq_lens)?;
         // A request `map_ahead` is mapping on another thread is waited for, only if this step
         // maps it too; the other requests' steps do not wait for it.
-        st = self.wait_unclaimed(st, |st| {
+        let claimed = |st: &State| {
             seq_lens
                 .iter()
                 .enumerate()
                 .any(|(r, &l)| l > 0 && st.claimed[r])
-        });
-        st.check_step(seq_lens)?;
+        };
+        if claimed(&st) {
+            st = self.wait_unclaimed(st, claimed);
+            // Other threads may have freed requests while this one waited.
+            st.check_step(seq_lens)?;
+        }
         // With padded rows every active request is mapped as far as the longest one, so a
         // batched kernel that reads every row up to the batch's length reads mapped memory.
         let longest = seq_lens.iter().copied().max().unwrap_or(0);
