@@ -88,27 +88,37 @@ impl State {
             .sum()
     }
 
-    /// Tokens request `r` must keep mapped: 0 when inactive, else its current or pending length
-    /// (with padded rows, the longest active request's).
-    fn keep_tokens(&self, r: usize) -> u64 {
-        if !self.active[r] {
+    /// With padded rows, the length every active request must keep mapped: the longest
+    /// current or pending length among them; 0 without padding. Computed once per pass over
+    /// the requests, not per request.
+    fn padded_len(&self) -> u64 {
+        if !self.cfg.pad_rows {
             return 0;
         }
-        if self.cfg.pad_rows {
-            let longest = (0..self.active.len())
-                .filter(|&q| self.active[q])
-                .map(|q| self.seq_lens[q].max(self.pending[q]))
-                .max()
-                .unwrap_or(0);
-            return longest;
+        (0..self.active.len())
+            .filter(|&q| self.active[q])
+            .map(|q| self.seq_lens[q].max(self.pending[q]))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Tokens request `r` must keep mapped: 0 when inactive, else its current or pending length
+    /// (with padded rows, `padded`, from [`State::padded_len`]).
+    fn keep_tokens(&self, r: usize, padded: u64) -> u64 {
+        if !self.active[r] {
+            0
+        } else if self.cfg.pad_rows {
+            padded
+        } else {
+            self.seq_lens[r].max(self.pending[r])
         }
-        self.seq_lens[r].max(self.pending[r])
     }
 
     /// Pages request `r` holds beyond what it must keep (all of them when inactive): a
     /// reused id's leftovers from a longer predecessor, or lookahead pages.
-    pub(super) fn excess(&self, r: usize) -> u64 {
-        let target = self.geo.pages_for(self.keep_tokens(r));
+    /// `padded` is [`State::padded_len`].
+    fn excess(&self, r: usize, padded: u64) -> u64 {
+        let target = self.geo.pages_for(self.keep_tokens(r, padded));
         if self.req_floor[r] >= target {
             return self.req_pages[r] - target * self.buffers.len() as u64;
         }
@@ -121,9 +131,10 @@ impl State {
     /// Pages that reclamation could free: every page beyond what each request must keep
     /// (claimed requests' pages excepted).
     pub(super) fn reclaimable(&self) -> u64 {
+        let padded = self.padded_len();
         (0..self.active.len())
             .filter(|&r| !self.claimed[r])
-            .map(|r| self.excess(r))
+            .map(|r| self.excess(r, padded))
             .sum()
     }
 
@@ -208,24 +219,26 @@ impl State {
         protect: Option<usize>,
         only_inactive: bool,
     ) -> Result<()> {
+        // Reclaiming trims pages, never lengths, so the padded length holds for the whole loop.
+        let padded = self.padded_len();
         while self.pool.available_pages() < need {
             let victim = (0..self.active.len())
                 .filter(|&r| {
                     Some(r) != protect
                         && !self.claimed[r]
                         && !(only_inactive && self.active[r])
-                        && self.excess(r) > 0
+                        && self.excess(r, padded) > 0
                 })
                 .max_by_key(|&r| {
                     (
                         !self.active[r],
                         Some(r) != self.next_id,
-                        self.excess(r),
+                        self.excess(r, padded),
                         std::cmp::Reverse(r),
                     )
                 });
             let Some(v) = victim else { break };
-            let keep = self.geo.pages_for(self.keep_tokens(v));
+            let keep = self.geo.pages_for(self.keep_tokens(v, padded));
             let n = self.trim_request(v, keep)?;
             self.reclaimed_pages += n;
             tracing::debug!(
