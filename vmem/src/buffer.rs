@@ -92,20 +92,14 @@ impl VirtualBuffer {
         if pages.is_empty() {
             return Ok(());
         }
-        let at = self.slice_addr(i) + have * self.page_size;
-        self.backend.map(at, pages, self.page_size)?;
-        self.slices[i].extend_from_slice(pages);
+        self.backend.map(self.next_free(i), pages, self.page_size)?;
+        self.record_mapped(i, pages);
         Ok(())
     }
 
-    /// Where the next pages of slice `i` go: the address right after its mapped prefix, and
-    /// how many more pages the slice can hold.
-    pub fn next_free(&self, i: usize) -> (u64, u64) {
-        let have = self.mapped(i);
-        (
-            self.slice_addr(i) + have * self.page_size,
-            self.slice_pages() - have,
-        )
+    /// Where the next pages of slice `i` go: the address right after its mapped prefix.
+    pub fn next_free(&self, i: usize) -> u64 {
+        self.slice_addr(i) + self.mapped(i) * self.page_size
     }
 
     /// Records `pages` as mapped right after slice `i`'s prefix, where the caller mapped them

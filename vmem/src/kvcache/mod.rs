@@ -283,7 +283,7 @@ impl KvCacheManager {
                 .enumerate()
                 .filter_map(|(b, buf)| {
                     let k = target.saturating_sub(buf.mapped(req)) as usize;
-                    (k > 0).then(|| (b, buf.next_free(req).0, k))
+                    (k > 0).then(|| (b, buf.next_free(req), k))
                 })
                 .collect();
             let total: u64 = plan.iter().map(|p| p.2 as u64).sum();
