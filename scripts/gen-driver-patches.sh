@@ -23,7 +23,7 @@ cd "$work/repo"
 git init -q && git add -A && git commit -qm base
 mapfile -t series < "$root/driver-patch/patches/series"
 git am -q "$root/driver-patch/patches/${series[0]}"
-cp "$root/driver-patch/src/uvm_vmem.c" "$root/driver-patch/src/uvm_vmem.h" \
+cp "$root"/driver-patch/src/*.[ch] \
    "$root/driver-patch/include/uvm_vmem_ioctl.h" kernel-open/nvidia-uvm/
 git add kernel-open/nvidia-uvm && git commit -q --amend --no-edit --date="$GIT_AUTHOR_DATE"
 for p in "${series[@]:1}"; do

@@ -7,21 +7,33 @@
  *
  * The ioctls are issued on an open /dev/nvidia-uvm file that has been initialised with
  * UVM_INITIALIZE (in practice the CUDA driver's own file): all state lives on that file and
- * is released when it is closed or the process dies.
+ * is released when it is closed or the process dies. Only the process that owns the file's
+ * VA space may use them (a forked child gets NV_ERR_NOT_SUPPORTED).
  *
- *   UVM_VMEM_QUERY    version and supported page sizes (no side effects)
- *   UVM_VMEM_RESERVE  reserve a range of GPU virtual address space           (vMemReserve)
- *   UVM_VMEM_CREATE   allocate one physical page of 64K/128K/256K/2M bytes     (vMemCreate)
- *   UVM_VMEM_MAP      map a page at a page-aligned address of a reserved range (vMemMap)
- *   UVM_VMEM_UNMAP    unmap a run of pages, keeping them allocated
- *   UVM_VMEM_RELEASE  free a physical page (unmapping it first if asked)       (vMemRelease)
- *   UVM_VMEM_FREE     free a reserved range; it must have nothing mapped       (vMemFree)
+ *   UVM_VMEM_QUERY      version and supported page sizes (no side effects)
+ *   UVM_VMEM_RESERVE    reserve a range of GPU virtual address space          (vMemReserve)
+ *   UVM_VMEM_CREATE     allocate one physical page of 64K/128K/256K/2M bytes    (vMemCreate)
+ *   UVM_VMEM_MAP        map a page at a page-aligned address of a reserved range (vMemMap)
+ *   UVM_VMEM_UNMAP      unmap a run of pages, keeping them allocated
+ *   UVM_VMEM_RELEASE    free a physical page (unmapping it first if asked)      (vMemRelease)
+ *   UVM_VMEM_FREE       free a reserved range; it must have nothing mapped      (vMemFree)
+ *   UVM_VMEM_MAP_BATCH  map N (address, page) pairs: one membar, one TLB invalidate
+ *   UVM_VMEM_UNMAP_BATCH unmap N (address, page) pairs: likewise
  *
  * Every command fills rmStatus: NV_OK, or NV_ERR_INVALID_ARGUMENT (bad size, alignment,
  * overflow, unsupported page size, flags), NV_ERR_INVALID_ADDRESS (not inside a range this
- * file reserved, or already mapped / not mapped), NV_ERR_OBJECT_NOT_FOUND (unknown handle),
- * NV_ERR_INVALID_DEVICE (GPU UUID not registered on this file), NV_ERR_NO_MEMORY,
- * NV_ERR_IN_USE (page mapped, range not empty), NV_ERR_NOT_SUPPORTED.
+ * file reserved, or already mapped / not mapped), NV_ERR_UVM_ADDRESS_IN_USE (a reservation
+ * would overlap a UVM range), NV_ERR_OBJECT_NOT_FOUND (unknown handle), NV_ERR_INVALID_DEVICE
+ * (GPU UUID not registered on this file), NV_ERR_NO_MEMORY, NV_ERR_IN_USE (page mapped, range
+ * not empty), NV_ERR_NOT_SUPPORTED (not the VA space's process).
+ *
+ * ABI. UVM copies a command's parameter struct in and out by the size the module was built
+ * with, so a struct of another size must never reach it. Each command number therefore
+ * carries its struct's size (bits 4-15) next to its number (bits 0-3), as _IOWR numbers do:
+ * a module and a client built from different versions of this header disagree on the number,
+ * and the module answers a number of this family it does not know with the errno EPROTO
+ * (never copying anything). UVM_VMEM_QUERY alone is frozen (number and struct, since
+ * version 1), so any client can read the module's version and refuse one it does not know.
  */
 #ifndef _UVM_VMEM_IOCTL_H
 #define _UVM_VMEM_IOCTL_H
@@ -45,16 +57,20 @@ typedef struct nv_processor_uuid {
  * 0x30000001-2 and 1..2047. 0x564d ('V' 'M') << 16 keeps ours out of that space.
  */
 #define UVM_VMEM_IOCTL_BASE 0x564d0000u
+#define UVM_VMEM_IOCTL_MASK 0xffff0000u
+#define UVM_VMEM_SIZE_SHIFT 4
 #define UVM_VMEM_QUERY (UVM_VMEM_IOCTL_BASE + 1u)
-#define UVM_VMEM_RESERVE (UVM_VMEM_IOCTL_BASE + 2u)
-#define UVM_VMEM_CREATE (UVM_VMEM_IOCTL_BASE + 3u)
-#define UVM_VMEM_MAP (UVM_VMEM_IOCTL_BASE + 4u)
-#define UVM_VMEM_UNMAP (UVM_VMEM_IOCTL_BASE + 5u)
-#define UVM_VMEM_RELEASE (UVM_VMEM_IOCTL_BASE + 6u)
-#define UVM_VMEM_FREE (UVM_VMEM_IOCTL_BASE + 7u)
+#define UVM_VMEM_RESERVE (UVM_VMEM_IOCTL_BASE | (40u << UVM_VMEM_SIZE_SHIFT) | 2u)
+#define UVM_VMEM_CREATE (UVM_VMEM_IOCTL_BASE | (40u << UVM_VMEM_SIZE_SHIFT) | 3u)
+#define UVM_VMEM_MAP (UVM_VMEM_IOCTL_BASE | (24u << UVM_VMEM_SIZE_SHIFT) | 4u)
+#define UVM_VMEM_UNMAP (UVM_VMEM_IOCTL_BASE | (32u << UVM_VMEM_SIZE_SHIFT) | 5u)
+#define UVM_VMEM_RELEASE (UVM_VMEM_IOCTL_BASE | (16u << UVM_VMEM_SIZE_SHIFT) | 6u)
+#define UVM_VMEM_FREE (UVM_VMEM_IOCTL_BASE | (16u << UVM_VMEM_SIZE_SHIFT) | 7u)
+#define UVM_VMEM_MAP_BATCH (UVM_VMEM_IOCTL_BASE | (24u << UVM_VMEM_SIZE_SHIFT) | 8u)
+#define UVM_VMEM_UNMAP_BATCH (UVM_VMEM_IOCTL_BASE | (24u << UVM_VMEM_SIZE_SHIFT) | 9u)
 
 /* Interface version reported by UVM_VMEM_QUERY. */
-#define UVM_VMEM_VERSION 1u
+#define UVM_VMEM_VERSION 2u
 
 /* Page sizes, as bits of UVM_VMEM_QUERY_PARAMS.pageSizes (bit n = 2^n bytes). */
 #define UVM_VMEM_PAGE_64K (1ull << 16)
@@ -67,9 +83,13 @@ typedef struct nv_processor_uuid {
 /* Reserved ranges are aligned to, and a multiple of, this. */
 #define UVM_VMEM_RANGE_ALIGN (2ull << 20)
 
+/* Most entries one UVM_VMEM_MAP_BATCH / UVM_VMEM_UNMAP_BATCH takes. */
+#define UVM_VMEM_BATCH_MAX 512u
+
 /* UVM_VMEM_RELEASE_PARAMS.flags: unmap the page first if it is mapped. */
 #define UVM_VMEM_RELEASE_UNMAP 0x1u
 
+/* Frozen since version 1: the number and this struct never change. */
 typedef struct uvm_vmem_query_params {
 	NvU64 pageSizes; /* OUT: UVM_VMEM_PAGE_* bits */
 	NvU64 rangeAlign; /* OUT: UVM_VMEM_RANGE_ALIGN */
@@ -88,7 +108,7 @@ typedef struct uvm_vmem_reserve_params {
 typedef struct uvm_vmem_create_params {
 	NvProcessorUuid gpuUuid; /* IN: the GPU whose memory backs the page */
 	NvU64 pageSize; /* IN: one of UVM_VMEM_PAGE_* */
-	NvU64 handle; /* OUT: non-zero, unique on this file */
+	NvU64 handle; /* OUT: non-zero, unique on this file, not reused soon after release */
 	NvU32 flags; /* IN: must be 0 */
 	NV_STATUS rmStatus; /* OUT */
 } UVM_VMEM_CREATE_PARAMS;
@@ -103,6 +123,7 @@ typedef struct uvm_vmem_map_params {
 typedef struct uvm_vmem_unmap_params {
 	NvU64 base; /* IN: first page of a run of mapped pages */
 	NvU64 length; /* IN: bytes; the run must be exactly mapped */
+	NvU64 unmapped; /* OUT: bytes from base unmapped; length unless a GPU error stopped it */
 	NvU32 flags; /* IN: must be 0 */
 	NV_STATUS rmStatus; /* OUT */
 } UVM_VMEM_UNMAP_PARAMS;
@@ -118,5 +139,42 @@ typedef struct uvm_vmem_free_params {
 	NvU32 flags; /* IN: must be 0 */
 	NV_STATUS rmStatus; /* OUT */
 } UVM_VMEM_FREE_PARAMS;
+
+/* One (address, page) pair of a batch. */
+typedef struct uvm_vmem_batch_entry {
+	NvU64 base; /* page-aligned address inside a reserved range */
+	NvU64 handle; /* the page to map there / the page mapped there */
+} UVM_VMEM_BATCH_ENTRY;
+
+/*
+ * UVM_VMEM_MAP_BATCH: all or nothing; every entry is validated (as UVM_VMEM_MAP does, and
+ * no two entries overlap) before any PTE is written. UVM_VMEM_UNMAP_BATCH: every entry must
+ * name the page mapped at its address; done counts the entries unmapped, in order (count
+ * unless a GPU error stopped it; then the rest are still mapped).
+ */
+typedef struct uvm_vmem_batch_params {
+	NvU64 entries; /* IN: user address of count UVM_VMEM_BATCH_ENTRY */
+	NvU32 count; /* IN: 1..UVM_VMEM_BATCH_MAX */
+	NvU32 flags; /* IN: must be 0 */
+	NvU32 done; /* OUT: entries mapped / unmapped */
+	NV_STATUS rmStatus; /* OUT */
+} UVM_VMEM_BATCH_PARAMS;
+
+typedef UVM_VMEM_BATCH_PARAMS UVM_VMEM_MAP_BATCH_PARAMS;
+typedef UVM_VMEM_BATCH_PARAMS UVM_VMEM_UNMAP_BATCH_PARAMS;
+
+/* Each number carries its struct's size: checked wherever this header is compiled. */
+#define UVM_VMEM_CMD_OF(type, nr) \
+	(UVM_VMEM_IOCTL_BASE | ((NvU32)sizeof(type) << UVM_VMEM_SIZE_SHIFT) | (nr))
+#define UVM_VMEM_CHECK_CMD(cmd, type, nr) \
+	_Static_assert((cmd) == UVM_VMEM_CMD_OF(type, nr), #cmd " does not encode its size")
+UVM_VMEM_CHECK_CMD(UVM_VMEM_RESERVE, UVM_VMEM_RESERVE_PARAMS, 2u);
+UVM_VMEM_CHECK_CMD(UVM_VMEM_CREATE, UVM_VMEM_CREATE_PARAMS, 3u);
+UVM_VMEM_CHECK_CMD(UVM_VMEM_MAP, UVM_VMEM_MAP_PARAMS, 4u);
+UVM_VMEM_CHECK_CMD(UVM_VMEM_UNMAP, UVM_VMEM_UNMAP_PARAMS, 5u);
+UVM_VMEM_CHECK_CMD(UVM_VMEM_RELEASE, UVM_VMEM_RELEASE_PARAMS, 6u);
+UVM_VMEM_CHECK_CMD(UVM_VMEM_FREE, UVM_VMEM_FREE_PARAMS, 7u);
+UVM_VMEM_CHECK_CMD(UVM_VMEM_MAP_BATCH, UVM_VMEM_BATCH_PARAMS, 8u);
+UVM_VMEM_CHECK_CMD(UVM_VMEM_UNMAP_BATCH, UVM_VMEM_BATCH_PARAMS, 9u);
 
 #endif /* _UVM_VMEM_IOCTL_H */

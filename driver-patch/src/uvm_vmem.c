@@ -7,47 +7,74 @@
  * Lets user space reserve GPU virtual address ranges, allocate physical pages
  * of 64K, 128K, 256K or 2M from UVM's own physical memory manager (PMM), and
  * map them page by page into the process's GPU VA space through UVM's page
- * tree code. The ioctls are described in uvm_vmem_ioctl.h.
+ * tree code. The ioctls are described in uvm_vmem_ioctl.h; their argument
+ * checks are the pure functions of uvm_vmem_check.h.
  *
  * A reserved range is backed by a PROT_NONE reservation of the same CPU
- * virtual addresses, which keeps it unique in the unified address space that
- * CUDA allocations share. Pages of 64K-256K are made of 64K PMM chunks mapped
- * with 64K PTEs; 2M pages are one 2M chunk mapped with one 2M PTE.
+ * virtual addresses, which keeps it unique among the process's mappings, and
+ * UVM's own range creation asks uvm_vmem_check_range_free() first, so no UVM
+ * range (external, channel, semaphore pool, ...) can be created over it.
+ * Pages of 64K-256K are made of 64K PMM chunks mapped with 64K PTEs; 2M pages
+ * are one 2M chunk mapped with one 2M PTE.
  *
- * State lives per UVM VA space (per open file of /dev/nvidia-uvm). Pages and
- * mappings on a GPU are released when its GPU VA space goes away, and
- * everything when the VA space is destroyed (file closed, process exit).
+ * State lives per UVM VA space (per open file of /dev/nvidia-uvm) and belongs
+ * to the process whose mm the VA space serves. Pages and mappings on a GPU are
+ * released when its GPU VA space goes away, and everything when the VA space
+ * is destroyed (file closed, process exit).
+ *
+ * Lock order, outermost first; a lock is only taken while holding locks above it:
+ *
+ *   mmap_lock          vm_mmap()/vm_munmap() take it: they run with none of the
+ *                      locks below held (UVM takes mmap_lock before its VA space
+ *                      lock on teardown, so holding either here would be ABBA)
+ *   va_space->lock     UVM's; read in the ioctls, write on UVM's teardown and
+ *                      range creation paths, which call our hooks
+ *   state->lock        uvm_mutex_t at UVM_LOCK_ORDER_EXT_RANGE_TREE's level: after
+ *                      the VA space lock, before the page tree, push, PMM and
+ *                      channel locks that the page-table and PMM calls take; we
+ *                      never hold an external range tree lock, nor does UVM call
+ *                      us holding one, so sharing that level cannot nest
+ *   vmem_states_lock   a leaf spinlock (the list of states): nothing is taken, and
+ *                      nothing sleeps, under it; lockdep covers it
+ *
+ * UVM's debug build (UVM_IS_DEBUG) checks the order of state->lock at run time.
  */
 
 #include <linux/idr.h>
 #include <linux/list.h>
 #include <linux/mman.h>
 #include <linux/mm.h>
-#include <linux/mutex.h>
 #include <linux/rbtree.h>
 #include <linux/sched.h>
+#include <linux/sched/mm.h>
 
 #include "uvm_api.h"
 #include "uvm_gpu.h"
 #include "uvm_hal.h"
 #include "uvm_kvmalloc.h"
+#include "uvm_lock.h"
 #include "uvm_mmu.h"
 #include "uvm_pmm_gpu.h"
+#include "uvm_pte_batch.h"
 #include "uvm_push.h"
+#include "uvm_tlb_batch.h"
+#include "uvm_tracker.h"
+#include "uvm_va_range.h"
 #include "uvm_va_space.h"
+#include "uvm_va_space_mm.h"
 #include "uvm_vmem.h"
+#include "uvm_vmem_check.h"
 #include "uvm_vmem_ioctl.h"
 
-/* Most pages one file may hold, as a bound on what a bad caller can pin. */
-#define VMEM_MAX_HANDLE 0x7fffffff
+/* Push space kept free when packing PTE writes for many pages into one push. */
+#define VMEM_PUSH_MARGIN 1024
 
 struct vmem_range {
 	struct list_head link;
 	NvU64 base;
 	NvU64 length;
 	uvm_gpu_t *gpu;
-	struct mm_struct *mm;		/* where the CPU reservation lives */
-	unsigned long cpu_start;	/* the CPU reservation (>= base) */
+	unsigned long cpu_start;	/* the CPU reservation (<= base), in state->mm */
 	unsigned long cpu_length;
 	NvU64 mapped_pages;
 };
@@ -62,12 +89,14 @@ struct vmem_page {
 	struct vmem_range *range;	/* NULL when not mapped */
 	NvU64 address;
 	uvm_page_table_range_vec_t *ptes;
+	bool picked;			/* named by the batch being validated */
 };
 
 struct vmem_state {
 	struct list_head link;		/* in vmem_states */
 	uvm_va_space_t *va_space;
-	struct mutex lock;		/* protects everything below */
+	struct mm_struct *mm;		/* the process it belongs to (mmgrab'd) */
+	uvm_mutex_t lock;		/* protects everything below */
 	struct list_head ranges;
 	struct idr pages;		/* handle -> vmem_page */
 	struct rb_root mapped;
@@ -75,37 +104,78 @@ struct vmem_state {
 };
 
 static LIST_HEAD(vmem_states);
-static DEFINE_MUTEX(vmem_states_lock);
+static DEFINE_SPINLOCK(vmem_states_lock);
 
-static struct vmem_state *vmem_state_find(uvm_va_space_t *va_space, bool create)
+static struct vmem_state *vmem_state_lookup(uvm_va_space_t *va_space)
 {
 	struct vmem_state *state;
 
-	mutex_lock(&vmem_states_lock);
 	list_for_each_entry(state, &vmem_states, link) {
 		if (state->va_space == va_space)
-			goto out;
+			return state;
 	}
-	state = NULL;
-	if (create) {
-		state = uvm_kvmalloc_zero(sizeof(*state));
-		if (state) {
-			state->va_space = va_space;
-			mutex_init(&state->lock);
-			INIT_LIST_HEAD(&state->ranges);
-			idr_init(&state->pages);
-			state->mapped = RB_ROOT;
-			list_add(&state->link, &vmem_states);
-		}
-	}
-out:
-	mutex_unlock(&vmem_states_lock);
+	return NULL;
+}
+
+/* The VA space's state, or NULL. */
+static struct vmem_state *vmem_state_find(uvm_va_space_t *va_space)
+{
+	struct vmem_state *state;
+
+	spin_lock(&vmem_states_lock);
+	state = vmem_state_lookup(va_space);
+	spin_unlock(&vmem_states_lock);
 	return state;
 }
 
-static bool vmem_page_size_valid(NvU64 page_size)
+/*
+ * The VA space's state for the calling process, made on its first vMem call, which binds
+ * the VA space to the caller's mm. Only that process may use it: a forked child, or a
+ * process the fd was passed to, would otherwise reserve CPU VA in its own mm while the GPU
+ * mappings live in the VA space of another. NULL with *status = NV_ERR_NOT_SUPPORTED for
+ * another process, NV_ERR_NO_MEMORY when the state cannot be made.
+ */
+static struct vmem_state *vmem_state_for_caller(uvm_va_space_t *va_space, NV_STATUS *status)
 {
-	return (page_size & UVM_VMEM_PAGE_SIZES) && is_power_of_2(page_size);
+	struct vmem_state *state, *fresh;
+
+	*status = NV_ERR_NOT_SUPPORTED;
+	if (!current->mm)
+		return NULL;
+	if (uvm_va_space_mm_enabled(va_space) && va_space->va_space_mm.mm != current->mm)
+		return NULL;
+	state = vmem_state_find(va_space);
+	if (!state) {
+		fresh = uvm_kvmalloc_zero(sizeof(*fresh));
+		if (!fresh) {
+			*status = NV_ERR_NO_MEMORY;
+			return NULL;
+		}
+		fresh->va_space = va_space;
+		uvm_mutex_init(&fresh->lock, UVM_LOCK_ORDER_EXT_RANGE_TREE);
+		INIT_LIST_HEAD(&fresh->ranges);
+		idr_init(&fresh->pages);
+		fresh->mapped = RB_ROOT;
+		fresh->mm = current->mm;
+		spin_lock(&vmem_states_lock);
+		state = vmem_state_lookup(va_space);
+		if (!state) {
+			/* The state keeps a pointer to the mm: hold it (mmdrop in destroy). */
+			mmgrab(fresh->mm);
+			list_add(&fresh->link, &vmem_states);
+			state = fresh;
+			fresh = NULL;
+		}
+		spin_unlock(&vmem_states_lock);
+		if (fresh) {
+			idr_destroy(&fresh->pages);
+			uvm_kvfree(fresh);
+		}
+	}
+	if (state->mm != current->mm)
+		return NULL;
+	*status = NV_OK;
+	return state;
 }
 
 static NvU64 vmem_mmu_page_size(NvU64 page_size)
@@ -118,8 +188,7 @@ static struct vmem_range *vmem_range_containing(struct vmem_state *state, NvU64 
 	struct vmem_range *range;
 
 	list_for_each_entry(range, &state->ranges, link) {
-		if (address >= range->base && size <= range->length &&
-		    address - range->base <= range->length - size)
+		if (uvm_vmem_inside(range->base, range->length, address, size))
 			return range;
 	}
 	return NULL;
@@ -133,20 +202,23 @@ static struct vmem_page *vmem_mapped_overlap(struct vmem_state *state, NvU64 add
 	while (node) {
 		struct vmem_page *page = rb_entry(node, struct vmem_page, node);
 
-		if (address + size <= page->address)
-			node = node->rb_left;
-		else if (address >= page->address + page->page_size)
-			node = node->rb_right;
+		if (!uvm_vmem_overlaps(address, size, page->address, page->page_size))
+			node = address < page->address ? node->rb_left : node->rb_right;
 		else
 			return page;
 	}
 	return NULL;
 }
 
-static void vmem_mapped_insert(struct vmem_state *state, struct vmem_page *page)
+/* Links a page at `address` of `range`: it is mapped as far as the bookkeeping goes. */
+static void vmem_page_link(struct vmem_state *state, struct vmem_page *page,
+			   struct vmem_range *range, NvU64 address)
 {
 	struct rb_node **link = &state->mapped.rb_node, *parent = NULL;
 
+	page->address = address;
+	page->range = range;
+	range->mapped_pages++;
 	while (*link) {
 		struct vmem_page *other = rb_entry(*link, struct vmem_page, node);
 
@@ -157,6 +229,13 @@ static void vmem_mapped_insert(struct vmem_state *state, struct vmem_page *page)
 	rb_insert_color(&page->node, &state->mapped);
 }
 
+static void vmem_page_unlink(struct vmem_state *state, struct vmem_page *page)
+{
+	rb_erase(&page->node, &state->mapped);
+	page->range->mapped_pages--;
+	page->range = NULL;
+}
+
 static NvU64 vmem_pte_maker(uvm_page_table_range_vec_t *range_vec, NvU64 offset, void *data)
 {
 	struct vmem_page *page = data;
@@ -164,16 +243,101 @@ static NvU64 vmem_pte_maker(uvm_page_table_range_vec_t *range_vec, NvU64 offset,
 	NvU64 chunk_size = page->page_size / page->chunk_count;
 	uvm_gpu_chunk_t *chunk = page->chunks[offset / chunk_size];
 
+	/*
+	 * Access counters off, as UVM does for its own kernel-owned mappings: these pages
+	 * never migrate, so a counter notification would only be noise for UVM's
+	 * access-counter servicing, which would find no VA range to act on.
+	 */
 	return tree->hal->make_pte(UVM_APERTURE_VID,
 				   chunk->address + offset % chunk_size,
 				   UVM_PROT_READ_WRITE_ATOMIC,
-				   UVM_MMU_PTE_FLAGS_CACHED);
+				   UVM_MMU_PTE_FLAGS_CACHED |
+				   UVM_MMU_PTE_FLAGS_ACCESS_COUNTERS_DISABLED);
+}
+
+/* Pushes the PTE writes (or clears) of one page into `batch`. */
+static void vmem_page_push_ptes(uvm_pte_batch_t *batch, struct vmem_page *page, bool clear)
+{
+	uvm_page_table_range_vec_t *vec = page->ptes;
+	uvm_page_tree_t *tree = vec->tree;
+	NvU32 entry_size = uvm_mmu_pte_size(tree, vec->page_size);
+	NvU64 offset = 0;
+	size_t i;
+	NvU32 entry;
+
+	for (i = 0; i < vec->range_count; i++) {
+		uvm_page_table_range_t *range = &vec->ranges[i];
+		uvm_gpu_phys_address_t pa = uvm_page_table_range_entry_address(tree, range, 0);
+
+		if (clear) {
+			uvm_pte_batch_clear_ptes(batch, pa, 0, entry_size, range->entry_count);
+			continue;
+		}
+		for (entry = 0; entry < range->entry_count; entry++) {
+			NvU64 pte = vmem_pte_maker(vec, offset, page);
+
+			uvm_pte_batch_write_pte(batch, pa, pte, entry_size);
+			offset += vec->page_size;
+			pa.address += entry_size;
+		}
+	}
 }
 
 /*
- * Clears a page's PTEs and puts its page tables. On failure the mapping stays as it was,
- * unless `force` (teardown, where there is no caller to report to): then the error is logged
- * and the page tables are put anyway, as UVM's own uvm_mem teardown does.
+ * Writes (or clears) the PTEs of `count` pages of one GPU VA space in as few pushes as fit,
+ * with one TLB invalidate, in the last push, for all of them. Only for page trees the GPU
+ * writes (vmem_tree_gpu_writes). Returns when the GPU has done it.
+ */
+static NV_STATUS vmem_ptes_batched(uvm_page_tree_t *tree, struct vmem_page **pages, NvU32 count,
+				   bool clear)
+{
+	uvm_tracker_t tracker = UVM_TRACKER_INIT();
+	uvm_pte_batch_t pte_batch;
+	uvm_tlb_batch_t tlb_batch;
+	uvm_push_t push;
+	uvm_membar_t membar = clear ? UVM_MEMBAR_GPU : UVM_MEMBAR_NONE;
+	NV_STATUS status = NV_OK, tracker_status;
+	NvU32 i = 0, j;
+
+	while (i < count) {
+		status = uvm_push_begin_acquire(tree->gpu->channel_manager, UVM_CHANNEL_TYPE_MEMOPS,
+						&tracker, &push, "vmem: %s %u pages",
+						clear ? "unmap" : "map", count);
+		if (status != NV_OK)
+			break;
+		uvm_pte_batch_begin(&push, &pte_batch);
+		while (i < count) {
+			vmem_page_push_ptes(&pte_batch, pages[i++], clear);
+			if (!uvm_push_has_space(&push, VMEM_PUSH_MARGIN))
+				break;
+		}
+		uvm_pte_batch_end(&pte_batch);
+		if (i == count) {
+			/* Unmap: a GPU membar, so no access through the old PTEs is in flight. */
+			uvm_tlb_batch_begin(tree, &tlb_batch);
+			for (j = 0; j < count; j++)
+				uvm_tlb_batch_invalidate(&tlb_batch, pages[j]->address,
+							 pages[j]->page_size,
+							 vmem_mmu_page_size(pages[j]->page_size),
+							 membar);
+			uvm_tlb_batch_end(&tlb_batch, &push, membar);
+		} else {
+			/* uvm_pte_batch_end's membar orders these before the last invalidate. */
+			uvm_push_set_flag(&push, UVM_PUSH_FLAG_NEXT_MEMBAR_NONE);
+		}
+		uvm_push_end(&push);
+		uvm_tracker_overwrite_with_push(&tracker, &push);
+	}
+	tracker_status = uvm_tracker_wait_deinit(&tracker);
+	return status != NV_OK ? status : tracker_status;
+}
+
+/*
+ * Clears one page's PTEs (TLB invalidate with a GPU membar) and puts its page tables.
+ * On failure the page stays mapped in the bookkeeping: its PTEs may still point at it, and a
+ * page that PTEs point at must never be freed. With `force` (teardown, where there is no
+ * caller to report to and UVM itself is going away) the error is logged and the page tables
+ * are put anyway, as UVM's own uvm_mem teardown does.
  */
 static NV_STATUS vmem_page_unmap(struct vmem_state *state, struct vmem_page *page, bool force)
 {
@@ -189,10 +353,187 @@ static NV_STATUS vmem_page_unmap(struct vmem_state *state, struct vmem_page *pag
 			      nvstatusToString(status), uvm_gpu_name(page->gpu));
 	uvm_page_table_range_vec_destroy(page->ptes);
 	page->ptes = NULL;
-	page->range->mapped_pages--;
-	page->range = NULL;
-	rb_erase(&page->node, &state->mapped);
+	vmem_page_unlink(state, page);
 	return NV_OK;
+}
+
+/*
+ * The GPU's copy engine writes this tree's page tables: the negation of uvm_mmu.c's
+ * (static) uvm_mmu_use_cpu(), which holds only while a GPU's flat mapping is bootstrapped.
+ */
+static bool vmem_tree_gpu_writes(uvm_page_tree_t *tree)
+{
+	return tree->gpu->channel_manager &&
+	       (tree->location == UVM_APERTURE_SYS ||
+		tree->gpu->parent->ce_phys_vidmem_write_supported ||
+		tree->gpu->static_flat_mapping.ready);
+}
+
+/* The pages all have their PTEs in one page tree the GPU writes: batching is possible. */
+static uvm_page_tree_t *vmem_common_tree(struct vmem_page **pages, NvU32 count)
+{
+	uvm_page_tree_t *tree = pages[0]->ptes->tree;
+	NvU32 i;
+
+	if (!vmem_tree_gpu_writes(tree))
+		return NULL;
+	for (i = 1; i < count; i++) {
+		if (pages[i]->ptes->tree != tree)
+			return NULL;
+	}
+	return tree;
+}
+
+/*
+ * Unmaps `count` linked pages, in order. Caller holds the VA space lock and state->lock.
+ * First one batched clear with one TLB invalidate; if that fails, page by page, stopping at
+ * the first failure. *done = pages unmapped (a prefix of `pages`); the others stay mapped
+ * in the bookkeeping, which is then still true of them or errs on the safe side (cleared
+ * PTEs recorded as mapped: unmapping again is harmless; the reverse would not be).
+ */
+static NV_STATUS vmem_pages_unmap(struct vmem_state *state, struct vmem_page **pages, NvU32 count,
+				  NvU32 *done)
+{
+	uvm_page_tree_t *tree = vmem_common_tree(pages, count);
+	NV_STATUS status = NV_OK;
+	NvU32 i;
+
+	*done = 0;
+	if (tree && count > 1 && vmem_ptes_batched(tree, pages, count, true) == NV_OK) {
+		for (i = 0; i < count; i++) {
+			uvm_page_table_range_vec_destroy(pages[i]->ptes);
+			pages[i]->ptes = NULL;
+			vmem_page_unlink(state, pages[i]);
+		}
+		*done = count;
+		return NV_OK;
+	}
+	for (i = 0; i < count && status == NV_OK; i++) {
+		status = vmem_page_unmap(state, pages[i], false);
+		if (status == NV_OK)
+			(*done)++;
+	}
+	return status;
+}
+
+/*
+ * Validates and links `count` (address, page) pairs. On any error nothing stays linked and
+ * *bad is the index of the first refused entry. Caller holds the VA space lock and
+ * state->lock.
+ */
+static NV_STATUS vmem_entries_link(struct vmem_state *state, const UVM_VMEM_BATCH_ENTRY *entries,
+				   NvU32 count, struct vmem_page **pages, NvU32 *bad)
+{
+	NV_STATUS status = NV_OK;
+	struct vmem_range *range;
+	struct vmem_page *page;
+	NvU32 i;
+
+	for (i = 0; i < count; i++) {
+		page = uvm_vmem_handle_ok(entries[i].handle) ?
+		       idr_find(&state->pages, (int)entries[i].handle) : NULL;
+		if (!page) {
+			status = NV_ERR_OBJECT_NOT_FOUND;
+			break;
+		}
+		if (page->range) {	/* mapped already, or named twice in this batch */
+			status = NV_ERR_IN_USE;
+			break;
+		}
+		if (!uvm_vmem_page_at_ok(entries[i].base, page->page_size)) {
+			status = NV_ERR_INVALID_ARGUMENT;
+			break;
+		}
+		range = vmem_range_containing(state, entries[i].base, page->page_size);
+		if (!range || range->gpu != page->gpu ||
+		    vmem_mapped_overlap(state, entries[i].base, page->page_size)) {
+			status = NV_ERR_INVALID_ADDRESS;
+			break;
+		}
+		vmem_page_link(state, page, range, entries[i].base);
+		pages[i] = page;
+	}
+	if (status != NV_OK) {
+		*bad = i;
+		while (i--)
+			vmem_page_unlink(state, pages[i]);
+	}
+	return status;
+}
+
+/*
+ * Maps `count` (address, page) pairs, all or nothing: validate and link every entry, get
+ * page tables for each, then write every PTE with one TLB invalidate at the end. Caller
+ * holds the VA space lock (read) and state->lock. *done = entries mapped: count on success,
+ * 0 on failure, unless clearing the PTEs of a failed write failed too (a GPU error; then
+ * the first *done entries stay mapped, see vmem_pages_unmap).
+ */
+static NV_STATUS vmem_entries_map(uvm_va_space_t *va_space, struct vmem_state *state,
+				  const UVM_VMEM_BATCH_ENTRY *entries, NvU32 count,
+				  struct vmem_page **pages, NvU32 *done)
+{
+	uvm_gpu_va_space_t *gpu_va_space;
+	uvm_page_tree_t *tree;
+	NV_STATUS status;
+	NvU32 i, made, bad;
+
+	*done = 0;
+	status = vmem_entries_link(state, entries, count, pages, &bad);
+	if (status != NV_OK)
+		return status;
+
+	for (made = 0; made < count; made++) {
+		struct vmem_page *page = pages[made];
+
+		gpu_va_space = uvm_gpu_va_space_get(va_space, page->gpu);
+		if (!gpu_va_space) {
+			status = NV_ERR_INVALID_DEVICE;
+			break;
+		}
+		status = uvm_page_table_range_vec_create(&gpu_va_space->page_tables,
+							 page->address, page->page_size,
+							 vmem_mmu_page_size(page->page_size),
+							 UVM_PMM_ALLOC_FLAGS_EVICT, &page->ptes);
+		if (status != NV_OK)
+			break;
+	}
+	if (status != NV_OK) {
+		for (i = 0; i < count; i++) {
+			if (i < made) {
+				uvm_page_table_range_vec_destroy(pages[i]->ptes);
+				pages[i]->ptes = NULL;
+			}
+			vmem_page_unlink(state, pages[i]);
+		}
+		return status;
+	}
+
+	tree = vmem_common_tree(pages, count);
+	if (tree) {
+		status = vmem_ptes_batched(tree, pages, count, false);
+	} else {
+		for (i = 0; i < count && status == NV_OK; i++)
+			status = uvm_page_table_range_vec_write_ptes(pages[i]->ptes,
+								     UVM_MEMBAR_NONE,
+								     vmem_pte_maker, pages[i]);
+	}
+	if (status == NV_OK) {
+		*done = count;
+		return NV_OK;
+	}
+
+	/*
+	 * Some PTEs may be written: clear them (and TLB-invalidate) before the page tables
+	 * go back, last entry first. If a clear fails (a GPU error), stop: entries [0, *done)
+	 * stay recorded as mapped, PTEs and all, and the caller learns which.
+	 */
+	for (i = count; i > 0; i--) {
+		if (vmem_page_unmap(state, pages[i - 1], false) != NV_OK) {
+			*done = i;
+			break;
+		}
+	}
+	return status;
 }
 
 /* Returns the page's chunks to PMM (those allocated: the array is zeroed) and frees it. */
@@ -244,21 +585,10 @@ static NV_STATUS vmem_page_zero(struct vmem_page *page)
 }
 
 /*
- * Forgets a range. With unmap_cpu, also drops its CPU reservation; teardown
- * paths pass false: they run under the VA space lock, which UVM orders after
- * mmap_lock, so they leave the PROT_NONE reservation to the process's exit.
- */
-static void vmem_range_free(struct vmem_range *range, bool unmap_cpu)
-{
-	if (unmap_cpu && current->mm == range->mm)
-		vm_munmap(range->cpu_start, range->cpu_length);
-	list_del(&range->link);
-	uvm_kvfree(range);
-}
-
-/*
- * Releases what `gpu` holds (every GPU when NULL): mappings, pages, ranges.
- * Caller holds state->lock.
+ * Releases what `gpu` holds (every GPU when NULL): mappings, pages, ranges. The ranges'
+ * CPU reservations stay: this runs under the VA space lock (and, on GPU VA space removal,
+ * mmap_lock), where vm_munmap would invert the lock order; the process's exit or its own
+ * munmap drops them. Caller holds state->lock.
  */
 static void vmem_release_gpu(struct vmem_state *state, uvm_gpu_t *gpu)
 {
@@ -273,36 +603,59 @@ static void vmem_release_gpu(struct vmem_state *state, uvm_gpu_t *gpu)
 		vmem_page_free(state, page);
 	}
 	list_for_each_entry_safe(range, next_range, &state->ranges, link) {
-		if (!gpu || range->gpu == gpu)
-			vmem_range_free(range, false);
+		if (!gpu || range->gpu == gpu) {
+			list_del(&range->link);
+			uvm_kvfree(range);
+		}
 	}
+}
+
+NV_STATUS uvm_vmem_check_range_free(uvm_va_space_t *va_space, NvU64 start, NvU64 end)
+{
+	struct vmem_state *state = vmem_state_find(va_space);
+	struct vmem_range *range;
+	NV_STATUS status = NV_OK;
+
+	if (!state || end < start)
+		return NV_OK;
+	uvm_mutex_lock(&state->lock);
+	list_for_each_entry(range, &state->ranges, link) {
+		/* [start, end] is inclusive, as UVM's range nodes are. */
+		if (range->base <= end && start <= range->base + (range->length - 1)) {
+			status = NV_ERR_UVM_ADDRESS_IN_USE;
+			break;
+		}
+	}
+	uvm_mutex_unlock(&state->lock);
+	return status;
 }
 
 void uvm_vmem_remove_gpu_va_space(uvm_va_space_t *va_space, uvm_gpu_t *gpu)
 {
-	struct vmem_state *state = vmem_state_find(va_space, false);
+	struct vmem_state *state = vmem_state_find(va_space);
 
 	if (!state)
 		return;
-	mutex_lock(&state->lock);
+	uvm_mutex_lock(&state->lock);
 	vmem_release_gpu(state, gpu);
-	mutex_unlock(&state->lock);
+	uvm_mutex_unlock(&state->lock);
 }
 
 void uvm_vmem_va_space_destroy(uvm_va_space_t *va_space)
 {
-	struct vmem_state *state = vmem_state_find(va_space, false);
+	struct vmem_state *state = vmem_state_find(va_space);
 
 	if (!state)
 		return;
-	mutex_lock(&vmem_states_lock);
+	spin_lock(&vmem_states_lock);
 	list_del(&state->link);
-	mutex_unlock(&vmem_states_lock);
+	spin_unlock(&vmem_states_lock);
 
-	mutex_lock(&state->lock);
+	uvm_mutex_lock(&state->lock);
 	vmem_release_gpu(state, NULL);
-	mutex_unlock(&state->lock);
+	uvm_mutex_unlock(&state->lock);
 	idr_destroy(&state->pages);
+	mmdrop(state->mm);
 	uvm_kvfree(state);
 }
 
@@ -332,11 +685,11 @@ NV_STATUS uvm_api_vmem_reserve(UVM_VMEM_RESERVE_PARAMS *params, struct file *fil
 	unsigned long cpu, span;
 	NV_STATUS status = NV_OK;
 
-	if (params->flags || !params->length || params->length % UVM_VMEM_RANGE_ALIGN ||
-	    params->length > ULONG_MAX - UVM_VMEM_RANGE_ALIGN)
+	if (!uvm_vmem_reserve_ok(params->length, params->flags, ULONG_MAX))
 		return NV_ERR_INVALID_ARGUMENT;
-	if (!current->mm)
-		return NV_ERR_NOT_SUPPORTED;
+	state = vmem_state_for_caller(va_space, &status);
+	if (!state)
+		return status;
 	range = uvm_kvmalloc_zero(sizeof(*range));
 	if (!range)
 		return NV_ERR_NO_MEMORY;
@@ -353,26 +706,34 @@ NV_STATUS uvm_api_vmem_reserve(UVM_VMEM_RESERVE_PARAMS *params, struct file *fil
 	}
 	range->cpu_start = cpu;
 	range->cpu_length = span;
-	range->mm = current->mm;
 	range->base = UVM_ALIGN_UP((NvU64)cpu, UVM_VMEM_RANGE_ALIGN);
 	range->length = params->length;
 
-	/* Held until the range is listed, so the GPU VA space cannot go away meanwhile. */
+	/*
+	 * Held until the range is listed: the GPU VA space cannot go away meanwhile, and UVM's
+	 * range creation (VA space lock in write mode) sees either the UVM range that makes us
+	 * refuse, or our listed range, which makes uvm_vmem_check_range_free refuse it.
+	 */
 	uvm_va_space_down_read(va_space);
 	range->gpu = vmem_gpu(va_space, &params->gpuUuid);
-	state = range->gpu ? vmem_state_find(va_space, true) : NULL;
 	if (!range->gpu) {
 		status = NV_ERR_INVALID_DEVICE;
-	} else if (!state) {
-		status = NV_ERR_NO_MEMORY;
-	} else {
-		mutex_lock(&state->lock);
+	} else if (!uvm_gpu_can_address(range->gpu, range->base, range->length)) {
+		/* Beyond the GPU's VA bits, or in a hole of its canonical form. */
+		status = NV_ERR_INVALID_ADDRESS;
+	} else if (!uvm_va_space_range_empty(va_space, range->base,
+					     range->base + range->length - 1)) {
+		status = NV_ERR_UVM_ADDRESS_IN_USE;
+	}
+	if (status == NV_OK) {
+		uvm_mutex_lock(&state->lock);
 		list_add(&range->link, &state->ranges);
-		mutex_unlock(&state->lock);
+		uvm_mutex_unlock(&state->lock);
 		params->base = range->base;
 	}
 	uvm_va_space_up_read(va_space);
 	if (status != NV_OK) {
+		/* No vMem or UVM lock is held here: vm_munmap takes mmap_lock. */
 		vm_munmap(range->cpu_start, range->cpu_length);
 		uvm_kvfree(range);
 	}
@@ -389,8 +750,11 @@ NV_STATUS uvm_api_vmem_create(UVM_VMEM_CREATE_PARAMS *params, struct file *filp)
 	NV_STATUS status;
 	int id;
 
-	if (params->flags || !vmem_page_size_valid(params->pageSize))
+	if (!uvm_vmem_create_ok(params->pageSize, params->flags))
 		return NV_ERR_INVALID_ARGUMENT;
+	state = vmem_state_for_caller(va_space, &status);
+	if (!state)
+		return status;
 	page = uvm_kvmalloc_zero(sizeof(*page));
 	if (!page)
 		return NV_ERR_NO_MEMORY;
@@ -406,28 +770,37 @@ NV_STATUS uvm_api_vmem_create(UVM_VMEM_CREATE_PARAMS *params, struct file *filp)
 	/* Held until the page is listed, so the GPU VA space cannot go away meanwhile. */
 	uvm_va_space_down_read(va_space);
 	gpu = vmem_gpu(va_space, &params->gpuUuid);
-	state = gpu ? vmem_state_find(va_space, true) : NULL;
-	if (!gpu || !state) {
-		status = gpu ? NV_ERR_NO_MEMORY : NV_ERR_INVALID_DEVICE;
+	if (!gpu) {
+		status = NV_ERR_INVALID_DEVICE;
 		goto error;
 	}
 	page->gpu = gpu;
 
-	/* PMM returns the chunks pinned: never evicted until we free them. */
-	status = uvm_pmm_gpu_alloc_user(&gpu->pmm, page->chunk_count, chunk_size,
-					UVM_PMM_ALLOC_FLAGS_EVICT, page->chunks, NULL);
+	/*
+	 * Kernel chunks, not user chunks: PMM never considers them for eviction (user chunks
+	 * would have to stay TEMP_PINNED forever, and PMA eviction under memory pressure would
+	 * spin on them until its timeout). They count against the GPU's memory like any UVM
+	 * kernel allocation until released; UVM_PMM_ALLOC_FLAGS_EVICT lets this allocation
+	 * evict other processes' evictable (managed) memory to succeed.
+	 */
+	status = uvm_pmm_gpu_alloc_kernel(&gpu->pmm, page->chunk_count, chunk_size,
+					  UVM_PMM_ALLOC_FLAGS_EVICT, page->chunks, NULL);
 	if (status == NV_OK)
 		status = vmem_page_zero(page);
 	if (status != NV_OK)
 		goto error;
 
-	mutex_lock(&state->lock);
-	id = idr_alloc(&state->pages, page, 1, VMEM_MAX_HANDLE, GFP_KERNEL);
+	uvm_mutex_lock(&state->lock);
+	/*
+	 * Cyclic: a released handle is not handed out again until the id space wraps, so a
+	 * stale handle fails with NV_ERR_OBJECT_NOT_FOUND instead of naming a new page.
+	 */
+	id = idr_alloc_cyclic(&state->pages, page, 1, (int)UVM_VMEM_MAX_HANDLE, GFP_KERNEL);
 	if (id >= 0) {
 		page->handle = id;
 		state->bytes += page->page_size;
 	}
-	mutex_unlock(&state->lock);
+	uvm_mutex_unlock(&state->lock);
 	if (id < 0) {
 		status = NV_ERR_NO_MEMORY;
 		goto error;
@@ -442,92 +815,157 @@ error:
 	return status;
 }
 
-static struct vmem_page *vmem_page_get(struct vmem_state *state, NvU64 handle)
+/*
+ * Shared by MAP and MAP_BATCH: copies nothing, entries are in kernel memory. Takes the
+ * locks.
+ */
+static NV_STATUS vmem_map(uvm_va_space_t *va_space, const UVM_VMEM_BATCH_ENTRY *entries,
+			  NvU32 count, NvU32 *done)
 {
-	if (!handle || handle > VMEM_MAX_HANDLE)
-		return NULL;
-	return idr_find(&state->pages, (int)handle);
+	struct vmem_state *state;
+	struct vmem_page **pages;
+	NV_STATUS status;
+
+	*done = 0;
+	state = vmem_state_for_caller(va_space, &status);
+	if (!state)
+		return status;
+	pages = uvm_kvmalloc(count * sizeof(*pages));
+	if (!pages)
+		return NV_ERR_NO_MEMORY;
+	uvm_va_space_down_read(va_space);
+	uvm_mutex_lock(&state->lock);
+	status = vmem_entries_map(va_space, state, entries, count, pages, done);
+	uvm_mutex_unlock(&state->lock);
+	uvm_va_space_up_read(va_space);
+	uvm_kvfree(pages);
+	return status;
 }
 
 NV_STATUS uvm_api_vmem_map(UVM_VMEM_MAP_PARAMS *params, struct file *filp)
 {
-	uvm_va_space_t *va_space = uvm_va_space_get(filp);
-	struct vmem_state *state = vmem_state_find(va_space, false);
-	uvm_gpu_va_space_t *gpu_va_space;
-	struct vmem_range *range;
-	struct vmem_page *page;
-	NV_STATUS status;
+	UVM_VMEM_BATCH_ENTRY entry = { .base = params->base, .handle = params->handle };
+	NvU32 done;
 
 	if (params->flags)
 		return NV_ERR_INVALID_ARGUMENT;
-	if (!state)
-		return NV_ERR_OBJECT_NOT_FOUND;
+	return vmem_map(uvm_va_space_get(filp), &entry, 1, &done);
+}
+
+/* Copies a batch's entries in; NULL with *status set on failure. */
+static UVM_VMEM_BATCH_ENTRY *vmem_batch_copy_in(const UVM_VMEM_BATCH_PARAMS *params,
+						NV_STATUS *status)
+{
+	UVM_VMEM_BATCH_ENTRY *entries;
+	size_t bytes;
+
+	if (!uvm_vmem_batch_ok(params->count, params->flags)) {
+		*status = NV_ERR_INVALID_ARGUMENT;
+		return NULL;
+	}
+	bytes = (size_t)params->count * sizeof(*entries);
+	entries = uvm_kvmalloc(bytes);
+	if (!entries) {
+		*status = NV_ERR_NO_MEMORY;
+		return NULL;
+	}
+	if (copy_from_user(entries, (const void __user *)(uintptr_t)params->entries, bytes)) {
+		uvm_kvfree(entries);
+		*status = NV_ERR_INVALID_ADDRESS;
+		return NULL;
+	}
+	return entries;
+}
+
+NV_STATUS uvm_api_vmem_map_batch(UVM_VMEM_MAP_BATCH_PARAMS *params, struct file *filp)
+{
+	UVM_VMEM_BATCH_ENTRY *entries;
+	NV_STATUS status;
+
+	params->done = 0;
+	entries = vmem_batch_copy_in(params, &status);
+	if (!entries)
+		return status;
+	status = vmem_map(uvm_va_space_get(filp), entries, params->count, &params->done);
+	uvm_kvfree(entries);
+	return status;
+}
+
+NV_STATUS uvm_api_vmem_unmap_batch(UVM_VMEM_UNMAP_BATCH_PARAMS *params, struct file *filp)
+{
+	uvm_va_space_t *va_space = uvm_va_space_get(filp);
+	struct vmem_state *state;
+	UVM_VMEM_BATCH_ENTRY *entries;
+	struct vmem_page **pages = NULL;
+	struct vmem_page *page;
+	NV_STATUS status;
+	NvU32 i, picked = 0;
+
+	params->done = 0;
+	entries = vmem_batch_copy_in(params, &status);
+	if (!entries)
+		return status;
+	state = vmem_state_for_caller(va_space, &status);
+	if (state) {
+		pages = uvm_kvmalloc(params->count * sizeof(*pages));
+		if (!pages)
+			status = NV_ERR_NO_MEMORY;
+	}
+	if (status != NV_OK)
+		goto out_free;
 
 	uvm_va_space_down_read(va_space);
-	mutex_lock(&state->lock);
-	page = vmem_page_get(state, params->handle);
-	if (!page) {
-		status = NV_ERR_OBJECT_NOT_FOUND;
-		goto out;
+	uvm_mutex_lock(&state->lock);
+	/* Validate every entry first: on a bad one nothing is unmapped. */
+	for (i = 0; i < params->count; i++) {
+		page = vmem_mapped_overlap(state, entries[i].base, 1);
+		if (!page || page->address != entries[i].base) {
+			status = NV_ERR_INVALID_ADDRESS;
+			break;
+		}
+		if (page->handle != entries[i].handle) {
+			status = NV_ERR_OBJECT_NOT_FOUND;
+			break;
+		}
+		if (page->picked) {	/* named twice */
+			status = NV_ERR_INVALID_ARGUMENT;
+			break;
+		}
+		page->picked = true;
+		pages[picked++] = page;
 	}
-	if (page->range) {
-		status = NV_ERR_IN_USE;
-		goto out;
-	}
-	if (params->base % page->page_size) {
-		status = NV_ERR_INVALID_ARGUMENT;
-		goto out;
-	}
-	range = vmem_range_containing(state, params->base, page->page_size);
-	if (!range || range->gpu != page->gpu ||
-	    vmem_mapped_overlap(state, params->base, page->page_size)) {
-		status = NV_ERR_INVALID_ADDRESS;
-		goto out;
-	}
-	gpu_va_space = uvm_gpu_va_space_get(va_space, page->gpu);
-	if (!gpu_va_space) {
-		status = NV_ERR_INVALID_DEVICE;
-		goto out;
-	}
-	status = uvm_page_table_range_vec_create(&gpu_va_space->page_tables, params->base,
-						 page->page_size,
-						 vmem_mmu_page_size(page->page_size),
-						 UVM_PMM_ALLOC_FLAGS_EVICT, &page->ptes);
-	if (status != NV_OK)
-		goto out;
-	status = uvm_page_table_range_vec_write_ptes(page->ptes, UVM_MEMBAR_NONE,
-						     vmem_pte_maker, page);
-	if (status != NV_OK) {
-		uvm_page_table_range_vec_destroy(page->ptes);
-		page->ptes = NULL;
-		goto out;
-	}
-	page->address = params->base;
-	page->range = range;
-	range->mapped_pages++;
-	vmem_mapped_insert(state, page);
-out:
-	mutex_unlock(&state->lock);
+	for (i = 0; i < picked; i++)
+		pages[i]->picked = false;
+	if (status == NV_OK)
+		status = vmem_pages_unmap(state, pages, params->count, &params->done);
+	uvm_mutex_unlock(&state->lock);
 	uvm_va_space_up_read(va_space);
+out_free:
+	uvm_kvfree(pages);
+	uvm_kvfree(entries);
 	return status;
 }
 
 NV_STATUS uvm_api_vmem_unmap(UVM_VMEM_UNMAP_PARAMS *params, struct file *filp)
 {
 	uvm_va_space_t *va_space = uvm_va_space_get(filp);
-	struct vmem_state *state = vmem_state_find(va_space, false);
+	struct vmem_state *state;
+	struct vmem_page *pages[64];
 	struct vmem_page *page;
 	NvU64 at, end;
-	NV_STATUS status = NV_OK;
+	NvU32 n, done;
+	NV_STATUS status;
 
-	if (params->flags || !params->length || params->base > ~0ULL - params->length)
+	params->unmapped = 0;
+	if (!uvm_vmem_unmap_ok(params->base, params->length, params->flags))
 		return NV_ERR_INVALID_ARGUMENT;
+	state = vmem_state_for_caller(va_space, &status);
 	if (!state)
-		return NV_ERR_INVALID_ADDRESS;
+		return status;
 	end = params->base + params->length;
 
 	uvm_va_space_down_read(va_space);
-	mutex_lock(&state->lock);
+	uvm_mutex_lock(&state->lock);
 	/* Validate the whole run first: on error nothing is unmapped. */
 	for (at = params->base; at < end; at += page->page_size) {
 		page = vmem_mapped_overlap(state, at, 1);
@@ -536,13 +974,18 @@ NV_STATUS uvm_api_vmem_unmap(UVM_VMEM_UNMAP_PARAMS *params, struct file *filp)
 			goto out;
 		}
 	}
+	/* Then in batches of up to 64 pages, each with one TLB invalidate. */
 	for (at = params->base; at < end && status == NV_OK; ) {
-		page = vmem_mapped_overlap(state, at, 1);
-		at += page->page_size;
-		status = vmem_page_unmap(state, page, false);
+		for (n = 0; n < ARRAY_SIZE(pages) && at < end; n++) {
+			pages[n] = vmem_mapped_overlap(state, at, 1);
+			at += pages[n]->page_size;
+		}
+		status = vmem_pages_unmap(state, pages, n, &done);
+		while (done--)
+			params->unmapped += pages[done]->page_size;
 	}
 out:
-	mutex_unlock(&state->lock);
+	uvm_mutex_unlock(&state->lock);
 	uvm_va_space_up_read(va_space);
 	return status;
 }
@@ -550,28 +993,31 @@ out:
 NV_STATUS uvm_api_vmem_release(UVM_VMEM_RELEASE_PARAMS *params, struct file *filp)
 {
 	uvm_va_space_t *va_space = uvm_va_space_get(filp);
-	struct vmem_state *state = vmem_state_find(va_space, false);
+	struct vmem_state *state;
 	struct vmem_page *page;
-	NV_STATUS status = NV_OK;
+	NV_STATUS status;
+	NvU32 done;
 
-	if (params->flags & ~UVM_VMEM_RELEASE_UNMAP)
-		return NV_ERR_INVALID_ARGUMENT;
+	if (!uvm_vmem_release_ok(params->handle, params->flags))
+		return params->flags & ~UVM_VMEM_RELEASE_UNMAP ? NV_ERR_INVALID_ARGUMENT :
+								 NV_ERR_OBJECT_NOT_FOUND;
+	state = vmem_state_for_caller(va_space, &status);
 	if (!state)
-		return NV_ERR_OBJECT_NOT_FOUND;
+		return status;
 
 	uvm_va_space_down_read(va_space);
-	mutex_lock(&state->lock);
-	page = vmem_page_get(state, params->handle);
+	uvm_mutex_lock(&state->lock);
+	page = idr_find(&state->pages, (int)params->handle);
 	if (!page) {
 		status = NV_ERR_OBJECT_NOT_FOUND;
 	} else if (page->range && !(params->flags & UVM_VMEM_RELEASE_UNMAP)) {
 		status = NV_ERR_IN_USE;
 	} else {
-		status = vmem_page_unmap(state, page, false);
+		status = page->range ? vmem_pages_unmap(state, &page, 1, &done) : NV_OK;
 		if (status == NV_OK)
 			vmem_page_free(state, page);
 	}
-	mutex_unlock(&state->lock);
+	uvm_mutex_unlock(&state->lock);
 	uvm_va_space_up_read(va_space);
 	return status;
 }
@@ -579,27 +1025,42 @@ NV_STATUS uvm_api_vmem_release(UVM_VMEM_RELEASE_PARAMS *params, struct file *fil
 NV_STATUS uvm_api_vmem_free(UVM_VMEM_FREE_PARAMS *params, struct file *filp)
 {
 	uvm_va_space_t *va_space = uvm_va_space_get(filp);
-	struct vmem_state *state = vmem_state_find(va_space, false);
-	struct vmem_range *range;
-	NV_STATUS status = NV_ERR_INVALID_ADDRESS;
+	struct vmem_state *state;
+	struct vmem_range *range, *found = NULL;
+	NV_STATUS status;
 
 	if (params->flags)
 		return NV_ERR_INVALID_ARGUMENT;
+	state = vmem_state_for_caller(va_space, &status);
 	if (!state)
-		return NV_ERR_INVALID_ADDRESS;
+		return status;
 
-	mutex_lock(&state->lock);
+	status = NV_ERR_INVALID_ADDRESS;
+	uvm_mutex_lock(&state->lock);
 	list_for_each_entry(range, &state->ranges, link) {
 		if (range->base != params->base)
 			continue;
 		if (range->mapped_pages) {
 			status = NV_ERR_IN_USE;
 		} else {
-			vmem_range_free(range, true);
+			list_del(&range->link);
+			found = range;
 			status = NV_OK;
 		}
 		break;
 	}
-	mutex_unlock(&state->lock);
+	uvm_mutex_unlock(&state->lock);
+
+	/*
+	 * Unlinked under the lock, unmapped after dropping it: vm_munmap takes mmap_lock for
+	 * writing, and UVM's GPU VA space teardown holds mmap_lock (read) -> VA space lock ->
+	 * our hook -> state->lock. Calling it under state->lock would deadlock (ABBA) against
+	 * a thread of this process closing a CUDA context. The caller is the range's process
+	 * (vmem_state_for_caller), so current->mm is where the reservation lives.
+	 */
+	if (found) {
+		vm_munmap(found->cpu_start, found->cpu_length);
+		uvm_kvfree(found);
+	}
 	return status;
 }

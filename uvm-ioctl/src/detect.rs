@@ -17,7 +17,14 @@ pub enum DriverStatus {
         /// The NVIDIA driver version, when the system reports it.
         driver_version: Option<String>,
     },
-    /// nvidia-uvm has the vMem patch.
+    /// nvidia-uvm has the vMem patch, of an interface version this crate does not speak.
+    Incompatible {
+        /// The NVIDIA driver version, when the system reports it.
+        driver_version: Option<String>,
+        /// What the extension reports (its `version` is not this crate's).
+        info: VmemInfo,
+    },
+    /// nvidia-uvm has the vMem patch, of this crate's interface version.
     Patched {
         /// The NVIDIA driver version, when the system reports it.
         driver_version: Option<String>,
@@ -35,6 +42,17 @@ impl DriverStatus {
             DriverStatus::Stock { driver_version } => {
                 format!("stock driver ({})", ver(driver_version))
             }
+            DriverStatus::Incompatible {
+                driver_version,
+                info,
+            } => format!(
+                "incompatible patch ({}; {})",
+                crate::UvmError::VersionMismatch {
+                    driver: info.version,
+                    ours: crate::bindings::UVM_VMEM_VERSION,
+                },
+                ver(driver_version)
+            ),
             DriverStatus::Patched {
                 driver_version,
                 info,
@@ -73,7 +91,13 @@ pub fn detect_at(path: &Path) -> DriverStatus {
             }
         }
     };
-    match file.query() {
+    match file.query_any_version() {
+        Ok(info) if crate::file::check_version(info.version).is_err() => {
+            DriverStatus::Incompatible {
+                driver_version,
+                info,
+            }
+        }
         Ok(info) => DriverStatus::Patched {
             driver_version,
             info,
@@ -126,6 +150,33 @@ mod tests {
                 assert!(reason.contains("not the nvidia-uvm"), "{reason}")
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn another_interface_version_is_refused_naming_both() {
+        let ours = crate::bindings::UVM_VMEM_VERSION;
+        assert!(crate::file::check_version(ours).is_ok());
+        for other in [0, 1, ours + 1, u32::MAX] {
+            let e = crate::file::check_version(other).unwrap_err();
+            let text = e.to_string();
+            assert!(
+                text.contains(&format!("v{other}")) && text.contains(&format!("v{ours}")),
+                "{text}"
+            );
+            let status = DriverStatus::Incompatible {
+                driver_version: None,
+                info: VmemInfo {
+                    version: other,
+                    page_sizes: vec![65536],
+                    range_align: 2 << 20,
+                },
+            };
+            assert!(
+                status.describe().starts_with("incompatible patch"),
+                "{}",
+                status.describe()
+            );
         }
     }
 

@@ -29,6 +29,32 @@ pub enum UvmError {
         #[source]
         source: std::io::Error,
     },
+    /// The driver ran part of a multi-page command, then failed (a GPU error): the first
+    /// `done` units (bytes for unmap, entries for a batch) took effect, the rest did not.
+    #[error("{op}: driver status {status:#x} ({}) after {done} of the units took effect", status_name(*.status))]
+    Partial {
+        /// The vMem operation.
+        op: &'static str,
+        /// Bytes or entries done before the failure.
+        done: u64,
+        /// The `NV_STATUS` code.
+        status: u32,
+    },
+    /// The driver speaks another version of the vMem interface than this crate.
+    #[error("the nvidia-uvm vMem patch speaks interface v{driver}, this crate speaks v{ours}: build the patch and the crate from the same release")]
+    VersionMismatch {
+        /// What `UVM_VMEM_QUERY` reported.
+        driver: u32,
+        /// `UVM_VMEM_VERSION` of this crate's header.
+        ours: u32,
+    },
+    /// The module knows the vMem commands but refused this one's number (EPROTO): it was
+    /// built from another version of the uapi header.
+    #[error("{op}: the nvidia-uvm vMem patch does not know this command's number (another interface version)")]
+    UnknownCommand {
+        /// The vMem operation.
+        op: &'static str,
+    },
     /// The running driver does not have the vMem patch.
     #[error("the nvidia-uvm driver does not answer the vMem ioctls (stock driver)")]
     NotPatched,
@@ -50,6 +76,7 @@ pub fn status_name(status: u32) -> &'static str {
         0x0000_0055 => "NV_ERR_NOT_READY",
         0x0000_0056 => "NV_ERR_NOT_SUPPORTED",
         0x0000_0057 => "NV_ERR_OBJECT_NOT_FOUND",
+        0x0000_0068 => "NV_ERR_UVM_ADDRESS_IN_USE",
         _ => "unknown NV_STATUS",
     }
 }

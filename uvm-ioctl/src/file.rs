@@ -2,7 +2,9 @@
 
 use crate::bindings::*;
 use crate::error::UvmError;
-use crate::ioctl::call;
+use crate::ioctl::{
+    call, Command, InitializeParams, MapBatch, PageableMemAccessParams, UnmapBatch,
+};
 use std::fs::OpenOptions;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
@@ -45,6 +47,10 @@ impl UvmFile {
     /// Finds the file the CUDA driver opened in this process (where its UVM state lives; the
     /// public reference implementation does the same) and duplicates its descriptor, so the
     /// returned handle shares that state. Call after CUDA is initialised.
+    ///
+    /// CUDA opens nvidia-uvm more than once (its VA-space file, and UVM's MM file on recent
+    /// drivers): each candidate is confirmed with [`UvmFile::has_va_space`], a query with no
+    /// side effects, before it is used.
     pub fn from_cuda_process() -> Result<Self, UvmError> {
         let dir = std::fs::read_dir("/proc/self/fd").map_err(|e| UvmError::Io {
             what: "listing /proc/self/fd".into(),
@@ -71,10 +77,18 @@ impl UvmFile {
                 what: "duplicating the CUDA driver's nvidia-uvm descriptor".into(),
                 source: e,
             })?;
-            return Self::from_fd(owned);
+            let file = Self::from_fd(owned)?;
+            if file.has_va_space()? {
+                return Ok(file);
+            }
+            tracing::debug!(
+                fd,
+                "an nvidia-uvm descriptor without a VA space (UVM's MM file?)"
+            );
         }
         Err(UvmError::InvalidArgument(
-            "no open /dev/nvidia-uvm descriptor in this process: initialise CUDA first".into(),
+            "no open /dev/nvidia-uvm descriptor with a VA space in this process: initialise CUDA first"
+                .into(),
         ))
     }
 
@@ -98,8 +112,43 @@ impl UvmFile {
         }
     }
 
-    /// Version and page sizes of the vMem extension; `Err(NotPatched)` on a stock driver.
+    /// Makes this file's VA space (the stock `UVM_INITIALIZE`), as the CUDA driver does on
+    /// its own file. For tools and tests that run without CUDA: with no GPU registered on the
+    /// file, the vMem commands then validate their arguments and answer
+    /// `NV_ERR_INVALID_DEVICE`.
+    pub fn initialize(&self) -> Result<(), UvmError> {
+        call(self, &mut InitializeParams::default())
+    }
+
+    /// Whether this file has a UVM VA space: the stock `UVM_PAGEABLE_MEM_ACCESS` query
+    /// succeeds on such a file and answers `NV_ERR_ILLEGAL_ACTION` on an uninitialised file or
+    /// UVM's MM file. No side effects.
+    pub fn has_va_space(&self) -> Result<bool, UvmError> {
+        match call(self, &mut PageableMemAccessParams::default()) {
+            Ok(()) => Ok(true),
+            Err(UvmError::Status { status: 0x16, .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Issues one of this crate's commands with caller-built parameters, and turns the errno
+    /// and the driver's status into a `Result`. The typed methods validate their arguments
+    /// first; this does not, so tests and tools can check the driver's own validation.
+    pub fn ioctl<P: Command>(&self, params: &mut P) -> Result<(), UvmError> {
+        call(self, params)
+    }
+
+    /// Version and page sizes of the vMem extension. `Err(NotPatched)` on a stock driver;
+    /// `Err(VersionMismatch)` on a patch of another interface version than this crate's
+    /// (the query itself is frozen across versions, so it can always tell).
     pub fn query(&self) -> Result<VmemInfo, UvmError> {
+        let info = self.query_any_version()?;
+        check_version(info.version)?;
+        Ok(info)
+    }
+
+    /// [`UvmFile::query`] without the version check.
+    pub fn query_any_version(&self) -> Result<VmemInfo, UvmError> {
         let mut p = UVM_VMEM_QUERY_PARAMS::default();
         match call(self, &mut p) {
             Ok(()) => Ok(VmemInfo {
@@ -164,14 +213,41 @@ impl UvmFile {
         call(self, &mut p)
     }
 
-    /// Unmaps `[base, base + length)`, which must be exactly a run of mapped pages.
+    /// Unmaps `[base, base + length)`, which must be exactly a run of mapped pages. On a GPU
+    /// error part way, `Err(Partial { done })` says how many bytes from `base` were unmapped.
     pub fn unmap(&self, base: u64, length: u64) -> Result<(), UvmError> {
         let mut p = UVM_VMEM_UNMAP_PARAMS {
             base,
             length,
             ..Default::default()
         };
-        call(self, &mut p)
+        match call(self, &mut p) {
+            Err(UvmError::Status { op, status }) if p.unmapped > 0 => Err(UvmError::Partial {
+                op,
+                done: p.unmapped,
+                status,
+            }),
+            other => other,
+        }
+    }
+
+    /// Maps each `(address, page handle)` pair, all or nothing, with one TLB invalidate for
+    /// the whole batch (at most `UVM_VMEM_BATCH_MAX` pairs).
+    pub fn map_batch(&self, pairs: &[(u64, u64)]) -> Result<(), UvmError> {
+        let entries = batch_entries(pairs)?;
+        let mut p = MapBatch(batch_params(&entries));
+        let r = call(self, &mut p);
+        partial(r, p.0.done)
+    }
+
+    /// Unmaps each `(address, page handle)` pair (the handle must be the page mapped there),
+    /// with one TLB invalidate for the whole batch. On a GPU error part way,
+    /// `Err(Partial { done })` counts the pairs unmapped, in order.
+    pub fn unmap_batch(&self, pairs: &[(u64, u64)]) -> Result<(), UvmError> {
+        let entries = batch_entries(pairs)?;
+        let mut p = UnmapBatch(batch_params(&entries));
+        let r = call(self, &mut p);
+        partial(r, p.0.done)
     }
 
     /// Releases page `handle`; with `unmap_first`, unmaps it first if it is mapped.
@@ -195,6 +271,51 @@ impl UvmFile {
             ..Default::default()
         };
         call(self, &mut p)
+    }
+}
+
+/// Refuses a vMem interface version this crate was not built for.
+pub(crate) fn check_version(driver: u32) -> Result<(), UvmError> {
+    if driver == UVM_VMEM_VERSION {
+        Ok(())
+    } else {
+        Err(UvmError::VersionMismatch {
+            driver,
+            ours: UVM_VMEM_VERSION,
+        })
+    }
+}
+
+fn batch_entries(pairs: &[(u64, u64)]) -> Result<Vec<UVM_VMEM_BATCH_ENTRY>, UvmError> {
+    if pairs.is_empty() || pairs.len() > UVM_VMEM_BATCH_MAX as usize {
+        return Err(UvmError::InvalidArgument(format!(
+            "a batch holds 1 to {UVM_VMEM_BATCH_MAX} pairs, not {}",
+            pairs.len()
+        )));
+    }
+    Ok(pairs
+        .iter()
+        .map(|&(base, handle)| UVM_VMEM_BATCH_ENTRY { base, handle })
+        .collect())
+}
+
+/// The batch parameters over `entries`, which must outlive the call.
+fn batch_params(entries: &[UVM_VMEM_BATCH_ENTRY]) -> UVM_VMEM_BATCH_PARAMS {
+    UVM_VMEM_BATCH_PARAMS {
+        entries: entries.as_ptr() as u64,
+        count: entries.len() as u32,
+        ..Default::default()
+    }
+}
+
+fn partial(r: Result<(), UvmError>, done: u32) -> Result<(), UvmError> {
+    match r {
+        Err(UvmError::Status { op, status }) if done > 0 => Err(UvmError::Partial {
+            op,
+            done: done.into(),
+            status,
+        }),
+        other => other,
     }
 }
 

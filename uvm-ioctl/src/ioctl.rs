@@ -5,8 +5,15 @@ use crate::bindings::*;
 use crate::error::UvmError;
 use std::os::fd::AsRawFd;
 
-/// A vMem parameter struct and the command number it goes with.
-pub trait Command: Sized {
+mod sealed {
+    /// Only this crate's parameter structs are commands: the ioctl trusts `CMD` to match
+    /// the struct's size and layout.
+    pub trait Sealed {}
+}
+
+/// A parameter struct and the command number it goes with: the vMem commands, and the two
+/// stock UVM commands this crate issues. Sealed: implemented for this crate's types only.
+pub trait Command: Sized + sealed::Sealed {
     /// The ioctl number.
     const CMD: u32;
     /// The operation's name, for errors.
@@ -17,11 +24,12 @@ pub trait Command: Sized {
 
 macro_rules! command {
     ($ty:ty, $cmd:expr, $name:literal) => {
+        impl sealed::Sealed for $ty {}
         impl Command for $ty {
             const CMD: u32 = $cmd;
             const NAME: &'static str = $name;
             fn status(&self) -> NV_STATUS {
-                self.rmStatus
+                Status::of(self)
             }
         }
     };
@@ -34,18 +42,124 @@ command!(UVM_VMEM_MAP_PARAMS, UVM_VMEM_MAP, "vMemMap");
 command!(UVM_VMEM_UNMAP_PARAMS, UVM_VMEM_UNMAP, "vMemUnmap");
 command!(UVM_VMEM_RELEASE_PARAMS, UVM_VMEM_RELEASE, "vMemRelease");
 command!(UVM_VMEM_FREE_PARAMS, UVM_VMEM_FREE, "vMemFree");
+command!(MapBatch, UVM_VMEM_MAP_BATCH, "vMemMapBatch");
+command!(UnmapBatch, UVM_VMEM_UNMAP_BATCH, "vMemUnmapBatch");
+command!(InitializeParams, UVM_INITIALIZE, "UvmInitialize");
+command!(
+    PageableMemAccessParams,
+    UVM_PAGEABLE_MEM_ACCESS,
+    "UvmPageableMemAccess"
+);
+
+/// `UVM_VMEM_MAP_BATCH`'s parameters (the struct is shared with the unmap batch, so each
+/// command gets its own wrapper).
+#[repr(transparent)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct MapBatch(pub UVM_VMEM_BATCH_PARAMS);
+
+/// `UVM_VMEM_UNMAP_BATCH`'s parameters.
+#[repr(transparent)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct UnmapBatch(pub UVM_VMEM_BATCH_PARAMS);
+
+/// The stock `UVM_INITIALIZE` command (uvm_linux_ioctl.h; unchanged since the first open
+/// release): makes the file's VA space.
+pub const UVM_INITIALIZE: u32 = 0x3000_0001;
+
+/// The stock `UVM_PAGEABLE_MEM_ACCESS` command (uvm_ioctl.h, number 39): a query with no side
+/// effects that only a file with a VA space answers, used to tell it from UVM's MM file.
+pub const UVM_PAGEABLE_MEM_ACCESS: u32 = 39;
+
+/// `UVM_INITIALIZE_PARAMS` (uvm_linux_ioctl.h).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct InitializeParams {
+    /// IN: `UVM_INIT_FLAGS_*`; 0 for the default VA space.
+    pub flags: u64,
+    /// OUT: `rmStatus`.
+    pub rm_status: NV_STATUS,
+}
+
+/// `UVM_PAGEABLE_MEM_ACCESS_PARAMS` (uvm_ioctl.h).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PageableMemAccessParams {
+    /// OUT: whether the GPU can access pageable memory.
+    pub pageable_mem_access: u8,
+    /// OUT: `rmStatus`.
+    pub rm_status: NV_STATUS,
+}
+
+/// Where each struct keeps its `rmStatus`.
+trait Status {
+    fn of(&self) -> NV_STATUS;
+}
+
+macro_rules! status_field {
+    ($($ty:ty),*) => {
+        $(impl Status for $ty {
+            fn of(&self) -> NV_STATUS {
+                self.rmStatus
+            }
+        })*
+    };
+}
+
+status_field!(
+    UVM_VMEM_QUERY_PARAMS,
+    UVM_VMEM_RESERVE_PARAMS,
+    UVM_VMEM_CREATE_PARAMS,
+    UVM_VMEM_MAP_PARAMS,
+    UVM_VMEM_UNMAP_PARAMS,
+    UVM_VMEM_RELEASE_PARAMS,
+    UVM_VMEM_FREE_PARAMS
+);
+
+impl Status for InitializeParams {
+    fn of(&self) -> NV_STATUS {
+        self.rm_status
+    }
+}
+
+impl Status for PageableMemAccessParams {
+    fn of(&self) -> NV_STATUS {
+        self.rm_status
+    }
+}
+
+impl Status for MapBatch {
+    fn of(&self) -> NV_STATUS {
+        self.0.rmStatus
+    }
+}
+
+impl Status for UnmapBatch {
+    fn of(&self) -> NV_STATUS {
+        self.0.rmStatus
+    }
+}
 
 /// Issues command `P::CMD` on `file` with `params`, and turns the errno and the driver's
 /// status into a `Result`.
 pub(crate) fn call<P: Command>(file: &crate::UvmFile, params: &mut P) -> Result<(), UvmError> {
     // SAFETY: `file` is an open descriptor of /dev/nvidia-uvm (UvmFile checks the device
-    // number when it is made), whose ioctl handler copies exactly sizeof(P::CMD's params)
-    // bytes in and out of `arg`. `params` is an exclusively borrowed, initialised `P`, and P
-    // is the bindgen struct for P::CMD from the same header the driver compiles, so its size
-    // and layout are the driver's (the layout tests check this). The pointer outlives the
-    // call, which is synchronous.
+    // number when it is made). For every command the driver copies exactly sizeof(its
+    // params) bytes in and out of `arg`: P is sealed to this crate's structs, each the
+    // bindgen (or, for the two stock commands, hand-written `repr(C)`) twin of the C struct
+    // of P::CMD, so its size and layout are the driver's (the layout tests check this), and a
+    // vMem number carries its struct's size, so a module built from another header refuses
+    // it without copying. `params` is an exclusively borrowed, initialised `P`; the pointer
+    // outlives the call, which is synchronous. The batch commands also read `entries`, a user
+    // address the kernel checks (copy_from_user) and only reads.
     let ret = unsafe { libc::ioctl(file.as_raw_fd(), P::CMD as libc::c_ulong, params as *mut P) };
     if ret != 0 {
+        let errno = nix::errno::Errno::last();
+        if errno == nix::errno::Errno::EPROTO
+            && (P::CMD & UVM_VMEM_IOCTL_MASK) == UVM_VMEM_IOCTL_BASE
+        {
+            // The module knows the vMem family but not this number: another header version.
+            return Err(UvmError::UnknownCommand { op: P::NAME });
+        }
         return Err(UvmError::Ioctl {
             op: P::NAME,
             errno: nix::errno::Errno::last(),

@@ -33,7 +33,10 @@ mod ioctl;
 pub use detect::{detect, detect_at, driver_version, DriverStatus};
 pub use error::{status_name, UvmError};
 pub use file::{uvm_major, GpuUuid, UvmFile, VmemInfo, UVM_DEVICE};
-pub use ioctl::Command;
+pub use ioctl::{
+    Command, InitializeParams, MapBatch, PageableMemAccessParams, UnmapBatch, UVM_INITIALIZE,
+    UVM_PAGEABLE_MEM_ACCESS,
+};
 
 #[cfg(test)]
 mod tests {

@@ -52,6 +52,7 @@ fn struct_layouts_and_numbers_match_the_c_compiler() {
         layout!(UVM_VMEM_UNMAP_PARAMS {
             base,
             length,
+            unmapped,
             flags,
             rmStatus
         }),
@@ -65,6 +66,14 @@ fn struct_layouts_and_numbers_match_the_c_compiler() {
             flags,
             rmStatus
         }),
+        layout!(UVM_VMEM_BATCH_ENTRY { base, handle }),
+        layout!(UVM_VMEM_BATCH_PARAMS {
+            entries,
+            count,
+            flags,
+            done,
+            rmStatus
+        }),
         vec![
             ("UVM_VMEM_QUERY".into(), UVM_VMEM_QUERY as usize),
             ("UVM_VMEM_RESERVE".into(), UVM_VMEM_RESERVE as usize),
@@ -73,6 +82,9 @@ fn struct_layouts_and_numbers_match_the_c_compiler() {
             ("UVM_VMEM_UNMAP".into(), UVM_VMEM_UNMAP as usize),
             ("UVM_VMEM_RELEASE".into(), UVM_VMEM_RELEASE as usize),
             ("UVM_VMEM_FREE".into(), UVM_VMEM_FREE as usize),
+            ("UVM_VMEM_MAP_BATCH".into(), UVM_VMEM_MAP_BATCH as usize),
+            ("UVM_VMEM_UNMAP_BATCH".into(), UVM_VMEM_UNMAP_BATCH as usize),
+            ("UVM_VMEM_VERSION".into(), UVM_VMEM_VERSION as usize),
             ("UVM_VMEM_PAGE_SIZES".into(), UVM_VMEM_PAGE_SIZES as usize),
         ],
     ]

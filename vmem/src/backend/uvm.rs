@@ -86,10 +86,24 @@ impl RawBackend for UvmDriver {
         pages: &[PageHandle],
         page_size: u64,
     ) -> std::result::Result<(), PartialMap> {
-        for (i, p) in pages.iter().enumerate() {
-            if let Err(e) = self.file.map(addr + i as u64 * page_size, p.0) {
+        // One UVM_VMEM_MAP_BATCH per up to BATCH_MAX pages: one TLB invalidate each, and
+        // all or nothing, so on failure exactly the earlier batches are mapped.
+        let batch = uvm_ioctl::bindings::UVM_VMEM_BATCH_MAX as usize;
+        for (n, chunk) in pages.chunks(batch).enumerate() {
+            let first = n * batch;
+            let pairs: Vec<(u64, u64)> = chunk
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (addr + (first + i) as u64 * page_size, p.0))
+                .collect();
+            if let Err(e) = self.file.map_batch(&pairs) {
+                // A GPU error while undoing a failed batch leaves its first `done` mapped.
+                let done = match e {
+                    uvm_ioctl::UvmError::Partial { done, .. } => done as usize,
+                    _ => 0,
+                };
                 return Err(PartialMap {
-                    mapped: i,
+                    mapped: first + done,
                     error: e.into(),
                 });
             }
