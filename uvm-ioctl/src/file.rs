@@ -56,6 +56,7 @@ impl UvmFile {
             what: "listing /proc/self/fd".into(),
             source: e,
         })?;
+        let mut last_error = None;
         for entry in dir.flatten() {
             let Ok(target) = std::fs::read_link(entry.path()) else {
                 continue;
@@ -78,18 +79,21 @@ impl UvmFile {
                 source: e,
             })?;
             let file = Self::from_fd(owned)?;
-            if file.has_va_space()? {
-                return Ok(file);
+            match file.has_va_space() {
+                Ok(true) => return Ok(file),
+                Ok(false) => tracing::debug!(fd, "an nvidia-uvm descriptor without a VA space"),
+                Err(e) => {
+                    tracing::debug!(fd, error = %e, "an nvidia-uvm descriptor failed the query");
+                    last_error = Some(e);
+                }
             }
-            tracing::debug!(
-                fd,
-                "an nvidia-uvm descriptor without a VA space (UVM's MM file?)"
-            );
         }
-        Err(UvmError::InvalidArgument(
-            "no open /dev/nvidia-uvm descriptor with a VA space in this process: initialise CUDA first"
-                .into(),
-        ))
+        Err(last_error.unwrap_or_else(|| {
+            UvmError::InvalidArgument(
+                "no open /dev/nvidia-uvm descriptor with a VA space in this process: initialise CUDA first"
+                    .into(),
+            )
+        }))
     }
 
     /// Wraps `fd` after checking that it is the nvidia-uvm character device.
