@@ -2,6 +2,8 @@
 # GPU checks and benchmarks, built here, run on the GPU machine in one call.
 #   scripts/gpu-bench.sh build   # here: release-build vmem-gpu, vmem and the GPU tests into .carry/
 #   scripts/gpu-bench.sh run     # there: run them (carry .carry), print the table last
+#   scripts/gpu-bench.sh table-build / table   # the in-process allocation table with kvcached
+#                                # (scripts/python-gpu.sh bench-build / bench; carry .whl)
 # The GPU machine has no Rust toolchain; the binaries load libcuda at run time.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -35,9 +37,18 @@ case "${1:-}" in
     # cuBLAS and nvrtc are loaded at run time: point the loader at the CUDA toolkit's copies.
     export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     RUST_LOG=warn VMEM_OUT="$out" .carry/vmem-gpu 2>&1 | tee "$out/vmem-gpu.txt"
+    echo "== stock-driver proxy of the vMem map path (tests/gpu/uvm_semaphore_proxy.cu)"
+    /usr/local/cuda/bin/nvcc -O2 -arch=sm_90 -o /tmp/uvm-proxy tests/gpu/uvm_semaphore_proxy.cu -lcuda
+    /tmp/uvm-proxy 2>&1 | tee "$out/uvm-semaphore-proxy.txt"
+    ;;
+  table-build)
+    exec "$root/scripts/python-gpu.sh" bench-build
+    ;;
+  table)
+    exec "$root/scripts/python-gpu.sh" bench
     ;;
   *)
-    echo "usage: $0 build|run" >&2
+    echo "usage: $0 build|run|table-build|table" >&2
     exit 2
     ;;
 esac
