@@ -225,14 +225,8 @@ impl UvmFile {
             length,
             ..Default::default()
         };
-        match call(self, &mut p) {
-            Err(UvmError::Status { op, status }) if p.unmapped > 0 => Err(UvmError::Partial {
-                op,
-                done: p.unmapped,
-                status,
-            }),
-            other => other,
-        }
+        let r = call(self, &mut p);
+        partial(r, p.unmapped)
     }
 
     /// Maps each `(address, page handle)` pair, all or nothing, with one TLB invalidate for
@@ -312,13 +306,13 @@ fn batch_params(entries: &[UVM_VMEM_BATCH_ENTRY]) -> UVM_VMEM_BATCH_PARAMS {
     }
 }
 
-fn partial(r: Result<(), UvmError>, done: u32) -> Result<(), UvmError> {
+/// A driver status after `done` units took effect is `Partial`.
+fn partial(r: Result<(), UvmError>, done: impl Into<u64>) -> Result<(), UvmError> {
+    let done = done.into();
     match r {
-        Err(UvmError::Status { op, status }) if done > 0 => Err(UvmError::Partial {
-            op,
-            done: done.into(),
-            status,
-        }),
+        Err(UvmError::Status { op, status }) if done > 0 => {
+            Err(UvmError::Partial { op, done, status })
+        }
         other => other,
     }
 }

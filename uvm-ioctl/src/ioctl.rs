@@ -22,14 +22,20 @@ pub trait Command: Sized + sealed::Sealed {
     fn status(&self) -> NV_STATUS;
 }
 
+/// `command!(Type, CMD, "name")` for the bindgen structs (status in `rmStatus`), or
+/// `command!(Type, CMD, "name", |p| expression)` where the status lives elsewhere.
 macro_rules! command {
     ($ty:ty, $cmd:expr, $name:literal) => {
+        command!($ty, $cmd, $name, |p| p.rmStatus);
+    };
+    ($ty:ty, $cmd:expr, $name:literal, |$p:ident| $status:expr) => {
         impl sealed::Sealed for $ty {}
         impl Command for $ty {
             const CMD: u32 = $cmd;
             const NAME: &'static str = $name;
             fn status(&self) -> NV_STATUS {
-                Status::of(self)
+                let $p = self;
+                $status
             }
         }
     };
@@ -42,13 +48,19 @@ command!(UVM_VMEM_MAP_PARAMS, UVM_VMEM_MAP, "vMemMap");
 command!(UVM_VMEM_UNMAP_PARAMS, UVM_VMEM_UNMAP, "vMemUnmap");
 command!(UVM_VMEM_RELEASE_PARAMS, UVM_VMEM_RELEASE, "vMemRelease");
 command!(UVM_VMEM_FREE_PARAMS, UVM_VMEM_FREE, "vMemFree");
-command!(MapBatch, UVM_VMEM_MAP_BATCH, "vMemMapBatch");
-command!(UnmapBatch, UVM_VMEM_UNMAP_BATCH, "vMemUnmapBatch");
-command!(InitializeParams, UVM_INITIALIZE, "UvmInitialize");
+command!(MapBatch, UVM_VMEM_MAP_BATCH, "vMemMapBatch", |p| p
+    .0
+    .rmStatus);
+command!(UnmapBatch, UVM_VMEM_UNMAP_BATCH, "vMemUnmapBatch", |p| p
+    .0
+    .rmStatus);
+command!(InitializeParams, UVM_INITIALIZE, "UvmInitialize", |p| p
+    .rm_status);
 command!(
     PageableMemAccessParams,
     UVM_PAGEABLE_MEM_ACCESS,
-    "UvmPageableMemAccess"
+    "UvmPageableMemAccess",
+    |p| p.rm_status
 );
 
 /// `UVM_VMEM_MAP_BATCH`'s parameters (the struct is shared with the unmap batch, so each
@@ -88,55 +100,6 @@ pub struct PageableMemAccessParams {
     pub pageable_mem_access: u8,
     /// OUT: `rmStatus`.
     pub rm_status: NV_STATUS,
-}
-
-/// Where each struct keeps its `rmStatus`.
-trait Status {
-    fn of(&self) -> NV_STATUS;
-}
-
-macro_rules! status_field {
-    ($($ty:ty),*) => {
-        $(impl Status for $ty {
-            fn of(&self) -> NV_STATUS {
-                self.rmStatus
-            }
-        })*
-    };
-}
-
-status_field!(
-    UVM_VMEM_QUERY_PARAMS,
-    UVM_VMEM_RESERVE_PARAMS,
-    UVM_VMEM_CREATE_PARAMS,
-    UVM_VMEM_MAP_PARAMS,
-    UVM_VMEM_UNMAP_PARAMS,
-    UVM_VMEM_RELEASE_PARAMS,
-    UVM_VMEM_FREE_PARAMS
-);
-
-impl Status for InitializeParams {
-    fn of(&self) -> NV_STATUS {
-        self.rm_status
-    }
-}
-
-impl Status for PageableMemAccessParams {
-    fn of(&self) -> NV_STATUS {
-        self.rm_status
-    }
-}
-
-impl Status for MapBatch {
-    fn of(&self) -> NV_STATUS {
-        self.0.rmStatus
-    }
-}
-
-impl Status for UnmapBatch {
-    fn of(&self) -> NV_STATUS {
-        self.0.rmStatus
-    }
 }
 
 /// Issues command `P::CMD` on `file` with `params`, and turns the errno and the driver's
