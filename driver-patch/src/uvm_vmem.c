@@ -417,12 +417,11 @@ static NV_STATUS vmem_pages_unmap(struct vmem_state *state, struct vmem_page **p
 }
 
 /*
- * Validates and links `count` (address, page) pairs. On any error nothing stays linked and
- * *bad is the index of the first refused entry. Caller holds the VA space lock and
- * state->lock.
+ * Validates and links `count` (address, page) pairs. On any error nothing stays linked.
+ * Caller holds the VA space lock and state->lock.
  */
 static NV_STATUS vmem_entries_link(struct vmem_state *state, const UVM_VMEM_BATCH_ENTRY *entries,
-				   NvU32 count, struct vmem_page **pages, NvU32 *bad)
+				   NvU32 count, struct vmem_page **pages)
 {
 	NV_STATUS status = NV_OK;
 	struct vmem_range *range;
@@ -454,7 +453,6 @@ static NV_STATUS vmem_entries_link(struct vmem_state *state, const UVM_VMEM_BATC
 		pages[i] = page;
 	}
 	if (status != NV_OK) {
-		*bad = i;
 		while (i--)
 			vmem_page_unlink(state, pages[i]);
 	}
@@ -475,10 +473,10 @@ static NV_STATUS vmem_entries_map(uvm_va_space_t *va_space, struct vmem_state *s
 	uvm_gpu_va_space_t *gpu_va_space;
 	uvm_page_tree_t *tree;
 	NV_STATUS status;
-	NvU32 i, made, bad;
+	NvU32 i, made;
 
 	*done = 0;
-	status = vmem_entries_link(state, entries, count, pages, &bad);
+	status = vmem_entries_link(state, entries, count, pages);
 	if (status != NV_OK)
 		return status;
 
