@@ -68,7 +68,8 @@ fn py_err(e: VmemError) -> PyErr {
         | VmemError::UnknownRequest { .. }
         | VmemError::InactiveRequest(_)
         | VmemError::DoubleFree(_)
-        | VmemError::TooManyRequests(_) => InvalidArgument::new_err(msg),
+        | VmemError::TooManyRequests(_)
+        | VmemError::Unsupported { .. } => InvalidArgument::new_err(msg),
         _ => VmemError_::new_err(msg),
     }
 }
@@ -162,7 +163,7 @@ impl KVCache {
     #[new]
     #[pyo3(signature = (*, layers, kv_heads, head_dim, dtype, max_batch, max_context, page_size,
         layout, backend, device, memory_cap, prealloc, overlap, deferred_reclaim, eager_tokens,
-        reclaim_threshold, pad_rows))]
+        reclaim_threshold, pad_rows, zero_page=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -183,6 +184,7 @@ impl KVCache {
         eager_tokens: i64,
         reclaim_threshold: i64,
         pad_rows: bool,
+        zero_page: bool,
     ) -> PyResult<Self> {
         let dtype = DType::parse(dtype)?;
         let layout: Layout = layout.parse().map_err(py_err)?;
@@ -203,6 +205,7 @@ impl KVCache {
             .deferred_reclaim(deferred_reclaim)
             .eager_tokens(to_usize(eager_tokens, "eager_tokens")?)
             .pad_rows(pad_rows)
+            .zero_page(zero_page)
             .build();
         let mut cfg = cfg;
         let geo = cfg.validate().map_err(py_err)?;
@@ -388,6 +391,7 @@ impl KVCache {
         d.set_item("deferred_reclaim", inner.kv.deferred_reclaim())?;
         d.set_item("eager_tokens", c.eager_tokens)?;
         d.set_item("pad_rows", c.pad_rows)?;
+        d.set_item("zero_page", c.zero_page)?;
         d.set_item("buffers", g.buffers)?;
         d.set_item("token_bytes", g.token_bytes)?;
         d.set_item("tokens_per_page", g.tokens_per_page())?;

@@ -198,6 +198,47 @@ def test_padded_rows_map_every_active_row_as_far_as_the_longest():
     assert K[a, 999, 0, 0] == 1
 
 
+@pytest.mark.parametrize("layout", ["per-layer", "token-major"])
+def test_zero_page_makes_every_position_readable_and_keeps_the_data(layout):
+    kv = cache(layout, zero_page=True, deferred_reclaim=False)
+    assert kv.config()["zero_page"] is True
+    views = [np.from_dlpack(t) for i in range(3) for t in kv.layer(i)]
+    # Nothing is mapped, yet every row reads in full, as zeros (static-shape kernels).
+    assert all(not V.any() for V in views)
+    a, b = kv.alloc(), kv.alloc()
+    kv.step({a: 300, b: 40})
+    K = views[0]
+    K[a, :300] = 3
+    K[b, :40] = 5
+    assert K[a, :300].all() and not K[a, 300:].any()
+    kv.step({a: 1500, b: 41})  # growth replaces zero slots; the tokens stay
+    assert (K[a, :300] == 3).all() and (K[b, :40] == 5).all()
+    assert not K[a, 300:].any()  # fresh pages from the pool held nothing yet
+    kv.free(a)
+    assert set(kv.request_pages(a)) == {0}
+    assert not K[a].any()  # unmapped again: zeros, not a fault
+    assert (K[b, :40] == 5).all()
+    kv.close()
+
+
+def test_a_write_to_a_zero_slot_faults_like_unmapped_memory():
+    import subprocess
+    import sys
+    code = (
+        "import numpy as np, vmem\n"
+        "kv = vmem.KVCache(layers=1, kv_heads=1, head_dim=64, max_batch=1, max_context=2048,"
+        " dtype='fp16', page_size='64K', backend='host', overlap=False, eager_tokens=0, zero_page=True)\n"
+        "K = np.from_dlpack(kv.layer(0)[0])\n"
+        "assert not K.any()\n"
+        "print('read ok', flush=True)\n"
+        "K[0, 0] = 1\n"
+        "print('wrote', flush=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "read ok" in r.stdout and "wrote" not in r.stdout, (r.stdout, r.stderr)
+    assert r.returncode != 0
+
+
 def test_bfloat16_and_fp8_export_with_their_dlpack_codes():
     for dtype, name in [("bf16", "bfloat16"), ("fp8_e4m3", "float8_e4m3fn")]:
         kv = cache(dtype=dtype)

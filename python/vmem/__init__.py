@@ -123,12 +123,18 @@ class KVCache:
     pages on a background thread; ``deferred_reclaim`` keeps a freed id's pages for the next
     request; ``eager_tokens`` pre-maps the next id (default 1024, 0 = off);
     ``reclaim_threshold`` bytes; ``pad_rows`` maps every active row as far as the longest,
-    so a batched kernel over ``[:, :longest]`` reads only mapped memory.
+    so a batched kernel over ``[:, :longest]`` reads only mapped memory; ``zero_page`` backs
+    everything not mapped with one shared read-only page of zeros, so kernels with static
+    shapes (CUDA graphs, ``torch.compile``, attention over whole ``max_context`` rows with a
+    mask) can read any position — zeros where no token is — at the cost of one page and a
+    device synchronization before each growth. Writes still need mapped pages
+    (:meth:`step` first). Not on the patched UVM driver, which maps each page once.
 
     Unmapping waits for the GPU work queued before it (the CUDA backend synchronizes the
     context first), so no queued kernel reads memory that goes away. A view reaches only the
     memory its request has mapped: read rows ``r`` up to the length given to :meth:`step`
-    (or the longest, with ``pad_rows``); reading further faults, as with any unmapped memory.
+    (or the longest, with ``pad_rows``); reading further faults, as with any unmapped memory,
+    unless ``zero_page`` is on.
     """
 
     def __init__(
@@ -153,6 +159,7 @@ class KVCache:
         eager_tokens: Optional[int] = None,
         reclaim_threshold: Optional[Size] = None,
         pad_rows: bool = False,
+        zero_page: bool = False,
     ) -> None:
         if model is not None:
             if layers is not None or kv_heads is not None or head_dim is not None:
@@ -188,6 +195,7 @@ class KVCache:
             backend=backend, device=device, memory_cap=cap, prealloc=parse_bytes(prealloc),
             overlap=bool(overlap), deferred_reclaim=bool(deferred_reclaim),
             eager_tokens=eager_tokens, reclaim_threshold=threshold, pad_rows=bool(pad_rows),
+            zero_page=bool(zero_page),
         )
 
     # -- requests ---------------------------------------------------------------------------

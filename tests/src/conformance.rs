@@ -25,6 +25,13 @@ pub trait Contents {
     /// # Safety
     /// The span is mapped readable for the whole call.
     unsafe fn check(&self, addr: u64, len: u64, seed: u32) -> Result<u64>;
+
+    /// Counts the non-zero bytes of `[addr, addr + len)`, read as a kernel would (zero-page
+    /// slots included).
+    ///
+    /// # Safety
+    /// The span is mapped readable for the whole call.
+    unsafe fn nonzero(&self, addr: u64, len: u64) -> Result<u64>;
 }
 
 /// The pattern word `i` of a span filled with `seed` holds (the GPU kernels use the same).
@@ -55,6 +62,16 @@ impl Contents for HostContents<'_> {
             })
             .count() as u64)
     }
+
+    unsafe fn nonzero(&self, addr: u64, len: u64) -> Result<u64> {
+        let mut bytes = vec![0u8; len as usize];
+        // SAFETY: by the caller's contract the span is mapped readable (the checked `read`
+        // refuses zero slots, which are not data, so this reads them as a kernel does).
+        unsafe {
+            std::ptr::copy_nonoverlapping(addr as *const u8, bytes.as_mut_ptr(), bytes.len())
+        };
+        Ok(bytes.iter().filter(|&&b| b != 0).count() as u64)
+    }
 }
 
 fn refused<T: std::fmt::Debug>(r: Result<T>, what: &str) -> VmemError {
@@ -79,6 +96,7 @@ pub fn run_all(b: &Arc<dyn Backend>, contents: Option<&dyn Contents>) {
         misaligned_refused(&**b, page);
         release_while_mapped_refused(&**b, page);
         oom_keeps_mappings(b, page, contents);
+        zero_page(&**b, page, contents);
     }
 }
 
@@ -86,6 +104,138 @@ pub fn run_all(b: &Arc<dyn Backend>, contents: Option<&dyn Contents>) {
 pub fn run_raw<R: RawBackend + 'static>(make: impl Fn() -> R) {
     drop_with_live_mappings(&make);
     failed_map_is_rolled_back(&make);
+    zero_page_drop_and_rollback(&make);
+}
+
+/// The zero page: a zero-backed span reads as zeros; pages replace zero slots and keep their
+/// contents; unmapped pages can be zero-backed again; the refusals hold (map over a part of a
+/// zero run, zero over mapped pages, the zero page's handle as a page); a zero slot is not data
+/// for the checked read/write. Backends without a zero page must say so with
+/// [`VmemError::Unsupported`], and change nothing.
+pub fn zero_page(b: &dyn Backend, page: u64, contents: Option<&dyn Contents>) {
+    let name = b.name();
+    let r = reserve_pages(b, 8, page);
+    match b.map_zero(r, 8 * page, page) {
+        Err(VmemError::Unsupported { .. }) => {
+            let p = b.create_page(page).expect("create");
+            b.map(r, &[p], page)
+                .expect("the range is still unmapped after an unsupported map_zero");
+            b.unmap(r, page).expect("unmap");
+            b.release_page(p).expect("release");
+            b.free_range(r).expect("free");
+            return;
+        }
+        other => other.unwrap_or_else(|e| panic!("{name}: map_zero: {e}")),
+    }
+    if let Some(c) = contents {
+        // SAFETY: the span is zero-backed, so readable.
+        let n = unsafe { c.nonzero(r, 8 * page) }.expect("read the zero slots");
+        assert_eq!(n, 0, "{name}: zero slots read {n} non-zero bytes");
+    }
+    let e = refused(b.map_zero(r, page, page), "map_zero over zero slots");
+    assert!(matches!(e, VmemError::InvalidAddress { .. }), "{e}");
+    let pages: Vec<PageHandle> = (0..2)
+        .map(|_| b.create_page(page).expect("create"))
+        .collect();
+    // Pages replace zero slots (slots 2 and 3).
+    b.map(r + 2 * page, &pages, page)
+        .unwrap_or_else(|e| panic!("{name}: map over zero slots: {e}"));
+    if let Some(c) = contents {
+        for i in 0..2u64 {
+            // SAFETY: mapped read/write just above.
+            unsafe { c.fill(r + (2 + i) * page, page, 7 + i as u32) }.expect("fill");
+        }
+    }
+    // Mapped pages cannot be zero-backed; a partly-mapped span cannot be mapped.
+    let e = refused(
+        b.map_zero(r + 2 * page, page, page),
+        "map_zero over a mapped page",
+    );
+    assert!(matches!(e, VmemError::InvalidAddress { .. }), "{e}");
+    let q = b.create_page(page).expect("create");
+    let e = refused(
+        b.map(r + page, &[q, pages[0]], page),
+        "map over zero + mapped",
+    );
+    assert!(matches!(e, VmemError::InvalidAddress { .. }), "{e}");
+    // Unmap slot 3 and zero-back it again: it reads zeros, not the page it held; slot 2
+    // keeps its contents.
+    b.unmap(r + 3 * page, page).expect("unmap a page");
+    b.map_zero(r + 3 * page, page, page)
+        .unwrap_or_else(|e| panic!("{name}: zero-backing an unmapped page: {e}"));
+    if let Some(c) = contents {
+        // SAFETY: slot 2 is mapped read/write, slot 3 zero-backed.
+        let bad = unsafe { c.check(r + 2 * page, page, 7) }.expect("check");
+        assert_eq!(bad, 0, "{name}: a page lost its contents beside zero slots");
+        // SAFETY: as above.
+        let n = unsafe { c.nonzero(r + 3 * page, page) }.expect("read");
+        assert_eq!(n, 0, "{name}: a re-zeroed slot reads {n} non-zero bytes");
+        // SAFETY: as above; the check can fail.
+        let n = unsafe { c.nonzero(r + 2 * page, page) }.expect("read");
+        assert!(n > 0, "{name}: nonzero() cannot see data");
+    }
+    // The freed page maps again, into another zero slot, with its contents.
+    b.map(r + 6 * page, &[pages[1]], page)
+        .expect("remap into a zero slot");
+    if let Some(c) = contents {
+        // SAFETY: mapped just above.
+        let bad = unsafe { c.check(r + 6 * page, page, 8) }.expect("check");
+        assert_eq!(
+            bad, 0,
+            "{name}: a page lost its contents on remap over a zero slot"
+        );
+    }
+    // A range with zero slots cannot be freed; after one unmap of the mixed run it can.
+    refused(b.free_range(r), "free_range with zero slots");
+    b.unmap(r, 8 * page).expect("unmap the mixed run");
+    for p in pages.into_iter().chain([q]) {
+        b.release_page(p).expect("release");
+    }
+    b.free_range(r).expect("free");
+}
+
+/// Dropping a backend with zero slots mapped unmaps them and releases the zero page; a
+/// zero-backed span whose replacement map fails half-way is zero-backed again.
+pub fn zero_page_drop_and_rollback<R: RawBackend + 'static>(make: &impl Fn() -> R) {
+    let tally = Tally::new(make());
+    let counts = tally.counts.clone();
+    let b = Checked::wrap(tally).expect("wrap");
+    let page = b.page_sizes()[0];
+    let r = reserve_pages(&b, 8, page);
+    if let Err(VmemError::Unsupported { .. }) = b.map_zero(r, 4 * page, page) {
+        drop(b);
+        counts.assert_balanced("unsupported zero page");
+        return;
+    }
+    assert_eq!(b.zero_slots(), 4);
+    let pages: Vec<PageHandle> = (0..4)
+        .map(|_| b.create_page(page).expect("create"))
+        .collect();
+    counts
+        .fail_at_page
+        .store(counts.pages_seen.load(SeqCst) + 2, SeqCst);
+    let e = refused(
+        b.map(r, &pages, page),
+        "a map over zero slots failing half-way",
+    );
+    assert!(matches!(e, VmemError::InjectedFault(_)), "{e}");
+    assert_eq!(
+        b.mapped_pages(),
+        0,
+        "{}: the failed map left pages",
+        b.name()
+    );
+    assert_eq!(
+        b.zero_slots(),
+        4,
+        "{}: the zero slots were not restored",
+        b.name()
+    );
+    b.map(r, &pages[..2], page)
+        .expect("the map succeeds afterwards");
+    assert_eq!((b.mapped_pages(), b.zero_slots()), (2, 2));
+    drop(b);
+    counts.assert_balanced("drop with zero slots");
 }
 
 /// A range of `n` pages' worth, rounded up to the granularity.
@@ -445,6 +595,27 @@ impl<R: RawBackend> RawBackend for Tally<R> {
         unsafe { self.inner.unmap(addr, size) }?;
         self.counts.unmapped.fetch_add(size, SeqCst);
         Ok(())
+    }
+    fn create_zeroed(&self, page_size: u64) -> Result<PageHandle> {
+        let p = self.inner.create_zeroed(page_size)?;
+        self.counts.created.fetch_add(1, SeqCst);
+        Ok(p)
+    }
+    unsafe fn map_readonly(
+        &self,
+        addr: u64,
+        page: PageHandle,
+        page_size: u64,
+        count: u64,
+    ) -> std::result::Result<(), PartialMap> {
+        // SAFETY: forwarded under our caller's contract.
+        let r = unsafe { self.inner.map_readonly(addr, page, page_size, count) };
+        let done = match &r {
+            Ok(()) => count,
+            Err(p) => p.mapped as u64,
+        };
+        self.counts.mapped.fetch_add(done * page_size, SeqCst);
+        r
     }
 }
 

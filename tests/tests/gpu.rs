@@ -34,6 +34,10 @@ impl Contents for GpuContents {
         // SAFETY: forwarded under our caller's contract (the span is mapped).
         Ok(unsafe { self.0.check(addr, len, seed) }? as u64)
     }
+    unsafe fn nonzero(&self, addr: u64, len: u64) -> vmem::Result<u64> {
+        // SAFETY: forwarded under our caller's contract (the span is mapped readable).
+        unsafe { self.0.nonzero(addr, len) }
+    }
 }
 
 #[test]

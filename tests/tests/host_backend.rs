@@ -176,3 +176,155 @@ fn the_backend_is_shared_across_threads() {
     b.read(r + 3 * 2 * MIB2 + 31 * KIB64, &mut buf).unwrap();
     assert_eq!(buf, [3u8; 64]);
 }
+
+/// Reads `len` bytes at `addr` with plain loads, as a kernel with static shapes would.
+///
+/// # Safety
+/// The span is mapped readable (pages or zero slots) and nothing unmaps it meanwhile.
+unsafe fn raw_read(addr: u64, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    // SAFETY: by the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), len) };
+    out
+}
+
+/// A zero-page KV cache: every row of every buffer reads in full at any time (zeros where no
+/// token is), tokens written stay through growth, a freed request's row reads as zeros again,
+/// and a step that fails half-way leaves the rows readable and the data in place.
+#[test]
+fn zero_page_cache_reads_whole_rows_and_keeps_data() {
+    use vmem::backend::{FaultPlan, FaultyBackend};
+    use vmem::{KvCacheManager, KvConfig};
+    let host = Arc::new(HostBackend::new().unwrap());
+    let faulty = Arc::new(FaultyBackend::new(host.clone()));
+    let cfg = KvConfig::builder()
+        .layers(2)
+        .max_batch(3)
+        .max_context(1024)
+        .kv_heads(2)
+        .head_dim(64)
+        .elem_bytes(2)
+        .page_size(KIB64)
+        .overlap(false)
+        .deferred_reclaim(false)
+        .eager_tokens(0)
+        .zero_page(true)
+        .build();
+    let kv = KvCacheManager::init(faulty.clone(), cfg).unwrap();
+    // A token is 2 heads x 64 x 2 B = 256 B; a 64 KiB page holds 256 tokens; a row 1024.
+    let row = 1024 * 256;
+    let k0 = kv.layer_views()[0].k;
+    let row_addr = |r: usize| k0.element_addr([r, 0, 0, 0]).unwrap();
+    // Nothing mapped yet, one zero page: every row of every buffer reads as zeros.
+    for v in kv.layer_views() {
+        for t in [v.k, v.v] {
+            for r in 0..3 {
+                let a = t.element_addr([r, 0, 0, 0]).unwrap();
+                // SAFETY: the whole buffer is zero-backed; single thread.
+                assert!(unsafe { raw_read(a, row) }.iter().all(|&b| b == 0));
+            }
+        }
+    }
+    assert_eq!(host.zero_page_bytes(), KIB64);
+    let a = kv.alloc_reqid().unwrap();
+    kv.step(&[300, 0, 0]).unwrap(); // 2 pages per buffer
+    assert_eq!(kv.request_pages(a).unwrap(), vec![2; 4]);
+    let data: Vec<u8> = (0..300 * 256).map(|i| (i % 251) as u8 + 1).collect();
+    host.write(row_addr(a), &data).unwrap();
+    // Writes to zero slots are refused by the checked write.
+    assert!(host.write(row_addr(a) + 2 * KIB64, &[1]).is_err());
+    // SAFETY: mapped or zero-backed.
+    let seen = unsafe { raw_read(row_addr(a), row) };
+    assert_eq!(&seen[..data.len()], &data[..]);
+    assert!(seen[2 * KIB64 as usize..].iter().all(|&b| b == 0));
+    // Growth replaces zero slots, keeps the data; a failed growth changes nothing.
+    faulty.set_plan(FaultPlan {
+        map: Some(2),
+        ..FaultPlan::default()
+    });
+    assert!(kv.step(&[700, 0, 0]).is_err());
+    faulty.set_plan(FaultPlan::default());
+    // SAFETY: as above: whatever failed, the row stays readable.
+    let seen = unsafe { raw_read(row_addr(a), row) };
+    assert_eq!(&seen[..data.len()], &data[..], "a failed step lost data");
+    kv.step(&[700, 0, 0]).unwrap();
+    assert_eq!(kv.request_pages(a).unwrap(), vec![3; 4]);
+    // SAFETY: as above.
+    let seen = unsafe { raw_read(row_addr(a), row) };
+    assert_eq!(&seen[..data.len()], &data[..]);
+    // Freeing unmaps the pages and zero-backs the row again.
+    kv.free_reqid(a).unwrap();
+    assert_eq!(kv.request_pages(a).unwrap(), vec![0; 4]);
+    // SAFETY: as above.
+    assert!(unsafe { raw_read(row_addr(a), row) }
+        .iter()
+        .all(|&b| b == 0));
+    drop(kv);
+    assert_eq!(host.mapped_pages(), 0);
+    assert_eq!(host.zero_slots(), 0, "the cache left zero slots behind");
+    assert_eq!(host.reserved_ranges(), 0);
+}
+
+/// A backend that cannot back memory with a zero page refuses a zero-page cache at init with
+/// `Unsupported`, and leaves nothing behind.
+#[test]
+fn zero_page_cache_needs_a_backend_with_a_zero_page() {
+    use vmem::backend::{BackendKind, Checked, PageHandle, PartialMap, RawBackend, SimMemory};
+    use vmem::{KvCacheManager, KvConfig};
+    /// The simulation without `create_zeroed`/`map_readonly` (like the patched UVM driver).
+    #[derive(Debug)]
+    struct NoZero(SimMemory);
+    impl RawBackend for NoZero {
+        fn kind(&self) -> BackendKind {
+            self.0.kind()
+        }
+        fn page_sizes(&self) -> &[u64] {
+            self.0.page_sizes()
+        }
+        fn granularity(&self) -> u64 {
+            self.0.granularity()
+        }
+        fn reserve(&self, size: u64) -> vmem::Result<u64> {
+            self.0.reserve(size)
+        }
+        unsafe fn free_range(&self, addr: u64, size: u64) -> vmem::Result<()> {
+            // SAFETY: forwarded under our caller's contract.
+            unsafe { self.0.free_range(addr, size) }
+        }
+        fn create(&self, page_size: u64) -> vmem::Result<PageHandle> {
+            self.0.create(page_size)
+        }
+        unsafe fn release(&self, page: PageHandle, page_size: u64) -> vmem::Result<()> {
+            // SAFETY: forwarded under our caller's contract.
+            unsafe { self.0.release(page, page_size) }
+        }
+        unsafe fn map(
+            &self,
+            addr: u64,
+            pages: &[PageHandle],
+            page_size: u64,
+        ) -> Result<(), PartialMap> {
+            // SAFETY: forwarded under our caller's contract.
+            unsafe { self.0.map(addr, pages, page_size) }
+        }
+        unsafe fn unmap(&self, addr: u64, size: u64) -> vmem::Result<()> {
+            // SAFETY: forwarded under our caller's contract.
+            unsafe { self.0.unmap(addr, size) }
+        }
+    }
+    let b = Arc::new(Checked::wrap(NoZero(SimMemory::new(&[KIB64]))).unwrap());
+    let cfg = KvConfig::builder()
+        .layers(1)
+        .max_batch(2)
+        .max_context(256)
+        .eager_tokens(0)
+        .kv_heads(1)
+        .head_dim(64)
+        .elem_bytes(2)
+        .page_size(KIB64)
+        .zero_page(true)
+        .build();
+    let e = KvCacheManager::init(b.clone(), cfg).unwrap_err();
+    assert!(matches!(e, VmemError::Unsupported { .. }), "{e}");
+    assert_eq!(b.reserved_ranges(), 0, "the refused init left a range");
+}

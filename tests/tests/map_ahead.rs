@@ -103,6 +103,9 @@ impl Backend for Slow {
     fn unmap(&self, addr: u64, size: u64) -> vmem::Result<()> {
         self.inner.unmap(addr, size)
     }
+    fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> vmem::Result<()> {
+        self.inner.map_zero(addr, size, page_size)
+    }
 }
 
 #[test]

@@ -152,6 +152,19 @@ impl GpuKernels {
         Ok(out[0])
     }
 
+    /// Counts the non-zero bytes of `[addr, addr + len)`, copied to the host.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` is device memory mapped readable in this context for the whole
+    /// call.
+    pub unsafe fn nonzero(&self, addr: u64, len: u64) -> Result<u64> {
+        let mut out = vec![0u8; len as usize];
+        // SAFETY: `out` holds `len` bytes; the span is mapped readable by our caller's
+        // contract.
+        unsafe { cu::memcpy_dtoh_sync(&mut out, addr) }.map_err(cuda_err("cuMemcpyDtoH"))?;
+        Ok(out.iter().filter(|&&b| b != 0).count() as u64)
+    }
+
     /// Waits for all work on the context.
     pub fn synchronize(&self) -> Result<()> {
         cu::ctx::synchronize().map_err(cuda_err("cuCtxSynchronize"))

@@ -8,6 +8,10 @@ use std::sync::Arc;
 /// A reserved virtual range of `slices x slice_bytes`, with exact bookkeeping of the pages
 /// mapped in each slice (always a prefix of the slice).
 ///
+/// A zero-backed buffer ([`VirtualBuffer::zero_backed`]) keeps the rest of every slice
+/// backed by the backend's read-only zero page ([`Backend::map_zero`]), so the whole range
+/// can be read at any time.
+///
 /// Dropping it unmaps every page, releases them, and frees the range.
 #[derive(Debug)]
 pub struct VirtualBuffer {
@@ -17,6 +21,8 @@ pub struct VirtualBuffer {
     slice_bytes: u64,
     /// Pages mapped in each slice, in address order.
     slices: Vec<Vec<PageHandle>>,
+    /// Whether the unmapped rest of each slice is backed by the zero page.
+    zero_backed: bool,
 }
 
 impl VirtualBuffer {
@@ -45,7 +51,30 @@ impl VirtualBuffer {
             page_size,
             slice_bytes,
             slices: vec![Vec::new(); slices],
+            zero_backed: false,
         })
+    }
+
+    /// Like [`VirtualBuffer::new`], with every slice backed by the zero page until pages are
+    /// mapped into it: reads anywhere in the buffer return data or zeros, never fault.
+    /// Fails with [`VmemError::Unsupported`] on a backend without a zero page.
+    pub fn zero_backed(
+        backend: Arc<dyn Backend>,
+        slices: usize,
+        slice_bytes: u64,
+        page_size: u64,
+    ) -> Result<Self> {
+        let mut buf = VirtualBuffer::new(backend, slices, slice_bytes, page_size)?;
+        // `slices * slice_bytes` fits: `new` computed it.
+        buf.backend
+            .map_zero(buf.addr, slices as u64 * slice_bytes, page_size)?;
+        buf.zero_backed = true;
+        Ok(buf)
+    }
+
+    /// Whether the unmapped rest of each slice reads as zeros.
+    pub fn is_zero_backed(&self) -> bool {
+        self.zero_backed
     }
 
     /// Start address of the buffer.
@@ -110,8 +139,9 @@ impl VirtualBuffer {
         self.slices[i].extend_from_slice(pages);
     }
 
-    /// Unmaps the last `n` pages of slice `i` (all it has if fewer) and hands them back.
-    /// On error the slice is as it was.
+    /// Unmaps the last `n` pages of slice `i` (all it has if fewer) and hands them back;
+    /// in a zero-backed buffer the zero page takes their place. On error the slice is as it
+    /// was.
     pub fn shrink(&mut self, i: usize, n: u64) -> Result<Vec<PageHandle>> {
         let have = self.mapped(i);
         let n = n.min(have);
@@ -120,15 +150,37 @@ impl VirtualBuffer {
         }
         let keep = have - n;
         let at = self.slice_addr(i) + keep * self.page_size;
-        self.backend.unmap(at, n * self.page_size)?;
-        Ok(self.slices[i].split_off(keep as usize))
+        let len = n * self.page_size;
+        self.backend.unmap(at, len)?;
+        let pages = self.slices[i].split_off(keep as usize);
+        if self.zero_backed {
+            if let Err(e) = self.backend.map_zero(at, len, self.page_size) {
+                // Put the pages back, so the slice is as it was and stays readable.
+                if let Err(e2) = self.backend.map(at, &pages, self.page_size) {
+                    tracing::error!(error = %e2, at, len, "remapping after a failed zero-page map failed; the span is unmapped");
+                    return Ok(pages);
+                }
+                self.slices[i].extend_from_slice(&pages);
+                return Err(e);
+            }
+        }
+        Ok(pages)
+    }
+
+    /// Unmaps everything in slice `i` (zero slots included) and hands back its pages.
+    fn clear(&mut self, i: usize) -> Result<Vec<PageHandle>> {
+        if !self.zero_backed {
+            return self.shrink(i, u64::MAX);
+        }
+        self.backend.unmap(self.slice_addr(i), self.slice_bytes)?;
+        Ok(std::mem::take(&mut self.slices[i]))
     }
 }
 
 impl Drop for VirtualBuffer {
     fn drop(&mut self) {
         for i in 0..self.slices.len() {
-            match self.shrink(i, u64::MAX) {
+            match self.clear(i) {
                 Ok(pages) => {
                     for p in pages {
                         if let Err(e) = self.backend.release_page(p) {

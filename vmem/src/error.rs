@@ -125,6 +125,15 @@ pub enum VmemError {
         why: String,
     },
 
+    /// The backend cannot do this operation at all (not a bad argument: another backend can).
+    #[error("the {backend} backend cannot {what}")]
+    Unsupported {
+        /// Backend that was asked.
+        backend: &'static str,
+        /// What it cannot do.
+        what: &'static str,
+    },
+
     /// A fault injected by [`crate::backend::FaultyBackend`] (tests only).
     #[error("injected fault in {0}")]
     InjectedFault(&'static str),

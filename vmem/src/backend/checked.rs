@@ -14,6 +14,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 /// * handles must be live pages of this backend, of the right size, unmapped for `map` and
 ///   `release`, and named once per `map`;
 /// * a `map` the driver fails half-way is rolled back: nothing of the call stays mapped;
+/// * zero-page slots ([`Backend::map_zero`]) are mappings of one page this backend owns
+///   and never hands out: `map` replaces them, `unmap` removes them;
 /// * a failed call changes no bookkeeping, so every prior mapping is intact;
 /// * dropping it unmaps whatever is still mapped, releases every live page and frees every
 ///   range, in that order, through the driver.
@@ -63,14 +65,26 @@ impl<R: RawBackend> Checked<R> {
         &self.raw
     }
 
-    /// Number of pages currently mapped.
+    /// Number of pages currently mapped (zero-page slots not counted).
     pub fn mapped_pages(&self) -> usize {
-        self.lock().mapped.len()
+        self.lock().mapped_handles.len()
+    }
+
+    /// Number of slots backed by the zero page.
+    pub fn zero_slots(&self) -> usize {
+        let book = self.lock();
+        book.mapped.len() - book.mapped_handles.len()
     }
 
     /// Number of live (created, not released) pages.
     pub fn live_pages(&self) -> usize {
         self.lock().live.len()
+    }
+
+    /// Bytes held by zero pages (one per page size used with [`Backend::map_zero`]; kept
+    /// until the backend is dropped).
+    pub fn zero_page_bytes(&self) -> u64 {
+        self.lock().zero.keys().sum()
     }
 
     /// Number of reserved ranges.
@@ -79,7 +93,7 @@ impl<R: RawBackend> Checked<R> {
     }
 
     /// Runs `f` with the lock held after checking that every byte of `[addr, addr + len)`
-    /// lies in a mapped page, so no mapping of the span can go away while `f` runs.
+    /// lies in a mapped page (not a zero-page slot), so no mapping of the span can go away while `f` runs.
     pub(crate) fn with_mapped_span<T>(
         &self,
         addr: u64,
@@ -201,11 +215,17 @@ impl<R: RawBackend> Backend for Checked<R> {
         self.check_page_size(page_size)
             .map_err(|e| self.refuse("map", e))?;
         let mut book = self.lock();
-        let total = book
+        let (total, zero_backed) = book
             .check_map(addr, pages, page_size)
             .map_err(|e| self.refuse("map", e))?;
+        if zero_backed {
+            // SAFETY: the span is exactly a run of zero-page slots this backend mapped
+            // (check_map); the zero page is read-only, so no host access to it is in flight.
+            unsafe { self.raw.unmap(addr, total) }?;
+            book.record_unmap(addr, total);
+        }
         // SAFETY: check_map verified every clause of RawBackend::map's contract under the
-        // lock, which every other operation takes too.
+        // lock, which every other operation takes too (a zero-backed span was just unmapped).
         if let Err(partial) = unsafe { self.raw.map(addr, pages, page_size) } {
             let done = partial.mapped.min(pages.len()) as u64 * page_size;
             if done > 0 {
@@ -217,6 +237,11 @@ impl<R: RawBackend> Backend for Checked<R> {
                     // and Drop can clean them up.
                     tracing::error!(error = %e, addr, done, "rolling back a failed map failed");
                     book.record_map(addr, &pages[..partial.mapped], page_size);
+                }
+            }
+            if zero_backed && book.check_unmapped(addr, total).is_ok() {
+                if let Err(e) = self.map_zero_locked(&mut book, addr, total, page_size) {
+                    tracing::error!(error = %e, addr, total, "restoring the zero page failed");
                 }
             }
             tracing::debug!(
@@ -251,6 +276,50 @@ impl<R: RawBackend> Backend for Checked<R> {
         tracing::trace!(backend = self.raw.kind().name(), addr, size, "unmap");
         Ok(())
     }
+
+    fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> Result<()> {
+        self.check_page_size(page_size)
+            .map_err(|e| self.refuse("map_zero", e))?;
+        let mut book = self.lock();
+        book.check_inside(addr, size, page_size)
+            .and_then(|()| book.check_unmapped(addr, size))
+            .map_err(|e| self.refuse("map_zero", e))?;
+        self.map_zero_locked(&mut book, addr, size, page_size)?;
+        MutexGuard::unlock_fair(book);
+        tracing::trace!(backend = self.raw.kind().name(), addr, size, "map_zero");
+        Ok(())
+    }
+}
+
+impl<R: RawBackend> Checked<R> {
+    /// Backs the unmapped, checked span with the zero page of `page_size`, creating it first
+    /// if needed. On error nothing of the span is mapped.
+    fn map_zero_locked(&self, book: &mut Book, addr: u64, size: u64, page_size: u64) -> Result<()> {
+        let zero = match book.zero.get(&page_size) {
+            Some(&z) => z,
+            None => {
+                let z = self.raw.create_zeroed(page_size)?;
+                book.zero.insert(page_size, z);
+                z
+            }
+        };
+        let count = size / page_size;
+        // SAFETY: the caller checked that the span lies inside one reserved range, is aligned
+        // to `page_size` and has nothing mapped; `zero` came from create_zeroed(page_size).
+        if let Err(partial) = unsafe { self.raw.map_readonly(addr, zero, page_size, count) } {
+            let done = partial.mapped.min(count as usize) as u64 * page_size;
+            if done > 0 {
+                // SAFETY: exactly the slots the driver reports mapped, read-only and unseen.
+                if let Err(e) = unsafe { self.raw.unmap(addr, done) } {
+                    tracing::error!(error = %e, addr, done, "rolling back a zero-page map failed");
+                    book.record_zero(addr, done / page_size, page_size);
+                }
+            }
+            return Err(partial.error);
+        }
+        book.record_zero(addr, count, page_size);
+        Ok(())
+    }
 }
 
 impl<R: RawBackend> Drop for Checked<R> {
@@ -264,8 +333,12 @@ impl<R: RawBackend> Drop for Checked<R> {
                 tracing::error!(error = %e, addr, size, "unmapping on drop failed");
             }
         }
-        for (page, size) in book.live {
-            // SAFETY: a live page of this backend, unmapped just above.
+        for (page, size) in book
+            .live
+            .into_iter()
+            .chain(book.zero.into_iter().map(|(s, p)| (p, s)))
+        {
+            // SAFETY: a live page of this backend (or a zero page), unmapped just above.
             if let Err(e) = unsafe { self.raw.release(page, size) } {
                 tracing::error!(error = %e, page = page.0, "releasing on drop failed");
             }
@@ -284,10 +357,12 @@ impl<R: RawBackend> Drop for Checked<R> {
 struct Book {
     /// start -> size of each reserved range.
     ranges: BTreeMap<u64, u64>,
-    /// address of each mapped page -> (page, page size).
+    /// address of each mapped page or zero-page slot -> (page, page size).
     mapped: BTreeMap<u64, (PageHandle, u64)>,
-    /// the pages that are mapped somewhere.
+    /// the pages that are mapped somewhere (zero pages excepted).
     mapped_handles: HashSet<PageHandle>,
+    /// page size -> the shared read-only zero page of that size, once created.
+    zero: HashMap<u64, PageHandle>,
     /// live (created, not released) pages -> page size.
     live: HashMap<PageHandle, u64>,
     /// Scratch set for duplicate detection in `check_map`, kept to avoid an allocation per
@@ -349,14 +424,49 @@ impl Book {
         Ok(())
     }
 
-    /// Checks a whole `map` call: the span is inside a range, aligned and unmapped, and every
-    /// page is live, of this size, unmapped and named once. Returns the span's size.
-    fn check_map(&mut self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<u64> {
+    /// Whether the mapping at `addr` is a zero-page slot.
+    fn is_zero(&self, page: PageHandle, size: u64) -> bool {
+        self.zero.get(&size) == Some(&page)
+    }
+
+    /// Checks that `[addr, addr + size)` is either unmapped (`false`) or exactly covered by
+    /// zero-page slots of `page_size` (`true`).
+    fn check_unmapped_or_zero(&self, addr: u64, size: u64, page_size: u64) -> Result<bool> {
+        if self.check_unmapped(addr, size).is_ok() {
+            return Ok(false);
+        }
+        let slots = self.mapped.range(addr..addr + size);
+        let mut next = addr;
+        for (&a, &(p, len)) in slots {
+            if a != next || len != page_size || !self.is_zero(p, len) {
+                break;
+            }
+            next = a + len;
+        }
+        if next == addr + size && self.check_run(addr, size).is_ok() {
+            return Ok(true);
+        }
+        Err(VmemError::InvalidAddress {
+            addr,
+            size,
+            why: "already mapped (not all unmapped or all zero-backed)",
+        })
+    }
+
+    /// Checks a whole `map` call: the span is inside a range, aligned and unmapped (or all
+    /// zero-backed), and every page is live, of this size, unmapped and named once. Returns
+    /// the span's size and whether it is zero-backed.
+    fn check_map(
+        &mut self,
+        addr: u64,
+        pages: &[PageHandle],
+        page_size: u64,
+    ) -> Result<(u64, bool)> {
         let total = (pages.len() as u64)
             .checked_mul(page_size)
             .ok_or(VmemError::SizeOverflow("map size"))?;
         self.check_inside(addr, total, page_size)?;
-        self.check_unmapped(addr, total)?;
+        let zero_backed = self.check_unmapped_or_zero(addr, total, page_size)?;
         self.seen.clear();
         for &p in pages {
             match self.live.get(&p) {
@@ -386,7 +496,7 @@ impl Book {
                 None => return Err(VmemError::UnknownPage(p.0)),
             }
         }
-        Ok(total)
+        Ok((total, zero_backed))
     }
 
     fn record_map(&mut self, addr: u64, pages: &[PageHandle], page_size: u64) {
@@ -394,6 +504,14 @@ impl Book {
             self.mapped
                 .insert(addr + i as u64 * page_size, (p, page_size));
             self.mapped_handles.insert(p);
+        }
+    }
+
+    fn record_zero(&mut self, addr: u64, count: u64, page_size: u64) {
+        if let Some(&z) = self.zero.get(&page_size) {
+            for i in 0..count {
+                self.mapped.insert(addr + i * page_size, (z, page_size));
+            }
         }
     }
 
@@ -458,7 +576,7 @@ impl Book {
                 .mapped
                 .range(..=at)
                 .next_back()
-                .filter(|(&a, &(_, size))| at < a + size);
+                .filter(|(&a, &(p, size))| at < a + size && !self.is_zero(p, size));
             match page {
                 Some((&a, &(_, size))) => at = a + size,
                 None => {

@@ -23,6 +23,8 @@ pub struct CallCounts {
     pub pages_mapped: u64,
     /// `unmap` calls.
     pub unmap_calls: u64,
+    /// `map_zero` calls.
+    pub map_zero_calls: u64,
     /// Nanoseconds spent in `create_page`.
     pub create_ns: u64,
     /// Nanoseconds spent in `map`.
@@ -42,6 +44,7 @@ impl CallCounts {
             + self.release
             + self.map_calls
             + self.unmap_calls
+            + self.map_zero_calls
     }
 }
 
@@ -55,6 +58,7 @@ enum Counter {
     Map,
     Pages,
     Unmap,
+    MapZero,
     CreateNs,
     MapNs,
     UnmapNs,
@@ -102,6 +106,7 @@ impl CountingBackend {
             map_calls: c(Counter::Map),
             pages_mapped: c(Counter::Pages),
             unmap_calls: c(Counter::Unmap),
+            map_zero_calls: c(Counter::MapZero),
             create_ns: c(Counter::CreateNs),
             map_ns: c(Counter::MapNs),
             unmap_ns: c(Counter::UnmapNs),
@@ -165,6 +170,11 @@ impl Backend for CountingBackend {
     fn unmap(&self, addr: u64, size: u64) -> Result<()> {
         self.timed(Counter::Unmap, Counter::UnmapNs, || {
             self.inner.unmap(addr, size)
+        })
+    }
+    fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> Result<()> {
+        self.timed(Counter::MapZero, Counter::MapNs, || {
+            self.inner.map_zero(addr, size, page_size)
         })
     }
 }

@@ -258,6 +258,84 @@ impl RawBackend for CudaDriver {
         Ok(())
     }
 
+    /// A page cleared with `cuMemsetD8` through a temporary mapping of its own (cuMemCreate
+    /// makes no promise about the contents).
+    fn create_zeroed(&self, page_size: u64) -> Result<PageHandle> {
+        let page = self.create(page_size)?;
+        let va = match self.reserve(page_size) {
+            Ok(va) => va,
+            Err(e) => {
+                // SAFETY: the page was just created and never mapped.
+                let _ = unsafe { self.release(page, page_size) };
+                return Err(e);
+            }
+        };
+        let len = page_size as usize;
+        // SAFETY: `va` is a fresh reservation of one page, `page` a fresh unmapped page.
+        let cleared = unsafe { self.map(va, &[page], page_size) }
+            .map_err(|p| p.error)
+            .and_then(|()| {
+                // SAFETY: `va` maps `len` bytes read/write (just set by `map`).
+                let set = unsafe { sys::cuMemsetD8_v2(va, 0, len) }
+                    .result()
+                    .map_err(cuda_err("cuMemsetD8"));
+                let done = cu::ctx::synchronize().map_err(cuda_err("cuCtxSynchronize"));
+                // SAFETY: mapped just above; the memset finished (synchronized).
+                let unmapped = unsafe { sys::cuMemUnmap(va, len) }
+                    .result()
+                    .map_err(cuda_err("cuMemUnmap"));
+                set.and(done).and(unmapped)
+            });
+        // SAFETY: our one-page reservation, unmapped above (or never mapped).
+        let freed = unsafe { self.free_range(va, page_size) };
+        match cleared.and(freed) {
+            Ok(()) => Ok(page),
+            Err(e) => {
+                // SAFETY: the page is unmapped (the temporary mapping is gone or never was).
+                let _ = unsafe { self.release(page, page_size) };
+                Err(e)
+            }
+        }
+    }
+
+    /// `cuMemMap` of the one page at each slot, then one `cuMemSetAccess` with read-only
+    /// access over them all.
+    unsafe fn map_readonly(
+        &self,
+        addr: u64,
+        page: PageHandle,
+        page_size: u64,
+        count: u64,
+    ) -> std::result::Result<(), PartialMap> {
+        self.ctx.make_current().map_err(PartialMap::none)?;
+        for i in 0..count {
+            // SAFETY: by the caller's contract the slot is an unmapped, aligned part of our
+            // reservation and `page` a live page of `page_size` bytes (CUDA maps a handle at
+            // any number of addresses).
+            let r =
+                unsafe { sys::cuMemMap(addr + i * page_size, page_size as usize, 0, page.0, 0) };
+            if let Err(e) = r.result() {
+                return Err(PartialMap {
+                    mapped: i as usize,
+                    error: cuda_err("cuMemMap")(e),
+                });
+            }
+        }
+        let read = sys::CUmemAccessDesc {
+            location: self.access.location,
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
+        };
+        // SAFETY: the span was just mapped in full; `read` is valid for the call.
+        let r = unsafe { sys::cuMemSetAccess(addr, (count * page_size) as usize, &read, 1) };
+        if let Err(e) = r.result() {
+            return Err(PartialMap {
+                mapped: count as usize,
+                error: cuda_err("cuMemSetAccess")(e),
+            });
+        }
+        Ok(())
+    }
+
     /// Waits for every kernel and copy queued in the context, then unmaps.
     ///
     /// `cuMemUnmap` does not wait for queued work: measured on the H100, unmapping pages a

@@ -12,7 +12,7 @@ pub enum Op {
     Reserve,
     /// [`Backend::create_page`].
     Create,
-    /// [`Backend::map`].
+    /// [`Backend::map`] and [`Backend::map_zero`].
     Map,
     /// [`Backend::unmap`].
     Unmap,
@@ -43,7 +43,7 @@ impl Op {
 pub struct FaultPlan {
     /// Fail the n-th `create_page`.
     pub create: Option<u64>,
-    /// Fail the n-th `map`.
+    /// Fail the n-th `map` or `map_zero`.
     pub map: Option<u64>,
     /// Fail the n-th `unmap`.
     pub unmap: Option<u64>,
@@ -139,5 +139,9 @@ impl Backend for FaultyBackend {
     fn unmap(&self, addr: u64, size: u64) -> Result<()> {
         self.check(Op::Unmap)?;
         self.inner.unmap(addr, size)
+    }
+    fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> Result<()> {
+        self.check(Op::Map)?;
+        self.inner.map_zero(addr, size, page_size)
     }
 }

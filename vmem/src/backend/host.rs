@@ -204,7 +204,8 @@ impl RawBackend for HostMemory {
             // SAFETY: the caller guarantees [at, at + len) lies in a range this driver
             // reserved with nothing mapped, so MAP_FIXED replaces only our own PROT_NONE
             // placeholder; the offsets are slots of our memfd.
-            if let Err(error) = unsafe { sys::map_shared_fixed(&self.memfd, at, len, pages[i].0) } {
+            let r = unsafe { sys::map_shared_fixed(&self.memfd, at, len, pages[i].0, true) };
+            if let Err(error) = r {
                 return Err(PartialMap { mapped: i, error });
             }
             i = j;
@@ -215,6 +216,36 @@ impl RawBackend for HostMemory {
     unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()> {
         // SAFETY: the caller passes a run of pages this driver mapped, inside its range.
         unsafe { sys::reserve_fixed(addr, size) }
+    }
+
+    /// A fresh memfd slot reads as zeros, and a reused one was hole-punched on release.
+    fn create_zeroed(&self, page_size: u64) -> Result<PageHandle> {
+        self.create(page_size)
+    }
+
+    /// One read-only `mmap` per slot (each is a mapping of its own for the kernel, which
+    /// counts against `vm.max_map_count`).
+    unsafe fn map_readonly(
+        &self,
+        addr: u64,
+        page: PageHandle,
+        page_size: u64,
+        count: u64,
+    ) -> std::result::Result<(), PartialMap> {
+        for i in 0..count {
+            // SAFETY: as in `map`: the slot lies in our range with nothing mapped; the offset
+            // is a slot of our memfd.
+            let r = unsafe {
+                sys::map_shared_fixed(&self.memfd, addr + i * page_size, page_size, page.0, false)
+            };
+            if let Err(error) = r {
+                return Err(PartialMap {
+                    mapped: i as usize,
+                    error,
+                });
+            }
+        }
+        Ok(())
     }
 }
 
@@ -359,7 +390,7 @@ mod sys {
         Ok(())
     }
 
-    /// Maps `len` bytes of the memfd from `offset` at `addr`, read/write, shared.
+    /// Maps `len` bytes of the memfd from `offset` at `addr`, shared; read/write or read-only.
     ///
     /// # Safety
     /// `[addr, addr + len)` lies inside a range reserved by `reserve_aligned` and holds no
@@ -369,14 +400,20 @@ mod sys {
         addr: u64,
         len: u64,
         offset: u64,
+        writable: bool,
     ) -> Result<()> {
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
         // SAFETY: by the caller's contract MAP_FIXED replaces only our own PROT_NONE
         // placeholder; `fd` is our memfd.
         let p = unsafe {
             libc::mmap(
                 addr as *mut libc::c_void,
                 len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
+                prot,
                 libc::MAP_SHARED | libc::MAP_FIXED,
                 fd.as_raw_fd(),
                 offset as libc::off_t,

@@ -126,13 +126,29 @@ pub trait Backend: Send + Sync + Debug {
     fn release_page(&self, page: PageHandle) -> Result<()>;
 
     /// Maps `pages` (each of `page_size` bytes) at consecutive addresses from `addr`, inside a
-    /// reserved range, with read/write access for the device. On error nothing of this call
-    /// stays mapped.
+    /// reserved range, with read/write access for the device. The span must be unmapped, or
+    /// backed in full by the zero page of `page_size` ([`Backend::map_zero`]), which the pages
+    /// then replace. On error nothing of this call stays mapped, and a zero-backed span is
+    /// zero-backed again.
     fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()>;
 
-    /// Unmaps `[addr, addr + size)`, which must be exactly a run of mapped pages.
-    /// The pages stay alive and can be mapped again. On error nothing is unmapped.
+    /// Unmaps `[addr, addr + size)`, which must be exactly a run of mapped pages (zero-page
+    /// slots included). The pages stay alive and can be mapped again. On error nothing is
+    /// unmapped.
     fn unmap(&self, addr: u64, size: u64) -> Result<()>;
+
+    /// Backs every `page_size` slot of the unmapped span `[addr, addr + size)` with one shared,
+    /// read-only page of zeros, so that reads there return zeros instead of faulting (writes
+    /// still fault). This is what kernels with static shapes need — CUDA graphs,
+    /// `torch.compile`, attention over a whole `max_context` row with a mask: they read
+    /// positions no token has reached yet. The zero page is created on first use (one per page
+    /// size) and released when the backend goes. [`Backend::map`] replaces zero slots with
+    /// pages; [`Backend::unmap`] removes them.
+    ///
+    /// Backends that cannot map one page at several addresses fail with
+    /// [`VmemError::Unsupported`] (the patched UVM driver maps each page once). On error
+    /// nothing of this call stays mapped.
+    fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> Result<()>;
 
     /// Free memory of the device the pages come from, in bytes, where the backend can tell
     /// (CUDA: `cuMemGetInfo`); `None` where it cannot.
@@ -231,6 +247,38 @@ pub trait RawBackend: Send + Sync + Debug {
     /// Free memory of the device, in bytes, where the driver can tell.
     fn free_memory(&self) -> Option<u64> {
         None
+    }
+
+    /// Creates one page of `page_size` bytes filled with zeros, for
+    /// [`RawBackend::map_readonly`]. Drivers that cannot map a page read-only at several
+    /// addresses keep the default, which fails with [`VmemError::Unsupported`].
+    fn create_zeroed(&self, page_size: u64) -> Result<PageHandle> {
+        let _ = page_size;
+        Err(VmemError::Unsupported {
+            backend: self.kind().name(),
+            what: "back unmapped memory with a shared zero page",
+        })
+    }
+
+    /// Maps `page` read-only at each of `count` consecutive `page_size` slots from `addr`.
+    /// On failure it reports how many leading slots stay mapped (the caller unmaps them).
+    ///
+    /// # Safety
+    /// As [`RawBackend::map`] for the span `[addr, addr + count * page_size)`, except that
+    /// `page` is a page from [`RawBackend::create_zeroed`] of `page_size` bytes, which may be
+    /// mapped elsewhere too.
+    unsafe fn map_readonly(
+        &self,
+        addr: u64,
+        page: PageHandle,
+        page_size: u64,
+        count: u64,
+    ) -> std::result::Result<(), PartialMap> {
+        let _ = (addr, page, page_size, count);
+        Err(PartialMap::none(VmemError::Unsupported {
+            backend: self.kind().name(),
+            what: "back unmapped memory with a shared zero page",
+        }))
     }
 
     /// Unmaps `[addr, addr + size)`; the pages stay alive. On error nothing is unmapped.

@@ -133,4 +133,18 @@ impl RawBackend for SimMemory {
     unsafe fn unmap(&self, _addr: u64, _size: u64) -> Result<()> {
         Ok(())
     }
+
+    fn create_zeroed(&self, page_size: u64) -> Result<PageHandle> {
+        self.create(page_size)
+    }
+
+    unsafe fn map_readonly(
+        &self,
+        _addr: u64,
+        _page: PageHandle,
+        _page_size: u64,
+        _count: u64,
+    ) -> std::result::Result<(), PartialMap> {
+        Ok(())
+    }
 }

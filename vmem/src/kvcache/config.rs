@@ -90,6 +90,14 @@ pub struct KvConfig {
     /// reading every row up to the batch's length (SDPA over `[B, len]` with a mask) reads
     /// only mapped memory. The extra pages count as mapped, not as KV data.
     pub pad_rows: bool,
+    /// Back every part of every buffer that holds no page with one shared read-only page of
+    /// zeros ([`Backend::map_zero`](crate::backend::Backend::map_zero)), so that kernels with
+    /// static shapes — CUDA graphs, `torch.compile`, attention over whole `max_context` rows
+    /// with a mask, as transformers' `StaticCache` does — can read any position: positions no
+    /// token has reached read as zeros. Costs one page of memory, and a synchronization of
+    /// the device before each growth (the zero slots a queued kernel may read are unmapped
+    /// to make room). Writes to positions that are not mapped still fault: map first.
+    pub zero_page: bool,
     /// Give the pool's idle pages back to the driver while the device's free memory (as the
     /// backend reports it) is below this many bytes; 0 = never. The pool still grows to its
     /// cap when steps need pages.
@@ -149,6 +157,8 @@ impl KvConfigBuilder {
         reclaim_threshold: u64,
         /// Map every active row as far as the longest one.
         pad_rows: bool,
+        /// Back what is not mapped with a shared read-only zero page.
+        zero_page: bool,
         /// Release idle pool pages while free device memory is below this (0 = never).
         min_free_memory: u64,
     }
@@ -178,6 +188,7 @@ impl KvConfig {
             eager_tokens: 1024,
             reclaim_threshold: 1 << 30,
             pad_rows: false,
+            zero_page: false,
             min_free_memory: 0,
         })
     }

@@ -132,7 +132,12 @@ impl KvCacheManager {
         let pool = PagePool::new(backend.clone(), cfg.page_size, cfg.memory_cap, cfg.prealloc)?;
         let buffers = (0..geo.buffers)
             .map(|_| {
-                VirtualBuffer::new(
+                let new = if cfg.zero_page {
+                    VirtualBuffer::zero_backed
+                } else {
+                    VirtualBuffer::new
+                };
+                new(
                     backend.clone(),
                     cfg.max_batch,
                     geo.slice_bytes,
