@@ -4,6 +4,8 @@
 #   scripts/python-gpu.sh run     # there (carry .whl): install it, run the pytest suite with
 #                                 # torch and transformers, then python/tests/gpu_check.py
 #   scripts/python-gpu.sh prefill # there (carry .whl): TTFT of demand paging (prefill_cost.py)
+#   scripts/python-gpu.sh compiled # there (carry .whl): VmemCache(static=True) vs StaticCache,
+#                                 # both compiled by generate (CUDA graphs): compiled_bench.py
 #   scripts/python-gpu.sh bench-build  # here: the wheel with the `bench` feature, into .whl/
 #   scripts/python-gpu.sh bench   # there (carry .whl): the in-process allocation benchmark,
 #                                 # vmem vs raw CUDA VMM vs kvcached; kvcached's PyPI sdist must
@@ -39,6 +41,19 @@ case "${1:-}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/vmem-*.whl
     PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 OUT="$out" python3 python/tests/prefill_cost.py 2>&1 | tee "$out/prefill_cost.txt"
     ;;
+  compiled)
+    cd "$root"
+    out=${OUT:-/tmp/vmem-python-gpu}
+    mkdir -p "$out"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/vmem-*.whl
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    status=0
+    echo "== pytest python/tests/test_hf.py python/tests/test_kvcache.py (torch, transformers present)"
+    python3 -m pytest -q -rs -p no:cacheprovider python/tests/test_hf.py python/tests/test_kvcache.py 2>&1 | tee "$out/pytest-hf.txt" || status=1
+    echo "== python/tests/compiled_bench.py"
+    OUT="$out" python3 python/tests/compiled_bench.py 2>&1 | tee "$out/compiled_bench.txt" || status=1
+    exit $status
+    ;;
   bench-build)
     cd "$root/python"
     rm -f "$root"/.whl/vmem-*.whl
@@ -56,7 +71,7 @@ case "${1:-}" in
     OUT="$out" python3 python/tests/alloc_bench.py 2>&1 | tee "$out/alloc_bench.txt"
     ;;
   *)
-    echo "usage: $0 build|run|prefill|bench-build|bench" >&2
+    echo "usage: $0 build|run|prefill|compiled|bench-build|bench" >&2
     exit 2
     ;;
 esac

@@ -31,3 +31,45 @@ def test_logits_match_dynamic_cache_on_cpu():
         ref = model(torch.cat([ids, nxt], 1)).logits[:, -1:]
         torch.testing.assert_close(a2, ref, rtol=1e-4, atol=1e-4)
     assert cache.get_seq_length() == 17
+
+
+def test_static_mode_returns_full_views_over_zero_backed_memory_and_matches_dynamic():
+    model = tiny_llama()
+    ids = torch.randint(0, 256, (2, 16))
+    cache = VmemCache(model.config, 2, 256, device="cpu", dtype=torch.float32, page_size="64K", static=True)
+    assert cache.is_compileable
+    with torch.no_grad():
+        a = model(ids, past_key_values=cache, use_cache=True).logits
+        b = model(ids, use_cache=True).logits
+        torch.testing.assert_close(a, b)
+        nxt = a[:, -1:].argmax(-1)
+        a2 = model(nxt, past_key_values=cache, use_cache=True).logits
+        ref = model(torch.cat([ids, nxt], 1)).logits[:, -1:]
+        torch.testing.assert_close(a2, ref, rtol=1e-4, atol=1e-4)
+    layer = cache.layers[0]
+    assert layer.keys.shape == (2, 2, 256, 32)  # [B, H, max_cache_len, D]: static shapes
+    assert int(cache.get_seq_length()) == 17
+    assert layer.keys[:, :, :17].abs().sum() > 0
+    assert not layer.keys[:, :, 17:].any()  # past the tokens: mapped-but-unwritten or zero page
+    # Memory: the tokens' pages (a 64K page holds 256 tokens of 2 x 32 fp32) and no more.
+    u = cache.memory()
+    assert u["mapped_bytes"] == 2 * 2 * 2 * (64 << 10), u
+    cache.reset()
+    assert cache.memory()["mapped_bytes"] == 0
+    assert int(cache.get_seq_length()) == 0 and not layer.keys.any()
+
+
+def test_static_mode_generate_matches_static_cache_on_cpu():
+    model = tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50.0)  # decisive logits: greedy tokens must agree exactly
+    ids = torch.randint(3, 256, (2, 12))
+    mask = torch.ones_like(ids)
+    ids[0, :5] = 0
+    mask[0, :5] = 0  # left padding
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    with torch.no_grad():
+        ref = model.generate(**kw, past_key_values=transformers.StaticCache(config=model.config, max_cache_len=64))
+        vm = model.generate(**kw, past_key_values=VmemCache(model.config, 2, 64, device="cpu",
+                                                            dtype=torch.float32, page_size="64K", static=True))
+    assert torch.equal(ref, vm)
