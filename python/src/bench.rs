@@ -155,6 +155,14 @@ impl RawPages {
         })
     }
 
+    /// cuCtxSynchronize, then cuMemUnmap of page `i`: the raw calls with the ordering vmem's
+    /// unmap guarantees (no queued kernel can still read the page).
+    fn unmap_page_synced(&self, i: usize) -> PyResult<()> {
+        // SAFETY: no memory is touched; the primary context is current on this thread.
+        cu("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
+        self.unmap_page(i)
+    }
+
     /// cuMemMap of pages `0..n`, one cuMemSetAccess over the run.
     fn map_run(&self, n: usize) -> PyResult<()> {
         for i in 0..n {
