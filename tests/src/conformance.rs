@@ -64,14 +64,23 @@ impl Contents for HostContents<'_> {
     }
 
     unsafe fn nonzero(&self, addr: u64, len: u64) -> Result<u64> {
-        let mut bytes = vec![0u8; len as usize];
-        // SAFETY: by the caller's contract the span is mapped readable (the checked `read`
-        // refuses zero slots, which are not data, so this reads them as a kernel does).
-        unsafe {
-            std::ptr::copy_nonoverlapping(addr as *const u8, bytes.as_mut_ptr(), bytes.len())
-        };
+        // SAFETY: by the caller's contract the span is mapped readable.
+        let bytes = unsafe { read_host(addr, len as usize) };
         Ok(bytes.iter().filter(|&&b| b != 0).count() as u64)
     }
+}
+
+/// Reads `len` bytes of host-backend memory at `addr` with plain loads, as a kernel would:
+/// unlike the checked `read`, which refuses zero-page slots (they are not data), it reads
+/// whatever is mapped readable.
+///
+/// # Safety
+/// The span is mapped readable (pages or zero slots) and nothing unmaps it meanwhile.
+pub unsafe fn read_host(addr: u64, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    // SAFETY: by the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), len) };
+    out
 }
 
 fn refused<T: std::fmt::Debug>(r: Result<T>, what: &str) -> VmemError {

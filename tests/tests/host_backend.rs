@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use vmem::backend::{Backend, HostBackend, HostCommit, KIB256, KIB64, MIB2};
 use vmem::VmemError;
+use vmem_tests::conformance::read_host;
 
 #[test]
 fn bytes_written_through_a_mapping_follow_the_page() {
@@ -177,17 +178,6 @@ fn the_backend_is_shared_across_threads() {
     assert_eq!(buf, [3u8; 64]);
 }
 
-/// Reads `len` bytes at `addr` with plain loads, as a kernel with static shapes would.
-///
-/// # Safety
-/// The span is mapped readable (pages or zero slots) and nothing unmaps it meanwhile.
-unsafe fn raw_read(addr: u64, len: usize) -> Vec<u8> {
-    let mut out = vec![0u8; len];
-    // SAFETY: by the caller's contract.
-    unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), len) };
-    out
-}
-
 /// A zero-page KV cache: every row of every buffer reads in full at any time (zeros where no
 /// token is), tokens written stay through growth, a freed request's row reads as zeros again,
 /// and a step that fails half-way leaves the rows readable and the data in place.
@@ -221,7 +211,7 @@ fn zero_page_cache_reads_whole_rows_and_keeps_data() {
             for r in 0..3 {
                 let a = t.element_addr([r, 0, 0, 0]).unwrap();
                 // SAFETY: the whole buffer is zero-backed; single thread.
-                assert!(unsafe { raw_read(a, row) }.iter().all(|&b| b == 0));
+                assert!(unsafe { read_host(a, row) }.iter().all(|&b| b == 0));
             }
         }
     }
@@ -234,7 +224,7 @@ fn zero_page_cache_reads_whole_rows_and_keeps_data() {
     // Writes to zero slots are refused by the checked write.
     assert!(host.write(row_addr(a) + 2 * KIB64, &[1]).is_err());
     // SAFETY: mapped or zero-backed.
-    let seen = unsafe { raw_read(row_addr(a), row) };
+    let seen = unsafe { read_host(row_addr(a), row) };
     assert_eq!(&seen[..data.len()], &data[..]);
     assert!(seen[2 * KIB64 as usize..].iter().all(|&b| b == 0));
     // Growth replaces zero slots, keeps the data; a failed growth changes nothing.
@@ -245,18 +235,18 @@ fn zero_page_cache_reads_whole_rows_and_keeps_data() {
     assert!(kv.step(&[700, 0, 0]).is_err());
     faulty.set_plan(FaultPlan::default());
     // SAFETY: as above: whatever failed, the row stays readable.
-    let seen = unsafe { raw_read(row_addr(a), row) };
+    let seen = unsafe { read_host(row_addr(a), row) };
     assert_eq!(&seen[..data.len()], &data[..], "a failed step lost data");
     kv.step(&[700, 0, 0]).unwrap();
     assert_eq!(kv.request_pages(a).unwrap(), vec![3; 4]);
     // SAFETY: as above.
-    let seen = unsafe { raw_read(row_addr(a), row) };
+    let seen = unsafe { read_host(row_addr(a), row) };
     assert_eq!(&seen[..data.len()], &data[..]);
     // Freeing unmaps the pages and zero-backs the row again.
     kv.free_reqid(a).unwrap();
     assert_eq!(kv.request_pages(a).unwrap(), vec![0; 4]);
     // SAFETY: as above.
-    assert!(unsafe { raw_read(row_addr(a), row) }
+    assert!(unsafe { read_host(row_addr(a), row) }
         .iter()
         .all(|&b| b == 0));
     drop(kv);

@@ -443,7 +443,8 @@ impl Book {
             }
             next = a + len;
         }
-        if next == addr + size && self.check_run(addr, size).is_ok() {
+        // The slots run from `addr` without a gap, so nothing else overlaps the span.
+        if next == addr + size {
             return Ok(true);
         }
         Err(VmemError::InvalidAddress {

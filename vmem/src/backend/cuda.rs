@@ -270,22 +270,24 @@ impl RawBackend for CudaDriver {
                 return Err(e);
             }
         };
-        let len = page_size as usize;
         // SAFETY: `va` is a fresh reservation of one page, `page` a fresh unmapped page.
-        let cleared = unsafe { self.map(va, &[page], page_size) }
-            .map_err(|p| p.error)
-            .and_then(|()| {
-                // SAFETY: `va` maps `len` bytes read/write (just set by `map`).
-                let set = unsafe { sys::cuMemsetD8_v2(va, 0, len) }
+        let cleared = match unsafe { self.map(va, &[page], page_size) } {
+            Ok(()) => {
+                // SAFETY: `va` maps the page read/write (just set by `map`).
+                let set = unsafe { sys::cuMemsetD8_v2(va, 0, page_size as usize) }
                     .result()
                     .map_err(cuda_err("cuMemsetD8"));
-                let done = cu::ctx::synchronize().map_err(cuda_err("cuCtxSynchronize"));
-                // SAFETY: mapped just above; the memset finished (synchronized).
-                let unmapped = unsafe { sys::cuMemUnmap(va, len) }
-                    .result()
-                    .map_err(cuda_err("cuMemUnmap"));
-                set.and(done).and(unmapped)
-            });
+                // SAFETY: mapped just above; `unmap` waits for the memset before unmapping.
+                set.and(unsafe { self.unmap(va, page_size) })
+            }
+            Err(partial) => {
+                if partial.mapped > 0 {
+                    // SAFETY: mapped by the failed call (its access was not set), unused.
+                    let _ = unsafe { self.unmap(va, page_size) };
+                }
+                Err(partial.error)
+            }
+        };
         // SAFETY: our one-page reservation, unmapped above (or never mapped).
         let freed = unsafe { self.free_range(va, page_size) };
         match cleared.and(freed) {
