@@ -169,6 +169,11 @@ struct ReplayArgs {
     /// between the critical path and the background depends on timing, so runs differ.
     #[arg(long, value_enum, default_value = "off")]
     overlap: OnOff,
+    /// vmem: map every running request as far as the longest one (`KvConfig::pad_rows`), so
+    /// a batched kernel over `[:, :longest]` reads only mapped memory. Off maps each request
+    /// its own length; the difference in mapped memory is what padding costs.
+    #[arg(long, value_enum, default_value = "off")]
+    pad_rows: OnOff,
     /// Backend: auto, uvm, cuda, host, sim [default: VMEM_BACKEND, else auto]
     #[arg(long)]
     backend: Option<String>,
@@ -340,6 +345,7 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
             0
         };
         cfg.overlap = args.overlap.on();
+        cfg.pad_rows = args.pad_rows.on();
         cfg.validate()
             .map_err(|e| config_err("--max-batch/--max-context", e))?;
         if budget < page {
@@ -438,6 +444,7 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
         deferred_reclaim: args.deferred_reclaim.on(),
         eager: args.eager.on(),
         overlap: args.overlap.on(),
+        pad_rows: args.pad_rows.on(),
         backend: backend.name(),
         backend_reason: selected.reason,
     };

@@ -29,6 +29,7 @@ pub struct Settings {
     pub deferred_reclaim: bool,
     pub eager: bool,
     pub overlap: bool,
+    pub pad_rows: bool,
     pub backend: &'static str,
     pub backend_reason: String,
 }
@@ -116,10 +117,11 @@ pub fn print_header(s: &Settings) {
             .unwrap_or_default()
     );
     println!(
-        "vmem       deferred-reclaim {}, eager {}, overlap {}",
+        "vmem       deferred-reclaim {}, eager {}, overlap {}, pad-rows {}",
         on(s.deferred_reclaim),
         on(s.eager),
-        on(s.overlap)
+        on(s.overlap),
+        on(s.pad_rows)
     );
     println!("backend    {} ({})", s.backend, s.backend_reason);
     println!();
@@ -217,6 +219,7 @@ pub fn print_json(s: &Settings, rows: &[Row]) {
             "deferred_reclaim": s.deferred_reclaim,
             "eager": s.eager,
             "overlap": s.overlap,
+            "pad_rows": s.pad_rows,
             "backend": s.backend,
         },
         "rows": rows.iter().map(row_json).collect::<Vec<_>>(),

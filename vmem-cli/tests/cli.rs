@@ -484,3 +484,57 @@ fn replay_agrees_with_the_fragmentation_suite() {
         );
     }
 }
+
+#[test]
+fn pad_rows_maps_every_request_to_the_longest_and_shows_its_cost() {
+    let run = |pad: &str| {
+        let mut args = vec![
+            "replay",
+            "--json",
+            "--pad-rows",
+            pad,
+            "--page-sizes",
+            "64K,2M",
+        ];
+        args.extend(QUICK);
+        let out = vmem(&args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let (off, on) = (run("off"), run("on"));
+    assert_eq!(off["settings"]["pad_rows"], false);
+    assert_eq!(on["settings"]["pad_rows"], true);
+    let vmem_rows = |v: &serde_json::Value| -> Vec<serde_json::Value> {
+        v["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["allocator"].as_str().unwrap().starts_with("vmem-"))
+            .cloned()
+            .collect()
+    };
+    let (a, b) = (vmem_rows(&off), vmem_rows(&on));
+    assert_eq!(a.len(), 2);
+    for (a, b) in a.iter().zip(&b) {
+        let label = a["allocator"].as_str().unwrap();
+        // Padding maps more pages and wastes more of what is mapped, for the same requests.
+        assert!(
+            b["sync_pages"].as_u64().unwrap() > a["sync_pages"].as_u64().unwrap(),
+            "{label}: {b} vs {a}"
+        );
+        assert!(
+            b["avg_waste"].as_f64().unwrap() > a["avg_waste"].as_f64().unwrap(),
+            "{label}: {b} vs {a}"
+        );
+        assert_eq!(b["completed"], a["completed"], "{label}");
+    }
+    // The baselines do not depend on it.
+    assert_eq!(off["rows"][0], on["rows"][0]);
+    let bad = vmem(&["replay", "--pad-rows", "maybe"]);
+    assert!(!bad.status.success());
+    assert!(
+        text(&bad.stderr).contains("--pad-rows"),
+        "{}",
+        text(&bad.stderr)
+    );
+}
