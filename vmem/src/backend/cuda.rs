@@ -153,7 +153,13 @@ fn allocation_prop(ordinal: i32) -> sys::CUmemAllocationProp {
 }
 
 impl ContextHandle {
+    /// Makes the context current on the calling thread, unless it already is: every
+    /// operation calls this, and `cuCtxGetCurrent` reads a thread-local where
+    /// `cuCtxSetCurrent` enters the driver.
     fn make_current(&self) -> Result<()> {
+        if cu::ctx::get_current().ok().flatten() == Some(self.ctx) {
+            return Ok(());
+        }
         // SAFETY: `ctx` is a retained primary context, valid until Drop releases it.
         unsafe { cu::ctx::set_current(self.ctx) }.map_err(cuda_err("cuCtxSetCurrent"))
     }
