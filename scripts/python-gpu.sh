@@ -3,6 +3,7 @@
 #   scripts/python-gpu.sh build   # here: build the abi3 wheel into .whl/
 #   scripts/python-gpu.sh run     # there (carry .whl): install it, run the pytest suite with
 #                                 # torch and transformers, then python/tests/gpu_check.py
+#                                 # (CHECKS=name,name runs only those of its checks)
 #   scripts/python-gpu.sh prefill # there (carry .whl): TTFT of demand paging (prefill_cost.py)
 #   scripts/python-gpu.sh compiled # there (carry .whl): VmemCache(static=True) vs StaticCache,
 #                                 # both compiled by generate (CUDA graphs): compiled_bench.py
@@ -68,6 +69,10 @@ case "${1:-}" in
     rm -rf /tmp/kvcached && mkdir -p /tmp/kvcached && tar xzf .whl/kvcached-*.tar.gz -C /tmp/kvcached --strip-components=1
     (cd /tmp/kvcached && python3 setup.py build_ext --inplace > "$out/kvcached-build.txt" 2>&1) || { tail -30 "$out/kvcached-build.txt"; exit 1; }
     export PYTHONPATH=/tmp/site:/tmp/kvcached PYTHONUNBUFFERED=1
+    # kvcached's extension is built by the machine's newer g++ while the Python process loads
+    # an older libstdc++ first; kvcached's page allocator then segfaults printing through
+    # std::cout in its constructor (its own KVCacheManager too). Load the compiler's libstdc++.
+    LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) \
     OUT="$out" python3 python/tests/alloc_bench.py 2>&1 | tee "$out/alloc_bench.txt"
     ;;
   *)

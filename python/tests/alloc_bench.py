@@ -11,12 +11,21 @@ Contenders, 2 MB pages, runs of 1, 16 and 512 pages, map and unmap timed separat
   on its per-layer KV tensor (one layer: K and V, so each offset maps two 2 MB pages), one
   offset per call or all offsets in one call.
 
+* allocator level, a request growing by n blocks and freed (a block: one 2 MB page of K and
+  one of V): kvcached's `PageAllocator.alloc_page` per block and `free_pages` of the run (with
+  its reserve of mapped pages off, KVCACHED_MAX_RESERVED_PAGES=0, so every block is mapped and
+  unmapped, as with vmem without deferred reclamation) vs vmem's `KVCache` `alloc` + `step`
+  (one call maps the run) and `free` (deferred reclamation off: it unmaps, after a device
+  synchronization).
+
 Each contender makes one Python-to-native call per page (per-page modes) or per run (batched),
 so Python's call overhead is alike. Physical pages of raw and vmem are created before timing;
-kvcached creates pages in its map (its design). Rounds shuffle the order; the first two are
-dropped. In each round every contender maps and unmaps at least 64 pages: a run of n pages is
-repeated 64/n times, each repetition one sample. Prints µs per 2 MB page (median, p99 over
-samples), GB/s and ratios; writes JSON to $OUT.
+kvcached creates pages in its map (its design). A run of n pages is repeated 64/n times per
+round (at least once); each repetition is a slot in which every contender maps and unmaps the
+run once, in a shuffled order, so contenders that are compared ran side by side. 20 rounds
+are kept (60 for 512-page runs), the first two dropped. Prints µs per 2 MB page (median, p99
+over slots), GB/s, and ratios of cycle times (map + unmap) as the median over slots of the
+two contenders' ratio in the same slot: the driver's drift cancels. Writes JSON to $OUT.
 
 Needs the wheel built with the `bench` feature and kvcached importable (scripts/python-gpu.sh
 bench).
@@ -29,13 +38,20 @@ import statistics
 import sys
 import time
 
-import torch
+# kvcached reads these once, when its library loads: no reserve of mapped pages in its page
+# allocator, so its allocator-level cycle maps and unmaps every block (set before the import).
+os.environ.setdefault("KVCACHED_MAX_RESERVED_PAGES", "0")
+os.environ.setdefault("KVCACHED_MIN_RESERVED_PAGES", "0")
 
-from vmem import _vmem
+import torch  # noqa: E402
+
+import vmem  # noqa: E402
+from vmem import _vmem  # noqa: E402
 
 PAGE = 2 << 20
 RUNS = [1, 16, 512]
 ROUNDS = 22
+ROUNDS_512 = 62
 N = max(RUNS)
 
 
@@ -62,6 +78,31 @@ def main():
     def kvc_unmap_run(n):
         vmm_ops.unmap_from_kv_tensors([i * PAGE for i in range(n)])
 
+    # Allocator level: kvcached's page allocator on its own KV tensors (group 1), one layer.
+    vmm_ops.create_kv_tensors(2 * N * PAGE, 2, "cuda:0", 1, 2, 1)  # size: K and V of the layer
+    pa = vmm_ops.PageAllocator(1, N * PAGE, PAGE, contiguous_layout=False, enable_page_prealloc=False,
+                               num_kv_buffers=2, group_id=1)
+    kva = vmem.KVCache(layers=1, kv_heads=8, head_dim=128, dtype="bf16", max_batch=1,
+                       max_context=N * 1024, backend="cuda", overlap=False, deferred_reclaim=False,
+                       eager_tokens=0, prealloc=2 * N * PAGE)
+    tokens_per_page = PAGE // (8 * 128 * 2)
+    held = {}
+
+    def kva_alloc(n):
+        pages = [pa.alloc_page() for _ in range(n)]
+        held["kvc"] = [p.page_id for p in pages]
+
+    def kva_free(n):
+        pa.free_pages(held.pop("kvc"))
+
+    def vma_alloc(n):
+        r = kva.alloc()
+        kva.step({r: n * tokens_per_page})
+        held["vmem"] = r
+
+    def vma_free(n):
+        kva.free(held.pop("vmem"))
+
     contenders = {
         "raw per page": (lambda n: [raw.map_page(i) for i in range(n)], lambda n: [raw.unmap_page(i) for i in range(n)], 1),
         "raw per page + sync": (lambda n: [raw.map_page(i) for i in range(n)], lambda n: [raw.unmap_page_synced(i) for i in range(n)], 1),
@@ -70,30 +111,43 @@ def main():
         "vmem batched": (vm.map_run, vm.unmap_run, 1),
         "kvcached per page": (lambda n: [kvc_map_page(i) for i in range(n)], lambda n: [kvc_unmap_page(i) for i in range(n)], kvc_pages_per_offset),
         "kvcached batched": (kvc_map_run, kvc_unmap_run, kvc_pages_per_offset),
+        "kvcached allocator": (kva_alloc, kva_free, 2),
+        "vmem allocator": (vma_alloc, vma_free, 2),
     }
     rng = random.Random(7)
     rows = []
-    print(f"in-process allocation benchmark, {torch.cuda.get_device_name()}, 2 MB pages, {ROUNDS} rounds (2 dropped), order shuffled each round", flush=True)
+    ratios = []
+    print(f"in-process allocation benchmark, {torch.cuda.get_device_name()}, 2 MB pages, {ROUNDS} rounds (2 dropped), each slot runs every contender once, in a shuffled order", flush=True)
     print(f"{'pages':<6} {'contender':<20} {'map us/pg':>10} {'p99':>8} {'unmap us/pg':>11} {'p99':>8} {'cycle GB/s':>10}")
     for n in RUNS:
         t_map = {c: [] for c in contenders}
         t_unmap = {c: [] for c in contenders}
-        for rnd in range(ROUNDS):
-            order = list(contenders)
-            rng.shuffle(order)
-            for c in order:
-                do_map, do_unmap, per = contenders[c]
+        cycles = []  # per slot: {contender: map + unmap µs per page}, the contenders side by side
+        for rnd in range(ROUNDS_512 if n >= 512 else ROUNDS):
+            for _ in range(max(1, 64 // n)):
+                order = list(contenders)
+                rng.shuffle(order)
                 torch.cuda.synchronize()
-                for _ in range(max(1, 64 // n)):
+                slot = {}
+                for c in order:
+                    do_map, do_unmap, per = contenders[c]
                     t = time.perf_counter()
                     do_map(n)
                     tm = (time.perf_counter() - t) * 1e6 / (n * per)
                     t = time.perf_counter()
                     do_unmap(n)
                     tu = (time.perf_counter() - t) * 1e6 / (n * per)
+                    slot[c] = tm + tu
                     if rnd >= 2:
                         t_map[c].append(tm)
                         t_unmap[c].append(tu)
+                if rnd >= 2:
+                    cycles.append(slot)
+
+        def ratio(a, b):
+            """Median over slots of a's cycle time / b's in the same slot (drift cancels)."""
+            return statistics.median(x[a] / x[b] for x in cycles)
+
         med = {}
         for c in contenders:
             m = statistics.median(t_map[c])
@@ -104,15 +158,22 @@ def main():
             med[c] = m + u
             rows.append(dict(pages=n, contender=c, map_us=m, map_p99=mp, unmap_us=u, unmap_p99=up, cycle_gbps=gbps))
             print(f"{n:<6} {c:<20} {m:>10.2f} {mp:>8.2f} {u:>11.2f} {up:>8.2f} {gbps:>10.1f}", flush=True)
-        print(f"{n:<6} ratios (cycle time, >1: vmem faster): raw/vmem per page {med['raw per page'] / med['vmem per page']:.3f}, "
-              f"(raw + sync)/vmem per page {med['raw per page + sync'] / med['vmem per page']:.3f}, "
-              f"raw/vmem batched {med['raw batched'] / med['vmem batched']:.3f}, "
-              f"kvcached/vmem per page {med['kvcached per page'] / med['vmem per page']:.2f}, "
-              f"kvcached/vmem batched {med['kvcached batched'] / med['vmem batched']:.2f}", flush=True)
+        pairs = [("raw per page", "vmem per page"), ("raw per page + sync", "vmem per page"),
+                 ("raw batched", "vmem batched"), ("kvcached per page", "vmem per page"),
+                 ("kvcached batched", "vmem batched"), ("kvcached allocator", "vmem allocator"),
+                 ("kvcached per page", "raw per page"), ("kvcached batched", "raw batched"),
+                 ("raw per page + sync", "raw per page")]
+        rs = {f"{a} / {b}": ratio(a, b) for a, b in pairs}
+        ratios.append(dict(pages=n, **rs))
+        print(f"{n:<6} ratios of cycle times, median over {len(cycles)} slots where every contender ran side by side "
+              "(>1: the second is faster):", flush=True)
+        for k, v in rs.items():
+            print(f"{n:<6}   {k:<44} {v:6.3f}", flush=True)
     out = os.environ.get("OUT", "/tmp")
     with open(os.path.join(out, "alloc_bench.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
-    del raw, vm
+        json.dump(dict(rows=rows, ratios=ratios), fh, indent=1)
+    kva.close()
+    del raw, vm, pa
     vmm_ops.shutdown_kvcached()
 
 

@@ -16,6 +16,14 @@ Checks:
      output head is scaled so logits are decisive.
   7. Decode throughput and peak memory: VmemCache (both layouts) vs DynamicCache and
      StaticCache, eager, interleaved in rounds in one process.
+  8. fp8 (e4m3): vmem views are torch.float8_e4m3fn tensors on the GPU; torch kernels write
+     and read them (bytes round-trip), and dequantized SDPA on the views equals the same on
+     contiguous copies, bit-exact, in both layouts.
+  9. What a batched kernel over rows of different lengths costs, each way of keeping it on
+     mapped memory: pad_rows (every row mapped as far as the longest) vs zero_page (each row
+     its own length, the rest the zero page), and a contiguous torch buffer as the floor;
+     a decode loop with masked SDPA over [:, :longest], interleaved rounds; step time and
+     mapped memory.
 """
 
 from __future__ import annotations
@@ -287,9 +295,138 @@ def throughput():
     del model
 
 
+def fp8_consumer():
+    """fp8 KV caches as engines keep them: e4m3 values in vmem, dequantized for attention."""
+    torch.manual_seed(0)
+    B, H, D, G, n = 2, 8, 128, 4, 3000
+    for layout in ["per-layer", "token-major"]:
+        kv = vmem.KVCache(layers=2, kv_heads=H, head_dim=D, dtype="fp8_e4m3", max_batch=B,
+                          max_context=4096, layout=layout, backend="cuda", overlap=False)
+        ids = [kv.alloc() for _ in range(B)]
+        kv.step({r: n for r in ids})
+        k, v = (torch.from_dlpack(t) for t in kv.layer(1))
+        check(f"fp8 {layout}: torch sees float8_e4m3fn on cuda", k.dtype == torch.float8_e4m3fn and k.is_cuda,
+              f"{k.dtype} {k.device}")
+        src_k = (torch.randn(B, n, H, D, device="cuda") * 4).to(torch.float8_e4m3fn)
+        src_v = (torch.randn(B, n, H, D, device="cuda") * 4).to(torch.float8_e4m3fn)
+        k[:B, :n].copy_(src_k)  # a torch kernel writes fp8 into vmem memory
+        v[:B, :n].copy_(src_v)
+        same_bytes = torch.equal(k[:B, :n].view(torch.uint8), src_k.view(torch.uint8))
+        check(f"fp8 {layout}: bytes written by torch read back", same_bytes)
+        scale = 0.25
+        q = torch.randn(B, H * G, 1, D, device="cuda", dtype=torch.bfloat16)
+        kq = k[:B, :n].transpose(1, 2).to(torch.bfloat16) * scale  # dequantize from vmem
+        vq = v[:B, :n].transpose(1, 2).to(torch.bfloat16) * scale
+        kc = src_k.transpose(1, 2).contiguous().to(torch.bfloat16) * scale
+        vc = src_v.transpose(1, 2).contiguous().to(torch.bfloat16) * scale
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            a = F.scaled_dot_product_attention(q, kq, vq, enable_gqa=True)
+            b = F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)
+        check(f"fp8 {layout}: dequantized SDPA flash on vmem equals contiguous", torch.equal(a, b),
+              f"max diff {float((a.float() - b.float()).abs().max()):.3g}")
+        del k, v, kq, vq
+        kv.close()
+
+
+def trace_prompt_lengths(n, cap):
+    """The first n prompt lengths of the Azure conversation trace, capped."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "vmem-cli", "data", "traces",
+                        "azure-conv-2023-first2000.csv")
+    with open(path) as fh:
+        next(fh)
+        return [min(int(line.split(",")[1]), cap) for _, line in zip(range(n), fh)]
+
+
+def padding_cost():
+    """pad_rows vs zero_page under masked SDPA over [:, :longest], and a torch buffer."""
+    torch.manual_seed(0)
+    B, H, D, G, layers, steps, cap = 16, 8, 128, 4, 4, 512, 7000
+    max_ctx = 8192
+    lens0 = trace_prompt_lengths(B, cap)
+    q = torch.randn(B, H * G, 1, D, device="cuda", dtype=torch.bfloat16)
+    new = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+    rows = torch.arange(B, device="cuda")
+
+    def run(mode):
+        if mode == "torch buffer":
+            kv = None
+            bufs = [(torch.zeros(B, max_ctx, H, D, device="cuda", dtype=torch.bfloat16),
+                     torch.zeros(B, max_ctx, H, D, device="cuda", dtype=torch.bfloat16)) for _ in range(layers)]
+        else:
+            kv = vmem.KVCache(layers=layers, kv_heads=H, head_dim=D, dtype="bf16", max_batch=B,
+                              max_context=max_ctx, backend="cuda", overlap=False, eager_tokens=0,
+                              deferred_reclaim=False, pad_rows=(mode == "pad_rows"),
+                              zero_page=(mode == "zero_page"))
+            for _ in range(B):  # every id: row r is request r
+                kv.alloc()
+            kv.step(lens0)
+            bufs = [tuple(torch.from_dlpack(t) for t in kv.layer(i)) for i in range(layers)]
+        for k, v in bufs:  # the prompts' K/V
+            for r, n in enumerate(lens0):
+                k[r, :n].normal_()
+                v[r, :n].normal_()
+        lens = list(lens0)
+        pos = torch.tensor(lens0, device="cuda")
+        torch.cuda.synchronize()
+        times = []
+        out = None
+        for _ in range(steps):
+            t = time.perf_counter()
+            lens = [n + 1 for n in lens]
+            if kv is not None:
+                kv.step(lens)
+            longest = max(lens)
+            mask = torch.arange(longest, device="cuda")[None, :] < (pos + 1)[:, None]
+            for k, v in bufs:
+                k[rows, pos] = new
+                v[rows, pos] = new
+                out = F.scaled_dot_product_attention(q, k[:, :longest].transpose(1, 2), v[:, :longest].transpose(1, 2),
+                                                     attn_mask=mask[:, None, None, :], enable_gqa=True)
+            pos += 1
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        ok = bool(torch.isfinite(out).all())
+        mapped = kv.usage()["mapped_bytes"] if kv is not None else 2 * layers * B * max_ctx * H * D * 2
+        del bufs
+        if kv is not None:
+            kv.close()
+        return times, mapped, ok
+
+    modes = ["torch buffer", "pad_rows", "zero_page"]
+    per = {m: [] for m in modes}
+    mapped = {}
+    for rnd in range(3):
+        for m in (modes if rnd % 2 == 0 else modes[::-1]):
+            t, mb, ok = run(m)
+            check(f"padding cost {m} round {rnd}: attention output finite, no fault", ok)
+            per[m] += t
+            mapped[m] = mb
+    need = 2 * layers * H * D * 2 * sum(n + steps for n in lens0)
+    base = statistics.median(per["torch buffer"])
+    rows_out = []
+    print(f"batch {B}, prompts {min(lens0)}-{max(lens0)} tokens (Azure conv), {steps} decode steps, 3 rounds:")
+    for m in modes:
+        ts = sorted(per[m])
+        med, p99 = statistics.median(ts), ts[int(len(ts) * 0.99) - 1]
+        rows_out.append(dict(mode=m, step_ms=med * 1e3, p99_ms=p99 * 1e3, vs_buffer=med / base, mapped_bytes=mapped[m],
+                             kv_bytes=need))
+        print(f"  {m:<13} step {med * 1e3:7.3f} ms (x{med / base:.3f} of the buffer) p99 {p99 * 1e3:7.3f} ms  "
+              f"mapped {mapped[m] >> 20:6} MB (tokens need {need >> 20} MB)", flush=True)
+    RESULTS["padding_cost"] = rows_out
+
+
 def main():
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, vmem {vmem.__version__}", flush=True)
-    for f in [dlpack_views, sdpa_equality, lifetime, unmap_after_queued_kernel, vattention_api, hf_models, throughput]:
+    checks = [dlpack_views, sdpa_equality, lifetime, unmap_after_queued_kernel, vattention_api, hf_models, throughput,
+              fp8_consumer, padding_cost]
+    # CHECKS=name,name runs only those (a device call has a time limit); default: all.
+    only = [c for c in os.environ.get("CHECKS", "").split(",") if c]
+    unknown = set(only) - {f.__name__ for f in checks}
+    if unknown:
+        sys.exit(f"unknown checks {sorted(unknown)}")
+    for f in checks:
+        if only and f.__name__ not in only:
+            continue
         t = time.perf_counter()
         try:
             f()
@@ -299,7 +436,8 @@ def main():
             traceback.print_exc()
             check(f.__name__, False, f"raised {type(e).__name__}: {e}")
         print(f"-- {f.__name__}: {time.perf_counter() - t:.1f} s", flush=True)
-    with open(os.path.join(OUT, "python_gpu.json"), "w") as fh:
+    name = "python_gpu.json" if not only else f"python_gpu-{'-'.join(only)}.json"
+    with open(os.path.join(OUT, name), "w") as fh:
         json.dump(dict(results=RESULTS, failures=FAILS), fh, indent=1)
     print("ALL PYTHON GPU CHECKS PASSED" if not FAILS else f"FAILED: {FAILS}")
     sys.exit(1 if FAILS else 0)
