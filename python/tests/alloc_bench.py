@@ -117,7 +117,7 @@ def main():
     rng = random.Random(7)
     rows = []
     ratios = []
-    print(f"in-process allocation benchmark, {torch.cuda.get_device_name()}, 2 MB pages, {ROUNDS} rounds (2 dropped), each slot runs every contender once, in a shuffled order", flush=True)
+    print(f"in-process allocation benchmark, {torch.cuda.get_device_name()}, 2 MB pages, {ROUNDS} rounds ({ROUNDS_512} for {N} pages; 2 dropped), each slot runs every contender once, in a shuffled order", flush=True)
     print(f"{'pages':<6} {'contender':<20} {'map us/pg':>10} {'p99':>8} {'unmap us/pg':>11} {'p99':>8} {'cycle GB/s':>10}")
     for n in RUNS:
         t_map = {c: [] for c in contenders}
@@ -148,14 +148,12 @@ def main():
             """Median over slots of a's cycle time / b's in the same slot (drift cancels)."""
             return statistics.median(x[a] / x[b] for x in cycles)
 
-        med = {}
         for c in contenders:
             m = statistics.median(t_map[c])
             u = statistics.median(t_unmap[c])
             mp = sorted(t_map[c])[int(len(t_map[c]) * 0.99) - 1 if len(t_map[c]) > 1 else 0]
             up = sorted(t_unmap[c])[int(len(t_unmap[c]) * 0.99) - 1 if len(t_unmap[c]) > 1 else 0]
             gbps = PAGE / ((m + u) * 1e-6) / 1e9
-            med[c] = m + u
             rows.append(dict(pages=n, contender=c, map_us=m, map_p99=mp, unmap_us=u, unmap_p99=up, cycle_gbps=gbps))
             print(f"{n:<6} {c:<20} {m:>10.2f} {mp:>8.2f} {u:>11.2f} {up:>8.2f} {gbps:>10.1f}", flush=True)
         pairs = [("raw per page", "vmem per page"), ("raw per page + sync", "vmem per page"),
