@@ -219,8 +219,13 @@ impl<R: RawBackend> Backend for Checked<R> {
             .check_map(addr, pages, page_size)
             .map_err(|e| self.refuse("map", e))?;
         if zero_backed {
+            // Queued kernels may read the zero slots (that is what they are for): wait for
+            // them. Under the lock, unlike `unmap`: the check above is what says the span is
+            // zero-backed, and kernels with static shapes read it until this call returns.
+            self.raw.fence()?;
             // SAFETY: the span is exactly a run of zero-page slots this backend mapped
-            // (check_map); the zero page is read-only, so no host access to it is in flight.
+            // (check_map); the zero page is read-only, so no host access to it is in flight;
+            // the fence just returned.
             unsafe { self.raw.unmap(addr, total) }?;
             book.record_unmap(addr, total);
         }
@@ -264,12 +269,16 @@ impl<R: RawBackend> Backend for Checked<R> {
     }
 
     fn unmap(&self, addr: u64, size: u64) -> Result<()> {
+        // Wait for the device work queued before this call, before taking the lock: a fence
+        // that waits for a long kernel must not hold up other threads' maps (the engine's
+        // `step` while the background thread reclaims).
+        self.raw.fence()?;
         let mut book = self.lock();
         book.check_run(addr, size)
             .map_err(|e| self.refuse("unmap", e))?;
         // SAFETY: the span is exactly a run of pages this backend mapped (checked above under
         // the lock), and the host backend's own reads and writes hold this lock, so none is in
-        // flight; queued device work is the driver's to wait for (RawBackend::unmap).
+        // flight; the fence above returned after all device work queued before this call.
         unsafe { self.raw.unmap(addr, size) }?;
         book.record_unmap(addr, size);
         MutexGuard::unlock_fair(book);
@@ -327,8 +336,19 @@ impl<R: RawBackend> Drop for Checked<R> {
         // The allocator layer unmaps, releases and frees everything it made before the last
         // handle to the backend goes; whatever a direct user left behind goes here.
         let book = std::mem::take(self.book.get_mut());
-        for (addr, size) in book.runs() {
-            // SAFETY: a run of pages this backend mapped; nothing can reach it any more.
+        let runs = book.runs();
+        // One fence for everything still mapped: no new work can reach it, old work may.
+        if !runs.is_empty() {
+            if let Err(e) = self.raw.fence() {
+                // Unmapping now could pull memory from under running kernels; leave it all
+                // to the driver's own teardown (the process or context going).
+                tracing::error!(error = %e, "fencing before the unmaps on drop failed; leaking the mappings");
+                return;
+            }
+        }
+        for (addr, size) in runs {
+            // SAFETY: a run of pages this backend mapped; nothing can reach it any more, and
+            // the fence above waited for the work that could.
             if let Err(e) = unsafe { self.raw.unmap(addr, size) } {
                 tracing::error!(error = %e, addr, size, "unmapping on drop failed");
             }

@@ -283,8 +283,13 @@ impl RawBackend for CudaDriver {
                 let set = unsafe { sys::cuMemsetD8_v2(va, 0, page_size as usize) }
                     .result()
                     .map_err(cuda_err("cuMemsetD8"));
-                // SAFETY: mapped just above; `unmap` waits for the memset before unmapping.
-                set.and(unsafe { self.unmap(va, page_size) })
+                // Unmap even when the memset failed, so the temporary mapping goes; but only
+                // after the fence, which waits for the memset, the only work that touched it.
+                let unmapped = self.fence().and_then(|()| {
+                    // SAFETY: mapped just above, and fenced after the memset.
+                    unsafe { self.unmap(va, page_size) }
+                });
+                set.and(unmapped)
             }
             Err(partial) => {
                 if partial.mapped > 0 {
@@ -344,20 +349,24 @@ impl RawBackend for CudaDriver {
         Ok(())
     }
 
-    /// Waits for every kernel and copy queued in the context, then unmaps.
+    /// Waits for every kernel and copy queued in the context (`cuCtxSynchronize`).
     ///
     /// `cuMemUnmap` does not wait for queued work: measured on the H100, unmapping pages a
     /// queued kernel still reads kills the context with `CUDA_ERROR_ILLEGAL_ADDRESS`. So every
     /// unmap — freeing a request without deferred reclamation, reclaiming, shrinking, dropping
-    /// — first synchronizes the context (the device's primary context, which PyTorch and
-    /// cudarc share). Unmaps are off the decode path (deferred reclamation keeps them rare;
-    /// the background thread does threshold reclamation), so this costs a wait, not
-    /// correctness.
+    /// — comes after this fence on the context (the device's primary context, which PyTorch
+    /// and cudarc share). Unmaps are off the decode path (deferred reclamation keeps them rare;
+    /// the background thread does threshold reclamation), and [`Checked`] fences outside its
+    /// lock, so the wait holds up only the call that unmaps.
+    fn fence(&self) -> Result<()> {
+        self.ctx.make_current()?;
+        cu::ctx::synchronize().map_err(cuda_err("cuCtxSynchronize"))
+    }
+
     unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()> {
         self.ctx.make_current()?;
-        cu::ctx::synchronize().map_err(cuda_err("cuCtxSynchronize"))?;
-        // SAFETY: by the caller's contract, a run of pages this driver mapped; the
-        // synchronization above finished all work queued before it that could read them.
+        // SAFETY: by the caller's contract, a run of pages this driver mapped that no pending
+        // device work reads (a fence returned after the last work that could).
         unsafe { sys::cuMemUnmap(addr, size as usize) }
             .result()
             .map_err(cuda_err("cuMemUnmap"))

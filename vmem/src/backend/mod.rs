@@ -281,12 +281,21 @@ pub trait RawBackend: Send + Sync + Debug {
         }))
     }
 
+    /// Waits until the device work queued so far has finished, so that memory it reads can
+    /// be unmapped (the CUDA driver: `cuCtxSynchronize`). Drivers whose unmap cannot race
+    /// queued device work (host memory, the simulation) keep the default, which waits for
+    /// nothing. [`Checked`] calls it before every unmap of memory a kernel may read, and
+    /// outside its lock: a fence that waits for a long kernel holds up nobody's `map`.
+    fn fence(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Unmaps `[addr, addr + size)`; the pages stay alive. On error nothing is unmapped.
-    /// A driver whose device may still have queued work on the pages orders the unmap after
-    /// that work itself (the CUDA driver synchronizes its context first).
     ///
     /// # Safety
-    /// The span is exactly a run of pages this driver mapped, and no host access to it is in
-    /// flight or will follow until it is mapped again.
+    /// The span is exactly a run of pages this driver mapped; no host access to it is in
+    /// flight or will follow until it is mapped again; and no device work that may read it
+    /// is pending: [`RawBackend::fence`] returned after the last such work was queued (or
+    /// the span was mapped by a call that is failing, so nothing has seen it).
     unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()>;
 }
