@@ -134,7 +134,8 @@ pub trait Backend: Send + Sync + Debug {
 
     /// Unmaps `[addr, addr + size)`, which must be exactly a run of mapped pages (zero-page
     /// slots included). The pages stay alive and can be mapped again. On error nothing is
-    /// unmapped.
+    /// unmapped. Device work queued before the call finishes first ([`RawBackend::fence`]),
+    /// so no queued kernel reads memory that goes; the wait does not hold up other calls.
     fn unmap(&self, addr: u64, size: u64) -> Result<()>;
 
     /// Backs every `page_size` slot of the unmapped span `[addr, addr + size)` with one shared,
