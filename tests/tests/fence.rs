@@ -174,3 +174,82 @@ fn dropping_the_backend_fences_once_for_everything_left_mapped() {
     assert_eq!(log.iter().filter(|&&c| c == "unmap").count(), 4, "{log:?}");
     assert_eq!(log[0], "fence", "{log:?}");
 }
+
+/// A KV manager over a counting simulation backend: 4 layers (8 buffers), 64 KB pages.
+fn counted_manager(deferred: bool) -> (Arc<vmem::backend::CountingBackend>, vmem::KvCacheManager) {
+    let sim: Arc<dyn Backend> = Arc::new(vmem::backend::SimBackend::new());
+    let b = Arc::new(vmem::backend::CountingBackend::new(sim));
+    let cfg = vmem::KvConfig::builder()
+        .layers(4)
+        .max_batch(4)
+        .max_context(4096)
+        .kv_heads(2)
+        .head_dim(64)
+        .elem_bytes(2)
+        .page_size(vmem::backend::KIB64)
+        .overlap(false)
+        .eager_tokens(0)
+        .deferred_reclaim(deferred)
+        .build();
+    let kv = vmem::KvCacheManager::init(b.clone(), cfg).unwrap();
+    (b, kv)
+}
+
+#[test]
+fn freeing_a_request_waits_for_the_device_once_for_all_its_buffers() {
+    let (b, kv) = counted_manager(false);
+    let r = kv.alloc_reqid().unwrap();
+    let mut lens = vec![0u64; 4];
+    lens[r] = 1000; // 4 pages in each of the 8 buffers
+    kv.step(&lens).unwrap();
+    b.reset();
+    kv.free_reqid(r).unwrap();
+    let c = b.counts();
+    assert_eq!(c.unmap_calls, 8, "{c:?}");
+    assert_eq!(c.fences, 1, "one fence for the 8 unmaps: {c:?}");
+
+    // Reclaiming inactive requests: one fence per request, whatever its buffer count.
+    let (b, kv) = counted_manager(true);
+    let ids: Vec<usize> = (0..2).map(|_| kv.alloc_reqid().unwrap()).collect();
+    let mut lens = vec![0u64; 4];
+    for &r in &ids {
+        lens[r] = 600;
+    }
+    kv.step(&lens).unwrap();
+    for &r in &ids {
+        kv.free_reqid(r).unwrap();
+    }
+    b.reset();
+    assert_eq!(kv.reclaim_inactive().unwrap(), 2 * 8 * 3);
+    let c = b.counts();
+    assert_eq!((c.unmap_calls, c.fences), (16, 2), "{c:?}");
+}
+
+#[test]
+fn the_driver_sees_one_fence_per_freed_request() {
+    let (driver, log) = Logged::new();
+    let b: Arc<dyn Backend> = Arc::new(Checked::wrap(driver).unwrap());
+    let cfg = vmem::KvConfig::builder()
+        .layers(4)
+        .max_batch(2)
+        .max_context(8192)
+        .kv_heads(8)
+        .head_dim(128)
+        .elem_bytes(2)
+        .page_size(MIB2)
+        .overlap(false)
+        .eager_tokens(0)
+        .deferred_reclaim(false)
+        .build();
+    let kv = vmem::KvCacheManager::init(b, cfg).unwrap();
+    let r = kv.alloc_reqid().unwrap();
+    let mut lens = vec![0u64; 2];
+    lens[r] = 3000; // 3 pages in each of the 8 buffers
+    kv.step(&lens).unwrap();
+    log.lock().unwrap().clear();
+    kv.free_reqid(r).unwrap();
+    let log = log.lock().unwrap().clone();
+    assert_eq!(log.iter().filter(|&&c| c == "fence").count(), 1, "{log:?}");
+    assert_eq!(log.iter().filter(|&&c| c == "unmap").count(), 8, "{log:?}");
+    assert_eq!(log[0], "fence", "{log:?}");
+}

@@ -1,7 +1,7 @@
 //! Virtual buffers: a reserved range split into equal per-request slices, each mapped page by
 //! page from its start as the request grows.
 
-use crate::backend::{Backend, PageHandle};
+use crate::backend::{Backend, Fence, PageHandle};
 use crate::error::{Result, VmemError};
 use std::sync::Arc;
 
@@ -143,6 +143,27 @@ impl VirtualBuffer {
     /// in a zero-backed buffer the zero page takes their place. On error the slice is as it
     /// was.
     pub fn shrink(&mut self, i: usize, n: u64) -> Result<Vec<PageHandle>> {
+        self.shrink_after(None, i, n)
+    }
+
+    /// [`VirtualBuffer::shrink`] under a fence the caller made on this buffer's backend at
+    /// the start of its operation ([`Backend::unmap_fenced`]): one wait for the device covers
+    /// the shrinking of many slices.
+    pub(crate) fn shrink_fenced(
+        &mut self,
+        fence: &Fence,
+        i: usize,
+        n: u64,
+    ) -> Result<Vec<PageHandle>> {
+        self.shrink_after(Some(fence), i, n)
+    }
+
+    /// The backend this buffer maps through.
+    pub(crate) fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    fn shrink_after(&mut self, fence: Option<&Fence>, i: usize, n: u64) -> Result<Vec<PageHandle>> {
         let have = self.mapped(i);
         let n = n.min(have);
         if n == 0 {
@@ -151,7 +172,10 @@ impl VirtualBuffer {
         let keep = have - n;
         let at = self.slice_addr(i) + keep * self.page_size;
         let len = n * self.page_size;
-        self.backend.unmap(at, len)?;
+        match fence {
+            Some(f) => self.backend.unmap_fenced(f, at, len)?,
+            None => self.backend.unmap(at, len)?,
+        }
         let pages = self.slices[i].split_off(keep as usize);
         if self.zero_backed {
             if let Err(e) = self.backend.map_zero(at, len, self.page_size) {
@@ -168,19 +192,29 @@ impl VirtualBuffer {
     }
 
     /// Unmaps everything in slice `i` (zero slots included) and hands back its pages.
-    fn clear(&mut self, i: usize) -> Result<Vec<PageHandle>> {
+    fn clear(&mut self, fence: Option<&Fence>, i: usize) -> Result<Vec<PageHandle>> {
         if !self.zero_backed {
-            return self.shrink(i, u64::MAX);
+            return self.shrink_after(fence, i, u64::MAX);
         }
-        self.backend.unmap(self.slice_addr(i), self.slice_bytes)?;
+        let (at, len) = (self.slice_addr(i), self.slice_bytes);
+        match fence {
+            Some(f) => self.backend.unmap_fenced(f, at, len)?,
+            None => self.backend.unmap(at, len)?,
+        }
         Ok(std::mem::take(&mut self.slices[i]))
     }
 }
 
 impl Drop for VirtualBuffer {
     fn drop(&mut self) {
+        // One wait for the device for every slice (without it, each unmap waits on its own).
+        let fence = self
+            .backend
+            .fence()
+            .inspect_err(|e| tracing::warn!(error = %e, "fencing before dropping a buffer failed"))
+            .ok();
         for i in 0..self.slices.len() {
-            match self.clear(i) {
+            match self.clear(fence.as_ref(), i) {
                 Ok(pages) => {
                     for p in pages {
                         if let Err(e) = self.backend.release_page(p) {

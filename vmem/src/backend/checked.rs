@@ -1,6 +1,6 @@
 //! The checked core: validation, locking, bookkeeping, rollback and tracing for every driver.
 
-use super::{Backend, BackendKind, PageHandle, RawBackend};
+use super::{Backend, BackendKind, Fence, PageHandle, RawBackend};
 use crate::error::{Result, VmemError};
 use parking_lot::{Mutex, MutexGuard};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -272,13 +272,28 @@ impl<R: RawBackend> Backend for Checked<R> {
         // Wait for the device work queued before this call, before taking the lock: a fence
         // that waits for a long kernel must not hold up other threads' maps (the engine's
         // `step` while the background thread reclaims).
+        let fence = self.fence()?;
+        self.unmap_fenced(&fence, addr, size)
+    }
+
+    fn fence(&self) -> Result<Fence> {
         self.raw.fence()?;
+        Ok(Fence {
+            by: self.fence_id(),
+        })
+    }
+
+    fn unmap_fenced(&self, fence: &Fence, addr: u64, size: u64) -> Result<()> {
+        if fence.by != self.fence_id() {
+            // Not ours (another backend's, or a wrapper's that waited for nothing): wait here.
+            self.raw.fence()?;
+        }
         let mut book = self.lock();
         book.check_run(addr, size)
             .map_err(|e| self.refuse("unmap", e))?;
         // SAFETY: the span is exactly a run of pages this backend mapped (checked above under
         // the lock), and the host backend's own reads and writes hold this lock, so none is in
-        // flight; the fence above returned after all device work queued before this call.
+        // flight; the fence returned after all device work queued before this operation.
         unsafe { self.raw.unmap(addr, size) }?;
         book.record_unmap(addr, size);
         MutexGuard::unlock_fair(book);
@@ -301,6 +316,12 @@ impl<R: RawBackend> Backend for Checked<R> {
 }
 
 impl<R: RawBackend> Checked<R> {
+    /// What this backend's fences carry: its address, which stays put while anyone can call
+    /// it (callers hold a reference or an `Arc`).
+    fn fence_id(&self) -> usize {
+        self as *const Self as usize
+    }
+
     /// Backs the unmapped, checked span with the zero page of `page_size`, creating it first
     /// if needed. On error nothing of the span is mapped.
     fn map_zero_locked(&self, book: &mut Book, addr: u64, size: u64, page_size: u64) -> Result<()> {

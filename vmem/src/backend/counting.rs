@@ -1,6 +1,6 @@
 //! A wrapper that counts every backend call and the time spent in it.
 
-use super::{Backend, BackendKind, PageHandle};
+use super::{Backend, BackendKind, Fence, PageHandle};
 use crate::error::Result;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -21,8 +21,10 @@ pub struct CallCounts {
     pub map_calls: u64,
     /// Pages mapped by those calls.
     pub pages_mapped: u64,
-    /// `unmap` calls.
+    /// `unmap` and `unmap_fenced` calls.
     pub unmap_calls: u64,
+    /// `fence` calls (each `unmap` makes one inside the backend, uncounted).
+    pub fences: u64,
     /// `map_zero` calls.
     pub map_zero_calls: u64,
     /// Nanoseconds spent in `create_page`.
@@ -58,6 +60,7 @@ enum Counter {
     Map,
     Pages,
     Unmap,
+    Fence,
     MapZero,
     CreateNs,
     MapNs,
@@ -106,6 +109,7 @@ impl CountingBackend {
             map_calls: c(Counter::Map),
             pages_mapped: c(Counter::Pages),
             unmap_calls: c(Counter::Unmap),
+            fences: c(Counter::Fence),
             map_zero_calls: c(Counter::MapZero),
             create_ns: c(Counter::CreateNs),
             map_ns: c(Counter::MapNs),
@@ -170,6 +174,15 @@ impl Backend for CountingBackend {
     fn unmap(&self, addr: u64, size: u64) -> Result<()> {
         self.timed(Counter::Unmap, Counter::UnmapNs, || {
             self.inner.unmap(addr, size)
+        })
+    }
+    fn fence(&self) -> Result<Fence> {
+        self.counters.add(Counter::Fence, 1);
+        self.inner.fence()
+    }
+    fn unmap_fenced(&self, fence: &Fence, addr: u64, size: u64) -> Result<()> {
+        self.timed(Counter::Unmap, Counter::UnmapNs, || {
+            self.inner.unmap_fenced(fence, addr, size)
         })
     }
     fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> Result<()> {

@@ -1,6 +1,6 @@
 //! A wrapper that makes chosen calls of an inner backend fail, for fault tests.
 
-use super::{Backend, BackendKind, PageHandle};
+use super::{Backend, BackendKind, Fence, PageHandle};
 use crate::error::{Result, VmemError};
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
@@ -139,6 +139,13 @@ impl Backend for FaultyBackend {
     fn unmap(&self, addr: u64, size: u64) -> Result<()> {
         self.check(Op::Unmap)?;
         self.inner.unmap(addr, size)
+    }
+    fn fence(&self) -> Result<Fence> {
+        self.inner.fence()
+    }
+    fn unmap_fenced(&self, fence: &Fence, addr: u64, size: u64) -> Result<()> {
+        self.check(Op::Unmap)?;
+        self.inner.unmap_fenced(fence, addr, size)
     }
     fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> Result<()> {
         self.check(Op::Map)?;

@@ -138,6 +138,23 @@ pub trait Backend: Send + Sync + Debug {
     /// so no queued kernel reads memory that goes; the wait does not hold up other calls.
     fn unmap(&self, addr: u64, size: u64) -> Result<()>;
 
+    /// Waits until the device work queued so far has finished ([`RawBackend::fence`]; the CUDA
+    /// backend synchronizes its context), and returns the proof for
+    /// [`Backend::unmap_fenced`]. The default, for wrappers that do not pass it on, waits for
+    /// nothing and proves nothing: an `unmap_fenced` given it waits as `unmap` does.
+    fn fence(&self) -> Result<Fence> {
+        Ok(Fence::none())
+    }
+
+    /// [`Backend::unmap`] without a wait of its own: `fence` came from this backend's
+    /// [`Backend::fence`] at the start of the operation this unmap belongs to, after the last
+    /// device work that may read the span was queued. The default calls
+    /// [`Backend::unmap`], which waits again.
+    fn unmap_fenced(&self, fence: &Fence, addr: u64, size: u64) -> Result<()> {
+        let _ = fence;
+        self.unmap(addr, size)
+    }
+
     /// Backs every `page_size` slot of the unmapped span `[addr, addr + size)` with one shared,
     /// read-only page of zeros, so that reads there return zeros instead of faulting (writes
     /// still fault). This is what kernels with static shapes need — CUDA graphs,
@@ -174,6 +191,25 @@ pub trait Backend: Send + Sync + Debug {
                 supported: supported.to_vec(),
             })
         }
+    }
+}
+
+/// Proof that the device work queued before it was made has finished: what
+/// [`Backend::fence`] returns and [`Backend::unmap_fenced`] takes, so that an operation that
+/// unmaps many runs (freeing a request from every layer's buffers) waits for the device once,
+/// not once per run. It covers the unmaps of that one operation: work queued after the fence
+/// is not waited for, so do not keep it. Only backends make one, and a backend that did not
+/// make it waits again.
+#[derive(Debug)]
+pub struct Fence {
+    /// Who made it: the address of the checked backend that waited; 0 for no one.
+    by: usize,
+}
+
+impl Fence {
+    /// A proof that proves nothing: the default [`Backend::fence`]'s.
+    fn none() -> Self {
+        Fence { by: 0 }
     }
 }
 

@@ -190,11 +190,18 @@ impl State {
 
     /// Unmaps request `r`'s pages beyond `keep` pages per buffer into the pool.
     fn trim_request(&mut self, r: usize, keep: u64) -> Result<u64> {
+        if self.buffers.iter().all(|b| b.mapped(r) <= keep) {
+            self.refresh_floor(r);
+            return Ok(0);
+        }
+        // One wait for the device covers every buffer's unmap (2 x layers of them per-layer),
+        // not one wait each: the buffers share one backend.
+        let fence = self.buffers[0].backend().fence()?;
         let mut n = 0;
         let mut result = Ok(());
         for b in 0..self.buffers.len() {
             let extra = self.buffers[b].mapped(r).saturating_sub(keep);
-            match self.buffers[b].shrink(r, extra) {
+            match self.buffers[b].shrink_fenced(&fence, r, extra) {
                 Ok(pages) => {
                     n += pages.len() as u64;
                     self.pool.put(pages);
