@@ -599,6 +599,9 @@ impl<R: RawBackend> RawBackend for Tally<R> {
         }
         Ok(())
     }
+    fn fence(&self) -> Result<()> {
+        self.inner.fence()
+    }
     unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()> {
         // SAFETY: forwarded under our caller's contract.
         unsafe { self.inner.unmap(addr, size) }?;

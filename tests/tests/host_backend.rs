@@ -297,6 +297,9 @@ fn zero_page_cache_needs_a_backend_with_a_zero_page() {
             // SAFETY: forwarded under our caller's contract.
             unsafe { self.0.map(addr, pages, page_size) }
         }
+        fn fence(&self) -> vmem::Result<()> {
+            self.0.fence()
+        }
         unsafe fn unmap(&self, addr: u64, size: u64) -> vmem::Result<()> {
             // SAFETY: forwarded under our caller's contract.
             unsafe { self.0.unmap(addr, size) }

@@ -213,6 +213,11 @@ impl RawBackend for HostMemory {
         Ok(())
     }
 
+    /// Host memory has no device work queued against it: nothing to wait for.
+    fn fence(&self) -> Result<()> {
+        Ok(())
+    }
+
     unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()> {
         // SAFETY: the caller passes a run of pages this driver mapped, inside its range.
         unsafe { sys::reserve_fixed(addr, size) }

@@ -319,13 +319,13 @@ pub trait RawBackend: Send + Sync + Debug {
     }
 
     /// Waits until the device work queued so far has finished, so that memory it reads can
-    /// be unmapped (the CUDA driver: `cuCtxSynchronize`). Drivers whose unmap cannot race
-    /// queued device work (host memory, the simulation) keep the default, which waits for
-    /// nothing. [`Checked`] calls it before every unmap of memory a kernel may read, and
-    /// outside its lock: a fence that waits for a long kernel holds up nobody's `map`.
-    fn fence(&self) -> Result<()> {
-        Ok(())
-    }
+    /// be unmapped (the CUDA driver: `cuCtxSynchronize`); drivers whose unmap cannot race
+    /// queued device work (host memory, the simulation) return at once. [`Checked`] calls it
+    /// before every unmap of memory a kernel may read, and outside its lock: a fence that
+    /// waits for a long kernel holds up nobody's `map`. No default: a driver, and a wrapper
+    /// around one, must say what it waits for (a wrapper that forgot would unmap under
+    /// running kernels).
+    fn fence(&self) -> Result<()>;
 
     /// Unmaps `[addr, addr + size)`; the pages stay alive. On error nothing is unmapped.
     ///

@@ -130,6 +130,11 @@ impl RawBackend for SimMemory {
         Ok(())
     }
 
+    /// No device, nothing to wait for.
+    fn fence(&self) -> Result<()> {
+        Ok(())
+    }
+
     unsafe fn unmap(&self, _addr: u64, _size: u64) -> Result<()> {
         Ok(())
     }

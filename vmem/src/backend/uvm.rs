@@ -111,6 +111,15 @@ impl RawBackend for UvmDriver {
         Ok(())
     }
 
+    /// Waits for nothing. The patched driver's `UVM_VMEM_UNMAP` clears PTEs behind a TLB
+    /// invalidate; like `cuMemUnmap` it does not wait for kernels queued on the caller's
+    /// streams, and this driver holds no CUDA context to synchronize. A known gap: an engine
+    /// on the patched driver must finish the work that reads pages before freeing them
+    /// (never exercised here: the patched module never runs on a GPU on our machines).
+    fn fence(&self) -> Result<()> {
+        Ok(())
+    }
+
     unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()> {
         Ok(self.file.unmap(addr, size)?)
     }
