@@ -13,6 +13,16 @@
 #                                 # be in .whl/ (it is built there, never committed here)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+
+# There: install the carried wheel into /tmp/site (replacing what an earlier call on a still
+# warm machine left there) and point Python at it; results go to $out.
+install_wheel() {
+  cd "$root"
+  out=${OUT:-/tmp/vmem-python-gpu}
+  mkdir -p "$out"
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/vmem-*.whl
+  export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+}
 case "${1:-}" in
   build)
     cd "$root/python"
@@ -23,11 +33,7 @@ case "${1:-}" in
     ls -l "$root"/.whl/vmem-*.whl
     ;;
   run)
-    cd "$root"
-    out=${OUT:-/tmp/vmem-python-gpu}
-    mkdir -p "$out"
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/vmem-*.whl
-    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    install_wheel
     echo "== pytest python/tests (torch and transformers present here)"
     status=0
     python3 -m pytest -q -rs -p no:cacheprovider python/tests 2>&1 | tee "$out/pytest.txt" || status=1
@@ -36,18 +42,11 @@ case "${1:-}" in
     exit $status
     ;;
   prefill)
-    cd "$root"
-    out=${OUT:-/tmp/vmem-python-gpu}
-    mkdir -p "$out"
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/vmem-*.whl
-    PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 OUT="$out" python3 python/tests/prefill_cost.py 2>&1 | tee "$out/prefill_cost.txt"
+    install_wheel
+    OUT="$out" python3 python/tests/prefill_cost.py 2>&1 | tee "$out/prefill_cost.txt"
     ;;
   compiled)
-    cd "$root"
-    out=${OUT:-/tmp/vmem-python-gpu}
-    mkdir -p "$out"
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/vmem-*.whl
-    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    install_wheel
     status=0
     echo "== pytest python/tests/test_hf.py python/tests/test_kvcache.py (torch, transformers present)"
     python3 -m pytest -q -rs -p no:cacheprovider python/tests/test_hf.py python/tests/test_kvcache.py 2>&1 | tee "$out/pytest-hf.txt" || status=1
@@ -62,10 +61,7 @@ case "${1:-}" in
     ls -l "$root"/.whl/
     ;;
   bench)
-    cd "$root"
-    out=${OUT:-/tmp/vmem-python-gpu}
-    mkdir -p "$out"
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/vmem-*.whl
+    install_wheel
     rm -rf /tmp/kvcached && mkdir -p /tmp/kvcached && tar xzf .whl/kvcached-*.tar.gz -C /tmp/kvcached --strip-components=1
     (cd /tmp/kvcached && python3 setup.py build_ext --inplace > "$out/kvcached-build.txt" 2>&1) || { tail -30 "$out/kvcached-build.txt"; exit 1; }
     export PYTHONPATH=/tmp/site:/tmp/kvcached PYTHONUNBUFFERED=1
