@@ -140,12 +140,62 @@ fn bad_arguments_are_refused_and_change_nothing() {
 }
 
 #[test]
+fn spans_inside_larger_pages_and_zero_slots_are_refused() {
+    // 64 KB units, 256 KB pages: a page is one head and three tail units in the book.
+    let b = HostBackend::new().unwrap();
+    let r = b.reserve(MIB2).unwrap();
+    let big = b.create_page(KIB256).unwrap();
+    let small = b.create_page(KIB64).unwrap();
+    b.map(r, &[big], KIB256).unwrap();
+    // Unmaps that start or end inside the page.
+    assert!(b.unmap(r + KIB64, KIB256 - KIB64).is_err());
+    assert!(b.unmap(r + KIB64, KIB256).is_err());
+    assert!(b.unmap(r, KIB256 - KIB64).is_err());
+    // A small page over a unit of the large one.
+    assert!(b.map(r + KIB64, &[small], KIB64).is_err());
+    // A span crossing from the page into unmapped memory.
+    let mut buf = [0u8; 8];
+    assert!(b.read(r + KIB256 - 4, &mut buf).is_err());
+    b.write(r + KIB256 - 8, b"lastword").unwrap();
+
+    // Zero-page slots: read-only memory no write (or read) through the backend may reach,
+    // and a map over a span only partly zero-backed is refused.
+    b.map_zero(r + KIB256, KIB256, KIB64).unwrap();
+    assert_eq!(b.zero_slots(), 4);
+    assert!(b.write(r + KIB256, b"zero!!!!").is_err());
+    assert!(b.read(r + KIB256, &mut buf).is_err());
+    assert!(
+        b.map(
+            r + KIB256 + 3 * KIB64,
+            &[small, b.create_page(KIB64).unwrap()],
+            KIB64
+        )
+        .is_err(),
+        "one zero slot and one empty unit"
+    );
+    // Exactly the zero slot: replaced.
+    b.map(r + KIB256, &[small], KIB64).unwrap();
+    assert_eq!(b.zero_slots(), 3);
+    b.write(r + KIB256, b"replaced").unwrap();
+    b.read(r + KIB256 - 8, &mut buf).unwrap();
+    assert_eq!(&buf, b"lastword");
+    // Unmapping runs of pages and zero slots together, then everything goes.
+    b.unmap(r, 2 * KIB256).unwrap();
+    assert_eq!((b.mapped_pages(), b.zero_slots()), (0, 0));
+    b.free_range(r).unwrap();
+}
+
+#[test]
 fn custom_page_sizes_are_validated() {
     assert!(HostBackend::with_page_sizes(&[], HostCommit::Eager).is_err());
     assert!(HostBackend::with_page_sizes(&[3000], HostCommit::Eager).is_err());
     assert!(
         HostBackend::with_page_sizes(&[KIB64 * 3, MIB2], HostCommit::Eager).is_err(),
         "192K does not divide 2M"
+    );
+    assert!(
+        HostBackend::with_page_sizes(&[8192, 12288, 24576], HostCommit::Eager).is_err(),
+        "12K divides 24K but is no multiple of the smallest page, 8K"
     );
     let b = HostBackend::with_page_sizes(&[8192, KIB64], HostCommit::Eager).unwrap();
     assert_eq!(b.page_sizes(), vec![8192, KIB64]);

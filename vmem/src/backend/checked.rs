@@ -3,7 +3,9 @@
 use super::{Backend, BackendKind, Fence, PageHandle, RawBackend};
 use crate::error::{Result, VmemError};
 use parking_lot::{Mutex, MutexGuard};
-use std::collections::{BTreeMap, HashMap, HashSet};
+
+mod book;
+use book::Book;
 
 /// A [`RawBackend`] made safe: every call is validated against what this backend reserved,
 /// created and mapped, under one lock, before the driver sees it, and recorded after the
@@ -47,16 +49,19 @@ impl<R: RawBackend> Checked<R> {
         if sizes.is_empty()
             || g == 0
             || sizes.windows(2).any(|w| w[0] >= w[1])
-            || sizes.iter().any(|&s| s == 0 || !g.is_multiple_of(s))
+            || sizes
+                .iter()
+                .any(|&s| s == 0 || !g.is_multiple_of(s) || !s.is_multiple_of(sizes[0]))
         {
             return Err(VmemError::InvalidConfig(format!(
-                "{} driver: page sizes {sizes:?} must be ascending, non-zero and divide the granularity {g}",
+                "{} driver: page sizes {sizes:?} must be ascending, non-zero, multiples of the smallest and divide the granularity {g}",
                 raw.kind().name()
             )));
         }
+        let unit = sizes[0];
         Ok(Checked {
             raw,
-            book: Mutex::new(Book::default()),
+            book: Mutex::new(Book::new(unit)),
         })
     }
 
@@ -67,18 +72,17 @@ impl<R: RawBackend> Checked<R> {
 
     /// Number of pages currently mapped (zero-page slots not counted).
     pub fn mapped_pages(&self) -> usize {
-        self.lock().mapped_handles.len()
+        self.lock().mapped_pages()
     }
 
     /// Number of slots backed by the zero page.
     pub fn zero_slots(&self) -> usize {
-        let book = self.lock();
-        book.mapped.len() - book.mapped_handles.len()
+        self.lock().zero_slots()
     }
 
     /// Number of live (created, not released) pages.
     pub fn live_pages(&self) -> usize {
-        self.lock().live.len()
+        self.lock().live_pages()
     }
 
     /// Bytes held by zero pages (one per page size used with [`Backend::map_zero`]; kept
@@ -89,7 +93,7 @@ impl<R: RawBackend> Checked<R> {
 
     /// Number of reserved ranges.
     pub fn reserved_ranges(&self) -> usize {
-        self.lock().ranges.len()
+        self.lock().reserved_ranges()
     }
 
     /// Runs `f` with the lock held after checking that every byte of `[addr, addr + len)`
@@ -158,7 +162,7 @@ impl<R: RawBackend> Backend for Checked<R> {
                 why: "driver returned a misaligned range",
             });
         }
-        book.ranges.insert(addr, size);
+        book.record_reserve(addr, size);
         tracing::trace!(backend = self.raw.kind().name(), addr, size, "reserve");
         Ok(addr)
     }
@@ -172,7 +176,7 @@ impl<R: RawBackend> Backend for Checked<R> {
         // mapped (checked above, under the lock that every map takes); after this call the
         // book no longer knows it, so no later call can reach it.
         unsafe { self.raw.free_range(addr, size) }?;
-        book.ranges.remove(&addr);
+        book.record_free(addr);
         tracing::trace!(backend = self.raw.kind().name(), addr, size, "free_range");
         Ok(())
     }
@@ -182,7 +186,7 @@ impl<R: RawBackend> Backend for Checked<R> {
             .map_err(|e| self.refuse("create_page", e))?;
         let mut book = self.lock();
         let page = self.raw.create(page_size)?;
-        if book.live.insert(page, page_size).is_some() {
+        if !book.record_create(page, page_size) {
             // A driver that hands out a live handle twice would corrupt the book.
             return Err(VmemError::UnknownPage(page.0));
         }
@@ -206,7 +210,7 @@ impl<R: RawBackend> Backend for Checked<R> {
         // SAFETY: `page` is live, of `size` bytes and unmapped (checked above under the
         // lock); the book forgets it below, so it is never used again.
         unsafe { self.raw.release(page, size) }?;
-        book.live.remove(&page);
+        book.record_release(page);
         tracing::trace!(backend = self.raw.kind().name(), page = page.0, "release");
         Ok(())
     }
@@ -356,7 +360,7 @@ impl<R: RawBackend> Drop for Checked<R> {
     fn drop(&mut self) {
         // The allocator layer unmaps, releases and frees everything it made before the last
         // handle to the backend goes; whatever a direct user left behind goes here.
-        let book = std::mem::take(self.book.get_mut());
+        let book = self.book.get_mut();
         let runs = book.runs();
         // One fence for everything still mapped: no new work can reach it, old work may.
         if !runs.is_empty() {
@@ -374,283 +378,17 @@ impl<R: RawBackend> Drop for Checked<R> {
                 tracing::error!(error = %e, addr, size, "unmapping on drop failed");
             }
         }
-        for (page, size) in book
-            .live
-            .into_iter()
-            .chain(book.zero.into_iter().map(|(s, p)| (p, s)))
-        {
+        for (page, size) in book.live().chain(book.zero.iter().map(|(&s, &p)| (p, s))) {
             // SAFETY: a live page of this backend (or a zero page), unmapped just above.
             if let Err(e) = unsafe { self.raw.release(page, size) } {
                 tracing::error!(error = %e, page = page.0, "releasing on drop failed");
             }
         }
-        for (addr, size) in book.ranges {
+        for (addr, size) in book.ranges() {
             // SAFETY: a range this backend reserved, emptied just above.
             if let Err(e) = unsafe { self.raw.free_range(addr, size) } {
                 tracing::error!(error = %e, addr, size, "freeing a range on drop failed");
             }
         }
-    }
-}
-
-/// What a checked backend reserved, created and mapped.
-#[derive(Debug, Default)]
-struct Book {
-    /// start -> size of each reserved range.
-    ranges: BTreeMap<u64, u64>,
-    /// address of each mapped page or zero-page slot -> (page, page size).
-    mapped: BTreeMap<u64, (PageHandle, u64)>,
-    /// the pages that are mapped somewhere (zero pages excepted).
-    mapped_handles: HashSet<PageHandle>,
-    /// page size -> the shared read-only zero page of that size, once created.
-    zero: HashMap<u64, PageHandle>,
-    /// live (created, not released) pages -> page size.
-    live: HashMap<PageHandle, u64>,
-    /// Scratch set for duplicate detection in `check_map`, kept to avoid an allocation per
-    /// call.
-    seen: HashSet<PageHandle>,
-}
-
-impl Book {
-    /// Checks that `addr` starts a reserved range with nothing mapped; returns its size.
-    fn check_free(&self, addr: u64) -> Result<u64> {
-        let size = *self.ranges.get(&addr).ok_or(VmemError::InvalidAddress {
-            addr,
-            size: 0,
-            why: "not the start of a reserved range",
-        })?;
-        if self.mapped.range(addr..addr + size).next().is_some() {
-            return Err(VmemError::InvalidAddress {
-                addr,
-                size,
-                why: "range still has pages mapped",
-            });
-        }
-        Ok(size)
-    }
-
-    /// Checks that `[addr, addr + size)` lies inside one reserved range and is aligned.
-    fn check_inside(&self, addr: u64, size: u64, align: u64) -> Result<()> {
-        let bad = |why| VmemError::InvalidAddress { addr, size, why };
-        if size == 0 {
-            return Err(bad("zero size"));
-        }
-        if !addr.is_multiple_of(align) || !size.is_multiple_of(align) {
-            return Err(bad("not aligned to the page size"));
-        }
-        let end = addr
-            .checked_add(size)
-            .ok_or(bad("address + size overflows"))?;
-        match self.ranges.range(..=addr).next_back() {
-            Some((&start, &len)) if end <= start + len => Ok(()),
-            _ => Err(bad("not inside a reserved range")),
-        }
-    }
-
-    /// Checks that nothing is mapped in `[addr, addr + size)`.
-    fn check_unmapped(&self, addr: u64, size: u64) -> Result<()> {
-        // A mapping that starts before `addr` may still cover it.
-        let overlaps_before = self
-            .mapped
-            .range(..addr)
-            .next_back()
-            .is_some_and(|(&a, &(_, len))| a + len > addr);
-        if overlaps_before || self.mapped.range(addr..addr + size).next().is_some() {
-            return Err(VmemError::InvalidAddress {
-                addr,
-                size,
-                why: "already mapped",
-            });
-        }
-        Ok(())
-    }
-
-    /// Whether the mapping at `addr` is a zero-page slot.
-    fn is_zero(&self, page: PageHandle, size: u64) -> bool {
-        self.zero.get(&size) == Some(&page)
-    }
-
-    /// Checks that `[addr, addr + size)` is either unmapped (`false`) or exactly covered by
-    /// zero-page slots of `page_size` (`true`).
-    fn check_unmapped_or_zero(&self, addr: u64, size: u64, page_size: u64) -> Result<bool> {
-        if self.check_unmapped(addr, size).is_ok() {
-            return Ok(false);
-        }
-        let slots = self.mapped.range(addr..addr + size);
-        let mut next = addr;
-        for (&a, &(p, len)) in slots {
-            if a != next || len != page_size || !self.is_zero(p, len) {
-                break;
-            }
-            next = a + len;
-        }
-        // The slots run from `addr` without a gap, so nothing else overlaps the span.
-        if next == addr + size {
-            return Ok(true);
-        }
-        Err(VmemError::InvalidAddress {
-            addr,
-            size,
-            why: "already mapped (not all unmapped or all zero-backed)",
-        })
-    }
-
-    /// Checks a whole `map` call: the span is inside a range, aligned and unmapped (or all
-    /// zero-backed), and every page is live, of this size, unmapped and named once. Returns
-    /// the span's size and whether it is zero-backed.
-    fn check_map(
-        &mut self,
-        addr: u64,
-        pages: &[PageHandle],
-        page_size: u64,
-    ) -> Result<(u64, bool)> {
-        let total = (pages.len() as u64)
-            .checked_mul(page_size)
-            .ok_or(VmemError::SizeOverflow("map size"))?;
-        self.check_inside(addr, total, page_size)?;
-        let zero_backed = self.check_unmapped_or_zero(addr, total, page_size)?;
-        self.seen.clear();
-        for &p in pages {
-            match self.live.get(&p) {
-                Some(&s) if s == page_size && !self.mapped_handles.contains(&p) => {
-                    if !self.seen.insert(p) {
-                        return Err(VmemError::InvalidAddress {
-                            addr: p.0,
-                            size: page_size,
-                            why: "page named twice in one map",
-                        });
-                    }
-                }
-                Some(&s) if s != page_size => {
-                    return Err(VmemError::InvalidAddress {
-                        addr: p.0,
-                        size: page_size,
-                        why: "page is of another size",
-                    })
-                }
-                Some(_) => {
-                    return Err(VmemError::InvalidAddress {
-                        addr: p.0,
-                        size: page_size,
-                        why: "page is already mapped",
-                    })
-                }
-                None => return Err(VmemError::UnknownPage(p.0)),
-            }
-        }
-        Ok((total, zero_backed))
-    }
-
-    fn record_map(&mut self, addr: u64, pages: &[PageHandle], page_size: u64) {
-        for (i, &p) in pages.iter().enumerate() {
-            self.mapped
-                .insert(addr + i as u64 * page_size, (p, page_size));
-            self.mapped_handles.insert(p);
-        }
-    }
-
-    fn record_zero(&mut self, addr: u64, count: u64, page_size: u64) {
-        if let Some(&z) = self.zero.get(&page_size) {
-            for i in 0..count {
-                self.mapped.insert(addr + i * page_size, (z, page_size));
-            }
-        }
-    }
-
-    /// Checks that `[addr, addr + size)` is exactly covered by mapped pages.
-    fn check_run(&self, addr: u64, size: u64) -> Result<()> {
-        let end = addr.checked_add(size).filter(|_| size > 0);
-        let mut next = addr;
-        if let Some(end) = end {
-            for (&a, &(_, len)) in self.mapped.range(addr..end) {
-                if a != next {
-                    break;
-                }
-                next = a + len;
-            }
-        }
-        if Some(next) != end {
-            return Err(VmemError::InvalidAddress {
-                addr,
-                size,
-                why: "not exactly a run of mapped pages",
-            });
-        }
-        Ok(())
-    }
-
-    fn record_unmap(&mut self, addr: u64, size: u64) {
-        let keys: Vec<u64> = self
-            .mapped
-            .range(addr..addr + size)
-            .map(|(&a, _)| a)
-            .collect();
-        for a in keys {
-            if let Some((p, _)) = self.mapped.remove(&a) {
-                self.mapped_handles.remove(&p);
-            }
-        }
-    }
-
-    /// Checks that `page` is live and unmapped, so it may be released; returns its size.
-    fn check_release(&self, page: PageHandle) -> Result<u64> {
-        let size = *self.live.get(&page).ok_or(VmemError::UnknownPage(page.0))?;
-        if self.mapped_handles.contains(&page) {
-            return Err(VmemError::InvalidAddress {
-                addr: page.0,
-                size,
-                why: "page is still mapped; unmap before release",
-            });
-        }
-        Ok(size)
-    }
-
-    /// Checks that every byte of `[addr, addr + len)` lies in a mapped page.
-    fn check_mapped_span(&self, addr: u64, len: u64) -> Result<()> {
-        let end = addr.checked_add(len).ok_or(VmemError::InvalidAddress {
-            addr,
-            size: len,
-            why: "address + size overflows",
-        })?;
-        let mut at = addr;
-        while at < end {
-            let page = self
-                .mapped
-                .range(..=at)
-                .next_back()
-                .filter(|(&a, &(p, size))| at < a + size && !self.is_zero(p, size));
-            match page {
-                Some((&a, &(_, size))) => at = a + size,
-                None => {
-                    return Err(VmemError::InvalidAddress {
-                        addr,
-                        size: len,
-                        why: "not entirely inside mapped pages",
-                    })
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// The mapped pages merged into maximal runs of consecutive addresses, each inside one
-    /// reserved range.
-    fn runs(&self) -> Vec<(u64, u64)> {
-        let mut runs: Vec<(u64, u64)> = Vec::new();
-        for (&start, &len) in &self.ranges {
-            let mut run: Option<(u64, u64)> = None;
-            for (&a, &(_, size)) in self.mapped.range(start..start + len) {
-                run = match run {
-                    Some((s, n)) if s + n == a => Some((s, n + size)),
-                    Some(done) => {
-                        runs.push(done);
-                        Some((a, size))
-                    }
-                    None => Some((a, size)),
-                };
-            }
-            runs.extend(run);
-        }
-        runs
     }
 }
