@@ -21,6 +21,7 @@ fn cu(op: &'static str, r: sys::CUresult) -> PyResult<()> {
 #[pyclass(module = "vmem._vmem.bench", frozen)]
 struct VmemPages {
     b: Arc<CudaBackend>,
+    device: i32,
     base: u64,
     page: u64,
     pages: Vec<PageHandle>,
@@ -39,6 +40,7 @@ impl VmemPages {
             .map_err(py_err)?;
         Ok(VmemPages {
             b,
+            device: device as i32,
             base,
             page,
             pages,
@@ -93,6 +95,9 @@ struct RawPages {
     access: sys::CUmemAccessDesc,
     // Keeps the primary context retained and current-able.
     ctx: Arc<CudaBackend>,
+    /// Whether the range and the handles are this object's to free (`new`), or a
+    /// `VmemPages`'s (`over`).
+    owned: bool,
 }
 
 #[pymethods]
@@ -130,6 +135,30 @@ impl RawPages {
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             },
             ctx,
+            owned: true,
+        })
+    }
+
+    /// Raw calls over `pages`' range and handles, so that raw and vmem contenders can take
+    /// turns on the same memory (where a page lands weighs on both alike). The caller maps a
+    /// set through one of the two at a time and unmaps it before the other's turn; vmem's
+    /// book then never disagrees with the driver when vmem looks at it.
+    #[staticmethod]
+    fn over(pages: PyRef<'_, VmemPages>) -> PyResult<Self> {
+        pages.b.bind_to_thread().map_err(py_err)?;
+        Ok(RawPages {
+            base: pages.base,
+            page: pages.page,
+            handles: pages.pages.iter().map(|p| p.0).collect(),
+            access: sys::CUmemAccessDesc {
+                location: sys::CUmemLocation {
+                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: pages.device,
+                },
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            },
+            ctx: pages.b.clone(),
+            owned: false,
         })
     }
 
@@ -194,6 +223,9 @@ impl RawPages {
 
 impl Drop for RawPages {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         let _ = self.ctx.bind_to_thread();
         for &h in &self.handles {
             // SAFETY: our handles, unmapped by the benchmark.

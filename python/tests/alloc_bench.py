@@ -20,7 +20,10 @@ Contenders, 2 MB pages, runs of 1, 16 and 512 pages, map and unmap timed separat
 
 Each contender makes one Python-to-native call per page (per-page modes) or per run (batched),
 so Python's call overhead is alike. Physical pages of raw and vmem are created before timing;
-kvcached creates pages in its map (its design). A run of n pages is repeated 64/n times per
+kvcached creates pages in its map (its design). Raw and vmem contenders take turns on the same
+memory: five sets of a reserved range and its pages, made through vmem's backend, rotate among
+the five from slot to slot, so where a range or a page lands in the GPU's memory weighs on
+each alike (raw calls use the set's handles directly). A run of n pages is repeated 64/n times per
 round (at least once); each repetition is a slot in which every contender maps and unmaps the
 run once, in a shuffled order, so contenders that are compared ran side by side. 20 rounds
 are kept (60 for 512-page runs), the first two dropped. Prints µs per 2 MB page (median, p99
@@ -53,12 +56,16 @@ RUNS = [1, 16, 512]
 ROUNDS = 22
 ROUNDS_512 = 62
 N = max(RUNS)
+# Contenders that take turns on the same page sets.
+ROTATING = ["raw per page", "raw per page + sync", "raw batched", "vmem per page", "vmem batched"]
 
 
 def main():
     bench = _vmem.bench
-    raw = bench.RawPages(N, 0)
-    vm = bench.VmemPages(N, 0)
+    sets = []
+    for _ in range(len(ROTATING)):
+        vm = bench.VmemPages(N, 0)
+        sets.append((vm, bench.RawPages.over(vm)))
     import kvcached  # noqa: F401  (loads the torch ops)
     from kvcached import vmm_ops
 
@@ -103,18 +110,32 @@ def main():
     def vma_free(n):
         kva.free(held.pop("vmem"))
 
+    # The set a rotating contender uses in the current slot (see ROTATING).
+    cur = {}
+
+    def raw_(c):
+        return sets[cur[c]][1]
+
+    def vm_(c):
+        return sets[cur[c]][0]
+
     contenders = {
-        "raw per page": (lambda n: [raw.map_page(i) for i in range(n)], lambda n: [raw.unmap_page(i) for i in range(n)], 1),
-        "raw per page + sync": (lambda n: [raw.map_page(i) for i in range(n)], lambda n: [raw.unmap_page_synced(i) for i in range(n)], 1),
-        "raw batched": (raw.map_run, raw.unmap_run, 1),
-        "vmem per page": (lambda n: [vm.map_page(i) for i in range(n)], lambda n: [vm.unmap_page(i) for i in range(n)], 1),
-        "vmem batched": (vm.map_run, vm.unmap_run, 1),
+        "raw per page": (lambda n: [raw_("raw per page").map_page(i) for i in range(n)],
+                         lambda n: [raw_("raw per page").unmap_page(i) for i in range(n)], 1),
+        "raw per page + sync": (lambda n: [raw_("raw per page + sync").map_page(i) for i in range(n)],
+                                lambda n: [raw_("raw per page + sync").unmap_page_synced(i) for i in range(n)], 1),
+        "raw batched": (lambda n: raw_("raw batched").map_run(n), lambda n: raw_("raw batched").unmap_run(n), 1),
+        "vmem per page": (lambda n: [vm_("vmem per page").map_page(i) for i in range(n)],
+                          lambda n: [vm_("vmem per page").unmap_page(i) for i in range(n)], 1),
+        "vmem batched": (lambda n: vm_("vmem batched").map_run(n), lambda n: vm_("vmem batched").unmap_run(n), 1),
         "kvcached per page": (lambda n: [kvc_map_page(i) for i in range(n)], lambda n: [kvc_unmap_page(i) for i in range(n)], kvc_pages_per_offset),
         "kvcached batched": (kvc_map_run, kvc_unmap_run, kvc_pages_per_offset),
         "kvcached allocator": (kva_alloc, kva_free, 2),
         "vmem allocator": (vma_alloc, vma_free, 2),
     }
+    assert set(ROTATING) <= set(contenders)
     rng = random.Random(7)
+    slot_no = 0
     rows = []
     ratios = []
     print(f"in-process allocation benchmark, {torch.cuda.get_device_name()}, 2 MB pages, {ROUNDS} rounds ({ROUNDS_512} for {N} pages; 2 dropped), each slot runs every contender once, in a shuffled order", flush=True)
@@ -127,6 +148,9 @@ def main():
             for _ in range(max(1, 64 // n)):
                 order = list(contenders)
                 rng.shuffle(order)
+                for j, c in enumerate(ROTATING):
+                    cur[c] = (j + slot_no) % len(sets)
+                slot_no += 1
                 torch.cuda.synchronize()
                 slot = {}
                 for c in order:
@@ -171,7 +195,7 @@ def main():
     with open(os.path.join(out, "alloc_bench.json"), "w") as fh:
         json.dump(dict(rows=rows, ratios=ratios), fh, indent=1)
     kva.close()
-    del raw, vm, pa
+    del sets, pa
     vmm_ops.shutdown_kvcached()
 
 

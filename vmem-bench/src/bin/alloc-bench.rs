@@ -1,23 +1,37 @@
-//! `alloc-bench`: the allocation path, raw CUDA VMM vs vmem, interleaved in one process.
+//! `alloc-bench`: where vmem's allocation path spends its time against the raw CUDA VMM
+//! calls, interleaved in one process.
 //!
-//! For 2 MB pages and runs of 1, 16 and 512 pages, each round times, in a shuffled order,
-//! mapping and then unmapping one run with each contender:
+//! For 2 MB pages and runs of 1, 16 and 512 pages, every *slot* maps and then unmaps one run
+//! with each contender, in a shuffled order:
 //!
-//! * `raw per page`: `cuMemMap` + `cuMemSetAccess` for each page; `cuMemUnmap` each page;
-//! * `raw batched`: `cuMemMap` each page, one `cuMemSetAccess` over the run; one `cuMemUnmap`;
-//! * `vmem per page`: `Backend::map` of one page at a time; `Backend::unmap` of each page;
-//! * `vmem batched`: one `Backend::map` of the run; one `Backend::unmap`.
+//! * `raw`: `cuMemMap` + `cuMemSetAccess` for each page; `cuMemUnmap` each page;
+//! * `raw+sync`: the same with a `cuCtxSynchronize` before each `cuMemUnmap`, the ordering
+//!   vmem's unmap guarantees (no queued kernel still reads the page);
+//! * `raw+sync'`: the same calls again, a control: what two identical contenders differ by;
+//! * `driver`: vmem's CUDA driver (`CudaDriver`, the [`RawBackend`] calls without the
+//!   checked core): map one page at a time; fence + unmap each page;
+//! * `vmem`: vmem's backend (`Backend::map` / `Backend::unmap`, the checked core over that
+//!   driver), one page at a time;
+//! * `raw batched`, `raw+sync batched`, `vmem batched`: one call per run (raw: `cuMemMap` each
+//!   page, one `cuMemSetAccess` over the run, one `cuMemUnmap`).
 //!
-//! Physical pages are created before timing (a pool, as vmem's manager keeps), so
-//! `cuMemCreate` is never timed. Prints µs per page and GB/s, median and p99 over rounds,
-//! and vmem's ratios to raw (> 1 means vmem is faster). Exits non-zero on a driver error.
+//! Every contender gets its own reserved range and pre-created pages (a pool, as vmem's
+//! manager keeps, so `cuMemCreate` is never timed), all made through vmem's backend, and the
+//! sets rotate among the contenders from slot to slot: where a range or a page lands in the
+//! GPU's memory weighs on every contender alike. Times are µs per page, medians and p99 over
+//! slots; ratios are cycle times (map + unmap), the median over slots of the two
+//! contenders' ratio in the same slot, so the driver's drift cancels (> 1: the second named
+//! is faster). Exits non-zero on a driver error.
+//!
+//! ```sh
+//! cargo build --release -p vmem-bench --bin alloc-bench   # here; run it on the GPU machine
+//! ```
 
 use cudarc::driver::sys;
 use std::time::Instant;
-use vmem::backend::{Backend, CudaBackend, PageHandle, MIB2};
+use vmem::backend::{Backend, CudaBackend, PageHandle, RawBackend, MIB2};
 use vmem::{Result, VmemError};
 
-const ROUNDS: usize = 30;
 const RUNS: [usize; 3] = [1, 16, 512];
 
 fn cu(op: &'static str, r: sys::CUresult) -> Result<()> {
@@ -31,131 +45,170 @@ fn cu(op: &'static str, r: sys::CUresult) -> Result<()> {
     }
 }
 
-/// Raw driver state: a reservation and pre-created pages, outside vmem.
-struct Raw {
-    base: u64,
-    size: u64,
-    pages: Vec<u64>,
-    access: sys::CUmemAccessDesc,
+/// How a contender maps and unmaps.
+#[derive(Clone, Copy, PartialEq)]
+enum Way {
+    Raw { sync: bool },
+    Driver,
+    Vmem,
 }
 
-impl Raw {
-    fn new(n: usize) -> Result<Self> {
-        let size = n as u64 * MIB2;
-        let mut base = 0;
-        // SAFETY: a valid out-pointer; reserves fresh address space.
-        cu("cuMemAddressReserve", unsafe {
-            sys::cuMemAddressReserve(&mut base, size as usize, MIB2 as usize, 0, 0)
-        })?;
-        // SAFETY: CUmemAllocationProp is plain data; all-zero is its documented default.
-        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        prop.location.id = 0;
-        let mut pages = Vec::with_capacity(n);
-        for _ in 0..n {
-            let mut h = 0;
-            // SAFETY: valid out-pointer and property struct.
-            cu("cuMemCreate", unsafe {
-                sys::cuMemCreate(&mut h, MIB2 as usize, &prop, 0)
-            })?;
-            pages.push(h);
-        }
-        let access = sys::CUmemAccessDesc {
-            location: prop.location,
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        Ok(Raw {
-            base,
-            size,
-            pages,
-            access,
-        })
-    }
-
-    fn map(&self, n: usize, batched: bool) -> Result<()> {
-        for (i, &h) in self.pages[..n].iter().enumerate() {
-            let at = self.base + i as u64 * MIB2;
-            // SAFETY: `at` is an unmapped page of our reservation; `h` an unmapped handle.
-            cu("cuMemMap", unsafe {
-                sys::cuMemMap(at, MIB2 as usize, 0, h, 0)
-            })?;
-            if !batched {
-                // SAFETY: the page was just mapped.
-                cu("cuMemSetAccess", unsafe {
-                    sys::cuMemSetAccess(at, MIB2 as usize, &self.access, 1)
-                })?;
-            }
-        }
-        if batched {
-            // SAFETY: the run was just mapped in full.
-            cu("cuMemSetAccess", unsafe {
-                sys::cuMemSetAccess(self.base, n * MIB2 as usize, &self.access, 1)
-            })?;
-        }
-        Ok(())
-    }
-
-    fn unmap(&self, n: usize, batched: bool) -> Result<()> {
-        if batched {
-            // SAFETY: the run of n pages from base is mapped; no kernel reads it.
-            return cu("cuMemUnmap", unsafe {
-                sys::cuMemUnmap(self.base, n * MIB2 as usize)
-            });
-        }
-        for i in 0..n {
-            // SAFETY: page i is mapped; no kernel reads it.
-            cu("cuMemUnmap", unsafe {
-                sys::cuMemUnmap(self.base + i as u64 * MIB2, MIB2 as usize)
-            })?;
-        }
-        Ok(())
-    }
+struct Contender {
+    name: &'static str,
+    way: Way,
+    batched: bool,
 }
 
-impl Drop for Raw {
-    fn drop(&mut self) {
-        for &h in &self.pages {
-            // SAFETY: our handles, unmapped.
-            let _ = unsafe { sys::cuMemRelease(h) };
-        }
-        // SAFETY: our reservation, empty.
-        let _ = unsafe { sys::cuMemAddressFree(self.base, self.size as usize) };
-    }
-}
+const CONTENDERS: [Contender; 8] = [
+    Contender {
+        name: "raw",
+        way: Way::Raw { sync: false },
+        batched: false,
+    },
+    Contender {
+        name: "raw+sync",
+        way: Way::Raw { sync: true },
+        batched: false,
+    },
+    Contender {
+        name: "raw+sync'",
+        way: Way::Raw { sync: true },
+        batched: false,
+    },
+    Contender {
+        name: "driver",
+        way: Way::Driver,
+        batched: false,
+    },
+    Contender {
+        name: "vmem",
+        way: Way::Vmem,
+        batched: false,
+    },
+    Contender {
+        name: "raw batched",
+        way: Way::Raw { sync: false },
+        batched: true,
+    },
+    Contender {
+        name: "raw+sync batched",
+        way: Way::Raw { sync: true },
+        batched: true,
+    },
+    Contender {
+        name: "vmem batched",
+        way: Way::Vmem,
+        batched: true,
+    },
+];
 
-struct Vm<'a> {
-    b: &'a CudaBackend,
+/// One contender's resources for a slot: a reserved range and its pages.
+struct Set {
     base: u64,
     pages: Vec<PageHandle>,
 }
 
-impl Vm<'_> {
-    fn map(&self, n: usize, batched: bool) -> Result<()> {
-        if batched {
-            return self.b.map(self.base, &self.pages[..n], MIB2);
+struct Bench<'a> {
+    b: &'a CudaBackend,
+    access: sys::CUmemAccessDesc,
+}
+
+impl Bench<'_> {
+    fn map(&self, c: &Contender, s: &Set, n: usize) -> Result<()> {
+        let pages = &s.pages[..n];
+        match (c.way, c.batched) {
+            (Way::Vmem, true) => self.b.map(s.base, pages, MIB2),
+            (Way::Vmem, false) => {
+                for (i, p) in pages.iter().enumerate() {
+                    let at = s.base + i as u64 * MIB2;
+                    self.b.map(at, std::slice::from_ref(p), MIB2)?;
+                }
+                Ok(())
+            }
+            (Way::Driver, _) => {
+                for (i, p) in pages.iter().enumerate() {
+                    let at = s.base + i as u64 * MIB2;
+                    // SAFETY: the backend's book has this page and address unmapped (the
+                    // bench maps a set through one contender at a time and unmaps it before
+                    // the next), so the driver sees an unmapped page at an unmapped,
+                    // aligned address of a range it reserved.
+                    unsafe { self.b.driver().map(at, std::slice::from_ref(p), MIB2) }
+                        .map_err(|e| e.error)?;
+                }
+                Ok(())
+            }
+            (Way::Raw { .. }, batched) => {
+                for (i, p) in pages.iter().enumerate() {
+                    let at = s.base + i as u64 * MIB2;
+                    // SAFETY: as for `Driver`: an unmapped handle at an unmapped address of
+                    // a reserved range.
+                    cu("cuMemMap", unsafe {
+                        sys::cuMemMap(at, MIB2 as usize, 0, p.0, 0)
+                    })?;
+                    if !batched {
+                        // SAFETY: the page was just mapped.
+                        cu("cuMemSetAccess", unsafe {
+                            sys::cuMemSetAccess(at, MIB2 as usize, &self.access, 1)
+                        })?;
+                    }
+                }
+                if batched {
+                    // SAFETY: the run was just mapped in full.
+                    cu("cuMemSetAccess", unsafe {
+                        sys::cuMemSetAccess(s.base, n * MIB2 as usize, &self.access, 1)
+                    })?;
+                }
+                Ok(())
+            }
         }
-        for (i, p) in self.pages[..n].iter().enumerate() {
-            self.b
-                .map(self.base + i as u64 * MIB2, std::slice::from_ref(p), MIB2)?;
-        }
-        Ok(())
     }
 
-    fn unmap(&self, n: usize, batched: bool) -> Result<()> {
-        if batched {
-            return self.b.unmap(self.base, n as u64 * MIB2);
+    fn unmap(&self, c: &Contender, s: &Set, n: usize) -> Result<()> {
+        let size = n as u64 * MIB2;
+        match (c.way, c.batched) {
+            (Way::Vmem, true) => self.b.unmap(s.base, size),
+            (Way::Vmem, false) => {
+                for i in 0..n as u64 {
+                    self.b.unmap(s.base + i * MIB2, MIB2)?;
+                }
+                Ok(())
+            }
+            (Way::Driver, _) => {
+                for i in 0..n as u64 {
+                    self.b.driver().fence()?;
+                    // SAFETY: mapped by this contender's `map` just before; the fence above
+                    // returned after all queued work (the bench queues none).
+                    unsafe { self.b.driver().unmap(s.base + i * MIB2, MIB2) }?;
+                }
+                Ok(())
+            }
+            (Way::Raw { sync }, batched) => {
+                let step = if batched { size } else { MIB2 };
+                for at in (s.base..s.base + size).step_by(step as usize) {
+                    if sync {
+                        // SAFETY: touches no memory; the context is current on this thread.
+                        cu("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
+                    }
+                    // SAFETY: mapped by this contender's `map` just before; the bench queues
+                    // no kernel.
+                    cu("cuMemUnmap", unsafe { sys::cuMemUnmap(at, step as usize) })?;
+                }
+                Ok(())
+            }
         }
-        for i in 0..n {
-            self.b.unmap(self.base + i as u64 * MIB2, MIB2)?;
-        }
-        Ok(())
     }
 }
 
+/// Median and p99 of `v` (sorted in place).
 fn stats(v: &mut [f64]) -> (f64, f64) {
     v.sort_by(f64::total_cmp);
     (v[v.len() / 2], v[(v.len() * 99 / 100).min(v.len() - 1)])
+}
+
+/// Median over slots of `a[slot] / b[slot]`.
+fn paired(a: &[f64], b: &[f64]) -> f64 {
+    let mut r: Vec<f64> = a.iter().zip(b).map(|(x, y)| x / y).collect();
+    stats(&mut r).0
 }
 
 fn main() {
@@ -168,97 +221,127 @@ fn main() {
 fn run() -> Result<()> {
     let cuda = CudaBackend::new(0)?;
     cuda.bind_to_thread()?;
-    let max = *RUNS.iter().max().expect("runs");
-    let raw = Raw::new(max)?;
-    let vm = Vm {
+    let bench = Bench {
         b: &cuda,
-        base: cuda.reserve(max as u64 * MIB2)?,
-        pages: (0..max)
-            .map(|_| cuda.create_page(MIB2))
-            .collect::<Result<_>>()?,
+        access: sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: 0,
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        },
     };
-    const NAMES: [&str; 4] = [
-        "raw per page",
-        "raw batched",
-        "vmem per page",
-        "vmem batched",
-    ];
+    let k = CONTENDERS.len();
+    let max = *RUNS.iter().max().expect("runs");
+    let sets = (0..k)
+        .map(|_| {
+            Ok(Set {
+                base: cuda.reserve(max as u64 * MIB2)?,
+                pages: (0..max)
+                    .map(|_| cuda.create_page(MIB2))
+                    .collect::<Result<_>>()?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
     println!(
-        "alloc-bench on {}, 2 MB pages, {ROUNDS} rounds, contenders shuffled in each round",
+        "alloc-bench on {}, 2 MB pages; every slot maps and unmaps a run with each contender, shuffled; page sets rotate among contenders",
         cuda.device_name()
     );
-    println!(
-        "{:<6} {:<14} {:>11} {:>11} {:>11} {:>11} {:>9} {:>9}",
-        "pages",
-        "contender",
-        "map us/pg",
-        "map p99",
-        "unmap us/pg",
-        "unmap p99",
-        "map GB/s",
-        "unmap GB/s"
-    );
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-    for n in RUNS {
-        // [contender][round] microseconds per page.
-        let mut map_us = vec![Vec::new(); 4];
-        let mut unmap_us = vec![Vec::new(); 4];
-        for round in 0..ROUNDS + 2 {
-            let mut order = [0usize, 1, 2, 3];
-            for i in (1..4).rev() {
+    let mut ratio_rows: Vec<(String, [f64; 3])> = Vec::new();
+    for (col, n) in RUNS.into_iter().enumerate() {
+        let slots = if n == max { 60 } else { 20 * (64 / n).max(1) };
+        // [contender][slot] µs per page.
+        let mut map_us = vec![Vec::with_capacity(slots); k];
+        let mut unmap_us = vec![Vec::with_capacity(slots); k];
+        for slot in 0..slots + 2 {
+            let mut order: Vec<usize> = (0..k).collect();
+            for i in (1..k).rev() {
                 seed ^= seed << 13;
                 seed ^= seed >> 7;
                 seed ^= seed << 17;
                 order.swap(i, (seed % (i as u64 + 1)) as usize);
             }
             for c in order {
-                let batched = c % 2 == 1;
+                let set = &sets[(c + slot) % k];
                 let t = Instant::now();
-                if c < 2 {
-                    raw.map(n, batched)?;
-                } else {
-                    vm.map(n, batched)?;
-                }
+                bench.map(&CONTENDERS[c], set, n)?;
                 let tm = t.elapsed().as_secs_f64() * 1e6 / n as f64;
                 let t = Instant::now();
-                if c < 2 {
-                    raw.unmap(n, batched)?;
-                } else {
-                    vm.unmap(n, batched)?;
-                }
+                bench.unmap(&CONTENDERS[c], set, n)?;
                 let tu = t.elapsed().as_secs_f64() * 1e6 / n as f64;
-                if round >= 2 {
+                // The first two slots warm up.
+                if slot >= 2 {
                     map_us[c].push(tm);
                     unmap_us[c].push(tu);
                 }
             }
         }
-        let mut med = [[0.0; 2]; 4];
-        for c in 0..4 {
-            let (mm, mp) = stats(&mut map_us[c]);
-            let (um, up) = stats(&mut unmap_us[c]);
-            med[c] = [mm, um];
-            let gbps = |us: f64| MIB2 as f64 / (us * 1e-6) / 1e9;
+        println!("\n{n} pages, {slots} slots: µs per 2 MB page, median (p99)");
+        println!(
+            "  {:<18} {:>16} {:>16} {:>10}",
+            "contender", "map", "unmap", "cycle GB/s"
+        );
+        let cycle: Vec<Vec<f64>> = (0..k)
+            .map(|c| {
+                map_us[c]
+                    .iter()
+                    .zip(&unmap_us[c])
+                    .map(|(m, u)| m + u)
+                    .collect()
+            })
+            .collect();
+        for (c, con) in CONTENDERS.iter().enumerate() {
+            let (mm, mp) = stats(&mut map_us[c].clone());
+            let (um, up) = stats(&mut unmap_us[c].clone());
+            let (cm, _) = stats(&mut cycle[c].clone());
             println!(
-                "{n:<6} {:<14} {mm:>11.2} {mp:>11.2} {um:>11.2} {up:>11.2} {:>9.1} {:>9.1}",
-                NAMES[c],
-                gbps(mm),
-                gbps(um)
+                "  {:<18} {:>7.2} ({:>6.2}) {:>7.2} ({:>6.2}) {:>10.1}",
+                con.name,
+                mm,
+                mp,
+                um,
+                up,
+                MIB2 as f64 / (cm * 1e-6) / 1e9
             );
         }
-        println!(
-            "{n:<6} ratios raw/vmem (>1: vmem faster): per page map {:.3} unmap {:.3} cycle {:.3} | batched map {:.3} unmap {:.3} cycle {:.3}",
-            med[0][0] / med[2][0],
-            med[0][1] / med[2][1],
-            (med[0][0] + med[0][1]) / (med[2][0] + med[2][1]),
-            med[1][0] / med[3][0],
-            med[1][1] / med[3][1],
-            (med[1][0] + med[1][1]) / (med[3][0] + med[3][1]),
-        );
+        let idx = |name: &str| {
+            CONTENDERS
+                .iter()
+                .position(|c| c.name == name)
+                .expect("a contender of that name")
+        };
+        let pairs = [
+            ("raw", "vmem"),
+            ("raw+sync", "vmem"),
+            ("raw+sync", "driver"),
+            ("driver", "vmem"),
+            ("raw+sync", "raw+sync'"),
+            ("raw", "raw+sync"),
+            ("raw batched", "vmem batched"),
+            ("raw+sync batched", "vmem batched"),
+        ];
+        for (row, (a, b)) in pairs.iter().enumerate() {
+            let r = paired(&cycle[idx(a)], &cycle[idx(b)]);
+            if col == 0 {
+                ratio_rows.push((format!("{a} / {b}"), [0.0; 3]));
+            }
+            ratio_rows[row].1[col] = r;
+        }
     }
-    for p in &vm.pages {
-        cuda.release_page(*p)?;
+    println!("\ncycle-time ratios, median of same-slot ratios (> 1: the second named is faster)");
+    println!(
+        "  {:<34} {:>8} {:>8} {:>8}",
+        "ratio", RUNS[0], RUNS[1], RUNS[2]
+    );
+    for (name, r) in &ratio_rows {
+        println!("  {name:<34} {:>8.3} {:>8.3} {:>8.3}", r[0], r[1], r[2]);
     }
-    cuda.free_range(vm.base)?;
+    for s in sets {
+        for p in s.pages {
+            cuda.release_page(p)?;
+        }
+        cuda.free_range(s.base)?;
+    }
     Ok(())
 }
