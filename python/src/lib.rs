@@ -284,10 +284,16 @@ impl KVCache {
     /// is released. Returns (sync_pages, background_pages, reclaimed_pages).
     fn step(&self, py: Python<'_>, lengths: Vec<i64>) -> PyResult<(u64, u64, u64)> {
         let inner = self.get()?;
+        // The message is built only for a bad length: a step of a large batch would otherwise
+        // format one string per request.
         let lens = lengths
             .iter()
             .enumerate()
-            .map(|(i, &l)| to_u64(l, &format!("lengths[{i}]")))
+            .map(|(i, &l)| {
+                u64::try_from(l).map_err(|_| {
+                    InvalidArgument::new_err(format!("lengths[{i}] must be >= 0, got {l}"))
+                })
+            })
             .collect::<PyResult<Vec<u64>>>()?;
         let r = py.detach(|| inner.kv.step(&lens)).map_err(py_err)?;
         Ok((r.sync_pages, r.background_pages, r.reclaimed_pages))

@@ -88,6 +88,11 @@ def test_step_takes_lists_arrays_dicts_and_cpu_tensors_alike():
     [
         (lambda kv, r: kv.step([1, 2]), vmem.InvalidArgument, "4 lengths"),
         (lambda kv, r: kv.step({r: -1}), vmem.InvalidArgument, "negative"),
+        # Lists take a fast path when every entry is a plain non-negative int; these do not.
+        (lambda kv, r: kv.step([-1, 0, 0, 0]), vmem.InvalidArgument, "negative"),
+        (lambda kv, r: kv.step([True, 0, 0, 0]), vmem.InvalidArgument, "whole number"),
+        (lambda kv, r: kv.step((0, 0, 0, 2**70)), vmem.InvalidArgument, "too large"),
+        (lambda kv, r: kv.step({r: 2**63}), vmem.InvalidArgument, "too large"),
         (lambda kv, r: kv.step({r: 1.5}), vmem.InvalidArgument, "whole number"),
         (lambda kv, r: kv.step({r: "10"}), vmem.InvalidArgument, "whole number"),
         (lambda kv, r: kv.step({9: 10}), vmem.InvalidArgument, "out of range"),

@@ -70,6 +70,10 @@ def models() -> Dict[str, Dict[str, int]]:
     return {m["name"]: m for m in _vmem.models()}
 
 
+# Lengths travel to Rust as 64-bit signed ints; anything larger is refused here, clearly.
+_MAX_LENGTH = 1 << 63
+
+
 def _lengths(lengths: Any, max_batch: int) -> List[int]:
     """One length per request id from a list, a dict {id: length}, a NumPy array or a CPU
     tensor."""
@@ -87,6 +91,15 @@ def _lengths(lengths: Any, max_batch: int) -> List[int]:
         lengths = lengths.tolist()
     elif not isinstance(lengths, (list, tuple)):
         lengths = list(lengths)
+    # The common case, a list of plain non-negative ints, checked by C loops (a step of a
+    # batch of 256 spent 14 µs in the loop below).
+    if (
+        len(lengths) == max_batch
+        and set(map(type, lengths)) <= {int}
+        and 0 <= min(lengths, default=0)
+        and max(lengths, default=0) < _MAX_LENGTH
+    ):
+        return list(lengths)
     out = []
     for i, n in enumerate(lengths):
         if isinstance(n, bool) or not isinstance(n, int):
@@ -96,6 +109,8 @@ def _lengths(lengths: Any, max_batch: int) -> List[int]:
                 raise InvalidArgument(f"lengths[{i}] = {n!r} is not a whole number of tokens")
         if n < 0:
             raise InvalidArgument(f"lengths[{i}] = {n} is negative")
+        if n >= _MAX_LENGTH:
+            raise InvalidArgument(f"lengths[{i}] = {n} is too large")
         out.append(n)
     if len(out) != max_batch:
         raise InvalidArgument(f"step expects {max_batch} lengths (max batch), got {len(out)}")
