@@ -2,15 +2,15 @@
 //! operation makes against it.
 //!
 //! Mappings live in a page table of *units* (the driver's smallest page size): one slot per
-//! unit, in chunks of [`CHUNK`] slots found by hashing the chunk's number, allocated when a
-//! slot in them is first mapped and kept, empty or not, until their range is freed (a
-//! request's pages come and go at the same addresses; allocating a chunk per map would cost
-//! more than the table saves). 24 bytes per unit ever mapped: 0.001 % of the memory at 2 MB
-//! pages, 0.04 % at 64 KB. A page of `n` units
-//! is a head slot and `n - 1` tail slots. Checking and recording a map or an unmap then reads
-//! and writes the slots of the span itself: a few cache lines, where an ordered map of
-//! addresses walked a tree several times per call. That matters next to a driver call, which
-//! leaves the book cold in the CPU's caches (`checked-cost` in vmem-bench measures it).
+//! unit, in chunks of [`CHUNK`] slots found by hashing the chunk's number. A chunk is
+//! allocated when a slot in it is first mapped and kept, empty or not, until its range is
+//! freed: a request's pages come and go at the same addresses, and allocating a chunk per map
+//! would cost more than the table saves. A chunk is 12 KiB, 0.001 % of the memory its slots
+//! map at 2 MB pages, 0.04 % at 64 KB. A page of `n` units is a head slot and `n - 1` tail
+//! slots. Checking and recording a map or an unmap then reads and writes the slots of the
+//! span itself: a few cache lines, where an ordered map of addresses walked a tree several
+//! times per call. That matters next to a driver call, which leaves the book cold in the CPU's
+//! caches (`checked-cost` in vmem-bench measures it).
 
 use crate::backend::PageHandle;
 use crate::error::{Result, VmemError};
@@ -109,12 +109,15 @@ impl Table {
         }
     }
 
-    /// Drops the chunks that lie wholly inside `[addr, addr + size)` (a range being freed,
-    /// with nothing mapped).
-    fn drop_within(&mut self, addr: u64, size: u64) {
+    /// Drops the empty chunks that overlap `[addr, addr + size)` (a range being freed): all
+    /// of those inside it, and those it shares with a neighbour once both are empty, so
+    /// that ranges coming and going leave nothing behind.
+    fn drop_empty_within(&mut self, addr: u64, size: u64) {
         let span = self.unit * CHUNK;
-        self.chunks
-            .retain(|&k, _| k * span < addr || (k + 1) * span > addr + size);
+        self.chunks.retain(|&k, c| {
+            let overlaps = k * span < addr + size && (k + 1).saturating_mul(span) > addr;
+            !(overlaps && c.used == 0)
+        });
     }
 
     /// Every head slot (address, slot), in address order.
@@ -197,7 +200,7 @@ impl Book {
     /// Forgets a range that `check_free` accepted, and the table's chunks inside it.
     pub(super) fn record_free(&mut self, addr: u64) {
         if let Some(size) = self.ranges.remove(&addr) {
-            self.table.drop_within(addr, size);
+            self.table.drop_empty_within(addr, size);
         }
     }
 
@@ -226,7 +229,10 @@ impl Book {
         // Only chunks that hold something are in the table: look at those in the range.
         let span = self.table.unit * CHUNK;
         let busy = self.table.chunks.iter().any(|(&k, c)| {
-            let (lo, hi) = ((k * span).max(addr), ((k + 1) * span).min(addr + size));
+            let (lo, hi) = (
+                (k * span).max(addr),
+                ((k + 1).saturating_mul(span)).min(addr + size),
+            );
             c.used > 0 && lo < hi && !self.table.all_empty(lo, hi - lo)
         });
         if busy {
@@ -583,6 +589,10 @@ mod tests {
             "a chunk shared with a live range stays"
         );
         b.check_run(a + 8 * UNIT, UNIT).unwrap();
+        // Once the neighbour empties and goes too, so does the shared chunk.
+        b.record_unmap(a + 8 * UNIT, UNIT);
+        b.record_free(a + 8 * UNIT);
+        assert!(b.table.chunks.is_empty(), "{:?}", b.table.chunks.keys());
     }
 
     #[test]
