@@ -50,7 +50,7 @@ struct PageState {
 
 /// The page table of mapped units, by chunk number (`addr / unit / CHUNK`). Every unit
 /// belongs to at most one reserved range, so one table serves them all.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Table {
     unit: u64,
     chunks: FxHashMap<u64, Box<Chunk>>,
@@ -138,7 +138,7 @@ impl Table {
 }
 
 /// What a checked backend reserved, created and mapped.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct Book {
     /// start -> size of each reserved range.
     ranges: BTreeMap<u64, u64>,
@@ -164,11 +164,16 @@ impl Book {
     /// multiple of it, checked by `Checked::wrap`).
     pub(super) fn new(unit: u64) -> Self {
         Book {
+            ranges: BTreeMap::new(),
             table: Table {
                 unit,
                 chunks: FxHashMap::default(),
             },
-            ..Book::default()
+            mapped_pages: 0,
+            zero_slots: 0,
+            zero: HashMap::new(),
+            pages: FxHashMap::default(),
+            seen: FxHashSet::default(),
         }
     }
 
