@@ -41,7 +41,8 @@ fn main() {
     while let Some(a) = args.next() {
         match (a.as_str(), args.next()) {
             ("--sweep", Some(v)) => match v.parse() {
-                Ok(m) => sweep_mib = m,
+                Ok(m) if m <= 4096 => sweep_mib = m,
+                Ok(m) => fail(&format!("--sweep {m}: at most 4096 MiB")),
                 Err(_) => fail(&format!("--sweep takes MiB, got {v:?}")),
             },
             _ => fail("usage: checked-cost [--sweep MIB]"),
