@@ -206,10 +206,7 @@ pub fn zero_page(b: &dyn Backend, page: u64, contents: Option<&dyn Contents>) {
 /// Dropping a backend with zero slots mapped unmaps them and releases the zero page; a
 /// zero-backed span whose replacement map fails half-way is zero-backed again.
 pub fn zero_page_drop_and_rollback<R: RawBackend + 'static>(make: &impl Fn() -> R) {
-    let tally = Tally::new(make());
-    let counts = tally.counts.clone();
-    let b = Checked::wrap(tally).expect("wrap");
-    let page = b.page_sizes()[0];
+    let (b, counts, page) = tallied(make);
     let r = reserve_pages(&b, 8, page);
     if let Err(VmemError::Unsupported { .. }) = b.map_zero(r, 4 * page, page) {
         drop(b);
@@ -631,13 +628,22 @@ impl<R: RawBackend> RawBackend for Tally<R> {
     }
 }
 
-/// Dropping a backend with ranges reserved, pages mapped and pages created but unmapped
-/// gives every one of them back to the driver.
-pub fn drop_with_live_mappings<R: RawBackend + 'static>(make: &impl Fn() -> R) {
+/// A checked backend over a [`Tally`] of `make()`'s driver, the tally's counts, and the
+/// driver's smallest page size: how the suite's accounting checks start.
+fn tallied<R: RawBackend + 'static>(
+    make: &impl Fn() -> R,
+) -> (Checked<Tally<R>>, Arc<Counts>, u64) {
     let tally = Tally::new(make());
     let counts = tally.counts.clone();
     let b = Checked::wrap(tally).expect("wrap");
     let page = b.page_sizes()[0];
+    (b, counts, page)
+}
+
+/// Dropping a backend with ranges reserved, pages mapped and pages created but unmapped
+/// gives every one of them back to the driver.
+pub fn drop_with_live_mappings<R: RawBackend + 'static>(make: &impl Fn() -> R) {
+    let (b, counts, page) = tallied(make);
     let name = b.name();
     let r = reserve_pages(&b, 8, page);
     let _r2 = reserve_pages(&b, 2, page);
@@ -655,10 +661,7 @@ pub fn drop_with_live_mappings<R: RawBackend + 'static>(make: &impl Fn() -> R) {
 /// A map the driver fails half-way leaves nothing of the call mapped (the checked core rolls
 /// the mapped prefix back), and the same pages then map in full.
 pub fn failed_map_is_rolled_back<R: RawBackend + 'static>(make: &impl Fn() -> R) {
-    let tally = Tally::new(make());
-    let counts = tally.counts.clone();
-    let b = Checked::wrap(tally).expect("wrap");
-    let page = b.page_sizes()[0];
+    let (b, counts, page) = tallied(make);
     let r = reserve_pages(&b, 8, page);
     let pages: Vec<PageHandle> = (0..4)
         .map(|_| b.create_page(page).expect("create"))
