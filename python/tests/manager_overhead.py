@@ -10,6 +10,10 @@ In one process on the GPU, each slot times, side by side:
 Medians in µs over 400 slots, twice before and twice after loading and initialising kvcached
 (to see whether its presence in the process changes anything).
 
+Its ~20 µs between vm_map2 and rs_step turned out to be placement, not the manager: vm_map2's
+pages are adjacent, the manager's K and V pages 1 GB apart. vmem-bench's `manager-cost` splits
+each phase into time inside and outside the backend's calls (docs/gpu.md).
+
 Run on the GPU machine with the bench wheel and kvcached as `scripts/python-gpu.sh bench`
 sets them up (PYTHONPATH=/tmp/site:/tmp/kvcached, LD_PRELOAD of the compiler's libstdc++).
 """

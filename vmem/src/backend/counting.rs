@@ -25,6 +25,8 @@ pub struct CallCounts {
     pub unmap_calls: u64,
     /// `fence` calls (each `unmap` makes one inside the backend, uncounted).
     pub fences: u64,
+    /// Nanoseconds spent in `fence`.
+    pub fence_ns: u64,
     /// `map_zero` calls.
     pub map_zero_calls: u64,
     /// Nanoseconds spent in `create_page`.
@@ -66,9 +68,10 @@ enum Counter {
     MapNs,
     UnmapNs,
     ReleaseNs,
+    FenceNs,
 }
 
-const COUNTERS: usize = Counter::ReleaseNs as usize + 1;
+const COUNTERS: usize = Counter::FenceNs as usize + 1;
 
 #[derive(Debug, Default)]
 struct Counters([AtomicU64; COUNTERS]);
@@ -110,6 +113,7 @@ impl CountingBackend {
             pages_mapped: c(Counter::Pages),
             unmap_calls: c(Counter::Unmap),
             fences: c(Counter::Fence),
+            fence_ns: c(Counter::FenceNs),
             map_zero_calls: c(Counter::MapZero),
             create_ns: c(Counter::CreateNs),
             map_ns: c(Counter::MapNs),
@@ -177,8 +181,7 @@ impl Backend for CountingBackend {
         })
     }
     fn fence(&self) -> Result<Fence> {
-        self.counters.add(Counter::Fence, 1);
-        self.inner.fence()
+        self.timed(Counter::Fence, Counter::FenceNs, || self.inner.fence())
     }
     fn unmap_fenced(&self, fence: &Fence, addr: u64, size: u64) -> Result<()> {
         self.timed(Counter::Unmap, Counter::UnmapNs, || {
