@@ -8,7 +8,7 @@
 //! [`RawBackend`].
 
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use vmem::backend::{Backend, Checked, HostBackend, PageHandle, PartialMap, RawBackend};
 use vmem::{KvCacheManager, KvConfig, Result, VmemError};
 
@@ -481,6 +481,8 @@ pub struct Counts {
     pub fail_at_page: AtomicU64,
     /// Pages maps have been asked for so far.
     pub pages_seen: AtomicU64,
+    /// The address of every map call that mapped something, in call order.
+    pub map_addrs: Mutex<Vec<u64>>,
 }
 
 impl Counts {
@@ -586,6 +588,9 @@ impl<R: RawBackend> RawBackend for Tally<R> {
             self.counts
                 .mapped
                 .fetch_add(done as u64 * page_size, SeqCst);
+            if done > 0 {
+                self.counts.map_addrs.lock().unwrap().push(addr);
+            }
             r?;
         }
         if n < pages.len() {
