@@ -19,9 +19,9 @@
 //! **A step of 8 requests, 32 layers** (Llama-3-8B's KV shape, batch 16, 32K tokens: 64
 //! buffers of 1 GiB; every request's first page in every buffer, 512 pages):
 //! * `request by request`: the backend, each request's 64 pages before the next request's;
-//! * `buffer by buffer`: the backend, each buffer's 8 pages before the next buffer's (address
-//!   order);
-//! * `buffer by buffer, rotate`: the same, each address getting another page every slot (a
+//! * `buffer by buffer, up` / `down`: the backend in address order, lowest or highest first
+//!   (each buffer's 8 pages before the next buffer's);
+//! * `buffer by buffer, rotate`: `up`, each address getting another page every slot (a
 //!   manager's pool hands pages back in another order than it took them);
 //! * `manager`: `alloc_reqid` x 8, one `step`, `free_reqid` x 8.
 //!
@@ -80,6 +80,17 @@ fn inside_unmap(a: &vmem::backend::CallCounts, b: &vmem::backend::CallCounts) ->
     (b.unmap_ns + b.fence_ns - a.unmap_ns - a.fence_ns) as f64 / 1e3
 }
 
+/// The order a [`Direct`] contender maps in.
+#[derive(Clone, Copy, PartialEq)]
+enum Order {
+    /// As its addresses were given.
+    Given,
+    /// Lowest address first.
+    Ascending,
+    /// Highest address first.
+    Descending,
+}
+
 /// A contender made of backend calls: pages mapped one call each at fixed addresses, in
 /// order, then one fence and the unmaps in the same order.
 struct Direct {
@@ -92,15 +103,26 @@ struct Direct {
 }
 
 impl Direct {
-    /// Reserves `ranges` (sizes) and maps at `(range, offset)` for each of `at`, with the
-    /// last-created `at.len()` of `pool.max(at.len())` created pages.
-    fn new(ranges: &[u64], at: &[(usize, u64)], pool: usize, rotate: bool) -> Result<Self> {
+    /// Reserves `ranges` (sizes) and maps at `(range, offset)` for each of `at`, in `order`,
+    /// with the last-created `at.len()` of `pool.max(at.len())` created pages.
+    fn new(
+        ranges: &[u64],
+        at: &[(usize, u64)],
+        order: Order,
+        pool: usize,
+        rotate: bool,
+    ) -> Result<Self> {
         let b = counting()?;
         let ranges = ranges
             .iter()
             .map(|&size| b.reserve(size))
             .collect::<Result<Vec<_>>>()?;
-        let addrs = at.iter().map(|&(r, off)| ranges[r] + off).collect();
+        let mut addrs: Vec<u64> = at.iter().map(|&(r, off)| ranges[r] + off).collect();
+        match order {
+            Order::Given => {}
+            Order::Ascending => addrs.sort_unstable(),
+            Order::Descending => addrs.sort_unstable_by(|a, b| b.cmp(a)),
+        }
         let mut pages = (0..pool.max(at.len()))
             .map(|_| b.create_page(MIB2))
             .collect::<Result<Vec<_>>>()?;
@@ -332,9 +354,25 @@ fn main() {
 
 fn run() -> Result<()> {
     println!("manager-cost on the CUDA backend, 2 MB pages");
+    {
+        let b = CudaBackend::new(0)?;
+        let (x, y) = (b.reserve(GIB)?, b.reserve(GIB)?);
+        println!(
+            "successive 1 GiB reservations go {}",
+            if y > x { "up" } else { "down" }
+        );
+        b.free_range(x)?;
+        b.free_range(y)?;
+    }
     let kv = [(0, 0), (1, 0)];
     let d = |ranges: &[u64], at: &[(usize, u64)], pool| -> Result<Contender> {
-        Ok(Contender::Direct(Direct::new(ranges, at, pool, false)?))
+        Ok(Contender::Direct(Direct::new(
+            ranges,
+            at,
+            Order::Given,
+            pool,
+            false,
+        )?))
     };
     section(
         "one request, one layer: a page of K and a page of V",
@@ -373,18 +411,23 @@ fn run() -> Result<()> {
     let by_request: Vec<(usize, u64)> = (0..REQUESTS)
         .flat_map(|r| (0..BUFFERS).map(move |b| (b, r as u64 * slice)))
         .collect();
-    let mut by_buffer = by_request.clone();
-    by_buffer.sort();
     let ranges = [GIB; BUFFERS];
+    let direct = |order, rotate| -> Result<Contender> {
+        Ok(Contender::Direct(Direct::new(
+            &ranges,
+            &by_request,
+            order,
+            0,
+            rotate,
+        )?))
+    };
     section(
         "a step of 8 requests, 32 layers: every request's first page in 64 buffers",
         vec![
-            ("request by request", d(&ranges, &by_request, 0)?),
-            ("buffer by buffer", d(&ranges, &by_buffer, 0)?),
-            (
-                "buffer by buffer, rotate",
-                Contender::Direct(Direct::new(&ranges, &by_buffer, 0, true)?),
-            ),
+            ("request by request", direct(Order::Given, false)?),
+            ("buffer by buffer, up", direct(Order::Ascending, false)?),
+            ("buffer by buffer, down", direct(Order::Descending, false)?),
+            ("buffer by buffer, rotate", direct(Order::Ascending, true)?),
             (
                 "manager",
                 Contender::Managed(Managed::new(32, 16, 32 << 10, REQUESTS, 512)?),
