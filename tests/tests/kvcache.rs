@@ -538,7 +538,7 @@ fn idle_pages_go_back_to_the_driver_below_the_free_memory_threshold() {
 
 #[test]
 fn a_step_maps_in_address_order_buffer_by_buffer() {
-    // On CUDA a map costs a third more when the call before it was a gigabyte away, so a
+    // On CUDA a map costs ~17 µs more when the call before it was a gigabyte away, so a
     // step maps every request's pages in one buffer before the next buffer's.
     use vmem::backend::{Checked, SimMemory};
     use vmem_tests::conformance::Tally;

@@ -165,8 +165,8 @@ impl State {
     /// [`State::ensure`] for several requests, `(request, tokens)`, in address order: buffer
     /// by buffer (lowest address first), every request's pages in one buffer before the
     /// next's. Consecutive driver calls then stay close together; on the H100 a CUDA map
-    /// costs ~16 µs (a third) more when the call before it touched another gigabyte of
-    /// address space (`manager-cost`, docs/gpu.md). Reclaiming for one request never takes pages another
+    /// costs ~17 µs more when the call before it touched another gigabyte of address space
+    /// (`manager-cost`, docs/gpu.md). Reclaiming for one request never takes pages another
     /// of them keeps: their pending lengths protect them. On error, as for `ensure`.
     pub(super) fn ensure_all(&mut self, wants: &[(usize, u64)], reclaim: bool) -> Result<u64> {
         // Only the requests short of pages in some buffer (most of a decode batch is not).
