@@ -31,6 +31,7 @@ use cudarc::driver::sys;
 use std::time::Instant;
 use vmem::backend::{Backend, CudaBackend, PageHandle, RawBackend, MIB2};
 use vmem::{Result, VmemError};
+use vmem_bench::Shuffle;
 
 const RUNS: [usize; 3] = [1, 16, 512];
 
@@ -247,7 +248,7 @@ fn run() -> Result<()> {
         "alloc-bench on {}, 2 MB pages; every slot maps and unmaps a run with each contender, shuffled; page sets rotate among contenders",
         cuda.device_name()
     );
-    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    let mut shuffle = Shuffle::default();
     let mut ratio_rows: Vec<(String, [f64; 3])> = Vec::new();
     for (col, n) in RUNS.into_iter().enumerate() {
         let slots = if n == max { 60 } else { 20 * (64 / n).max(1) };
@@ -255,14 +256,7 @@ fn run() -> Result<()> {
         let mut map_us = vec![Vec::with_capacity(slots); k];
         let mut unmap_us = vec![Vec::with_capacity(slots); k];
         for slot in 0..slots + 2 {
-            let mut order: Vec<usize> = (0..k).collect();
-            for i in (1..k).rev() {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                order.swap(i, (seed % (i as u64 + 1)) as usize);
-            }
-            for c in order {
+            for c in shuffle.order(k) {
                 let set = &sets[(c + slot) % k];
                 let t = Instant::now();
                 bench.map(&CONTENDERS[c], set, n)?;

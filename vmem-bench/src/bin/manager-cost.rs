@@ -40,6 +40,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use vmem::backend::{Backend, CountingBackend, CudaBackend, PageHandle, MIB2};
 use vmem::{KvCacheManager, KvConfig, Result, VmemError};
+use vmem_bench::Shuffle;
 
 const GIB: u64 = 1 << 30;
 /// Tokens in one 2 MB page of one buffer: 8 heads x 128 x 2 bytes a token.
@@ -296,16 +297,9 @@ fn median(v: impl Iterator<Item = f64>) -> f64 {
 fn section(title: &str, contenders: Vec<(&str, Contender)>, slots: usize) -> Result<()> {
     let k = contenders.len();
     let mut rows: Vec<Vec<Slot>> = vec![Vec::with_capacity(slots); k];
-    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    let mut shuffle = Shuffle::default();
     for slot in 0..slots + 4 {
-        let mut order: Vec<usize> = (0..k).collect();
-        for i in (1..k).rev() {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            order.swap(i, (seed % (i as u64 + 1)) as usize);
-        }
-        for c in order {
+        for c in shuffle.order(k) {
             let s = contenders[c].1.cycle()?;
             if slot >= 4 {
                 rows[c].push(s);
