@@ -8,6 +8,7 @@
 //! [`RawBackend`].
 
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use vmem::backend::{Backend, Checked, HostBackend, PageHandle, PartialMap, RawBackend};
 use vmem::{KvCacheManager, KvConfig, Result, VmemError};
@@ -461,7 +462,8 @@ pub fn oom_keeps_mappings(b: &Arc<dyn Backend>, page: u64, contents: Option<&dyn
     kv.step(&lens).expect("a step that fits still succeeds");
 }
 
-/// What a [`Tally`] driver saw: every driver call that acquires something, and its release.
+/// What a [`Tally`] driver saw: every driver call that acquires something, and its release,
+/// and the map, fence and unmap calls in order.
 #[derive(Debug, Default)]
 pub struct Counts {
     /// Bytes reserved, and freed.
@@ -481,13 +483,37 @@ pub struct Counts {
     pub fail_at_page: AtomicU64,
     /// Pages maps have been asked for so far.
     pub pages_seen: AtomicU64,
-    /// The address of every map call that mapped something, in call order.
-    pub map_addrs: Mutex<Vec<u64>>,
+    /// Every `map`, zero-page map, `fence` and `unmap` the driver was asked for, in call
+    /// order: `("map" | "map_zero" | "fence" | "unmap", address)` (0 for a fence).
+    pub calls: Mutex<Vec<(&'static str, u64)>>,
+    /// When set, the next `fence` sends on the first channel, then waits on the second: a
+    /// fence held open, as `cuCtxSynchronize` behind a long kernel.
+    pub fence_gate: Mutex<Option<(Sender<()>, Receiver<()>)>>,
 }
 
 impl Counts {
     fn get(a: &AtomicU64) -> u64 {
         a.load(SeqCst)
+    }
+
+    fn call(&self, op: &'static str, addr: u64) {
+        self.calls.lock().unwrap().push((op, addr));
+    }
+
+    /// The names of the calls logged so far, in order.
+    pub fn ops(&self) -> Vec<&'static str> {
+        self.calls.lock().unwrap().iter().map(|c| c.0).collect()
+    }
+
+    /// The addresses of the `map` calls logged so far, in order.
+    pub fn map_addrs(&self) -> Vec<u64> {
+        let calls = self.calls.lock().unwrap();
+        calls.iter().filter(|c| c.0 == "map").map(|c| c.1).collect()
+    }
+
+    /// Forgets the calls logged so far.
+    pub fn clear_calls(&self) {
+        self.calls.lock().unwrap().clear();
     }
 
     /// Panics unless every acquisition was released.
@@ -510,8 +536,8 @@ impl Counts {
     }
 }
 
-/// A driver that counts what the driver underneath acquires and releases, and can fail a map
-/// half-way.
+/// A driver that counts what the driver underneath acquires and releases, logs the calls that
+/// map and unmap, can fail a map half-way and can hold a fence open.
 #[derive(Debug)]
 pub struct Tally<R> {
     inner: R,
@@ -571,6 +597,7 @@ impl<R: RawBackend> RawBackend for Tally<R> {
         pages: &[PageHandle],
         page_size: u64,
     ) -> std::result::Result<(), PartialMap> {
+        self.counts.call("map", addr);
         let first = self.counts.pages_seen.fetch_add(pages.len() as u64, SeqCst);
         let fail = self.counts.fail_at_page.load(SeqCst);
         let n = if (first..first + pages.len() as u64).contains(&fail) {
@@ -588,9 +615,6 @@ impl<R: RawBackend> RawBackend for Tally<R> {
             self.counts
                 .mapped
                 .fetch_add(done as u64 * page_size, SeqCst);
-            if done > 0 {
-                self.counts.map_addrs.lock().unwrap().push(addr);
-            }
             r?;
         }
         if n < pages.len() {
@@ -602,9 +626,15 @@ impl<R: RawBackend> RawBackend for Tally<R> {
         Ok(())
     }
     fn fence(&self) -> Result<()> {
+        self.counts.call("fence", 0);
+        if let Some((entered, release)) = self.counts.fence_gate.lock().unwrap().take() {
+            entered.send(()).unwrap();
+            release.recv().unwrap();
+        }
         self.inner.fence()
     }
     unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()> {
+        self.counts.call("unmap", addr);
         // SAFETY: forwarded under our caller's contract.
         unsafe { self.inner.unmap(addr, size) }?;
         self.counts.unmapped.fetch_add(size, SeqCst);
@@ -622,6 +652,7 @@ impl<R: RawBackend> RawBackend for Tally<R> {
         page_size: u64,
         count: u64,
     ) -> std::result::Result<(), PartialMap> {
+        self.counts.call("map_zero", addr);
         // SAFETY: forwarded under our caller's contract.
         let r = unsafe { self.inner.map_readonly(addr, page, page_size, count) };
         let done = match &r {

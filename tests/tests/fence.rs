@@ -3,113 +3,32 @@
 //! lock, so a fence that waits for a long kernel holds up no other thread's `map` (the
 //! engine's `step` while the background thread reclaims).
 
-use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::mpsc::channel;
+use std::sync::Arc;
 use std::time::Duration;
-use vmem::backend::{
-    Backend, BackendKind, Checked, PageHandle, PartialMap, RawBackend, SimMemory, MIB2,
-};
+use vmem::backend::{Backend, Checked, SimMemory, MIB2};
+use vmem_tests::conformance::{Counts, Tally};
 
-/// The simulation driver, logging the calls the test follows; its fence can be held open.
-#[derive(Debug)]
-struct Logged {
-    inner: SimMemory,
-    log: Arc<Mutex<Vec<&'static str>>>,
-    /// When set, `fence` reports that it is waiting, then waits until released.
-    gate: Mutex<Option<(Sender<()>, Receiver<()>)>>,
-}
-
-impl Logged {
-    fn new() -> (Self, Arc<Mutex<Vec<&'static str>>>) {
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let driver = Logged {
-            inner: SimMemory::new(&[MIB2]),
-            log: log.clone(),
-            gate: Mutex::new(None),
-        };
-        (driver, log)
-    }
-
-    fn note(&self, what: &'static str) {
-        self.log.lock().unwrap().push(what);
-    }
-}
-
-impl RawBackend for Logged {
-    fn kind(&self) -> BackendKind {
-        self.inner.kind()
-    }
-    fn page_sizes(&self) -> &[u64] {
-        self.inner.page_sizes()
-    }
-    fn granularity(&self) -> u64 {
-        self.inner.granularity()
-    }
-    fn reserve(&self, size: u64) -> vmem::Result<u64> {
-        self.inner.reserve(size)
-    }
-    unsafe fn free_range(&self, addr: u64, size: u64) -> vmem::Result<()> {
-        // SAFETY: forwarded under our caller's contract.
-        unsafe { self.inner.free_range(addr, size) }
-    }
-    fn create(&self, page_size: u64) -> vmem::Result<PageHandle> {
-        self.inner.create(page_size)
-    }
-    unsafe fn release(&self, page: PageHandle, page_size: u64) -> vmem::Result<()> {
-        // SAFETY: forwarded under our caller's contract.
-        unsafe { self.inner.release(page, page_size) }
-    }
-    unsafe fn map(
-        &self,
-        addr: u64,
-        pages: &[PageHandle],
-        page_size: u64,
-    ) -> Result<(), PartialMap> {
-        self.note("map");
-        // SAFETY: forwarded under our caller's contract.
-        unsafe { self.inner.map(addr, pages, page_size) }
-    }
-    fn create_zeroed(&self, page_size: u64) -> vmem::Result<PageHandle> {
-        self.inner.create_zeroed(page_size)
-    }
-    unsafe fn map_readonly(
-        &self,
-        addr: u64,
-        page: PageHandle,
-        page_size: u64,
-        count: u64,
-    ) -> Result<(), PartialMap> {
-        self.note("map_zero");
-        // SAFETY: forwarded under our caller's contract.
-        unsafe { self.inner.map_readonly(addr, page, page_size, count) }
-    }
-    fn fence(&self) -> vmem::Result<()> {
-        self.note("fence");
-        if let Some((entered, release)) = self.gate.lock().unwrap().take() {
-            entered.send(()).unwrap();
-            release.recv().unwrap();
-        }
-        Ok(())
-    }
-    unsafe fn unmap(&self, addr: u64, size: u64) -> vmem::Result<()> {
-        self.note("unmap");
-        // SAFETY: forwarded under our caller's contract.
-        unsafe { self.inner.unmap(addr, size) }
-    }
+/// The simulation driver under a [`Tally`], which logs the calls these tests follow and can
+/// hold a fence open; and the tally's counts.
+fn logged() -> (Tally<SimMemory>, Arc<Counts>) {
+    let driver = Tally::new(SimMemory::new(&[MIB2]));
+    let counts = driver.counts.clone();
+    (driver, counts)
 }
 
 #[test]
 fn a_waiting_fence_holds_up_no_other_threads_map() {
-    let (driver, log) = Logged::new();
+    let (driver, log) = logged();
     let (entered_tx, entered_rx) = channel();
     let (release_tx, release_rx) = channel();
-    *driver.gate.lock().unwrap() = Some((entered_tx, release_rx));
+    *log.fence_gate.lock().unwrap() = Some((entered_tx, release_rx));
     let b = Arc::new(Checked::wrap(driver).unwrap());
     let base = b.reserve(4 * MIB2).unwrap();
     let p0 = b.create_page(MIB2).unwrap();
     let p1 = b.create_page(MIB2).unwrap();
     b.map(base, &[p0], MIB2).unwrap();
-    log.lock().unwrap().clear();
+    log.clear_calls();
 
     // One thread unmaps page 0; its fence waits (as cuCtxSynchronize behind a long kernel).
     let unmapper = {
@@ -133,43 +52,43 @@ fn a_waiting_fence_holds_up_no_other_threads_map() {
         matches!(mapped, Ok(Ok(()))),
         "a map waited for another thread's fence: {mapped:?}"
     );
-    assert_eq!(*log.lock().unwrap(), ["fence", "map", "unmap"]);
+    assert_eq!(log.ops(), ["fence", "map", "unmap"]);
 }
 
 #[test]
 fn every_unmap_is_fenced_and_zero_slots_too() {
-    let (driver, log) = Logged::new();
+    let (driver, log) = logged();
     let b = Checked::wrap(driver).unwrap();
     let base = b.reserve(4 * MIB2).unwrap();
     let p = b.create_page(MIB2).unwrap();
     b.map(base, &[p], MIB2).unwrap();
     b.unmap(base, MIB2).unwrap();
-    assert_eq!(*log.lock().unwrap(), ["map", "fence", "unmap"]);
+    assert_eq!(log.ops(), ["map", "fence", "unmap"]);
 
     // Kernels with static shapes read zero slots: a page replacing them waits for those too.
-    log.lock().unwrap().clear();
+    log.clear_calls();
     b.map_zero(base, 4 * MIB2, MIB2).unwrap();
     b.map(base + MIB2, &[p], MIB2).unwrap();
-    assert_eq!(*log.lock().unwrap(), ["map_zero", "fence", "unmap", "map"]);
+    assert_eq!(log.ops(), ["map_zero", "fence", "unmap", "map"]);
 
     // A refused unmap unmaps nothing (a fence alone is harmless).
-    log.lock().unwrap().clear();
+    log.clear_calls();
     assert!(b.unmap(base + MIB2 / 2, MIB2).is_err()); // not page-aligned
-    assert!(!log.lock().unwrap().contains(&"unmap"));
+    assert!(!log.ops().contains(&"unmap"));
 }
 
 #[test]
 fn dropping_the_backend_fences_once_for_everything_left_mapped() {
-    let (driver, log) = Logged::new();
+    let (driver, log) = logged();
     let b = Checked::wrap(driver).unwrap();
     let base = b.reserve(8 * MIB2).unwrap();
     for i in [0u64, 2, 4, 6] {
         let p = b.create_page(MIB2).unwrap();
         b.map(base + i * MIB2, &[p], MIB2).unwrap();
     }
-    log.lock().unwrap().clear();
+    log.clear_calls();
     drop(b);
-    let log = log.lock().unwrap();
+    let log = log.ops();
     assert_eq!(log.iter().filter(|&&c| c == "fence").count(), 1, "{log:?}");
     assert_eq!(log.iter().filter(|&&c| c == "unmap").count(), 4, "{log:?}");
     assert_eq!(log[0], "fence", "{log:?}");
@@ -227,7 +146,7 @@ fn freeing_a_request_waits_for_the_device_once_for_all_its_buffers() {
 
 #[test]
 fn the_driver_sees_one_fence_per_freed_request() {
-    let (driver, log) = Logged::new();
+    let (driver, log) = logged();
     let b: Arc<dyn Backend> = Arc::new(Checked::wrap(driver).unwrap());
     let cfg = vmem::KvConfig::builder()
         .layers(4)
@@ -246,9 +165,9 @@ fn the_driver_sees_one_fence_per_freed_request() {
     let mut lens = vec![0u64; 2];
     lens[r] = 3000; // 3 pages in each of the 8 buffers
     kv.step(&lens).unwrap();
-    log.lock().unwrap().clear();
+    log.clear_calls();
     kv.free_reqid(r).unwrap();
-    let log = log.lock().unwrap().clone();
+    let log = log.ops();
     assert_eq!(log.iter().filter(|&&c| c == "fence").count(), 1, "{log:?}");
     assert_eq!(log.iter().filter(|&&c| c == "unmap").count(), 8, "{log:?}");
     assert_eq!(log[0], "fence", "{log:?}");

@@ -566,7 +566,7 @@ fn a_step_maps_in_address_order_buffer_by_buffer() {
     ];
     let expect_calls = [16, 8, 8];
     for (s, set) in steps.iter().enumerate() {
-        counts.map_addrs.lock().unwrap().clear();
+        counts.clear_calls();
         let lens: Vec<u64> =
             set.iter()
                 .map(|&(i, t)| (ids[i], t))
@@ -575,7 +575,7 @@ fn a_step_maps_in_address_order_buffer_by_buffer() {
                     v
                 });
         kv.step(&lens).unwrap();
-        let addrs = counts.map_addrs.lock().unwrap().clone();
+        let addrs = counts.map_addrs();
         assert_eq!(
             addrs.len(),
             expect_calls[s],
