@@ -468,11 +468,10 @@ impl KvCacheManager {
             });
         }
         let mut report = StepReport::default();
-        let wants: Vec<(usize, u64)> = (0..seq_lens.len())
+        let wants = (0..seq_lens.len())
             .filter(|&r| seq_lens[r] > 0)
-            .map(|r| (r, target(seq_lens[r])))
-            .collect();
-        report.sync_pages += st.ensure_all(&wants, true)?;
+            .map(|r| (r, target(seq_lens[r])));
+        report.sync_pages += st.ensure_all(wants, true)?;
         for (r, &len) in seq_lens.iter().enumerate() {
             st.seq_lens[r] = len;
             st.lookahead[r] = if len > 0 {

@@ -159,7 +159,7 @@ impl State {
     /// `r`. Returns the pages mapped. On error, what was mapped before stays mapped and
     /// accounted; pages taken for the failed buffer go back to the pool.
     pub(super) fn ensure(&mut self, r: usize, tokens: u64, reclaim: bool) -> Result<u64> {
-        self.ensure_all(&[(r, tokens)], reclaim)
+        self.ensure_all([(r, tokens)], reclaim)
     }
 
     /// [`State::ensure`] for several requests, `(request, tokens)`, in address order: buffer
@@ -168,11 +168,15 @@ impl State {
     /// costs ~17 µs more when the call before it touched another gigabyte of address space
     /// (`manager-cost`, docs/gpu.md). Reclaiming for one request never takes pages another
     /// of them keeps: their pending lengths protect them. On error, as for `ensure`.
-    pub(super) fn ensure_all(&mut self, wants: &[(usize, u64)], reclaim: bool) -> Result<u64> {
-        // Only the requests short of pages in some buffer (most of a decode batch is not).
+    pub(super) fn ensure_all(
+        &mut self,
+        wants: impl IntoIterator<Item = (usize, u64)>,
+        reclaim: bool,
+    ) -> Result<u64> {
+        // Only the requests short of pages in some buffer (most of a decode batch is not):
+        // a step where none is allocates nothing.
         let wants: Vec<(usize, u64)> = wants
-            .iter()
-            .copied()
+            .into_iter()
             .filter(|&(r, tokens)| self.req_floor[r] < self.geo.pages_for(tokens))
             .collect();
         if wants.is_empty() {
