@@ -107,6 +107,7 @@ pub fn run_all(b: &Arc<dyn Backend>, contents: Option<&dyn Contents>) {
         release_while_mapped_refused(&**b, page);
         oom_keeps_mappings(b, page, contents);
         zero_page(&**b, page, contents);
+        crate::sharing::run_all(&**b, page, contents);
     }
 }
 
@@ -115,6 +116,7 @@ pub fn run_raw<R: RawBackend + 'static>(make: impl Fn() -> R) {
     drop_with_live_mappings(&make);
     failed_map_is_rolled_back(&make);
     zero_page_drop_and_rollback(&make);
+    crate::sharing::run_raw(&make);
 }
 
 /// The zero page: a zero-backed span reads as zeros; pages replace zero slots and keep their

@@ -4,6 +4,7 @@
 //! reservation) replayed by the same scheduler.
 
 pub mod conformance;
+pub mod sharing;
 
 use std::path::PathBuf;
 use std::sync::Arc;

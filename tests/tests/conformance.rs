@@ -82,3 +82,122 @@ fn the_suite_catches_a_backend_that_releases_mapped_pages() {
     let b: Arc<dyn Backend> = Arc::new(Lax(SimBackend::new()));
     conformance::release_while_mapped_refused(&*b, KIB64);
 }
+
+/// The shared-page cases can fail: a backend whose `map_shared` moves the page (its first
+/// mapping goes, as a driver that maps each page once would do) is caught.
+#[test]
+#[should_panic(expected = "unmapping the first mapping")]
+fn the_suite_catches_a_backend_whose_shared_map_moves_the_page() {
+    #[derive(Debug)]
+    struct Moves(
+        SimBackend,
+        std::sync::Mutex<Vec<(vmem::backend::PageHandle, u64, u64)>>,
+    );
+    impl Backend for Moves {
+        fn kind(&self) -> vmem::backend::BackendKind {
+            self.0.kind()
+        }
+        fn page_sizes(&self) -> &[u64] {
+            self.0.page_sizes()
+        }
+        fn granularity(&self) -> u64 {
+            self.0.granularity()
+        }
+        fn reserve(&self, size: u64) -> vmem::Result<u64> {
+            self.0.reserve(size)
+        }
+        fn free_range(&self, addr: u64) -> vmem::Result<()> {
+            self.0.free_range(addr)
+        }
+        fn create_page(&self, page_size: u64) -> vmem::Result<vmem::backend::PageHandle> {
+            self.0.create_page(page_size)
+        }
+        fn release_page(&self, page: vmem::backend::PageHandle) -> vmem::Result<()> {
+            self.0.release_page(page)
+        }
+        fn map(&self, a: u64, p: &[vmem::backend::PageHandle], s: u64) -> vmem::Result<()> {
+            self.0.map(a, p, s)?;
+            let mut at = self.1.lock().unwrap();
+            at.extend(p.iter().enumerate().map(|(i, &h)| (h, a + i as u64 * s, s)));
+            Ok(())
+        }
+        fn map_shared(&self, a: u64, p: &[vmem::backend::PageHandle], s: u64) -> vmem::Result<()> {
+            // The bug: a page mapped elsewhere is unmapped there first.
+            let old: Vec<(vmem::backend::PageHandle, u64, u64)> = {
+                let mut at = self.1.lock().unwrap();
+                let (moved, kept) = at.drain(..).partition(|m| p.contains(&m.0));
+                *at = kept;
+                moved
+            };
+            for (_, addr, size) in old {
+                self.0.unmap(addr, size)?;
+            }
+            self.map(a, p, s)
+        }
+        fn unmap(&self, addr: u64, size: u64) -> vmem::Result<()> {
+            self.0.unmap(addr, size)?;
+            let end = addr + size;
+            self.1
+                .lock()
+                .unwrap()
+                .retain(|m| m.1 + m.2 <= addr || m.1 >= end);
+            Ok(())
+        }
+        fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> vmem::Result<()> {
+            self.0.map_zero(addr, size, page_size)
+        }
+    }
+    let b = Moves(SimBackend::new(), Default::default());
+    vmem_tests::sharing::shared_page_contents_and_release(&b, KIB64, None);
+}
+
+/// And a backend whose `map_shared` maps a copy (a fresh page) is caught by the contents.
+#[test]
+#[should_panic(expected = "a write through one address is not read through the other")]
+fn the_suite_catches_a_backend_whose_shared_map_copies() {
+    #[derive(Debug)]
+    struct Copies(Arc<HostBackend>);
+    impl Backend for Copies {
+        fn kind(&self) -> vmem::backend::BackendKind {
+            self.0.kind()
+        }
+        fn page_sizes(&self) -> &[u64] {
+            self.0.page_sizes()
+        }
+        fn granularity(&self) -> u64 {
+            self.0.granularity()
+        }
+        fn reserve(&self, size: u64) -> vmem::Result<u64> {
+            self.0.reserve(size)
+        }
+        fn free_range(&self, addr: u64) -> vmem::Result<()> {
+            self.0.free_range(addr)
+        }
+        fn create_page(&self, page_size: u64) -> vmem::Result<vmem::backend::PageHandle> {
+            self.0.create_page(page_size)
+        }
+        fn release_page(&self, page: vmem::backend::PageHandle) -> vmem::Result<()> {
+            self.0.release_page(page)
+        }
+        fn map(&self, a: u64, p: &[vmem::backend::PageHandle], s: u64) -> vmem::Result<()> {
+            self.0.map(a, p, s)
+        }
+        fn map_shared(&self, a: u64, p: &[vmem::backend::PageHandle], s: u64) -> vmem::Result<()> {
+            // The bug: a fresh page for each page asked for (leaked here; the test panics).
+            let fresh = p
+                .iter()
+                .map(|_| self.0.create_page(s))
+                .collect::<vmem::Result<Vec<_>>>()?;
+            self.0.map(a, &fresh, s)
+        }
+        fn unmap(&self, addr: u64, size: u64) -> vmem::Result<()> {
+            self.0.unmap(addr, size)
+        }
+        fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> vmem::Result<()> {
+            self.0.map_zero(addr, size, page_size)
+        }
+    }
+    let host = Arc::new(HostBackend::new().unwrap());
+    let b = Copies(host.clone());
+    vmem_tests::sharing::shared_page_contents_and_release(&b, KIB64, Some(&HostContents(&host)));
+}

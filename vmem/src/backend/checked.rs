@@ -13,14 +13,16 @@ use book::Book;
 ///
 /// * addresses must lie inside one reserved range, aligned to the page size, and (for `map`)
 ///   be unmapped; `unmap` takes exactly a run of mapped pages;
-/// * handles must be live pages of this backend, of the right size, unmapped for `map` and
-///   `release`, and named once per `map`;
+/// * handles must be live pages of this backend, of the right size, unmapped for `map`,
+///   and named once per `map`; [`Backend::map_shared`] maps a page that is mapped elsewhere
+///   again (where the driver can, [`RawBackend::shares_pages`]), and the book counts its
+///   mappings: `release` refuses a page until its last mapping is gone;
 /// * a `map` the driver fails half-way is rolled back: nothing of the call stays mapped;
 /// * zero-page slots ([`Backend::map_zero`]) are mappings of one page this backend owns
 ///   and never hands out: `map` replaces them, `unmap` removes them;
 /// * a failed call changes no bookkeeping, so every prior mapping is intact;
-/// * dropping it unmaps whatever is still mapped, releases every live page and frees every
-///   range, in that order, through the driver.
+/// * dropping it unmaps whatever is still mapped (every mapping of a shared page), releases
+///   every live page once and frees every range, in that order, through the driver.
 ///
 /// ```
 /// use vmem::backend::{Backend, SimBackend, MIB2};
@@ -28,9 +30,12 @@ use book::Book;
 /// let range = b.reserve(4 * MIB2)?;
 /// let page = b.create_page(MIB2)?;
 /// b.map(range, &[page], MIB2)?;
-/// assert!(b.map(range + MIB2, &[page], MIB2).is_err()); // a page maps once
-/// assert!(b.release_page(page).is_err());               // not while mapped
+/// assert!(b.map(range + MIB2, &[page], MIB2).is_err()); // `map` maps a page once
+/// b.map_shared(range + MIB2, &[page], MIB2)?;            // `map_shared` again
+/// assert_eq!(b.map_count(page), Some(2));
 /// b.unmap(range, MIB2)?;
+/// assert!(b.release_page(page).is_err());               // not while mapped anywhere
+/// b.unmap(range + MIB2, MIB2)?;
 /// b.release_page(page)?;
 /// b.free_range(range)?;
 /// # Ok::<(), vmem::VmemError>(())
@@ -70,9 +75,16 @@ impl<R: RawBackend> Checked<R> {
         &self.raw
     }
 
-    /// Number of pages currently mapped (zero-page slots not counted).
+    /// Number of page mappings now: a page mapped at two addresses ([`Backend::map_shared`])
+    /// counts twice; zero-page slots are not counted.
     pub fn mapped_pages(&self) -> usize {
         self.lock().mapped_pages()
+    }
+
+    /// At how many addresses `page` is mapped now; `None` unless it is a live page of this
+    /// backend.
+    pub fn map_count(&self, page: PageHandle) -> Option<u32> {
+        self.lock().map_count(page)
     }
 
     /// Number of slots backed by the zero page.
@@ -216,11 +228,85 @@ impl<R: RawBackend> Backend for Checked<R> {
     }
 
     fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()> {
+        self.map_checked(addr, pages, page_size, false)
+    }
+
+    fn map_shared(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()> {
+        if !self.raw.shares_pages() {
+            return Err(self.refuse(
+                "map_shared",
+                VmemError::Unsupported {
+                    backend: self.raw.kind().name(),
+                    what: "map one page at several addresses",
+                },
+            ));
+        }
+        self.map_checked(addr, pages, page_size, true)
+    }
+
+    fn unmap(&self, addr: u64, size: u64) -> Result<()> {
+        // Wait for the device work queued before this call, before taking the lock: a fence
+        // that waits for a long kernel must not hold up other threads' maps (the engine's
+        // `step` while the background thread reclaims).
+        let fence = self.fence()?;
+        self.unmap_fenced(&fence, addr, size)
+    }
+
+    fn fence(&self) -> Result<Fence> {
+        self.raw.fence()?;
+        Ok(Fence {
+            by: self.fence_id(),
+        })
+    }
+
+    fn unmap_fenced(&self, fence: &Fence, addr: u64, size: u64) -> Result<()> {
+        if fence.by != self.fence_id() {
+            // Not ours (another backend's, or a wrapper's that waited for nothing): wait here.
+            self.raw.fence()?;
+        }
+        let mut book = self.lock();
+        book.check_run(addr, size)
+            .map_err(|e| self.refuse("unmap", e))?;
+        // SAFETY: the span is exactly a run of pages this backend mapped (checked above under
+        // the lock), and the host backend's own reads and writes hold this lock, so none is in
+        // flight; the fence returned after all device work queued before this operation.
+        // Other mappings of a shared page are other spans: they stay.
+        unsafe { self.raw.unmap(addr, size) }?;
+        book.record_unmap(addr, size);
+        MutexGuard::unlock_fair(book);
+        tracing::trace!(backend = self.raw.kind().name(), addr, size, "unmap");
+        Ok(())
+    }
+
+    fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> Result<()> {
+        self.check_page_size(page_size)
+            .map_err(|e| self.refuse("map_zero", e))?;
+        let mut book = self.lock();
+        book.check_inside(addr, size, page_size)
+            .and_then(|()| book.check_unmapped(addr, size))
+            .map_err(|e| self.refuse("map_zero", e))?;
+        self.map_zero_locked(&mut book, addr, size, page_size)?;
+        MutexGuard::unlock_fair(book);
+        tracing::trace!(backend = self.raw.kind().name(), addr, size, "map_zero");
+        Ok(())
+    }
+}
+
+impl<R: RawBackend> Checked<R> {
+    /// `map` (`shared` false) and `map_shared` (true): validates, maps through the driver,
+    /// rolls back a half-done call, records.
+    fn map_checked(
+        &self,
+        addr: u64,
+        pages: &[PageHandle],
+        page_size: u64,
+        shared: bool,
+    ) -> Result<()> {
         self.check_page_size(page_size)
             .map_err(|e| self.refuse("map", e))?;
         let mut book = self.lock();
         let (total, zero_backed) = book
-            .check_map(addr, pages, page_size)
+            .check_map(addr, pages, page_size, shared)
             .map_err(|e| self.refuse("map", e))?;
         if zero_backed {
             // Queued kernels may read the zero slots (that is what they are for): wait for
@@ -234,7 +320,9 @@ impl<R: RawBackend> Backend for Checked<R> {
             book.record_unmap(addr, total);
         }
         // SAFETY: check_map verified every clause of RawBackend::map's contract under the
-        // lock, which every other operation takes too (a zero-backed span was just unmapped).
+        // lock, which every other operation takes too (a zero-backed span was just unmapped);
+        // a page mapped elsewhere is passed only when `shared`, which `map_shared` allows only
+        // for a driver that shares pages.
         if let Err(partial) = unsafe { self.raw.map(addr, pages, page_size) } {
             let done = partial.mapped.min(pages.len()) as u64 * page_size;
             if done > 0 {
@@ -271,55 +359,6 @@ impl<R: RawBackend> Backend for Checked<R> {
         tracing::trace!(backend = self.raw.kind().name(), addr, size = total, "map");
         Ok(())
     }
-
-    fn unmap(&self, addr: u64, size: u64) -> Result<()> {
-        // Wait for the device work queued before this call, before taking the lock: a fence
-        // that waits for a long kernel must not hold up other threads' maps (the engine's
-        // `step` while the background thread reclaims).
-        let fence = self.fence()?;
-        self.unmap_fenced(&fence, addr, size)
-    }
-
-    fn fence(&self) -> Result<Fence> {
-        self.raw.fence()?;
-        Ok(Fence {
-            by: self.fence_id(),
-        })
-    }
-
-    fn unmap_fenced(&self, fence: &Fence, addr: u64, size: u64) -> Result<()> {
-        if fence.by != self.fence_id() {
-            // Not ours (another backend's, or a wrapper's that waited for nothing): wait here.
-            self.raw.fence()?;
-        }
-        let mut book = self.lock();
-        book.check_run(addr, size)
-            .map_err(|e| self.refuse("unmap", e))?;
-        // SAFETY: the span is exactly a run of pages this backend mapped (checked above under
-        // the lock), and the host backend's own reads and writes hold this lock, so none is in
-        // flight; the fence returned after all device work queued before this operation.
-        unsafe { self.raw.unmap(addr, size) }?;
-        book.record_unmap(addr, size);
-        MutexGuard::unlock_fair(book);
-        tracing::trace!(backend = self.raw.kind().name(), addr, size, "unmap");
-        Ok(())
-    }
-
-    fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> Result<()> {
-        self.check_page_size(page_size)
-            .map_err(|e| self.refuse("map_zero", e))?;
-        let mut book = self.lock();
-        book.check_inside(addr, size, page_size)
-            .and_then(|()| book.check_unmapped(addr, size))
-            .map_err(|e| self.refuse("map_zero", e))?;
-        self.map_zero_locked(&mut book, addr, size, page_size)?;
-        MutexGuard::unlock_fair(book);
-        tracing::trace!(backend = self.raw.kind().name(), addr, size, "map_zero");
-        Ok(())
-    }
-}
-
-impl<R: RawBackend> Checked<R> {
     /// What this backend's fences carry: its address, which stays put while anyone can call
     /// it (callers hold a reference or an `Arc`).
     fn fence_id(&self) -> usize {

@@ -175,6 +175,12 @@ impl Backend for CountingBackend {
             self.inner.map(addr, pages, page_size)
         })
     }
+    fn map_shared(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()> {
+        self.counters.add(Counter::Pages, pages.len() as u64);
+        self.timed(Counter::Map, Counter::MapNs, || {
+            self.inner.map_shared(addr, pages, page_size)
+        })
+    }
     fn unmap(&self, addr: u64, size: u64) -> Result<()> {
         self.timed(Counter::Unmap, Counter::UnmapNs, || {
             self.inner.unmap(addr, size)

@@ -243,7 +243,8 @@ impl RawBackend for CudaDriver {
         for (i, p) in pages.iter().enumerate() {
             let at = addr + i as u64 * page_size;
             // SAFETY: by the caller's contract `at` is a page-aligned, unmapped address inside
-            // a range we reserved and `p` a live unmapped handle of `page_size` bytes.
+            // a range we reserved and `p` a live handle of `page_size` bytes, unmapped or (a
+            // shared map) mapped at other addresses, which CUDA allows for any handle.
             let r = unsafe { sys::cuMemMap(at, page_size as usize, 0, p.0, 0) }.result();
             if let Err(e) = r {
                 return Err(PartialMap {
@@ -262,6 +263,14 @@ impl RawBackend for CudaDriver {
             });
         }
         Ok(())
+    }
+
+    /// `cuMemMap` maps one handle at any number of addresses, each mapping its own (the
+    /// zero page relies on it too); `cuMemUnmap` of one leaves the others, and the checked
+    /// core releases the handle only after its last mapping went. So a shared map is `map`
+    /// itself: nothing to add.
+    fn shares_pages(&self) -> bool {
+        true
     }
 
     /// A page cleared with `cuMemsetD8` through a temporary mapping of its own (cuMemCreate

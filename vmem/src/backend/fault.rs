@@ -136,6 +136,10 @@ impl Backend for FaultyBackend {
         self.check(Op::Map)?;
         self.inner.map(addr, pages, page_size)
     }
+    fn map_shared(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()> {
+        self.check(Op::Map)?;
+        self.inner.map_shared(addr, pages, page_size)
+    }
     fn unmap(&self, addr: u64, size: u64) -> Result<()> {
         self.check(Op::Unmap)?;
         self.inner.unmap(addr, size)

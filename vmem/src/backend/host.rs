@@ -203,7 +203,8 @@ impl RawBackend for HostMemory {
             let len = (j - i) as u64 * page_size;
             // SAFETY: the caller guarantees [at, at + len) lies in a range this driver
             // reserved with nothing mapped, so MAP_FIXED replaces only our own PROT_NONE
-            // placeholder; the offsets are slots of our memfd.
+            // placeholder; the offsets are slots of our memfd (a slot mapped elsewhere too is
+            // another MAP_SHARED view of the same bytes).
             let r = unsafe { sys::map_shared_fixed(&self.memfd, at, len, pages[i].0, true) };
             if let Err(error) = r {
                 return Err(PartialMap { mapped: i, error });
@@ -211,6 +212,12 @@ impl RawBackend for HostMemory {
             i = j;
         }
         Ok(())
+    }
+
+    /// One memfd slot maps at any number of addresses (`MAP_SHARED`): every mapping shows
+    /// the same bytes, and unmapping one (`reserve_fixed` over it) leaves the others.
+    fn shares_pages(&self) -> bool {
+        true
     }
 
     /// Host memory has no device work queued against it: nothing to wait for.

@@ -17,6 +17,7 @@
 //! | reserve a virtual range | `mmap(PROT_NONE)` | `cuMemAddressReserve` | `vMemReserve` | a counter |
 //! | create a physical page | a slot of a `memfd` | `cuMemCreate` | `vMemCreate` | a counter |
 //! | map pages (+access) | `mmap(MAP_FIXED\|MAP_SHARED)` | `cuMemMap` + one `cuMemSetAccess` | `vMemMap` | nothing |
+//! | map a mapped page again ([`Backend::map_shared`]) | another `mmap` of its memfd slot | `cuMemMap` of the handle again | unsupported | a count |
 //! | unmap / release | remap `PROT_NONE` / punch a hole | `cuMemUnmap` / `cuMemRelease` | `vMemUnmap` / `vMemRelease` | nothing |
 //! | free the range | `munmap` | `cuMemAddressFree` | `vMemFree` | nothing |
 //!
@@ -131,6 +132,24 @@ pub trait Backend: Send + Sync + Debug {
     /// then replace. On error nothing of this call stays mapped, and a zero-backed span is
     /// zero-backed again.
     fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()>;
+
+    /// [`Backend::map`] for pages that may already be mapped at other addresses: the same
+    /// physical page then shows at every one of them (a write through one is read through the
+    /// others), which is how requests share a prefix. Each mapping is counted; a page is
+    /// released only once its last mapping went ([`Backend::release_page`] refuses it
+    /// before), and unmapping one mapping leaves the others. The span's rules are `map`'s, and
+    /// a page is still named once per call. On error nothing of this call stays mapped.
+    ///
+    /// The default, for backends and wrappers that cannot map a page twice (the patched UVM
+    /// driver maps each page once), fails with [`VmemError::Unsupported`] and changes
+    /// nothing.
+    fn map_shared(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()> {
+        let _ = (addr, pages, page_size);
+        Err(VmemError::Unsupported {
+            backend: self.name(),
+            what: "map one page at several addresses",
+        })
+    }
 
     /// Unmaps `[addr, addr + size)`, which must be exactly a run of mapped pages (zero-page
     /// slots included). The pages stay alive and can be mapped again. On error nothing is
@@ -273,7 +292,8 @@ pub trait RawBackend: Send + Sync + Debug {
     /// # Safety
     /// `[addr, addr + pages.len() * page_size)` lies inside one range this driver reserved,
     /// is aligned to `page_size` and has nothing mapped; every page is live, of `page_size`
-    /// bytes, unmapped, and named once.
+    /// bytes, and named once; and unmapped, unless [`RawBackend::shares_pages`] says the
+    /// driver maps a page at several addresses.
     unsafe fn map(
         &self,
         addr: u64,
@@ -284,6 +304,14 @@ pub trait RawBackend: Send + Sync + Debug {
     /// Free memory of the device, in bytes, where the driver can tell.
     fn free_memory(&self) -> Option<u64> {
         None
+    }
+
+    /// Whether [`RawBackend::map`] may be given pages that are mapped at other addresses
+    /// too ([`Backend::map_shared`]): host memory maps one memfd slot at several addresses,
+    /// CUDA maps one handle at several. The default, `false`, makes [`Checked`] refuse
+    /// shared maps with [`VmemError::Unsupported`] before the driver sees them.
+    fn shares_pages(&self) -> bool {
+        false
     }
 
     /// Creates one page of `page_size` bytes filled with zeros, for

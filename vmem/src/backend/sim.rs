@@ -130,6 +130,11 @@ impl RawBackend for SimMemory {
         Ok(())
     }
 
+    /// Nothing to map, so a page maps anywhere; the checked core counts the mappings.
+    fn shares_pages(&self) -> bool {
+        true
+    }
+
     /// No device, nothing to wait for.
     fn fence(&self) -> Result<()> {
         Ok(())

@@ -45,7 +45,8 @@ struct Chunk {
 #[derive(Debug, Clone, Copy)]
 struct PageState {
     size: u64,
-    mapped: bool,
+    /// At how many addresses it is mapped now (more than one only through `map_shared`).
+    maps: u32,
 }
 
 /// The page table of mapped units, by chunk number (`addr / unit / CHUNK`). Every unit
@@ -144,13 +145,14 @@ pub(super) struct Book {
     ranges: BTreeMap<u64, u64>,
     /// The mapped pages and zero-page slots.
     table: Table,
-    /// How many pages are mapped (zero-page slots not counted).
+    /// How many page mappings there are (a page mapped at two addresses counts twice;
+    /// zero-page slots not counted).
     mapped_pages: usize,
     /// How many zero-page slots are mapped.
     zero_slots: usize,
     /// page size -> the shared read-only zero page of that size, once created.
     pub(super) zero: HashMap<u64, PageHandle>,
-    /// Live (created, not released) pages: size and whether mapped. Fx hashing: the keys
+    /// Live (created, not released) pages: size and map count. Fx hashing: the keys
     /// are the driver's handles, not attacker-chosen, and SipHash's cost showed next to the
     /// driver calls (`checked-cost` in vmem-bench).
     pages: FxHashMap<PageHandle, PageState>,
@@ -212,10 +214,7 @@ impl Book {
     /// Records a page the driver just created; `false` if the handle is already live (a
     /// driver bug the caller refuses).
     pub(super) fn record_create(&mut self, page: PageHandle, size: u64) -> bool {
-        let fresh = PageState {
-            size,
-            mapped: false,
-        };
+        let fresh = PageState { size, maps: 0 };
         self.pages.insert(page, fresh).is_none()
     }
 
@@ -303,13 +302,15 @@ impl Book {
     }
 
     /// Checks a whole `map` call: the span is inside a range, aligned and unmapped (or all
-    /// zero-backed), and every page is live, of this size, unmapped and named once. Returns
-    /// the span's size and whether it is zero-backed.
+    /// zero-backed), and every page is live, of this size, named once, and unmapped unless
+    /// `shared` (a `map_shared`, which maps pages mapped elsewhere again). Returns the span's
+    /// size and whether it is zero-backed.
     pub(super) fn check_map(
         &mut self,
         addr: u64,
         pages: &[PageHandle],
         page_size: u64,
+        shared: bool,
     ) -> Result<(u64, bool)> {
         let total = (pages.len() as u64)
             .checked_mul(page_size)
@@ -321,10 +322,7 @@ impl Book {
         }
         for &p in pages {
             match self.pages.get(&p) {
-                Some(&PageState {
-                    size,
-                    mapped: false,
-                }) if size == page_size => {
+                Some(&PageState { size, maps }) if size == page_size && (maps == 0 || shared) => {
                     // A single page cannot be named twice; skip the set (the common call).
                     if pages.len() > 1 && !self.seen.insert(p) {
                         return Err(VmemError::InvalidAddress {
@@ -370,7 +368,7 @@ impl Book {
         });
         for p in pages {
             if let Some(state) = self.pages.get_mut(p) {
-                state.mapped = true;
+                state.maps += 1;
             }
         }
         self.mapped_pages += pages.len();
@@ -430,7 +428,7 @@ impl Book {
             match old {
                 Slot::Page { page, .. } => {
                     if let Some(state) = pages.get_mut(&page) {
-                        state.mapped = false;
+                        state.maps -= 1;
                     }
                     *mapped -= 1;
                 }
@@ -441,13 +439,19 @@ impl Book {
         });
     }
 
-    /// Checks that `page` is live and unmapped, so it may be released; returns its size.
+    /// At how many addresses live page `page` is mapped; `None` if it is not live.
+    pub(super) fn map_count(&self, page: PageHandle) -> Option<u32> {
+        self.pages.get(&page).map(|s| s.maps)
+    }
+
+    /// Checks that `page` is live and mapped nowhere (its last mapping gone), so it may be
+    /// released; returns its size.
     pub(super) fn check_release(&self, page: PageHandle) -> Result<u64> {
         let state = *self
             .pages
             .get(&page)
             .ok_or(VmemError::UnknownPage(page.0))?;
-        if state.mapped {
+        if state.maps > 0 {
             return Err(VmemError::InvalidAddress {
                 addr: page.0,
                 size: state.size,
@@ -540,10 +544,10 @@ mod tests {
         let (mut b, pages) = book_with(&[(base, 4 * CHUNK_SPAN)], 4, 2 << 20);
         // Two 2 MB pages on either side of a chunk boundary: two chunks, 64 slots.
         let at = base + CHUNK_SPAN - (4 << 20);
-        b.check_map(at, &pages[..2], 2 << 20).unwrap();
+        b.check_map(at, &pages[..2], 2 << 20, false).unwrap();
         b.record_map(at, &pages[..2], 2 << 20);
         let at2 = base + CHUNK_SPAN;
-        b.check_map(at2, &pages[2..], 2 << 20).unwrap();
+        b.check_map(at2, &pages[2..], 2 << 20, false).unwrap();
         b.record_map(at2, &pages[2..], 2 << 20);
         assert_eq!(b.table.chunks.len(), 2);
         let used: u64 = b.table.chunks.values().map(|c| c.used).sum();
@@ -598,6 +602,37 @@ mod tests {
         b.record_unmap(a + 8 * UNIT, UNIT);
         b.record_free(a + 8 * UNIT);
         assert!(b.table.chunks.is_empty(), "{:?}", b.table.chunks.keys());
+    }
+
+    #[test]
+    fn a_shared_page_counts_its_mappings_and_is_released_after_the_last() {
+        let a = 5 * CHUNK_SPAN;
+        let (mut b, pages) = book_with(&[(a, 8 * UNIT)], 2, UNIT);
+        let p = pages[0];
+        b.check_map(a, &[p], UNIT, false).unwrap();
+        b.record_map(a, &[p], UNIT);
+        assert!(
+            b.check_map(a + UNIT, &[p], UNIT, false).is_err(),
+            "map refuses a mapped page"
+        );
+        b.check_map(a + UNIT, &[p], UNIT, true).unwrap();
+        b.record_map(a + UNIT, &[p], UNIT);
+        assert!(
+            b.check_map(a + 2 * UNIT, &[p, p], UNIT, true).is_err(),
+            "named twice in one call"
+        );
+        assert!(
+            b.check_map(a + UNIT, &[pages[1]], UNIT, true).is_err(),
+            "over a mapped address"
+        );
+        assert_eq!((b.map_count(p), b.mapped_pages()), (Some(2), 2));
+        b.record_unmap(a, UNIT);
+        assert_eq!(b.map_count(p), Some(1));
+        assert!(b.check_release(p).is_err(), "one mapping is left");
+        b.check_mapped_span(a + UNIT, UNIT).unwrap();
+        b.record_unmap(a + UNIT, UNIT);
+        assert_eq!(b.map_count(p), Some(0));
+        assert_eq!(b.check_release(p).unwrap(), UNIT);
     }
 
     #[test]
