@@ -2,6 +2,7 @@
 //! through the classic allocators, and report what each wastes; or say which driver and
 //! backend this machine has.
 
+mod prefix;
 mod report;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -189,6 +190,23 @@ struct ReplayArgs {
     /// No progress on stderr.
     #[arg(long, short)]
     quiet: bool,
+    /// Compare prefix caching instead (docs/prefix-sharing.md): 16-token blocks with and
+    /// without vLLM's automatic prefix caching and vmem without and with sharing, on a trace
+    /// with prefix hashes (Mooncake's `hash_ids`, or --hash-col).
+    #[arg(long)]
+    prefix_cache: bool,
+    /// With --prefix-cache: most memory kept only by the prefix cache (pages no running
+    /// request maps), the same for every contender [default: the budget]
+    #[arg(long, value_name = "BYTES")]
+    cache_cap: Option<String>,
+    /// With --prefix-cache, a generic trace's column of prefix hashes (JSON: an array of
+    /// integers; CSV: integers separated by spaces or ';').
+    #[arg(long, value_name = "NAME")]
+    hash_col: Option<String>,
+    /// With --prefix-cache: prompt tokens per hash [default: 512 for Mooncake; required with
+    /// --hash-col]
+    #[arg(long, value_name = "TOKENS")]
+    hash_block_tokens: Option<u64>,
 }
 
 fn main() {
@@ -239,6 +257,8 @@ struct Plan {
     backend: Arc<dyn Backend>,
     configs: Vec<KvConfig>,
     rcfg: ReplayConfig,
+    /// How the trace was read (the prefix comparison reads its hashes the same way).
+    opts: TraceOptions,
 }
 
 fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
@@ -454,11 +474,15 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
         backend,
         configs,
         rcfg,
+        opts,
     })
 }
 
 fn run_replay(args: &ReplayArgs) -> Result<(), ReplayError> {
     let p = plan(args)?;
+    if args.prefix_cache {
+        return prefix::run(args, &p);
+    }
     let s = &p.settings;
     let human = !args.json && !args.csv;
     if human {

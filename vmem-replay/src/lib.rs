@@ -26,12 +26,17 @@
 
 mod baseline;
 mod error;
+mod prefix;
 mod sched;
 mod trace;
 
 pub use baseline::{BlockMemory, MaxReservation};
 pub use error::{ReplayError, Result};
-pub use sched::{replay, KvMemory, ReplayConfig, ReplayStats};
+pub use prefix::{
+    check_prefix_hashes, derive_blocks, load_prefix_hashes, parse_prefix_hashes, PrefixBlocks,
+    PrefixHashes, MOONCAKE_CHUNK_TOKENS,
+};
+pub use sched::{replay, replay_with_prefixes, KvMemory, ReplayConfig, ReplayStats};
 pub use trace::{
     fit_to_context, load_trace, parse_trace, poisson_arrivals, Columns, Oversize, TimeUnit, Trace,
     TraceFormat, TraceOptions, TraceRequest,

@@ -7,6 +7,7 @@
 //! implementing [`KvMemory`]: vmem's [`KvCacheManager`], and the baselines.
 
 use crate::error::{ReplayError, Result};
+use crate::prefix::PrefixHashes;
 use crate::trace::TraceRequest;
 use std::collections::VecDeque;
 use vmem::kvcache::{KvCacheManager, MemoryUsage, StepReport};
@@ -28,6 +29,40 @@ pub trait KvMemory {
     fn usage(&self) -> MemoryUsage;
     /// Stands in for an iteration's compute: lets background work finish.
     fn compute(&mut self) {}
+
+    /// Tokens per block of prefix sharing: the granularity at which [`KvMemory::adopt_prefix`]
+    /// takes block hashes. 0 (the default): this memory does not share prefixes.
+    fn prefix_block_tokens(&self) -> u64 {
+        0
+    }
+
+    /// Starts request `req` (just handed out, nothing mapped) from the longest cached prefix
+    /// of `blocks` (chained hashes of its prompt's full blocks, [`Self::prefix_block_tokens`]
+    /// tokens each) that leaves at least one of its `prompt_tokens` to compute; returns the
+    /// tokens served from the cache. The default serves none.
+    fn adopt_prefix(
+        &mut self,
+        req: usize,
+        blocks: &[u64],
+        prompt_tokens: u64,
+    ) -> vmem::Result<u64> {
+        let _ = (req, blocks, prompt_tokens);
+        Ok(0)
+    }
+
+    /// Offers request `req`'s computed full blocks, hashed `blocks`, to the prefix cache
+    /// (after its prefill). The default keeps nothing.
+    fn publish_prefix(&mut self, req: usize, blocks: &[u64]) -> vmem::Result<()> {
+        let _ = (req, blocks);
+        Ok(())
+    }
+
+    /// Bytes of physical memory holding KV now, each page counted once however many
+    /// requests map it: pages of running requests plus pages kept only by the prefix cache;
+    /// and the latter alone. The default: everything mapped, no cache.
+    fn held_bytes(&self) -> (u64, u64) {
+        (self.usage().mapped_bytes, 0)
+    }
 }
 
 impl KvMemory for &KvCacheManager {
@@ -117,6 +152,19 @@ pub struct ReplayStats {
     pub reclaimed_pages: u64,
     /// Total tokens of the completed requests (prompt + output).
     pub tokens: u64,
+    /// Admissions (a preempted request admitted again counts again).
+    pub admitted: u64,
+    /// Prompt tokens of the admissions (for a readmission: the prompt and what it had
+    /// generated, all prefilled again).
+    pub prompt_tokens: u64,
+    /// Of those, tokens served from the prefix cache instead of computed.
+    pub cached_tokens: u64,
+    /// Largest bytes holding KV at once, shared pages once ([`KvMemory::held_bytes`]).
+    pub peak_held_bytes: u64,
+    /// Sum over iterations of the bytes holding KV.
+    pub sum_held_bytes: u128,
+    /// Largest bytes kept only by the prefix cache at once.
+    pub peak_cached_bytes: u64,
 }
 
 impl ReplayStats {
@@ -138,6 +186,16 @@ impl ReplayStats {
     pub fn peak_waste(&self) -> f64 {
         1.0 - self.peak_kv_bytes as f64 / self.peak_active_mapped_bytes.max(1) as f64
     }
+
+    /// Share of the admitted prompt tokens served from the prefix cache.
+    pub fn hit_rate(&self) -> f64 {
+        self.cached_tokens as f64 / self.prompt_tokens.max(1) as f64
+    }
+
+    /// Time-averaged bytes holding KV (shared pages once).
+    pub fn mean_held_bytes(&self) -> f64 {
+        self.sum_held_bytes as f64 / self.iterations.max(1) as f64
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -152,6 +210,20 @@ struct Running {
 pub fn replay<M: KvMemory>(
     mem: &mut M,
     trace: &[TraceRequest],
+    cfg: &ReplayConfig,
+    progress: impl FnMut(usize),
+) -> Result<ReplayStats> {
+    replay_with_prefixes(mem, trace, None, cfg, progress)
+}
+
+/// [`replay`] with the trace's prefix hashes: each admission first adopts the longest cached
+/// prefix of its prompt ([`KvMemory::adopt_prefix`], at the memory's own block size, derived
+/// from the trace's hashes by [`PrefixHashes::blocks`]) and, once prefilled, publishes its
+/// blocks ([`KvMemory::publish_prefix`]).
+pub fn replay_with_prefixes<M: KvMemory>(
+    mem: &mut M,
+    trace: &[TraceRequest],
+    hashes: Option<&PrefixHashes>,
     cfg: &ReplayConfig,
     mut progress: impl FnMut(usize),
 ) -> Result<ReplayStats> {
@@ -237,10 +309,26 @@ pub fn replay<M: KvMemory>(
             let t = trace[idx];
             let req = mem.alloc_reqid()?;
             let len = t.prompt_tokens + done;
+            let block_tokens = mem.prefix_block_tokens();
+            let blocks = match hashes {
+                Some(h) if block_tokens > 0 => h.blocks(&t, block_tokens),
+                _ => Vec::new(),
+            };
+            let cached = if blocks.is_empty() {
+                0
+            } else {
+                mem.adopt_prefix(req, &blocks, len)?
+            };
             lens[req] = len;
             match mem.step(&lens) {
                 Ok(rep) => {
                     add_report(&mut report, rep);
+                    if !blocks.is_empty() {
+                        mem.publish_prefix(req, &blocks)?;
+                    }
+                    stats.admitted += 1;
+                    stats.prompt_tokens += len;
+                    stats.cached_tokens += cached;
                     waiting.pop_front();
                     running.push(Running {
                         trace_idx: idx,
@@ -276,6 +364,10 @@ pub fn replay<M: KvMemory>(
         stats.peak_physical_bytes = stats.peak_physical_bytes.max(u.physical_bytes);
         stats.sum_kv_bytes += u.kv_bytes as u128;
         stats.sum_active_mapped_bytes += u.active_mapped_bytes as u128;
+        let (held, cache) = mem.held_bytes();
+        stats.peak_held_bytes = stats.peak_held_bytes.max(held);
+        stats.sum_held_bytes += held as u128;
+        stats.peak_cached_bytes = stats.peak_cached_bytes.max(cache);
 
         mem.compute();
         clock += cfg.iteration_s;
