@@ -184,13 +184,28 @@ pub fn run(args: &ReplayArgs, p: &Plan) -> Result<(), ReplayError> {
     let plain = run_blocks(false, &plain_label)?;
     emit(row(plain_label, 0, &plain, Some(&apc)));
     for cfg in &p.configs {
-        let label = format!("vmem-{}-{}", format_bytes(cfg.page_size), s.layout);
-        let mut progress = Progress::new(&label, n, args.quiet);
-        let kv = KvCacheManager::init(p.backend.clone(), cfg.clone())?;
-        let mut m = &kv;
-        let st = replay_with_prefixes(&mut m, &p.trace, Some(&h), &p.rcfg, |d| progress.update(d))?;
-        progress.finish();
-        emit(row(label, 0, &st, Some(&apc)));
+        for share in [false, true] {
+            let mut cfg = cfg.clone();
+            let mut label = format!("vmem-{}-{}", format_bytes(cfg.page_size), s.layout);
+            if share {
+                cfg.prefix_cache = Some(cache_cap);
+                label.push_str("-shared");
+                if let Err(e) = cfg.validate() {
+                    if human {
+                        println!("{label:<32} not run: {e}");
+                    }
+                    continue;
+                }
+            }
+            let mut progress = Progress::new(&label, n, args.quiet);
+            let kv = KvCacheManager::init(p.backend.clone(), cfg)?;
+            let mut m = &kv;
+            let st =
+                replay_with_prefixes(&mut m, &p.trace, Some(&h), &p.rcfg, |d| progress.update(d))?;
+            progress.finish();
+            let bt = kv.prefix_block_tokens();
+            emit(row(label, bt, &st, Some(&apc)));
+        }
     }
     if args.json {
         let rows: Vec<serde_json::Value> = rows

@@ -87,6 +87,25 @@ impl KvMemory for &KvCacheManager {
     fn compute(&mut self) {
         self.wait_idle();
     }
+    fn prefix_block_tokens(&self) -> u64 {
+        KvCacheManager::prefix_block_tokens(self)
+    }
+    fn adopt_prefix(
+        &mut self,
+        req: usize,
+        blocks: &[u64],
+        prompt_tokens: u64,
+    ) -> vmem::Result<u64> {
+        self.adopt_prefix_hashes(req, blocks, prompt_tokens)
+    }
+    fn publish_prefix(&mut self, req: usize, blocks: &[u64]) -> vmem::Result<()> {
+        self.publish_prefix_hashes(req, blocks).map(|_| ())
+    }
+    fn held_bytes(&self) -> (u64, u64) {
+        let p = self.prefix_stats();
+        let mapped = self.usage().mapped_bytes - p.shared_savings_bytes;
+        (mapped + p.unmapped_bytes, p.unmapped_bytes)
+    }
 }
 
 /// Scheduler settings.

@@ -14,9 +14,11 @@
 
 mod config;
 mod mapper;
+mod prefix;
 mod state;
 
 pub use config::{Geometry, KvConfig, KvConfigBuilder, LayerView, Layout, TensorView};
+pub use prefix::{block_hashes, BlockHash, PrefixStats};
 
 use crate::backend::Backend;
 use crate::buffer::VirtualBuffer;
@@ -411,7 +413,9 @@ impl KvCacheManager {
         st.lookahead[req] = 0;
         st.pending[req] = 0;
         let deferred = st.cfg.deferred_reclaim;
-        if !deferred {
+        // A request that maps cached prefix pages is unmapped now even when deferred: the
+        // next request of its id would write them.
+        if !deferred || st.prefix.held_blocks(req) > 0 {
             st.unmap_request(req)?;
         }
         if st.next_id.is_none_or(|r| st.active[r]) || deferred {
@@ -616,6 +620,21 @@ impl Drop for KvCacheManager {
                 tracing::error!("background mapping thread panicked");
             }
         }
+        // Prefix sharing: unmap the requests that map cached pages and give every cached
+        // page to the pool, so that each page is released once, by the pool.
+        let mut st = self.shared.lock();
+        if st.prefix.on() {
+            for r in 0..self.cfg.max_batch {
+                if st.prefix.held_blocks(r) > 0 {
+                    if let Err(e) = st.unmap_request(r) {
+                        tracing::error!(error = %e, req = r, "unmapping a request on drop failed");
+                    }
+                }
+            }
+            let pages = st.prefix.drain_unmapped();
+            st.pool.put(pages);
+        }
+        drop(st);
         // The state (buffers, then pool) drops with the last Arc<Shared>: buffers unmap and
         // release their pages and free their ranges; the pool releases its free pages.
     }

@@ -1,6 +1,7 @@
 //! The manager's mutable state and the page bookkeeping both threads share.
 
 use super::config::{Geometry, KvConfig};
+use super::prefix::PrefixCache;
 use crate::backend::PageHandle;
 use crate::buffer::VirtualBuffer;
 use crate::error::{Result, VmemError};
@@ -42,6 +43,8 @@ pub(super) struct State {
     pub(super) background_pages: u64,
     /// Pages unmapped from deferred requests since the last step.
     pub(super) reclaimed_pages: u64,
+    /// The prefix cache (kvcache/prefix.rs); empty and off unless `cfg.prefix_cache`.
+    pub(super) prefix: PrefixCache,
 }
 
 impl State {
@@ -54,6 +57,7 @@ impl State {
         let b = cfg.max_batch;
         let mut by_address: Vec<usize> = (0..buffers.len()).collect();
         by_address.sort_by_key(|&i| buffers[i].slice_addr(0));
+        let prefix = PrefixCache::new(&cfg, geo.tokens_per_page(), buffers.len());
         State {
             cfg,
             geo,
@@ -73,7 +77,15 @@ impl State {
             shutdown: false,
             background_pages: 0,
             reclaimed_pages: 0,
+            prefix,
         }
+    }
+
+    /// Forgets `n` pages of request `r` that were unmapped outside `trim_request` (a failed
+    /// prefix adoption's).
+    pub(super) fn forget_pages(&mut self, r: usize, n: u64) {
+        self.req_pages[r] -= n;
+        self.refresh_floor(r);
     }
 
     /// Pages request `r` holds in all buffers together.
@@ -113,9 +125,12 @@ impl State {
         if !self.active[r] {
             0
         } else if self.cfg.pad_rows {
-            padded
+            padded.max(self.prefix.held_tokens(r))
         } else {
-            self.seq_lens[r].max(self.pending[r])
+            // An adopted prefix stays mapped before the first step too.
+            self.seq_lens[r]
+                .max(self.pending[r])
+                .max(self.prefix.held_tokens(r))
         }
     }
 
@@ -140,7 +155,8 @@ impl State {
         (0..self.active.len())
             .filter(|&r| !self.claimed[r])
             .map(|r| self.excess(r, padded))
-            .sum()
+            .sum::<u64>()
+            + self.prefix.evictable_pages()
     }
 
     /// Records pages `map_ahead` mapped at the end of request `r`'s slice in buffer `b`.
@@ -231,12 +247,14 @@ impl State {
         let fence = self.buffers[0].backend().fence()?;
         let mut n = 0;
         let mut result = Ok(());
+        // The first of the unmapped pages that are the prefix cache's stay its own.
+        let cached = self.prefix.held_blocks(r).saturating_sub(keep) as usize;
         for b in 0..self.buffers.len() {
             let extra = self.buffers[b].mapped(r).saturating_sub(keep);
             match self.buffers[b].shrink_fenced(&fence, r, extra) {
                 Ok(pages) => {
                     n += pages.len() as u64;
-                    self.pool.put(pages);
+                    self.pool.put(pages.into_iter().skip(cached));
                 }
                 Err(e) => {
                     result = Err(e);
@@ -246,6 +264,10 @@ impl State {
         }
         self.req_pages[r] -= n;
         self.refresh_floor(r);
+        if result.is_ok() {
+            let evicted = self.prefix.unmapped(r, keep);
+            self.pool.put(evicted);
+        }
         result.map(|()| n)
     }
 
@@ -276,6 +298,13 @@ impl State {
                         std::cmp::Reverse(r),
                     )
                 });
+            // The prefix cache gives its pages back before any active request's.
+            if !only_inactive && victim.is_none_or(|v| self.active[v]) {
+                if let Some(pages) = self.prefix.evict_one() {
+                    self.pool.put(pages);
+                    continue;
+                }
+            }
             let Some(v) = victim else { break };
             let keep = self.geo.pages_for(self.keep_tokens(v, padded));
             let n = self.trim_request(v, keep)?;

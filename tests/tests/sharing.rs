@@ -1,0 +1,293 @@
+//! Prefix sharing in the KV-cache manager (vmem/src/kvcache/prefix.rs), on the host backend:
+//! real memory behind every page, so contents are checked, not just bookkeeping.
+
+use std::sync::Arc;
+use vmem::backend::{HostBackend, SimBackend, KIB64};
+use vmem::kvcache::block_hashes;
+use vmem::{KvCacheManager, KvConfig, Layout, VmemError};
+
+/// 2 layers, batch 4, context 4096, 2 heads x 64 dims, fp16: 256 B a token a buffer; a
+/// 64 KiB page holds 64 tokens token-major (1 KiB a token), 256 per-layer.
+fn cfg(layout: Layout, cap_pages: u64, cache: Option<u64>) -> KvConfig {
+    let mut c = KvConfig::builder()
+        .layers(2)
+        .max_batch(4)
+        .max_context(4096)
+        .kv_heads(2)
+        .head_dim(64)
+        .elem_bytes(2)
+        .page_size(KIB64)
+        .layout(layout)
+        .overlap(false)
+        .deferred_reclaim(false)
+        .eager_tokens(0)
+        .reclaim_threshold(0)
+        .build();
+    c.memory_cap = cap_pages * KIB64;
+    c.prefix_cache = cache;
+    c
+}
+
+fn lens(set: &[(usize, u64)]) -> Vec<u64> {
+    let mut v = vec![0; 4];
+    for &(r, l) in set {
+        v[r] = l;
+    }
+    v
+}
+
+fn prompt(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) ^ seed)
+        .collect()
+}
+
+/// The value a request writes for token `t` (the same for every layer, K and V, head).
+fn word(seed: u16, t: usize) -> u16 {
+    seed.wrapping_mul(31).wrapping_add(t as u16)
+}
+
+/// Writes tokens `from..to` of request `r` through the views, `seed`'s values.
+fn write(host: &HostBackend, kv: &KvCacheManager, r: usize, from: usize, to: usize, seed: u16) {
+    for view in kv.layer_views() {
+        for v in [view.k, view.v] {
+            for t in from..to {
+                let row: Vec<u8> = (0..128).flat_map(|_| word(seed, t).to_le_bytes()).collect();
+                host.write(v.element_addr([r, t, 0, 0]).unwrap(), &row)
+                    .unwrap();
+            }
+        }
+    }
+}
+
+/// Tokens of `from..to` of request `r` that do not read `seed`'s values.
+fn wrong(
+    host: &HostBackend,
+    kv: &KvCacheManager,
+    r: usize,
+    from: usize,
+    to: usize,
+    seed: u16,
+) -> usize {
+    let mut bad = 0;
+    for view in kv.layer_views() {
+        for v in [view.k, view.v] {
+            for t in from..to {
+                let mut row = vec![0u8; 256];
+                host.read(v.element_addr([r, t, 0, 0]).unwrap(), &mut row)
+                    .unwrap();
+                let want = word(seed, t).to_le_bytes();
+                if row.chunks(2).any(|w| w != want) {
+                    bad += 1;
+                }
+            }
+        }
+    }
+    bad
+}
+
+/// The page handle that backs token `t` of request `r` in buffer 0 (token-major: the only
+/// buffer).
+fn page_of(kv: &KvCacheManager, r: usize, t: u64) -> vmem::backend::PageHandle {
+    let per = kv.geometry().tokens_per_page();
+    let pages: Vec<_> = kv
+        .mapped_handles()
+        .into_iter()
+        .filter(|&(q, b, _)| q == r && b == 0)
+        .map(|x| x.2)
+        .collect();
+    pages[(t / per) as usize]
+}
+
+#[test]
+fn a_request_adopts_a_cached_prefix_reads_it_and_never_writes_a_shared_page() {
+    for layout in [Layout::TokenMajor, Layout::PerLayer] {
+        let host = Arc::new(HostBackend::new().unwrap());
+        let kv = KvCacheManager::init(host.clone(), cfg(layout, 256, Some(u64::MAX))).unwrap();
+        let bt = kv.prefix_block_tokens();
+        assert_eq!(bt, kv.geometry().tokens_per_page());
+        let buffers = kv.geometry().buffers as u64;
+        // A computes a prompt of 3 blocks and a half, and publishes its full blocks.
+        let pa = prompt(1, (3 * bt + bt / 2) as usize);
+        let a = kv.alloc_reqid().unwrap();
+        assert_eq!(
+            kv.adopt_prefix(a, &pa).unwrap(),
+            0,
+            "an empty cache serves nothing"
+        );
+        kv.step(&lens(&[(a, pa.len() as u64)])).unwrap();
+        write(&host, &kv, a, 0, pa.len(), 7);
+        assert_eq!(
+            kv.publish_prefix(a, &pa).unwrap(),
+            3,
+            "the partial block is not cached"
+        );
+        // B shares A's first 3 blocks and 10 tokens more, then differs.
+        let mut pb = pa[..(3 * bt + 10) as usize].to_vec();
+        pb.extend(prompt(2, 300));
+        let b = kv.alloc_reqid().unwrap();
+        let cached = kv.adopt_prefix(b, &pb).unwrap();
+        assert_eq!(
+            cached,
+            3 * bt,
+            "{layout:?}: whole blocks only; the rest is recomputed"
+        );
+        kv.step(&lens(&[(a, pa.len() as u64), (b, pb.len() as u64)]))
+            .unwrap();
+        // B reads A's prefix through its own addresses: no copy, no recompute.
+        assert_eq!(wrong(&host, &kv, b, 0, cached as usize, 7), 0, "{layout:?}");
+        // The rule: every page B writes (from `cached` on) is B's alone; every shared page
+        // lies below `cached`.
+        for t in 0..pb.len() as u64 {
+            let p = page_of(&kv, b, t);
+            let n = host.map_count(p).unwrap();
+            if t < cached {
+                assert_eq!(n, 2, "{layout:?}: token {t} is in a shared page");
+            } else {
+                assert_eq!(
+                    n, 1,
+                    "{layout:?}: token {t} B computes lies in a shared page"
+                );
+            }
+        }
+        // B writes its own tokens; A's data is untouched, B's prefix still reads A's.
+        write(&host, &kv, b, cached as usize, pb.len(), 9);
+        assert_eq!(
+            wrong(&host, &kv, a, 0, pa.len(), 7),
+            0,
+            "{layout:?}: B wrote into A"
+        );
+        assert_eq!(wrong(&host, &kv, b, cached as usize, pb.len(), 9), 0);
+        // Memory: A's 4 blocks and B's own 2 (3 shared + 1 partial-and-more), not 4 + 5.
+        let b_pages = pb.len().div_ceil(bt as usize) as u64;
+        assert_eq!(kv.pool_pages().0, (4 + b_pages - 3) * buffers, "{layout:?}");
+        let st = kv.prefix_stats();
+        assert_eq!(st.shared_savings_bytes, 3 * buffers * KIB64);
+        assert_eq!(st.hit_tokens, 3 * bt);
+        // A goes: its cached pages stay (B maps them), its own page returns to the pool.
+        kv.free_reqid(a).unwrap();
+        assert_eq!(wrong(&host, &kv, b, 0, cached as usize, 7), 0);
+        kv.free_reqid(b).unwrap();
+        let st = kv.prefix_stats();
+        assert_eq!(
+            st.unmapped_bytes,
+            3 * buffers * KIB64,
+            "{layout:?}: kept by the cache"
+        );
+        assert_eq!(host.mapped_pages(), 0, "{layout:?}: nothing mapped");
+        // C adopts from the cache with nothing mapping it: the contents survived.
+        let c = kv.alloc_reqid().unwrap();
+        assert_eq!(kv.adopt_prefix(c, &pb).unwrap(), 3 * bt);
+        assert_eq!(wrong(&host, &kv, c, 0, cached as usize, 7), 0, "{layout:?}");
+        drop(kv);
+        assert_eq!(
+            host.resident_bytes().unwrap(),
+            0,
+            "{layout:?}: every page released once at drop"
+        );
+        assert_eq!(host.live_pages(), 0);
+    }
+}
+
+#[test]
+fn the_cache_gives_memory_back_before_a_step_fails_and_keeps_its_cap() {
+    let sim = Arc::new(SimBackend::new());
+    // 16 pages of memory, the cache may keep 2 unmapped; token-major: 64 tokens a page.
+    let kv =
+        KvCacheManager::init(sim.clone(), cfg(Layout::TokenMajor, 16, Some(2 * KIB64))).unwrap();
+    let bt = kv.prefix_block_tokens();
+    let p = prompt(3, (4 * bt) as usize);
+    let a = kv.alloc_reqid().unwrap();
+    kv.step(&lens(&[(a, 4 * bt)])).unwrap();
+    assert_eq!(kv.publish_prefix(a, &p).unwrap(), 4);
+    kv.free_reqid(a).unwrap();
+    // The cap: 2 of the 4 blocks stay, the head ones (a request's tail goes first).
+    let st = kv.prefix_stats();
+    assert_eq!(
+        (st.blocks, st.unmapped_bytes, st.evicted_blocks),
+        (2, 2 * KIB64, 2)
+    );
+    let b = kv.alloc_reqid().unwrap();
+    assert_eq!(
+        kv.adopt_prefix(b, &p).unwrap(),
+        2 * bt,
+        "blocks 0 and 1 survive"
+    );
+    kv.free_reqid(b).unwrap();
+    // Pressure: a request of the whole memory (16 pages) fits only if the cache gives its 2
+    // pages back; the step succeeds instead of failing.
+    let c = kv.alloc_reqid().unwrap();
+    kv.step(&lens(&[(c, 16 * bt)]))
+        .expect("the cache gives its pages back");
+    assert_eq!(kv.prefix_stats().blocks, 0);
+    // A page a request maps is never evicted: with D and E mapping the 2 cached blocks, a
+    // step that needs 15 new pages of the 14 left fails instead.
+    kv.free_reqid(c).unwrap();
+    let d = kv.alloc_reqid().unwrap();
+    kv.step(&lens(&[(d, 2 * bt)])).unwrap();
+    kv.publish_prefix(d, &p[..(2 * bt) as usize]).unwrap();
+    let e = kv.alloc_reqid().unwrap();
+    assert_eq!(kv.adopt_prefix(e, &p).unwrap(), 2 * bt);
+    let err = kv
+        .step(&lens(&[(d, 2 * bt), (e, 17 * bt)]))
+        .expect_err("shared pages are not evictable");
+    assert!(matches!(err, VmemError::OutOfMemory { .. }), "{err}");
+    assert_eq!(kv.prefix_stats().blocks, 2);
+}
+
+#[test]
+fn the_same_calls_make_the_same_decisions() {
+    let run = || {
+        let sim = Arc::new(SimBackend::new());
+        let kv = KvCacheManager::init(sim, cfg(Layout::TokenMajor, 24, Some(8 * KIB64))).unwrap();
+        let bt = kv.prefix_block_tokens() as usize;
+        let mut log = Vec::new();
+        for i in 0..12u32 {
+            let mut p = prompt(i % 3, (2 * bt) + (i as usize % 4) * bt / 2);
+            p.extend(prompt(100 + i, bt));
+            let r = kv.alloc_reqid().unwrap();
+            let hit = kv.adopt_prefix(r, &p).unwrap();
+            kv.step(&lens(&[(r, p.len() as u64)])).unwrap();
+            kv.publish_prefix(r, &p).unwrap();
+            log.push((hit, kv.prefix_stats(), kv.mapped_handles()));
+            kv.free_reqid(r).unwrap();
+        }
+        log
+    };
+    let a = run();
+    assert!(a.iter().any(|x| x.0 > 0), "some requests hit");
+    assert!(
+        a.iter().any(|x| x.1.evicted_blocks > 0),
+        "some blocks were evicted"
+    );
+    assert_eq!(a, run());
+}
+
+#[test]
+fn hashes_chain_and_sharing_refuses_what_it_cannot_do() {
+    let a = block_hashes(&prompt(1, 100), 16);
+    assert_eq!(a.len(), 6, "full blocks only");
+    let mut q = prompt(1, 100);
+    q[40] ^= 1; // a change in block 2 changes every hash from block 2 on
+    let b = block_hashes(&q, 16);
+    assert_eq!(a[..2], b[..2]);
+    assert!(a[2..].iter().zip(&b[2..]).all(|(x, y)| x != y));
+    // Sharing off: adopt and publish say so.
+    let sim = Arc::new(SimBackend::new());
+    let kv = KvCacheManager::init(sim.clone(), cfg(Layout::TokenMajor, 8, None)).unwrap();
+    let r = kv.alloc_reqid().unwrap();
+    assert!(matches!(
+        kv.adopt_prefix(r, &prompt(1, 100)),
+        Err(VmemError::Unsupported { .. })
+    ));
+    // Pages that do not hold whole tokens (a 64 KiB page, 192 KiB tokens) cannot share.
+    let mut c = cfg(Layout::TokenMajor, 8, Some(u64::MAX));
+    c.kv_heads = 384;
+    assert!(matches!(c.validate(), Err(VmemError::InvalidConfig(_))));
+    // Adopting after the first step is refused, changing nothing.
+    let kv = KvCacheManager::init(sim, cfg(Layout::TokenMajor, 8, Some(u64::MAX))).unwrap();
+    let r = kv.alloc_reqid().unwrap();
+    kv.step(&lens(&[(r, 100)])).unwrap();
+    assert!(kv.adopt_prefix(r, &prompt(1, 100)).is_err());
+    assert_eq!(kv.request_pages(r).unwrap(), vec![2]);
+}

@@ -1,0 +1,404 @@
+//! Prefix sharing: requests that start with the same tokens map the same physical pages.
+//!
+//! A *block* is the tokens one page holds ([`super::Geometry::tokens_per_page`]): 16 tokens of
+//! Llama-3-8B in a token-major 2 MB page, exactly one vLLM block; 1,024 in a per-layer 2 MB
+//! page (a block is then one page in each of the 2 x layers buffers). Blocks are named by
+//! chained hashes of their token ids ([`block_hashes`]: the parent block's hash and the
+//! block's tokens, the scheme of vLLM's automatic prefix caching), so a block's hash names
+//! the whole prefix up to its end.
+//!
+//! * **Publish** ([`KvCacheManager::publish_prefix`]): once a request has computed its
+//!   prompt, its full blocks, from the first on, go to the prefix cache under their hashes.
+//!   The request keeps mapping them; the cache now owns the pages.
+//! * **Adopt** ([`KvCacheManager::adopt_prefix`]): a new request, before its first step,
+//!   maps the cached pages of the longest run of its blocks the cache holds into the start
+//!   of its range ([`crate::backend::Backend::map_shared`]): no copy, no recompute. At most `prompt - 1`
+//!   tokens are adopted (the last prompt token is computed, for its logits, as vLLM does).
+//! * **The partial last block is recomputed**, never copied: only whole pages are shared, so
+//!   the tokens after the adopted ones (a partial block included) are prefilled by the
+//!   engine into pages of the request's own. A copy would need a device copy on the engine's
+//!   stream, ordered against its kernels, for at most `block - 1` tokens (15 at token-major
+//!   2 MB), which costs about what recomputing them does; per-layer pages make blocks large
+//!   (1,024 tokens at 2 MB), and sharing them is coarse either way.
+//! * **Writes never reach a shared page**, by construction: a shared page is a full block
+//!   of tokens below the request's adopted length, which the request never writes (an
+//!   engine writes only positions at or after what it has computed); every position from the
+//!   adopted length on lies in a page the request alone maps, because adoption is whole
+//!   pages at the start of an empty range and stops at least one token short of the prompt.
+//!   The owner that published a page wrote it before publishing and, its tokens being
+//!   computed, never writes it again. Tested in `tests/tests/sharing.rs`.
+//! * **The cache is bounded and page-aware**: pages no request maps stay cached up to
+//!   [`KvConfig::prefix_cache`] bytes; beyond it, and whenever the pool runs short, the
+//!   least recently released go back to the pool first. A page a request maps is never
+//!   evicted. A step short of memory takes cached pages before any running request's
+//!   (so the engine preempts only when the cache has nothing left to give).
+//! * **Decisions are a pure function of the calls made**: the order of eviction is a
+//!   counter of calls, ties broken by hash; no clock, no hash-map iteration order. Ranks
+//!   that make the same calls make the same decisions.
+//!
+//! With sharing on, freeing a request that maps cached pages unmaps it at once (deferred
+//! reclamation would hand its id, cached pages and all, to a request that writes them), and
+//! adopting into an id that still holds pages (deferred or eager ones) unmaps them first.
+
+use super::state::State;
+use super::{KvCacheManager, KvConfig};
+use crate::backend::PageHandle;
+use crate::error::{Result, VmemError};
+use rustc_hash::FxHashMap;
+use std::collections::BTreeSet;
+
+/// A block's chained hash.
+pub type BlockHash = u64;
+
+/// A fixed 64-bit mixing of two words (SplitMix64's finalizer): the same on every platform
+/// and version, so every rank computes the same hashes.
+fn mix(a: u64, b: u64) -> u64 {
+    let mut z = a.rotate_left(23) ^ b.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The chained hashes of the full blocks of `block_tokens` tokens of `tokens`: block `j`'s
+/// hash mixes block `j - 1`'s (a fixed seed for the first) with its token ids, so equal
+/// hashes mean equal prefixes (up to 64-bit collisions: about `n² / 2^65` for `n` cached
+/// blocks, 3e-8 for a million). A partial last block gets no hash.
+pub fn block_hashes(tokens: &[u32], block_tokens: usize) -> Vec<BlockHash> {
+    if block_tokens == 0 {
+        return Vec::new();
+    }
+    let mut parent: u64 = 0x7650_7265_6669_7800; // "vprefix"
+    tokens
+        .chunks_exact(block_tokens)
+        .map(|block| {
+            let mut h = mix(parent, block_tokens as u64);
+            for &t in block {
+                h = mix(h, u64::from(t));
+            }
+            parent = h;
+            h
+        })
+        .collect()
+}
+
+/// What the prefix cache holds and has served.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixStats {
+    /// Tokens per block (0: sharing is off).
+    pub block_tokens: u64,
+    /// Blocks cached (mapped by requests or not).
+    pub blocks: u64,
+    /// Bytes of cached pages no request maps (what the cap bounds).
+    pub unmapped_bytes: u64,
+    /// Bytes that extra mappings of shared pages would have cost without sharing: subtract
+    /// from [`super::MemoryUsage::mapped_bytes`] for the memory mapped, each page once.
+    pub shared_savings_bytes: u64,
+    /// Tokens served from the cache by `adopt_prefix` so far.
+    pub hit_tokens: u64,
+    /// Blocks evicted so far.
+    pub evicted_blocks: u64,
+}
+
+/// One cached block: a page in every buffer.
+#[derive(Debug)]
+struct Entry {
+    pages: Vec<PageHandle>,
+    /// Requests that map it.
+    refs: u32,
+    /// When its last mapping went (a count of calls), while `refs == 0`.
+    tick: u64,
+}
+
+/// The prefix cache: blocks by hash, the requests' adopted runs, the eviction order.
+#[derive(Debug, Default)]
+pub(super) struct PrefixCache {
+    /// Tokens per block; 0 when sharing is off.
+    block_tokens: u64,
+    /// Most pages kept with no mapping.
+    cap_pages: u64,
+    /// Pages per block (the buffers).
+    per_block: u64,
+    entries: FxHashMap<BlockHash, Entry>,
+    /// (tick, hash) of the blocks no request maps, oldest first.
+    lru: BTreeSet<(u64, BlockHash)>,
+    tick: u64,
+    /// Per request: the hashes of the cached blocks at the start of its range.
+    held: Vec<Vec<BlockHash>>,
+    hit_tokens: u64,
+    evicted: u64,
+}
+
+impl PrefixCache {
+    /// The cache of a manager with `cfg`'s prefix setting, `tokens_per_page` tokens a page
+    /// and `buffers` buffers.
+    pub(super) fn new(cfg: &KvConfig, tokens_per_page: u64, buffers: usize) -> Self {
+        let Some(cap) = cfg.prefix_cache else {
+            return PrefixCache::default();
+        };
+        PrefixCache {
+            block_tokens: tokens_per_page,
+            cap_pages: cap / cfg.page_size,
+            per_block: buffers as u64,
+            held: vec![Vec::new(); cfg.max_batch],
+            ..PrefixCache::default()
+        }
+    }
+
+    /// Whether sharing is on.
+    pub(super) fn on(&self) -> bool {
+        self.block_tokens > 0
+    }
+
+    /// Cached blocks at the start of request `r`'s range.
+    pub(super) fn held_blocks(&self, r: usize) -> u64 {
+        self.held.get(r).map_or(0, |h| h.len() as u64)
+    }
+
+    /// Tokens of request `r` that live in cached pages: it must keep them mapped.
+    pub(super) fn held_tokens(&self, r: usize) -> u64 {
+        self.held_blocks(r) * self.block_tokens
+    }
+
+    /// Pages the cache can give back now: those of blocks no request maps.
+    pub(super) fn evictable_pages(&self) -> u64 {
+        self.lru.len() as u64 * self.per_block
+    }
+
+    /// Evicts the least recently released block no request maps; returns its pages (unmapped,
+    /// for the pool), or `None` when every cached block is mapped.
+    pub(super) fn evict_one(&mut self) -> Option<Vec<PageHandle>> {
+        let first = *self.lru.iter().next()?;
+        self.lru.remove(&first);
+        let e = self.entries.remove(&first.1)?;
+        self.evicted += 1;
+        Some(e.pages)
+    }
+
+    /// Request `r` no longer maps its cached blocks from the `keep`-th on (its range was
+    /// shrunk to `keep` pages a buffer). Returns the pages evicted to stay under the cap.
+    pub(super) fn unmapped(&mut self, r: usize, keep: u64) -> Vec<PageHandle> {
+        let Some(held) = self.held.get_mut(r) else {
+            return Vec::new();
+        };
+        if keep >= held.len() as u64 {
+            return Vec::new();
+        }
+        let gone = held.split_off(keep as usize);
+        // Tail first: a prompt's tail is the least likely to be shared.
+        for h in gone.into_iter().rev() {
+            if let Some(e) = self.entries.get_mut(&h) {
+                e.refs -= 1;
+                if e.refs == 0 {
+                    self.tick += 1;
+                    e.tick = self.tick;
+                    self.lru.insert((self.tick, h));
+                }
+            }
+        }
+        let mut out = Vec::new();
+        while self.evictable_pages() > self.cap_pages {
+            match self.evict_one() {
+                Some(p) => out.extend(p),
+                None => break,
+            }
+        }
+        out
+    }
+
+    /// The statistics.
+    pub(super) fn stats(&self, page_size: u64) -> PrefixStats {
+        let extra: u64 = self
+            .entries
+            .values()
+            .map(|e| u64::from(e.refs.saturating_sub(1)))
+            .sum();
+        PrefixStats {
+            block_tokens: self.block_tokens,
+            blocks: self.entries.len() as u64,
+            unmapped_bytes: self.evictable_pages() * page_size,
+            shared_savings_bytes: extra * self.per_block * page_size,
+            hit_tokens: self.hit_tokens,
+            evicted_blocks: self.evicted,
+        }
+    }
+
+    /// Every block no request maps, removed from the cache (the manager is going).
+    pub(super) fn drain_unmapped(&mut self) -> Vec<PageHandle> {
+        let mut out = Vec::new();
+        while let Some(p) = self.evict_one() {
+            out.extend(p);
+        }
+        out
+    }
+}
+
+impl State {
+    /// Maps the cached prefix of `hashes` (at most `most` blocks) into inactive-range request
+    /// `r` (active, nothing computed yet). See [`KvCacheManager::adopt_prefix_hashes`].
+    fn adopt(&mut self, r: usize, hashes: &[BlockHash], most: u64) -> Result<u64> {
+        if self.seq_lens[r] > 0 || self.pending[r] > 0 || self.prefix.held_blocks(r) > 0 {
+            return Err(VmemError::InvalidConfig(format!(
+                "request {r} has tokens already: a prefix is adopted before its first step"
+            )));
+        }
+        // Leftover pages (a deferred predecessor's, eager ones) go first: the range must be
+        // empty, so the adopted pages start it.
+        if self.buffers.iter().any(|b| b.mapped(r) > 0) {
+            self.unmap_request(r)?;
+        }
+        let k = hashes
+            .iter()
+            .take(most as usize)
+            .take_while(|h| self.prefix.entries.contains_key(h))
+            .count();
+        if k == 0 {
+            return Ok(0);
+        }
+        let page = self.geo.page_size;
+        let mut mapped_buffers = 0;
+        let mut result = Ok(());
+        for b in 0..self.buffers.len() {
+            let pages: Vec<PageHandle> = hashes[..k]
+                .iter()
+                .map(|h| self.prefix.entries[h].pages[b])
+                .collect();
+            let at = self.buffers[b].next_free(r);
+            if let Err(e) = self.buffers[b].backend().map_shared(at, &pages, page) {
+                result = Err(e);
+                break;
+            }
+            self.record_mapped(r, b, &pages);
+            mapped_buffers += 1;
+        }
+        if let Err(e) = result {
+            // Nothing of the call stays: unmap the buffers already mapped; their pages are
+            // the cache's, not the pool's.
+            for b in 0..mapped_buffers {
+                let _ = self.buffers[b].shrink(r, k as u64);
+            }
+            self.forget_pages(r, mapped_buffers as u64 * k as u64);
+            return Err(e);
+        }
+        for h in &hashes[..k] {
+            let e = self.prefix.entries.get_mut(h).expect("looked up above");
+            if e.refs == 0 {
+                self.prefix.lru.remove(&(e.tick, *h));
+            }
+            e.refs += 1;
+        }
+        self.prefix.held[r] = hashes[..k].to_vec();
+        let tokens = k as u64 * self.prefix.block_tokens;
+        self.prefix.hit_tokens += tokens;
+        Ok(tokens)
+    }
+
+    /// Hands request `r`'s computed full blocks, hashed `hashes`, to the cache: from the
+    /// first block it does not hold yet, while the cache has no block of that hash.
+    fn publish(&mut self, r: usize, hashes: &[BlockHash]) -> u64 {
+        let bt = self.prefix.block_tokens;
+        let mapped = self.buffers.iter().map(|b| b.mapped(r)).min().unwrap_or(0);
+        let full = (self.seq_lens[r] / bt).min(mapped);
+        let start = self.prefix.held_blocks(r);
+        let mut n = 0;
+        for j in start..full.min(hashes.len() as u64) {
+            let h = hashes[j as usize];
+            if self.prefix.entries.contains_key(&h) {
+                break; // computed twice at once: the other copy is cached; keep ours
+            }
+            let pages = self
+                .buffers
+                .iter()
+                .map(|b| b.pages(r)[j as usize])
+                .collect();
+            self.prefix.entries.insert(
+                h,
+                Entry {
+                    pages,
+                    refs: 1,
+                    tick: 0,
+                },
+            );
+            self.prefix.held[r].push(h);
+            n += 1;
+        }
+        n
+    }
+}
+
+impl KvCacheManager {
+    /// Tokens per block of prefix sharing ([`KvConfig::prefix_cache`]); 0 when it is off.
+    pub fn prefix_block_tokens(&self) -> u64 {
+        self.shared.lock().prefix.block_tokens
+    }
+
+    /// Starts active request `req`, before its first step, from the longest cached prefix of
+    /// `tokens` (its prompt's token ids) that leaves at least its last token to compute: the
+    /// cached pages are mapped at the start of its range. Returns the tokens served from the
+    /// cache (a multiple of [`KvCacheManager::prefix_block_tokens`]); the engine prefills
+    /// from there. Pages `req` held from an earlier request (deferred, eager) are unmapped
+    /// first. On error nothing is mapped. Fails with [`VmemError::Unsupported`] when sharing
+    /// is off.
+    pub fn adopt_prefix(&self, req: usize, tokens: &[u32]) -> Result<u64> {
+        let bt = self.prefix_block_tokens() as usize;
+        let hashes = block_hashes(tokens, bt);
+        self.adopt_prefix_hashes(req, &hashes, tokens.len() as u64)
+    }
+
+    /// [`KvCacheManager::adopt_prefix`] with the block hashes computed by the caller
+    /// ([`block_hashes`], or a trace's): `prompt_tokens` is the prompt's length.
+    pub fn adopt_prefix_hashes(
+        &self,
+        req: usize,
+        hashes: &[BlockHash],
+        prompt_tokens: u64,
+    ) -> Result<u64> {
+        let mut st = self.shared.lock();
+        st.check_id(req)?;
+        if !st.prefix.on() {
+            return Err(VmemError::Unsupported {
+                backend: self.backend.name(),
+                what: "prefix sharing (KvConfig::prefix_cache is off)",
+            });
+        }
+        if !st.active[req] {
+            return Err(VmemError::InactiveRequest(req));
+        }
+        st = self.wait_unclaimed(st, |st| st.claimed[req]);
+        let most = prompt_tokens.saturating_sub(1) / st.prefix.block_tokens;
+        let tokens = st.adopt(req, hashes, most)?;
+        self.kick(st);
+        Ok(tokens)
+    }
+
+    /// Publishes active request `req`'s computed full blocks of `tokens` (its token ids so
+    /// far; blocks past its current length are left out) to the prefix cache, so later
+    /// requests can adopt them. Returns the blocks newly cached. Call it after the step that
+    /// prefilled them. Fails with [`VmemError::Unsupported`] when sharing is off.
+    pub fn publish_prefix(&self, req: usize, tokens: &[u32]) -> Result<u64> {
+        let bt = self.prefix_block_tokens() as usize;
+        self.publish_prefix_hashes(req, &block_hashes(tokens, bt))
+    }
+
+    /// [`KvCacheManager::publish_prefix`] with the block hashes computed by the caller.
+    pub fn publish_prefix_hashes(&self, req: usize, hashes: &[BlockHash]) -> Result<u64> {
+        let mut st = self.shared.lock();
+        st.check_id(req)?;
+        if !st.prefix.on() {
+            return Err(VmemError::Unsupported {
+                backend: self.backend.name(),
+                what: "prefix sharing (KvConfig::prefix_cache is off)",
+            });
+        }
+        if !st.active[req] {
+            return Err(VmemError::InactiveRequest(req));
+        }
+        st = self.wait_unclaimed(st, |st| st.claimed[req]);
+        Ok(st.publish(req, hashes))
+    }
+
+    /// What the prefix cache holds and has served.
+    pub fn prefix_stats(&self) -> PrefixStats {
+        let st = self.shared.lock();
+        st.prefix.stats(self.geo.page_size)
+    }
+}
