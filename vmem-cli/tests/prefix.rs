@@ -54,7 +54,7 @@ fn run(extra: &[&str]) -> serde_json::Value {
 
 #[test]
 fn apc_serves_prompt_tokens_from_its_cache_and_plain_blocks_do_not() {
-    let v = run(&["--budget", "160GiB"]);
+    let v = run(&["--budget", "160GiB", "--cache-cap", "16GiB"]);
     let rows = v["rows"].as_array().unwrap();
     let get = |name: &str| {
         rows.iter()
@@ -78,6 +78,14 @@ fn apc_serves_prompt_tokens_from_its_cache_and_plain_blocks_do_not() {
     for r in rows {
         assert_eq!(r["completed"], apc["completed"], "{r}");
     }
+    // Issue #25's target: vmem token-major 2 MB with sharing holds at most 1.1x the memory
+    // of 16-token blocks with APC, at the same hit rate.
+    let shared = get("vmem-2M-token-major-shared");
+    assert_eq!(shared["share_tokens"], 16);
+    assert_eq!(shared["cached_tokens"], apc["cached_tokens"], "{shared}");
+    let mean = shared["mean_vs_apc"].as_f64().unwrap();
+    let peak = shared["peak_vs_apc"].as_f64().unwrap();
+    assert!(mean <= 1.1 && peak <= 1.1, "{shared}");
 }
 
 #[test]

@@ -565,6 +565,71 @@ mod tests {
         assert_eq!(a, derive_blocks(&[1, 2, 3], 512, 1400, 16));
     }
 
+    #[test]
+    fn hashes_are_read_from_mooncake_and_generic_traces_and_checked() {
+        let moon = "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 2, \"hash_ids\": [5, 6]}\n\n{\"timestamp\": 9, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [5]}\n";
+        let h = parse_prefix_hashes(moon.as_bytes(), "m", TraceFormat::Mooncake, None, None)
+            .unwrap()
+            .unwrap();
+        assert_eq!(h.chunk_tokens(), 512);
+        assert_eq!(
+            (h.chunks(1), h.chunks(3), h.chunks(2)),
+            (&[5, 6][..], &[5][..], &[][..])
+        );
+        let trace = crate::parse_trace(moon.as_bytes(), "m.jsonl", &Default::default()).unwrap();
+        check_prefix_hashes(&h, &trace.requests, "m").unwrap();
+        // More hashes than chunks is an error naming the line.
+        let bad = moon.replace("[5]}", "[5, 6]}");
+        let h = parse_prefix_hashes(bad.as_bytes(), "m", TraceFormat::Mooncake, None, None)
+            .unwrap()
+            .unwrap();
+        let e = check_prefix_hashes(&h, &trace.requests, "m")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("m:3") && e.contains("2 prefix hashes"), "{e}");
+        // Generic CSV: a named column, its block size required.
+        let csv = "input_tokens,output_tokens,blocks\n64,1,1 2;3 4\n16,1,\n";
+        assert!(
+            parse_prefix_hashes(csv.as_bytes(), "c", TraceFormat::Csv, Some("blocks"), None)
+                .is_err()
+        );
+        let h = parse_prefix_hashes(
+            csv.as_bytes(),
+            "c",
+            TraceFormat::Csv,
+            Some("blocks"),
+            Some(16),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!((h.chunks(2), h.chunks(3)), (&[1, 2, 3, 4][..], &[][..]));
+        let e = parse_prefix_hashes(
+            "a,blocks\n1,x\n".as_bytes(),
+            "c",
+            TraceFormat::Csv,
+            Some("blocks"),
+            Some(16),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("c:2"), "{e}");
+        // Without hashes or a column: none.
+        let jl = "{\"input_tokens\": 3, \"output_tokens\": 1}\n";
+        assert!(
+            parse_prefix_hashes(jl.as_bytes(), "j", TraceFormat::Jsonl, None, None)
+                .unwrap()
+                .is_none()
+        );
+        let e = parse_prefix_hashes(jl.as_bytes(), "j", TraceFormat::Jsonl, Some("h"), Some(4))
+            .unwrap_err();
+        assert!(e.to_string().contains("no \"h\""), "{e}");
+        let neg = "{\"h\": [1, -2]}\n";
+        assert!(
+            parse_prefix_hashes(neg.as_bytes(), "j", TraceFormat::Jsonl, Some("h"), Some(4))
+                .is_err()
+        );
+    }
+
     fn apc(blocks: u64, cache_cap_blocks: u64) -> PrefixBlocks {
         PrefixBlocks::new(1, 16, 4, 4096, blocks * 16, true, cache_cap_blocks * 16).unwrap()
     }
