@@ -291,3 +291,32 @@ fn hashes_chain_and_sharing_refuses_what_it_cannot_do() {
     assert!(kv.adopt_prefix(r, &prompt(1, 100)).is_err());
     assert_eq!(kv.request_pages(r).unwrap(), vec![2]);
 }
+
+#[test]
+fn a_whole_cached_prompt_still_leaves_its_last_token_to_compute_in_a_page_of_its_own() {
+    let host = Arc::new(HostBackend::new().unwrap());
+    let mut c = cfg(Layout::TokenMajor, 64, Some(u64::MAX));
+    // Zero-backed buffers too: shared maps replace zero slots like any map.
+    c.zero_page = true;
+    let kv = KvCacheManager::init(host.clone(), c).unwrap();
+    let bt = kv.prefix_block_tokens();
+    let p = prompt(5, (4 * bt) as usize); // exactly 4 blocks
+    let a = kv.alloc_reqid().unwrap();
+    kv.step(&lens(&[(a, 4 * bt)])).unwrap();
+    write(&host, &kv, a, 0, p.len(), 3);
+    assert_eq!(kv.publish_prefix(a, &p).unwrap(), 4);
+    let b = kv.alloc_reqid().unwrap();
+    // All 4 blocks are cached, but the last token is computed: 3 blocks are adopted.
+    assert_eq!(kv.adopt_prefix(b, &p).unwrap(), 3 * bt);
+    kv.step(&lens(&[(a, 4 * bt), (b, 4 * bt)])).unwrap();
+    assert_eq!(host.map_count(page_of(&kv, b, 4 * bt - 1)), Some(1));
+    assert_eq!(host.map_count(page_of(&kv, b, 3 * bt - 1)), Some(2));
+    assert_eq!(wrong(&host, &kv, b, 0, (3 * bt) as usize, 3), 0);
+    write(&host, &kv, b, (3 * bt) as usize, p.len(), 4);
+    assert_eq!(wrong(&host, &kv, a, 0, p.len(), 3), 0, "B wrote into A");
+    // Freeing B puts the zero page back over its range; A still reads its data.
+    kv.free_reqid(b).unwrap();
+    assert_eq!(wrong(&host, &kv, a, 0, p.len(), 3), 0);
+    drop(kv);
+    assert_eq!(host.live_pages(), 0);
+}

@@ -8,6 +8,10 @@
 //! (the share of memory mapped to running requests that holds no KV data), the largest batch,
 //! preemptions, and requests completed, rejected and queued.
 //!
+//! With a trace's prefix hashes ([`load_prefix_hashes`]), [`replay_with_prefixes`] measures
+//! prefix caching: vLLM's automatic prefix caching ([`PrefixBlocks`]) against vmem's shared
+//! pages, by hit rate and memory (docs/prefix-sharing.md).
+//!
 //! Traces come in Azure's CSV, Mooncake's JSON lines, or generic CSV/JSON lines with
 //! configurable columns ([`load_trace`]); [`fit_to_context`] decides what happens to requests
 //! longer than the context, and [`poisson_arrivals`] times a trace that has no timestamps.
