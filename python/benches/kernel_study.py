@@ -159,8 +159,10 @@ def build_paged(case: Case, flex: Callable, gen: torch.Generator) -> List[Callab
     pages_per_row = [(n + PAGE - 1) // PAGE for n in case.lens_list]
     n_pages = sum(pages_per_row)
     perm = torch.randperm(n_pages, generator=gen).tolist()  # shuffled physical pages
-    kc = torch.empty(1, HKV, n_pages * PAGE, D, dtype=case.dtype, device=case.dev)
-    vc = torch.empty_like(kc)
+    # pages start with finite stale data (as after earlier requests in a server): the tails of
+    # partial pages are masked, and masked probabilities times NaN garbage would be NaN
+    kc = torch.empty(1, HKV, n_pages * PAGE, D, dtype=case.dtype, device=case.dev).normal_()
+    vc = torch.empty_like(kc).normal_()
     # one PagedAttention per set over the shared physical pages: its mask_mod indexes
     # physical_to_logical by the query's batch index, so a set's rows must be rows 0..B-1
     pas = [PagedAttention(n_pages, PAGE, case.B, device=str(case.dev)) for _ in range(case.nrot)]
