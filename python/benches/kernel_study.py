@@ -229,10 +229,9 @@ class VmemSlots:
             self.zero_page = False
             kw["zero_page"] = False
             self.kv = vmem.KVCache(**kw)
-        ids = [self.kv.alloc() for _ in range(case.R)]
-        if ids != list(range(case.R)):
-            order = {r: i for i, r in enumerate(ids)}
-            ids = [r for r, _ in sorted(order.items(), key=lambda x: x[1])]
+        # every id of the cache is handed out (max_batch = R), so sorted they are 0..R-1:
+        # case row r lives in vmem row r, and a set's rows are consecutive
+        ids = sorted(self.kv.alloc() for _ in range(case.R))
         self.ids = ids
         lens = case.lens_list if self.zero_page else [case.L] * case.R
         self.kv.step({ids[r]: lens[r] for r in range(case.R)})
@@ -348,18 +347,25 @@ def build_vmem_sdpa_loop(case: Case, slots: VmemSlots) -> List[Callable]:
     return fns
 
 
-def build_vmem_fa_varlen(case: Case, slots: VmemSlots) -> List[Callable]:
+def _require_cuda(case: Case) -> None:
     if case.dev.type != "cuda":
         raise RuntimeError("aten._flash_attention_forward is CUDA only")
+
+
+def build_vmem_fa_varlen(case: Case, slots: VmemSlots) -> List[Callable]:
+    _require_cuda(case)
     fns = []
-    kflat_all = slots.k_full
-    if not kflat_all.is_contiguous():
-        raise RuntimeError("vmem per-layer view is not row-major contiguous")
+    kfull = slots.k_full
+    tok = HKV * D
+    if kfull.stride()[1:] != (tok, D, 1) or kfull.stride(0) % tok:
+        raise RuntimeError(f"vmem view strides {kfull.stride()} are not token-rows of [Hkv, D]")
+    pitch = kfull.stride(0) // tok  # tokens from one request's row to the next
     for s in range(case.nrot):
         k, v = slots.rows(case, s)
-        kf = k.reshape(-1, HKV, D)  # [B*ctx, Hkv, D], a view
-        vf = v.reshape(-1, HKV, D)
-        cu_k = (torch.arange(case.B + 1, device=case.dev, dtype=torch.int32) * slots.ctx)
+        n_tok = (case.B - 1) * pitch + k.shape[1]
+        kf = k.as_strided((n_tok, HKV, D), (tok, D, 1))  # the rows as one token array, a view
+        vf = v.as_strided((n_tok, HKV, D), (tok, D, 1))
+        cu_k = (torch.arange(case.B + 1, device=case.dev, dtype=torch.int32) * pitch)
         cu_q = (torch.arange(case.B + 1, device=case.dev, dtype=torch.int32) * case.S)
         used = case.set_lens(s).to(torch.int32).contiguous()
         q = case.q[s].transpose(1, 2).reshape(case.B * case.S, HQ, D).contiguous()
