@@ -498,6 +498,12 @@ def run_case(case: Case, contenders: List[str], args, flex: Callable, gen: torch
         if "contig_flex" in built:
             e["vs_contig_flex"] = e["time_us"] / res["contenders"]["contig_flex"]["time_us"]
     res["needed_bytes"] = nb
+    res["padded_kv_bytes"] = case.B * case.L * HKV * D * 2 * (torch.finfo(case.dtype).bits // 8)
+    per_req = [c for c in ("vmem_fa_varlen", "vmem_sdpa_loop") if c in built]
+    if "vmem_sdpa_pad" in built and per_req:
+        best_own = min(res["contenders"][c]["time_us"] for c in per_req)
+        # what one padded call costs over the best call on each request's own length
+        res["padding_cost"] = res["contenders"]["vmem_sdpa_pad"]["time_us"] / best_own
     if slots is not None:
         slots.close()
     return res
@@ -589,12 +595,37 @@ def main() -> int:
     with open(os.path.join(args.out, "kernel_study.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
     lines = table(results, contenders)
+    lines.extend(summary(results))
     lines.append(f"total {meta['total_s']} s; checks failed: {failed or 'none'}; "
                  f"vmem zero_page={any(r.get('vmem_zero_page') for r in results)}")
     with open(os.path.join(args.out, "kernel_study.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 1 if failed else 0
+
+
+def summary(results: List[Dict[str, Any]]) -> List[str]:
+    """Medians over shapes, per mode: the ratios the issue asks about."""
+    out = []
+    for mode in ("decode", "prefill"):
+        rs = [r for r in results if r.get("mode") == mode and "contenders" in r]
+
+        def med(f: Callable[[Dict[str, Any]], Optional[float]]) -> str:
+            xs = [x for x in (f(r) for r in rs) if x is not None]
+            return f"{statistics.median(xs):.2f} (n={len(xs)})" if xs else "n/a"
+
+        def ratio(r: Dict[str, Any], a: str, b: str) -> Optional[float]:
+            ca, cb = r["contenders"].get(a, {}), r["contenders"].get(b, {})
+            if "time_us" in ca and "time_us" in cb:
+                return ca["time_us"] / cb["time_us"]
+            return None
+
+        if rs:
+            out.append(f"{mode}: median over shapes: pagedFlex/contFlex {med(lambda r: ratio(r, 'paged_flex', 'contig_flex'))}; "
+                       f"vmemFlex/contFlex {med(lambda r: ratio(r, 'vmem_flex', 'contig_flex'))}; "
+                       f"faVarlen/best {med(lambda r: r['contenders'].get('vmem_fa_varlen', {}).get('vs_best'))}; "
+                       f"padding cost sdpaPad/own-length {med(lambda r: r.get('padding_cost'))}")
+    return out
 
 
 def table(results: List[Dict[str, Any]], contenders: List[str]) -> List[str]:
