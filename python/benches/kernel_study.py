@@ -213,12 +213,13 @@ def build_contig(case: Case, flex: Callable) -> List[Callable]:
 class VmemSlots:
     """The case's K/V copied into a one-layer vmem.KVCache (per-layer layout)."""
 
-    def __init__(self, case: Case, backend: str) -> None:
+    def __init__(self, case: Case, backend: str, full_rows: bool = False) -> None:
         import vmem
 
         self.kv = None
         ctx = ((case.L + 1023) // 1024) * 1024
-        self.zero_page = backend == "cuda"
+        # own lengths + the zero page behind the rest (CUDA), or every row mapped to the longest
+        self.zero_page = backend == "cuda" and not full_rows
         kw = dict(layers=1, kv_heads=HKV, head_dim=D, dtype="bf16", max_batch=case.R,
                   max_context=ctx, layout="per-layer", backend=backend, page_size="2M",
                   zero_page=self.zero_page)
@@ -418,7 +419,7 @@ def run_case(case: Case, contenders: List[str], args, flex: Callable, gen: torch
     slots = None
     if any(c.startswith("vmem") for c in contenders):
         try:
-            slots = VmemSlots(case, args.backend)
+            slots = VmemSlots(case, args.backend, full_rows=args.vmem_map == "full")
             res["vmem_zero_page"] = slots.zero_page
         except Exception as e:
             log(f"  vmem slots failed: {e}")
@@ -526,6 +527,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--region-s", type=float, default=1e-3, help="time per timed region")
     ap.add_argument("--mem-frac", type=float, default=0.8, help="skip shapes above this of free memory")
+    ap.add_argument("--vmem-map", choices=["own", "full"], default="own",
+                    help="own: map each vmem row to its length, zero page behind (CUDA); "
+                         "full: map every row to the longest (real padded memory for sdpaPad)")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--compile-cpu", action="store_true", help="with --tiny on CPU: compile flex too")
     ap.add_argument("--static", action="store_true", help="compile flex with dynamic=False")
