@@ -20,6 +20,7 @@ CPU check:  ``python3 python/benches/cb_baseline.py --tiny``
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -55,6 +56,7 @@ def run_engine(model: Any, prompts: List[List[int]], new_tokens: int, block_size
     hints = WorkloadHints(max_prompt_length=max(len(p) for p in prompts),
                           max_generated_length=new_tokens, num_requests=len(prompts))
     t_init = time.perf_counter()
+    gpu_alloc_before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     manager = model.init_continuous_batching(generation_config=gen_cfg, continuous_batching_config=cb_cfg,
                                              workload_hints=hints)
     manager.warmup()  # generate_batch's default; builds the batch processor and cache
@@ -67,6 +69,7 @@ def run_engine(model: Any, prompts: List[List[int]], new_tokens: int, block_size
         "kv_cache_bytes": cache_bytes(cache),
         "max_batch_tokens": int(getattr(cache, "max_batch_tokens", -1)),
         "init_s": time.perf_counter() - t_init,
+        "gpu_allocated_before_bytes": gpu_alloc_before,
     }
     per_block = info["kv_cache_bytes"] // max(1, (cache.num_blocks + 2) * block_size) * block_size
     peak = {"running": 0, "blocks": 0, "steps": 0}
@@ -103,6 +106,10 @@ def run_engine(model: Any, prompts: List[List[int]], new_tokens: int, block_size
             break
     manager.stop(block=True, timeout=30)
     manager.destroy()
+    # break the bp -> instrumented -> bp cycle, so the cache goes now and the next run's
+    # memory handler sees the same free memory as this one did
+    del bp.prepare_next_batch
+    del bp, cache, orig, instrumented
     order = [f"r{i}" for i in range(len(prompts))]
     token_times = [list(results[r].timestamps or []) if r in results else [] for r in order]
     errors = [results[r].error for r in order if r in results and results[r].error]
@@ -165,6 +172,7 @@ def main() -> int:
             info["round"] = rnd
             runs.append(info)
             log(json.dumps(info, default=str))
+            gc.collect()
             if dev == "cuda":
                 torch.cuda.empty_cache()
     meta = {"transformers": transformers.__version__, "torch": torch.__version__,
