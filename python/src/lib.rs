@@ -18,7 +18,7 @@ use dlpark::{DlpackFlags, Managed, ManagedTensorBase};
 use pyo3::create_exception;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBool, PyDict, PyInt};
 use std::sync::{Arc, Mutex};
 use vmem::backend::{open_backend, Backend, BackendChoice, BackendKind};
 use vmem::{KvCacheManager, KvConfig, Layout, VmemError};
@@ -148,13 +148,29 @@ impl KVCache {
     }
 }
 
-fn to_usize(v: i64, name: &str) -> PyResult<usize> {
-    usize::try_from(v)
-        .map_err(|_| InvalidArgument::new_err(format!("{name} must be >= 0, got {v}")))
+/// A Python int as a `u64`: anything else (a bool, a float, a negative int, an int past 64
+/// bits) is `InvalidArgument` naming the argument, never `TypeError` or `OverflowError`.
+fn to_u64(v: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
+    if v.is_instance_of::<PyBool>() || !v.is_instance_of::<PyInt>() {
+        let shown = v.repr().map(|r| r.to_string()).unwrap_or_default();
+        return Err(InvalidArgument::new_err(format!(
+            "{name} must be an int, got {shown}"
+        )));
+    }
+    v.extract::<u64>().or_else(|_| {
+        let shown = v.str().map(|r| r.to_string()).unwrap_or_default();
+        Err(if v.lt(0)? {
+            InvalidArgument::new_err(format!("{name} must be >= 0, got {shown}"))
+        } else {
+            InvalidArgument::new_err(format!("{name} = {shown} is too large (at most 2**64 - 1)"))
+        })
+    })
 }
 
-fn to_u64(v: i64, name: &str) -> PyResult<u64> {
-    u64::try_from(v).map_err(|_| InvalidArgument::new_err(format!("{name} must be >= 0, got {v}")))
+/// As [`to_u64`], for counts and indices.
+fn to_usize(v: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
+    let x = to_u64(v, name)?;
+    usize::try_from(x).map_err(|_| InvalidArgument::new_err(format!("{name} = {x} is too large")))
 }
 
 #[pymethods]
@@ -163,26 +179,26 @@ impl KVCache {
     #[new]
     #[pyo3(signature = (*, layers, kv_heads, head_dim, dtype, max_batch, max_context, page_size,
         layout, backend, device, memory_cap, prealloc, overlap, deferred_reclaim, eager_tokens,
-        reclaim_threshold, pad_rows, zero_page=false))]
+        reclaim_threshold=None, pad_rows=false, zero_page=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        layers: i64,
-        kv_heads: i64,
-        head_dim: i64,
+        layers: &Bound<'_, PyAny>,
+        kv_heads: &Bound<'_, PyAny>,
+        head_dim: &Bound<'_, PyAny>,
         dtype: &str,
-        max_batch: i64,
-        max_context: i64,
-        page_size: i64,
+        max_batch: &Bound<'_, PyAny>,
+        max_context: &Bound<'_, PyAny>,
+        page_size: &Bound<'_, PyAny>,
         layout: &str,
         backend: &str,
-        device: i64,
-        memory_cap: i64,
-        prealloc: i64,
+        device: &Bound<'_, PyAny>,
+        memory_cap: &Bound<'_, PyAny>,
+        prealloc: &Bound<'_, PyAny>,
         overlap: bool,
         deferred_reclaim: bool,
-        eager_tokens: i64,
-        reclaim_threshold: i64,
+        eager_tokens: &Bound<'_, PyAny>,
+        reclaim_threshold: Option<&Bound<'_, PyAny>>,
         pad_rows: bool,
         zero_page: bool,
     ) -> PyResult<Self> {
@@ -190,6 +206,7 @@ impl KVCache {
         let layout: Layout = layout.parse().map_err(py_err)?;
         let choice: BackendChoice = backend.parse().map_err(py_err)?;
         let ordinal = to_usize(device, "device")?;
+        let memory_cap = to_u64(memory_cap, "memory_cap")?;
         let cfg = KvConfig::builder()
             .layers(to_usize(layers, "layers")?)
             .kv_heads(to_usize(kv_heads, "kv_heads")?)
@@ -199,7 +216,7 @@ impl KVCache {
             .max_context(to_usize(max_context, "max_context")?)
             .page_size(to_u64(page_size, "page_size")?)
             .layout(layout)
-            .memory_cap(to_u64(memory_cap, "memory_cap")?)
+            .memory_cap(memory_cap)
             .prealloc(to_u64(prealloc, "prealloc")?)
             .overlap(overlap)
             .deferred_reclaim(deferred_reclaim)
@@ -217,10 +234,9 @@ impl KVCache {
                 .and_then(|b| b.checked_mul(geo.buffers as u64))
                 .ok_or_else(|| InvalidArgument::new_err("the cache's virtual size overflows"))?;
         }
-        cfg.reclaim_threshold = if reclaim_threshold < 0 {
-            cfg.memory_cap / 16
-        } else {
-            to_u64(reclaim_threshold, "reclaim_threshold")?
+        cfg.reclaim_threshold = match reclaim_threshold {
+            None => cfg.memory_cap / 16,
+            Some(t) => to_u64(t, "reclaim_threshold")?,
         };
         let (kv, name, reason, dev) = py
             .detach(|| -> Result<_, VmemError> {
@@ -258,7 +274,7 @@ impl KVCache {
     }
 
     /// Hands out the inactive id that best fits a request of `tokens` tokens.
-    fn alloc_for(&self, py: Python<'_>, tokens: i64) -> PyResult<usize> {
+    fn alloc_for(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<usize> {
         let inner = self.get()?;
         let t = to_u64(tokens, "tokens")?;
         py.detach(|| inner.kv.alloc_reqid_for(t)).map_err(py_err)
@@ -266,7 +282,12 @@ impl KVCache {
 
     /// Maps pages for `tokens` tokens of active request `req` outside the manager's lock
     /// (GIL released): other threads' steps for other requests go on meanwhile.
-    fn map_ahead(&self, py: Python<'_>, req: i64, tokens: i64) -> PyResult<u64> {
+    fn map_ahead(
+        &self,
+        py: Python<'_>,
+        req: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
         let inner = self.get()?;
         let r = to_usize(req, "request id")?;
         let t = to_u64(tokens, "tokens")?;
@@ -274,7 +295,7 @@ impl KVCache {
     }
 
     /// Returns a request id.
-    fn free(&self, py: Python<'_>, req: i64) -> PyResult<()> {
+    fn free(&self, py: Python<'_>, req: &Bound<'_, PyAny>) -> PyResult<()> {
         let inner = self.get()?;
         let r = to_usize(req, "request id")?;
         py.detach(|| inner.kv.free_reqid(r)).map_err(py_err)
@@ -307,7 +328,7 @@ impl KVCache {
     }
 
     /// Sets the pool to `bytes` of physical memory, creating the pages now.
-    fn reserve_physical(&self, py: Python<'_>, bytes: i64) -> PyResult<u64> {
+    fn reserve_physical(&self, py: Python<'_>, bytes: &Bound<'_, PyAny>) -> PyResult<u64> {
         let inner = self.get()?;
         let b = to_u64(bytes, "bytes")?;
         py.detach(|| inner.kv.reserve_physical(b)).map_err(py_err)
@@ -331,7 +352,7 @@ impl KVCache {
     }
 
     /// Whether request `req` is handed out.
-    fn is_active(&self, req: i64) -> PyResult<bool> {
+    fn is_active(&self, req: &Bound<'_, PyAny>) -> PyResult<bool> {
         self.get()?
             .kv
             .is_active(to_usize(req, "request id")?)
@@ -339,7 +360,7 @@ impl KVCache {
     }
 
     /// Pages request `req` holds in each buffer.
-    fn request_pages(&self, req: i64) -> PyResult<Vec<u64>> {
+    fn request_pages(&self, req: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
         self.get()?
             .kv
             .request_pages(to_usize(req, "request id")?)
@@ -347,10 +368,10 @@ impl KVCache {
     }
 
     /// The K and V views of layer `i`.
-    fn layer(&self, i: i64) -> PyResult<(KVTensor, KVTensor)> {
+    fn layer(&self, i: &Bound<'_, PyAny>) -> PyResult<(KVTensor, KVTensor)> {
         let inner = self.get()?;
         let views = inner.kv.layer_views();
-        let idx = usize::try_from(i)
+        let idx = to_usize(i, "layer")
             .ok()
             .filter(|&i| i < views.len())
             .ok_or_else(|| {

@@ -291,3 +291,30 @@ def test_map_ahead_from_another_thread_while_steps_go_on():
     assert kv.step({a: 120, b: 2048}) == (0, 0, 0)
     with pytest.raises(vmem.InvalidArgument, match="not active"):
         kv.map_ahead(3, 10)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(max_context=2**63), dict(max_context=2**70), dict(memory_cap=2**64), dict(prealloc=2**63),
+     dict(page_size=2**64), dict(reclaim_threshold=2**64), dict(eager_tokens=2**64), dict(layers=2**64)],
+)
+def test_ints_past_64_bits_in_the_constructor_are_invalid_arguments(kw):
+    with pytest.raises(vmem.InvalidArgument):
+        cache(**kw)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [lambda kv: kv.free(2**70), lambda kv: kv.layer(2**70), lambda kv: kv.alloc_for(2**64),
+     lambda kv: kv.map_ahead(2**70, 1), lambda kv: kv.map_ahead(0, 2**64), lambda kv: kv.is_active(2**64),
+     lambda kv: kv.request_pages(2**64), lambda kv: kv.reserve_physical(2**64),
+     lambda kv: kv._rs.free(2**70), lambda kv: kv._rs.layer(-(2**70))],
+)
+def test_ints_past_64_bits_in_calls_are_invalid_arguments(call):
+    kv = cache()
+    kv.alloc()
+    before = kv.usage()
+    with pytest.raises(vmem.InvalidArgument):
+        call(kv)
+    assert kv.usage() == before
+    kv.close()

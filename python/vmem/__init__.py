@@ -201,7 +201,7 @@ class KVCache:
         if eager_tokens is None:
             eager_tokens = min(1024, max_context)
         # None: a sixteenth of the cap (the Rust side resolves it once the cap is known).
-        threshold = -1 if reclaim_threshold is None else parse_bytes(reclaim_threshold)
+        threshold = None if reclaim_threshold is None else parse_bytes(reclaim_threshold)
         self._max_batch = max_batch
         self._layers = layers
         self._rs = _vmem.KVCache(

@@ -51,9 +51,9 @@ class KVCache:
         overlap: bool,
         deferred_reclaim: bool,
         eager_tokens: int,
-        reclaim_threshold: int,
-        pad_rows: bool,
-        zero_page: bool = ...,
+        reclaim_threshold: Optional[int] = None,
+        pad_rows: bool = False,
+        zero_page: bool = False,
     ) -> None: ...
     def alloc(self) -> int: ...
     def alloc_for(self, tokens: int) -> int: ...
