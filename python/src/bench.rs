@@ -13,7 +13,7 @@ fn cu(op: &'static str, r: sys::CUresult) -> PyResult<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(crate::VmemError_::new_err(format!("{op}: {r:?}")))
+        Err(crate::VmemError::new_err(format!("{op}: {r:?}")))
     }
 }
 

@@ -21,56 +21,57 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyInt};
 use std::sync::{Arc, Mutex};
 use vmem::backend::{open_backend, Backend, BackendChoice, BackendKind};
-use vmem::{KvCacheManager, KvConfig, Layout, VmemError};
+use vmem::{KvCacheManager, KvConfig, Layout, VmemError as CoreError};
 
+// Module `vmem`: the classes print and pickle as `vmem.VmemError`, where users import them.
 create_exception!(
-    _vmem,
-    VmemError_,
+    vmem,
+    VmemError,
     PyRuntimeError,
     "Base class of every vmem error."
 );
 create_exception!(
-    _vmem,
+    vmem,
     OutOfMemory,
-    VmemError_,
+    VmemError,
     "The cache's physical memory cannot cover the step; nothing was mapped. Engines preempt a request and retry."
 );
 create_exception!(
-    _vmem,
+    vmem,
     InvalidArgument,
-    VmemError_,
+    VmemError,
     "An argument is out of range (a length, a request id, a size); nothing changed."
 );
 create_exception!(
-    _vmem,
+    vmem,
     BackendUnavailable,
-    VmemError_,
+    VmemError,
     "The requested backend is not available on this machine."
 );
 create_exception!(
-    _vmem,
+    vmem,
     Closed,
-    VmemError_,
+    VmemError,
     "The cache was closed; views handed out before stay valid until dropped."
 );
 
 /// Turns a Rust error into the matching Python exception, keeping the Rust message.
-fn py_err(e: VmemError) -> PyErr {
+fn py_err(e: CoreError) -> PyErr {
     let msg = e.to_string();
     match e {
-        VmemError::OutOfMemory { .. } => OutOfMemory::new_err(msg),
-        VmemError::BackendUnavailable { .. } => BackendUnavailable::new_err(msg),
-        VmemError::InvalidConfig(_)
-        | VmemError::SizeOverflow(_)
-        | VmemError::UnsupportedPageSize { .. }
-        | VmemError::SeqLenTooLong { .. }
-        | VmemError::BatchLenMismatch { .. }
-        | VmemError::UnknownRequest { .. }
-        | VmemError::InactiveRequest(_)
-        | VmemError::DoubleFree(_)
-        | VmemError::TooManyRequests(_)
-        | VmemError::Unsupported { .. } => InvalidArgument::new_err(msg),
-        _ => VmemError_::new_err(msg),
+        CoreError::OutOfMemory { .. } => OutOfMemory::new_err(msg),
+        CoreError::BackendUnavailable { .. } => BackendUnavailable::new_err(msg),
+        CoreError::InvalidConfig(_)
+        | CoreError::SizeOverflow(_)
+        | CoreError::UnsupportedPageSize { .. }
+        | CoreError::SeqLenTooLong { .. }
+        | CoreError::BatchLenMismatch { .. }
+        | CoreError::UnknownRequest { .. }
+        | CoreError::InactiveRequest(_)
+        | CoreError::DoubleFree(_)
+        | CoreError::TooManyRequests(_)
+        | CoreError::Unsupported { .. } => InvalidArgument::new_err(msg),
+        _ => VmemError::new_err(msg),
     }
 }
 
@@ -239,7 +240,7 @@ impl KVCache {
             Some(t) => to_u64(t, "reclaim_threshold")?,
         };
         let (kv, name, reason, dev) = py
-            .detach(|| -> Result<_, VmemError> {
+            .detach(|| -> Result<_, CoreError> {
                 let selected = open_backend(choice, ordinal)?;
                 let b: Arc<dyn Backend> = selected.backend;
                 let dev = match b.kind() {
@@ -467,7 +468,7 @@ impl KVTensor {
     fn managed<M: ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
         let prepared = Fixed::new(self.shape, self.strides)
             .prepare_as::<M>()
-            .map_err(|e| VmemError_::new_err(format!("DLPack metadata: {e}")))?;
+            .map_err(|e| VmemError::new_err(format!("DLPack metadata: {e}")))?;
         // The tensor's context keeps the cache (and so the mapping) alive until the consumer
         // calls the deleter.
         let mut init = prepared.initialize(Box::new(self.inner.clone()));
@@ -521,7 +522,8 @@ impl KVTensor {
         export_dlpack(self, py, request)
     }
 
-    /// `(device_type, device_id)`: (1, 0) for host memory, (2, N) for CUDA device N.
+    /// `(device_type, device_id)`: (1, 0) for host memory, (2, N) for CUDA device N (repr shows
+    /// `cpu` / `cuda:N`).
     fn __dlpack_device__(&self) -> (i32, i32) {
         (
             self.inner.device.device_type.0 as i32,
@@ -556,12 +558,17 @@ impl KVTensor {
     }
 
     fn __repr__(&self) -> String {
+        let dev = self.inner.device;
+        let device = if dev.device_type == DLDeviceType::CUDA {
+            format!("cuda:{}", dev.device_id)
+        } else {
+            "cpu".to_string()
+        };
         format!(
-            "KVTensor(shape={:?}, strides={:?}, dtype={}, device={:?})",
+            "KVTensor(shape={:?}, strides={:?}, dtype={}, device={device})",
             self.shape,
             self.strides,
             self.inner.dtype.name(),
-            self.__dlpack_device__()
         )
     }
 }
@@ -599,7 +606,7 @@ fn _vmem(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<KVCache>()?;
     m.add_class::<KVTensor>()?;
-    m.add("VmemError", py.get_type::<VmemError_>())?;
+    m.add("VmemError", py.get_type::<VmemError>())?;
     m.add("OutOfMemory", py.get_type::<OutOfMemory>())?;
     m.add("InvalidArgument", py.get_type::<InvalidArgument>())?;
     m.add("BackendUnavailable", py.get_type::<BackendUnavailable>())?;

@@ -318,3 +318,67 @@ def test_ints_past_64_bits_in_calls_are_invalid_arguments(call):
         call(kv)
     assert kv.usage() == before
     kv.close()
+
+
+def test_device_cpu_places_the_cache_in_host_memory():
+    kv = vmem.KVCache(layers=1, kv_heads=1, head_dim=64, dtype="fp16", max_batch=2, max_context=1024,
+                      page_size="64K", device="cpu")
+    assert kv.config()["backend"] == "host"
+    k, _ = kv.layer(0)
+    assert k.__dlpack_device__() == (1, 0)
+    assert "device=cpu" in repr(k)
+    kv.close()
+
+
+class FakeTorchDevice:
+    """A torch.device as vmem reads it without importing torch: a ``type``, and its str()."""
+
+    def __init__(self, text):
+        self.text = text
+        self.type = text.split(":")[0]
+
+    def __str__(self):
+        return self.text
+
+
+@pytest.mark.parametrize(
+    "device,want",
+    [(None, (None, 0)), ("cpu", ("cpu", 0)), ("CPU", ("cpu", 0)), ("cuda", ("cuda", 0)),
+     ("cuda:1", ("cuda", 1)), (3, ("cuda", 3)), (FakeTorchDevice("cuda:2"), ("cuda", 2)),
+     (FakeTorchDevice("cpu"), ("cpu", 0))],
+)
+def test_one_device_parser_reads_every_spelling(device, want):
+    from vmem._device import parse_device
+
+    assert parse_device(device) == want
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda:-1", -1, True, 1.0, "mps", FakeTorchDevice("meta")])
+def test_bad_devices_are_refused(device):
+    with pytest.raises(vmem.InvalidArgument, match="device"):
+        cache(device=device)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "uvm"])
+def test_device_cpu_with_a_gpu_backend_is_refused(backend):
+    with pytest.raises(vmem.InvalidArgument, match="cpu"):
+        cache(device="cpu", backend=backend)
+
+
+def test_a_gpu_device_with_auto_lands_on_a_gpu_or_says_why():
+    try:
+        kv = cache(device="cuda:0", backend="auto")
+    except vmem.BackendUnavailable as e:
+        assert "cuda:0" in str(e)
+    else:
+        assert kv.config()["backend"] in ("cuda", "uvm")
+        assert "device=cuda:0" in repr(kv.layer(0)[0])
+        kv.close()
+
+
+def test_exceptions_are_named_as_users_read_them():
+    for name in ["VmemError", "OutOfMemory", "InvalidArgument", "BackendUnavailable", "Closed"]:
+        cls = getattr(vmem, name)
+        assert cls.__module__ == "vmem" and cls.__name__ == name
+        assert repr(cls) == f"<class 'vmem.{name}'>"
+    assert issubclass(vmem.OutOfMemory, vmem.VmemError) and issubclass(vmem.VmemError, RuntimeError)

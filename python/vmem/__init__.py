@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 from . import _vmem
+from ._device import placement
 from ._vmem import (
     BackendUnavailable,
     Closed,
@@ -129,9 +130,12 @@ class KVCache:
     ``fp16``, ``fp32``, ``fp8_e4m3`` (or a torch dtype); ``page_size`` (default 2 MB, the only
     size CUDA has; 64K/128K/256K need the patched driver or the host backend).
 
-    Placement: ``backend`` is ``"auto"`` (patched driver, then CUDA, then host memory),
-    ``"cuda"``, ``"uvm"``, ``"host"`` or ``"sim"`` (no memory: views cannot be read);
-    ``device`` the GPU ordinal.
+    Placement: ``device`` is ``"cpu"`` (host memory), ``"cuda"``, ``"cuda:N"``, an int ``N``
+    or a ``torch.device``; ``backend`` is ``"auto"`` (patched driver, then CUDA, then host
+    memory), ``"cuda"``, ``"uvm"``, ``"host"`` or ``"sim"`` (no memory: views cannot be read).
+    With ``device=None`` (the default) ``"auto"`` may fall back to host memory
+    (``config()["backend_reason"]`` says why); with a GPU device it must find a GPU
+    (:class:`BackendUnavailable` otherwise); ``device="cpu"`` means the host backend.
 
     Memory and policy: ``memory_cap`` bytes of physical pages at most (default: the whole
     virtual size), ``prealloc`` bytes created up front; ``overlap`` maps the next step's
@@ -166,7 +170,7 @@ class KVCache:
         page_size: Size = "2M",
         layout: str = "per-layer",
         backend: str = "auto",
-        device: int = 0,
+        device: Any = None,
         memory_cap: Optional[Size] = None,
         prealloc: Size = 0,
         overlap: bool = True,
@@ -202,16 +206,21 @@ class KVCache:
             eager_tokens = min(1024, max_context)
         # None: a sixteenth of the cap (the Rust side resolves it once the cap is known).
         threshold = None if reclaim_threshold is None else parse_bytes(reclaim_threshold)
+        backend, ordinal, gpu_required = placement(device, backend)
         self._max_batch = max_batch
         self._layers = layers
         self._rs = _vmem.KVCache(
             layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype_name,
             max_batch=max_batch, max_context=max_context, page_size=page, layout=layout,
-            backend=backend, device=device, memory_cap=cap, prealloc=parse_bytes(prealloc),
+            backend=backend, device=ordinal, memory_cap=cap, prealloc=parse_bytes(prealloc),
             overlap=bool(overlap), deferred_reclaim=bool(deferred_reclaim),
             eager_tokens=eager_tokens, reclaim_threshold=threshold, pad_rows=bool(pad_rows),
             zero_page=bool(zero_page),
         )
+        if gpu_required and self._rs.config()["backend"] not in ("cuda", "uvm"):
+            reason = self._rs.config()["backend_reason"]
+            self._rs.close()
+            raise BackendUnavailable(f"no GPU backend for device {str(device)!r}: {reason}")
 
     # -- requests ---------------------------------------------------------------------------
     def alloc(self) -> int:

@@ -183,13 +183,8 @@ class VmemCache(Cache):
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         dev = torch.device(device)
-        if dev.type == "cuda":
-            ordinal = dev.index if dev.index is not None else torch.cuda.current_device()
-            be = backend
-        elif dev.type == "cpu":
-            ordinal, be = 0, "host"
-        else:
-            raise InvalidArgument(f"device {device!r}: cuda or cpu")
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
         self.kv = KVCache(
             layers=cfg.num_hidden_layers,
             kv_heads=kv_heads,
@@ -199,8 +194,8 @@ class VmemCache(Cache):
             max_context=max_cache_len,
             page_size=page_size,
             layout=layout,
-            backend=be,
-            device=ordinal,
+            backend=backend,
+            device=dev,
             memory_cap=memory_cap,
             overlap=False,
             deferred_reclaim=False,

@@ -52,24 +52,6 @@ def _get() -> KVCache:
     return _cache
 
 
-def _device(device: Any) -> tuple:
-    """("cuda", ordinal) or ("host", 0) from an int, a string or a torch.device."""
-    if isinstance(device, bool):
-        raise InvalidArgument(f"device {device!r}")
-    if isinstance(device, int):
-        if device < 0:
-            raise InvalidArgument(f"device {device} is negative")
-        return "auto", device
-    text = str(device)
-    if text == "cpu":
-        return "host", 0
-    if text == "cuda":
-        return "auto", 0
-    if text.startswith("cuda:") and text[5:].isdigit():
-        return "auto", int(text[5:])
-    raise InvalidArgument(f"device {device!r}: use an ordinal, 'cuda:N' or 'cpu'")
-
-
 def init_kvcache(
     num_layers: int,
     num_kv_heads: int,
@@ -88,7 +70,6 @@ def init_kvcache(
         raise InvalidArgument("vattention: init_kvcache called twice; call cleanup first")
     import torch
 
-    backend, ordinal = _device(device)
     cache = KVCache(
         layers=num_layers,
         kv_heads=num_kv_heads,
@@ -97,16 +78,11 @@ def init_kvcache(
         max_batch=max_batch_size,
         max_context=max_context_length,
         page_size=page_size,
-        backend=backend,
-        device=ordinal,
+        device=device,
         overlap=True,
         deferred_reclaim=True,
         eager_tokens=0,
     )
-    if backend == "auto" and cache.config()["backend"] not in ("cuda", "uvm"):
-        reason = cache.config()["backend_reason"]
-        cache.close()
-        raise InvalidArgument(f"vattention: no GPU backend for device {device!r}: {reason}")
     ks, vs = [], []
     for i in range(num_layers):
         k, v = cache.layer(i)
