@@ -382,3 +382,44 @@ def test_exceptions_are_named_as_users_read_them():
         assert cls.__module__ == "vmem" and cls.__name__ == name
         assert repr(cls) == f"<class 'vmem.{name}'>"
     assert issubclass(vmem.OutOfMemory, vmem.VmemError) and issubclass(vmem.VmemError, RuntimeError)
+
+
+def test_the_package_imports_without_torch_and_only_vmem_torch_needs_it():
+    import subprocess
+    import sys
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # import torch raises ImportError\n"
+        "import vmem, vmem.vattention, vmem._device\n"
+        "kv = vmem.KVCache(layers=1, kv_heads=1, head_dim=64, max_batch=1, max_context=1024, dtype='fp16',"
+        " page_size='64K', device='cpu')\n"
+        "kv.step([0])\n"
+        "try:\n"
+        "    import vmem.torch\n"
+        "except ImportError as e:\n"
+        "    print(f'vmem.torch needs {e.name}')\n"
+        "try:\n"
+        "    kv.torch_layers()\n"
+        "except ImportError as e:\n"
+        "    print(f'torch_layers needs {e.name}')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["vmem.torch needs torch", "torch_layers needs torch"], r.stdout
+
+
+def test_vmem_torch_hands_out_tensors_over_the_cache():
+    torch = pytest.importorskip("torch", reason="torch is not installed here (CI); the GPU script runs this")
+    import vmem.torch as vt
+
+    kv = cache(dtype="bf16")
+    r = kv.alloc()
+    kv.step({r: 100})
+    pairs = vt.layers(kv)
+    assert len(pairs) == 3 and pairs[0][0].dtype == torch.bfloat16 and pairs[0][0].shape == (4, 2048, 2, 64)
+    assert pairs[1][0].data_ptr() == kv.layer(1)[0].data_ptr
+    ts = vt.tensors(kv)
+    assert [t.data_ptr() for t in ts] == [p[0].data_ptr() for p in pairs] + [p[1].data_ptr() for p in pairs]
+    pairs[2][1][r, :100] = 3
+    assert float(vt.layer(kv, 2)[1][r, :100].float().mean()) == 3
+    kv.close()

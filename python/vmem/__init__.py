@@ -17,8 +17,10 @@ strided tensor.
 >>> K[r, :300] = 1.0
 >>> kv.close()
 
-Rust does the work (the ``vmem`` crate); this module only checks and converts arguments.
-``vmem.vattention`` offers vAttention's function-level API, ``vmem.hf`` a transformers cache.
+Rust does the work (the ``vmem`` crate); this module only checks and converts arguments and
+imports neither torch nor NumPy. ``vmem.torch`` hands the views out as torch tensors (the only
+module that imports torch), ``vmem.vattention`` offers vAttention's function-level API (torch
+tensors), ``vmem.hf`` a transformers cache.
 """
 
 from __future__ import annotations
@@ -290,10 +292,10 @@ class KVCache:
         return self._rs.layer(i)
 
     def torch_layers(self) -> List[Tuple[Any, Any]]:
-        """Every layer's K and V as torch tensors (imports torch)."""
-        import torch
+        """Every layer's K and V as torch tensors: :func:`vmem.torch.layers` (imports torch)."""
+        from . import torch as vmem_torch
 
-        return [tuple(torch.from_dlpack(t) for t in self.layer(i)) for i in range(self._layers)]
+        return vmem_torch.layers(self)
 
     # -- state ------------------------------------------------------------------------------
     def usage(self) -> Dict[str, int]:

@@ -37,6 +37,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import InvalidArgument, KVCache
+from . import torch as vmem_torch
 
 __all__ = ["VmemCache", "VmemLayer"]
 
@@ -209,7 +210,7 @@ class VmemCache(Cache):
         self._mapped = 0  # tokens every row has pages for (whole pages)
         self._written = 0  # static mode: tokens the forwards so far wrote (see get_mask_sizes)
         self._step_pending = False  # a one-token step was announced, not yet seen eagerly
-        layers = [VmemLayer(self, i, k, v, self._static) for i, (k, v) in enumerate(self.kv.torch_layers())]
+        layers = [VmemLayer(self, i, k, v, self._static) for i, (k, v) in enumerate(vmem_torch.layers(self.kv))]
         super().__init__(layers=layers)
 
     def _ensure(self, length: int) -> None:

@@ -11,7 +11,9 @@ semantics (docs/python.md lists them); the differences:
   ``"OOM on demand"`` as vAttention's does;
 * until :func:`reserve_physical_pages` is called, pages are created on demand up to the whole
   virtual size (vAttention's pool starts empty); afterwards the reserved amount is the cap;
-* ``device="cpu"`` places the cache in host memory (vAttention has only CUDA), which is how
+* it needs torch, as vAttention does (``init_kvcache`` returns torch tensors, through
+  :mod:`vmem.torch`); ``device`` takes every spelling :class:`vmem.KVCache` takes, and
+  ``device="cpu"`` places the cache in host memory (vAttention has only CUDA), which is how
   the tests run without a GPU; on CUDA the page size must be one the driver has (2 MB on a
   stock driver; 64/128/256 KB need the patched driver), else ``InvalidArgument`` names them;
 * :func:`step` and :func:`step_async` release the GIL and map on vmem's background thread;
@@ -68,7 +70,7 @@ def init_kvcache(
     global _cache, _tensors
     if _cache is not None:
         raise InvalidArgument("vattention: init_kvcache called twice; call cleanup first")
-    import torch
+    from . import torch as vmem_torch  # vAttention's API hands out torch tensors
 
     cache = KVCache(
         layers=num_layers,
@@ -83,12 +85,7 @@ def init_kvcache(
         deferred_reclaim=True,
         eager_tokens=0,
     )
-    ks, vs = [], []
-    for i in range(num_layers):
-        k, v = cache.layer(i)
-        ks.append(torch.from_dlpack(k))
-        vs.append(torch.from_dlpack(v))
-    _cache, _tensors = cache, ks + vs
+    _cache, _tensors = cache, vmem_torch.tensors(cache)
     return list(_tensors)
 
 
