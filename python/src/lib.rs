@@ -168,6 +168,15 @@ fn to_u64(v: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
     })
 }
 
+/// The OS's limit on memory mappings per process (Linux `vm.max_map_count`; 65530 when it
+/// cannot be read).
+fn max_map_count() -> u64 {
+    std::fs::read_to_string("/proc/sys/vm/max_map_count")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(65530)
+}
+
 /// As [`to_u64`], for counts and indices.
 fn to_usize(v: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
     let x = to_u64(v, name)?;
@@ -180,7 +189,7 @@ impl KVCache {
     #[new]
     #[pyo3(signature = (*, layers, kv_heads, head_dim, dtype, max_batch, max_context, page_size,
         layout, backend, device, memory_cap, prealloc, overlap, deferred_reclaim, eager_tokens,
-        reclaim_threshold=None, pad_rows=false, zero_page=false))]
+        reclaim_threshold=None, pad_rows=false, zero_page=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -201,7 +210,7 @@ impl KVCache {
         eager_tokens: &Bound<'_, PyAny>,
         reclaim_threshold: Option<&Bound<'_, PyAny>>,
         pad_rows: bool,
-        zero_page: bool,
+        zero_page: Option<bool>,
     ) -> PyResult<Self> {
         let dtype = DType::parse(dtype)?;
         let layout: Layout = layout.parse().map_err(py_err)?;
@@ -223,7 +232,7 @@ impl KVCache {
             .deferred_reclaim(deferred_reclaim)
             .eager_tokens(to_usize(eager_tokens, "eager_tokens")?)
             .pad_rows(pad_rows)
-            .zero_page(zero_page)
+            .zero_page(zero_page.unwrap_or(false))
             .build();
         let mut cfg = cfg;
         let geo = cfg.validate().map_err(py_err)?;
@@ -239,10 +248,23 @@ impl KVCache {
             None => cfg.memory_cap / 16,
             Some(t) => to_u64(t, "reclaim_threshold")?,
         };
+        // Slots of one page in the whole virtual size: what the zero page maps (one mapping
+        // each on the host backend, counted against the OS's limit on mappings).
+        let slots = (geo.slice_bytes / geo.page_size)
+            .checked_mul(cfg.max_batch as u64)
+            .and_then(|n| n.checked_mul(geo.buffers as u64))
+            .unwrap_or(u64::MAX);
         let (kv, name, reason, dev) = py
             .detach(|| -> Result<_, CoreError> {
                 let selected = open_backend(choice, ordinal)?;
                 let b: Arc<dyn Backend> = selected.backend;
+                if zero_page.is_none() {
+                    // The default (docs/python.md): on host memory, where a read past a
+                    // request's pages is a SIGSEGV of the Python process, the zero page, as long
+                    // as its mappings fit in half the OS's limit; elsewhere off (a GPU kernel
+                    // reads by length, and a zero slot costs a device synchronization per growth).
+                    cfg.zero_page = b.kind() == BackendKind::Host && slots <= max_map_count() / 2;
+                }
                 let dev = match b.kind() {
                     BackendKind::Cuda | BackendKind::Uvm => DLDevice {
                         device_type: DLDeviceType::CUDA,

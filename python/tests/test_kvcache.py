@@ -423,3 +423,39 @@ def test_vmem_torch_hands_out_tensors_over_the_cache():
     pairs[2][1][r, :100] = 3
     assert float(vt.layer(kv, 2)[1][r, :100].float().mean()) == 3
     kv.close()
+
+
+def test_reading_past_a_requests_length_on_host_reads_zeros_by_default():
+    # Before the zero page was the host default this read killed Python with SIGSEGV: run it
+    # in a subprocess, so that a crash fails this test instead of ending pytest.
+    import subprocess
+    import sys
+    code = (
+        "import numpy as np, vmem\n"
+        "kv = vmem.KVCache(layers=2, kv_heads=2, head_dim=64, max_batch=2, max_context=4096,"
+        " dtype='fp16', page_size='64K', device='cpu')\n"
+        "r = kv.alloc()\n"
+        "kv.step({r: 10})\n"
+        "K = np.from_dlpack(kv.layer(1)[0])\n"
+        "K[r, :10] = 1\n"
+        "print('past the length:', float(K[r].sum()), float(K[1 - r].sum()), flush=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert r.stdout.strip() == f"past the length: {10.0 * 2 * 64} 0.0", r.stdout
+
+
+def test_the_zero_page_default_is_on_for_host_memory_only_and_can_be_turned_off():
+    assert cache(backend="host").config()["zero_page"] is True
+    assert cache(backend="host", zero_page=False).config()["zero_page"] is False
+    assert cache(backend="sim").config()["zero_page"] is False
+
+
+def test_the_zero_page_default_stays_off_where_its_mappings_would_pass_the_os_limit():
+    # Llama-3-8B, 32 ids x 8192 tokens in 64 KB pages: 524,288 slots, past vm.max_map_count.
+    kv = vmem.KVCache("llama-3-8b", max_batch=32, max_context=8192, dtype="fp16", page_size="64K",
+                      device="cpu", eager_tokens=0, overlap=False)
+    assert kv.config()["zero_page"] is False
+    r = kv.alloc()
+    kv.step({r: 300})
+    kv.close()

@@ -150,12 +150,17 @@ class KVCache:
     mask) can read any position — zeros where no token is — at the cost of one page and a
     device synchronization before each growth. Writes still need mapped pages
     (:meth:`step` first). Not on the patched UVM driver, which maps each page once.
+    ``zero_page=None`` (the default) turns it on for host memory, where a read past a
+    request's pages would kill the Python process with SIGSEGV (through a NumPy view), as
+    long as the cache's page slots fit in half the OS's limit on mappings
+    (``vm.max_map_count``; one mapping per slot); off on the GPU backends and ``sim``.
+    ``config()["zero_page"]`` says what was chosen (docs/python.md has the measurement).
 
     Unmapping waits for the GPU work queued before it (the CUDA backend synchronizes the
     context first), so no queued kernel reads memory that goes away. A view reaches only the
     memory its request has mapped: read rows ``r`` up to the length given to :meth:`step`
     (or the longest, with ``pad_rows``); reading further faults, as with any unmapped memory,
-    unless ``zero_page`` is on.
+    unless ``zero_page`` is on (then it reads zeros).
     """
 
     def __init__(
@@ -180,7 +185,7 @@ class KVCache:
         eager_tokens: Optional[int] = None,
         reclaim_threshold: Optional[Size] = None,
         pad_rows: bool = False,
-        zero_page: bool = False,
+        zero_page: Optional[bool] = None,
     ) -> None:
         if model is not None:
             if layers is not None or kv_heads is not None or head_dim is not None:
@@ -217,7 +222,7 @@ class KVCache:
             backend=backend, device=ordinal, memory_cap=cap, prealloc=parse_bytes(prealloc),
             overlap=bool(overlap), deferred_reclaim=bool(deferred_reclaim),
             eager_tokens=eager_tokens, reclaim_threshold=threshold, pad_rows=bool(pad_rows),
-            zero_page=bool(zero_page),
+            zero_page=None if zero_page is None else bool(zero_page),
         )
         if gpu_required and self._rs.config()["backend"] not in ("cuda", "uvm"):
             reason = self._rs.config()["backend_reason"]
