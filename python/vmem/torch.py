@@ -4,8 +4,7 @@
 >>> kv = vmem.KVCache(layers=2, kv_heads=2, head_dim=64, dtype="bf16", max_batch=4,
 ...                   max_context=1024, page_size="64K", device="cpu")
 >>> r = kv.alloc()
->>> kv.step({r: 300})
-(8, 0, 0)
+>>> sync, background, reclaimed = kv.step({r: 300})   # pages mapped now, and in the background
 >>> k, v = vmem.torch.layer(kv, 0)          # no copy; bf16 works (NumPy has no bf16)
 >>> k.shape, k.dtype, k.device
 (torch.Size([4, 1024, 2, 64]), torch.bfloat16, device(type='cpu'))
