@@ -47,3 +47,14 @@ def test_every_module_has_examples():
     for name in ["vmem", "vmem._device"]:
         assert doctest.DocTestFinder().find(importlib.import_module(name))[0].examples, name
     assert vmem.__doc__ and ">>>" in vmem.__doc__
+
+
+def test_the_stubs_match_the_module():
+    # scripts/test.sh runs stubtest too; here it runs wherever mypy is installed.
+    pytest.importorskip("mypy", reason="mypy is not installed here; scripts/test.sh installs it and runs stubtest")
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "mypy.stubtest", "vmem._vmem", "--concise"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
