@@ -8,9 +8,6 @@
 //!   `__dlpack_device__`) through dlpark: `torch.from_dlpack`, `numpy.from_dlpack` and CuPy
 //!   read it with no copy.
 
-#[cfg(feature = "bench")]
-mod bench;
-
 use dlpark::ffi::{DLDataType, DLDevice, DLDeviceType, DLManagedTensor, DLManagedTensorVersioned};
 use dlpark::metadata::Fixed;
 use dlpark::python::{export_dlpack, DlpackExporter, ExportRequest};
@@ -634,7 +631,5 @@ fn _vmem(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BackendUnavailable", py.get_type::<BackendUnavailable>())?;
     m.add("Closed", py.get_type::<Closed>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    #[cfg(feature = "bench")]
-    bench::register(m)?;
     Ok(())
 }
