@@ -459,3 +459,31 @@ def test_the_zero_page_default_stays_off_where_its_mappings_would_pass_the_os_li
     r = kv.alloc()
     kv.step({r: 300})
     kv.close()
+
+
+@pytest.mark.parametrize(
+    "kw,words",
+    [(dict(layout=None), "layout"), (dict(backend=None), "backend"), (dict(layout=3), "layout"),
+     (dict(backend=b"host"), "backend")],
+)
+def test_wrong_types_for_names_are_invalid_arguments(kw, words):
+    with pytest.raises(vmem.InvalidArgument, match=words):
+        cache(**kw)
+
+
+def test_a_model_name_that_is_not_a_string_is_an_invalid_argument():
+    with pytest.raises(vmem.InvalidArgument, match="model"):
+        vmem.KVCache(5, max_batch=1, max_context=16, device="cpu")
+
+
+def test_step_of_none_is_an_invalid_argument():
+    kv = cache()
+    with pytest.raises(vmem.InvalidArgument, match="lengths"):
+        kv.step(None)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.dtype("float16"), "float16", "fp16"])
+def test_numpy_dtypes_are_read_as_their_names(dtype):
+    kv = cache(dtype=dtype)
+    assert kv.config()["dtype"] == "float16"
+    kv.close()

@@ -93,7 +93,10 @@ def _lengths(lengths: Any, max_batch: int) -> List[int]:
             raise InvalidArgument("lengths must be on the CPU (a device tensor would sync)")
         lengths = lengths.tolist()
     elif not isinstance(lengths, (list, tuple)):
-        lengths = list(lengths)
+        try:
+            lengths = list(lengths)
+        except TypeError:
+            raise InvalidArgument(f"lengths must be a list, a dict {{id: length}} or an array, got {lengths!r}") from None
     # The common case, a list of plain non-negative ints, checked by C loops (a step of a
     # batch of 256 spent 14 µs in the loop below).
     if (
@@ -118,6 +121,19 @@ def _lengths(lengths: Any, max_batch: int) -> List[int]:
     if len(out) != max_batch:
         raise InvalidArgument(f"step expects {max_batch} lengths (max batch), got {len(out)}")
     return out
+
+
+def _dtype_name(dtype: Any) -> str:
+    """A dtype's name from a string, a torch dtype (``torch.float16``), a NumPy dtype or a NumPy
+    scalar type (``numpy.float16``), without importing either."""
+    if isinstance(dtype, str):
+        return dtype
+    if isinstance(dtype, type):  # numpy.float16
+        return dtype.__name__
+    name = getattr(dtype, "name", None)  # numpy.dtype("float16")
+    if isinstance(name, str):
+        return name
+    return str(dtype).replace("torch.", "")
 
 
 class KVCache:
@@ -187,6 +203,11 @@ class KVCache:
         pad_rows: bool = False,
         zero_page: Optional[bool] = None,
     ) -> None:
+        if model is not None and not isinstance(model, str):
+            raise InvalidArgument(f"model must be a name such as 'llama-3-8b', got {model!r}")
+        for name, val in (("layout", layout), ("backend", backend)):
+            if not isinstance(val, str):
+                raise InvalidArgument(f"{name} must be a string, got {val!r}")
         if model is not None:
             if layers is not None or kv_heads is not None or head_dim is not None:
                 raise InvalidArgument("give a model name or layers/kv_heads/head_dim, not both")
@@ -199,7 +220,7 @@ class KVCache:
             layers, kv_heads, head_dim = spec["layers"], spec["kv_heads"] // tp, spec["head_dim"]
         if layers is None or kv_heads is None or head_dim is None:
             raise InvalidArgument("give a model name, or all of layers, kv_heads and head_dim")
-        dtype_name = str(dtype).replace("torch.", "")
+        dtype_name = _dtype_name(dtype)
         for name, val in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
                           ("max_batch", max_batch), ("max_context", max_context)):
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
