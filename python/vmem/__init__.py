@@ -7,7 +7,7 @@ strided tensor.
 
 >>> import numpy as np, vmem
 >>> kv = vmem.KVCache(layers=2, kv_heads=2, head_dim=64, dtype="fp16", max_batch=4,
-...                   max_context=1024, page_size="64K", backend="host",
+...                   max_context=1024, page_size="64K", device="cpu",
 ...                   overlap=False, eager_tokens=0)
 >>> r = kv.alloc()
 >>> kv.step({r: 300})                       # map pages for 300 tokens of request r
@@ -15,6 +15,10 @@ strided tensor.
 >>> k, v = kv.layer(0)
 >>> K = np.from_dlpack(k)                   # no copy: shape (4, 1024, 2, 64)
 >>> K[r, :300] = 1.0
+>>> float(K[r, 300:].sum())                 # past the length: the zero page, on host memory
+0.0
+>>> k
+KVTensor(shape=[4, 1024, 2, 64], strides=[131072, 128, 64, 1], dtype=float16, device=cpu)
 >>> kv.close()
 
 Rust does the work (the ``vmem`` crate); this module only checks and converts arguments and
