@@ -147,18 +147,20 @@ def unmap_after_queued_kernel():
 def vattention_api():
     import vmem.vattention as va
 
-    ts = va.init_kvcache(2, 8, 128, 4, 4096, "cuda:0", torch.bfloat16, 2 << 20)
-    va.reserve_physical_pages(256 << 20)
-    r = va.alloc_new_batch_idx(1000)
-    lens = [0] * 4
-    lens[r] = 1000
-    va.step(lens)
-    ts[0][r, :1000] = 1
-    ts[3][r, :1000] = 2
-    ok = float(ts[0][r, :1000].float().mean()) == 1 and float(ts[3][r, :1000].float().mean()) == 2
-    check("vattention on cuda", ok and ts[0].is_cuda and len(ts) == 4, f"free blocks {va.num_free_kvblocks()}")
-    del ts
-    va.cleanup()
+    try:
+        ts = va.init_kvcache(2, 8, 128, 4, 4096, "cuda:0", torch.bfloat16, 2 << 20)
+        va.reserve_physical_pages(256 << 20)
+        r = va.alloc_new_batch_idx(1000)
+        lens = [0] * 4
+        lens[r] = 1000
+        va.step(lens)
+        ts[0][r, :1000] = 1
+        ts[3][r, :1000] = 2
+        ok = float(ts[0][r, :1000].float().mean()) == 1 and float(ts[3][r, :1000].float().mean()) == 2
+        check("vattention on cuda", ok and ts[0].is_cuda and len(ts) == 4, f"free blocks {va.num_free_kvblocks()}")
+    finally:
+        ts = None
+        va.cleanup()  # a failed check must not leave the module's cache to the next test
 
 
 def hf_models():

@@ -29,7 +29,7 @@ tensors), ``vmem.hf`` a transformers cache.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from . import _vmem
 from ._device import placement
