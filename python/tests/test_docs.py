@@ -58,3 +58,20 @@ def test_the_stubs_match_the_module():
     r = subprocess.run([sys.executable, "-m", "mypy.stubtest", "vmem._vmem", "--concise"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "README.md")
+
+
+def test_the_readme_host_example_runs_as_written():
+    # The README's Python example on host memory: a newcomer's first try, so it must run as shown.
+    pytest.importorskip("numpy")
+    with open(README) as fh:
+        blocks = re.findall(r"```python\n(.*?)```", fh.read(), re.S)
+    host = [b for b in blocks if 'device="cpu"' in b]
+    assert host, "README.md lost its host-memory Python example"
+    scope: dict = {}
+    exec(compile(host[0], "README.md host example", "exec"), scope)
+    k0, r = scope["k0"], scope["r"]
+    assert k0.shape == (4, 4096, 8, 128) and str(k0.dtype) == "float16"
+    assert (k0[r, 1200:] == 0).all(), "rows past the request's length must read as zeros"
