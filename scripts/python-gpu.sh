@@ -1,63 +1,71 @@
 #!/usr/bin/env bash
-# The Python package's GPU checks and benchmarks, built here, run on the GPU machine in one call.
-#   scripts/python-gpu.sh build   # here: build the abi3 wheel into .whl/
-#   scripts/python-gpu.sh run     # there (carry .whl): install it, run the pytest suite with
-#                                 # torch and transformers, then python/tests/gpu_check.py
-#                                 # (CHECKS=name,name runs only those of its checks)
-#   scripts/python-gpu.sh prefill # there (carry .whl): TTFT of demand paging (prefill_cost.py)
-#   scripts/python-gpu.sh compiled # there (carry .whl): VmemCache(static=True) vs StaticCache,
-#                                 # both compiled by generate (CUDA graphs): compiled_bench.py
-#   scripts/python-gpu.sh bench-build  # here: the wheel with the `bench` feature, into .whl/
-#   scripts/python-gpu.sh bench   # there (carry .whl): the in-process allocation benchmark,
-#                                 # vmem vs raw CUDA VMM vs kvcached; kvcached's PyPI sdist must
-#                                 # be in .whl/ (it is built there, never committed here)
+# The Python package's GPU tests and benchmarks: wheels built here, run on the GPU machine.
+# Tests are in python/tests (test_gpu.py holds the ones that need a GPU; pytest skips them
+# elsewhere); benchmarks are in python/benches.
+#   scripts/python-gpu.sh build      # here: build the abi3 wheel into .whl/
+#   scripts/python-gpu.sh run        # there (carry .whl): install it, run the whole pytest suite
+#                                    # with torch and transformers (GPU tests included)
+#   scripts/python-gpu.sh bench-gpu  # there (carry .whl): python/benches/gpu_bench.py, decode
+#                                    # throughput vs DynamicCache/StaticCache and pad_rows vs
+#                                    # zero_page (BENCHES=name,name runs only those)
+#   scripts/python-gpu.sh prefill    # there (carry .whl): TTFT of demand paging (prefill_cost.py)
+#   scripts/python-gpu.sh compiled   # there (carry .whl): VmemCache(static=True) vs StaticCache,
+#                                    # both compiled by generate (CUDA graphs): compiled_bench.py
+#   scripts/python-gpu.sh bench-build  # here: vmem's wheel and the benchmark helpers' wheel
+#                                    # (python/benches/native, module vmem_bench) into .whl/
+#   scripts/python-gpu.sh bench      # there (carry .whl): the in-process allocation benchmark,
+#                                    # vmem vs raw CUDA VMM vs kvcached (alloc_bench.py);
+#                                    # kvcached's PyPI sdist must be in .whl/ (it is built
+#                                    # there, never committed here)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 
-# There: install the carried wheel into /tmp/site (replacing what an earlier call on a still
+# There: install the carried wheels into /tmp/site (replacing what an earlier call on a still
 # warm machine left there) and point Python at it; results go to $out.
 install_wheel() {
   cd "$root"
   out=${OUT:-/tmp/vmem-python-gpu}
   mkdir -p "$out"
-  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/vmem-*.whl
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/vmem*.whl
   export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+}
+# Here: an abi3 wheel (CPython 3.9+; the GPU machine has Python 3.12) of the crate in $1. No
+# auditwheel: the extension needs only glibc, and loads libcuda at run time.
+build_wheel() {
+  (cd "$1" && maturin build --release --out "$root/.whl" --compatibility linux --skip-auditwheel)
 }
 case "${1:-}" in
   build)
-    cd "$root/python"
-    rm -f "$root"/.whl/vmem-*.whl
-    # abi3 (CPython 3.9+); the GPU machine has Python 3.12. No auditwheel: the extension needs
-    # only glibc, and loads libcuda at run time.
-    maturin build --release --out "$root/.whl" --compatibility linux --skip-auditwheel
-    ls -l "$root"/.whl/vmem-*.whl
+    rm -f "$root"/.whl/vmem*.whl
+    build_wheel "$root/python"
+    ls -l "$root"/.whl/vmem*.whl
     ;;
   run)
     install_wheel
-    echo "== pytest python/tests (torch and transformers present here)"
-    status=0
-    python3 -m pytest -q -rs -p no:cacheprovider python/tests 2>&1 | tee "$out/pytest.txt" || status=1
-    echo "== python/tests/gpu_check.py"
-    OUT="$out" python3 python/tests/gpu_check.py 2>&1 | tee "$out/gpu_check.txt" || status=1
-    exit $status
+    echo "== pytest python/tests (torch, transformers and the GPU present here)"
+    python3 -m pytest -q -rs -p no:cacheprovider python/tests 2>&1 | tee "$out/pytest.txt"
+    ;;
+  bench-gpu)
+    install_wheel
+    OUT="$out" python3 python/benches/gpu_bench.py 2>&1 | tee "$out/gpu_bench.txt"
     ;;
   prefill)
     install_wheel
-    OUT="$out" python3 python/tests/prefill_cost.py 2>&1 | tee "$out/prefill_cost.txt"
+    OUT="$out" python3 python/benches/prefill_cost.py 2>&1 | tee "$out/prefill_cost.txt"
     ;;
   compiled)
     install_wheel
     status=0
     echo "== pytest python/tests/test_hf.py python/tests/test_kvcache.py (torch, transformers present)"
     python3 -m pytest -q -rs -p no:cacheprovider python/tests/test_hf.py python/tests/test_kvcache.py 2>&1 | tee "$out/pytest-hf.txt" || status=1
-    echo "== python/tests/compiled_bench.py"
-    OUT="$out" python3 python/tests/compiled_bench.py 2>&1 | tee "$out/compiled_bench.txt" || status=1
+    echo "== python/benches/compiled_bench.py"
+    OUT="$out" python3 python/benches/compiled_bench.py 2>&1 | tee "$out/compiled_bench.txt" || status=1
     exit $status
     ;;
   bench-build)
-    cd "$root/python"
-    rm -f "$root"/.whl/vmem-*.whl
-    maturin build --release --features bench --out "$root/.whl" --compatibility linux --skip-auditwheel
+    rm -f "$root"/.whl/vmem*.whl
+    build_wheel "$root/python"
+    build_wheel "$root/python/benches/native"
     ls -l "$root"/.whl/
     ;;
   bench)
@@ -69,10 +77,10 @@ case "${1:-}" in
     # an older libstdc++ first; kvcached's page allocator then segfaults printing through
     # std::cout in its constructor (its own KVCacheManager too). Load the compiler's libstdc++.
     LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) \
-    OUT="$out" python3 python/tests/alloc_bench.py 2>&1 | tee "$out/alloc_bench.txt"
+    OUT="$out" python3 python/benches/alloc_bench.py 2>&1 | tee "$out/alloc_bench.txt"
     ;;
   *)
-    echo "usage: $0 build|run|prefill|compiled|bench-build|bench" >&2
+    echo "usage: $0 build|run|bench-gpu|prefill|compiled|bench-build|bench" >&2
     exit 2
     ;;
 esac

@@ -8,9 +8,6 @@
 //!   `__dlpack_device__`) through dlpark: `torch.from_dlpack`, `numpy.from_dlpack` and CuPy
 //!   read it with no copy.
 
-#[cfg(feature = "bench")]
-mod bench;
-
 use dlpark::ffi::{DLDataType, DLDevice, DLDeviceType, DLManagedTensor, DLManagedTensorVersioned};
 use dlpark::metadata::Fixed;
 use dlpark::python::{export_dlpack, DlpackExporter, ExportRequest};
@@ -18,59 +15,60 @@ use dlpark::{DlpackFlags, Managed, ManagedTensorBase};
 use pyo3::create_exception;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBool, PyDict, PyInt};
 use std::sync::{Arc, Mutex};
 use vmem::backend::{open_backend, Backend, BackendChoice, BackendKind};
-use vmem::{KvCacheManager, KvConfig, Layout, VmemError};
+use vmem::{KvCacheManager, KvConfig, Layout, VmemError as CoreError};
 
+// Module `vmem`: the classes print and pickle as `vmem.VmemError`, where users import them.
 create_exception!(
-    _vmem,
-    VmemError_,
+    vmem,
+    VmemError,
     PyRuntimeError,
     "Base class of every vmem error."
 );
 create_exception!(
-    _vmem,
+    vmem,
     OutOfMemory,
-    VmemError_,
+    VmemError,
     "The cache's physical memory cannot cover the step; nothing was mapped. Engines preempt a request and retry."
 );
 create_exception!(
-    _vmem,
+    vmem,
     InvalidArgument,
-    VmemError_,
+    VmemError,
     "An argument is out of range (a length, a request id, a size); nothing changed."
 );
 create_exception!(
-    _vmem,
+    vmem,
     BackendUnavailable,
-    VmemError_,
+    VmemError,
     "The requested backend is not available on this machine."
 );
 create_exception!(
-    _vmem,
+    vmem,
     Closed,
-    VmemError_,
+    VmemError,
     "The cache was closed; views handed out before stay valid until dropped."
 );
 
 /// Turns a Rust error into the matching Python exception, keeping the Rust message.
-fn py_err(e: VmemError) -> PyErr {
+fn py_err(e: CoreError) -> PyErr {
     let msg = e.to_string();
     match e {
-        VmemError::OutOfMemory { .. } => OutOfMemory::new_err(msg),
-        VmemError::BackendUnavailable { .. } => BackendUnavailable::new_err(msg),
-        VmemError::InvalidConfig(_)
-        | VmemError::SizeOverflow(_)
-        | VmemError::UnsupportedPageSize { .. }
-        | VmemError::SeqLenTooLong { .. }
-        | VmemError::BatchLenMismatch { .. }
-        | VmemError::UnknownRequest { .. }
-        | VmemError::InactiveRequest(_)
-        | VmemError::DoubleFree(_)
-        | VmemError::TooManyRequests(_)
-        | VmemError::Unsupported { .. } => InvalidArgument::new_err(msg),
-        _ => VmemError_::new_err(msg),
+        CoreError::OutOfMemory { .. } => OutOfMemory::new_err(msg),
+        CoreError::BackendUnavailable { .. } => BackendUnavailable::new_err(msg),
+        CoreError::InvalidConfig(_)
+        | CoreError::SizeOverflow(_)
+        | CoreError::UnsupportedPageSize { .. }
+        | CoreError::SeqLenTooLong { .. }
+        | CoreError::BatchLenMismatch { .. }
+        | CoreError::UnknownRequest { .. }
+        | CoreError::InactiveRequest(_)
+        | CoreError::DoubleFree(_)
+        | CoreError::TooManyRequests(_)
+        | CoreError::Unsupported { .. } => InvalidArgument::new_err(msg),
+        _ => VmemError::new_err(msg),
     }
 }
 
@@ -148,13 +146,38 @@ impl KVCache {
     }
 }
 
-fn to_usize(v: i64, name: &str) -> PyResult<usize> {
-    usize::try_from(v)
-        .map_err(|_| InvalidArgument::new_err(format!("{name} must be >= 0, got {v}")))
+/// A Python int as a `u64`: anything else (a bool, a float, a negative int, an int past 64
+/// bits) is `InvalidArgument` naming the argument, never `TypeError` or `OverflowError`.
+fn to_u64(v: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
+    if v.is_instance_of::<PyBool>() || !v.is_instance_of::<PyInt>() {
+        let shown = v.repr().map(|r| r.to_string()).unwrap_or_default();
+        return Err(InvalidArgument::new_err(format!(
+            "{name} must be an int, got {shown}"
+        )));
+    }
+    v.extract::<u64>().or_else(|_| {
+        let shown = v.str().map(|r| r.to_string()).unwrap_or_default();
+        Err(if v.lt(0)? {
+            InvalidArgument::new_err(format!("{name} must be >= 0, got {shown}"))
+        } else {
+            InvalidArgument::new_err(format!("{name} = {shown} is too large (at most 2**64 - 1)"))
+        })
+    })
 }
 
-fn to_u64(v: i64, name: &str) -> PyResult<u64> {
-    u64::try_from(v).map_err(|_| InvalidArgument::new_err(format!("{name} must be >= 0, got {v}")))
+/// The OS's limit on memory mappings per process (Linux `vm.max_map_count`; 65530 when it
+/// cannot be read).
+fn max_map_count() -> u64 {
+    std::fs::read_to_string("/proc/sys/vm/max_map_count")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(65530)
+}
+
+/// As [`to_u64`], for counts and indices.
+fn to_usize(v: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
+    let x = to_u64(v, name)?;
+    usize::try_from(x).map_err(|_| InvalidArgument::new_err(format!("{name} = {x} is too large")))
 }
 
 #[pymethods]
@@ -163,33 +186,34 @@ impl KVCache {
     #[new]
     #[pyo3(signature = (*, layers, kv_heads, head_dim, dtype, max_batch, max_context, page_size,
         layout, backend, device, memory_cap, prealloc, overlap, deferred_reclaim, eager_tokens,
-        reclaim_threshold, pad_rows, zero_page=false))]
+        reclaim_threshold=None, pad_rows=false, zero_page=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        layers: i64,
-        kv_heads: i64,
-        head_dim: i64,
+        layers: &Bound<'_, PyAny>,
+        kv_heads: &Bound<'_, PyAny>,
+        head_dim: &Bound<'_, PyAny>,
         dtype: &str,
-        max_batch: i64,
-        max_context: i64,
-        page_size: i64,
+        max_batch: &Bound<'_, PyAny>,
+        max_context: &Bound<'_, PyAny>,
+        page_size: &Bound<'_, PyAny>,
         layout: &str,
         backend: &str,
-        device: i64,
-        memory_cap: i64,
-        prealloc: i64,
+        device: &Bound<'_, PyAny>,
+        memory_cap: &Bound<'_, PyAny>,
+        prealloc: &Bound<'_, PyAny>,
         overlap: bool,
         deferred_reclaim: bool,
-        eager_tokens: i64,
-        reclaim_threshold: i64,
+        eager_tokens: &Bound<'_, PyAny>,
+        reclaim_threshold: Option<&Bound<'_, PyAny>>,
         pad_rows: bool,
-        zero_page: bool,
+        zero_page: Option<bool>,
     ) -> PyResult<Self> {
         let dtype = DType::parse(dtype)?;
         let layout: Layout = layout.parse().map_err(py_err)?;
         let choice: BackendChoice = backend.parse().map_err(py_err)?;
         let ordinal = to_usize(device, "device")?;
+        let memory_cap = to_u64(memory_cap, "memory_cap")?;
         let cfg = KvConfig::builder()
             .layers(to_usize(layers, "layers")?)
             .kv_heads(to_usize(kv_heads, "kv_heads")?)
@@ -199,13 +223,13 @@ impl KVCache {
             .max_context(to_usize(max_context, "max_context")?)
             .page_size(to_u64(page_size, "page_size")?)
             .layout(layout)
-            .memory_cap(to_u64(memory_cap, "memory_cap")?)
+            .memory_cap(memory_cap)
             .prealloc(to_u64(prealloc, "prealloc")?)
             .overlap(overlap)
             .deferred_reclaim(deferred_reclaim)
             .eager_tokens(to_usize(eager_tokens, "eager_tokens")?)
             .pad_rows(pad_rows)
-            .zero_page(zero_page)
+            .zero_page(zero_page.unwrap_or(false))
             .build();
         let mut cfg = cfg;
         let geo = cfg.validate().map_err(py_err)?;
@@ -217,15 +241,27 @@ impl KVCache {
                 .and_then(|b| b.checked_mul(geo.buffers as u64))
                 .ok_or_else(|| InvalidArgument::new_err("the cache's virtual size overflows"))?;
         }
-        cfg.reclaim_threshold = if reclaim_threshold < 0 {
-            cfg.memory_cap / 16
-        } else {
-            to_u64(reclaim_threshold, "reclaim_threshold")?
+        cfg.reclaim_threshold = match reclaim_threshold {
+            None => cfg.memory_cap / 16,
+            Some(t) => to_u64(t, "reclaim_threshold")?,
         };
+        // Slots of one page in the whole virtual size: what the zero page maps (one mapping
+        // each on the host backend, counted against the OS's limit on mappings).
+        let slots = (geo.slice_bytes / geo.page_size)
+            .checked_mul(cfg.max_batch as u64)
+            .and_then(|n| n.checked_mul(geo.buffers as u64))
+            .unwrap_or(u64::MAX);
         let (kv, name, reason, dev) = py
-            .detach(|| -> Result<_, VmemError> {
+            .detach(|| -> Result<_, CoreError> {
                 let selected = open_backend(choice, ordinal)?;
                 let b: Arc<dyn Backend> = selected.backend;
+                if zero_page.is_none() {
+                    // The default (docs/python.md): on host memory, where a read past a
+                    // request's pages is a SIGSEGV of the Python process, the zero page, as long
+                    // as its mappings fit in half the OS's limit; elsewhere off (a GPU kernel
+                    // reads by length, and a zero slot costs a device synchronization per growth).
+                    cfg.zero_page = b.kind() == BackendKind::Host && slots <= max_map_count() / 2;
+                }
                 let dev = match b.kind() {
                     BackendKind::Cuda | BackendKind::Uvm => DLDevice {
                         device_type: DLDeviceType::CUDA,
@@ -258,7 +294,7 @@ impl KVCache {
     }
 
     /// Hands out the inactive id that best fits a request of `tokens` tokens.
-    fn alloc_for(&self, py: Python<'_>, tokens: i64) -> PyResult<usize> {
+    fn alloc_for(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<usize> {
         let inner = self.get()?;
         let t = to_u64(tokens, "tokens")?;
         py.detach(|| inner.kv.alloc_reqid_for(t)).map_err(py_err)
@@ -266,7 +302,12 @@ impl KVCache {
 
     /// Maps pages for `tokens` tokens of active request `req` outside the manager's lock
     /// (GIL released): other threads' steps for other requests go on meanwhile.
-    fn map_ahead(&self, py: Python<'_>, req: i64, tokens: i64) -> PyResult<u64> {
+    fn map_ahead(
+        &self,
+        py: Python<'_>,
+        req: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
         let inner = self.get()?;
         let r = to_usize(req, "request id")?;
         let t = to_u64(tokens, "tokens")?;
@@ -274,7 +315,7 @@ impl KVCache {
     }
 
     /// Returns a request id.
-    fn free(&self, py: Python<'_>, req: i64) -> PyResult<()> {
+    fn free(&self, py: Python<'_>, req: &Bound<'_, PyAny>) -> PyResult<()> {
         let inner = self.get()?;
         let r = to_usize(req, "request id")?;
         py.detach(|| inner.kv.free_reqid(r)).map_err(py_err)
@@ -307,7 +348,7 @@ impl KVCache {
     }
 
     /// Sets the pool to `bytes` of physical memory, creating the pages now.
-    fn reserve_physical(&self, py: Python<'_>, bytes: i64) -> PyResult<u64> {
+    fn reserve_physical(&self, py: Python<'_>, bytes: &Bound<'_, PyAny>) -> PyResult<u64> {
         let inner = self.get()?;
         let b = to_u64(bytes, "bytes")?;
         py.detach(|| inner.kv.reserve_physical(b)).map_err(py_err)
@@ -331,7 +372,7 @@ impl KVCache {
     }
 
     /// Whether request `req` is handed out.
-    fn is_active(&self, req: i64) -> PyResult<bool> {
+    fn is_active(&self, req: &Bound<'_, PyAny>) -> PyResult<bool> {
         self.get()?
             .kv
             .is_active(to_usize(req, "request id")?)
@@ -339,7 +380,7 @@ impl KVCache {
     }
 
     /// Pages request `req` holds in each buffer.
-    fn request_pages(&self, req: i64) -> PyResult<Vec<u64>> {
+    fn request_pages(&self, req: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
         self.get()?
             .kv
             .request_pages(to_usize(req, "request id")?)
@@ -347,10 +388,10 @@ impl KVCache {
     }
 
     /// The K and V views of layer `i`.
-    fn layer(&self, i: i64) -> PyResult<(KVTensor, KVTensor)> {
+    fn layer(&self, i: &Bound<'_, PyAny>) -> PyResult<(KVTensor, KVTensor)> {
         let inner = self.get()?;
         let views = inner.kv.layer_views();
-        let idx = usize::try_from(i)
+        let idx = to_usize(i, "layer")
             .ok()
             .filter(|&i| i < views.len())
             .ok_or_else(|| {
@@ -446,7 +487,7 @@ impl KVTensor {
     fn managed<M: ManagedTensorBase>(&self) -> PyResult<Managed<M>> {
         let prepared = Fixed::new(self.shape, self.strides)
             .prepare_as::<M>()
-            .map_err(|e| VmemError_::new_err(format!("DLPack metadata: {e}")))?;
+            .map_err(|e| VmemError::new_err(format!("DLPack metadata: {e}")))?;
         // The tensor's context keeps the cache (and so the mapping) alive until the consumer
         // calls the deleter.
         let mut init = prepared.initialize(Box::new(self.inner.clone()));
@@ -500,7 +541,8 @@ impl KVTensor {
         export_dlpack(self, py, request)
     }
 
-    /// `(device_type, device_id)`: (1, 0) for host memory, (2, N) for CUDA device N.
+    /// `(device_type, device_id)`: (1, 0) for host memory, (2, N) for CUDA device N (repr shows
+    /// `cpu` / `cuda:N`).
     fn __dlpack_device__(&self) -> (i32, i32) {
         (
             self.inner.device.device_type.0 as i32,
@@ -535,12 +577,17 @@ impl KVTensor {
     }
 
     fn __repr__(&self) -> String {
+        let dev = self.inner.device;
+        let device = if dev.device_type == DLDeviceType::CUDA {
+            format!("cuda:{}", dev.device_id)
+        } else {
+            "cpu".to_string()
+        };
         format!(
-            "KVTensor(shape={:?}, strides={:?}, dtype={}, device={:?})",
+            "KVTensor(shape={:?}, strides={:?}, dtype={}, device={device})",
             self.shape,
             self.strides,
             self.inner.dtype.name(),
-            self.__dlpack_device__()
         )
     }
 }
@@ -578,13 +625,11 @@ fn _vmem(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<KVCache>()?;
     m.add_class::<KVTensor>()?;
-    m.add("VmemError", py.get_type::<VmemError_>())?;
+    m.add("VmemError", py.get_type::<VmemError>())?;
     m.add("OutOfMemory", py.get_type::<OutOfMemory>())?;
     m.add("InvalidArgument", py.get_type::<InvalidArgument>())?;
     m.add("BackendUnavailable", py.get_type::<BackendUnavailable>())?;
     m.add("Closed", py.get_type::<Closed>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    #[cfg(feature = "bench")]
-    bench::register(m)?;
     Ok(())
 }

@@ -3,7 +3,7 @@ on the H100 too). Where they are missing the tests are skipped, and pytest says 
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch is not installed (CI has no torch); tests/gpu_check.py runs this on the GPU")
+torch = pytest.importorskip("torch", reason="torch is not installed (CI has no torch); scripts/python-gpu.sh run runs this on the GPU machine")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 from vmem.hf import VmemCache  # noqa: E402

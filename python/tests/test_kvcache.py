@@ -291,3 +291,199 @@ def test_map_ahead_from_another_thread_while_steps_go_on():
     assert kv.step({a: 120, b: 2048}) == (0, 0, 0)
     with pytest.raises(vmem.InvalidArgument, match="not active"):
         kv.map_ahead(3, 10)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(max_context=2**63), dict(max_context=2**70), dict(memory_cap=2**64), dict(prealloc=2**63),
+     dict(page_size=2**64), dict(reclaim_threshold=2**64), dict(eager_tokens=2**64), dict(layers=2**64)],
+)
+def test_ints_past_64_bits_in_the_constructor_are_invalid_arguments(kw):
+    with pytest.raises(vmem.InvalidArgument):
+        cache(**kw)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [lambda kv: kv.free(2**70), lambda kv: kv.layer(2**70), lambda kv: kv.alloc_for(2**64),
+     lambda kv: kv.map_ahead(2**70, 1), lambda kv: kv.map_ahead(0, 2**64), lambda kv: kv.is_active(2**64),
+     lambda kv: kv.request_pages(2**64), lambda kv: kv.reserve_physical(2**64),
+     lambda kv: kv._rs.free(2**70), lambda kv: kv._rs.layer(-(2**70))],
+)
+def test_ints_past_64_bits_in_calls_are_invalid_arguments(call):
+    kv = cache()
+    kv.alloc()
+    before = kv.usage()
+    with pytest.raises(vmem.InvalidArgument):
+        call(kv)
+    assert kv.usage() == before
+    kv.close()
+
+
+def test_device_cpu_places_the_cache_in_host_memory():
+    kv = vmem.KVCache(layers=1, kv_heads=1, head_dim=64, dtype="fp16", max_batch=2, max_context=1024,
+                      page_size="64K", device="cpu")
+    assert kv.config()["backend"] == "host"
+    k, _ = kv.layer(0)
+    assert k.__dlpack_device__() == (1, 0)
+    assert "device=cpu" in repr(k)
+    kv.close()
+
+
+class FakeTorchDevice:
+    """A torch.device as vmem reads it without importing torch: a ``type``, and its str()."""
+
+    def __init__(self, text):
+        self.text = text
+        self.type = text.split(":")[0]
+
+    def __str__(self):
+        return self.text
+
+
+@pytest.mark.parametrize(
+    "device,want",
+    [(None, (None, 0)), ("cpu", ("cpu", 0)), ("CPU", ("cpu", 0)), ("cuda", ("cuda", 0)),
+     ("cuda:1", ("cuda", 1)), (3, ("cuda", 3)), (FakeTorchDevice("cuda:2"), ("cuda", 2)),
+     (FakeTorchDevice("cpu"), ("cpu", 0))],
+)
+def test_one_device_parser_reads_every_spelling(device, want):
+    from vmem._device import parse_device
+
+    assert parse_device(device) == want
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda:-1", -1, True, 1.0, "mps", FakeTorchDevice("meta")])
+def test_bad_devices_are_refused(device):
+    with pytest.raises(vmem.InvalidArgument, match="device"):
+        cache(device=device)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "uvm"])
+def test_device_cpu_with_a_gpu_backend_is_refused(backend):
+    with pytest.raises(vmem.InvalidArgument, match="cpu"):
+        cache(device="cpu", backend=backend)
+
+
+def test_a_gpu_device_with_auto_lands_on_a_gpu_or_says_why():
+    try:
+        kv = cache(device="cuda:0", backend="auto")
+    except vmem.BackendUnavailable as e:
+        assert "cuda:0" in str(e)
+    else:
+        assert kv.config()["backend"] in ("cuda", "uvm")
+        assert "device=cuda:0" in repr(kv.layer(0)[0])
+        kv.close()
+
+
+def test_exceptions_are_named_as_users_read_them():
+    for name in ["VmemError", "OutOfMemory", "InvalidArgument", "BackendUnavailable", "Closed"]:
+        cls = getattr(vmem, name)
+        assert cls.__module__ == "vmem" and cls.__name__ == name
+        assert repr(cls) == f"<class 'vmem.{name}'>"
+    assert issubclass(vmem.OutOfMemory, vmem.VmemError) and issubclass(vmem.VmemError, RuntimeError)
+
+
+def test_the_package_imports_without_torch_and_only_vmem_torch_needs_it():
+    import subprocess
+    import sys
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # import torch raises ImportError\n"
+        "import vmem, vmem.vattention, vmem._device\n"
+        "kv = vmem.KVCache(layers=1, kv_heads=1, head_dim=64, max_batch=1, max_context=1024, dtype='fp16',"
+        " page_size='64K', device='cpu')\n"
+        "kv.step([0])\n"
+        "try:\n"
+        "    import vmem.torch\n"
+        "except ImportError as e:\n"
+        "    print(f'vmem.torch needs {e.name}')\n"
+        "try:\n"
+        "    kv.torch_layers()\n"
+        "except ImportError as e:\n"
+        "    print(f'torch_layers needs {e.name}')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["vmem.torch needs torch", "torch_layers needs torch"], r.stdout
+
+
+def test_vmem_torch_hands_out_tensors_over_the_cache():
+    torch = pytest.importorskip("torch", reason="torch is not installed here (CI); the GPU script runs this")
+    import vmem.torch as vt
+
+    kv = cache(dtype="bf16")
+    r = kv.alloc()
+    kv.step({r: 100})
+    pairs = vt.layers(kv)
+    assert len(pairs) == 3 and pairs[0][0].dtype == torch.bfloat16 and pairs[0][0].shape == (4, 2048, 2, 64)
+    assert pairs[1][0].data_ptr() == kv.layer(1)[0].data_ptr
+    ts = vt.tensors(kv)
+    assert [t.data_ptr() for t in ts] == [p[0].data_ptr() for p in pairs] + [p[1].data_ptr() for p in pairs]
+    pairs[2][1][r, :100] = 3
+    assert float(vt.layer(kv, 2)[1][r, :100].float().mean()) == 3
+    kv.close()
+
+
+def test_reading_past_a_requests_length_on_host_reads_zeros_by_default():
+    # Before the zero page was the host default this read killed Python with SIGSEGV: run it
+    # in a subprocess, so that a crash fails this test instead of ending pytest.
+    import subprocess
+    import sys
+    code = (
+        "import numpy as np, vmem\n"
+        "kv = vmem.KVCache(layers=2, kv_heads=2, head_dim=64, max_batch=2, max_context=4096,"
+        " dtype='fp16', page_size='64K', device='cpu')\n"
+        "r = kv.alloc()\n"
+        "kv.step({r: 10})\n"
+        "K = np.from_dlpack(kv.layer(1)[0])\n"
+        "K[r, :10] = 1\n"
+        "print('past the length:', float(K[r].sum()), float(K[1 - r].sum()), flush=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert r.stdout.strip() == f"past the length: {10.0 * 2 * 64} 0.0", r.stdout
+
+
+def test_the_zero_page_default_is_on_for_host_memory_only_and_can_be_turned_off():
+    assert cache(backend="host").config()["zero_page"] is True
+    assert cache(backend="host", zero_page=False).config()["zero_page"] is False
+    assert cache(backend="sim").config()["zero_page"] is False
+
+
+def test_the_zero_page_default_stays_off_where_its_mappings_would_pass_the_os_limit():
+    # Llama-3-8B, 32 ids x 8192 tokens in 64 KB pages: 524,288 slots, past vm.max_map_count.
+    kv = vmem.KVCache("llama-3-8b", max_batch=32, max_context=8192, dtype="fp16", page_size="64K",
+                      device="cpu", eager_tokens=0, overlap=False)
+    assert kv.config()["zero_page"] is False
+    r = kv.alloc()
+    kv.step({r: 300})
+    kv.close()
+
+
+@pytest.mark.parametrize(
+    "kw,words",
+    [(dict(layout=None), "layout"), (dict(backend=None), "backend"), (dict(layout=3), "layout"),
+     (dict(backend=b"host"), "backend")],
+)
+def test_wrong_types_for_names_are_invalid_arguments(kw, words):
+    with pytest.raises(vmem.InvalidArgument, match=words):
+        cache(**kw)
+
+
+def test_a_model_name_that_is_not_a_string_is_an_invalid_argument():
+    with pytest.raises(vmem.InvalidArgument, match="model"):
+        vmem.KVCache(5, max_batch=1, max_context=16, device="cpu")
+
+
+def test_step_of_none_is_an_invalid_argument():
+    kv = cache()
+    with pytest.raises(vmem.InvalidArgument, match="lengths"):
+        kv.step(None)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.dtype("float16"), "float16", "fp16"])
+def test_numpy_dtypes_are_read_as_their_names(dtype):
+    kv = cache(dtype=dtype)
+    assert kv.config()["dtype"] == "float16"
+    kv.close()

@@ -2,7 +2,7 @@
 
 ``init_kvcache`` returns torch tensors; where torch is not installed (CI) the test puts a
 stand-in module named ``torch`` whose ``from_dlpack`` is NumPy's, so every function of the
-compatibility layer still runs for real. tests/gpu_check.py runs it with torch on the GPU.
+compatibility layer still runs for real. test_gpu.py runs it with torch on the GPU.
 """
 
 import sys

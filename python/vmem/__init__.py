@@ -7,7 +7,7 @@ strided tensor.
 
 >>> import numpy as np, vmem
 >>> kv = vmem.KVCache(layers=2, kv_heads=2, head_dim=64, dtype="fp16", max_batch=4,
-...                   max_context=1024, page_size="64K", backend="host",
+...                   max_context=1024, page_size="64K", device="cpu",
 ...                   overlap=False, eager_tokens=0)
 >>> r = kv.alloc()
 >>> kv.step({r: 300})                       # map pages for 300 tokens of request r
@@ -15,17 +15,24 @@ strided tensor.
 >>> k, v = kv.layer(0)
 >>> K = np.from_dlpack(k)                   # no copy: shape (4, 1024, 2, 64)
 >>> K[r, :300] = 1.0
+>>> float(K[r, 300:].sum())                 # past the length: the zero page, on host memory
+0.0
+>>> k
+KVTensor(shape=[4, 1024, 2, 64], strides=[131072, 128, 64, 1], dtype=float16, device=cpu)
 >>> kv.close()
 
-Rust does the work (the ``vmem`` crate); this module only checks and converts arguments.
-``vmem.vattention`` offers vAttention's function-level API, ``vmem.hf`` a transformers cache.
+Rust does the work (the ``vmem`` crate); this module only checks and converts arguments and
+imports neither torch nor NumPy. ``vmem.torch`` hands the views out as torch tensors (the only
+module that imports torch), ``vmem.vattention`` offers vAttention's function-level API (torch
+tensors), ``vmem.hf`` a transformers cache.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from . import _vmem
+from ._device import placement
 from ._vmem import (
     BackendUnavailable,
     Closed,
@@ -90,7 +97,10 @@ def _lengths(lengths: Any, max_batch: int) -> List[int]:
             raise InvalidArgument("lengths must be on the CPU (a device tensor would sync)")
         lengths = lengths.tolist()
     elif not isinstance(lengths, (list, tuple)):
-        lengths = list(lengths)
+        try:
+            lengths = list(lengths)
+        except TypeError:
+            raise InvalidArgument(f"lengths must be a list, a dict {{id: length}} or an array, got {lengths!r}") from None
     # The common case, a list of plain non-negative ints, checked by C loops (a step of a
     # batch of 256 spent 14 µs in the loop below).
     if (
@@ -117,6 +127,19 @@ def _lengths(lengths: Any, max_batch: int) -> List[int]:
     return out
 
 
+def _dtype_name(dtype: Any) -> str:
+    """A dtype's name from a string, a torch dtype (``torch.float16``), a NumPy dtype or a NumPy
+    scalar type (``numpy.float16``), without importing either."""
+    if isinstance(dtype, str):
+        return dtype
+    if isinstance(dtype, type):  # numpy.float16
+        return dtype.__name__
+    name = getattr(dtype, "name", None)  # numpy.dtype("float16")
+    if isinstance(name, str):
+        return name
+    return str(dtype).replace("torch.", "")
+
+
 class KVCache:
     """A KV cache of virtually contiguous per-layer tensors, mapped on demand.
 
@@ -129,9 +152,12 @@ class KVCache:
     ``fp16``, ``fp32``, ``fp8_e4m3`` (or a torch dtype); ``page_size`` (default 2 MB, the only
     size CUDA has; 64K/128K/256K need the patched driver or the host backend).
 
-    Placement: ``backend`` is ``"auto"`` (patched driver, then CUDA, then host memory),
-    ``"cuda"``, ``"uvm"``, ``"host"`` or ``"sim"`` (no memory: views cannot be read);
-    ``device`` the GPU ordinal.
+    Placement: ``device`` is ``"cpu"`` (host memory), ``"cuda"``, ``"cuda:N"``, an int ``N``
+    or a ``torch.device``; ``backend`` is ``"auto"`` (patched driver, then CUDA, then host
+    memory), ``"cuda"``, ``"uvm"``, ``"host"`` or ``"sim"`` (no memory: views cannot be read).
+    With ``device=None`` (the default) ``"auto"`` may fall back to host memory
+    (``config()["backend_reason"]`` says why); with a GPU device it must find a GPU
+    (:class:`BackendUnavailable` otherwise); ``device="cpu"`` means the host backend.
 
     Memory and policy: ``memory_cap`` bytes of physical pages at most (default: the whole
     virtual size), ``prealloc`` bytes created up front; ``overlap`` maps the next step's
@@ -144,12 +170,17 @@ class KVCache:
     mask) can read any position — zeros where no token is — at the cost of one page and a
     device synchronization before each growth. Writes still need mapped pages
     (:meth:`step` first). Not on the patched UVM driver, which maps each page once.
+    ``zero_page=None`` (the default) turns it on for host memory, where a read past a
+    request's pages would kill the Python process with SIGSEGV (through a NumPy view), as
+    long as the cache's page slots fit in half the OS's limit on mappings
+    (``vm.max_map_count``; one mapping per slot); off on the GPU backends and ``sim``.
+    ``config()["zero_page"]`` says what was chosen (docs/python.md has the measurement).
 
     Unmapping waits for the GPU work queued before it (the CUDA backend synchronizes the
     context first), so no queued kernel reads memory that goes away. A view reaches only the
     memory its request has mapped: read rows ``r`` up to the length given to :meth:`step`
     (or the longest, with ``pad_rows``); reading further faults, as with any unmapped memory,
-    unless ``zero_page`` is on.
+    unless ``zero_page`` is on (then it reads zeros).
     """
 
     def __init__(
@@ -166,7 +197,7 @@ class KVCache:
         page_size: Size = "2M",
         layout: str = "per-layer",
         backend: str = "auto",
-        device: int = 0,
+        device: Any = None,
         memory_cap: Optional[Size] = None,
         prealloc: Size = 0,
         overlap: bool = True,
@@ -174,8 +205,13 @@ class KVCache:
         eager_tokens: Optional[int] = None,
         reclaim_threshold: Optional[Size] = None,
         pad_rows: bool = False,
-        zero_page: bool = False,
+        zero_page: Optional[bool] = None,
     ) -> None:
+        if model is not None and not isinstance(model, str):
+            raise InvalidArgument(f"model must be a name such as 'llama-3-8b', got {model!r}")
+        for name, val in (("layout", layout), ("backend", backend)):
+            if not isinstance(val, str):
+                raise InvalidArgument(f"{name} must be a string, got {val!r}")
         if model is not None:
             if layers is not None or kv_heads is not None or head_dim is not None:
                 raise InvalidArgument("give a model name or layers/kv_heads/head_dim, not both")
@@ -188,7 +224,7 @@ class KVCache:
             layers, kv_heads, head_dim = spec["layers"], spec["kv_heads"] // tp, spec["head_dim"]
         if layers is None or kv_heads is None or head_dim is None:
             raise InvalidArgument("give a model name, or all of layers, kv_heads and head_dim")
-        dtype_name = str(dtype).replace("torch.", "")
+        dtype_name = _dtype_name(dtype)
         for name, val in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
                           ("max_batch", max_batch), ("max_context", max_context)):
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
@@ -201,17 +237,22 @@ class KVCache:
         if eager_tokens is None:
             eager_tokens = min(1024, max_context)
         # None: a sixteenth of the cap (the Rust side resolves it once the cap is known).
-        threshold = -1 if reclaim_threshold is None else parse_bytes(reclaim_threshold)
+        threshold = None if reclaim_threshold is None else parse_bytes(reclaim_threshold)
+        backend, ordinal, gpu_required = placement(device, backend)
         self._max_batch = max_batch
         self._layers = layers
         self._rs = _vmem.KVCache(
             layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype_name,
             max_batch=max_batch, max_context=max_context, page_size=page, layout=layout,
-            backend=backend, device=device, memory_cap=cap, prealloc=parse_bytes(prealloc),
+            backend=backend, device=ordinal, memory_cap=cap, prealloc=parse_bytes(prealloc),
             overlap=bool(overlap), deferred_reclaim=bool(deferred_reclaim),
             eager_tokens=eager_tokens, reclaim_threshold=threshold, pad_rows=bool(pad_rows),
-            zero_page=bool(zero_page),
+            zero_page=None if zero_page is None else bool(zero_page),
         )
+        if gpu_required and self._rs.config()["backend"] not in ("cuda", "uvm"):
+            reason = self._rs.config()["backend_reason"]
+            self._rs.close()
+            raise BackendUnavailable(f"no GPU backend for device {str(device)!r}: {reason}")
 
     # -- requests ---------------------------------------------------------------------------
     def alloc(self) -> int:
@@ -281,10 +322,10 @@ class KVCache:
         return self._rs.layer(i)
 
     def torch_layers(self) -> List[Tuple[Any, Any]]:
-        """Every layer's K and V as torch tensors (imports torch)."""
-        import torch
+        """Every layer's K and V as torch tensors: :func:`vmem.torch.layers` (imports torch)."""
+        from . import torch as vmem_torch
 
-        return [tuple(torch.from_dlpack(t) for t in self.layer(i)) for i in range(self._layers)]
+        return vmem_torch.layers(self)
 
     # -- state ------------------------------------------------------------------------------
     def usage(self) -> Dict[str, int]:

@@ -1,6 +1,22 @@
-"""Type stubs of the Rust extension (python/src/lib.rs)."""
+"""Type stubs of the Rust extension (python/src/lib.rs), checked against the built module by
+``python -m mypy.stubtest vmem._vmem`` (scripts/test.sh)."""
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, final
+
+from typing_extensions import Self
+
+__all__ = [
+    "BackendUnavailable",
+    "Closed",
+    "InvalidArgument",
+    "KVCache",
+    "KVTensor",
+    "OutOfMemory",
+    "VmemError",
+    "__version__",
+    "models",
+    "parse_bytes",
+]
 
 __version__: str
 
@@ -13,6 +29,7 @@ class Closed(VmemError): ...
 def models() -> List[Dict[str, Any]]: ...
 def parse_bytes(s: str) -> int: ...
 
+@final
 class KVTensor:
     @property
     def shape(self) -> Tuple[int, int, int, int]: ...
@@ -32,9 +49,10 @@ class KVTensor:
     ) -> Any: ...
     def __dlpack_device__(self) -> Tuple[int, int]: ...
 
+@final
 class KVCache:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *,
         layers: int,
         kv_heads: int,
@@ -51,10 +69,10 @@ class KVCache:
         overlap: bool,
         deferred_reclaim: bool,
         eager_tokens: int,
-        reclaim_threshold: int,
-        pad_rows: bool,
-        zero_page: bool = ...,
-    ) -> None: ...
+        reclaim_threshold: Optional[int] = None,
+        pad_rows: bool = False,
+        zero_page: Optional[bool] = None,
+    ) -> Self: ...
     def alloc(self) -> int: ...
     def alloc_for(self, tokens: int) -> int: ...
     def map_ahead(self, req: int, tokens: int) -> int: ...

@@ -37,6 +37,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import InvalidArgument, KVCache
+from . import torch as vmem_torch
 
 __all__ = ["VmemCache", "VmemLayer"]
 
@@ -183,13 +184,8 @@ class VmemCache(Cache):
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         dev = torch.device(device)
-        if dev.type == "cuda":
-            ordinal = dev.index if dev.index is not None else torch.cuda.current_device()
-            be = backend
-        elif dev.type == "cpu":
-            ordinal, be = 0, "host"
-        else:
-            raise InvalidArgument(f"device {device!r}: cuda or cpu")
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
         self.kv = KVCache(
             layers=cfg.num_hidden_layers,
             kv_heads=kv_heads,
@@ -199,8 +195,8 @@ class VmemCache(Cache):
             max_context=max_cache_len,
             page_size=page_size,
             layout=layout,
-            backend=be,
-            device=ordinal,
+            backend=backend,
+            device=dev,
             memory_cap=memory_cap,
             overlap=False,
             deferred_reclaim=False,
@@ -214,7 +210,7 @@ class VmemCache(Cache):
         self._mapped = 0  # tokens every row has pages for (whole pages)
         self._written = 0  # static mode: tokens the forwards so far wrote (see get_mask_sizes)
         self._step_pending = False  # a one-token step was announced, not yet seen eagerly
-        layers = [VmemLayer(self, i, k, v, self._static) for i, (k, v) in enumerate(self.kv.torch_layers())]
+        layers = [VmemLayer(self, i, k, v, self._static) for i, (k, v) in enumerate(vmem_torch.layers(self.kv))]
         super().__init__(layers=layers)
 
     def _ensure(self, length: int) -> None:

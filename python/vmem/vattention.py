@@ -11,7 +11,9 @@ semantics (docs/python.md lists them); the differences:
   ``"OOM on demand"`` as vAttention's does;
 * until :func:`reserve_physical_pages` is called, pages are created on demand up to the whole
   virtual size (vAttention's pool starts empty); afterwards the reserved amount is the cap;
-* ``device="cpu"`` places the cache in host memory (vAttention has only CUDA), which is how
+* it needs torch, as vAttention does (``init_kvcache`` returns torch tensors, through
+  :mod:`vmem.torch`); ``device`` takes every spelling :class:`vmem.KVCache` takes, and
+  ``device="cpu"`` places the cache in host memory (vAttention has only CUDA), which is how
   the tests run without a GPU; on CUDA the page size must be one the driver has (2 MB on a
   stock driver; 64/128/256 KB need the patched driver), else ``InvalidArgument`` names them;
 * :func:`step` and :func:`step_async` release the GIL and map on vmem's background thread;
@@ -52,24 +54,6 @@ def _get() -> KVCache:
     return _cache
 
 
-def _device(device: Any) -> tuple:
-    """("cuda", ordinal) or ("host", 0) from an int, a string or a torch.device."""
-    if isinstance(device, bool):
-        raise InvalidArgument(f"device {device!r}")
-    if isinstance(device, int):
-        if device < 0:
-            raise InvalidArgument(f"device {device} is negative")
-        return "auto", device
-    text = str(device)
-    if text == "cpu":
-        return "host", 0
-    if text == "cuda":
-        return "auto", 0
-    if text.startswith("cuda:") and text[5:].isdigit():
-        return "auto", int(text[5:])
-    raise InvalidArgument(f"device {device!r}: use an ordinal, 'cuda:N' or 'cpu'")
-
-
 def init_kvcache(
     num_layers: int,
     num_kv_heads: int,
@@ -86,9 +70,8 @@ def init_kvcache(
     global _cache, _tensors
     if _cache is not None:
         raise InvalidArgument("vattention: init_kvcache called twice; call cleanup first")
-    import torch
+    from . import torch as vmem_torch  # vAttention's API hands out torch tensors
 
-    backend, ordinal = _device(device)
     cache = KVCache(
         layers=num_layers,
         kv_heads=num_kv_heads,
@@ -97,22 +80,12 @@ def init_kvcache(
         max_batch=max_batch_size,
         max_context=max_context_length,
         page_size=page_size,
-        backend=backend,
-        device=ordinal,
+        device=device,
         overlap=True,
         deferred_reclaim=True,
         eager_tokens=0,
     )
-    if backend == "auto" and cache.config()["backend"] not in ("cuda", "uvm"):
-        reason = cache.config()["backend_reason"]
-        cache.close()
-        raise InvalidArgument(f"vattention: no GPU backend for device {device!r}: {reason}")
-    ks, vs = [], []
-    for i in range(num_layers):
-        k, v = cache.layer(i)
-        ks.append(torch.from_dlpack(k))
-        vs.append(torch.from_dlpack(v))
-    _cache, _tensors = cache, ks + vs
+    _cache, _tensors = cache, vmem_torch.tensors(cache)
     return list(_tensors)
 
 

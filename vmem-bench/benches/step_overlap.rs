@@ -5,7 +5,7 @@
 //! the host backend (lazy commit: no KV data is written). Requests start at staggered
 //! lengths, so every iteration some of them cross a page boundary in all 64 buffers.
 //! Each iteration: step, then ~1 ms of "compute" (a spin) during which the background thread
-//! may map. `cargo bench -p vmem --bench step_overlap`
+//! may map. `cargo bench -p vmem-bench --bench step_overlap`
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

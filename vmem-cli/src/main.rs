@@ -1,6 +1,4 @@
-//! `vmem`: replay a request trace through vmem's KV-cache manager at each page size and
-//! through the classic allocators, and report what each wastes; or say which driver and
-//! backend this machine has.
+#![doc = include_str!("../README.md")]
 
 mod prefix;
 mod report;

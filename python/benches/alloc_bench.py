@@ -30,8 +30,8 @@ are kept (60 for 512-page runs), the first two dropped. Prints µs per 2 MB page
 over slots), GB/s, and ratios of cycle times (map + unmap) as the median over slots of the
 two contenders' ratio in the same slot: the driver's drift cancels. Writes JSON to $OUT.
 
-Needs the wheel built with the `bench` feature and kvcached importable (scripts/python-gpu.sh
-bench).
+Needs the `vmem_bench` wheel (python/benches/native) beside vmem's and kvcached importable
+(scripts/python-gpu.sh bench-build here, bench there).
 """
 
 import json
@@ -49,7 +49,7 @@ os.environ.setdefault("KVCACHED_MIN_RESERVED_PAGES", "0")
 import torch  # noqa: E402
 
 import vmem  # noqa: E402
-from vmem import _vmem  # noqa: E402
+import vmem_bench as bench  # noqa: E402  (python/benches/native)
 
 PAGE = 2 << 20
 RUNS = [1, 16, 512]
@@ -61,7 +61,6 @@ ROTATING = ["raw per page", "raw per page + sync", "raw batched", "vmem per page
 
 
 def main():
-    bench = _vmem.bench
     sets = []
     for _ in range(len(ROTATING)):
         vm = bench.VmemPages(N, 0)

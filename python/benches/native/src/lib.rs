@@ -1,24 +1,29 @@
-//! `vmem._vmem.bench` (cargo feature `bench`, off in normal builds): what the in-process
-//! allocation benchmark (python/tests/alloc_bench.py) needs to time vmem's backend and the raw
-//! CUDA VMM calls beside kvcached, each contender making one Python-to-native call per page
-//! or per run.
+//! `vmem_bench`: what the in-process allocation benchmark (python/benches/alloc_bench.py)
+//! needs to time vmem's backend and the raw CUDA VMM calls beside kvcached, each contender
+//! making one Python-to-native call per page or per run. Benchmark-only: a module of its own,
+//! not part of the `vmem` package's extension.
 
-use crate::py_err;
 use cudarc::driver::sys;
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use std::sync::Arc;
 use vmem::backend::{Backend as _, CudaBackend, PageHandle};
+
+/// A vmem error as a Python `RuntimeError` with the Rust message.
+fn py_err(e: vmem::VmemError) -> PyErr {
+    PyRuntimeError::new_err(e.to_string())
+}
 
 fn cu(op: &'static str, r: sys::CUresult) -> PyResult<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(crate::VmemError_::new_err(format!("{op}: {r:?}")))
+        Err(PyRuntimeError::new_err(format!("{op}: {r:?}")))
     }
 }
 
 /// vmem's CUDA backend: a reserved range and pre-created 2 MB pages.
-#[pyclass(module = "vmem._vmem.bench", frozen)]
+#[pyclass(module = "vmem_bench", frozen)]
 struct VmemPages {
     b: Arc<CudaBackend>,
     device: i32,
@@ -87,7 +92,7 @@ impl Drop for VmemPages {
 }
 
 /// The raw driver calls vmem's CUDA driver makes, with nothing in between.
-#[pyclass(module = "vmem._vmem.bench", frozen)]
+#[pyclass(module = "vmem_bench", frozen)]
 struct RawPages {
     base: u64,
     page: u64,
@@ -237,11 +242,10 @@ impl Drop for RawPages {
     }
 }
 
-/// Adds the `bench` submodule.
-pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let sub = PyModule::new(m.py(), "bench")?;
-    sub.add_class::<VmemPages>()?;
-    sub.add_class::<RawPages>()?;
-    m.add_submodule(&sub)?;
+/// The `vmem_bench` module: `VmemPages` and `RawPages`.
+#[pymodule]
+fn vmem_bench(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<VmemPages>()?;
+    m.add_class::<RawPages>()?;
     Ok(())
 }

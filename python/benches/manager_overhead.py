@@ -2,7 +2,7 @@
 (a diagnosis for issue #11; not part of the table).
 
 In one process on the GPU, each slot times, side by side:
-* vm_map2 / vm_unmap2: two `map` / two `unmap` calls on vmem's backend (bench.VmemPages),
+* vm_map2 / vm_unmap2: two `map` / two `unmap` calls on vmem's backend (vmem_bench.VmemPages),
   one 2 MB page each;
 * alloc / step / free: `KVCache.alloc`, `KVCache.step({r: one page of tokens})` (one page of K
   and one of V, 2 maps) and `KVCache.free` (deferred reclamation off: one fence, 2 unmaps);
@@ -28,10 +28,11 @@ import torch  # noqa: E402,F401  (the CUDA context, as in an engine)
 
 import vmem  # noqa: E402
 from vmem import _vmem  # noqa: E402
+import vmem_bench  # noqa: E402  (python/benches/native)
 
 PAGE = 2 << 20
 N = 512
-vm = _vmem.bench.VmemPages(N, 0)
+vm = vmem_bench.VmemPages(N, 0)
 kva = vmem.KVCache(layers=1, kv_heads=8, head_dim=128, dtype="bf16", max_batch=1,
                    max_context=N * 1024, backend="cuda", overlap=False, deferred_reclaim=False,
                    eager_tokens=0, prealloc=2 * N * PAGE)

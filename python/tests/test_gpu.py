@@ -1,0 +1,285 @@
+"""The Python package on a CUDA GPU: checks that need one (scripts/python-gpu.sh run, on the GPU
+machine, with torch and transformers). Without torch or a GPU every test here is skipped, and
+pytest says why. Benchmarks are in python/benches (gpu_bench.py).
+
+  dlpack_views: vmem views are cuda:N torch tensors at vmem's addresses, no copy (CuPy too).
+  sdpa_equality: SDPA (flash, and math as reference) on vmem K/V views of both layouts equals
+    the same call on contiguous copies: bit-exact.
+  lifetime: a tensor keeps the cache alive after close() and del; its drop returns the memory.
+  unmap_after_queued_kernel: a long kernel queued over a request's pages, then free (unmap);
+    the kernel's result is right and the context still works.
+  vattention_api: vmem.vattention with torch on the GPU.
+  hf_models: Llama-3-8B- and Qwen2-shaped models (random weights, bf16, few layers),
+    left-padded prompts of different lengths; teacher-forced logits with VmemCache equal
+    DynamicCache's within bf16 tolerance at every step; greedy tokens identical once the
+    output head is scaled so logits are decisive.
+  fp8_consumer: vmem views are torch.float8_e4m3fn tensors on the GPU; torch kernels write and
+    read them (bytes round-trip), and dequantized SDPA on the views equals the same on
+    contiguous copies, bit-exact, in both layouts.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed here; scripts/python-gpu.sh runs these on the GPU")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU here; scripts/python-gpu.sh runs these on the GPU machine", allow_module_level=True)
+
+import torch.nn.functional as F  # noqa: E402
+
+import vmem  # noqa: E402
+
+
+def check(name, ok, detail=""):
+    """One claim of a test: printed (pytest -s shows the details), and asserted."""
+    print(f"{'PASS' if ok else 'FAIL'} {name} {detail}", flush=True)
+    assert ok, f"{name} {detail}"
+
+
+def dlpack_views():
+    kv = vmem.KVCache(layers=2, kv_heads=8, head_dim=128, dtype="bf16", max_batch=4,
+                      max_context=4096, backend="cuda")
+    k, v = kv.layer(1)
+    K = torch.from_dlpack(k)
+    check("dlpack device", K.device == torch.device("cuda", 0), str(K.device))
+    check("dlpack no copy", K.data_ptr() == k.data_ptr, f"{K.data_ptr():#x} {k.data_ptr:#x}")
+    r = kv.alloc()
+    kv.step({r: 3000})
+    K[r, :3000] = 1.5
+    check("dlpack write/read", float(torch.from_dlpack(kv.layer(1)[0])[r, :3000].float().mean()) == 1.5)
+    cp = None
+    try:
+        import cupy
+
+        cp = cupy.from_dlpack(kv.layer(1)[0])
+        check("cupy reads the view", float(cp[r, 2999, 7, 127].get()) == 1.5 and cp.data.ptr == k.data_ptr)
+    except ImportError:
+        print("SKIP cupy: not installed")
+    del cp, K
+    kv.close()
+
+
+def sdpa_equality():
+    torch.manual_seed(0)
+    B, H, D, G = 4, 8, 128, 4  # Llama-3-8B: 8 KV heads, 32 query heads
+    lens = [37, 1000, 2048, 513]
+    L = max(lens)
+    for layout in ["per-layer", "token-major"]:
+        kv = vmem.KVCache(layers=4, kv_heads=H, head_dim=D, dtype="bf16", max_batch=B,
+                          max_context=4096, layout=layout, backend="cuda", pad_rows=True,
+                          overlap=False)
+        ids = [kv.alloc() for _ in range(B)]
+        kv.step({r: n for r, n in zip(ids, lens)})
+        k, v = (torch.from_dlpack(t) for t in kv.layer(2))
+        k[:B, :L].copy_(torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16))
+        v[:B, :L].copy_(torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16))
+        q = torch.randn(B, H * G, 1, D, device="cuda", dtype=torch.bfloat16)
+        kq = k[:B, :L].transpose(1, 2)  # [B, H, L, D] strided views: no copy
+        vq = v[:B, :L].transpose(1, 2)
+        kc, vc = kq.contiguous(), vq.contiguous()
+        for backend in [torch.nn.attention.SDPBackend.FLASH_ATTENTION, torch.nn.attention.SDPBackend.MATH]:
+            with torch.nn.attention.sdpa_kernel(backend):
+                a = F.scaled_dot_product_attention(q, kq, vq, enable_gqa=True)
+                b = F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)
+            same = torch.equal(a, b)
+            check(f"sdpa {backend.name.lower()} {layout} equals contiguous", same,
+                  f"max diff {float((a.float() - b.float()).abs().max()):.3g}")
+        # Prefill-shaped (causal, many queries).
+        qp = torch.randn(B, H * G, 256, D, device="cuda", dtype=torch.bfloat16)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            a = F.scaled_dot_product_attention(qp, kq[:, :, :256], vq[:, :, :256], is_causal=True, enable_gqa=True)
+            b = F.scaled_dot_product_attention(qp, kc[:, :, :256], vc[:, :, :256], is_causal=True, enable_gqa=True)
+        check(f"sdpa flash causal {layout} equals contiguous", torch.equal(a, b))
+        del k, v, kq, vq, kc, vc
+        kv.close()
+
+
+def lifetime():
+    kv = vmem.KVCache(layers=1, kv_heads=8, head_dim=128, dtype="bf16", max_batch=2,
+                      max_context=8192, backend="cuda")
+    r = kv.alloc()
+    kv.step({r: 8000})
+    K = torch.from_dlpack(kv.layer(0)[0])
+    K[r, :8000] = 2.0
+    kv.close()
+    del kv
+    gc.collect()
+    torch.cuda.synchronize()
+    check("a tensor keeps the cache alive after close and del", float(K[r, :8000].float().sum()) == 2.0 * 8000 * 8 * 128)
+    free0 = torch.cuda.mem_get_info()[0]
+    del K
+    gc.collect()
+    torch.cuda.synchronize()
+    free1 = torch.cuda.mem_get_info()[0]
+    check("the last tensor's drop returns the memory", free1 > free0, f"{(free1 - free0) >> 20} MB back")
+
+
+def unmap_after_queued_kernel():
+    kv = vmem.KVCache(layers=1, kv_heads=8, head_dim=128, dtype="fp32", max_batch=2,
+                      max_context=65536, backend="cuda", deferred_reclaim=False, overlap=False,
+                      eager_tokens=0)
+    r = kv.alloc()
+    kv.step({r: 65536})
+    K = torch.from_dlpack(kv.layer(0)[0])
+    K[r].fill_(1.0)
+    torch.cuda.synchronize()
+    x = K[r]
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of queued GPU work ahead of the reads
+    total = torch.zeros((), device="cuda")
+    for _ in range(20):
+        total += x.sum()
+    t = time.perf_counter()
+    kv.free(r)  # unmaps: must wait for the queued reads
+    waited = time.perf_counter() - t
+    torch.cuda.synchronize()
+    want = 20.0 * 65536 * 8 * 128
+    check("queued kernel over freed pages: right result", float(total) == want, f"{float(total)} vs {want}; free waited {waited:.2f} s")
+    y = torch.ones(1024, device="cuda").sum()
+    check("context alive after the unmap", float(y) == 1024.0)
+    del K, x
+    kv.close()
+
+
+def vattention_api():
+    import vmem.vattention as va
+
+    try:
+        ts = va.init_kvcache(2, 8, 128, 4, 4096, "cuda:0", torch.bfloat16, 2 << 20)
+        va.reserve_physical_pages(256 << 20)
+        r = va.alloc_new_batch_idx(1000)
+        lens = [0] * 4
+        lens[r] = 1000
+        va.step(lens)
+        ts[0][r, :1000] = 1
+        ts[3][r, :1000] = 2
+        ok = float(ts[0][r, :1000].float().mean()) == 1 and float(ts[3][r, :1000].float().mean()) == 2
+        check("vattention on cuda", ok and ts[0].is_cuda and len(ts) == 4, f"free blocks {va.num_free_kvblocks()}")
+    finally:
+        ts = None
+        va.cleanup()  # a failed check must not leave the module's cache to the next test
+
+
+def hf_models():
+    import transformers
+    from transformers import DynamicCache
+    from vmem.hf import VmemCache
+
+    configs = {
+        "llama-3-8b (4 layers)": transformers.LlamaConfig(
+            hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+            num_hidden_layers=4, vocab_size=32000, max_position_embeddings=8192, rope_theta=500000.0),
+        "qwen2-7b (4 layers)": transformers.Qwen2Config(
+            hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+            num_hidden_layers=4, vocab_size=32000, max_position_embeddings=8192),
+    }
+    for name, cfg in configs.items():
+        cfg.torch_dtype = torch.bfloat16
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
+        B, steps = 4, 32
+        plen = [7, 120, 300, 45]
+        P = max(plen)
+        ids = torch.randint(3, 32000, (B, P), device="cuda")
+        mask = torch.zeros(B, P, dtype=torch.long, device="cuda")
+        for i, n in enumerate(plen):
+            ids[i, : P - n] = 0  # left padding
+            mask[i, P - n:] = 1
+        with torch.no_grad():
+            ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
+                                 past_key_values=DynamicCache(config=cfg))[:, P:]
+            # Teacher forcing: both caches see the reference tokens; compare logits each step.
+            worst = 0.0
+            caches = {"dynamic": DynamicCache(config=cfg), "vmem": VmemCache(cfg, B, P + steps + 8)}
+            logits = {}
+            am = mask.clone()
+            pos = (am.cumsum(-1) - 1).clamp(min=0)
+            for cname, c in caches.items():
+                logits[cname] = [model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=c, use_cache=True, logits_to_keep=1).logits[:, -1].float()]
+            for s in range(steps - 1):
+                tok = ref[:, s:s + 1]
+                am = torch.cat([am, torch.ones(B, 1, dtype=am.dtype, device="cuda")], 1)
+                pos = (am.cumsum(-1) - 1)[:, -1:]
+                for cname, c in caches.items():
+                    logits[cname].append(model(input_ids=tok, attention_mask=am, position_ids=pos, past_key_values=c, use_cache=True).logits[:, -1].float())
+            for a, b in zip(logits["vmem"], logits["dynamic"]):
+                scale = b.abs().max().item()
+                worst = max(worst, (a - b).abs().max().item() / max(scale, 1e-6))
+            check(f"hf {name}: teacher-forced logits match DynamicCache", worst < 2e-2, f"max rel diff {worst:.2e} over {steps} steps")
+            # Decisive logits: scale the output head, then greedy tokens must be identical.
+            model.lm_head.weight.mul_(50.0)
+            g_ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
+                                   past_key_values=DynamicCache(config=cfg))[:, P:]
+            vc = VmemCache(cfg, B, P + steps + 8)
+            g_vm = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
+                                  past_key_values=vc)[:, P:]
+            same = (g_ref == g_vm).float().mean().item()
+            check(f"hf {name}: greedy tokens identical (decisive head)", same == 1.0, f"{same:.1%} equal; vmem holds {vc.memory()['mapped_bytes'] >> 20} MB")
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def fp8_consumer():
+    """fp8 KV caches as engines keep them: e4m3 values in vmem, dequantized for attention."""
+    torch.manual_seed(0)
+    B, H, D, G, n = 2, 8, 128, 4, 3000
+    for layout in ["per-layer", "token-major"]:
+        kv = vmem.KVCache(layers=2, kv_heads=H, head_dim=D, dtype="fp8_e4m3", max_batch=B,
+                          max_context=4096, layout=layout, backend="cuda", overlap=False)
+        ids = [kv.alloc() for _ in range(B)]
+        kv.step({r: n for r in ids})
+        k, v = (torch.from_dlpack(t) for t in kv.layer(1))
+        check(f"fp8 {layout}: torch sees float8_e4m3fn on cuda", k.dtype == torch.float8_e4m3fn and k.is_cuda,
+              f"{k.dtype} {k.device}")
+        src_k = (torch.randn(B, n, H, D, device="cuda") * 4).to(torch.float8_e4m3fn)
+        src_v = (torch.randn(B, n, H, D, device="cuda") * 4).to(torch.float8_e4m3fn)
+        k[:B, :n].copy_(src_k)  # a torch kernel writes fp8 into vmem memory
+        v[:B, :n].copy_(src_v)
+        same_bytes = torch.equal(k[:B, :n].view(torch.uint8), src_k.view(torch.uint8))
+        check(f"fp8 {layout}: bytes written by torch read back", same_bytes)
+        scale = 0.25
+        q = torch.randn(B, H * G, 1, D, device="cuda", dtype=torch.bfloat16)
+        kq = k[:B, :n].transpose(1, 2).to(torch.bfloat16) * scale  # dequantize from vmem
+        vq = v[:B, :n].transpose(1, 2).to(torch.bfloat16) * scale
+        kc = src_k.transpose(1, 2).contiguous().to(torch.bfloat16) * scale
+        vc = src_v.transpose(1, 2).contiguous().to(torch.bfloat16) * scale
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            a = F.scaled_dot_product_attention(q, kq, vq, enable_gqa=True)
+            b = F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)
+        check(f"fp8 {layout}: dequantized SDPA flash on vmem equals contiguous", torch.equal(a, b),
+              f"max diff {float((a.float() - b.float()).abs().max()):.3g}")
+        del k, v, kq, vq
+        kv.close()
+
+
+def test_dlpack_views():
+    dlpack_views()
+
+
+def test_sdpa_equality():
+    sdpa_equality()
+
+
+def test_lifetime():
+    lifetime()
+
+
+def test_unmap_after_queued_kernel():
+    unmap_after_queued_kernel()
+
+
+def test_vattention_api():
+    vattention_api()
+
+
+def test_hf_models():
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    hf_models()
+
+
+def test_fp8_consumer():
+    fp8_consumer()

@@ -1,0 +1,43 @@
+"""vmem caches as torch tensors: the one module of the package that imports torch.
+
+>>> import torch, vmem, vmem.torch
+>>> kv = vmem.KVCache(layers=2, kv_heads=2, head_dim=64, dtype="bf16", max_batch=4,
+...                   max_context=1024, page_size="64K", device="cpu")
+>>> r = kv.alloc()
+>>> sync, background, reclaimed = kv.step({r: 300})   # pages mapped now, and in the background
+>>> k, v = vmem.torch.layer(kv, 0)          # no copy; bf16 works (NumPy has no bf16)
+>>> k.shape, k.dtype, k.device
+(torch.Size([4, 1024, 2, 64]), torch.bfloat16, device(type='cpu'))
+>>> k[r, :300] = 1.0
+>>> kv.close()
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List, Tuple
+
+import torch
+
+if TYPE_CHECKING:
+    from . import KVCache
+
+__all__ = ["layer", "layers", "tensors"]
+
+
+def layer(kv: "KVCache", i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``i``'s K and V as torch tensors over vmem memory (``torch.from_dlpack``, no copy):
+    ``[max_batch, max_context, kv_heads, head_dim]``, on ``cuda:N`` or ``cpu``. Each keeps the
+    cache's memory alive until it is dropped."""
+    k, v = kv.layer(i)
+    return torch.from_dlpack(k), torch.from_dlpack(v)
+
+
+def layers(kv: "KVCache") -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's K and V (:func:`layer` of each)."""
+    return [layer(kv, i) for i in range(kv.num_layers)]
+
+
+def tensors(kv: "KVCache") -> List[torch.Tensor]:
+    """Every layer's K, then every layer's V: vAttention's ``init_kvcache`` order."""
+    pairs = layers(kv)
+    return [k for k, _ in pairs] + [v for _, v in pairs]
