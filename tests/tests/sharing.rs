@@ -320,3 +320,41 @@ fn a_whole_cached_prompt_still_leaves_its_last_token_to_compute_in_a_page_of_its
     drop(kv);
     assert_eq!(host.live_pages(), 0);
 }
+
+#[test]
+fn an_adoption_that_fails_half_way_maps_nothing_and_can_be_retried() {
+    use vmem::backend::{FaultPlan, FaultyBackend};
+    let host = Arc::new(HostBackend::new().unwrap());
+    let faulty = Arc::new(FaultyBackend::new(host.clone()));
+    // Per-layer: an adoption maps one run in each of the 4 buffers.
+    let kv =
+        KvCacheManager::init(faulty.clone(), cfg(Layout::PerLayer, 64, Some(u64::MAX))).unwrap();
+    let bt = kv.prefix_block_tokens();
+    let p = prompt(9, (2 * bt + 1) as usize);
+    let a = kv.alloc_reqid().unwrap();
+    kv.step(&lens(&[(a, p.len() as u64)])).unwrap();
+    write(&host, &kv, a, 0, p.len(), 5);
+    assert_eq!(kv.publish_prefix(a, &p).unwrap(), 2);
+    let b = kv.alloc_reqid().unwrap();
+    let before = (kv.prefix_stats(), host.mapped_pages(), kv.pool_pages());
+    // The third buffer's map fails: the first two are rolled back.
+    faulty.set_plan(FaultPlan {
+        map: Some(3),
+        ..Default::default()
+    });
+    let e = kv.adopt_prefix(b, &p).expect_err("injected");
+    assert!(matches!(e, VmemError::InjectedFault(_)), "{e}");
+    assert_eq!(kv.request_pages(b).unwrap(), vec![0; 4]);
+    assert_eq!(
+        (kv.prefix_stats(), host.mapped_pages(), kv.pool_pages()),
+        before,
+        "a failed adoption changed something"
+    );
+    faulty.set_plan(FaultPlan::default());
+    assert_eq!(kv.adopt_prefix(b, &p).unwrap(), 2 * bt);
+    kv.step(&lens(&[(a, p.len() as u64), (b, p.len() as u64)]))
+        .unwrap();
+    assert_eq!(wrong(&host, &kv, b, 0, (2 * bt) as usize, 5), 0);
+    drop(kv);
+    assert_eq!(host.live_pages(), 0);
+}

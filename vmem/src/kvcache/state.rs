@@ -264,6 +264,8 @@ impl State {
         }
         self.req_pages[r] -= n;
         self.refresh_floor(r);
+        // On error the cache keeps its references: a block a buffer still maps stays cached
+        // (it is never evicted, so never released, under a mapping).
         if result.is_ok() {
             let evicted = self.prefix.unmapped(r, keep);
             self.pool.put(evicted);
