@@ -358,3 +358,53 @@ fn an_adoption_that_fails_half_way_maps_nothing_and_can_be_retried() {
     drop(kv);
     assert_eq!(host.live_pages(), 0);
 }
+
+/// The Mooncake subset through the manager with every policy on (background mapping,
+/// deferred reclamation, eager allocation) and sharing: it completes, hits, and leaves
+/// nothing behind.
+#[test]
+fn a_trace_replays_with_sharing_and_every_policy_on() {
+    use vmem_replay::{
+        fit_to_context, load_prefix_hashes, load_trace, replay_with_prefixes, Oversize,
+        ReplayConfig, TraceOptions,
+    };
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../vmem-cli/data/traces/mooncake-conversation-first1000.jsonl");
+    let trace = load_trace(&path, &TraceOptions::default()).unwrap();
+    let hashes = load_prefix_hashes(&path, trace.format, None, None)
+        .unwrap()
+        .unwrap();
+    let (reqs, _) = fit_to_context(&trace.requests[..150], 32768, Oversize::Skip, "t").unwrap();
+    let sim = Arc::new(SimBackend::new());
+    let mut c = KvConfig::builder()
+        .layers(2)
+        .max_batch(16)
+        .max_context(32768)
+        .kv_heads(2)
+        .head_dim(64)
+        .elem_bytes(2)
+        .page_size(KIB64)
+        .layout(Layout::TokenMajor)
+        .overlap(true)
+        .deferred_reclaim(true)
+        .eager_tokens(1024)
+        .reclaim_threshold(64 * KIB64)
+        .build();
+    c.memory_cap = 2048 * KIB64;
+    c.prefix_cache = Some(256 * KIB64);
+    let kv = KvCacheManager::init(sim.clone(), c).unwrap();
+    let mut m = &kv;
+    let stats = replay_with_prefixes(
+        &mut m,
+        &reqs,
+        Some(&hashes),
+        &ReplayConfig::default(),
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!(stats.completed + stats.rejected(), reqs.len());
+    assert!(stats.cached_tokens > 0, "{stats:?}");
+    assert!(kv.prefix_stats().unmapped_bytes <= 256 * KIB64);
+    drop(kv);
+    assert_eq!((sim.live_pages(), sim.mapped_pages()), (0, 0));
+}
