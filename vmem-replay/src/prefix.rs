@@ -287,7 +287,9 @@ struct Block {
 /// (a request's blocks freed tail first, so its tail goes first), and only when nothing
 /// references them. The cache holds at most `cache_cap` bytes of unreferenced blocks, and
 /// gives its blocks back to new allocations before any step fails: a running request is
-/// preempted only when free and evictable blocks together cannot cover the step.
+/// preempted only when free and evictable blocks together cannot cover the step. A block
+/// computed by two requests at once is cached once (the first published; vLLM v1 keeps
+/// both), and the later blocks of the second are still cached.
 #[derive(Debug)]
 pub struct PrefixBlocks {
     token_bytes: u64,
