@@ -280,10 +280,6 @@ fn hashes_chain_and_sharing_refuses_what_it_cannot_do() {
         kv.adopt_prefix(r, &prompt(1, 100)),
         Err(VmemError::Unsupported { .. })
     ));
-    // Pages that do not hold whole tokens (a 64 KiB page, 192 KiB tokens) cannot share.
-    let mut c = cfg(Layout::TokenMajor, 8, Some(u64::MAX));
-    c.kv_heads = 384;
-    assert!(matches!(c.validate(), Err(VmemError::InvalidConfig(_))));
     // Adopting after the first step is refused, changing nothing.
     let kv = KvCacheManager::init(sim, cfg(Layout::TokenMajor, 8, Some(u64::MAX))).unwrap();
     let r = kv.alloc_reqid().unwrap();
@@ -407,4 +403,46 @@ fn a_trace_replays_with_sharing_and_every_policy_on() {
     assert!(kv.prefix_stats().unmapped_bytes <= 256 * KIB64);
     drop(kv);
     assert_eq!((sim.live_pages(), sim.mapped_pages()), (0, 0));
+}
+
+/// Where a page does not hold whole tokens a block is several pages: 96 KiB tokens in 64 KiB
+/// pages share 2 tokens in 3 pages, whole, and a request's own tokens still start a page of
+/// its own.
+#[test]
+fn blocks_of_several_pages_share_whole() {
+    let host = Arc::new(HostBackend::new().unwrap());
+    let mut c = cfg(Layout::TokenMajor, 512, Some(u64::MAX));
+    c.kv_heads = 192; // 2 layers x K,V x 192 heads x 64 x 2 B = 96 KiB a token
+    c.max_context = 64;
+    let kv = KvCacheManager::init(host.clone(), c).unwrap();
+    assert_eq!(kv.prefix_block_tokens(), 2);
+    let p = prompt(4, 9); // 4 full blocks (8 tokens = 12 pages) and one token
+    let a = kv.alloc_reqid().unwrap();
+    kv.step(&lens(&[(a, 9)])).unwrap();
+    assert_eq!(kv.request_pages(a).unwrap(), vec![14]);
+    write(&host, &kv, a, 0, 9, 6);
+    assert_eq!(kv.publish_prefix(a, &p).unwrap(), 4);
+    let b = kv.alloc_reqid().unwrap();
+    assert_eq!(kv.adopt_prefix(b, &p).unwrap(), 8);
+    assert_eq!(kv.request_pages(b).unwrap(), vec![12]);
+    kv.step(&lens(&[(a, 9), (b, 9)])).unwrap();
+    assert_eq!(wrong(&host, &kv, b, 0, 8, 6), 0);
+    // B's token 8 starts at byte 8 x 96 KiB = page 12, a page of B's alone.
+    let pages: Vec<_> = kv
+        .mapped_handles()
+        .into_iter()
+        .filter(|x| x.0 == b)
+        .map(|x| x.2)
+        .collect();
+    assert_eq!(pages.len(), 14);
+    assert!(pages[..12].iter().all(|&p| host.map_count(p) == Some(2)));
+    assert!(pages[12..].iter().all(|&p| host.map_count(p) == Some(1)));
+    write(&host, &kv, b, 8, 9, 8);
+    assert_eq!(wrong(&host, &kv, a, 0, 9, 6), 0, "B wrote into A");
+    assert_eq!(kv.prefix_stats().shared_savings_bytes, 12 * KIB64);
+    kv.free_reqid(a).unwrap();
+    kv.free_reqid(b).unwrap();
+    assert_eq!(kv.prefix_stats().unmapped_bytes, 12 * KIB64);
+    drop(kv);
+    assert_eq!(host.live_pages(), 0);
 }

@@ -104,9 +104,9 @@ pub struct KvConfig {
     pub min_free_memory: u64,
     /// Prefix sharing (kvcache/prefix.rs): `Some(bytes)` turns it on, keeping at most
     /// `bytes` of finished requests' cached pages that no request maps (the memory cap
-    /// bounds everything too; `u64::MAX`: only the memory cap). Needs pages that hold whole
-    /// tokens (the page size a multiple of a token's bytes in one buffer) and a backend that
-    /// maps a page at several addresses. `None` (the default): off.
+    /// bounds everything too; `u64::MAX`: only the memory cap). Requests share blocks of the
+    /// fewest whole pages that hold whole tokens (one page where a page holds whole tokens).
+    /// Needs a backend that maps a page at several addresses. `None` (the default): off.
     pub prefix_cache: Option<u64>,
 }
 
@@ -244,15 +244,6 @@ impl KvConfig {
                 mul(head_bytes, 2 * self.layers as u64, "layers x 2 x H x D x P")?,
             ),
         };
-        if self.prefix_cache.is_some() && !self.page_size.is_multiple_of(token_bytes) {
-            return Err(VmemError::InvalidConfig(format!(
-                "prefix sharing needs pages that hold whole tokens: a {}-byte page holds {} \
-                 tokens of {token_bytes} bytes in the {} layout",
-                self.page_size,
-                self.page_size as f64 / token_bytes as f64,
-                self.layout.name()
-            )));
-        }
         let slice_bytes = mul(token_bytes, self.max_context as u64, "L x token bytes")?
             .checked_next_multiple_of(self.page_size)
             .ok_or(VmemError::SizeOverflow("slice rounded to pages"))?;

@@ -1,8 +1,11 @@
 //! Prefix sharing: requests that start with the same tokens map the same physical pages.
 //!
-//! A *block* is the tokens one page holds ([`super::Geometry::tokens_per_page`]): 16 tokens of
-//! Llama-3-8B in a token-major 2 MB page, exactly one vLLM block; 1,024 in a per-layer 2 MB
-//! page (a block is then one page in each of the 2 x layers buffers). Blocks are named by
+//! A *block* is the fewest whole pages that hold whole tokens: usually one page
+//! ([`super::Geometry::tokens_per_page`] tokens): 16 tokens of Llama-3-8B in a token-major
+//! 2 MB page, exactly one vLLM block; 1,024 in a per-layer 2 MB page (a block is then one page
+//! in each of the 2 x layers buffers). Where a page does not hold whole tokens a block is
+//! several pages: Llama-3.1-70B at TP-2 token-major (160 KiB a token) shares 64 tokens in
+//! five 2 MB pages; Llama-3-8B token-major at 64 KiB, 1 token in two pages. Blocks are named by
 //! chained hashes of their token ids ([`block_hashes`]: the parent block's hash and the
 //! block's tokens, the scheme of vLLM's automatic prefix caching), so a block's hash names
 //! the whole prefix up to its end.
@@ -41,7 +44,7 @@
 //! adopting into an id that still holds pages (deferred or eager ones) unmaps them first.
 
 use super::state::State;
-use super::{KvCacheManager, KvConfig};
+use super::{Geometry, KvCacheManager, KvConfig};
 use crate::backend::PageHandle;
 use crate::error::{Result, VmemError};
 use rustc_hash::FxHashMap;
@@ -114,9 +117,11 @@ struct Entry {
 pub(super) struct PrefixCache {
     /// Tokens per block; 0 when sharing is off.
     block_tokens: u64,
+    /// Pages a block spans in each buffer.
+    block_pages: u64,
     /// Most pages kept with no mapping.
     cap_pages: u64,
-    /// Pages per block (the buffers).
+    /// Pages per block, all buffers together.
     per_block: u64,
     entries: FxHashMap<BlockHash, Entry>,
     /// (tick, hash) of the blocks no request maps, oldest first.
@@ -129,16 +134,17 @@ pub(super) struct PrefixCache {
 }
 
 impl PrefixCache {
-    /// The cache of a manager with `cfg`'s prefix setting, `tokens_per_page` tokens a page
-    /// and `buffers` buffers.
-    pub(super) fn new(cfg: &KvConfig, tokens_per_page: u64, buffers: usize) -> Self {
+    /// The cache of a manager with `cfg`'s prefix setting and geometry `geo`.
+    pub(super) fn new(cfg: &KvConfig, geo: &Geometry) -> Self {
         let Some(cap) = cfg.prefix_cache else {
             return PrefixCache::default();
         };
+        let (block_tokens, block_pages) = block_shape(geo.page_size, geo.token_bytes);
         PrefixCache {
-            block_tokens: tokens_per_page,
+            block_tokens,
+            block_pages,
             cap_pages: cap / cfg.page_size,
-            per_block: buffers as u64,
+            per_block: block_pages * geo.buffers as u64,
             held: vec![Vec::new(); cfg.max_batch],
             ..PrefixCache::default()
         }
@@ -152,6 +158,21 @@ impl PrefixCache {
     /// Cached blocks at the start of request `r`'s range.
     pub(super) fn held_blocks(&self, r: usize) -> u64 {
         self.held.get(r).map_or(0, |h| h.len() as u64)
+    }
+
+    /// Pages (in each buffer) of the cached blocks at the start of request `r`'s range.
+    pub(super) fn held_pages(&self, r: usize) -> u64 {
+        self.held_blocks(r) * self.block_pages
+    }
+
+    /// `keep` pages a buffer rounded down to a whole block where it would cut into request
+    /// `r`'s cached blocks: a block is kept or unmapped whole.
+    pub(super) fn whole_blocks(&self, r: usize, keep: u64) -> u64 {
+        if keep < self.held_pages(r) {
+            keep - keep % self.block_pages
+        } else {
+            keep
+        }
     }
 
     /// Tokens of request `r` that live in cached pages: it must keep them mapped.
@@ -174,9 +195,11 @@ impl PrefixCache {
         Some(e.pages)
     }
 
-    /// Request `r` no longer maps its cached blocks from the `keep`-th on (its range was
-    /// shrunk to `keep` pages a buffer). Returns the pages evicted to stay under the cap.
+    /// Request `r` no longer maps its cached blocks past `keep` pages a buffer (a whole
+    /// number of blocks, [`PrefixCache::whole_blocks`]). Returns the pages evicted to stay
+    /// under the cap.
     pub(super) fn unmapped(&mut self, r: usize, keep: u64) -> Vec<PageHandle> {
+        let keep = keep / self.block_pages.max(1);
         let Some(held) = self.held.get_mut(r) else {
             return Vec::new();
         };
@@ -232,6 +255,20 @@ impl PrefixCache {
     }
 }
 
+/// Tokens a block holds and the pages it spans in one buffer: the least common multiple of
+/// the page and a token's bytes in one buffer, in tokens and in pages.
+fn block_shape(page: u64, token_bytes: u64) -> (u64, u64) {
+    let gcd = |mut a: u64, mut b: u64| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    let g = gcd(page, token_bytes).max(1);
+    // lcm = page / g * token_bytes: tokens = page / g, pages = token_bytes / g.
+    (page / g, token_bytes / g)
+}
+
 impl State {
     /// Maps the cached prefix of `hashes` (at most `most` blocks) into inactive-range request
     /// `r` (active, nothing computed yet). See [`KvCacheManager::adopt_prefix_hashes`].
@@ -255,12 +292,17 @@ impl State {
             return Ok(0);
         }
         let page = self.geo.page_size;
+        let m = self.prefix.block_pages as usize;
         let mut mapped_buffers = 0;
         let mut result = Ok(());
         for b in 0..self.buffers.len() {
             let pages: Vec<PageHandle> = hashes[..k]
                 .iter()
-                .map(|h| self.prefix.entries[h].pages[b])
+                .flat_map(|h| {
+                    self.prefix.entries[h].pages[b * m..(b + 1) * m]
+                        .iter()
+                        .copied()
+                })
                 .collect();
             let at = self.buffers[b].next_free(r);
             if let Err(e) = self.buffers[b].backend().map_shared(at, &pages, page) {
@@ -273,10 +315,11 @@ impl State {
         if let Err(e) = result {
             // Nothing of the call stays: unmap the buffers already mapped; their pages are
             // the cache's, not the pool's.
+            let n = (k * m) as u64;
             for b in 0..mapped_buffers {
-                let _ = self.buffers[b].shrink(r, k as u64);
+                let _ = self.buffers[b].shrink(r, n);
             }
-            self.forget_pages(r, mapped_buffers as u64 * k as u64);
+            self.forget_pages(r, mapped_buffers as u64 * n);
             return Err(e);
         }
         for h in &hashes[..k] {
@@ -296,8 +339,9 @@ impl State {
     /// first block it does not hold yet, while the cache has no block of that hash.
     fn publish(&mut self, r: usize, hashes: &[BlockHash]) -> u64 {
         let bt = self.prefix.block_tokens;
+        let m = self.prefix.block_pages as usize;
         let mapped = self.buffers.iter().map(|b| b.mapped(r)).min().unwrap_or(0);
-        let full = (self.seq_lens[r] / bt).min(mapped);
+        let full = (self.seq_lens[r] / bt).min(mapped / m as u64);
         let start = self.prefix.held_blocks(r);
         let mut n = 0;
         for j in start..full.min(hashes.len() as u64) {
@@ -305,10 +349,11 @@ impl State {
             if self.prefix.entries.contains_key(&h) {
                 break; // computed twice at once: the other copy is cached; keep ours
             }
+            let j = j as usize;
             let pages = self
                 .buffers
                 .iter()
-                .map(|b| b.pages(r)[j as usize])
+                .flat_map(|b| b.pages(r)[j * m..(j + 1) * m].iter().copied())
                 .collect();
             self.prefix.entries.insert(
                 h,

@@ -57,7 +57,7 @@ impl State {
         let b = cfg.max_batch;
         let mut by_address: Vec<usize> = (0..buffers.len()).collect();
         by_address.sort_by_key(|&i| buffers[i].slice_addr(0));
-        let prefix = PrefixCache::new(&cfg, geo.tokens_per_page(), buffers.len());
+        let prefix = PrefixCache::new(&cfg, &geo);
         State {
             cfg,
             geo,
@@ -244,11 +244,13 @@ impl State {
         }
         // One wait for the device covers every buffer's unmap (2 x layers of them per-layer),
         // not one wait each: the buffers share one backend.
+        // A cached block (several pages where pages do not hold whole tokens) goes whole.
+        let keep = self.prefix.whole_blocks(r, keep);
         let fence = self.buffers[0].backend().fence()?;
         let mut n = 0;
         let mut result = Ok(());
         // The first of the unmapped pages that are the prefix cache's stay its own.
-        let cached = self.prefix.held_blocks(r).saturating_sub(keep) as usize;
+        let cached = self.prefix.held_pages(r).saturating_sub(keep) as usize;
         for b in 0..self.buffers.len() {
             let extra = self.buffers[b].mapped(r).saturating_sub(keep);
             match self.buffers[b].shrink_fenced(&fence, r, extra) {
