@@ -383,6 +383,33 @@ impl KvCacheManager {
     /// from there. Pages `req` held from an earlier request (deferred, eager) are unmapped
     /// first. On error nothing is mapped. Fails with [`VmemError::Unsupported`] when sharing
     /// is off.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use vmem::{backend::{SimBackend, KIB64}, KvCacheManager, KvConfig, Layout};
+    /// // 1 layer, 1 head of 64 fp16, token-major: 256 B a token, 256 tokens a 64 KiB page.
+    /// let cfg = KvConfig::builder()
+    ///     .layers(1).kv_heads(1).head_dim(64).elem_bytes(2)
+    ///     .max_batch(4).max_context(4096).page_size(KIB64)
+    ///     .layout(Layout::TokenMajor).memory_cap(64 * KIB64)
+    ///     .prefix_cache(Some(16 * KIB64)) // keep up to 16 unmapped cached pages
+    ///     .overlap(false).eager_tokens(0)
+    ///     .build();
+    /// let kv = KvCacheManager::init(Arc::new(SimBackend::new()), cfg)?;
+    /// let prompt: Vec<u32> = (0..1000).collect();
+    /// let a = kv.alloc_reqid()?;
+    /// assert_eq!(kv.adopt_prefix(a, &prompt)?, 0); // nothing cached yet
+    /// let mut lens = vec![0; 4];
+    /// lens[a] = 1000;
+    /// kv.step(&lens)?;                             // the engine prefills 1,000 tokens
+    /// assert_eq!(kv.publish_prefix(a, &prompt)?, 3); // 3 full pages of 256 tokens
+    /// let b = kv.alloc_reqid()?;
+    /// assert_eq!(kv.adopt_prefix(b, &prompt)?, 768); // B maps A's 3 pages: prefill 232
+    /// lens[b] = 1000;
+    /// kv.step(&lens)?;
+    /// assert_eq!(kv.pool_pages().0, 5);            // 4 + 1 pages, not 8
+    /// # Ok::<(), vmem::VmemError>(())
+    /// ```
     pub fn adopt_prefix(&self, req: usize, tokens: &[u32]) -> Result<u64> {
         let bt = self.prefix_block_tokens() as usize;
         let hashes = block_hashes(tokens, bt);
