@@ -20,6 +20,21 @@ import torch
 ARCHS = ("llama-gqa", "qwen2-bias", "mistral", "hd64-tied")
 
 
+def fake_cpu_memory(total: int = 8 << 30) -> None:
+    """On a CPU without psutil the engine sees 0 bytes free and refuses to size its paged cache:
+    report ``total`` bytes free instead (tests only; a GPU reports its real memory)."""
+    from transformers.generation.continuous_batching import cache as cb_cache
+
+    if getattr(cb_cache.get_device_and_memory_breakdown, "__fake__", False):
+        return
+
+    def breakdown() -> Any:
+        return torch.device("cpu"), total, 0, 0
+
+    breakdown.__fake__ = True  # type: ignore[attr-defined]
+    cb_cache.get_device_and_memory_breakdown = breakdown
+
+
 def make_config(arch: str, size: str = "tiny") -> Any:
     """A config for ``arch``: ``tiny`` (CPU tests) or ``small`` (the GPU check)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config

@@ -460,6 +460,8 @@ class VmemCBCache(_Recorder):
         self._row: Dict[str, int] = {}
         self._blocks: Dict[str, int] = {}
         self._dirty = False  # lengths changed since the last step()
+        self._seen: set = set()
+        self.readmissions = 0
         self.peak_mapped_bytes = 0
         self.steps = 0
 
@@ -505,6 +507,9 @@ class VmemCBCache(_Recorder):
                 except VmemError:
                     return None
                 self._row[request_id] = row
+                if request_id in self._seen:
+                    self.readmissions += 1  # preempted (soft reset) earlier, admitted again
+                self._seen.add(request_id)
             self._blocks[request_id] = held + n_blocks
             self._used_blocks += n_blocks
             self._lengths[row] = (held + n_blocks) * self.block_size
