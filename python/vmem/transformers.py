@@ -616,6 +616,15 @@ def _flex(compiled: bool) -> Any:
     if fn is None:
         from torch.nn.attention.flex_attention import flex_attention
 
+        if compiled:
+            # Falling back to eager Flex would read every position of the flat KV (unmapped memory
+            # on the GPU): fail loudly instead, and leave room for the shapes a run meets.
+            import torch._dynamo
+
+            torch._dynamo.config.fail_on_recompile_limit_hit = True
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            torch._dynamo.config.accumulated_recompile_limit = max(
+                torch._dynamo.config.accumulated_recompile_limit, 1024)
         fn = torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
         _flex_fn[compiled] = fn
     return fn

@@ -1,0 +1,164 @@
+"""Correctness of vmem under transformers' continuous batching, on the GPU in bf16 (issue #23).
+
+For four architectures (Llama GQA, Qwen2 with qkv bias, Mistral, a head-dim-64 model with tied
+embeddings; random weights, configs made in code), every request's logits through the engine,
+teacher-forced on the engine's own tokens, are compared with one plain ``DynamicCache`` forward
+(sdpa) over the same tokens: the largest error relative to the largest logit, and top-1
+agreement wherever the reference's top-2 margin is decisive (> 5 % of the largest logit; the
+output head is scaled so that most positions are). Contenders: ``paged|vmem`` per-layer and
+token-major (2 MB pages), the engine's own ``paged|sdpa``, and ``paged|blockflex``. Each run has
+chunked prefill (a small ``max_batch_tokens``), requests joining mid-run, streaming through the
+manager API; a run with a small vmem budget checks preemption; after every vmem run only the
+trash row is mapped. Prints a PASS/FAIL table, writes ``serving_check.json`` to ``--out`` and
+exits 1 on any failure.
+
+``--tiny`` runs tiny fp32 models on the CPU (a smoke test of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cb_harness as h  # noqa: E402
+import vmem.transformers as vt  # noqa: E402
+
+
+def clean(cache: Any) -> str:
+    """'' when only the trash row is mapped, else what is left."""
+    u = cache.usage()
+    ok = u["rows_in_use"] == 0 and u["blocks_in_use"] == 0 and u["mapped_bytes"] == cache.trash_bytes()
+    return "" if ok else f"left mapped: {u}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--archs", default=",".join(h.ARCHS))
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--tol", type=float, default=None, help="relative logits tolerance (bf16 default 0.04)")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--out", default="serving-check-out")
+    args = ap.parse_args()
+    if args.tiny:
+        device, dtype, size = "cpu", torch.float32, "tiny"
+        tol = args.tol or 1e-4
+        lengths = [5, 140, 300, 17, 260, 64, 33, 200]
+        page, mem, ctx, mbt = "64K", "8M", 1024, 48
+        h.fake_cpu_memory()
+        pre_mem = 8 * 4 * 65536  # 8 blocks of 4 pages (2 layers, per-layer)
+        pre_lengths, pre_new = [250, 240, 230, 220, 500], 24
+    else:
+        if not torch.cuda.is_available():
+            ap.error("no GPU: use --tiny for a CPU smoke test")
+        device, dtype, size = "cuda", torch.bfloat16, "gpu"
+        tol = args.tol or 0.04
+        lengths = [7, 1500, 300, 2100, 45, 900, 3000, 128, 1030, 64]
+        page, mem, ctx, mbt = "2M", "4G", 8192, 512
+        pre_mem = 8 * 8 * (2 << 20)  # 8 blocks of 8 pages (4 layers, per-layer): 7 for requests
+        pre_lengths, pre_new = [1000, 900, 950, 1010, 2500], 64
+    vt.install(page_size=page, memory=mem, max_context=ctx, max_requests=16)
+    os.makedirs(args.out, exist_ok=True)
+    n = args.requests
+    stagger = [0] * (n // 2) + [2 * i + 1 for i in range(n - n // 2)]
+    rows: List[Dict[str, Any]] = []
+    failed = False
+
+    def record(arch: str, contender: str, fn: Any) -> None:
+        nonlocal failed
+        t = time.perf_counter()
+        row: Dict[str, Any] = {"arch": arch, "contender": contender}
+        try:
+            row.update(fn())
+        except Exception as e:  # noqa: BLE001 - a failure is a row of the table
+            row.update(status="FAIL", why=f"{type(e).__name__}: {e}", trace=traceback.format_exc(limit=6))
+        row["seconds"] = round(time.perf_counter() - t, 1)
+        failed |= row.get("status") != "PASS"
+        rows.append(row)
+        print(f"{row['status']:4} {arch:11} {contender:22} err {row.get('max_rel_err', float('nan')):.2e} "
+              f"top1 {row.get('top1_agree', '-')}/{row.get('decisive', '-')} {row.get('why', '')}", flush=True)
+
+    for arch in args.archs.split(","):
+        model = h.make_model(arch, dtype, device, size=("tiny" if args.tiny else "small"), logit_scale=20.0)
+        if not args.tiny:
+            model.config.max_position_embeddings = ctx
+        prompts = h.make_prompts(n, lengths, model.config.vocab_size)
+        runs: Dict[str, Any] = {}
+
+        def check(contender: str, attn: str, cb_kwargs: Dict[str, Any], opts: Dict[str, Any],
+                  prompts: List[List[int]] = prompts, new: int = args.new_tokens, stagger: Any = stagger,
+                  want_preempt: bool = False) -> Any:
+            def fn() -> Dict[str, Any]:
+                with vt.serving(**opts):
+                    run = h.run_engine(model, attn, prompts, new, cb_kwargs=cb_kwargs, stagger=stagger,
+                                       streaming=True)
+                runs[contender] = run
+                cmp = h.compare(run, model, new)
+                why = []
+                if not cmp["counts_ok"]:
+                    why.append("token/logit counts")
+                if cmp["max_rel_err"] > tol:
+                    why.append(f"err {cmp['max_rel_err']:.2e} > {tol}")
+                if cmp["top1_agree"] != cmp["decisive"] or cmp["decisive"] == 0:
+                    why.append(f"top-1 {cmp['top1_agree']}/{cmp['decisive']}")
+                if any(c != new for c in run["streamed"].values()):
+                    why.append("streamed counts")
+                cache = run["cache"]
+                extra: Dict[str, Any] = {"rounds": run["rounds"], "max_running": run["max_running"]}
+                if isinstance(cache, vt.VmemCBCache):
+                    left = clean(cache)
+                    if left:
+                        why.append(left)
+                    extra.update(block_size=cache.block_size, num_blocks=cache.num_blocks,
+                                 preemptions=cache.readmissions, peak_mapped_mb=cache.peak_mapped_bytes / 2**20)
+                    if want_preempt and cache.readmissions == 0:
+                        why.append("no preemption happened")
+                return dict(status="FAIL" if why else "PASS", why="; ".join(why),
+                            max_rel_err=cmp["max_rel_err"], decisive=cmp["decisive"], top1_agree=cmp["top1_agree"],
+                            **extra)
+            record(arch, contender, fn)
+
+        base = dict(max_batch_tokens=mbt)
+        nblocks = 4096 if args.tiny else 2048
+        check("vmem-per-layer", vt.VMEM_ATTENTION, base, dict(layout="per-layer"))
+        check("vmem-token-major", vt.VMEM_ATTENTION, base, dict(layout="token-major"))
+        check("paged-sdpa-256", "paged|sdpa", dict(base, block_size=256, num_blocks=nblocks // 16), {})
+        check("paged-blockflex-256", vt.BLOCKFLEX_ATTENTION, dict(base, block_size=256, num_blocks=nblocks // 16), {})
+        pre_prompts = h.make_prompts(len(pre_lengths), pre_lengths, model.config.vocab_size, seed=3)
+        check("vmem-preempt", vt.VMEM_ATTENTION, dict(max_batch_tokens=mbt * 2), dict(memory=pre_mem, max_requests=4),
+              prompts=pre_prompts, new=pre_new, stagger=None, want_preempt=True)
+
+        def cross() -> Dict[str, Any]:
+            if "vmem-per-layer" not in runs or "paged-sdpa-256" not in runs:
+                return dict(status="FAIL", why="a run is missing")
+            e = h.cross_compare(runs["vmem-per-layer"], runs["paged-sdpa-256"])
+            return dict(status="PASS" if e <= tol else "FAIL", max_rel_err=e,
+                        why="" if e <= tol else f"vmem vs paged|sdpa {e:.2e} > {tol}")
+        record(arch, "vmem-vs-paged-sdpa", cross)
+        del model, runs
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    with open(os.path.join(args.out, "serving_check.json"), "w") as f:
+        json.dump({"tol": tol, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                   "torch": torch.__version__, "rows": rows}, f, indent=1)
+    print()
+    print(f"{'status':6} {'arch':11} {'contender':22} {'max rel err':>11} {'top-1':>9}")
+    for r in rows:
+        print(f"{r['status']:6} {r['arch']:11} {r['contender']:22} {r.get('max_rel_err', float('nan')):11.2e} "
+              f"{str(r.get('top1_agree', '-')) + '/' + str(r.get('decisive', '-')):>9}  {r.get('why', '')}")
+    print("FAIL" if failed else "PASS")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
