@@ -140,7 +140,9 @@ def run_engine(model: Any, attn: str, prompts: List[List[int]], max_new_tokens: 
     cache = None
     try:
         while len(results) < len(prompts):
-            while pos < len(order) and (stagger[order[pos]] if stagger else 0) <= events:
+            # Add a request once enough results came back, or when every request added so far
+            # has finished (without streaming, finished requests are the only results).
+            while pos < len(order) and ((stagger[order[pos]] if stagger else 0) <= events or len(results) == pos):
                 i = order[pos]
                 ids[i] = mgr.add_request(prompts[i], request_id=f"req{i}", max_new_tokens=max_new_tokens,
                                          streaming=streaming)
