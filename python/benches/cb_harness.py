@@ -43,8 +43,9 @@ def make_config(arch: str, size: str = "tiny") -> Any:
         common = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
     else:
-        common = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
+        # Llama-3-8B's KV shape per layer (8 KV heads of 128: 1,024 tokens per 2 MB page).
+        common = dict(vocab_size=4096, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=8192)
     common.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "llama-gqa":
         return LlamaConfig(**common, tie_word_embeddings=False)
@@ -55,7 +56,7 @@ def make_config(arch: str, size: str = "tiny") -> Any:
     if arch == "hd64-tied":
         c = dict(common)
         c["num_attention_heads"] = max(2, c["hidden_size"] // 64)
-        c["num_key_value_heads"] = 1 if size == "tiny" else 4
+        c["num_key_value_heads"] = 1 if size == "tiny" else 8
         return LlamaConfig(**c, head_dim=64, tie_word_embeddings=True)
     raise ValueError(f"unknown arch {arch!r} (known: {ARCHS})")
 

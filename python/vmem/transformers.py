@@ -81,7 +81,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from . import InvalidArgument, KVCache, OutOfMemory, VmemError, parse_bytes
+from . import InvalidArgument, KVCache, VmemError, parse_bytes
 
 __all__ = [
     "install",
