@@ -252,6 +252,7 @@ def main() -> int:
         args.page_size = "64K"
         args.max_context = min(args.max_context, 2048)
         args.max_batch_tokens = args.max_batch_tokens or 256
+        args.max_requests = min(args.max_requests, 8)  # eager Flex on the CPU materializes rows x context scores
         h.fake_cpu_memory()
     else:
         if not torch.cuda.is_available():
