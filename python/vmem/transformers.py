@@ -245,12 +245,11 @@ class _Batch:
     index), past length, query length and KV block list; built on the host, turned into a
     BlockMask once per forward (at the first layer) and reused by every layer."""
 
-    __slots__ = ("entries", "mask", "decode_rows")
+    __slots__ = ("entries", "mask")
 
     def __init__(self) -> None:
         self.entries: List[Tuple[int, int, int, Any]] = []
-        self.mask: Any = None
-        self.decode_rows: Optional[torch.Tensor] = None
+        self.mask: Any = None  # the round's list of _Part
 
 
 class _Recorder:
@@ -362,9 +361,9 @@ class VmemCBCache(_Recorder):
         layers, kv_heads, head_dim = _find_dims(config)
         self.num_key_value_heads, self.head_dim = kv_heads, head_dim
         self.compile = compile
-        # Compiled Flex reads only the KV blocks a BlockMask lists. Eager Flex (the default on the
-        # CPU, where compiling costs more than it saves) evaluates every position of the flat KV,
-        # so there every unmapped slot is backed by vmem's read-only zero page.
+        # Compiled Flex reads only the KV blocks a BlockMask lists. The CPU path (not compiled:
+        # compiling costs more than it saves there) evaluates every position of the flat KV, so
+        # there every unmapped slot is backed by vmem's read-only zero page.
         self.compiled = bool(compile) if compile is not None else self.device.type == "cuda"
         token_bytes = 2 * layers * kv_heads * head_dim * dtype.itemsize  # K and V, every layer
 
@@ -611,8 +610,38 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 _flex_fn: Dict[bool, Any] = {}
 
 
+def _dense_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any = None,
+                     scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
+    """What Flex computes for ``block_mask``, in plain tensor ops (the CPU path): the listed KV
+    blocks, expanded to tokens, and ``mask_mod`` evaluated by broadcasting, then SDPA. Reads
+    every KV position (the CPU cache backs unmapped slots with the zero page). Eager Flex is not
+    used on the CPU: its internal tracing crashed in transformers' engine thread on the second
+    engine run of a process (torch 2.11, CPU)."""
+    qb, kb = block_mask.BLOCK_SIZE
+    num, idx = block_mask.kv_num_blocks[:, 0], block_mask.kv_indices[:, 0]  # [B, nQB], [B, nQB, W]
+    bsz, n_qb, width = idx.shape
+    q_len, kv_len = query.shape[2], key.shape[2]
+    n_kvb = -(-kv_len // kb)
+    valid = torch.arange(width, device=idx.device) < num.unsqueeze(-1)
+    blocks = torch.zeros((bsz, n_qb, n_kvb + 1), dtype=torch.bool, device=idx.device)
+    blocks.scatter_(2, torch.where(valid, idx.long(), n_kvb), True)
+    dense = blocks[:, :, :n_kvb].repeat_interleave(qb, 1)[:, :q_len].repeat_interleave(kb, 2)[:, :, :kv_len]
+    dev = query.device
+    b = torch.arange(bsz, device=dev).view(-1, 1, 1, 1)
+    qi = torch.arange(q_len, device=dev).view(1, 1, -1, 1)
+    ki = torch.arange(kv_len, device=dev).view(1, 1, 1, -1)
+    mask = dense.unsqueeze(1) & block_mask.mask_mod(b, 0, qi, ki)
+    bq = query.shape[0]
+    if key.shape[0] != bq:
+        key, value = key.expand(bq, *key.shape[1:]), value.expand(bq, *value.shape[1:])
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                            enable_gqa=enable_gqa)
+
+
 def _flex(compiled: bool) -> Any:
     fn = _flex_fn.get(compiled)
+    if not compiled:
+        return _dense_reference
     if fn is None:
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -630,40 +659,125 @@ def _flex(compiled: bool) -> Any:
     return fn
 
 
-def _build_mask(cache: Any, batch: _Batch, t_total: int, device: torch.device) -> Any:
-    """The round's BlockMask (and, for a vmem decode round, the query rows)."""
+class _Part:
+    """One Flex call of a round: ``kind`` "rows" (vmem decode: Q scattered to rows), "bcast"
+    (block-table decode: Q ``[B, Hq, 1, D]`` against the flat KV) or "packed"; ``tok`` the
+    round's query tokens it computes (None: all), ``rows`` the rows of a "rows" part."""
+
+    __slots__ = ("kind", "mask", "tok", "rows")
+
+    def __init__(self, kind: str, mask: Any, tok: Optional[torch.Tensor], rows: Optional[torch.Tensor] = None):
+        self.kind, self.mask, self.tok, self.rows = kind, mask, tok, rows
+
+
+def _build_mask(cache: Any, batch: _Batch, t_total: int, device: torch.device) -> List[_Part]:
+    """The round's Flex calls: decodes (one query token) in one call, other requests (prefill
+    chunks) packed in another; a round of one kind is one call."""
+    entries = batch.entries
+    starts, pos = [], 0
+    for _, _, q, _ in entries:
+        starts.append(pos)
+        pos += q
+    dec = [i for i, e in enumerate(entries) if e[2] == 1]
+    pre = [i for i, e in enumerate(entries) if e[2] != 1]
+    mixed = bool(dec) and bool(pre)
+    parts: List[_Part] = []
+
+    def tok_of(idx: List[int]) -> Optional[torch.Tensor]:
+        if not mixed:
+            return None
+        t = [p for i in idx for p in range(starts[i], starts[i] + entries[i][2])]
+        return torch.tensor(t, dtype=torch.int64).to(device, non_blocking=True)
+
+    if dec:
+        sub = [entries[i] for i in dec]
+        if cache.flat_kv:
+            mask, rows = _rows_decode_mask(cache, sub, device)
+            parts.append(_Part("rows", mask, tok_of(dec), rows))
+        else:
+            parts.append(_Part("bcast", _bcast_decode_mask(cache, sub, device), tok_of(dec)))
+    if pre:
+        sub = [entries[i] for i in pre]
+        parts.append(_Part("packed", _packed_mask(cache, sub, sum(e[2] for e in sub), device), tok_of(pre)))
+    return parts
+
+
+def _rows_decode_mask(cache: Any, entries: List[Any], device: torch.device) -> Tuple[Any, torch.Tensor]:
+    """vmem decode: row r lists ceil(len_r / KV_BLOCK) blocks of its own ``max_context`` row."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    entries = batch.entries
-    decode = cache.flat_kv and all(q == 1 for _, _, q, _ in entries) and len(entries) == t_total
-    if decode:
-        rows, ctx = cache.rows, cache.max_context
-        nkv = ctx // KV_BLOCK
-        lengths = torch.zeros(rows, dtype=torch.int32)
-        qrows = torch.empty(t_total, dtype=torch.int64)
-        for i, (row, past, q, _) in enumerate(entries):
-            lengths[row] = past + 1
-            qrows[i] = row
-        num = (lengths + (KV_BLOCK - 1)) // KV_BLOCK
-        lengths_d = lengths.to(device, non_blocking=True)
-        idx = getattr(cache, "_decode_indices", None)
-        if idx is None or idx.device != device:
-            idx = torch.arange(nkv, dtype=torch.int32, device=device).expand(rows, 1, 1, nkv).contiguous()
-            cache._decode_indices = idx
+    rows, ctx = cache.rows, cache.max_context
+    nkv = ctx // KV_BLOCK
+    lengths = torch.zeros(rows, dtype=torch.int32)
+    qrows = torch.empty(len(entries), dtype=torch.int64)
+    for i, (row, past, _, _) in enumerate(entries):
+        lengths[row] = past + 1
+        qrows[i] = row
+    num = (lengths + (KV_BLOCK - 1)) // KV_BLOCK
+    lengths_d = lengths.to(device, non_blocking=True)
+    idx = getattr(cache, "_decode_indices", None)
+    if idx is None or idx.device != device:
+        idx = torch.arange(nkv, dtype=torch.int32, device=device).expand(rows, 1, 1, nkv).contiguous()
+        cache._decode_indices = idx
 
-        def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return kv_idx < lengths_d[b]
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return kv_idx < lengths_d[b]
 
-        mask = BlockMask.from_kv_blocks(
-            num.view(rows, 1, 1).to(device, non_blocking=True), idx, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK),
-            mask_mod=mask_mod, seq_lengths=(1, ctx), compute_q_blocks=False,
-        )
-        batch.decode_rows = qrows.to(device, non_blocking=True)
-        return mask
+    mask = BlockMask.from_kv_blocks(
+        num.view(rows, 1, 1).to(device, non_blocking=True), idx, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK),
+        mask_mod=mask_mod, seq_lengths=(1, ctx), compute_q_blocks=False,
+    )
+    return mask, qrows.to(device, non_blocking=True)
 
-    # Packed: Q [1, Hq, T, D] against the flat KV. Owner and position of every query token; the
-    # KV's owner and position come from its index (vmem: row = kv // max_context; paged: the
-    # physical block's owner and base).
+
+def _block_owners(cache: Any, entries: List[Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Block-table caches: each physical block's owner (index in ``entries``) and first position."""
+    n_phys = cache.key_cache[0].shape[0] // cache.block_size
+    blk_owner = torch.full((n_phys,), -2, dtype=torch.int32)
+    blk_base = torch.zeros(n_phys, dtype=torch.int32)
+    for i, (_, _, _, kv) in enumerate(entries):
+        for j, b in enumerate(kv[1]):
+            blk_owner[b] = i
+            blk_base[b] = j * cache.block_size
+    return blk_owner, blk_base
+
+
+def _bcast_decode_mask(cache: Any, entries: List[Any], device: torch.device) -> Any:
+    """Block-table decode: entry b lists the KV blocks of its physical blocks up to its length."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n = len(entries)
+    lists = [torch.tensor(kv[0][: -(-(past + 1) // KV_BLOCK)], dtype=torch.int32) for _, past, _, kv in entries]
+    width = max(1, max(len(x) for x in lists))
+    kv_indices = torch.zeros((n, 1, 1, width), dtype=torch.int32)
+    kv_num = torch.zeros((n, 1, 1), dtype=torch.int32)
+    qpos = torch.zeros(n, dtype=torch.int32)
+    for i, x in enumerate(lists):
+        kv_indices[i, 0, 0, : len(x)] = x
+        kv_num[i, 0, 0] = len(x)
+        qpos[i] = entries[i][1]
+    blk_owner, blk_base = _block_owners(cache, entries)
+    blk_owner_d, blk_base_d = blk_owner.to(device, non_blocking=True), blk_base.to(device, non_blocking=True)
+    qpos_d = qpos.to(device, non_blocking=True)
+    bs = cache.block_size
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        g = kv_idx // bs
+        return (blk_owner_d[g] == b) & (blk_base_d[g] + kv_idx % bs <= qpos_d[b])
+
+    return BlockMask.from_kv_blocks(
+        kv_num.to(device, non_blocking=True), kv_indices.to(device, non_blocking=True), BLOCK_SIZE=(Q_BLOCK, KV_BLOCK),
+        mask_mod=mask_mod, seq_lengths=(1, cache.key_cache[0].shape[0]), compute_q_blocks=False,
+    )
+
+
+def _packed_mask(cache: Any, entries: List[Any], t_total: int, device: torch.device) -> Any:
+    """Packed Q ``[1, Hq, T, D]`` against the flat KV: each Q block lists the KV blocks of the
+    requests whose tokens it holds, up to their causal limit. The KV's owner and position come
+    from its index (vmem: row = kv // max_context; block table: the physical block's owner and
+    first position)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
     n_qb = -(-t_total // Q_BLOCK)
     tq = n_qb * Q_BLOCK
     q_owner = torch.full((tq,), -1, dtype=torch.int32)
@@ -671,25 +785,16 @@ def _build_mask(cache: Any, batch: _Batch, t_total: int, device: torch.device) -
     lists: List[List[Any]] = [[] for _ in range(n_qb)]
     start = 0
     paged = not cache.flat_kv
-    if paged:
-        n_phys = cache.key_cache[0].shape[0] // cache.block_size
-        blk_owner = torch.full((n_phys,), -2, dtype=torch.int32)
-        blk_base = torch.zeros(n_phys, dtype=torch.int32)
     for i, (owner, past, q, kv) in enumerate(entries):
         end = start + q
-        q_owner[start:end] = owner if not paged else i
+        q_owner[start:end] = i if paged else owner
         q_pos[start:end] = torch.arange(past, past + q, dtype=torch.int32)
-        if paged:
-            kv_list, phys = kv
-            for j, b in enumerate(phys):
-                blk_owner[b] = i
-                blk_base[b] = j * cache.block_size
         qb = start // Q_BLOCK
         while qb * Q_BLOCK < end:
             last = min(end, (qb + 1) * Q_BLOCK) - 1  # last query token of this request in this Q block
             n_kv = -(-(past + (last - start) + 1) // KV_BLOCK)  # causal limit
             if paged:
-                lists[qb].append(torch.tensor(kv_list[:n_kv], dtype=torch.int32))
+                lists[qb].append(torch.tensor(kv[0][:n_kv], dtype=torch.int32))
             else:
                 first = owner * (cache.max_context // KV_BLOCK)
                 lists[qb].append(torch.arange(first, first + n_kv, dtype=torch.int32))
@@ -707,6 +812,7 @@ def _build_mask(cache: Any, batch: _Batch, t_total: int, device: torch.device) -
     kv_len = cache.key_cache[0].shape[0]
     if paged:
         bs = cache.block_size
+        blk_owner, blk_base = _block_owners(cache, entries)
         blk_owner_d = blk_owner.to(device, non_blocking=True)
         blk_base_d = blk_base.to(device, non_blocking=True)
 
@@ -759,17 +865,32 @@ def flex_paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, va
     flex = _flex(compiled)
     hq, d = query.shape[1], query.shape[3]
     gqa = hq != key.shape[1]
-    if batch.decode_rows is not None:
-        rows = batch.decode_rows
+    parts = batch.mask
+    if len(parts) == 1 and parts[0].tok is None:
+        return _run_part(flex, parts[0], cache, layer, query, k_cache, v_cache, scaling, gqa), None
+    out = query.new_empty((1, t, hq, d))
+    for part in parts:
+        out[:, part.tok] = _run_part(flex, part, cache, layer, query[:, :, part.tok], k_cache, v_cache, scaling, gqa)
+    return out, None
+
+
+def _run_part(flex: Any, part: _Part, cache: Any, layer: int, query: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, scaling: Optional[float], gqa: bool) -> torch.Tensor:
+    """One Flex call over this part's queries ``[1, Hq, t, D]``; returns ``[1, t, Hq, D]``."""
+    hq, d = query.shape[1], query.shape[3]
+    if part.kind == "rows":
+        rows = part.rows
         _, j = cache.layer_index_to_group_indices[layer]
         k4, v4 = cache._k4[j], cache._v4[j]
         q = query.new_zeros((k4.shape[0], hq, 1, d))
-        q[rows] = query[0].transpose(0, 1).unsqueeze(2)  # [T, Hq, 1, D]
-        out = flex(q, k4.transpose(1, 2), v4.transpose(1, 2), block_mask=batch.mask, scale=scaling,
-                   enable_gqa=gqa)
-        out = out[rows].squeeze(2).unsqueeze(0)  # [1, T, Hq, D]
-        return out, None
+        q[rows] = query[0].transpose(0, 1).unsqueeze(2)  # [t, Hq, 1, D]
+        out = flex(q, k4.transpose(1, 2), v4.transpose(1, 2), block_mask=part.mask, scale=scaling, enable_gqa=gqa)
+        return out[rows].squeeze(2).unsqueeze(0)
     kf = k_cache.transpose(0, 1).unsqueeze(0)  # [1, Hkv, N, D]
     vf = v_cache.transpose(0, 1).unsqueeze(0)
-    out = flex(query, kf, vf, block_mask=batch.mask, scale=scaling, enable_gqa=gqa)
-    return out.transpose(1, 2), None
+    if part.kind == "bcast":
+        q = query[0].transpose(0, 1).unsqueeze(2)  # [t, Hq, 1, D]
+        out = flex(q, kf, vf, block_mask=part.mask, scale=scaling, enable_gqa=gqa)
+        return out.squeeze(2).unsqueeze(0)
+    out = flex(query, kf, vf, block_mask=part.mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2)
