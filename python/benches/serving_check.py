@@ -124,7 +124,6 @@ def main() -> int:
         lengths = [5, 140, 300, 17, 260, 64, 33, 200]
         page, mem, ctx, mbt = "64K", "8M", 1024, 48
         h.fake_cpu_memory()
-        pre_lengths, pre_new = [250, 240, 230, 220, 500], 24
     else:
         if not torch.cuda.is_available():
             ap.error("no GPU: use --tiny for a CPU smoke test")
@@ -132,7 +131,6 @@ def main() -> int:
         tol = args.tol or 0.04
         lengths = [7, 1500, 300, 2100, 45, 900, 3000, 128, 1030, 64]
         page, mem, ctx, mbt = "2M", "4G", 8192, 512
-        pre_lengths, pre_new = [1000, 900, 950, 1010, 2500], 64
     vt.install(page_size=page, memory=mem, max_context=ctx, max_requests=16)
     os.makedirs(args.out, exist_ok=True)
     n = args.requests
@@ -200,16 +198,16 @@ def main() -> int:
         check("vmem-token-major", vt.VMEM_ATTENTION, base, dict(layout="token-major"))
         check("paged-sdpa-256", "paged|sdpa", dict(base, block_size=256, num_blocks=nblocks // 16), {})
         check("paged-blockflex-256", vt.BLOCKFLEX_ATTENTION, dict(base, block_size=256, num_blocks=nblocks // 16), {})
-        pre_prompts = h.make_prompts(len(pre_lengths), pre_lengths, model.config.vocab_size, seed=3)
-        # A budget 2 blocks short of what the requests need at their end: the engine must preempt.
         c = model.config
         hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         page_b = vt.parse_bytes(page)
         tpp = page_b // (c.num_key_value_heads * hd * dtype.itemsize)
         blk = tpp * vt.KV_BLOCK // math.gcd(tpp, vt.KV_BLOCK)
         ppb = 2 * c.num_hidden_layers * (blk // tpp)
-        need = sum(-(-(n + pre_new) // blk) for n in pre_lengths)
-        pre_mem = (max(need - 2, 2) + 1) * ppb * page_b
+        # Four rows each hold a block, then all cross into a second one with 3 free: preemption.
+        pre_lengths, pre_new = [blk - 56] * 5, 112
+        pre_mem = 8 * ppb * page_b
+        pre_prompts = h.make_prompts(len(pre_lengths), pre_lengths, model.config.vocab_size, seed=3)
         check("vmem-preempt", vt.VMEM_ATTENTION, dict(max_batch_tokens=mbt * 2), dict(memory=pre_mem, max_requests=4),
               prompts=pre_prompts, new=pre_new, stagger=None, want_preempt=True)
 

@@ -123,10 +123,14 @@ _lock = threading.Lock()
 # ------------------------------------------------------------------------------------------------
 # install / serving
 # ------------------------------------------------------------------------------------------------
-def _check_version() -> Any:
+def _transformers_version() -> str:
     import transformers
 
-    v = transformers.__version__
+    return transformers.__version__
+
+
+def _check_version() -> Any:
+    v = _transformers_version()
     if not any(v.startswith(p) for p in SUPPORTED_TRANSFORMERS):
         raise VmemError(
             f"vmem.transformers patches transformers' continuous-batching internals and was checked "
@@ -284,7 +288,14 @@ def _build_recording_class() -> Any:
         unchanged) that records each round for :func:`flex_paged_attention` and skips the gather:
         it emits write indices only, never read indices."""
 
-        flat_kv = False  # the decode path uses the packed form too (K has no row dimension)
+        flat_kv = False  # K has no row dimension: decodes use the block-table ("bcast") form
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # Flex reads whole KV blocks (masking positions past a request's length); torch.empty
+            # memory may hold NaN bit patterns, which a masked p @ V still propagates.
+            for t in self.key_cache + self.value_cache:
+                t.zero_()
 
         def extend_read_and_write_indices(self, request_id: str, past_length: int, query_length: int,
                                           read_index: Any, write_index: Any) -> None:
@@ -460,6 +471,7 @@ class VmemCBCache(_Recorder):
         self._blocks: Dict[str, int] = {}
         self._dirty = False  # lengths changed since the last step()
         self._seen: set = set()
+        self._grown: Dict[int, Tuple[int, int]] = {}  # row -> (mapped before this round, after)
         self.readmissions = 0
         self.peak_mapped_bytes = 0
         self.steps = 0
@@ -511,7 +523,9 @@ class VmemCBCache(_Recorder):
                 self._seen.add(request_id)
             self._blocks[request_id] = held + n_blocks
             self._used_blocks += n_blocks
+            old = self._grown.get(row, (self._lengths[row], 0))[0]
             self._lengths[row] = (held + n_blocks) * self.block_size
+            self._grown[row] = (old, self._lengths[row])
             self._dirty = True
             return n_blocks
         except Exception:  # noqa: BLE001 - an exception here would kill the engine's loop
@@ -524,6 +538,7 @@ class VmemCBCache(_Recorder):
             return
         self._used_blocks -= self._blocks.pop(request_id, 0)
         self._lengths[row] = 0
+        self._grown.pop(row, None)
         self.kv.free(row)
 
     def free_all_requests(self) -> None:
@@ -531,10 +546,18 @@ class VmemCBCache(_Recorder):
             self.free_blocks(request_id)
 
     def flush(self) -> None:
-        """Maps what this round's allocations need: one ``step`` for every row."""
+        """Maps what this round's allocations need: one ``step`` for every row; then zeroes the
+        newly mapped blocks (fresh pages hold anything, NaN bit patterns included, and Flex reads
+        a request's whole last KV block, masking the positions past its length: a masked NaN
+        still poisons ``p @ V``)."""
         if self._dirty:
             self.kv.step(self._lengths)
             self._dirty = False
+            for row, (old, new) in self._grown.items():
+                for k, v in zip(self._k4, self._v4):
+                    k[row, old:new].zero_()
+                    v[row, old:new].zero_()
+            self._grown.clear()
             self.steps += 1
             mapped = self.kv.usage().get("mapped_bytes", 0)
             self.peak_mapped_bytes = max(self.peak_mapped_bytes, mapped)
