@@ -104,7 +104,7 @@ def padding_cost(device: str, dtype: torch.dtype, tiny: bool) -> Dict[str, Any]:
     out["status"] = "PASS" if mixed < 0.5 * full or tiny else "FAIL"
     out["why"] = "" if out["status"] == "PASS" else f"mixed {mixed:.3f} ms vs all-long {full:.3f} ms"
     if tiny:
-        out["why"] = "CPU eager Flex reads everything: not a measurement"
+        out["why"] = "CPU dense reference reads everything: not a measurement"
     out["short_ms"] = short_
     return out
 
