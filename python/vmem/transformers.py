@@ -66,9 +66,16 @@ index tensors (``BlockMask.from_kv_blocks``), never by evaluating a mask over th
   whose tokens it holds, up to the causal limit of those tokens; ``mask_mod`` keeps same
   request and ``kv_pos <= q_pos``.
 
+A round with both decodes and prefill chunks makes one call of each kind (for ``paged|blockflex``
+the decodes are Q ``[B, Hq, 1, D]`` against the flat KV, each listing its physical blocks).
+
 No kernel reads past a request's mapped memory: a request's rows are mapped in whole blocks,
 and a block is a multiple of the KV block, so the last KV block a request lists is mapped
-(no zero page needed). For ``paged|blockflex`` the engine's ``block_size`` must be a multiple
+(no zero page needed on the GPU). Newly mapped blocks are zeroed at the round's step: Flex
+reads the whole last KV block and masks scores, and a NaN bit pattern in fresh memory would
+still poison ``p @ V``. On the CPU (not compiled) the same BlockMask is evaluated densely and
+every slot without a page is backed by vmem's zero page (docs/serving.md says why eager Flex is
+not used there). For ``paged|blockflex`` the engine's ``block_size`` must be a multiple
 of the KV block (128 or 256): the KV blocks listed are the request's physical blocks.
 """
 
