@@ -82,19 +82,21 @@ impl PagePool {
         self.check_available(n)?;
         let from_free = (n as usize).min(self.free.len());
         let mut pages = self.free.split_off(self.free.len() - from_free);
-        while (pages.len() as u64) < n {
-            match self.backend.create_page(self.page_size) {
-                Ok(p) => {
-                    self.created += 1;
-                    pages.push(p);
-                }
-                Err(e) => {
-                    self.free.extend(pages);
-                    return Err(e);
-                }
-            }
+        if let Err(e) = self.create_into(n - from_free as u64, &mut pages) {
+            self.free.extend(pages);
+            return Err(e);
         }
         Ok(pages)
+    }
+
+    /// Creates `n` pages into `pages`, counting each as created. On error the pages created
+    /// so far are in `pages`.
+    fn create_into(&mut self, n: u64, pages: &mut Vec<PageHandle>) -> Result<()> {
+        for _ in 0..n {
+            pages.push(self.backend.create_page(self.page_size)?);
+            self.created += 1;
+        }
+        Ok(())
     }
 
     /// Sets the cap to `pages` and creates pages until `pages` are created; a lower cap
@@ -112,13 +114,14 @@ impl PagePool {
         }
         let old = self.cap_pages;
         self.cap_pages = pages;
+        // Create the difference: pages already on the free list count as created.
         let want = pages - self.created;
-        let created_before = self.created;
-        match self.take(want) {
-            Ok(p) => {
-                self.put(p);
-                Ok(self.created - created_before)
-            }
+        let mut new = Vec::new();
+        let r = self.create_into(want, &mut new);
+        let created = new.len() as u64;
+        self.put(new);
+        match r {
+            Ok(()) => Ok(created),
             Err(e) => {
                 self.cap_pages = old.max(self.created);
                 Err(e)
@@ -186,5 +189,50 @@ impl Drop for PagePool {
         if let Err(e) = self.trim(0) {
             tracing::error!(error = %e, "releasing pooled pages failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{SimBackend, KIB64};
+
+    const MIB: u64 = 1 << 20;
+
+    fn pool() -> PagePool {
+        PagePool::new(Arc::new(SimBackend::new()), KIB64, MIB, 0).unwrap()
+    }
+
+    #[test]
+    fn raising_the_cap_creates_the_difference() {
+        let mut p = pool();
+        let mut got = Vec::new();
+        for bytes in [4 * MIB, 8 * MIB, 16 * MIB] {
+            let created = p.set_cap_pages(bytes / KIB64).unwrap();
+            got.push((created, p.created_pages() * KIB64, p.free_pages() * KIB64));
+        }
+        assert_eq!(
+            got,
+            [
+                (64, 4 * MIB, 4 * MIB),
+                (64, 8 * MIB, 8 * MIB),
+                (128, 16 * MIB, 16 * MIB)
+            ]
+        );
+    }
+
+    #[test]
+    fn raising_the_cap_with_pages_lent_counts_them_as_created() {
+        let mut p = pool();
+        p.set_cap_pages(64).unwrap();
+        let lent = p.take(10).unwrap();
+        assert_eq!(p.set_cap_pages(128).unwrap(), 64);
+        assert_eq!((p.created_pages(), p.free_pages()), (128, 118));
+        p.put(lent);
+        assert_eq!(p.set_cap_pages(32).unwrap(), 0);
+        assert_eq!(
+            (p.created_pages(), p.free_pages(), p.cap_pages()),
+            (32, 32, 32)
+        );
     }
 }
