@@ -31,15 +31,41 @@ impl Checked<SimMemory> {
         Self::with_page_sizes(&PAGE_SIZES).expect("the standard page sizes are valid")
     }
 
-    /// A simulation backend with the given page sizes; the largest is the granularity and
-    /// must be a multiple of every other.
+    /// A simulation backend with the given page sizes, each a power of two of at least
+    /// 4 KiB (as a GPU's are); the largest is the granularity. Other sizes are refused with
+    /// [`VmemError::InvalidConfig`].
     pub fn with_page_sizes(page_sizes: &[u64]) -> Result<Self> {
-        Checked::wrap(SimMemory::new(page_sizes))
+        Checked::wrap(SimMemory::try_new(page_sizes)?)
     }
 }
 
+/// The smallest page size the simulation accepts: the smallest a KV configuration takes.
+const SIM_MIN_PAGE: u64 = 4096;
+
 impl SimMemory {
-    /// A driver with the given page sizes; the largest is the granularity.
+    /// A driver with the given page sizes, each a power of two of at least 4 KiB; the
+    /// largest is the granularity. Refuses an empty list or any other size with
+    /// [`VmemError::InvalidConfig`].
+    pub fn try_new(page_sizes: &[u64]) -> Result<Self> {
+        if page_sizes.is_empty() {
+            return Err(VmemError::InvalidConfig(
+                "simulation backend needs at least one page size".into(),
+            ));
+        }
+        if let Some(&bad) = page_sizes
+            .iter()
+            .find(|&&s| !s.is_power_of_two() || s < SIM_MIN_PAGE)
+        {
+            return Err(VmemError::InvalidConfig(format!(
+                "simulated page size {bad} must be a power of two of at least {SIM_MIN_PAGE} bytes"
+            )));
+        }
+        Ok(Self::new(page_sizes))
+    }
+
+    /// A driver with the given page sizes, unchecked: for fixed sizes in tests. Sizes from
+    /// input go through [`SimMemory::try_new`]; a size that is not a power of two makes the
+    /// backend hand out misaligned ranges.
     pub fn new(page_sizes: &[u64]) -> Self {
         let mut sizes = page_sizes.to_vec();
         sizes.sort_unstable();
@@ -151,5 +177,32 @@ impl RawBackend for SimMemory {
         _count: u64,
     ) -> std::result::Result<(), PartialMap> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Backend, KIB64};
+
+    #[test]
+    fn page_sizes_that_are_not_powers_of_two_are_refused_at_construction() {
+        for sizes in [
+            &[12288, 36864][..],
+            &[3 * KIB64],
+            &[KIB64, 3 * MIB2],
+            &[0],
+            &[1024],
+            &[],
+        ] {
+            match SimBackend::with_page_sizes(sizes) {
+                Err(VmemError::InvalidConfig(msg)) => {
+                    assert!(msg.contains("page size"), "{sizes:?}: {msg}")
+                }
+                other => panic!("{sizes:?} accepted: {other:?}"),
+            }
+        }
+        let b = SimBackend::with_page_sizes(&[4096, KIB64, MIB2]).unwrap();
+        assert_eq!(b.page_sizes(), [4096, KIB64, MIB2]);
     }
 }
