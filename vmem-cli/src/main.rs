@@ -29,7 +29,11 @@ const BUNDLED_NAME: &str = "bundled:azure-conv-2023-first2000.csv";
     about = "Demand-paged, virtually contiguous KV-cache memory: replay LLM request traces and \
              measure what each allocator wastes",
     long_about = None,
-    after_help = "With no subcommand, runs `replay` with the options given."
+    after_help = "With no subcommand, runs `replay` with the options given. Options go after \
+                  the subcommand when there is one (`vmem replay --budget 1G`).",
+    // `vmem --budget 1G replay` would otherwise parse --budget into the top-level options
+    // and replay with the subcommand's default: refuse it instead.
+    args_conflicts_with_subcommands = true
 )]
 struct Cli {
     #[command(subcommand)]

@@ -538,3 +538,44 @@ fn pad_rows_maps_every_request_to_the_longest_and_shows_its_cost() {
         text(&bad.stderr)
     );
 }
+
+#[test]
+fn replay_options_before_the_subcommand_are_refused_not_ignored() {
+    for args in [
+        &[
+            "--budget",
+            "1G",
+            "replay",
+            "--backend",
+            "sim",
+            "--requests",
+            "5",
+        ][..],
+        &["--trace", "t.csv", "replay", "--backend", "sim"],
+        &["--quiet", "replay", "--backend", "sim", "--requests", "5"],
+        &["--backend", "sim", "detect"],
+    ] {
+        let out = vmem(args);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(out.stdout.is_empty(), "{args:?}: {}", text(&out.stdout));
+        assert!(err.contains("cannot be used with"), "{args:?}: {err}");
+        assert!(err.contains(args[0]), "{args:?}: {err}");
+    }
+    // Without a subcommand they are the replay's options, as before.
+    let out = vmem(&[
+        "--backend",
+        "sim",
+        "--requests",
+        "5",
+        "--budget",
+        "1G",
+        "--quiet",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("budget 1G |"),
+        "{}",
+        text(&out.stdout)
+    );
+}
