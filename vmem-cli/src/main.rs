@@ -6,6 +6,7 @@ mod report;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use report::{Progress, Row, Settings};
+use std::io::{self, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 use vmem::backend::{open_backend, Backend, BackendChoice, BackendKind, HostBackend, PAGE_SIZES};
@@ -203,19 +204,68 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    let stdout = io::stdout();
+    let mut out = stdout.lock();
     let result = match cli.command {
-        Some(Command::Detect { device }) => detect(device),
-        Some(Command::Replay(args)) => run_replay(&args),
-        None => run_replay(&cli.replay),
-    };
-    if let Err(e) = result {
-        eprintln!("error: {e}");
-        std::process::exit(1);
+        Some(Command::Detect { device }) => detect(&mut out, device),
+        Some(Command::Replay(args)) => run_replay(&mut out, &args),
+        None => run_replay(&mut out, &cli.replay),
+    }
+    .and_then(|()| out.flush().map_err(CliError::Output));
+    match result {
+        Ok(()) => {}
+        // The reader went away (`vmem replay | head -2`): stop quietly, as `cat` does; a
+        // shell reports `cat` killed by SIGPIPE as 128 + 13.
+        Err(CliError::Output(e)) if e.kind() == io::ErrorKind::BrokenPipe => {
+            std::process::exit(EXIT_BROKEN_PIPE)
+        }
+        Err(e) => {
+            // Nothing more to say if stderr is gone too; the status still says failure.
+            let _ = writeln!(io::stderr(), "error: {e}");
+            std::process::exit(1);
+        }
     }
 }
 
-fn detect(device: usize) -> Result<(), ReplayError> {
-    println!("nvidia-uvm: {}", uvm_ioctl::detect().describe());
+/// Exit status when standard output is a closed pipe: 128 + SIGPIPE, as a shell reports for
+/// `cat` in `cat big | head -1`.
+const EXIT_BROKEN_PIPE: i32 = 141;
+
+/// Why a command failed.
+#[derive(Debug)]
+enum CliError {
+    /// The settings, the trace or the memory under test.
+    Replay(ReplayError),
+    /// Standard output could not be written (a full disk, a closed pipe).
+    Output(io::Error),
+}
+
+impl std::fmt::Display for CliError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CliError::Replay(e) => e.fmt(f),
+            CliError::Output(e) => write!(f, "writing the output: {e}"),
+        }
+    }
+}
+
+impl<E: Into<ReplayError>> From<E> for CliError {
+    fn from(e: E) -> Self {
+        CliError::Replay(e.into())
+    }
+}
+
+/// Writes to standard output, turning a failed write into [`CliError::Output`].
+fn emit(r: io::Result<()>) -> Result<(), CliError> {
+    r.map_err(CliError::Output)
+}
+
+fn detect(out: &mut dyn Write, device: usize) -> Result<(), CliError> {
+    emit(writeln!(
+        out,
+        "nvidia-uvm: {}",
+        uvm_ioctl::detect().describe()
+    ))?;
     let sel = open_backend(BackendChoice::from_env_or(BackendChoice::Auto)?, device)?;
     let sizes: Vec<String> = sel
         .backend
@@ -223,13 +273,13 @@ fn detect(device: usize) -> Result<(), ReplayError> {
         .iter()
         .map(|&p| format_bytes(p))
         .collect();
-    println!(
+    emit(writeln!(
+        out,
         "backend:    {} (page sizes {})",
         sel.backend.name(),
         sizes.join(", ")
-    );
-    println!("reason:     {}", sel.reason);
-    Ok(())
+    ))?;
+    emit(writeln!(out, "reason:     {}", sel.reason))
 }
 
 fn config_err(flag: &str, e: impl std::fmt::Display) -> ReplayError {
@@ -461,19 +511,20 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
     })
 }
 
-fn run_replay(args: &ReplayArgs) -> Result<(), ReplayError> {
+fn run_replay(out: &mut dyn Write, args: &ReplayArgs) -> Result<(), CliError> {
     let p = plan(args)?;
     let s = &p.settings;
     let human = !args.json && !args.csv;
     if human {
-        report::print_header(s);
-        report::print_table_header();
+        emit(report::print_header(out, s))?;
+        emit(report::print_table_header(out))?;
     }
-    let emit = |rows: &mut Vec<Row>, row: Row| {
+    let add_row = |out: &mut dyn Write, rows: &mut Vec<Row>, row: Row| {
         if human {
-            report::print_row(&row);
+            emit(report::print_row(out, &row))?;
         }
         rows.push(row);
+        Ok::<(), CliError>(())
     };
     let n = p.trace.len();
     let mut rows = Vec::new();
@@ -492,7 +543,8 @@ fn run_replay(args: &ReplayArgs) -> Result<(), ReplayError> {
         stats
     };
     let block_waste = blocks.avg_waste();
-    emit(
+    add_row(
+        out,
         &mut rows,
         Row::new(
             format!("blocks-{}tok", s.block_tokens),
@@ -500,7 +552,7 @@ fn run_replay(args: &ReplayArgs) -> Result<(), ReplayError> {
             &blocks,
             block_waste,
         ),
-    );
+    )?;
     for cfg in &p.configs {
         let label = format!("vmem-{}", format_bytes(cfg.page_size));
         let mut progress = Progress::new(&label, n, args.quiet);
@@ -508,7 +560,8 @@ fn run_replay(args: &ReplayArgs) -> Result<(), ReplayError> {
         let mut m = &kv;
         let stats = replay(&mut m, &p.trace, &p.rcfg, |d| progress.update(d))?;
         progress.finish();
-        emit(
+        add_row(
+            out,
             &mut rows,
             Row::new(
                 format!("{label}-{}", s.layout),
@@ -516,7 +569,7 @@ fn run_replay(args: &ReplayArgs) -> Result<(), ReplayError> {
                 &stats,
                 block_waste,
             ),
-        );
+        )?;
     }
     {
         let mut progress = Progress::new("max-reservation", n, args.quiet);
@@ -524,17 +577,17 @@ fn run_replay(args: &ReplayArgs) -> Result<(), ReplayError> {
             MaxReservation::new(s.token_bytes, s.max_batch, s.max_context as u64, s.budget)?;
         let stats = replay(&mut m, &p.trace, &p.rcfg, |d| progress.update(d))?;
         progress.finish();
-        emit(
+        add_row(
+            out,
             &mut rows,
             Row::new("max-reservation".into(), None, &stats, block_waste),
-        );
+        )?;
     }
-    if args.json {
-        report::print_json(s, &rows);
+    emit(if args.json {
+        report::print_json(out, s, &rows)
     } else if args.csv {
-        report::print_csv(&rows);
+        report::print_csv(out, &rows)
     } else {
-        report::print_legend();
-    }
-    Ok(())
+        report::print_legend(out)
+    })
 }

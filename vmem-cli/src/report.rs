@@ -1,7 +1,7 @@
 //! What `vmem replay` prints: the header, the table (or JSON, or CSV), and progress.
 
 use indicatif::{ProgressBar, ProgressStyle};
-use std::io::IsTerminal;
+use std::io::{self, IsTerminal, Write};
 use std::time::{Duration, Instant};
 use vmem::units::format_bytes;
 use vmem_replay::ReplayStats;
@@ -86,12 +86,14 @@ fn on(b: bool) -> &'static str {
     }
 }
 
-pub fn print_header(s: &Settings) {
-    println!(
+pub fn print_header(out: &mut dyn Write, s: &Settings) -> io::Result<()> {
+    writeln!(
+        out,
         "trace      {} ({}, {} requests, {} replayed)",
         s.trace, s.format, s.trace_requests, s.replayed
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "oversize   {} requests longer than the max context ({} tokens): {}",
         s.oversize_count,
         s.max_context,
@@ -100,13 +102,15 @@ pub fn print_header(s: &Settings) {
             "truncate" => "truncated to the context",
             _ => "none allowed",
         }
-    );
-    println!("arrivals   {}", s.arrivals);
-    println!(
+    )?;
+    writeln!(out, "arrivals   {}", s.arrivals)?;
+    writeln!(
+        out,
         "model      {} TP-{}, {} bytes of K+V per token | vmem layout {}",
         s.model, s.tp, s.token_bytes, s.layout
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "memory     budget {} | B={} L={} | iteration {} ms{}",
         format_bytes(s.budget),
         s.max_batch,
@@ -115,21 +119,24 @@ pub fn print_header(s: &Settings) {
         s.horizon_s
             .map(|h| format!(" | horizon {h} s"))
             .unwrap_or_default()
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "vmem       deferred-reclaim {}, eager {}, overlap {}, pad-rows {}",
         on(s.deferred_reclaim),
         on(s.eager),
         on(s.overlap),
         on(s.pad_rows)
-    );
-    println!("backend    {} ({})", s.backend, s.backend_reason);
-    println!();
+    )?;
+    writeln!(out, "backend    {} ({})", s.backend, s.backend_reason)?;
+    writeln!(out)?;
+    Ok(())
 }
 
 /// The table's column names (printed once, before the first row).
-pub fn print_table_header() {
-    println!(
+pub fn print_table_header(out: &mut dyn Write) -> io::Result<()> {
+    writeln!(
+        out,
         "{:<24} {:>9} {:>10} {:>9} {:>9} {:>8} {:>9} {:>9} {:>10} {:>10} {:>10}",
         "allocator",
         "avg waste",
@@ -142,38 +149,43 @@ pub fn print_table_header() {
         "peak batch",
         "sync pages",
         "bg pages"
-    );
+    )?;
+    Ok(())
 }
 
 /// One row of the table, printed as soon as its replay finished.
-pub fn print_row(r: &Row) {
-    {
-        println!(
-            "{:<24} {:>8.2}% {:>9.2}% {:>9} {:>9} {:>8} {:>9} {:>9} {:>10} {:>10} {:>10}",
-            r.allocator,
-            r.avg_waste * 100.0,
-            r.peak_waste * 100.0,
-            r.vs_blocks
-                .map(|v| format!("{v:.2}x"))
-                .unwrap_or_else(|| "-".into()),
-            r.completed,
-            r.rejected_budget,
-            r.preemptions,
-            r.queued_at_end,
-            r.peak_batch,
-            r.sync_pages,
-            r.background_pages,
-        );
-    }
+pub fn print_row(out: &mut dyn Write, r: &Row) -> io::Result<()> {
+    writeln!(
+        out,
+        "{:<24} {:>8.2}% {:>9.2}% {:>9} {:>9} {:>8} {:>9} {:>9} {:>10} {:>10} {:>10}",
+        r.allocator,
+        r.avg_waste * 100.0,
+        r.peak_waste * 100.0,
+        r.vs_blocks
+            .map(|v| format!("{v:.2}x"))
+            .unwrap_or_else(|| "-".into()),
+        r.completed,
+        r.rejected_budget,
+        r.preemptions,
+        r.queued_at_end,
+        r.peak_batch,
+        r.sync_pages,
+        r.background_pages,
+    )?;
+    Ok(())
 }
 
 /// What the columns mean, after the table.
-pub fn print_legend() {
-    println!();
-    println!("avg waste   time-averaged share of the memory mapped to running requests that holds no KV data");
-    println!("peak waste  1 - peak KV bytes / peak bytes mapped to running requests");
-    println!("vs blocks   avg waste / the 16-token blocks' avg waste (ratios hold across traces; percentages move with request lengths)");
-    println!("rejected    requests that do not fit the whole budget even alone; queued: arrived but not admitted at the horizon");
+pub fn print_legend(out: &mut dyn Write) -> io::Result<()> {
+    writeln!(out)?;
+    writeln!(out, "avg waste   time-averaged share of the memory mapped to running requests that holds no KV data")?;
+    writeln!(
+        out,
+        "peak waste  1 - peak KV bytes / peak bytes mapped to running requests"
+    )?;
+    writeln!(out, "vs blocks   avg waste / the 16-token blocks' avg waste (ratios hold across traces; percentages move with request lengths)")?;
+    writeln!(out, "rejected    requests that do not fit the whole budget even alone; queued: arrived but not admitted at the horizon")?;
+    Ok(())
 }
 
 fn row_json(r: &Row) -> serde_json::Value {
@@ -196,7 +208,7 @@ fn row_json(r: &Row) -> serde_json::Value {
     })
 }
 
-pub fn print_json(s: &Settings, rows: &[Row]) {
+pub fn print_json(out: &mut dyn Write, s: &Settings, rows: &[Row]) -> io::Result<()> {
     let v = serde_json::json!({
         "settings": {
             "trace": s.trace,
@@ -224,16 +236,19 @@ pub fn print_json(s: &Settings, rows: &[Row]) {
         },
         "rows": rows.iter().map(row_json).collect::<Vec<_>>(),
     });
-    println!(
+    writeln!(
+        out,
         "{}",
         serde_json::to_string_pretty(&v).expect("plain JSON values")
-    );
+    )?;
+    Ok(())
 }
 
-pub fn print_csv(rows: &[Row]) {
-    println!("allocator,page_size,avg_waste,peak_waste,vs_blocks,completed,rejected_budget,preemptions,running_at_end,queued_at_end,peak_batch,peak_mapped_bytes,peak_kv_bytes,sync_pages,background_pages");
+pub fn print_csv(out: &mut dyn Write, rows: &[Row]) -> io::Result<()> {
+    writeln!(out, "allocator,page_size,avg_waste,peak_waste,vs_blocks,completed,rejected_budget,preemptions,running_at_end,queued_at_end,peak_batch,peak_mapped_bytes,peak_kv_bytes,sync_pages,background_pages")?;
     for r in rows {
-        println!(
+        writeln!(
+            out,
             "{},{},{:.6},{:.6},{},{},{},{},{},{},{},{},{},{},{}",
             r.allocator,
             r.page_size.map(|p| p.to_string()).unwrap_or_default(),
@@ -250,8 +265,9 @@ pub fn print_csv(rows: &[Row]) {
             r.peak_kv_bytes,
             r.sync_pages,
             r.background_pages
-        );
+        )?;
     }
+    Ok(())
 }
 
 /// Progress on stderr: a bar on a terminal, a line every few seconds otherwise, nothing with
@@ -305,7 +321,9 @@ impl Progress {
             } => {
                 if last.elapsed() >= LINE_EVERY {
                     *last = Instant::now();
-                    eprintln!(
+                    // Progress is best effort: a closed or full stderr must not stop the replay.
+                    let _ = writeln!(
+                        io::stderr(),
                         "{label}: {done}/{total} requests finished, {:.0} s",
                         start.elapsed().as_secs_f64()
                     );
@@ -325,7 +343,8 @@ impl Progress {
                 ..
             } => {
                 if start.elapsed() >= LINE_EVERY {
-                    eprintln!(
+                    let _ = writeln!(
+                        io::stderr(),
                         "{label}: done ({total} requests), {:.0} s",
                         start.elapsed().as_secs_f64()
                     );

@@ -579,3 +579,54 @@ fn replay_options_before_the_subcommand_are_refused_not_ignored() {
         text(&out.stdout)
     );
 }
+
+/// Runs vmem with `stdout` as its standard output, returning its exit status and stderr.
+fn vmem_to(args: &[&str], stdout: std::process::Stdio) -> (std::process::ExitStatus, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vmem"))
+        .args(args)
+        .env_remove("VMEM_BACKEND")
+        .stdout(stdout)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run vmem");
+    let out = child.wait_with_output().expect("wait for vmem");
+    (out.status, text(&out.stderr))
+}
+
+#[test]
+fn a_closed_stdout_ends_quietly_as_cat_does() {
+    // A pipe whose reader is gone before vmem starts: its first write fails with EPIPE.
+    let closed = || {
+        let (reader, writer) = std::io::pipe().expect("pipe");
+        drop(reader);
+        std::process::Stdio::from(writer)
+    };
+    for fmt in [&[][..], &["--json"], &["--csv"]] {
+        let mut args = vec!["replay", "--quiet", "--backend", "sim", "--requests", "20"];
+        args.extend_from_slice(fmt);
+        let (status, err) = vmem_to(&args, closed());
+        // 141 = 128 + SIGPIPE: what a shell reports for `cat big | head -1`.
+        assert_eq!(status.code(), Some(141), "{fmt:?}: {err}");
+        assert!(err.is_empty(), "{fmt:?}: {err}");
+    }
+    let (status, err) = vmem_to(&["detect"], closed());
+    assert_eq!(status.code(), Some(141), "detect: {err}");
+    assert!(err.is_empty(), "detect: {err}");
+}
+
+#[test]
+fn a_full_stdout_is_an_error_not_a_panic() {
+    for fmt in [&[][..], &["--json"], &["--csv"]] {
+        let mut args = vec!["replay", "--quiet", "--backend", "sim", "--requests", "20"];
+        args.extend_from_slice(fmt);
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .expect("/dev/full");
+        let (status, err) = vmem_to(&args, full.into());
+        assert_eq!(status.code(), Some(1), "{fmt:?}: {err}");
+        assert!(err.contains("writing the output"), "{fmt:?}: {err}");
+        assert!(err.contains("No space left on device"), "{fmt:?}: {err}");
+        assert!(!err.contains("panicked"), "{fmt:?}: {err}");
+    }
+}
