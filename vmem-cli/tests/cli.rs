@@ -582,7 +582,7 @@ fn replay_options_before_the_subcommand_are_refused_not_ignored() {
 
 /// Runs vmem with `stdout` as its standard output, returning its exit status and stderr.
 fn vmem_to(args: &[&str], stdout: std::process::Stdio) -> (std::process::ExitStatus, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_vmem"))
+    let child = Command::new(env!("CARGO_BIN_EXE_vmem"))
         .args(args)
         .env_remove("VMEM_BACKEND")
         .stdout(stdout)
