@@ -542,7 +542,7 @@ fn run_replay(out: &mut dyn Write, args: &ReplayArgs) -> Result<(), CliError> {
         progress.finish();
         stats
     };
-    let block_waste = blocks.avg_waste();
+    let block_waste = report::avg_waste(&blocks);
     add_row(
         out,
         &mut rows,

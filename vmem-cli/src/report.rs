@@ -39,9 +39,12 @@ pub struct Settings {
 pub struct Row {
     pub allocator: String,
     pub page_size: Option<u64>,
-    pub avg_waste: f64,
-    pub peak_waste: f64,
-    /// Average waste divided by the blocks baseline's.
+    /// Time-averaged waste; `None` when nothing was ever mapped (0/0).
+    pub avg_waste: Option<f64>,
+    /// Waste at the peak; `None` when nothing was ever mapped (0/0).
+    pub peak_waste: Option<f64>,
+    /// Average waste divided by the blocks baseline's; `None` when either is `None` or the
+    /// baseline's is 0.
     pub vs_blocks: Option<f64>,
     pub completed: usize,
     pub rejected_budget: usize,
@@ -56,14 +59,20 @@ pub struct Row {
 }
 
 impl Row {
-    pub fn new(allocator: String, page_size: Option<u64>, s: &ReplayStats, blocks: f64) -> Self {
-        let avg = s.avg_waste();
+    /// A row from a replay's statistics and the blocks baseline's average waste.
+    pub fn new(
+        allocator: String,
+        page_size: Option<u64>,
+        s: &ReplayStats,
+        blocks: Option<f64>,
+    ) -> Self {
+        let avg = avg_waste(s);
         Row {
             allocator,
             page_size,
             avg_waste: avg,
-            peak_waste: s.peak_waste(),
-            vs_blocks: (blocks > 0.0).then(|| avg / blocks),
+            peak_waste: (s.peak_active_mapped_bytes > 0).then(|| s.peak_waste()),
+            vs_blocks: avg.zip(blocks.filter(|&b| b > 0.0)).map(|(a, b)| a / b),
             completed: s.completed,
             rejected_budget: s.rejected_budget,
             preemptions: s.preemptions,
@@ -76,6 +85,24 @@ impl Row {
             background_pages: s.background_pages,
         }
     }
+}
+
+/// A replay's time-averaged waste, `None` when nothing was ever mapped to a running request
+/// (the ratio is 0/0; `ReplayStats::avg_waste` reads it as 0).
+pub fn avg_waste(s: &ReplayStats) -> Option<f64> {
+    (s.sum_active_mapped_bytes > 0).then(|| s.avg_waste())
+}
+
+/// A ratio as a percentage, or "n/a" when it is undefined.
+fn percent(v: Option<f64>) -> String {
+    v.map(|v| format!("{:.2}%", v * 100.0))
+        .unwrap_or_else(|| "n/a".into())
+}
+
+/// An optional number for CSV: empty when undefined (what `vs_blocks` and `page_size`
+/// already do; pandas and R read it as missing).
+fn csv_num(v: Option<f64>, digits: usize) -> String {
+    v.map(|v| format!("{v:.digits$}")).unwrap_or_default()
 }
 
 fn on(b: bool) -> &'static str {
@@ -157,13 +184,13 @@ pub fn print_table_header(out: &mut dyn Write) -> io::Result<()> {
 pub fn print_row(out: &mut dyn Write, r: &Row) -> io::Result<()> {
     writeln!(
         out,
-        "{:<24} {:>8.2}% {:>9.2}% {:>9} {:>9} {:>8} {:>9} {:>9} {:>10} {:>10} {:>10}",
+        "{:<24} {:>9} {:>10} {:>9} {:>9} {:>8} {:>9} {:>9} {:>10} {:>10} {:>10}",
         r.allocator,
-        r.avg_waste * 100.0,
-        r.peak_waste * 100.0,
+        percent(r.avg_waste),
+        percent(r.peak_waste),
         r.vs_blocks
             .map(|v| format!("{v:.2}x"))
-            .unwrap_or_else(|| "-".into()),
+            .unwrap_or_else(|| "n/a".into()),
         r.completed,
         r.rejected_budget,
         r.preemptions,
@@ -249,12 +276,12 @@ pub fn print_csv(out: &mut dyn Write, rows: &[Row]) -> io::Result<()> {
     for r in rows {
         writeln!(
             out,
-            "{},{},{:.6},{:.6},{},{},{},{},{},{},{},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
             r.allocator,
             r.page_size.map(|p| p.to_string()).unwrap_or_default(),
-            r.avg_waste,
-            r.peak_waste,
-            r.vs_blocks.map(|v| format!("{v:.4}")).unwrap_or_default(),
+            csv_num(r.avg_waste, 6),
+            csv_num(r.peak_waste, 6),
+            csv_num(r.vs_blocks, 4),
             r.completed,
             r.rejected_budget,
             r.preemptions,

@@ -630,3 +630,57 @@ fn a_full_stdout_is_an_error_not_a_panic() {
         assert!(!err.contains("panicked"), "{fmt:?}: {err}");
     }
 }
+
+#[test]
+fn waste_of_nothing_mapped_is_not_a_number() {
+    // 2 MB holds 16 tokens of llama-3-8b: every request is rejected, nothing is ever mapped,
+    // so both waste ratios are 0/0.
+    let base = [
+        "replay",
+        "--quiet",
+        "--backend",
+        "sim",
+        "--requests",
+        "20",
+        "--budget",
+        "2M",
+        "--page-sizes",
+        "2M",
+    ];
+    let out = vmem(&base);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let table = text(&out.stdout);
+    let rows: Vec<&str> = table
+        .lines()
+        .filter(|l| l.starts_with("blocks-") || l.starts_with("vmem-") || l.starts_with("max-"))
+        .collect();
+    assert_eq!(rows.len(), 3, "{table}");
+    for row in rows {
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(&cols[1..4], ["n/a", "n/a", "n/a"], "{row}");
+        assert!(!row.contains('%'), "{row}");
+    }
+
+    let json = vmem(&[&base[..], &["--json"]].concat());
+    assert!(json.status.success(), "{}", text(&json.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    for r in v["rows"].as_array().unwrap() {
+        assert_eq!(r["rejected_budget"], 20, "{r}");
+        for k in ["avg_waste", "peak_waste", "vs_blocks"] {
+            assert!(r[k].is_null(), "{k}: {r}");
+        }
+    }
+
+    let csv = vmem(&[&base[..], &["--csv"]].concat());
+    assert!(csv.status.success(), "{}", text(&csv.stderr));
+    let csv = text(&csv.stdout);
+    let mut lines = csv.lines();
+    let head: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let col = |name: &str| head.iter().position(|h| *h == name).unwrap();
+    for line in lines {
+        let f: Vec<&str> = line.split(',').collect();
+        for k in ["avg_waste", "peak_waste", "vs_blocks"] {
+            assert_eq!(f[col(k)], "", "{k} in {line}");
+        }
+    }
+}
