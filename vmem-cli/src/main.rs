@@ -511,8 +511,73 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
     })
 }
 
+/// Most request ids a replay may ask for: the manager keeps per-id state in every buffer, so
+/// a larger --max-batch would spend gigabytes of host memory on bookkeeping before the first
+/// request (vLLM's default is 256).
+const MAX_BATCH_LIMIT: usize = 1 << 16;
+
+/// Sets up every contender once, before anything is printed, so a replay whose memory cannot
+/// be had fails up front naming the product that is too big (docs/replay.md promises every
+/// flag is checked before output). The contenders are dropped again; each replay sets its own
+/// up afresh.
+fn check_memory(p: &Plan) -> Result<(), ReplayError> {
+    let s = &p.settings;
+    if s.max_batch > MAX_BATCH_LIMIT {
+        return Err(config_err(
+            "--max-batch",
+            format!("{} request ids is more than {MAX_BATCH_LIMIT}", s.max_batch),
+        ));
+    }
+    let per_token = format!("{} bytes of K+V per token", s.token_bytes);
+    let block_bytes = s.block_tokens.checked_mul(s.token_bytes).ok_or_else(|| {
+        config_err(
+            "--block-tokens",
+            format!(
+                "--block-tokens {} x {per_token} overflows 64 bits",
+                s.block_tokens
+            ),
+        )
+    })?;
+    if block_bytes > s.budget {
+        return Err(config_err(
+            "--block-tokens",
+            format!(
+                "one block of {} tokens x {per_token} = {} exceeds the budget {}",
+                s.block_tokens,
+                format_bytes(block_bytes),
+                format_bytes(s.budget)
+            ),
+        ));
+    }
+    let (b, l) = (s.max_batch, s.max_context as u64);
+    BlockMemory::new(s.token_bytes, s.block_tokens, b, l, s.budget)?;
+    MaxReservation::new(s.token_bytes, b, l, s.budget).map_err(|e| {
+        config_err(
+            "--max-context",
+            format!("--max-context {l} x {per_token}: {e}"),
+        )
+    })?;
+    for cfg in &p.configs {
+        let geo = cfg.validate()?;
+        let virt = u128::from(geo.slice_bytes) * b as u128 * geo.buffers as u128;
+        if let Err(e) = KvCacheManager::init(p.backend.clone(), cfg.clone()) {
+            return Err(config_err(
+                "--max-batch/--max-context",
+                format!(
+                    "--max-batch {b} x --max-context {l} x {per_token} = {virt} bytes of \
+                     virtual memory for vmem-{}, which the {} backend cannot reserve: {e}",
+                    format_bytes(cfg.page_size),
+                    p.backend.name()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn run_replay(out: &mut dyn Write, args: &ReplayArgs) -> Result<(), CliError> {
     let p = plan(args)?;
+    check_memory(&p)?;
     let s = &p.settings;
     let human = !args.json && !args.csv;
     if human {

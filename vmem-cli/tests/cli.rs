@@ -684,3 +684,69 @@ fn waste_of_nothing_mapped_is_not_a_number() {
         }
     }
 }
+
+#[test]
+fn memory_that_cannot_be_had_is_refused_before_any_output() {
+    let cases: &[(&[&str], &[&str])] = &[
+        // 2^32 tokens x 128 KB a token x 256 requests: past the 57-bit simulated space.
+        (
+            &[
+                "--backend",
+                "sim",
+                "--max-context",
+                "4294967296",
+                "--page-sizes",
+                "64K",
+            ],
+            &[
+                "--max-batch 256 x --max-context 4294967296 x 131072 bytes",
+                "sim backend",
+            ],
+        ),
+        (
+            &["--backend", "sim", "--block-tokens", "18446744073709551615"],
+            &["--block-tokens 18446744073709551615 x 131072 bytes"],
+        ),
+        // A block bigger than the whole budget.
+        (
+            &["--backend", "sim", "--block-tokens", "1048576"],
+            &["--block-tokens", "exceeds the budget"],
+        ),
+        // Past the 47-bit user address space of the host.
+        (
+            &[
+                "--backend",
+                "host",
+                "--max-context",
+                "1000000000",
+                "--max-batch",
+                "60000",
+                "--page-sizes",
+                "2M",
+            ],
+            &[
+                "--max-batch 60000 x --max-context 1000000000 x 131072 bytes",
+                "host backend",
+            ],
+        ),
+        (
+            &["--backend", "sim", "--max-batch", "1000000"],
+            &["--max-batch", "65536"],
+        ),
+    ];
+    for (args, wants) in cases {
+        let all = [&["replay", "--requests", "5"][..], args].concat();
+        let out = vmem(&all);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            out.stdout.is_empty(),
+            "{args:?} printed {}",
+            text(&out.stdout)
+        );
+        for want in *wants {
+            assert!(err.contains(want), "{args:?}: no {want:?} in {err}");
+        }
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
