@@ -21,6 +21,11 @@ pub struct PagePool {
 impl PagePool {
     /// A pool of `page_size` pages holding at most `cap_bytes`, with `prealloc_bytes` created
     /// up front (rounded down to whole pages).
+    ///
+    /// Where the backend reports its free memory (the eager host backend, CUDA), the cap is
+    /// lowered to what is free now, with a warning, so that a default cap fits the machine;
+    /// a pre-allocation larger than that fails with [`VmemError::OutOfMemory`] before any
+    /// page is created.
     pub fn new(
         backend: Arc<dyn Backend>,
         page_size: u64,
@@ -28,7 +33,7 @@ impl PagePool {
         prealloc_bytes: u64,
     ) -> Result<Self> {
         backend.check_page_size(page_size)?;
-        let cap_pages = cap_bytes / page_size;
+        let mut cap_pages = cap_bytes / page_size;
         if cap_pages == 0 {
             return Err(VmemError::InvalidConfig(format!(
                 "memory cap {cap_bytes} bytes holds no {page_size}-byte page"
@@ -38,6 +43,26 @@ impl PagePool {
             return Err(VmemError::InvalidConfig(format!(
                 "pre-allocation {prealloc_bytes} bytes exceeds the cap {cap_bytes}"
             )));
+        }
+        if let Some(free) = backend.free_memory() {
+            let fit = free / page_size;
+            let pre = prealloc_bytes / page_size;
+            if pre > fit || fit == 0 {
+                return Err(VmemError::OutOfMemory {
+                    needed_pages: pre.max(1),
+                    available_pages: fit,
+                    cap_bytes,
+                });
+            }
+            if cap_pages > fit {
+                tracing::warn!(
+                    cap_bytes,
+                    free_bytes = free,
+                    backend = backend.name(),
+                    "memory cap lowered to the memory the backend has free"
+                );
+                cap_pages = fit;
+            }
         }
         let mut pool = PagePool {
             backend,
@@ -102,6 +127,10 @@ impl PagePool {
     /// Sets the cap to `pages` and creates pages until `pages` are created; a lower cap
     /// releases free pages down to it (lent pages stay). Returns the pages created. On error
     /// the cap is as before and the pages created so far stay in the pool.
+    ///
+    /// Where the backend reports its free memory, more pages than it holds are refused with
+    /// [`VmemError::OutOfMemory`] before any is created (an eager host backend would
+    /// otherwise commit until the kernel's OOM killer ends the process).
     pub fn set_cap_pages(&mut self, pages: u64) -> Result<u64> {
         if pages == 0 {
             return Err(VmemError::InvalidConfig("a pool cap of 0 pages".into()));
@@ -112,10 +141,20 @@ impl PagePool {
             self.cap_pages = pages.max(self.created);
             return Ok(0);
         }
+        let want = pages - self.created;
+        if let Some(free) = self.backend.free_memory() {
+            let fit = free / self.page_size;
+            if want > fit {
+                return Err(VmemError::OutOfMemory {
+                    needed_pages: want,
+                    available_pages: fit,
+                    cap_bytes: self.cap_pages * self.page_size,
+                });
+            }
+        }
         let old = self.cap_pages;
         self.cap_pages = pages;
         // Create the difference: pages already on the free list count as created.
-        let want = pages - self.created;
         let mut new = Vec::new();
         let r = self.create_into(want, &mut new);
         let created = new.len() as u64;
@@ -195,7 +234,7 @@ impl Drop for PagePool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{SimBackend, KIB64};
+    use crate::backend::{SimBackend, KIB64, MIB2};
 
     const MIB: u64 = 1 << 20;
 
@@ -234,5 +273,100 @@ mod tests {
             (p.created_pages(), p.free_pages(), p.cap_pages()),
             (32, 32, 32)
         );
+    }
+
+    #[test]
+    fn a_reservation_past_the_free_memory_is_refused_before_anything_is_created() {
+        let b = Arc::new(SimBackend::new());
+        let mut p = PagePool::new(b.clone(), KIB64, MIB, 0).unwrap();
+        p.set_cap_pages(16).unwrap();
+        b.set_free_memory(Some(8 * MIB));
+        // 17 MiB would need 256 more pages; 8 MiB free holds 128.
+        match p.set_cap_pages(17 * MIB / KIB64) {
+            Err(VmemError::OutOfMemory {
+                needed_pages,
+                available_pages,
+                ..
+            }) => assert_eq!((needed_pages, available_pages), (256, 128)),
+            other => panic!("17 MiB with 8 MiB free: {other:?}"),
+        }
+        assert_eq!((p.created_pages(), p.cap_pages()), (16, 16));
+        assert_eq!(b.live_pages(), 16);
+        // What the free memory holds is still granted.
+        assert_eq!(p.set_cap_pages(9 * MIB / KIB64).unwrap(), 128);
+    }
+
+    #[test]
+    fn the_cap_fits_the_free_memory_when_the_pool_is_made() {
+        let b = Arc::new(SimBackend::new());
+        b.set_free_memory(Some(4 * MIB));
+        let p = PagePool::new(b.clone(), KIB64, 1 << 40, 0).unwrap();
+        assert_eq!(p.cap_pages(), 64);
+        match PagePool::new(b.clone(), KIB64, 1 << 40, 8 * MIB) {
+            Err(VmemError::OutOfMemory { needed_pages, .. }) => assert_eq!(needed_pages, 128),
+            other => panic!("8 MiB pre-allocated with 4 MiB free: {other:?}"),
+        }
+        assert_eq!(b.live_pages(), 0);
+        // A backend that cannot tell keeps the cap it was given.
+        b.set_free_memory(None);
+        let p = PagePool::new(b, KIB64, 1 << 40, 0).unwrap();
+        assert_eq!(p.cap_pages(), (1 << 40) / KIB64);
+    }
+
+    #[test]
+    fn a_physical_reservation_past_the_virtual_size_is_refused() {
+        use crate::{KvCacheManager, KvConfig};
+        // 2 layers x 2 (K, V) x 2 requests x one 64 KB page (64 tokens x 256 B): 512 KiB.
+        let cfg = KvConfig::builder()
+            .layers(2)
+            .max_batch(2)
+            .max_context(64)
+            .kv_heads(2)
+            .head_dim(64)
+            .elem_bytes(2)
+            .page_size(KIB64)
+            .overlap(false)
+            .eager_tokens(0)
+            .build();
+        let kv = KvCacheManager::init(Arc::new(SimBackend::new()), cfg).unwrap();
+        assert_eq!(kv.reserve_physical(512 << 10).unwrap(), 8);
+        for bytes in [(512 << 10) + KIB64, 1 << 30, u64::MAX] {
+            match kv.reserve_physical(bytes) {
+                Err(VmemError::InvalidConfig(msg)) => {
+                    assert!(msg.contains("virtual size"), "{bytes}: {msg}")
+                }
+                other => panic!("{bytes} bytes for a 512 KiB cache: {other:?}"),
+            }
+        }
+        assert_eq!(kv.usage().physical_bytes, 512 << 10);
+    }
+
+    /// The case on real memory: a host pool never commits past the machine. Nothing
+    /// is committed here: the refusal comes before the first page.
+    #[test]
+    fn a_host_pool_refuses_more_than_the_machine_before_committing() {
+        use crate::backend::HostBackend;
+        let b = Arc::new(HostBackend::new().unwrap());
+        let free = b
+            .free_memory()
+            .expect("eager host memory knows what is free");
+        let mut p = PagePool::new(b.clone(), MIB2, 1 << 50, 0).unwrap();
+        // The default-sized cap fits the machine (read again: other processes move it).
+        assert!(p.cap_pages() * MIB2 <= free.max(b.free_memory().unwrap()));
+        let past = (free + (1 << 30)) / MIB2;
+        match p.set_cap_pages(past) {
+            Err(VmemError::OutOfMemory { needed_pages, .. }) => assert_eq!(needed_pages, past),
+            other => panic!("{past} pages of 2 MiB with {free} bytes free: {other:?}"),
+        }
+        assert_eq!(p.created_pages(), 0);
+        assert_eq!(b.resident_bytes().unwrap(), 0);
+        match PagePool::new(b.clone(), MIB2, 1 << 50, past * MIB2) {
+            Err(VmemError::OutOfMemory { .. }) => {}
+            other => panic!("pre-allocating past the machine: {other:?}"),
+        }
+        assert_eq!(b.resident_bytes().unwrap(), 0);
+        // A small reservation still works and is really committed.
+        assert_eq!(p.set_cap_pages(4).unwrap(), 4);
+        assert_eq!(b.resident_bytes().unwrap(), 4 * MIB2);
     }
 }
