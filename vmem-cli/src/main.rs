@@ -4,9 +4,9 @@
 
 mod report;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{error::ErrorKind, Parser, Subcommand, ValueEnum};
 use report::{Progress, Row, Settings};
-use std::io::{self, Write};
+use std::io::{self, IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 use vmem::backend::{open_backend, Backend, BackendChoice, BackendKind, HostBackend, PAGE_SIZES};
@@ -203,7 +203,22 @@ fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // Help and version go to stdout: a failed write there is an error like any other
+        // (clap's own printing ignores it).
+        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {
+            let mut out = io::stdout().lock();
+            let written = if out.is_terminal() {
+                write!(out, "{}", e.render().ansi())
+            } else {
+                write!(out, "{e}")
+            };
+            finish(written.and_then(|()| out.flush()).map_err(CliError::Output));
+            return;
+        }
+        Err(e) => e.exit(),
+    };
     let stdout = io::stdout();
     let mut out = stdout.lock();
     let result = match cli.command {
@@ -212,6 +227,12 @@ fn main() {
         None => run_replay(&mut out, &cli.replay),
     }
     .and_then(|()| out.flush().map_err(CliError::Output));
+    finish(result);
+}
+
+/// Exits as `result` says: quietly with 0, quietly with [`EXIT_BROKEN_PIPE`] when the reader
+/// of stdout went away, else with the error on stderr and 1.
+fn finish(result: Result<(), CliError>) {
     match result {
         Ok(()) => {}
         // The reader went away (`vmem replay | head -2`): stop quietly, as `cat` does; a
@@ -219,12 +240,15 @@ fn main() {
         Err(CliError::Output(e)) if e.kind() == io::ErrorKind::BrokenPipe => {
             std::process::exit(EXIT_BROKEN_PIPE)
         }
-        Err(e) => {
-            // Nothing more to say if stderr is gone too; the status still says failure.
-            let _ = writeln!(io::stderr(), "error: {e}");
-            std::process::exit(1);
-        }
+        Err(e) => fail(&e.to_string()),
     }
+}
+
+/// Says `why` on stderr and exits with 1.
+fn fail(why: &str) -> ! {
+    // Nothing more to say if stderr is gone too; the status still says failure.
+    let _ = writeln!(io::stderr(), "error: {why}");
+    std::process::exit(1);
 }
 
 /// Exit status when standard output is a closed pipe: 128 + SIGPIPE, as a shell reports for
@@ -261,12 +285,12 @@ fn emit(r: io::Result<()>) -> Result<(), CliError> {
 }
 
 fn detect(out: &mut dyn Write, device: usize) -> Result<(), CliError> {
-    emit(writeln!(
-        out,
-        "nvidia-uvm: {}",
-        uvm_ioctl::detect().describe()
-    ))?;
-    let sel = open_backend(BackendChoice::from_env_or(BackendChoice::Auto)?, device)?;
+    // Everything that can fail before the first line.
+    let driver = uvm_ioctl::detect().describe();
+    let choice = BackendChoice::from_env_or(BackendChoice::Auto)
+        .map_err(|e| config_err("VMEM_BACKEND", e))?;
+    let sel = open_backend(choice, device)?;
+    emit(writeln!(out, "nvidia-uvm: {driver}"))?;
     let sizes: Vec<String> = sel
         .backend
         .page_sizes()
@@ -343,7 +367,8 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
         .map_err(|e| config_err("--time-unit", e))?;
     let choice = match &args.backend {
         Some(b) => b.parse().map_err(|e| config_err("--backend", e))?,
-        None => BackendChoice::from_env_or(BackendChoice::Auto)?,
+        None => BackendChoice::from_env_or(BackendChoice::Auto)
+            .map_err(|e| config_err("VMEM_BACKEND", e))?,
     };
 
     // The backend first: the page sizes it supports decide what --page-sizes may ask for.

@@ -750,3 +750,32 @@ fn memory_that_cannot_be_had_is_refused_before_any_output() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn help_and_version_on_a_full_stdout_fail() {
+    for args in [&["--help"][..], &["replay", "--help"], &["--version"]] {
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .expect("/dev/full");
+        let (status, err) = vmem_to(args, full.into());
+        assert_eq!(status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("No space left on device"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn detect_checks_vmem_backend_before_printing() {
+    let out = Command::new(env!("CARGO_BIN_EXE_vmem"))
+        .arg("detect")
+        .env("VMEM_BACKEND", "garbage")
+        .output()
+        .expect("run vmem");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stderr).contains("VMEM_BACKEND"),
+        "{}",
+        text(&out.stderr)
+    );
+}
