@@ -6,7 +6,7 @@ mod report;
 
 use clap::{error::ErrorKind, Parser, Subcommand, ValueEnum};
 use report::{Progress, Row, Settings};
-use std::io::{self, IsTerminal, Write};
+use std::io::{self, IsTerminal, Read, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 use vmem::backend::{open_backend, Backend, BackendChoice, BackendKind, HostBackend, PAGE_SIZES};
@@ -14,8 +14,8 @@ use vmem::models::ModelSpec;
 use vmem::units::{format_bytes, parse_bytes};
 use vmem::{KvCacheManager, KvConfig, Layout};
 use vmem_replay::{
-    fit_to_context, load_trace, parse_trace, poisson_arrivals, replay, BlockMemory, Columns,
-    MaxReservation, Oversize, ReplayConfig, ReplayError, TimeUnit, TraceFormat, TraceOptions,
+    fit_to_context, parse_trace, poisson_arrivals, replay, BlockMemory, Columns, MaxReservation,
+    Oversize, ReplayConfig, ReplayError, TimeUnit, TraceFormat, TraceOptions,
 };
 
 /// The bundled trace: the first 2,000 requests of Azure's 2023 conversation trace (CC BY 4.0,
@@ -306,6 +306,48 @@ fn detect(out: &mut dyn Write, device: usize) -> Result<(), CliError> {
     emit(writeln!(out, "reason:     {}", sel.reason))
 }
 
+/// Most bytes of a trace file `vmem` reads: the whole trace is parsed in memory, so an
+/// endless input (`--trace /dev/zero`, a pipe that never ends) must stop somewhere.
+const TRACE_LIMIT: u64 = 2 << 30;
+
+/// Bytes read first, to refuse a binary file before reading the rest.
+const TRACE_SNIFF: u64 = 64 << 10;
+
+/// Reads a trace file, refusing one larger than [`TRACE_LIMIT`] or with NUL bytes in its
+/// first 64 KiB. A first 64 KiB that is not UTF-8 is returned alone, for [`parse_trace`] to
+/// say where.
+fn read_trace(path: &std::path::Path) -> Result<Vec<u8>, ReplayError> {
+    let err = |why: String| ReplayError::Trace {
+        path: path.display().to_string(),
+        line: 0,
+        why,
+    };
+    let file = std::fs::File::open(path).map_err(|e| err(e.to_string()))?;
+    let mut rest = file.take(TRACE_LIMIT + 1);
+    let mut buf = Vec::new();
+    (&mut rest)
+        .take(TRACE_SNIFF)
+        .read_to_end(&mut buf)
+        .map_err(|e| err(e.to_string()))?;
+    if std::str::from_utf8(&buf).is_err_and(|e| e.error_len().is_some()) {
+        return Ok(buf);
+    }
+    if buf.contains(&0) {
+        return Err(err(
+            "not a text trace: it holds NUL bytes (is this a trace file?)".into(),
+        ));
+    }
+    rest.read_to_end(&mut buf).map_err(|e| err(e.to_string()))?;
+    if buf.len() as u64 > TRACE_LIMIT {
+        return Err(err(format!(
+            "larger than {} (traces are read whole into memory): replay a part of it, \
+             e.g. its first lines through head",
+            format_bytes(TRACE_LIMIT)
+        )));
+    }
+    Ok(buf)
+}
+
 fn config_err(flag: &str, e: impl std::fmt::Display) -> ReplayError {
     ReplayError::Config(format!("{flag}: {e}"))
 }
@@ -457,7 +499,10 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
         },
     };
     let (trace, trace_name) = match &args.trace {
-        Some(p) => (load_trace(p, &opts)?, p.display().to_string()),
+        Some(p) => {
+            let name = p.display().to_string();
+            (parse_trace(&read_trace(p)?, &name, &opts)?, name)
+        }
         None => (
             parse_trace(BUNDLED_TRACE, BUNDLED_NAME, &opts)?,
             BUNDLED_NAME.to_string(),

@@ -779,3 +779,23 @@ fn detect_checks_vmem_backend_before_printing() {
         text(&out.stderr)
     );
 }
+
+#[test]
+fn an_endless_or_binary_trace_is_refused_without_reading_it_all() {
+    for dev in ["/dev/zero", "/dev/urandom"] {
+        let start = std::time::Instant::now();
+        let out = vmem(&["replay", "--backend", "sim", "--trace", dev]);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{dev}: {err}");
+        assert!(out.stdout.is_empty());
+        assert!(
+            err.contains("not a text trace") || err.contains("not UTF-8"),
+            "{dev}: {err}"
+        );
+        assert!(
+            start.elapsed().as_secs() < 10,
+            "{dev}: {:?}",
+            start.elapsed()
+        );
+    }
+}
