@@ -535,7 +535,7 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
         "all at time 0 (--offline)".to_string()
     } else if let Some(rate) = args.rate {
         poisson_arrivals(&mut requests, rate, args.seed)?;
-        format!("Poisson, {rate} req/s, seed {}", args.seed)
+        format!("Poisson, {} req/s, seed {}", report::num(rate), args.seed)
     } else if trace.timed {
         "the trace's timestamps".to_string()
     } else {

@@ -93,6 +93,16 @@ pub fn avg_waste(s: &ReplayStats) -> Option<f64> {
     (s.sum_active_mapped_bytes > 0).then(|| s.avg_waste())
 }
 
+/// A number as a person reads it: plain in the usual range, else in exponent form
+/// (`1e-300`, not three hundred zeros).
+pub fn num(v: f64) -> String {
+    if v != 0.0 && v.is_finite() && !(1e-4..1e9).contains(&v.abs()) {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
+    }
+}
+
 /// A ratio as a percentage, or "n/a" when it is undefined.
 fn percent(v: Option<f64>) -> String {
     v.map(|v| format!("{:.2}%", v * 100.0))
@@ -142,9 +152,9 @@ pub fn print_header(out: &mut dyn Write, s: &Settings) -> io::Result<()> {
         format_bytes(s.budget),
         s.max_batch,
         s.max_context,
-        s.iteration_ms,
+        num(s.iteration_ms),
         s.horizon_s
-            .map(|h| format!(" | horizon {h} s"))
+            .map(|h| format!(" | horizon {} s", num(h)))
             .unwrap_or_default()
     )?;
     writeln!(

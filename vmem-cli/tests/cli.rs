@@ -799,3 +799,27 @@ fn an_endless_or_binary_trace_is_refused_without_reading_it_all() {
         );
     }
 }
+
+#[test]
+fn extreme_numbers_in_the_header_are_readable() {
+    let out = vmem(&[
+        "replay",
+        "--quiet",
+        "--backend",
+        "sim",
+        "--requests",
+        "5",
+        "--rate",
+        "1e-300",
+        "--iteration-ms",
+        "1e300",
+        "--horizon",
+        "1e-300",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let s = text(&out.stdout);
+    for want in ["1e-300 req/s", "iteration 1e300 ms", "horizon 1e-300 s"] {
+        assert!(s.contains(want), "no {want:?} in\n{s}");
+    }
+    assert!(s.lines().all(|l| l.len() < 200), "{s}");
+}
