@@ -4,6 +4,12 @@ use crate::backend::{Backend, PageHandle};
 use crate::error::{Result, VmemError};
 use std::sync::Arc;
 
+/// Most pages [`PagePool::new`] (pre-allocation) or [`PagePool::set_cap_pages`] create in one
+/// call: 16 Mi pages, 1 TiB of 64 KB pages or 32 TiB of 2 MB ones, more than any GPU holds.
+/// A backend with no memory to run out of (the simulation, a lazy host backend) would
+/// otherwise create pages for as long as asked, with gigabytes of bookkeeping on the way.
+pub const MAX_EAGER_PAGES: u64 = 1 << 24;
+
 /// Physical pages of one size, created through a backend up to a cap in bytes.
 ///
 /// Pages lent out with [`PagePool::take`] belong to the borrower until they come back with
@@ -44,6 +50,7 @@ impl PagePool {
                 "pre-allocation {prealloc_bytes} bytes exceeds the cap {cap_bytes}"
             )));
         }
+        check_eager(prealloc_bytes / page_size, page_size)?;
         if let Some(free) = backend.free_memory() {
             let fit = free / page_size;
             let pre = prealloc_bytes / page_size;
@@ -142,6 +149,7 @@ impl PagePool {
             return Ok(0);
         }
         let want = pages - self.created;
+        check_eager(want, self.page_size)?;
         if let Some(free) = self.backend.free_memory() {
             let fit = free / self.page_size;
             if want > fit {
@@ -221,6 +229,17 @@ impl PagePool {
         }
         Ok(released)
     }
+}
+
+/// Refuses to create more than [`MAX_EAGER_PAGES`] pages in one call.
+fn check_eager(pages: u64, page_size: u64) -> Result<()> {
+    if pages > MAX_EAGER_PAGES {
+        return Err(VmemError::InvalidConfig(format!(
+            "creating {pages} pages of {page_size} bytes at once: more than {MAX_EAGER_PAGES} \
+             pages at once is refused"
+        )));
+    }
+    Ok(())
 }
 
 impl Drop for PagePool {
@@ -368,5 +387,27 @@ mod tests {
         // A small reservation still works and is really committed.
         assert_eq!(p.set_cap_pages(4).unwrap(), 4);
         assert_eq!(b.resident_bytes().unwrap(), 4 * MIB2);
+    }
+
+    /// A backend with no memory to run out of (the simulation) must not create pages for
+    /// ever: 2^48 pages of bookkeeping is a hang, then the process killed for memory.
+    #[test]
+    fn an_endless_eager_creation_is_refused() {
+        let b = Arc::new(SimBackend::new());
+        match PagePool::new(b.clone(), KIB64, u64::MAX, u64::MAX) {
+            Err(VmemError::InvalidConfig(msg)) => assert!(msg.contains("pages at once"), "{msg}"),
+            other => panic!("pre-allocating 16 EiB: {other:?}"),
+        }
+        let mut p = PagePool::new(b.clone(), KIB64, u64::MAX, 0).unwrap();
+        for pages in [u64::MAX, MAX_EAGER_PAGES + 1] {
+            match p.set_cap_pages(pages) {
+                Err(VmemError::InvalidConfig(msg)) => {
+                    assert!(msg.contains("pages at once"), "{msg}")
+                }
+                other => panic!("a cap of {pages} pages: {other:?}"),
+            }
+        }
+        assert_eq!((p.created_pages(), b.live_pages()), (0, 0));
+        assert_eq!(p.cap_pages(), u64::MAX / KIB64);
     }
 }
