@@ -31,7 +31,11 @@ const BUNDLED_NAME: &str = "bundled:azure-conv-2023-first2000.csv";
              measure what each allocator wastes",
     long_about = None,
     after_help = "With no subcommand, runs `replay` with the options given. Options go after \
-                  the subcommand when there is one (`vmem replay --budget 1G`).",
+                  the subcommand when there is one (`vmem replay --budget 1G`).\n\n\
+                  Exit status: 0 done; 1 an error (a bad setting, trace or memory size is \
+                  refused before anything is printed; a backend failing mid-replay or an \
+                  unwritable stdout stops it); 2 a malformed command line; 141 stdout was \
+                  closed by its reader (what a shell shows for `cat` in `cat f | head -1`).",
     // `vmem --budget 1G replay` would otherwise parse --budget into the top-level options
     // and replay with the subcommand's default: refuse it instead.
     args_conflicts_with_subcommands = true
