@@ -314,6 +314,10 @@ impl RawBackend for HostMemory {
 /// cgroup's limit, if any) less [`HOST_MEMORY_RESERVE`]; `None` when `/proc/meminfo` cannot
 /// be read.
 fn committable() -> Option<u64> {
+    #[cfg(test)]
+    if let Some(bytes) = tests::COMMITTABLE.with(|c| c.get()) {
+        return Some(bytes);
+    }
     let available = limits::mem_available()?;
     let available = limits::cgroup_headroom().map_or(available, |h| h.min(available));
     Some(available.saturating_sub(HOST_MEMORY_RESERVE))
@@ -582,7 +586,50 @@ mod sys {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::Backend;
+    use crate::backend::{Backend, MIB2};
+    use std::cell::Cell;
+
+    thread_local! {
+        /// What `committable` reports on this thread instead of reading the machine.
+        pub(super) static COMMITTABLE: Cell<Option<u64>> = const { Cell::new(None) };
+    }
+
+    /// Restores the real reading when a test ends, even by a panic.
+    struct Pretend;
+    impl Pretend {
+        fn machine_can_commit(bytes: u64) -> Self {
+            COMMITTABLE.with(|c| c.set(Some(bytes)));
+            Pretend
+        }
+    }
+    impl Drop for Pretend {
+        fn drop(&mut self) {
+            COMMITTABLE.with(|c| c.set(None));
+        }
+    }
+
+    #[test]
+    fn a_page_past_what_the_machine_can_commit_fails_with_enomem() {
+        let b = HostBackend::with_page_sizes(&[MIB2], HostCommit::Eager).unwrap();
+        let _p = Pretend::machine_can_commit(3 << 20);
+        let first = b.create_page(MIB2).unwrap();
+        // The machine's memory fell (other processes, or this page): 1 MiB left.
+        COMMITTABLE.with(|c| c.set(Some(1 << 20)));
+        match b.create_page(MIB2) {
+            Err(VmemError::Os { source, .. }) => {
+                assert_eq!(source.raw_os_error(), Some(libc::ENOMEM))
+            }
+            other => panic!("a 2 MiB page with 1 MiB committable: {other:?}"),
+        }
+        assert_eq!(b.resident_bytes().unwrap(), MIB2);
+        // Memory came back: pages are created again.
+        COMMITTABLE.with(|c| c.set(Some(64 << 20)));
+        let second = b.create_page(MIB2).unwrap();
+        assert_eq!(b.resident_bytes().unwrap(), 2 * MIB2);
+        b.release_page(first).unwrap();
+        b.release_page(second).unwrap();
+        assert_eq!(b.resident_bytes().unwrap(), 0);
+    }
 
     fn mem_available() -> u64 {
         let info = std::fs::read_to_string("/proc/meminfo").unwrap();
