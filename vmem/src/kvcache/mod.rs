@@ -221,8 +221,12 @@ impl KvCacheManager {
     /// Makes the pool hold `bytes` of physical memory: sets the cap to `bytes` (whole pages)
     /// and creates every page up to it now, so no step pays for creation (vAttention's
     /// `reserve_physical_pages`). Lowering the cap below what is created releases free pages
-    /// down to it; pages mapped to requests stay. Returns the pages created now.
+    /// down to it; pages mapped to requests stay. Returns the pages created now. More than
+    /// the cache's virtual size is refused with [`VmemError::InvalidConfig`], and more than
+    /// the backend has free (where it can tell) with [`VmemError::OutOfMemory`], before any
+    /// page is created.
     pub fn reserve_physical(&self, bytes: u64) -> Result<u64> {
+        self.geo.check_reservation(self.cfg.max_batch, bytes)?;
         let mut st = self.shared.lock();
         let pages = bytes / self.geo.page_size;
         if pages == 0 {
