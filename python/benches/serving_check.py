@@ -6,7 +6,8 @@ teacher-forced on the engine's own tokens, are compared with one plain ``Dynamic
 (sdpa) over the same tokens: the largest error relative to the largest logit, and top-1
 agreement wherever the reference's top-2 margin is decisive (> 5 % of the largest logit; the
 output head is scaled so that most positions are). Contenders: ``paged|vmem`` per-layer and
-token-major (2 MB pages), the engine's own ``paged|sdpa``, and ``paged|blockflex``. Each run has
+token-major (2 MB pages) with its default kernel (FlashAttention-2 varlen in place), per-layer
+with ``kernel="flex"``, the engine's own ``paged|sdpa``, and ``paged|blockflex``. Each run has
 chunked prefill (a small ``max_batch_tokens``), requests joining mid-run, streaming through the
 manager API; a run with a small vmem budget checks preemption; after every vmem run only the
 trash row is mapped. Prints a PASS/FAIL table, writes ``serving_check.json`` to ``--out`` and
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -41,11 +41,12 @@ def clean(cache: Any) -> str:
     return "" if ok else f"left mapped: {u}"
 
 
-def padding_cost(device: str, dtype: torch.dtype, tiny: bool) -> Dict[str, Any]:
-    """Decode attention of the vmem path (Flex over ``[rows, Hkv, max_context, D]`` rows with
+def padding_cost(device: str, dtype: torch.dtype, tiny: bool, kernel: str) -> Dict[str, Any]:
+    """Decode attention of the vmem path (``kernel="fa"``: one FlashAttention-2 varlen call with
+    each row's start and length; ``"flex"``: Flex over ``[rows, Hkv, max_context, D]`` rows with
     per-row KV block counts) for one long request among short ones, against every row as long
     as the longest and every row short: the time must follow the tokens, not rows x longest.
-    Uses a :class:`vmem.transformers.VmemCBCache`'s own mask builder and buffers."""
+    Uses a :class:`vmem.transformers.VmemCBCache`'s own index builder and buffers."""
     from transformers import ContinuousBatchingConfig, LlamaConfig
 
     if tiny:
@@ -58,7 +59,8 @@ def padding_cost(device: str, dtype: torch.dtype, tiny: bool) -> Dict[str, Any]:
         rows, long, short, page, reps = 64, 16384, 512, "2M", 20
     cb = ContinuousBatchingConfig(max_batch_tokens=rows)
     cache = vt.VmemCBCache(cfg, cb, device, dtype=dtype, max_requests=rows, max_context=long,
-                           memory=str(2 * (rows + 2) * long * 8 * 128 * dtype.itemsize), page_size=page)
+                           memory=str(2 * (rows + 2) * long * 8 * 128 * dtype.itemsize), page_size=page,
+                           kernel=kernel)
     hq, d = cfg.num_attention_heads, 128 if not tiny else 32
 
     class _M:  # what the attention function reads of a module
@@ -95,16 +97,17 @@ def padding_cost(device: str, dtype: torch.dtype, tiny: bool) -> Dict[str, Any]:
         sec = sorted(times)[len(times) // 2]
         kv_bytes = 2 * sum(lens) * cfg.num_key_value_heads * d * dtype.itemsize
         out[label] = {"ms": sec * 1e3, "tokens": sum(lens), "gb_s": kv_bytes / sec / 1e9}
-        print(f"padding cost: {label:22} {sum(lens):7} tokens {sec * 1e3:8.3f} ms {kv_bytes / sec / 1e9:8.1f} GB/s",
+        print(f"padding cost ({kernel}): {label:22} {sum(lens):7} tokens {sec * 1e3:8.3f} ms {kv_bytes / sec / 1e9:8.1f} GB/s",
               flush=True)
     for rid in ids:
         cache.free_blocks(rid)
+    del cache
     mixed, full, short_ = out["one long, rest short"]["ms"], out["all long"]["ms"], out["all short"]["ms"]
     # The mixed batch reads 1 long + (rows-1) short rows: it must cost far less than rows x long.
     out["status"] = "PASS" if mixed < 0.5 * full or tiny else "FAIL"
     out["why"] = "" if out["status"] == "PASS" else f"mixed {mixed:.3f} ms vs all-long {full:.3f} ms"
     if tiny:
-        out["why"] = "CPU dense reference reads everything: not a measurement"
+        out["why"] = "CPU reference paths: not a measurement"
     out["short_ms"] = short_
     return out
 
@@ -196,13 +199,14 @@ def main() -> int:
         nblocks = 4096 if args.tiny else 2048
         check("vmem-per-layer", vt.VMEM_ATTENTION, base, dict(layout="per-layer"))
         check("vmem-token-major", vt.VMEM_ATTENTION, base, dict(layout="token-major"))
+        check("vmem-per-layer-flex", vt.VMEM_ATTENTION, base, dict(layout="per-layer", kernel="flex"))
         check("paged-sdpa-256", "paged|sdpa", dict(base, block_size=256, num_blocks=nblocks // 16), {})
         check("paged-blockflex-256", vt.BLOCKFLEX_ATTENTION, dict(base, block_size=256, num_blocks=nblocks // 16), {})
         c = model.config
         hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         page_b = vt.parse_bytes(page)
         tpp = page_b // (c.num_key_value_heads * hd * dtype.itemsize)
-        blk = tpp * vt.KV_BLOCK // math.gcd(tpp, vt.KV_BLOCK)
+        blk = vt.block_tokens(tpp, "fa")  # the default kernel's block
         ppb = 2 * c.num_hidden_layers * (blk // tpp)
         # Four rows each hold a block, then all cross into a second one with 3 free: preemption.
         pre_lengths, pre_new = [blk - 56] * 5, 112
@@ -222,10 +226,10 @@ def main() -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def pad() -> Dict[str, Any]:
-        r = padding_cost(device, dtype, args.tiny)
-        return dict(r)
-    record("llama-8b-heads", "padding-cost(decode)", pad)
+    for kernel in vt.KERNELS:
+        def pad(kernel: str = kernel) -> Dict[str, Any]:
+            return dict(padding_cost(device, dtype, args.tiny, kernel))
+        record("llama-8b-heads", f"padding-cost({kernel})", pad)
 
     with open(os.path.join(args.out, "serving_check.json"), "w") as f:
         json.dump({"tol": tol, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
