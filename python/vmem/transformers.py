@@ -32,10 +32,12 @@ uses (it never calls its ``__init__``):
 * one :class:`vmem.KVCache` with ``max_batch = max_requests + 1``; the last row is the trash row
   where padded tokens write (kept mapped for one block). A request gets a row (a vmem id) on its
   first allocation, and its row is mapped as far as the engine's blocks for it reach;
-* a *block* (``block_size`` tokens) is ``lcm(tokens per page, FlexAttention's KV block)``
-  tokens: per-layer, one page in each of the ``2 x layers`` buffers (1,024 tokens for Llama-3-8B
-  shapes at 2 MB pages); token-major, whole pages of every layer (2 MB pages hold 64 tokens of
-  Llama-3-8B shapes with 8 layers, so a block is 128 tokens = 2 pages). ``num_blocks`` is what
+* a *block* (``block_size`` tokens, :func:`block_tokens`) is one page's tokens with the default
+  ``kernel="fa"`` (FlashAttention reads each request's exact length): per-layer, one page in
+  each of the ``2 x layers`` buffers (1,024 tokens for Llama-3-8B shapes at 2 MB pages);
+  token-major, one page of every layer's tokens (64 tokens of Llama-3-8B shapes with 8 layers).
+  With ``kernel="flex"`` it is ``lcm(tokens per page, FlexAttention's 128-token KV block)``
+  (token-major above: 128 tokens = 2 pages). ``num_blocks`` is what
   the memory budget holds; ``get_num_free_blocks`` is exact (the engine's safety margin and
   preemption sizing rely on it);
 * ``allocate_blocks`` never raises: it returns ``None`` when no row or no memory is left, so the
@@ -54,7 +56,21 @@ uses (it never calls its ``__init__``):
 
 Attention (:func:`flex_paged_attention`, one function for both caches): new K/V are written in
 place with ``index_copy_`` into a flat ``[rows * max_context, Hkv, D]`` view of each layer's
-buffer (valid for both layouts: a row's stride is ``max_context`` token strides); K/V are read
+buffer (valid for both layouts: a row's stride is ``max_context`` token strides).
+
+``paged|vmem`` with ``kernel="fa"`` (the default) reads them with torch's FlashAttention-2
+varlen op, ``aten._flash_attention_forward``, in one call per layer for the whole round
+(decodes and prefill chunks together): packed Q ``[T, Hq, D]`` in the engine's query order, K/V
+the flat views in place (FA needs only a contiguous last dim and the token/head strides, so
+both layouts are read without a copy), ``cu_seqlens_k`` = each request's row start
+(``row * max_context``), ``seqused_k`` = ``past + q``, causal (bottom-right), the module's
+scaling. :func:`fa_varlen_indices` builds the indices on the host once per forward (first
+layer) and they reach the device in one copy. FlashAttention-2 reads only ``cu_seqlens_k[b]``
+as request ``b``'s start when ``seqused_k`` is given, so rows need not be sorted. On the CPU
+(FlashAttention is CUDA-only) :func:`fa_varlen_reference` computes the same thing per request.
+FA needs float16/bfloat16 and a head dim that is a multiple of 8 up to 256 on CUDA.
+
+With ``kernel="flex"`` (and always for ``paged|blockflex``) K/V are read
 in place by FlexAttention (compiled once with ``dynamic=True``) with a ``BlockMask`` made from
 index tensors (``BlockMask.from_kv_blocks``), never by evaluating a mask over the whole space:
 
@@ -69,11 +85,13 @@ index tensors (``BlockMask.from_kv_blocks``), never by evaluating a mask over th
 A round with both decodes and prefill chunks makes one call of each kind (for ``paged|blockflex``
 the decodes are Q ``[B, Hq, 1, D]`` against the flat KV, each listing its physical blocks).
 
-No kernel reads past a request's mapped memory: a request's rows are mapped in whole blocks,
-and a block is a multiple of the KV block, so the last KV block a request lists is mapped
-(no zero page needed on the GPU). Newly mapped blocks are zeroed at the round's step: Flex
-reads the whole last KV block and masks scores, and a NaN bit pattern in fresh memory would
-still poison ``p @ V``. On the CPU (not compiled) the same BlockMask is evaluated densely and
+No kernel reads past a request's mapped memory: FlashAttention reads a request's keys
+``[start, start + past + q)`` only (its loads past ``seqused_k`` are predicated off), all inside
+the blocks the engine allocated for it; for Flex a block is a multiple of the KV block, so the
+last KV block a request lists is mapped (no zero page needed on the GPU). Newly mapped blocks
+are zeroed at the round's step (both kernels; Flex needs it: it reads the whole last KV block
+and masks scores, and a NaN bit pattern in fresh memory would still poison ``p @ V``; for FA it
+is defence in depth). On the CPU (not compiled) the same BlockMask is evaluated densely and
 every slot without a page is backed by vmem's zero page (docs/serving.md says why eager Flex is
 not used there). For ``paged|blockflex`` the engine's ``block_size`` must be a multiple
 of the KV block (128 or 256): the KV blocks listed are the request's physical blocks.
@@ -266,14 +284,15 @@ def _check_no_graphs(cb: Any, impl: str) -> None:
 # ------------------------------------------------------------------------------------------------
 class _Batch:
     """What one scheduling round runs: per request (in batch order) its owner (row or batch
-    index), past length, query length and KV block list; built on the host, turned into a
-    BlockMask once per forward (at the first layer) and reused by every layer."""
+    index), past length, query length and KV block list; built on the host, turned into the
+    kernel's indices (Flex: the list of :class:`_Part`; FA: a :class:`FaVarlenIndex`) once per
+    forward (at the first layer) and reused by every layer."""
 
     __slots__ = ("entries", "mask")
 
     def __init__(self) -> None:
         self.entries: List[Tuple[int, int, int, Any]] = []
-        self.mask: Any = None  # the round's list of _Part
+        self.mask: Any = None  # the round's list of _Part, or its FaVarlenIndex
 
 
 class _Recorder:
@@ -1002,7 +1021,8 @@ def flex_paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, va
                          attention_mask: Any = None, scaling: Optional[float] = None, dropout: float = 0.0,
                          **kwargs: Any) -> Tuple[torch.Tensor, None]:
     """The attention function of ``paged|vmem`` and ``paged|blockflex``: writes the new K/V in
-    place, reads every request's K/V in place with FlexAttention. ``query`` is ``[1, Hq, T, D]``,
+    place, reads every request's K/V in place with FlashAttention-2 varlen (``paged|vmem`` with
+    ``kernel="fa"``) or FlexAttention (``kernel="flex"``; ``paged|blockflex``). ``query`` is ``[1, Hq, T, D]``,
     ``key``/``value`` ``[1, Hkv, T, D]`` (the new tokens); returns ``([1, T, Hq, D], None)``."""
     cache = kwargs.get("cache")
     if cache is None or not hasattr(cache, "kv_layer"):
