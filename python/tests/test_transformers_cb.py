@@ -71,7 +71,10 @@ def test_logits_match_paged_and_dynamic_cache(arch):
 
 
 @pytest.mark.parametrize("kernel", vt.KERNELS)
-def test_token_major_layout(kernel):
+def test_token_major_layout(kernel, monkeypatch):
+    calls = []
+    real = vt.fa_varlen_reference
+    monkeypatch.setattr(vt, "fa_varlen_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
     with vt.serving(layout="token-major", kernel=kernel):
         model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
         prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
@@ -80,8 +83,11 @@ def test_token_major_layout(kernel):
     assert cache.layout == "token-major" and cache.kernel == kernel and cache.tokens_per_page == 64
     if kernel == "fa":  # FA reads exact lengths: a block is one page
         assert cache.block_size == 64 and cache.pages_per_block == 1
+        layers = model.config.num_hidden_layers  # one call per layer per round (the CPU stand-in for the FA op)
+        assert calls and len(calls) % layers == 0 and len(calls) >= run["rounds"] * layers, (len(calls), run["rounds"])
     else:  # Flex reads whole 128-token KV blocks
         assert cache.block_size == 128 and cache.pages_per_block == 2
+        assert not calls
     _check_run(run, model, "token-major")
     _check_clean(cache)
 

@@ -1042,7 +1042,7 @@ def flex_paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, va
     batch = cache._batch
     if batch is None:
         raise VmemError("attention called before the engine prepared a batch")
-    if getattr(cache, "kernel", "flex") == "fa":
+    if isinstance(cache, VmemCBCache) and cache.kernel == "fa":
         return _fa_attention(cache, batch, query, k_cache, v_cache, scaling), None
     if batch.mask is None:  # the first layer of this round's forward: build once, every layer reuses it
         cache._consumed = True
