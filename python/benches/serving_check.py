@@ -5,9 +5,11 @@ embeddings; random weights, configs made in code), every request's logits throug
 teacher-forced on the engine's own tokens, are compared with one plain ``DynamicCache`` forward
 (sdpa) over the same tokens: the largest error relative to the largest logit, and top-1
 agreement wherever the reference's top-2 margin is decisive (> 5 % of the largest logit; the
-output head is scaled so that most positions are). Contenders: ``paged|vmem`` per-layer and
-token-major (2 MB pages) with its default kernel (FlashAttention-2 varlen in place), per-layer
-with ``kernel="flex"``, the engine's own ``paged|sdpa``, and ``paged|blockflex``. Each run has
+output head is scaled so that most positions are). First, the ``kernel="fa"`` call of one
+round is checked outside the engine against a float32 reference, for both layouts
+(``fa_kernel_check``). Contenders: ``paged|vmem`` per-layer and token-major (2 MB pages) with
+its default kernel (FlashAttention-2 varlen in place), per-layer with ``kernel="flex"``, the
+engine's own ``paged|sdpa``, and ``paged|blockflex``. Each run has
 chunked prefill (a small ``max_batch_tokens``), requests joining mid-run, streaming through the
 manager API; a run with a small vmem budget checks preemption; after every vmem run only the
 trash row is mapped. Prints a PASS/FAIL table, writes ``serving_check.json`` to ``--out`` and
@@ -112,6 +114,83 @@ def padding_cost(device: str, dtype: torch.dtype, tiny: bool, kernel: str) -> Di
     return out
 
 
+def fa_kernel_check(device: str, dtype: torch.dtype, tiny: bool, layout: str, tol: float) -> Dict[str, Any]:
+    """The ``kernel="fa"`` attention call of one round, outside the engine, against a float32
+    per-request reference: a :class:`vmem.transformers.VmemCBCache` (``layout``), six requests
+    (decodes and prefill chunks mixed) queried in descending row order (``cu_seqlens_k`` not
+    sorted), NaN in every allocated slot past a request's ``past + q`` (FA must not read it),
+    every layer. Proves the FlashAttention op over the in-place views, both layouts' strides."""
+    from transformers import ContinuousBatchingConfig, LlamaConfig
+
+    if tiny:
+        hq, hkv, d, ctx, page = 4, 2, 32, 1024, "64K"
+        shapes = [(0, 37), (300, 1), (200, 1), (0, 1), (100, 64), (500, 1)]
+    else:
+        hq, hkv, d, ctx, page = 8, 2, 128, 8192, "2M"
+        shapes = [(0, 37), (1500, 1), (200, 1), (0, 1), (900, 64), (2999, 1)]
+    cfg = LlamaConfig(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv, num_hidden_layers=2,
+                      intermediate_size=256, vocab_size=128, max_position_embeddings=ctx)
+    cb = ContinuousBatchingConfig(max_batch_tokens=256)
+    cache = vt.VmemCBCache(cfg, cb, device, dtype=dtype, max_requests=8, max_context=ctx, memory="256M",
+                           page_size=page, layout=layout, kernel="fa")
+    ids = [f"r{i}" for i in range(len(shapes))]
+    held = {}
+    for rid, (past, q) in zip(ids, shapes):
+        blocks = -(-(past + q) // cache.block_size)
+        if cache.allocate_blocks(blocks, rid, 0) != blocks:
+            raise RuntimeError(f"fa_kernel_check: could not allocate {blocks} blocks")
+        held[rid] = blocks * cache.block_size
+    cache.flush()
+    torch.manual_seed(0)
+    base = {rid: cache._row[rid] * cache.max_context for rid in ids}
+    for rid, (past, q) in zip(ids, shapes):
+        b = base[rid]
+        for kc in cache.key_cache + cache.value_cache:
+            kc[b:b + past] = torch.randn(past, hkv, d, device=device, dtype=dtype)
+            kc[b + past + q:b + held[rid]] = float("nan")
+    order = list(range(len(shapes)))[::-1]
+    wi: List[List[int]] = [[]]
+    for i in order:
+        cache.extend_read_and_write_indices(ids[i], shapes[i][0], shapes[i][1], None, wi)
+    write_index = [torch.tensor(wi[0], device=device)]
+    t = sum(q for _, q in shapes)
+    scale = d ** -0.5
+
+    class _M:
+        layer_idx = 0
+
+    worst = 0.0
+    for layer in range(cfg.num_hidden_layers):
+        _M.layer_idx = layer
+        q = torch.randn(1, hq, t, d, device=device, dtype=dtype)
+        kn = torch.randn(1, hkv, t, d, device=device, dtype=dtype)
+        vn = torch.randn(1, hkv, t, d, device=device, dtype=dtype)
+        out, _ = vt.flex_paged_attention(_M(), q, kn, vn, scaling=scale, cache=cache, write_index=write_index)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        kc, vc = cache.kv_layer(layer)
+        start = 0
+        for i in order:
+            past, ql = shapes[i]
+            b, n = base[ids[i]], past + ql
+            qs = q[0, :, start:start + ql].float()  # [Hq, ql, D]
+            ks = kc[b:b + n].float().transpose(0, 1).repeat_interleave(hq // hkv, 0)
+            vs = vc[b:b + n].float().transpose(0, 1).repeat_interleave(hq // hkv, 0)
+            s_ = (qs @ ks.transpose(1, 2)) * scale
+            causal = torch.arange(n, device=device).view(1, -1) <= torch.arange(n - ql, n, device=device).view(-1, 1)
+            ref = torch.softmax(s_.masked_fill(~causal, float("-inf")), -1) @ vs  # [Hq, ql, D]
+            got = out[0, start:start + ql].float().transpose(0, 1)
+            if not torch.isfinite(got).all():
+                raise RuntimeError(f"layer {layer}, request {i}: non-finite output (read past seqused_k?)")
+            worst = max(worst, float((got - ref).abs().max() / ref.abs().max()))
+            start += ql
+    for rid in ids:
+        cache.free_blocks(rid)
+    del cache
+    ok = worst <= tol
+    return dict(status="PASS" if ok else "FAIL", max_rel_err=worst, why="" if ok else f"err {worst:.2e} > {tol}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--archs", default=",".join(h.ARCHS))
@@ -154,6 +233,10 @@ def main() -> int:
         rows.append(row)
         print(f"{row['status']:4} {arch:11} {contender:22} err {row.get('max_rel_err', float('nan')):.2e} "
               f"top1 {row.get('top1_agree', '-')}/{row.get('decisive', '-')} {row.get('why', '')}", flush=True)
+
+    for layout in ("per-layer", "token-major"):
+        record("fa-kernel", f"fa-varlen({layout})",
+               lambda layout=layout: fa_kernel_check(device, dtype, args.tiny, layout, 0.02 if not args.tiny else tol))
 
     for arch in [a for a in args.archs.split(",") if a]:
         model = h.make_model(arch, dtype, device, size=("tiny" if args.tiny else "small"), logit_scale=20.0)
