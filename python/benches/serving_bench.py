@@ -129,8 +129,8 @@ def run_one(model: Any, name: str, prompts: List[List[int]], args: Any, budget: 
     kw: Dict[str, Any] = dict(max_batch_tokens=budget["max_batch_tokens"], max_memory_percent=args.memory_percent,
                               use_cuda_graph=False)
     if spec["attn"] == vt.VMEM_ATTENTION:
-        opts = dict(layout=spec["layout"], kernel=spec["kernel"], memory=budget["kv_bytes"], page_size=args.page_size,
-                    max_requests=args.max_requests, max_context=args.max_context)
+        opts = dict(layout=spec["layout"], kernel=spec["kernel"], memory=budget["kv_bytes"],
+                    page_size=args.page_size, max_requests=args.max_requests, max_context=args.max_context)
     else:
         bs = spec["block_size"]
         kw.update(block_size=bs, num_blocks=budget["kv_bytes"] // (bs * budget["token_bytes"]))
@@ -191,7 +191,7 @@ def cache_info(cache: Any, budget: Dict[str, int]) -> Dict[str, Any]:
         u = cache.usage()
         return {"kv_reserved_mb": u["physical_bytes"] / 2**20, "kv_peak_mapped_mb": cache.peak_mapped_bytes / 2**20,
                 "kv_mapped_at_end_mb": u["mapped_bytes"] / 2**20, "preemptions": cache.readmissions,
-                "block_size": cache.block_size, "num_blocks": cache.num_blocks}
+                "block_size": cache.block_size, "num_blocks": cache.num_blocks, "kernel": cache.kernel}
     kv = sum(t.numel() * t.element_size() for t in cache.key_cache + cache.value_cache)
     return {"kv_reserved_mb": kv / 2**20, "kv_peak_mapped_mb": None, "preemptions": None,
             "block_size": cache.block_size, "num_blocks": cache.num_blocks}

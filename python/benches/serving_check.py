@@ -99,8 +99,8 @@ def padding_cost(device: str, dtype: torch.dtype, tiny: bool, kernel: str) -> Di
         sec = sorted(times)[len(times) // 2]
         kv_bytes = 2 * sum(lens) * cfg.num_key_value_heads * d * dtype.itemsize
         out[label] = {"ms": sec * 1e3, "tokens": sum(lens), "gb_s": kv_bytes / sec / 1e9}
-        print(f"padding cost ({kernel}): {label:22} {sum(lens):7} tokens {sec * 1e3:8.3f} ms {kv_bytes / sec / 1e9:8.1f} GB/s",
-              flush=True)
+        print(f"padding cost ({kernel}): {label:22} {sum(lens):7} tokens {sec * 1e3:8.3f} ms "
+              f"{kv_bytes / sec / 1e9:8.1f} GB/s", flush=True)
     for rid in ids:
         cache.free_blocks(rid)
     del cache
