@@ -10,7 +10,10 @@ every other round):
   (its gather + SDPA), blocks of 16 and 256 tokens;
 * ``paged-flex-256``: the same cache read in place by ``paged|blockflex`` (the block table fed to
   the FlexAttention core vmem uses);
-* ``vmem-per-layer``, ``vmem-token-major``: ``paged|vmem``, 2 MB pages.
+* ``vmem-per-layer``, ``vmem-token-major``: ``paged|vmem``, 2 MB pages, read in place by
+  torch's FlashAttention-2 varlen op (``kernel="fa"``, the default);
+* ``vmem-per-layer-flex``: ``paged|vmem`` per-layer read by compiled FlexAttention
+  (``kernel="flex"``, the first version's kernel): the kernel's effect inside the engine.
 
 The KV budget: what the engine gives ``PagedAttentionCache`` at ``max_memory_percent`` (0.5)
 with ``paged|sdpa`` and 256-token blocks, computed once before any contender runs; every
@@ -48,8 +51,9 @@ CONTENDERS = {
     "paged-sdpa-16": dict(attn="paged|sdpa", block_size=16),
     "paged-sdpa-256": dict(attn="paged|sdpa", block_size=256),
     "paged-flex-256": dict(attn=vt.BLOCKFLEX_ATTENTION, block_size=256),
-    "vmem-per-layer": dict(attn=vt.VMEM_ATTENTION, layout="per-layer"),
-    "vmem-token-major": dict(attn=vt.VMEM_ATTENTION, layout="token-major"),
+    "vmem-per-layer": dict(attn=vt.VMEM_ATTENTION, layout="per-layer", kernel="fa"),
+    "vmem-token-major": dict(attn=vt.VMEM_ATTENTION, layout="token-major", kernel="fa"),
+    "vmem-per-layer-flex": dict(attn=vt.VMEM_ATTENTION, layout="per-layer", kernel="flex"),
 }
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRACE = os.path.join(HERE, "..", "..", "vmem-cli", "data", "traces", "azure-conv-2023-first2000.csv")
@@ -125,8 +129,8 @@ def run_one(model: Any, name: str, prompts: List[List[int]], args: Any, budget: 
     kw: Dict[str, Any] = dict(max_batch_tokens=budget["max_batch_tokens"], max_memory_percent=args.memory_percent,
                               use_cuda_graph=False)
     if spec["attn"] == vt.VMEM_ATTENTION:
-        opts = dict(layout=spec["layout"], memory=budget["kv_bytes"], page_size=args.page_size,
-                    max_requests=args.max_requests, max_context=args.max_context)
+        opts = dict(layout=spec["layout"], kernel=spec["kernel"], memory=budget["kv_bytes"],
+                    page_size=args.page_size, max_requests=args.max_requests, max_context=args.max_context)
     else:
         bs = spec["block_size"]
         # The budget is fixed by num_blocks; the engine still checks its footprint against
@@ -192,7 +196,7 @@ def cache_info(cache: Any, budget: Dict[str, int]) -> Dict[str, Any]:
         u = cache.usage()
         return {"kv_reserved_mb": u["physical_bytes"] / 2**20, "kv_peak_mapped_mb": cache.peak_mapped_bytes / 2**20,
                 "kv_mapped_at_end_mb": u["mapped_bytes"] / 2**20, "preemptions": cache.readmissions,
-                "block_size": cache.block_size, "num_blocks": cache.num_blocks}
+                "block_size": cache.block_size, "num_blocks": cache.num_blocks, "kernel": cache.kernel}
     kv = sum(t.numel() * t.element_size() for t in cache.key_cache + cache.value_cache)
     return {"kv_reserved_mb": kv / 2**20, "kv_peak_mapped_mb": None, "preemptions": None,
             "block_size": cache.block_size, "num_blocks": cache.num_blocks}

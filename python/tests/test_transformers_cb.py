@@ -70,15 +70,45 @@ def test_logits_match_paged_and_dynamic_cache(arch):
     assert h.cross_compare(ours, theirs) < TOL
 
 
-def test_token_major_layout():
-    with vt.serving(layout="token-major"):
+@pytest.mark.parametrize("kernel", vt.KERNELS)
+def test_token_major_layout(kernel, monkeypatch):
+    calls = []
+    real = vt.fa_varlen_reference
+    monkeypatch.setattr(vt, "fa_varlen_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with vt.serving(layout="token-major", kernel=kernel):
         model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
         prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
         run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, NEW, cb_kwargs=dict(max_batch_tokens=64))
     cache = run["cache"]
-    assert cache.layout == "token-major" and cache.block_size == 128 and cache.pages_per_block == 2
+    assert cache.layout == "token-major" and cache.kernel == kernel and cache.tokens_per_page == 64
+    if kernel == "fa":  # FA reads exact lengths: a block is one page
+        assert cache.block_size == 64 and cache.pages_per_block == 1
+        layers = model.config.num_hidden_layers  # one call per layer per round (the CPU stand-in for the FA op)
+        assert calls and len(calls) % layers == 0 and len(calls) >= run["rounds"] * layers, (len(calls), run["rounds"])
+    else:  # Flex reads whole 128-token KV blocks
+        assert cache.block_size == 128 and cache.pages_per_block == 2
+        assert not calls
     _check_run(run, model, "token-major")
     _check_clean(cache)
+
+
+def test_flex_kernel_matches():
+    """``kernel="flex"`` (the BlockMask path, dense reference on the CPU) stays a working option."""
+    with vt.serving(kernel="flex"):
+        model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+        prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
+        run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, NEW, cb_kwargs=dict(max_batch_tokens=64),
+                           stagger=[0, 0, 0, 3, 6, 9])
+    assert run["cache"].kernel == "flex"
+    _check_run(run, model, "flex")
+    _check_clean(run["cache"])
+
+
+def test_kernel_option_is_checked():
+    with pytest.raises(vmem.InvalidArgument, match="kernel"):
+        vt.install(kernel="sdpa")
+    cache, _ = _cache()
+    assert cache.kernel == "fa"  # the default
 
 
 def test_preemption_under_memory_pressure():
@@ -179,3 +209,69 @@ def test_attention_outside_the_engine_is_refused():
     model.set_attn_implementation(vt.VMEM_ATTENTION)
     with pytest.raises(vmem.VmemError, match="continuous batching"):
         model(torch.tensor([[3, 4, 5]]))
+
+
+# ------------------------------------------------------------------------------------------------
+# kernel="fa": the round's varlen indices against an independent per-request computation
+# ------------------------------------------------------------------------------------------------
+def _attend_f64(q, k, v, scale):
+    """Attention of ``q`` [sq, Hq, D] over ``k``/``v`` [nk, Hkv, D], bottom-right causal, float64,
+    with explicit softmax (no SDPA): query j sees keys 0 .. nk - sq + j."""
+    sq, hq, d = q.shape
+    nk, hkv = k.shape[0], k.shape[1]
+    g = hq // hkv
+    out = torch.empty(sq, hq, d, dtype=torch.float64)
+    for h_ in range(hq):
+        kh, vh = k[:, h_ // g].double(), v[:, h_ // g].double()
+        for j in range(sq):
+            s = (kh @ q[j, h_].double()) * scale
+            s[nk - sq + j + 1:] = float("-inf")
+            p = torch.softmax(s, 0)
+            out[j, h_] = p @ vh
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fa_varlen_indices_match_per_request_attention(seed):
+    """Rows in random (unsorted) order, decodes and prefill chunks mixed: the packed FA call's
+    emulation over the flat view equals per-request attention over each row's first past+q
+    tokens; the slots past a request's length hold NaN and must not be read."""
+    g = torch.Generator().manual_seed(seed)
+    rows, ctx, hkv, hq, d = 7, 48, 2, 6, 8
+    k4 = torch.full((rows, ctx, hkv, d), float("nan"))
+    v4 = torch.full((rows, ctx, hkv, d), float("nan"))
+    order = torch.randperm(rows, generator=g).tolist()[:5]
+    entries = []
+    for i, row in enumerate(order):
+        q = 1 if i % 2 else int(torch.randint(2, 9, (1,), generator=g))
+        past = int(torch.randint(0, ctx - q + 1, (1,), generator=g))
+        entries.append((row, past, q))
+        k4[row, :past + q] = torch.randn(past + q, hkv, d, generator=g)
+        v4[row, :past + q] = torch.randn(past + q, hkv, d, generator=g)
+    idx = vt.fa_varlen_indices(entries, ctx)
+    total = sum(e[2] for e in entries)
+    assert idx.total_q == total and idx.max_q == max(e[2] for e in entries)
+    assert idx.max_k == max(p + q for _, p, q in entries)
+    n = len(entries)
+    h_ = idx.host.tolist()
+    assert h_[n + 1: 2 * n + 1] == [r * ctx for r, _, _ in entries]  # starts: the rows, in query order
+    assert h_[2 * n + 2:] == [p + q for _, p, q in entries]
+    q = torch.randn(total, hq, d, generator=g)
+    kf, vf = k4.view(rows * ctx, hkv, d), v4.view(rows * ctx, hkv, d)
+    scale = 0.3
+    got = vt.fa_varlen_reference(q, kf, vf, idx.to("cpu"), scale)
+    assert torch.isfinite(got).all()
+    start = 0
+    for row, past, ql in entries:
+        want = _attend_f64(q[start:start + ql], k4[row, :past + ql], v4[row, :past + ql], scale)
+        torch.testing.assert_close(got[start:start + ql].double(), want, rtol=1e-5, atol=1e-5)
+        start += ql
+
+
+def test_fa_varlen_indices_refuse_bad_entries():
+    with pytest.raises(vmem.VmemError):
+        vt.fa_varlen_indices([], 16)
+    with pytest.raises(vmem.VmemError):
+        vt.fa_varlen_indices([(0, 10, 7)], 16)  # past + q past the row
+    with pytest.raises(vmem.VmemError):
+        vt.fa_varlen_indices([(0, 0, 0)], 16)  # a request without queries

@@ -32,10 +32,12 @@ uses (it never calls its ``__init__``):
 * one :class:`vmem.KVCache` with ``max_batch = max_requests + 1``; the last row is the trash row
   where padded tokens write (kept mapped for one block). A request gets a row (a vmem id) on its
   first allocation, and its row is mapped as far as the engine's blocks for it reach;
-* a *block* (``block_size`` tokens) is ``lcm(tokens per page, FlexAttention's KV block)``
-  tokens: per-layer, one page in each of the ``2 x layers`` buffers (1,024 tokens for Llama-3-8B
-  shapes at 2 MB pages); token-major, whole pages of every layer (2 MB pages hold 64 tokens of
-  Llama-3-8B shapes with 8 layers, so a block is 128 tokens = 2 pages). ``num_blocks`` is what
+* a *block* (``block_size`` tokens, :func:`block_tokens`) is one page's tokens with the default
+  ``kernel="fa"`` (FlashAttention reads each request's exact length): per-layer, one page in
+  each of the ``2 x layers`` buffers (1,024 tokens for Llama-3-8B shapes at 2 MB pages);
+  token-major, one page of every layer's tokens (64 tokens of Llama-3-8B shapes with 8 layers).
+  With ``kernel="flex"`` it is ``lcm(tokens per page, FlexAttention's 128-token KV block)``
+  (token-major above: 128 tokens = 2 pages). ``num_blocks`` is what
   the memory budget holds; ``get_num_free_blocks`` is exact (the engine's safety margin and
   preemption sizing rely on it);
 * ``allocate_blocks`` never raises: it returns ``None`` when no row or no memory is left, so the
@@ -54,7 +56,21 @@ uses (it never calls its ``__init__``):
 
 Attention (:func:`flex_paged_attention`, one function for both caches): new K/V are written in
 place with ``index_copy_`` into a flat ``[rows * max_context, Hkv, D]`` view of each layer's
-buffer (valid for both layouts: a row's stride is ``max_context`` token strides); K/V are read
+buffer (valid for both layouts: a row's stride is ``max_context`` token strides).
+
+``paged|vmem`` with ``kernel="fa"`` (the default) reads them with torch's FlashAttention-2
+varlen op, ``aten._flash_attention_forward``, in one call per layer for the whole round
+(decodes and prefill chunks together): packed Q ``[T, Hq, D]`` in the engine's query order, K/V
+the flat views in place (FA needs only a contiguous last dim and the token/head strides, so
+both layouts are read without a copy), ``cu_seqlens_k`` = each request's row start
+(``row * max_context``), ``seqused_k`` = ``past + q``, causal (bottom-right), the module's
+scaling. :func:`fa_varlen_indices` builds the indices on the host once per forward (first
+layer) and they reach the device in one copy. FlashAttention-2 reads only ``cu_seqlens_k[b]``
+as request ``b``'s start when ``seqused_k`` is given, so rows need not be sorted. On the CPU
+(FlashAttention is CUDA-only) :func:`fa_varlen_reference` computes the same thing per request.
+FA needs float16/bfloat16 and a head dim that is a multiple of 8 up to 256 on CUDA.
+
+With ``kernel="flex"`` (and always for ``paged|blockflex``) K/V are read
 in place by FlexAttention (compiled once with ``dynamic=True``) with a ``BlockMask`` made from
 index tensors (``BlockMask.from_kv_blocks``), never by evaluating a mask over the whole space:
 
@@ -69,11 +85,13 @@ index tensors (``BlockMask.from_kv_blocks``), never by evaluating a mask over th
 A round with both decodes and prefill chunks makes one call of each kind (for ``paged|blockflex``
 the decodes are Q ``[B, Hq, 1, D]`` against the flat KV, each listing its physical blocks).
 
-No kernel reads past a request's mapped memory: a request's rows are mapped in whole blocks,
-and a block is a multiple of the KV block, so the last KV block a request lists is mapped
-(no zero page needed on the GPU). Newly mapped blocks are zeroed at the round's step: Flex
-reads the whole last KV block and masks scores, and a NaN bit pattern in fresh memory would
-still poison ``p @ V``. On the CPU (not compiled) the same BlockMask is evaluated densely and
+No kernel reads past a request's mapped memory: FlashAttention reads a request's keys
+``[start, start + past + q)`` only (its loads past ``seqused_k`` are predicated off), all inside
+the blocks the engine allocated for it; for Flex a block is a multiple of the KV block, so the
+last KV block a request lists is mapped (no zero page needed on the GPU). Newly mapped blocks
+are zeroed at the round's step (both kernels; Flex needs it: it reads the whole last KV block
+and masks scores, and a NaN bit pattern in fresh memory would still poison ``p @ V``; for FA it
+is defence in depth). On the CPU (not compiled) the same BlockMask is evaluated densely and
 every slot without a page is backed by vmem's zero page (docs/serving.md says why eager Flex is
 not used there). For ``paged|blockflex`` the engine's ``block_size`` must be a multiple
 of the KV block (128 or 256): the KV blocks listed are the request's physical blocks.
@@ -99,6 +117,11 @@ __all__ = [
     "VmemCBCache",
     "RecordingPagedCache",
     "flex_paged_attention",
+    "FaVarlenIndex",
+    "fa_varlen_indices",
+    "fa_varlen_reference",
+    "block_tokens",
+    "KERNELS",
     "SUPPORTED_TRANSFORMERS",
 ]
 
@@ -112,6 +135,9 @@ SUPPORTED_TRANSFORMERS = ("5.17.",)
 #: FlexAttention's KV block (tokens) and Q block.
 KV_BLOCK = 128
 Q_BLOCK = 128
+#: The kernels ``paged|vmem`` can read its rows with: ``"fa"`` (torch's FlashAttention-2 varlen
+#: op, the default) or ``"flex"`` (compiled FlexAttention with a BlockMask).
+KERNELS = ("fa", "flex")
 
 _DEFAULTS: Dict[str, Any] = {
     "layout": "per-layer",
@@ -121,6 +147,7 @@ _DEFAULTS: Dict[str, Any] = {
     "memory": None,
     "prealloc": True,
     "compile": None,
+    "kernel": "fa",
 }
 _options: Dict[str, Any] = dict(_DEFAULTS)
 _installed: Dict[str, Any] = {}
@@ -155,6 +182,8 @@ def _set_options(options: Dict[str, Any]) -> None:
         raise InvalidArgument(f"unknown option(s) {sorted(unknown)}; known: {sorted(_DEFAULTS)}")
     if "layout" in options and options["layout"] not in ("per-layer", "token-major"):
         raise InvalidArgument(f"layout must be 'per-layer' or 'token-major', got {options['layout']!r}")
+    if "kernel" in options and options["kernel"] not in KERNELS:
+        raise InvalidArgument(f"kernel must be one of {KERNELS}, got {options['kernel']!r}")
     _options.update(options)
 
 
@@ -166,7 +195,9 @@ def install(**options: Any) -> None:
     ``max_context`` (tokens per request; default the model's ``max_position_embeddings``),
     ``memory`` (bytes of KV pages; default what the engine would give its paged cache:
     ``max_memory_percent`` of free memory less its activation estimate), ``prealloc`` (create
-    the pages up front, default True), ``compile`` (compile the Flex kernel; default: on CUDA).
+    the pages up front, default True), ``kernel`` ("fa": torch's FlashAttention-2 varlen op
+    reading the rows in place, the default; "flex": compiled FlexAttention with a BlockMask),
+    ``compile`` (compile the Flex kernel; default: on CUDA).
     Idempotent; refuses transformers versions other than 5.17.x.
     """
     continuous_api = _check_version()
@@ -253,14 +284,15 @@ def _check_no_graphs(cb: Any, impl: str) -> None:
 # ------------------------------------------------------------------------------------------------
 class _Batch:
     """What one scheduling round runs: per request (in batch order) its owner (row or batch
-    index), past length, query length and KV block list; built on the host, turned into a
-    BlockMask once per forward (at the first layer) and reused by every layer."""
+    index), past length, query length and KV block list; built on the host, turned into the
+    kernel's indices (Flex: the list of :class:`_Part`; FA: a :class:`FaVarlenIndex`) once per
+    forward (at the first layer) and reused by every layer."""
 
     __slots__ = ("entries", "mask")
 
     def __init__(self) -> None:
         self.entries: List[Tuple[int, int, int, Any]] = []
-        self.mask: Any = None  # the round's list of _Part
+        self.mask: Any = None  # the round's list of _Part, or its FaVarlenIndex
 
 
 class _Recorder:
@@ -350,6 +382,15 @@ def _find_dims(config: Any) -> Tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
+def block_tokens(tokens_per_page: int, kernel: str) -> int:
+    """The engine's block (tokens) for ``paged|vmem``: one page's tokens for ``kernel="fa"``
+    (FlashAttention reads a request's exact length, nothing past it); for ``"flex"``,
+    ``lcm(tokens per page, KV_BLOCK)`` so that every KV block Flex lists is mapped."""
+    if kernel == "fa":
+        return tokens_per_page
+    return tokens_per_page * KV_BLOCK // math.gcd(tokens_per_page, KV_BLOCK)
+
+
 class VmemCBCache(_Recorder):
     """A KV cache for transformers' continuous batching over one :class:`vmem.KVCache`.
 
@@ -363,7 +404,7 @@ class VmemCBCache(_Recorder):
     def __init__(self, config: Any, continuous_batching_config: Any, device: Any, *, dtype: torch.dtype,
                  tp_size: int = 1, layout: str = "per-layer", page_size: Any = "2M", max_requests: int = 256,
                  max_context: Optional[int] = None, memory: Any = None, prealloc: bool = True,
-                 compile: Optional[bool] = None) -> None:
+                 compile: Optional[bool] = None, kernel: str = "fa") -> None:
         cb = continuous_batching_config
         _check_no_graphs(cb, VMEM_ATTENTION)
         layer_types = getattr(config, "layer_types", None)
@@ -373,16 +414,27 @@ class VmemCBCache(_Recorder):
             raise InvalidArgument(f"{VMEM_ATTENTION}: tensor parallelism is not supported yet (issue #24)")
         if isinstance(max_requests, bool) or not isinstance(max_requests, int) or max_requests < 1:
             raise InvalidArgument(f"max_requests must be a positive int, got {max_requests!r}")
+        if kernel not in KERNELS:
+            raise InvalidArgument(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        self.kernel = kernel
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         layers, kv_heads, head_dim = _find_dims(config)
         self.num_key_value_heads, self.head_dim = kv_heads, head_dim
         self.compile = compile
-        # Compiled Flex reads only the KV blocks a BlockMask lists. The CPU path (not compiled:
-        # compiling costs more than it saves there) evaluates every position of the flat KV, so
-        # there every unmapped slot is backed by vmem's read-only zero page.
+        # Compiled Flex reads only the KV blocks a BlockMask lists, FlashAttention only a request's
+        # own [start, start + used) tokens. The CPU paths (the dense Flex reference; the FA
+        # emulation) are not those kernels: the dense reference evaluates every position of the
+        # flat KV, so on the CPU every unmapped slot is backed by vmem's read-only zero page.
         self.compiled = bool(compile) if compile is not None else self.device.type == "cuda"
+        if kernel == "fa" and self.device.type == "cuda":
+            if dtype not in (torch.float16, torch.bfloat16):
+                raise InvalidArgument(f"{VMEM_ATTENTION} kernel='fa': FlashAttention needs float16 or bfloat16, "
+                                      f"not {dtype}; use kernel='flex'")
+            if head_dim % 8 or head_dim > 256:
+                raise InvalidArgument(f"{VMEM_ATTENTION} kernel='fa': head_dim {head_dim} is not a multiple of 8 "
+                                      "up to 256; use kernel='flex'")
         token_bytes = 2 * layers * kv_heads * head_dim * dtype.itemsize  # K and V, every layer
 
         # Memory budget: explicit, or what the engine would give its own paged cache.
@@ -418,7 +470,7 @@ class VmemCBCache(_Recorder):
             raise InvalidArgument(f"page size {page} is not a multiple of a token's {buffer_token_bytes} bytes")
         tpp = page // buffer_token_bytes
         self.tokens_per_page = tpp
-        self.block_size = tpp * KV_BLOCK // math.gcd(tpp, KV_BLOCK)  # lcm
+        self.block_size = block_tokens(tpp, kernel)
         self.pages_per_block = (2 * layers if layout == "per-layer" else 1) * (self.block_size // tpp)
         self.page_bytes = page
         self.max_context = -(-max_context // self.block_size) * self.block_size
@@ -429,11 +481,16 @@ class VmemCBCache(_Recorder):
                 f"({self.pages_per_block} pages of {page} bytes each); need at least 2 (one is the trash row's)"
             )
         cap = blocks * self.pages_per_block * page
+        if kernel == "fa" and self.rows * self.max_context >= 2**31:
+            raise InvalidArgument(
+                f"{VMEM_ATTENTION} kernel='fa': rows x max_context = {self.rows} x {self.max_context} tokens "
+                "does not fit FlashAttention's int32 cu_seqlens_k; lower max_requests or max_context"
+            )
         self.kv = KVCache(
             layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=str(dtype), max_batch=self.rows,
             max_context=self.max_context, page_size=page, layout=layout, backend=backend, device=ordinal,
             memory_cap=cap, prealloc=cap if prealloc else 0, overlap=False, deferred_reclaim=False,
-            eager_tokens=0, zero_page=not self.compiled,
+            eager_tokens=0, zero_page=self.device.type == "cpu" or (kernel == "flex" and not self.compiled),
         )
         self.layout = layout
         if int(self.kv.config()["tokens_per_page"]) != tpp:
@@ -860,12 +917,112 @@ def _packed_mask(cache: Any, entries: List[Any], t_total: int, device: torch.dev
         BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod, seq_lengths=(t_total, kv_len), compute_q_blocks=False,
     )
 
+# ------------------------------------------------------------------------------------------------
+# Attention with FlashAttention-2 varlen over the rows in place (kernel="fa")
+# ------------------------------------------------------------------------------------------------
+class FaVarlenIndex:
+    """One round's arguments to ``aten._flash_attention_forward`` (varlen): built on the host by
+    :func:`fa_varlen_indices`, copied to the device in one transfer, reused by every layer.
+
+    ``host`` is the int32 tensor ``[cu_seqlens_q (B+1) | cu_seqlens_k (B+1) | seqused_k (B)]``;
+    ``cu_q``, ``cu_k``, ``used`` are views of its device copy (after :meth:`to`); ``max_q``,
+    ``max_k`` are Python ints; ``total_q`` the round's query tokens."""
+
+    __slots__ = ("host", "n", "max_q", "max_k", "total_q", "cu_q", "cu_k", "used")
+
+    def __init__(self, host: torch.Tensor, n: int, max_q: int, max_k: int, total_q: int) -> None:
+        self.host, self.n, self.max_q, self.max_k, self.total_q = host, n, max_q, max_k, total_q
+        self.cu_q = self.cu_k = self.used = None  # type: Any
+
+    def to(self, device: Any) -> "FaVarlenIndex":
+        """Copies the packed indices to ``device`` (one copy) and sets the views."""
+        d = self.host.to(device, non_blocking=True)
+        n = self.n
+        self.cu_q, self.cu_k, self.used = d[: n + 1], d[n + 1: 2 * n + 2], d[2 * n + 2:]
+        return self
+
+
+def fa_varlen_indices(entries: List[Tuple[int, int, int]], max_context: int) -> FaVarlenIndex:
+    """The varlen indices of one round over the flat ``[rows * max_context, Hkv, D]`` view.
+
+    ``entries``: per request, in the engine's query order, ``(row, past, q)``. Queries are packed
+    in that order (``cu_seqlens_q`` = running sum of ``q``); request ``i``'s keys start at its
+    row, ``cu_seqlens_k[i] = row_i * max_context``, and it uses ``seqused_k[i] = past + q`` of
+    them (the new tokens are written before the kernel runs). With ``seqused_k`` given,
+    FlashAttention-2 reads only ``cu_seqlens_k[i]`` as the start of request ``i`` (its
+    ``BlockInfo``: ``actual_seqlen_k = seqused_k[b]``, key offset ``cu_seqlens_k[b] * row
+    stride``), so the starts need not be sorted or non-overlapping; ``cu_seqlens_k[B]`` is set to
+    the last start plus its length and is not read. Causal is bottom-right: query ``j`` of a
+    request attends keys ``< past + j + 1``."""
+    n = len(entries)
+    if n == 0:
+        raise VmemError("an attention round without requests")
+    cu_q, cu_k, used = [0], [], []
+    for row, past, q in entries:
+        if q < 1 or past < 0 or past + q > max_context:
+            raise VmemError(f"bad round entry (row {row}, past {past}, q {q}) for max_context {max_context}")
+        cu_q.append(cu_q[-1] + q)
+        cu_k.append(row * max_context)
+        used.append(past + q)
+    cu_k.append(cu_k[-1] + used[-1])
+    host = torch.tensor(cu_q + cu_k + used, dtype=torch.int32)
+    return FaVarlenIndex(host, n, max(e[2] for e in entries), max(used), cu_q[-1])
+
+
+def fa_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: FaVarlenIndex,
+                        scale: Optional[float] = None) -> torch.Tensor:
+    """What ``aten._flash_attention_forward`` computes for ``index`` (varlen, causal, with
+    ``seqused_k``), in plain tensor ops, from the host indices: per request ``b``, its queries
+    ``q[cu_q[b]:cu_q[b+1]]`` attend ``k[cu_k[b] : cu_k[b] + used[b]]``, bottom-right causal;
+    GQA by head groups. ``q`` ``[T, Hq, D]``, ``k``/``v`` ``[N, Hkv, D]``; returns ``[T, Hq, D]``.
+    The CPU path of ``kernel="fa"`` (FlashAttention is CUDA-only)."""
+    n = index.n
+    h = index.host.tolist()
+    cu_q, cu_k, used = h[: n + 1], h[n + 1: 2 * n + 2], h[2 * n + 2:]
+    out = q.new_empty(q.shape)
+    for b in range(n):
+        q0, q1, k0, nk = cu_q[b], cu_q[b + 1], cu_k[b], used[b]
+        sq = q1 - q0
+        qs = q[q0:q1].transpose(0, 1)  # [Hq, sq, D]
+        ks = k[k0:k0 + nk].transpose(0, 1)
+        vs = v[k0:k0 + nk].transpose(0, 1)
+        mask = torch.arange(nk).view(1, -1) <= torch.arange(nk - sq, nk).view(-1, 1)  # bottom-right causal
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask.to(q.device), scale=scale,
+                                                             enable_gqa=qs.shape[0] != ks.shape[0])
+        out[q0:q1] = o.transpose(0, 1)
+    return out
+
+
+def _fa_attention(cache: Any, batch: _Batch, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  scaling: Optional[float]) -> torch.Tensor:
+    """``paged|vmem`` with ``kernel="fa"``: one FlashAttention-2 varlen call for the whole round
+    (decodes and prefill chunks together) over the flat views in place; returns ``[1, T, Hq, D]``."""
+    index = batch.mask
+    if index is None:  # the first layer of this round's forward: build once, every layer reuses it
+        cache._consumed = True
+        index = fa_varlen_indices([(row, past, q) for row, past, q, _ in batch.entries], cache.max_context)
+        batch.mask = index.to(query.device)
+    t = query.shape[2]
+    if t != index.total_q:
+        raise VmemError(f"the engine passed {t} query tokens for a round of {index.total_q} (padding is not supported)")
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    if query.device.type != "cuda":
+        return fa_varlen_reference(q, k_cache, v_cache, index, scaling).unsqueeze(0)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.ops.aten._flash_attention_forward(
+        q, k_cache, v_cache, index.cu_q, index.cu_k, index.max_q, index.max_k, 0.0, True, False,
+        scale=scaling, seqused_k=index.used,
+    )[0]
+    return out.unsqueeze(0)
+
 
 def flex_paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: Any = None, scaling: Optional[float] = None, dropout: float = 0.0,
                          **kwargs: Any) -> Tuple[torch.Tensor, None]:
     """The attention function of ``paged|vmem`` and ``paged|blockflex``: writes the new K/V in
-    place, reads every request's K/V in place with FlexAttention. ``query`` is ``[1, Hq, T, D]``,
+    place, reads every request's K/V in place with FlashAttention-2 varlen (``paged|vmem`` with
+    ``kernel="fa"``) or FlexAttention (``kernel="flex"``; ``paged|blockflex``). ``query`` is ``[1, Hq, T, D]``,
     ``key``/``value`` ``[1, Hkv, T, D]`` (the new tokens); returns ``([1, T, Hq, D], None)``."""
     cache = kwargs.get("cache")
     if cache is None or not hasattr(cache, "kv_layer"):
@@ -885,6 +1042,8 @@ def flex_paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, va
     batch = cache._batch
     if batch is None:
         raise VmemError("attention called before the engine prepared a batch")
+    if isinstance(cache, VmemCBCache) and cache.kernel == "fa":
+        return _fa_attention(cache, batch, query, k_cache, v_cache, scaling), None
     if batch.mask is None:  # the first layer of this round's forward: build once, every layer reuses it
         cache._consumed = True
         batch.mask = _build_mask(cache, batch, t, query.device)
