@@ -11,8 +11,9 @@ fn load_trace(path: &std::path::Path) -> vmem_replay::Result<Vec<vmem_replay::Tr
 }
 use vmem::{KvCacheManager, KvConfig, Layout, VmemError};
 use vmem_bench::GpuKernels;
+use vmem_replay::experiment::{run_config, Allocator, Deployment, ExperimentConfig, Outcome};
+use vmem_tests::bundled_traces;
 use vmem_tests::conformance::{self, Contents};
-use vmem_tests::{default_traces, run_config, Allocator, Deployment, ExperimentConfig};
 
 /// The GPU, or a failure: these tests run only when asked for (`--include-ignored`).
 fn gpu() -> Arc<CudaBackend> {
@@ -151,7 +152,9 @@ fn cuda_and_simulation_replays_map_the_same_pages() {
             ..Default::default()
         },
         deferred_reclaim: false,
+        eager: false,
         overlap: false,
+        pad_rows: false,
     };
     let dep = Deployment {
         model: vmem::models::ModelSpec::by_name("llama-3-8b").unwrap(),
@@ -159,13 +162,13 @@ fn cuda_and_simulation_replays_map_the_same_pages() {
     };
     let on_gpu = move || -> vmem::Result<Arc<dyn Backend>> { Ok(cuda.clone()) };
     let sim = || -> vmem::Result<Arc<dyn Backend>> { Ok(Arc::new(SimBackend::new())) };
-    for (name, path) in default_traces() {
+    for (name, path) in bundled_traces() {
         let trace = load_trace(&path).unwrap();
         for layout in [Layout::PerLayer, Layout::TokenMajor] {
             let alloc = Allocator::Vmem { page: MIB2, layout };
             let g = run_config(&trace, dep, alloc, &cfg, &on_gpu).unwrap();
             let s = run_config(&trace, dep, alloc, &cfg, &sim).unwrap();
-            let pages = |o: &vmem_tests::Outcome| o.online.sync_pages + o.online.background_pages;
+            let pages = |o: &Outcome| o.online.sync_pages + o.online.background_pages;
             eprintln!(
                 "{name} {layout:?} 2MB: cuda {} pages, sim {} pages, avg waste {:.4}",
                 pages(&g),

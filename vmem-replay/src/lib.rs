@@ -26,6 +26,7 @@
 
 mod baseline;
 mod error;
+pub mod experiment;
 mod sched;
 mod trace;
 

@@ -1,5 +1,5 @@
 //! The fragmentation experiment: every trace x deployment x allocator, a table on the
-//! terminal, a CSV and an SVG plot. `cargo run --release -p vmem-tests --bin fragmentation -- --help`
+//! terminal, a CSV and an SVG plot. `cargo run --release -p vmem-bench --bin fragmentation -- --help`
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -10,8 +10,8 @@ use std::sync::Arc;
 use vmem::backend::{Backend, BackendChoice, HostBackend, SimBackend, PAGE_SIZES};
 use vmem::units::{format_bytes, parse_bytes};
 use vmem::Layout;
+use vmem_replay::experiment::{deployments, run_config, Allocator, ExperimentConfig};
 use vmem_replay::{load_trace, ReplayConfig, ReplayError, Result, TraceOptions};
-use vmem_tests::{default_traces, deployments, run_config, Allocator, ExperimentConfig};
 
 #[derive(Parser, Debug)]
 #[command(about = "KV-cache fragmentation per page size on real request traces")]
@@ -81,7 +81,9 @@ fn run(args: Args) -> Result<()> {
             ..Default::default()
         },
         deferred_reclaim: false,
+        eager: false,
         overlap: true,
+        pad_rows: false,
     };
     let deps: Vec<_> = deployments()
         .into_iter()
@@ -198,6 +200,30 @@ fn run(args: Args) -> Result<()> {
     plot(&svg, &points).map_err(|e| ReplayError::Config(format!("plot: {e}")))?;
     println!("wrote {} and {}", csv_path.display(), svg.display());
     Ok(())
+}
+
+/// The two Azure traces: from `../shared/traces/` when present, else the bundled subsets.
+/// Paths are relative to the workspace this was built in, or, where that is gone (a binary
+/// carried to another machine), to the current directory.
+fn default_traces() -> Vec<(String, PathBuf)> {
+    let built_in = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let root = if built_in.join("vmem-cli/data/traces").exists() {
+        built_in
+    } else {
+        PathBuf::from(".")
+    };
+    ["code", "conv"]
+        .into_iter()
+        .map(|t| {
+            let full = root.join(format!("../shared/traces/AzureLLMInferenceTrace_{t}.csv"));
+            let path = if full.exists() {
+                full
+            } else {
+                root.join(format!("vmem-cli/data/traces/azure-{t}-2023-first2000.csv"))
+            };
+            (t.to_string(), path)
+        })
+        .collect()
 }
 
 fn plot(
