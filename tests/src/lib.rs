@@ -1,7 +1,5 @@
-//! Shared pieces of vmem's integration tests: the backend conformance suite and the traces the
-//! tests replay.
-
-pub mod conformance;
+//! Shared pieces of vmem's integration tests: the traces they replay. The backend conformance
+//! suite and the test wrappers are `vmem::testing` (the `testing` feature).
 
 use std::path::PathBuf;
 

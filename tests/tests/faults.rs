@@ -3,7 +3,8 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use vmem::backend::{Backend, FaultPlan, FaultyBackend, HostBackend, KIB64};
+use vmem::backend::{Backend, HostBackend, KIB64};
+use vmem::testing::{FaultPlan, FaultyBackend};
 use vmem::{KvCacheManager, KvConfig, VmemError};
 
 fn setup() -> (Arc<HostBackend>, Arc<FaultyBackend>, KvCacheManager) {

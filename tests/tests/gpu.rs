@@ -9,11 +9,11 @@ use vmem_replay::{ReplayConfig, TraceOptions};
 fn load_trace(path: &std::path::Path) -> vmem_replay::Result<Vec<vmem_replay::TraceRequest>> {
     vmem_replay::load_trace(path, &TraceOptions::default()).map(|t| t.requests)
 }
+use vmem::testing::conformance::{self, Contents};
 use vmem::{KvCacheManager, KvConfig, Layout, VmemError};
 use vmem_bench::GpuKernels;
 use vmem_replay::experiment::{run_config, Allocator, Deployment, ExperimentConfig, Outcome};
 use vmem_tests::bundled_traces;
-use vmem_tests::conformance::{self, Contents};
 
 /// The GPU, or a failure: these tests run only when asked for (`--include-ignored`).
 fn gpu() -> Arc<CudaBackend> {

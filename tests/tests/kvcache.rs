@@ -541,8 +541,8 @@ fn a_step_maps_in_address_order_buffer_by_buffer() {
     // On CUDA a map costs ~17 µs more when the call before it was a gigabyte away, so a
     // step maps every request's pages in one buffer before the next buffer's.
     use vmem::backend::{Checked, SimMemory};
-    use vmem_tests::conformance::Tally;
-    let tally = Tally::new(SimMemory::new(&[KIB64]));
+    use vmem::testing::CountingDriver;
+    let tally = CountingDriver::new(SimMemory::new(&[KIB64]));
     let counts = tally.counts.clone();
     let b: Arc<dyn Backend> = Arc::new(Checked::wrap(tally).unwrap());
     let mut c = cfg(KIB64, Layout::PerLayer);

@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use vmem::backend::{Backend, BackendKind, PageHandle, SimBackend, KIB64};
+use vmem::backend::{Backend, Delegate, PageHandle, SimBackend, KIB64};
 use vmem::{KvCacheManager, KvConfig, VmemError};
 
 fn config(cap_pages: u64) -> KvConfig {
@@ -74,37 +74,13 @@ struct Slow {
     delay: Duration,
 }
 
-impl Backend for Slow {
-    fn kind(&self) -> BackendKind {
-        self.inner.kind()
-    }
-    fn page_sizes(&self) -> &[u64] {
-        self.inner.page_sizes()
-    }
-    fn granularity(&self) -> u64 {
-        self.inner.granularity()
-    }
-    fn reserve(&self, size: u64) -> vmem::Result<u64> {
-        self.inner.reserve(size)
-    }
-    fn free_range(&self, addr: u64) -> vmem::Result<()> {
-        self.inner.free_range(addr)
-    }
-    fn create_page(&self, page_size: u64) -> vmem::Result<PageHandle> {
-        self.inner.create_page(page_size)
-    }
-    fn release_page(&self, page: PageHandle) -> vmem::Result<()> {
-        self.inner.release_page(page)
+impl Delegate for Slow {
+    fn inner(&self) -> &dyn Backend {
+        &self.inner
     }
     fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> vmem::Result<()> {
         std::thread::sleep(self.delay);
         self.inner.map(addr, pages, page_size)
-    }
-    fn unmap(&self, addr: u64, size: u64) -> vmem::Result<()> {
-        self.inner.unmap(addr, size)
-    }
-    fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> vmem::Result<()> {
-        self.inner.map_zero(addr, size, page_size)
     }
 }
 
@@ -169,7 +145,8 @@ fn a_long_map_ahead_on_another_thread_does_not_block_the_other_requests_steps() 
 
 #[test]
 fn a_creation_failure_maps_nothing_and_keeps_the_accounts() {
-    use vmem::backend::{FaultPlan, FaultyBackend, HostBackend};
+    use vmem::backend::HostBackend;
+    use vmem::testing::{FaultPlan, FaultyBackend};
     let host = Arc::new(HostBackend::new().unwrap());
     let faulty = Arc::new(FaultyBackend::new(host.clone()));
     let kv = KvCacheManager::init(faulty.clone(), config(256)).unwrap();

@@ -134,7 +134,7 @@ pub enum VmemError {
         what: &'static str,
     },
 
-    /// A fault injected by [`crate::backend::FaultyBackend`] (tests only).
+    /// A fault injected by `vmem::testing::FaultyBackend` (tests only).
     #[error("injected fault in {0}")]
     InjectedFault(&'static str),
 }

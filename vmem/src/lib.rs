@@ -12,7 +12,9 @@
 //! * [`pool`] and [`buffer`]: the physical page pool and virtual buffers with exact
 //!   bookkeeping of what is mapped where (RAII: dropping releases everything);
 //! * [`kvcache`]: the KV-cache manager with the paper's API and optimizations;
-//! * [`models`]: the shapes of the models vmem is measured with.
+//! * [`models`]: the shapes of the models vmem is measured with;
+//! * `testing` (the `testing` feature): the backend conformance suite and the fault-injecting
+//!   and counting wrappers, for tests of vmem and of out-of-tree backends.
 //!
 //! Trace replay, baselines and the fragmentation metrics live in the `vmem-replay` crate; GPU
 //! benchmarks in `vmem-bench`; the command line in `vmem-cli`.
@@ -50,6 +52,8 @@ mod error;
 pub mod kvcache;
 pub mod models;
 pub mod pool;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod units;
 
 pub use error::{Result, VmemError};

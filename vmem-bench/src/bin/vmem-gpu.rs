@@ -4,9 +4,7 @@
 
 use std::sync::Arc;
 use std::time::Instant;
-use vmem::backend::{
-    open_backend, Backend, BackendChoice, CountingBackend, CudaBackend, KIB64, MIB2,
-};
+use vmem::backend::{open_backend, Backend, BackendChoice, CudaBackend, KIB64, MIB2};
 use vmem::{KvCacheManager, KvConfig, Layout, Result, VmemError};
 use vmem_bench::{time_raw_calls, DecodeModel, GpuKernels};
 
@@ -278,7 +276,9 @@ fn run() -> Result<()> {
 
     // 5. Layouts: pages mapped and driver calls per 1000 decode steps.
     for layout in [Layout::PerLayer, Layout::TokenMajor] {
-        let counting = Arc::new(CountingBackend::new(cuda.clone() as Arc<dyn Backend>));
+        let counting = Arc::new(vmem::testing::CountingBackend::new(
+            cuda.clone() as Arc<dyn Backend>
+        ));
         let (kv, mut lens) = staggered_decode(counting.clone(), |cfg| {
             cfg.layout = layout;
             cfg.overlap = false;
