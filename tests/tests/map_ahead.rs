@@ -172,3 +172,57 @@ fn a_creation_failure_maps_nothing_and_keeps_the_accounts() {
     drop(kv);
     assert_eq!(host.resident_bytes().unwrap(), 0);
 }
+
+/// A driver that panics inside `map_ahead`'s unlocked window (issue 22, item 10) leaves the
+/// request claimed no longer: a later `step` and `free_reqid` of that request complete instead
+/// of waiting forever for a claim nothing would release.
+#[test]
+fn a_panic_inside_map_ahead_does_not_hang_later_calls_on_the_request() {
+    use std::sync::mpsc::channel;
+
+    /// Panics in the next `map` once armed.
+    #[derive(Debug)]
+    struct Panicky {
+        inner: SimBackend,
+        armed: AtomicBool,
+    }
+    impl Delegate for Panicky {
+        fn inner(&self) -> &dyn Backend {
+            &self.inner
+        }
+        fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> vmem::Result<()> {
+            if self.armed.swap(false, Ordering::SeqCst) {
+                panic!("the driver panicked inside map_ahead");
+            }
+            self.inner.map(addr, pages, page_size)
+        }
+    }
+    let b = Arc::new(Panicky {
+        inner: SimBackend::new(),
+        armed: AtomicBool::new(false),
+    });
+    let kv = Arc::new(KvCacheManager::init(b.clone(), config(4096)).unwrap());
+    let r = kv.alloc_reqid().unwrap();
+    b.armed.store(true, Ordering::SeqCst);
+    let panicked =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| kv.map_ahead(r, 10_000)));
+    assert!(panicked.is_err(), "the driver's panic reaches the caller");
+
+    let (tx, rx) = channel();
+    let later = kv.clone();
+    std::thread::spawn(move || {
+        let mut lens = vec![0u64; 8];
+        lens[r] = 1000;
+        let step = later.step(&lens).map(|_| ());
+        let free = later.free_reqid(r);
+        let _ = tx.send((step, free));
+    });
+    let (step, free) = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("step / free_reqid on the request hung after a panic inside map_ahead");
+    step.unwrap();
+    free.unwrap();
+    // The manager still serves new requests.
+    let r2 = kv.alloc_reqid().unwrap();
+    kv.map_ahead(r2, 1000).unwrap();
+}

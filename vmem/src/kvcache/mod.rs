@@ -267,7 +267,7 @@ impl KvCacheManager {
         const CHUNK: usize = 4;
         let page = self.geo.page_size;
         // 1. Under the lock: claim the request and take every page it needs from the pool.
-        let (plan, to_create, mut pages) = {
+        let (plan, to_create, mut pages, claim) = {
             let mut st = self.shared.lock();
             st.check_id(req)?;
             if !st.active[req] {
@@ -300,8 +300,9 @@ impl KvCacheManager {
             }
             // Free pages now; the missing ones are created below, outside the lock.
             let (pages, to_create) = st.pool.take_deferred(total)?;
-            st.claimed[req] = true;
-            (plan, to_create, pages)
+            // The claim lives until step 3 releases it, or until this frame unwinds past it.
+            let claim = Claim::take(&self.shared, &mut st, req);
+            (plan, to_create, pages, claim)
         };
         // 2. Without it: create the missing pages, then map, chunk by chunk.
         let mut result = Ok(());
@@ -350,7 +351,7 @@ impl KvCacheManager {
         }
         st.pool.put(pages.drain(start..));
         st.pool.unreserve(to_create - created);
-        st.claimed[req] = false;
+        claim.release(&mut st);
         self.kick(st);
         self.shared.wake.notify_all();
         result.map(|()| used)
@@ -602,6 +603,44 @@ impl KvCacheManager {
         if self.mapper.is_some() {
             st.work_pending = true;
             drop(st);
+            self.shared.wake.notify_all();
+        }
+    }
+}
+
+/// `map_ahead`'s claim on a request: while it lives, `step` and `free_reqid` of the request
+/// wait. [`Claim::release`] ends it; if `map_ahead` unwinds first (a driver that panics in
+/// the unlocked window), dropping it releases the claim and wakes the waiters, so no later
+/// call on the request waits forever. The pages in flight at such a panic are not given back
+/// (some may be mapped, unrecorded): they stay counted as created until the manager drops.
+struct Claim<'a> {
+    shared: &'a Shared,
+    req: usize,
+    held: bool,
+}
+
+impl<'a> Claim<'a> {
+    /// Claims `req`; `st` is the manager's state, locked.
+    fn take(shared: &'a Shared, st: &mut State, req: usize) -> Self {
+        st.claimed[req] = true;
+        Claim {
+            shared,
+            req,
+            held: true,
+        }
+    }
+
+    /// Ends the claim under the lock the caller holds.
+    fn release(mut self, st: &mut State) {
+        st.claimed[self.req] = false;
+        self.held = false;
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if self.held {
+            self.shared.lock().claimed[self.req] = false;
             self.shared.wake.notify_all();
         }
     }
