@@ -68,6 +68,8 @@ fn py_err(e: VmemError) -> PyErr {
         | VmemError::UnknownRequest { .. }
         | VmemError::InactiveRequest(_)
         | VmemError::DoubleFree(_)
+        | VmemError::NotAllocated(_)
+        | VmemError::ContextTooLong { .. }
         | VmemError::TooManyRequests(_)
         | VmemError::Unsupported { .. } => InvalidArgument::new_err(msg),
         _ => VmemError_::new_err(msg),

@@ -166,7 +166,13 @@ fn bad_input_gets_a_typed_error_and_loses_nothing() {
         kv.free_reqid(9),
         Err(VmemError::UnknownRequest { req: 9, .. })
     ));
-    assert!(matches!(kv.free_reqid(2), Err(VmemError::DoubleFree(2))));
+    // Id 2 was never handed out: not a second free (issue 22, item 8).
+    let e = kv.free_reqid(2).unwrap_err();
+    assert!(matches!(e, VmemError::NotAllocated(2)), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        "request id 2 was never allocated (free_reqid takes an id alloc_reqid returned)"
+    );
     assert!(matches!(
         kv.request_pages(4),
         Err(VmemError::UnknownRequest { .. })
@@ -178,8 +184,26 @@ fn bad_input_gets_a_typed_error_and_loses_nothing() {
         kv.alloc_reqid(),
         Err(VmemError::TooManyRequests(4))
     ));
+    // A request longer than the context names no request id (there is none yet).
+    let e = kv.alloc_reqid_for(1 << 30).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            VmemError::ContextTooLong {
+                tokens: 1073741824,
+                max: 2048
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.to_string(),
+        "a request of 1073741824 tokens exceeds max context 2048: no request id can hold it"
+    );
     kv.free_reqid(r).unwrap();
-    assert!(matches!(kv.free_reqid(r), Err(VmemError::DoubleFree(_))));
+    let e = kv.free_reqid(r).unwrap_err();
+    assert!(matches!(e, VmemError::DoubleFree(id) if id == r), "{e:?}");
+    assert_eq!(e.to_string(), format!("request id {r} freed twice"));
     assert_eq!(kv.mapped_handles(), before, "no error changed a mapping");
 }
 
@@ -421,7 +445,7 @@ fn best_fit_reuses_the_smallest_inactive_id_that_covers_the_request() {
     assert_eq!(kv.alloc_reqid_for(3000).unwrap(), low);
     assert!(matches!(
         kv.alloc_reqid_for(5000),
-        Err(VmemError::SeqLenTooLong { .. })
+        Err(VmemError::ContextTooLong { tokens: 5000, .. })
     ));
     kv.alloc_reqid_for(1).unwrap();
     kv.alloc_reqid_for(1).unwrap();

@@ -186,6 +186,7 @@ impl KvCacheManager {
                 .ok_or(VmemError::TooManyRequests(self.cfg.max_batch))?,
         };
         st.active[id] = true;
+        st.handed_out[id] = true;
         st.seq_lens[id] = 0;
         st.next_id = st.pick_next_id();
         self.kick(st);
@@ -196,13 +197,12 @@ impl KvCacheManager {
     /// the fewest pages that still cover `tokens` (so its prefill maps nothing), else the
     /// lowest inactive id (vAttention's `alloc_new_batch_idx`). Fails with
     /// [`VmemError::TooManyRequests`] when every id is active, and with
-    /// [`VmemError::SeqLenTooLong`] when `tokens` exceeds the max context.
+    /// [`VmemError::ContextTooLong`] when `tokens` exceeds the max context.
     pub fn alloc_reqid_for(&self, tokens: u64) -> Result<usize> {
         let mut st = self.shared.lock();
         if tokens > self.cfg.max_context as u64 {
-            return Err(VmemError::SeqLenTooLong {
-                req: self.cfg.max_batch,
-                len: tokens,
+            return Err(VmemError::ContextTooLong {
+                tokens,
                 max: self.cfg.max_context as u64,
             });
         }
@@ -210,6 +210,7 @@ impl KvCacheManager {
             .best_fit(tokens)
             .ok_or(VmemError::TooManyRequests(self.cfg.max_batch))?;
         st.active[id] = true;
+        st.handed_out[id] = true;
         st.seq_lens[id] = 0;
         if st.next_id == Some(id) {
             st.next_id = st.pick_next_id();
@@ -399,13 +400,19 @@ impl KvCacheManager {
     }
 
     /// Returns a request id. With deferred reclamation its pages stay mapped for the next
-    /// request; otherwise they go back to the pool now.
+    /// request; otherwise they go back to the pool now. Fails with
+    /// [`VmemError::DoubleFree`] for an id already freed, [`VmemError::NotAllocated`] for one
+    /// never handed out.
     pub fn free_reqid(&self, req: usize) -> Result<()> {
         let mut st = self.shared.lock();
         st.check_id(req)?;
         st = self.wait_unclaimed(st, |st| st.claimed[req]);
         if !st.active[req] {
-            return Err(VmemError::DoubleFree(req));
+            return Err(if st.handed_out[req] {
+                VmemError::DoubleFree(req)
+            } else {
+                VmemError::NotAllocated(req)
+            });
         }
         st.active[req] = false;
         st.seq_lens[req] = 0;

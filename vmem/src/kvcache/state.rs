@@ -17,6 +17,9 @@ pub(super) struct State {
     pub(super) pool: PagePool,
     /// Whether each request id is handed out.
     pub(super) active: Vec<bool>,
+    /// Whether each request id has ever been handed out (a free of one that never was is
+    /// not a second free).
+    pub(super) handed_out: Vec<bool>,
     /// Length each request had at the last successful step.
     pub(super) seq_lens: Vec<u64>,
     /// Pages each request holds, summed over buffers.
@@ -61,6 +64,7 @@ impl State {
             by_address,
             pool,
             active: vec![false; b],
+            handed_out: vec![false; b],
             seq_lens: vec![0; b],
             req_pages: vec![0; b],
             req_floor: vec![0; b],
