@@ -13,7 +13,9 @@
 //! [`KvConfig::reclaim_threshold`], or when a step cannot be served otherwise.
 
 mod config;
+mod map_ahead;
 mod mapper;
+mod policy;
 mod state;
 
 pub use config::{Geometry, KvConfig, KvConfigBuilder, LayerView, Layout, TensorView};
@@ -168,7 +170,7 @@ impl KvCacheManager {
         };
         if cfg.overlap {
             // First job: pre-map the first id (eager allocation).
-            shared.lock().work_pending = true;
+            shared.lock().signals.work_pending = true;
             mgr.mapper = Some(mapper::spawn(shared)?);
         } else {
             mgr.shared.lock().maintain();
@@ -179,16 +181,16 @@ impl KvCacheManager {
     /// Hands out a request id (`0..max_batch`), preferring the pre-mapped one.
     pub fn alloc_reqid(&self) -> Result<usize> {
         let mut st = self.shared.lock();
-        let id = match st.next_id.filter(|&r| !st.active[r]) {
+        let id = match st.requests.next_id.filter(|&r| !st.requests.active[r]) {
             Some(r) => r,
             None => st
                 .pick_next_id()
                 .ok_or(VmemError::TooManyRequests(self.cfg.max_batch))?,
         };
-        st.active[id] = true;
-        st.handed_out[id] = true;
-        st.seq_lens[id] = 0;
-        st.next_id = st.pick_next_id();
+        st.requests.active[id] = true;
+        st.requests.handed_out[id] = true;
+        st.requests.seq_lens[id] = 0;
+        st.requests.next_id = st.pick_next_id();
         self.kick(st);
         Ok(id)
     }
@@ -209,11 +211,11 @@ impl KvCacheManager {
         let id = st
             .best_fit(tokens)
             .ok_or(VmemError::TooManyRequests(self.cfg.max_batch))?;
-        st.active[id] = true;
-        st.handed_out[id] = true;
-        st.seq_lens[id] = 0;
-        if st.next_id == Some(id) {
-            st.next_id = st.pick_next_id();
+        st.requests.active[id] = true;
+        st.requests.handed_out[id] = true;
+        st.requests.seq_lens[id] = 0;
+        if st.requests.next_id == Some(id) {
+            st.requests.next_id = st.pick_next_id();
         }
         self.kick(st);
         Ok(id)
@@ -243,119 +245,13 @@ impl KvCacheManager {
         let mut st = self.shared.lock();
         let mut n = 0;
         for r in 0..self.cfg.max_batch {
-            if !st.active[r] {
+            if !st.requests.active[r] {
                 n += st.unmap_request(r)?;
             }
         }
-        st.reclaimed_pages += n;
+        st.counters.reclaimed_pages += n;
         self.kick(st);
         Ok(n)
-    }
-
-    /// Maps pages so that active request `req` holds `tokens` tokens in every buffer, without
-    /// holding the manager's lock while the driver maps: a long prefill mapped from another
-    /// thread does not block `step` for the other requests (a `step` or `free_reqid` of `req`
-    /// itself waits until it is done). Pages come from the pool, reclaiming from other
-    /// requests if needed, exactly as `step` would take them. Returns the pages mapped.
-    ///
-    /// On error, the pages mapped before it stay mapped and accounted (a later `step` or
-    /// `map_ahead` maps the rest); [`VmemError::OutOfMemory`] maps nothing.
-    pub fn map_ahead(&self, req: usize, tokens: u64) -> Result<u64> {
-        /// Pages per backend call: short calls keep the backend's own lock free for `step`.
-        /// Measured on the H100 with a 128K-token prefill beside 64 decoding requests
-        /// (prefill-overlap): 16 pages gave a worst decode step of 90-97 ms, 4 pages 25-65 ms,
-        /// for a prefill mapped 1.2-1.4x slower than in one call.
-        const CHUNK: usize = 4;
-        let page = self.geo.page_size;
-        // 1. Under the lock: claim the request and take every page it needs from the pool.
-        let (plan, to_create, mut pages, claim) = {
-            let mut st = self.shared.lock();
-            st.check_id(req)?;
-            if !st.active[req] {
-                return Err(VmemError::InactiveRequest(req));
-            }
-            if tokens > self.cfg.max_context as u64 {
-                return Err(VmemError::SeqLenTooLong {
-                    req,
-                    len: tokens,
-                    max: self.cfg.max_context as u64,
-                });
-            }
-            st = self.wait_unclaimed(st, |st| st.claimed[req]);
-            let target = self.geo.pages_for(tokens);
-            let plan: Vec<(usize, u64, usize)> = st
-                .buffers
-                .iter()
-                .enumerate()
-                .filter_map(|(b, buf)| {
-                    let k = target.saturating_sub(buf.mapped(req)) as usize;
-                    (k > 0).then(|| (b, buf.next_free(req), k))
-                })
-                .collect();
-            let total: u64 = plan.iter().map(|p| p.2 as u64).sum();
-            if total == 0 {
-                return Ok(0);
-            }
-            if st.pool.available_pages() < total {
-                st.reclaim(total, Some(req), false)?;
-            }
-            // Free pages now; the missing ones are created below, outside the lock.
-            let (pages, to_create) = st.pool.take_deferred(total)?;
-            // The claim lives until step 3 releases it, or until this frame unwinds past it.
-            let claim = Claim::take(&self.shared, &mut st, req);
-            (plan, to_create, pages, claim)
-        };
-        // 2. Without it: create the missing pages, then map, chunk by chunk.
-        let mut result = Ok(());
-        let mut created = 0;
-        while created < to_create {
-            match self.backend.create_page(page) {
-                Ok(p) => {
-                    pages.push(p);
-                    created += 1;
-                }
-                Err(e) => {
-                    result = Err(e);
-                    break;
-                }
-            }
-        }
-        // Pages mapped per planned buffer; empty when creation failed (nothing is mapped and
-        // every page goes back to the pool below).
-        let mut done: Vec<(usize, usize)> = Vec::with_capacity(plan.len());
-        let mut at_page = 0;
-        let plan_to_map = if result.is_ok() { &plan[..] } else { &[] };
-        'buffers: for &(b, addr, k) in plan_to_map {
-            let mut n = 0;
-            while n < k {
-                let c = CHUNK.min(k - n);
-                let run = &pages[at_page + n..at_page + n + c];
-                if let Err(e) = self.backend.map(addr + n as u64 * page, run, page) {
-                    result = Err(e);
-                    done.push((b, n));
-                    break 'buffers;
-                }
-                n += c;
-            }
-            done.push((b, n));
-            at_page += k;
-        }
-        // 3. Under the lock again: record what was mapped, return the rest, release the claim.
-        let mut st = self.shared.lock();
-        let mut used = 0;
-        let mut start = 0;
-        for (&(b, _, k), &(_, n)) in plan.iter().zip(&done) {
-            st.record_mapped(req, b, &pages[start..start + n]);
-            used += n as u64;
-            st.pool.put(pages[start + n..start + k].iter().copied());
-            start += k;
-        }
-        st.pool.put(pages.drain(start..));
-        st.pool.unreserve(to_create - created);
-        claim.release(&mut st);
-        self.kick(st);
-        self.shared.wake.notify_all();
-        result.map(|()| used)
     }
 
     /// Waits on the manager's condition variable while `claimed` holds.
@@ -390,7 +286,7 @@ impl KvCacheManager {
     pub fn set_deferred_reclaim(&self, on: bool) {
         let mut st = self.shared.lock();
         st.cfg.deferred_reclaim = on;
-        st.next_id = st.pick_next_id();
+        st.requests.next_id = st.pick_next_id();
         self.kick(st);
     }
 
@@ -406,24 +302,24 @@ impl KvCacheManager {
     pub fn free_reqid(&self, req: usize) -> Result<()> {
         let mut st = self.shared.lock();
         st.check_id(req)?;
-        st = self.wait_unclaimed(st, |st| st.claimed[req]);
-        if !st.active[req] {
-            return Err(if st.handed_out[req] {
+        st = self.wait_unclaimed(st, |st| st.requests.claimed[req]);
+        if !st.requests.active[req] {
+            return Err(if st.requests.handed_out[req] {
                 VmemError::DoubleFree(req)
             } else {
                 VmemError::NotAllocated(req)
             });
         }
-        st.active[req] = false;
-        st.seq_lens[req] = 0;
-        st.lookahead[req] = 0;
-        st.pending[req] = 0;
+        st.requests.active[req] = false;
+        st.requests.seq_lens[req] = 0;
+        st.requests.lookahead[req] = 0;
+        st.requests.pending[req] = 0;
         let deferred = st.cfg.deferred_reclaim;
         if !deferred {
             st.unmap_request(req)?;
         }
-        if st.next_id.is_none_or(|r| st.active[r]) || deferred {
-            st.next_id = st.pick_next_id();
+        if st.requests.next_id.is_none_or(|r| st.requests.active[r]) || deferred {
+            st.requests.next_id = st.pick_next_id();
         }
         self.kick(st);
         Ok(())
@@ -444,7 +340,7 @@ impl KvCacheManager {
             seq_lens
                 .iter()
                 .enumerate()
-                .any(|(r, &l)| l > 0 && st.claimed[r])
+                .any(|(r, &l)| l > 0 && st.requests.claimed[r])
         };
         if claimed(&st) {
             st = self.wait_unclaimed(st, claimed);
@@ -454,21 +350,15 @@ impl KvCacheManager {
         // With padded rows every active request is mapped as far as the longest one, so a
         // batched kernel that reads every row up to the batch's length reads mapped memory.
         let longest = seq_lens.iter().copied().max().unwrap_or(0);
-        let target = |len: u64| {
-            if self.cfg.pad_rows && len > 0 {
-                longest
-            } else {
-                len
-            }
-        };
+        let target = |len: u64| policy::row_target(self.cfg.pad_rows, len, longest);
         let needed: u64 = (0..seq_lens.len())
             .filter(|&r| seq_lens[r] > 0)
             .map(|r| st.deficit(r, target(seq_lens[r])))
             .sum();
-        let old_pending = std::mem::replace(&mut st.pending, seq_lens.to_vec());
+        let old_pending = std::mem::replace(&mut st.requests.pending, seq_lens.to_vec());
         let available = st.pool.available_pages() + st.reclaimable();
         if needed > available {
-            st.pending = old_pending;
+            st.requests.pending = old_pending;
             return Err(VmemError::OutOfMemory {
                 needed_pages: needed,
                 available_pages: available,
@@ -481,8 +371,8 @@ impl KvCacheManager {
             .map(|r| (r, target(seq_lens[r])));
         report.sync_pages += st.ensure_all(wants, true)?;
         for (r, &len) in seq_lens.iter().enumerate() {
-            st.seq_lens[r] = len;
-            st.lookahead[r] = if len > 0 {
+            st.requests.seq_lens[r] = len;
+            st.requests.lookahead[r] = if len > 0 {
                 (target(len) + 1).min(self.cfg.max_context as u64)
             } else {
                 0
@@ -492,8 +382,8 @@ impl KvCacheManager {
             // No background thread: upkeep happens here, on the critical path.
             report.sync_pages += st.maintain();
         }
-        report.background_pages = std::mem::take(&mut st.background_pages);
-        report.reclaimed_pages = std::mem::take(&mut st.reclaimed_pages);
+        report.background_pages = std::mem::take(&mut st.counters.background_pages);
+        report.reclaimed_pages = std::mem::take(&mut st.counters.reclaimed_pages);
         tracing::trace!(?report, "step done");
         self.kick(st);
         Ok(report)
@@ -503,7 +393,7 @@ impl KvCacheManager {
     /// once without overlap). Replays call it to stand in for an iteration's compute time.
     pub fn wait_idle(&self) {
         let mut st = self.shared.lock();
-        while self.mapper.is_some() && (st.work_pending || st.busy) {
+        while self.mapper.is_some() && (st.signals.work_pending || st.signals.busy) {
             st = self.shared.wake.wait(st).unwrap_or_else(|e| e.into_inner());
         }
     }
@@ -539,7 +429,7 @@ impl KvCacheManager {
     pub fn is_active(&self, req: usize) -> Result<bool> {
         let st = self.shared.lock();
         st.check_id(req)?;
-        Ok(st.active[req])
+        Ok(st.requests.active[req])
     }
 
     /// Every mapped run of pages, by request and buffer.
@@ -596,10 +486,11 @@ impl KvCacheManager {
         for r in 0..self.cfg.max_batch {
             let bytes = st.pages_of(r) * page;
             u.mapped_bytes += bytes;
-            if st.active[r] {
+            if st.requests.active[r] {
                 u.active_requests += 1;
                 u.active_mapped_bytes += bytes;
-                u.kv_bytes += st.seq_lens[r] * self.geo.token_bytes * self.geo.buffers as u64;
+                u.kv_bytes +=
+                    st.requests.seq_lens[r] * self.geo.token_bytes * self.geo.buffers as u64;
             }
         }
         u
@@ -608,46 +499,8 @@ impl KvCacheManager {
     /// Tells the background thread there is work, and releases the lock.
     fn kick(&self, mut st: MutexGuard<'_, State>) {
         if self.mapper.is_some() {
-            st.work_pending = true;
+            st.signals.work_pending = true;
             drop(st);
-            self.shared.wake.notify_all();
-        }
-    }
-}
-
-/// `map_ahead`'s claim on a request: while it lives, `step` and `free_reqid` of the request
-/// wait. [`Claim::release`] ends it; if `map_ahead` unwinds first (a driver that panics in
-/// the unlocked window), dropping it releases the claim and wakes the waiters, so no later
-/// call on the request waits forever. The pages in flight at such a panic are not given back
-/// (some may be mapped, unrecorded): they stay counted as created until the manager drops.
-struct Claim<'a> {
-    shared: &'a Shared,
-    req: usize,
-    held: bool,
-}
-
-impl<'a> Claim<'a> {
-    /// Claims `req`; `st` is the manager's state, locked.
-    fn take(shared: &'a Shared, st: &mut State, req: usize) -> Self {
-        st.claimed[req] = true;
-        Claim {
-            shared,
-            req,
-            held: true,
-        }
-    }
-
-    /// Ends the claim under the lock the caller holds.
-    fn release(mut self, st: &mut State) {
-        st.claimed[self.req] = false;
-        self.held = false;
-    }
-}
-
-impl Drop for Claim<'_> {
-    fn drop(&mut self) {
-        if self.held {
-            self.shared.lock().claimed[self.req] = false;
             self.shared.wake.notify_all();
         }
     }
@@ -656,7 +509,7 @@ impl Drop for Claim<'_> {
 impl Drop for KvCacheManager {
     fn drop(&mut self) {
         if let Some(handle) = self.mapper.take() {
-            self.shared.lock().shutdown = true;
+            self.shared.lock().signals.shutdown = true;
             self.shared.wake.notify_all();
             if handle.join().is_err() {
                 tracing::error!("background mapping thread panicked");
