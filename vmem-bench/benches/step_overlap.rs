@@ -76,9 +76,7 @@ fn main() {
         on.push(run(true));
     }
     let med = |v: &[Run], f: fn(&Run) -> f64| {
-        let mut x: Vec<f64> = v.iter().map(f).collect();
-        x.sort_by(f64::total_cmp);
-        x[x.len() / 2]
+        vmem_bench::stats::median(&mut v.iter().map(f).collect::<Vec<f64>>())
     };
     println!("step critical path, B={B}, {STEPS} decode steps, llama-3-8b per-layer, 2MB pages, host backend (3 alternating runs, median of each statistic)");
     println!(

@@ -7,11 +7,15 @@
 //!   (hand-written PTX, no compiler needed);
 //! * [`time_raw_calls`]: the raw CUDA VMM calls vmem makes, timed with nothing in between;
 //! * [`Shuffle`]: the shuffled contender orders of the interleaved benchmarks;
+//! * [`stats`]: the median and percentiles every benchmark reports;
 //! * [`DecodeModel`]: a Llama-3-8B-shaped decode iteration (cuBLAS GEMMs + nvrtc kernels)
 //!   that reads and writes K/V only through a vmem cache's layer views;
 //! * the `vmem-gpu` binary (every GPU check and benchmark in one run; `scripts/gpu-bench.sh`
-//!   builds it here and runs it on the GPU machine), the `uvm_check` example (a round trip
-//!   through the patched driver) and the `step_overlap` bench (host memory).
+//!   builds it here and runs it on the GPU machine), `alloc-bench`, `checked-cost`,
+//!   `manager-cost`, `prefill-overlap`, `pool-pressure`, the `fragmentation` experiment
+//!   (every trace x deployment x allocator, `vmem_replay::experiment`) and `plot-decode`; the
+//!   `uvm_check` example (a round trip through the patched driver) and the `step_overlap`
+//!   bench (host memory).
 //!
 //! Everything here that writes or reads through a caller's device address is an `unsafe fn`
 //! whose `# Safety` section says what must be mapped.
@@ -20,6 +24,7 @@
 
 pub mod decode;
 mod kernels;
+pub mod stats;
 
 pub use decode::DecodeModel;
 pub use kernels::{time_raw_calls, GpuKernels, RawTimes};

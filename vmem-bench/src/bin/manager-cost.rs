@@ -289,9 +289,7 @@ impl Contender {
 }
 
 fn median(v: impl Iterator<Item = f64>) -> f64 {
-    let mut v: Vec<f64> = v.collect();
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    vmem_bench::stats::median(&mut v.collect::<Vec<f64>>())
 }
 
 /// Runs `slots` shuffled slots (after 4 to warm up) over `contenders` and prints the table.

@@ -39,15 +39,19 @@ fn manager(backend: Arc<dyn Backend>) -> Result<(KvCacheManager, Vec<u64>, usize
 }
 
 fn summary(name: &str, mut v: Vec<f64>, mapping: Duration) {
-    v.sort_by(f64::total_cmp);
-    let q = |p: f64| v[((v.len() as f64 * p) as usize).min(v.len() - 1)];
+    use vmem_bench::stats::quantile;
+    let (median, p99, max) = (
+        quantile(&mut v, 0.5),
+        quantile(&mut v, 0.99),
+        quantile(&mut v, 1.0),
+    );
     println!(
         "{name:<7} prefill mapped in {:>8.1} ms | {:>4} decode steps meanwhile | step median {:>7.3} ms  p99 {:>8.3} ms  max {:>8.3} ms",
         mapping.as_secs_f64() * 1e3,
         v.len(),
-        q(0.5),
-        q(0.99),
-        v[v.len() - 1]
+        median,
+        p99,
+        max
     );
 }
 

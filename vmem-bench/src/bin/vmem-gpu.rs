@@ -8,15 +8,7 @@ use vmem::backend::{open_backend, Backend, BackendChoice, CudaBackend, KIB64, MI
 use vmem::{KvCacheManager, KvConfig, Layout, Result, VmemError};
 use vmem_bench::{time_raw_calls, DecodeModel, GpuKernels};
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn p99(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() * 99 / 100]
-}
+use vmem_bench::stats::{median, p99};
 
 /// A manager shaped like Llama-3-8B (32 layers, 8 KV heads of 128, fp16; 2 MB pages, B = 32,
 /// 40 GB cap), adjusted by `tweak`, with 32 requests prefilled at staggered lengths so that
