@@ -207,23 +207,27 @@ impl KVCache {
             .deferred_reclaim(deferred_reclaim)
             .eager_tokens(to_usize(eager_tokens, "eager_tokens")?)
             .pad_rows(pad_rows)
-            .zero_page(zero_page)
-            .build();
-        let mut cfg = cfg;
-        let geo = cfg.validate().map_err(py_err)?;
-        if memory_cap == 0 {
+            .zero_page(zero_page);
+        let shape = cfg.clone().build();
+        let geo = shape.validate().map_err(py_err)?;
+        let memory_cap = if memory_cap == 0 {
             // The whole virtual size: every request at full length, in whole pages.
-            cfg.memory_cap = geo
-                .slice_bytes
-                .checked_mul(cfg.max_batch as u64)
+            geo.slice_bytes
+                .checked_mul(shape.max_batch as u64)
                 .and_then(|b| b.checked_mul(geo.buffers as u64))
-                .ok_or_else(|| InvalidArgument::new_err("the cache's virtual size overflows"))?;
-        }
-        cfg.reclaim_threshold = if reclaim_threshold < 0 {
-            cfg.memory_cap / 16
+                .ok_or_else(|| InvalidArgument::new_err("the cache's virtual size overflows"))?
+        } else {
+            shape.memory_cap
+        };
+        let reclaim_threshold = if reclaim_threshold < 0 {
+            memory_cap / 16
         } else {
             to_u64(reclaim_threshold, "reclaim_threshold")?
         };
+        let cfg = cfg
+            .memory_cap(memory_cap)
+            .reclaim_threshold(reclaim_threshold)
+            .build();
         let (kv, name, reason, dev) = py
             .detach(|| -> Result<_, VmemError> {
                 let selected = open_backend(choice, ordinal)?;

@@ -22,3 +22,22 @@ pub fn bundled_traces() -> Vec<(String, PathBuf)> {
         })
         .collect()
 }
+
+/// The KV shape the integration tests use, as a builder to set the rest on: `layers` layers,
+/// `max_batch` request ids, `max_context` tokens, 2 KV heads of 64 dims in fp16 (256 bytes per
+/// token per buffer), `page`-byte pages, and the builder's default policies.
+pub fn small_kv(
+    layers: usize,
+    max_batch: usize,
+    max_context: usize,
+    page: u64,
+) -> vmem::KvConfigBuilder {
+    vmem::KvConfig::builder()
+        .layers(layers)
+        .max_batch(max_batch)
+        .max_context(max_context)
+        .kv_heads(2)
+        .head_dim(64)
+        .elem_bytes(2)
+        .page_size(page)
+}

@@ -98,14 +98,7 @@ fn dropping_the_backend_fences_once_for_everything_left_mapped() {
 fn counted_manager(deferred: bool) -> (Arc<CountingBackend>, vmem::KvCacheManager) {
     let sim: Arc<dyn Backend> = Arc::new(vmem::backend::SimBackend::new());
     let b = Arc::new(CountingBackend::new(sim));
-    let cfg = vmem::KvConfig::builder()
-        .layers(4)
-        .max_batch(4)
-        .max_context(4096)
-        .kv_heads(2)
-        .head_dim(64)
-        .elem_bytes(2)
-        .page_size(vmem::backend::KIB64)
+    let cfg = vmem_tests::small_kv(4, 4, 4096, vmem::backend::KIB64)
         .overlap(false)
         .eager_tokens(0)
         .deferred_reclaim(deferred)

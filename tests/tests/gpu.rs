@@ -69,7 +69,7 @@ fn kernels_write_and_read_every_mapped_page_and_memory_comes_back() {
     let kernels = GpuKernels::load(&cuda).unwrap();
     let (free_before, _) = cuda.mem_info().unwrap();
     for layout in [Layout::PerLayer, Layout::TokenMajor] {
-        let mut cfg = KvConfig::builder()
+        let cfg = KvConfig::builder()
             .layers(4)
             .max_batch(8)
             .max_context(8192)
@@ -77,9 +77,9 @@ fn kernels_write_and_read_every_mapped_page_and_memory_comes_back() {
             .head_dim(128)
             .elem_bytes(2)
             .page_size(MIB2)
+            .layout(layout)
+            .memory_cap(8 << 30)
             .build();
-        cfg.layout = layout;
-        cfg.memory_cap = 8 << 30;
         let kv = KvCacheManager::init(cuda.clone(), cfg).unwrap();
         let ids: Vec<usize> = (0..3).map(|_| kv.alloc_reqid().unwrap()).collect();
         let mut lens = vec![0u64; 8];

@@ -6,16 +6,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vmem::backend::{Backend, Delegate, PageHandle, SimBackend, KIB64};
 use vmem::{KvCacheManager, KvConfig, VmemError};
+use vmem_tests::small_kv;
 
 fn config(cap_pages: u64) -> KvConfig {
-    KvConfig::builder()
-        .layers(2)
-        .max_batch(8)
-        .max_context(65536)
-        .kv_heads(2)
-        .head_dim(64)
-        .elem_bytes(2)
-        .page_size(KIB64)
+    small_kv(2, 8, 65536, KIB64)
         .memory_cap(cap_pages * KIB64)
         .overlap(false)
         .eager_tokens(0)

@@ -57,4 +57,4 @@ pub mod testing;
 pub mod units;
 
 pub use error::{Result, VmemError};
-pub use kvcache::{KvCacheManager, KvConfig, Layout, StepReport};
+pub use kvcache::{KvCacheManager, KvConfig, KvConfigBuilder, Layout, StepReport};

@@ -24,8 +24,10 @@ const PREFILL: u64 = 128 * 1024;
 const COMPUTE: Duration = Duration::from_millis(2);
 
 fn manager(backend: Arc<dyn Backend>) -> Result<(KvCacheManager, Vec<u64>, usize)> {
-    let mut cfg = LLAMA_3_8B.kv_config(1, DECODERS + 1, PREFILL as usize, MIB2)?;
-    cfg.memory_cap = 40 << 30;
+    let cfg = LLAMA_3_8B
+        .kv_config_builder(1, DECODERS + 1, PREFILL as usize, MIB2)?
+        .memory_cap(40 << 30)
+        .build();
     let kv = KvCacheManager::init(backend, cfg)?;
     let mut lens = vec![0u64; DECODERS + 1];
     for (i, l) in lens.iter_mut().take(DECODERS).enumerate() {

@@ -95,7 +95,7 @@ impl Shared {
 ///
 /// let backend = Arc::new(HostBackend::new()?);
 /// // 2 layers, batch 4, context 1024, 2 KV heads of dim 64, fp16, 64 KB pages.
-/// let mut cfg = KvConfig::builder()
+/// let cfg = KvConfig::builder()
 ///     .layers(2)
 ///     .max_batch(4)
 ///     .max_context(1024)
@@ -103,8 +103,8 @@ impl Shared {
 ///     .head_dim(64)
 ///     .elem_bytes(2)
 ///     .page_size(KIB64)
+///     .memory_cap(64 << 20)
 ///     .build();
-/// cfg.memory_cap = 64 << 20;
 /// let kv = KvCacheManager::init(backend, cfg)?;
 /// let r = kv.alloc_reqid()?;
 /// let mut lens = vec![0; 4];
