@@ -1,27 +1,10 @@
-//! Shared pieces of vmem's integration tests: the traces they replay. The backend conformance
-//! suite and the test wrappers are `vmem::testing` (the `testing` feature).
+//! Shared pieces of vmem's integration tests: the traces they replay and their config
+//! fixture. The backend conformance suite and the test wrappers are `vmem::testing` (the
+//! `testing` feature).
 
-use std::path::PathBuf;
-
-/// The two bundled Azure 2023 subsets (the first 2,000 requests of the code and conversation
-/// traces, in `vmem-cli/data/traces`), named `code` and `conv`: tests read nothing outside
-/// the repository. Paths are relative to the workspace this was built in, or, where that is
-/// gone (a test binary carried to another machine), to the current directory.
-pub fn bundled_traces() -> Vec<(String, PathBuf)> {
-    let built_in = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let root = if built_in.join("vmem-cli/data/traces").exists() {
-        built_in
-    } else {
-        PathBuf::from(".")
-    };
-    ["code", "conv"]
-        .into_iter()
-        .map(|t| {
-            let path = root.join(format!("vmem-cli/data/traces/azure-{t}-2023-first2000.csv"));
-            (t.to_string(), path)
-        })
-        .collect()
-}
+/// The two bundled Azure 2023 subsets (`code` and `conv`, in `vmem-cli/data/traces`): tests
+/// read nothing outside the repository.
+pub use vmem_bench::bundled_traces;
 
 /// The KV shape the integration tests use, as a builder to set the rest on: `layers` layers,
 /// `max_batch` request ids, `max_context` tokens, 2 KV heads of 64 dims in fp16 (256 bytes per

@@ -10,7 +10,7 @@ fn load_trace(path: &std::path::Path) -> vmem_replay::Result<Vec<vmem_replay::Tr
     vmem_replay::load_trace(path, &TraceOptions::default()).map(|t| t.requests)
 }
 use vmem::testing::conformance::{self, Contents};
-use vmem::{KvCacheManager, KvConfig, Layout, VmemError};
+use vmem::{KvCacheManager, Layout, VmemError};
 use vmem_bench::GpuKernels;
 use vmem_replay::experiment::{run_config, Allocator, Deployment, ExperimentConfig, Outcome};
 use vmem_tests::bundled_traces;
@@ -69,17 +69,7 @@ fn kernels_write_and_read_every_mapped_page_and_memory_comes_back() {
     let kernels = GpuKernels::load(&cuda).unwrap();
     let (free_before, _) = cuda.mem_info().unwrap();
     for layout in [Layout::PerLayer, Layout::TokenMajor] {
-        let cfg = KvConfig::builder()
-            .layers(4)
-            .max_batch(8)
-            .max_context(8192)
-            .kv_heads(8)
-            .head_dim(128)
-            .elem_bytes(2)
-            .page_size(MIB2)
-            .layout(layout)
-            .memory_cap(8 << 30)
-            .build();
+        let cfg = vmem_bench::page_check_config(layout);
         let kv = KvCacheManager::init(cuda.clone(), cfg).unwrap();
         let ids: Vec<usize> = (0..3).map(|_| kv.alloc_reqid().unwrap()).collect();
         let mut lens = vec![0u64; 8];

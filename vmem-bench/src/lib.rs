@@ -26,6 +26,9 @@ pub mod decode;
 mod kernels;
 pub mod stats;
 
+use std::path::PathBuf;
+use vmem::{KvConfig, Layout};
+
 pub use decode::DecodeModel;
 pub use kernels::{time_raw_calls, GpuKernels, RawTimes};
 
@@ -60,6 +63,47 @@ impl Shuffle {
 }
 
 /// Turns a driver error into [`VmemError::Cuda`] naming the call.
+/// The two bundled Azure 2023 subsets (the first 2,000 requests of the code and conversation
+/// traces, in `vmem-cli/data/traces`), named `code` and `conv`. Paths are relative to the
+/// workspace this was built in, or, where that is gone (a binary carried to another machine),
+/// to the current directory.
+pub fn bundled_traces() -> Vec<(String, PathBuf)> {
+    let root = workspace_root();
+    ["code", "conv"]
+        .into_iter()
+        .map(|t| {
+            let path = root.join(format!("vmem-cli/data/traces/azure-{t}-2023-first2000.csv"));
+            (t.to_string(), path)
+        })
+        .collect()
+}
+
+/// The workspace this crate was built in, or `.` where it is gone.
+pub fn workspace_root() -> PathBuf {
+    let built_in = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    if built_in.join("vmem-cli/data/traces").exists() {
+        built_in
+    } else {
+        PathBuf::from(".")
+    }
+}
+
+/// The cache of the GPU page check (every mapped page written and read back by a kernel):
+/// 4 layers, batch 8, context 8,192, 8 KV heads of 128 in fp16, 2 MB pages, an 8 GiB cap.
+pub fn page_check_config(layout: Layout) -> KvConfig {
+    KvConfig::builder()
+        .layers(4)
+        .max_batch(8)
+        .max_context(8192)
+        .kv_heads(8)
+        .head_dim(128)
+        .elem_bytes(2)
+        .page_size(2 << 20)
+        .layout(layout)
+        .memory_cap(8 << 30)
+        .build()
+}
+
 pub(crate) fn cuda_err(op: &'static str) -> impl Fn(DriverError) -> VmemError {
     move |e| VmemError::Cuda {
         op,

@@ -203,25 +203,13 @@ fn run(args: Args) -> Result<()> {
 }
 
 /// The two Azure traces: from `../shared/traces/` when present, else the bundled subsets.
-/// Paths are relative to the workspace this was built in, or, where that is gone (a binary
-/// carried to another machine), to the current directory.
 fn default_traces() -> Vec<(String, PathBuf)> {
-    let built_in = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let root = if built_in.join("vmem-cli/data/traces").exists() {
-        built_in
-    } else {
-        PathBuf::from(".")
-    };
-    ["code", "conv"]
+    let root = vmem_bench::workspace_root();
+    vmem_bench::bundled_traces()
         .into_iter()
-        .map(|t| {
+        .map(|(t, bundled)| {
             let full = root.join(format!("../shared/traces/AzureLLMInferenceTrace_{t}.csv"));
-            let path = if full.exists() {
-                full
-            } else {
-                root.join(format!("vmem-cli/data/traces/azure-{t}-2023-first2000.csv"))
-            };
-            (t.to_string(), path)
+            (t, if full.exists() { full } else { bundled })
         })
         .collect()
 }

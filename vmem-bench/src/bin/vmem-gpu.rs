@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 use vmem::backend::{open_backend, Backend, BackendChoice, CudaBackend, KIB64, MIB2};
-use vmem::{KvCacheManager, KvConfig, KvConfigBuilder, Layout, Result, VmemError};
+use vmem::{KvCacheManager, KvConfigBuilder, Layout, Result, VmemError};
 use vmem_bench::{time_raw_calls, DecodeModel, GpuKernels};
 
 use vmem_bench::stats::{median, p99};
@@ -76,17 +76,7 @@ fn run() -> Result<()> {
     let (free_before, _) = cuda.mem_info()?;
     {
         for layout in [Layout::PerLayer, Layout::TokenMajor] {
-            let cfg = KvConfig::builder()
-                .layers(4)
-                .max_batch(8)
-                .max_context(8192)
-                .kv_heads(8)
-                .head_dim(128)
-                .elem_bytes(2)
-                .page_size(MIB2)
-                .layout(layout)
-                .memory_cap(8 << 30)
-                .build();
+            let cfg = vmem_bench::page_check_config(layout);
             let kv = KvCacheManager::init(cuda.clone(), cfg)?;
             let ids: Vec<usize> = (0..3).map(|_| kv.alloc_reqid()).collect::<Result<_>>()?;
             let mut lens = vec![0u64; 8];
