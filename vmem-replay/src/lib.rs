@@ -12,6 +12,10 @@
 //! configurable columns ([`load_trace`]); [`fit_to_context`] decides what happens to requests
 //! longer than the context, and [`poisson_arrivals`] times a trace that has no timestamps.
 //!
+//! [`experiment`] is the fragmentation experiment built on these: which allocators, which
+//! model deployments, the manager's configuration for each, one replay of each. `vmem replay`
+//! (vmem-cli) runs one deployment of it; vmem-bench's `fragmentation` binary runs them all.
+//!
 //! ```
 //! use vmem_replay::{parse_trace, replay, BlockMemory, ReplayConfig, TraceOptions};
 //! let text = "input_tokens,output_tokens\n100,20\n40,5\n";
