@@ -200,4 +200,45 @@ fn every_decorator_forwards_the_fence() {
         b.release_page(p).unwrap();
         b.free_range(base).unwrap();
     }
+
+    // The check can fail: a hand-written forwarder that keeps `Backend::fence`'s default
+    // (what one once did) leaves the driver unfenced.
+    #[derive(Debug)]
+    struct Forgetful(Arc<dyn Backend>);
+    impl Backend for Forgetful {
+        fn kind(&self) -> vmem::backend::BackendKind {
+            self.0.kind()
+        }
+        fn page_sizes(&self) -> &[u64] {
+            self.0.page_sizes()
+        }
+        fn granularity(&self) -> u64 {
+            self.0.granularity()
+        }
+        fn reserve(&self, size: u64) -> vmem::Result<u64> {
+            self.0.reserve(size)
+        }
+        fn free_range(&self, addr: u64) -> vmem::Result<()> {
+            self.0.free_range(addr)
+        }
+        fn create_page(&self, page_size: u64) -> vmem::Result<vmem::backend::PageHandle> {
+            self.0.create_page(page_size)
+        }
+        fn release_page(&self, page: vmem::backend::PageHandle) -> vmem::Result<()> {
+            self.0.release_page(page)
+        }
+        fn map(&self, a: u64, p: &[vmem::backend::PageHandle], s: u64) -> vmem::Result<()> {
+            self.0.map(a, p, s)
+        }
+        fn unmap(&self, addr: u64, size: u64) -> vmem::Result<()> {
+            self.0.unmap(addr, size)
+        }
+        fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> vmem::Result<()> {
+            self.0.map_zero(addr, size, page_size)
+        }
+    }
+    let (driver, log) = logged();
+    let b = Forgetful(Arc::new(Checked::wrap(driver).unwrap()));
+    b.fence().unwrap();
+    assert!(log.ops().is_empty(), "a forgotten fence reaches no driver");
 }
