@@ -37,6 +37,10 @@ struct Args {
     /// Only these models (default: all).
     #[arg(long, value_delimiter = ',')]
     models: Vec<String>,
+    /// vmem's background mapping thread: on (as a server runs), or off, which makes a run
+    /// exactly repeatable (with it on, its timing moves a few pages between runs).
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    overlap: String,
     /// Output directory for fragmentation.csv and fragmentation.svg.
     #[arg(long, default_value = "target/fragmentation")]
     out: PathBuf,
@@ -82,7 +86,7 @@ fn run(args: Args) -> Result<()> {
         },
         deferred_reclaim: false,
         eager: false,
-        overlap: true,
+        overlap: args.overlap == "on",
         pad_rows: false,
     };
     let deps: Vec<_> = deployments()
