@@ -10,10 +10,11 @@ use std::sync::Arc;
 use vmem::backend::{open_backend, Backend, BackendChoice, BackendKind, HostBackend, PAGE_SIZES};
 use vmem::models::ModelSpec;
 use vmem::units::{format_bytes, parse_bytes};
-use vmem::{KvCacheManager, KvConfig, Layout};
+use vmem::{KvCacheManager, Layout};
+use vmem_replay::experiment::{replay_one, Allocator, Deployment, ExperimentConfig};
 use vmem_replay::{
-    fit_to_context, parse_trace, poisson_arrivals, replay, BlockMemory, Columns, MaxReservation,
-    Oversize, ReplayConfig, ReplayError, TimeUnit, TraceFormat, TraceOptions,
+    fit_to_context, parse_trace, poisson_arrivals, BlockMemory, Columns, MaxReservation, Oversize,
+    ReplayConfig, ReplayError, TimeUnit, TraceFormat, TraceOptions,
 };
 
 /// The bundled trace: the first 2,000 requests of Azure's 2023 conversation trace (CC BY 4.0,
@@ -354,13 +355,15 @@ fn config_err(flag: &str, e: impl std::fmt::Display) -> ReplayError {
     ReplayError::Config(format!("{flag}: {e}"))
 }
 
-/// Everything a replay needs, validated before anything is printed.
+/// Everything a replay needs, validated before anything is printed: one deployment of the
+/// fragmentation experiment (`vmem_replay::experiment`), its allocators in table order.
 struct Plan {
     settings: Settings,
     trace: Vec<vmem_replay::TraceRequest>,
     backend: Arc<dyn Backend>,
-    configs: Vec<KvConfig>,
-    rcfg: ReplayConfig,
+    deployment: Deployment,
+    allocators: Vec<Allocator>,
+    experiment: ExperimentConfig,
 }
 
 fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
@@ -453,23 +456,23 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
     if page_sizes.is_empty() {
         return Err(config_err("--page-sizes", "no page size to replay"));
     }
-    let mut configs = Vec::new();
+    let experiment = ExperimentConfig {
+        budget,
+        max_batch: args.max_batch,
+        max_context: args.max_context,
+        replay: ReplayConfig::default(),
+        deferred_reclaim: args.deferred_reclaim.on(),
+        eager: args.eager.on(),
+        overlap: args.overlap.on(),
+        pad_rows: args.pad_rows.on(),
+    };
+    let deployment = Deployment { model, tp: args.tp };
+    let mut allocators = vec![Allocator::Blocks(args.block_tokens)];
     for &page in &page_sizes {
-        let mut cfg = model
-            .kv_config(args.tp, args.max_batch, args.max_context, page)
-            .map_err(|e| config_err("--tp", e))?;
-        cfg.layout = layout;
-        cfg.memory_cap = budget;
-        cfg.reclaim_threshold = budget / 16;
-        cfg.deferred_reclaim = args.deferred_reclaim.on();
-        cfg.eager_tokens = if args.eager.on() {
-            1024.min(args.max_context)
-        } else {
-            0
-        };
-        cfg.overlap = args.overlap.on();
-        cfg.pad_rows = args.pad_rows.on();
-        cfg.validate()
+        experiment
+            .kv_config(deployment, page, layout)
+            .map_err(|e| config_err("--tp", e))?
+            .validate()
             .map_err(|e| config_err("--max-batch/--max-context", e))?;
         if budget < page {
             return Err(config_err(
@@ -481,8 +484,9 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
                 ),
             ));
         }
-        configs.push(cfg);
+        allocators.push(Allocator::Vmem { page, layout });
     }
+    allocators.push(Allocator::MaxReservation);
 
     // The trace.
     let opts = TraceOptions {
@@ -543,11 +547,14 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
     } else {
         "all at time 0 (the trace has no timestamps; --rate for Poisson arrivals)".to_string()
     };
-    let rcfg = ReplayConfig {
-        iteration_s: args.iteration_ms / 1000.0,
-        offline: args.offline || (args.rate.is_none() && !trace.timed),
-        max_requests: None,
-        horizon_s: args.horizon,
+    let experiment = ExperimentConfig {
+        replay: ReplayConfig {
+            iteration_s: args.iteration_ms / 1000.0,
+            offline: args.offline || (args.rate.is_none() && !trace.timed),
+            max_requests: None,
+            horizon_s: args.horizon,
+        },
+        ..experiment
     };
     let settings = Settings {
         trace: trace_name,
@@ -578,8 +585,9 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
         settings,
         trace: requests,
         backend,
-        configs,
-        rcfg,
+        deployment,
+        allocators,
+        experiment,
     })
 }
 
@@ -629,16 +637,20 @@ fn check_memory(p: &Plan) -> Result<(), ReplayError> {
             format!("--max-context {l} x {per_token}: {e}"),
         )
     })?;
-    for cfg in &p.configs {
+    for &alloc in &p.allocators {
+        let Allocator::Vmem { page, layout } = alloc else {
+            continue;
+        };
+        let cfg = p.experiment.kv_config(p.deployment, page, layout)?;
         let geo = cfg.validate()?;
         let virt = u128::from(geo.slice_bytes) * b as u128 * geo.buffers as u128;
-        if let Err(e) = KvCacheManager::init(p.backend.clone(), cfg.clone()) {
+        if let Err(e) = KvCacheManager::init(p.backend.clone(), cfg) {
             return Err(config_err(
                 "--max-batch/--max-context",
                 format!(
                     "--max-batch {b} x --max-context {l} x {per_token} = {virt} bytes of \
                      virtual memory for vmem-{}, which the {} backend cannot reserve: {e}",
-                    format_bytes(cfg.page_size),
+                    format_bytes(page),
                     p.backend.name()
                 ),
             ));
@@ -665,59 +677,31 @@ fn run_replay(out: &mut dyn Write, args: &ReplayArgs) -> Result<(), CliError> {
     };
     let n = p.trace.len();
     let mut rows = Vec::new();
-
-    let blocks = {
-        let mut progress = Progress::new(&format!("blocks-{}", s.block_tokens), n, args.quiet);
-        let mut m = BlockMemory::new(
-            s.token_bytes,
-            s.block_tokens,
-            s.max_batch,
-            s.max_context as u64,
-            s.budget,
-        )?;
-        let stats = replay(&mut m, &p.trace, &p.rcfg, |d| progress.update(d))?;
-        progress.finish();
-        stats
-    };
-    let block_waste = report::avg_waste(&blocks);
-    add_row(
-        out,
-        &mut rows,
-        Row::new(
-            format!("blocks-{}tok", s.block_tokens),
-            None,
-            &blocks,
-            block_waste,
-        ),
-    )?;
-    for cfg in &p.configs {
-        let label = format!("vmem-{}", format_bytes(cfg.page_size));
+    let mut block_waste = None;
+    for &alloc in &p.allocators {
+        let (label, page) = match alloc {
+            Allocator::Vmem { page, .. } => (format!("vmem-{}", format_bytes(page)), Some(page)),
+            Allocator::Blocks(tokens) => (format!("blocks-{tokens}"), None),
+            Allocator::MaxReservation => (alloc.label(), None),
+        };
         let mut progress = Progress::new(&label, n, args.quiet);
-        let kv = KvCacheManager::init(p.backend.clone(), cfg.clone())?;
-        let mut m = &kv;
-        let stats = replay(&mut m, &p.trace, &p.rcfg, |d| progress.update(d))?;
-        progress.finish();
-        add_row(
-            out,
-            &mut rows,
-            Row::new(
-                format!("{label}-{}", s.layout),
-                Some(cfg.page_size),
-                &stats,
-                block_waste,
-            ),
+        let stats = replay_one(
+            &p.trace,
+            p.deployment,
+            alloc,
+            &p.experiment,
+            &p.experiment.replay,
+            || Ok(p.backend.clone()),
+            |d| progress.update(d),
         )?;
-    }
-    {
-        let mut progress = Progress::new("max-reservation", n, args.quiet);
-        let mut m =
-            MaxReservation::new(s.token_bytes, s.max_batch, s.max_context as u64, s.budget)?;
-        let stats = replay(&mut m, &p.trace, &p.rcfg, |d| progress.update(d))?;
         progress.finish();
+        if let Allocator::Blocks(_) = alloc {
+            block_waste = report::avg_waste(&stats);
+        }
         add_row(
             out,
             &mut rows,
-            Row::new("max-reservation".into(), None, &stats, block_waste),
+            Row::new(alloc.label(), page, &stats, block_waste),
         )?;
     }
     emit(if args.json {

@@ -2,8 +2,6 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use vmem_replay::{ReplayConfig, TraceOptions};
-use vmem_tests::{run_config, Allocator, Deployment, ExperimentConfig};
 
 fn vmem(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_vmem"))
@@ -398,90 +396,6 @@ fn help_gives_units_and_defaults() {
         "MS",
     ] {
         assert!(s.contains(want), "help lacks {want:?}:\n{s}");
-    }
-}
-
-/// `vmem replay` and the fragmentation suite measure the same thing: on the same trace and
-/// settings they print the same numbers.
-#[test]
-fn replay_agrees_with_the_fragmentation_suite() {
-    let trace_path = bundled();
-    let out = vmem(&[
-        "replay",
-        "--json",
-        "--backend",
-        "sim",
-        "--trace",
-        trace_path.to_str().unwrap(),
-        "--requests",
-        "400",
-        "--budget",
-        "4GiB",
-        "--page-sizes",
-        "64K,2M",
-        "--oversize",
-        "skip",
-    ]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let rows = v["rows"].as_array().unwrap();
-    let trace = vmem_replay::load_trace(&trace_path, &TraceOptions::default())
-        .unwrap()
-        .requests;
-    let cfg = ExperimentConfig {
-        budget: 4 << 30,
-        max_batch: 256,
-        max_context: 16384,
-        replay: ReplayConfig {
-            max_requests: Some(400),
-            ..Default::default()
-        },
-        deferred_reclaim: false,
-        overlap: false,
-    };
-    let dep = Deployment {
-        model: vmem::models::LLAMA_3_8B,
-        tp: 1,
-    };
-    let sim = || -> vmem::Result<std::sync::Arc<dyn vmem::backend::Backend>> {
-        Ok(std::sync::Arc::new(vmem::backend::SimBackend::new()))
-    };
-    let allocs = [
-        Allocator::Blocks(16),
-        Allocator::Vmem {
-            page: 64 << 10,
-            layout: vmem::Layout::PerLayer,
-        },
-        Allocator::Vmem {
-            page: 2 << 20,
-            layout: vmem::Layout::PerLayer,
-        },
-        Allocator::MaxReservation,
-    ];
-    for (row, alloc) in rows.iter().zip(allocs) {
-        let o = run_config(&trace, dep, alloc, &cfg, &sim).unwrap().online;
-        let label = alloc.label();
-        assert_eq!(row["avg_waste"].as_f64().unwrap(), o.avg_waste(), "{label}");
-        assert_eq!(
-            row["peak_waste"].as_f64().unwrap(),
-            o.peak_waste(),
-            "{label}"
-        );
-        assert_eq!(
-            row["completed"].as_u64().unwrap() as usize,
-            o.completed,
-            "{label}"
-        );
-        assert_eq!(
-            row["preemptions"].as_u64().unwrap(),
-            o.preemptions,
-            "{label}"
-        );
-        assert_eq!(
-            row["peak_batch"].as_u64().unwrap() as usize,
-            o.peak_batch,
-            "{label}"
-        );
     }
 }
 
