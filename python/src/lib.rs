@@ -66,6 +66,8 @@ fn py_err(e: CoreError) -> PyErr {
         | CoreError::UnknownRequest { .. }
         | CoreError::InactiveRequest(_)
         | CoreError::DoubleFree(_)
+        | CoreError::NotAllocated(_)
+        | CoreError::ContextTooLong { .. }
         | CoreError::TooManyRequests(_)
         | CoreError::Unsupported { .. } => InvalidArgument::new_err(msg),
         _ => VmemError::new_err(msg),
@@ -228,40 +230,42 @@ impl KVCache {
             .overlap(overlap)
             .deferred_reclaim(deferred_reclaim)
             .eager_tokens(to_usize(eager_tokens, "eager_tokens")?)
-            .pad_rows(pad_rows)
-            .zero_page(zero_page.unwrap_or(false))
-            .build();
-        let mut cfg = cfg;
-        let geo = cfg.validate().map_err(py_err)?;
-        if memory_cap == 0 {
+            .pad_rows(pad_rows);
+        let shape = cfg.clone().build();
+        let geo = shape.validate().map_err(py_err)?;
+        let memory_cap = if memory_cap == 0 {
             // The whole virtual size: every request at full length, in whole pages.
-            cfg.memory_cap = geo
-                .slice_bytes
-                .checked_mul(cfg.max_batch as u64)
+            geo.slice_bytes
+                .checked_mul(shape.max_batch as u64)
                 .and_then(|b| b.checked_mul(geo.buffers as u64))
-                .ok_or_else(|| InvalidArgument::new_err("the cache's virtual size overflows"))?;
-        }
-        cfg.reclaim_threshold = match reclaim_threshold {
-            None => cfg.memory_cap / 16,
+                .ok_or_else(|| InvalidArgument::new_err("the cache's virtual size overflows"))?
+        } else {
+            shape.memory_cap
+        };
+        let reclaim_threshold = match reclaim_threshold {
+            None => memory_cap / 16,
             Some(t) => to_u64(t, "reclaim_threshold")?,
         };
         // Slots of one page in the whole virtual size: what the zero page maps (one mapping
         // each on the host backend, counted against the OS's limit on mappings).
         let slots = (geo.slice_bytes / geo.page_size)
-            .checked_mul(cfg.max_batch as u64)
+            .checked_mul(shape.max_batch as u64)
             .and_then(|n| n.checked_mul(geo.buffers as u64))
             .unwrap_or(u64::MAX);
+        let cfg = cfg
+            .memory_cap(memory_cap)
+            .reclaim_threshold(reclaim_threshold);
         let (kv, name, reason, dev) = py
             .detach(|| -> Result<_, CoreError> {
                 let selected = open_backend(choice, ordinal)?;
                 let b: Arc<dyn Backend> = selected.backend;
-                if zero_page.is_none() {
-                    // The default (docs/python.md): on host memory, where a read past a
-                    // request's pages is a SIGSEGV of the Python process, the zero page, as long
-                    // as its mappings fit in half the OS's limit; elsewhere off (a GPU kernel
-                    // reads by length, and a zero slot costs a device synchronization per growth).
-                    cfg.zero_page = b.kind() == BackendKind::Host && slots <= max_map_count() / 2;
-                }
+                // The default (docs/python.md): on host memory, where a read past a request's
+                // pages is a SIGSEGV of the Python process, the zero page, as long as its
+                // mappings fit in half the OS's limit; elsewhere off (a GPU kernel reads by
+                // length, and a zero slot costs a device synchronization per growth).
+                let zero_page = zero_page
+                    .unwrap_or(b.kind() == BackendKind::Host && slots <= max_map_count() / 2);
+                let cfg = cfg.zero_page(zero_page).build();
                 let dev = match b.kind() {
                     BackendKind::Cuda | BackendKind::Uvm => DLDevice {
                         device_type: DLDeviceType::CUDA,

@@ -96,3 +96,15 @@ def test_bad_arguments_raise_instead_of_aborting(torch_or_numpy):
     va.cleanup()
     with pytest.raises(vmem.Closed):
         va.num_free_kvblocks()
+
+
+def test_reserving_the_gpus_free_memory_stops_at_the_virtual_size(torch_or_numpy):
+    # vAttention's callers pass the device's free memory; this cache spans 8 MiB
+    # (2 layers x K, V x 4 requests x 2048 tokens x 256 bytes).
+    va.init_kvcache(2, 2, 64, 4, 2048, "cpu", "float16", 65536)
+    va.reserve_physical_pages(1 << 40)
+    u = va._get().usage()
+    assert (u["physical_bytes"], u["cap_bytes"]) == (8 << 20, 8 << 20)
+    # Through vmem.KVCache the same amount is refused: it could never be mapped.
+    with pytest.raises(vmem.InvalidArgument, match="virtual size"):
+        va._get().reserve_physical(1 << 40)

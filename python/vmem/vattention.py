@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any, List, Optional
 
-from . import Closed, InvalidArgument, KVCache, OutOfMemory
+from . import Closed, InvalidArgument, KVCache, OutOfMemory, parse_bytes
 
 __all__ = [
     "init_kvcache",
@@ -91,8 +91,11 @@ def init_kvcache(
 
 def reserve_physical_pages(free_memory: int) -> None:
     """Creates physical pages worth ``free_memory`` bytes into the free pool; the reserved
-    amount becomes the cap."""
-    _get().reserve_physical(free_memory)
+    amount becomes the cap. vAttention's callers pass the GPU's free memory, so an amount
+    above the cache's virtual size (all it can ever map) is lowered to it; more than the
+    device has free raises :class:`vmem.OutOfMemory` before any page is created."""
+    cache = _get()
+    cache.reserve_physical(min(parse_bytes(free_memory), cache.config()["memory_cap"]))
 
 
 def alloc_new_batch_idx(seqlen: int) -> int:

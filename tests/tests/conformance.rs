@@ -1,13 +1,14 @@
-//! The backend conformance suite (`vmem_tests::conformance`) on every backend CI can run:
+//! The backend conformance suite (`vmem::testing::conformance`) on every backend CI can run:
 //! simulation, host memory, and the fault-injecting wrapper with no fault planned. CUDA runs
 //! the same suite on the GPU machine (tests/gpu.rs).
 
 use std::sync::Arc;
 use vmem::backend::{
-    Backend, FaultPlan, FaultyBackend, HostBackend, HostCommit, HostMemory, SimBackend, SimMemory,
-    KIB64, MIB2, PAGE_SIZES,
+    Backend, Delegate, HostBackend, HostCommit, HostMemory, SimBackend, SimMemory, KIB64, MIB2,
+    PAGE_SIZES,
 };
-use vmem_tests::conformance::{self, HostContents};
+use vmem::testing::conformance::{self, HostContents};
+use vmem::testing::{FaultPlan, FaultyBackend};
 
 #[test]
 fn sim_backend_conforms() {
@@ -47,36 +48,12 @@ fn fault_wrapper_conforms_when_no_fault_is_planned() {
 fn the_suite_catches_a_backend_that_releases_mapped_pages() {
     #[derive(Debug)]
     struct Lax(SimBackend);
-    impl Backend for Lax {
-        fn kind(&self) -> vmem::backend::BackendKind {
-            self.0.kind()
-        }
-        fn page_sizes(&self) -> &[u64] {
-            self.0.page_sizes()
-        }
-        fn granularity(&self) -> u64 {
-            self.0.granularity()
-        }
-        fn reserve(&self, size: u64) -> vmem::Result<u64> {
-            self.0.reserve(size)
-        }
-        fn free_range(&self, addr: u64) -> vmem::Result<()> {
-            self.0.free_range(addr)
-        }
-        fn create_page(&self, page_size: u64) -> vmem::Result<vmem::backend::PageHandle> {
-            self.0.create_page(page_size)
+    impl Delegate for Lax {
+        fn inner(&self) -> &dyn Backend {
+            &self.0
         }
         fn release_page(&self, _page: vmem::backend::PageHandle) -> vmem::Result<()> {
             Ok(()) // the bug: releases without checking
-        }
-        fn map(&self, a: u64, p: &[vmem::backend::PageHandle], s: u64) -> vmem::Result<()> {
-            self.0.map(a, p, s)
-        }
-        fn unmap(&self, addr: u64, size: u64) -> vmem::Result<()> {
-            self.0.unmap(addr, size)
-        }
-        fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> vmem::Result<()> {
-            self.0.map_zero(addr, size, page_size)
         }
     }
     let b: Arc<dyn Backend> = Arc::new(Lax(SimBackend::new()));
@@ -148,7 +125,7 @@ fn the_suite_catches_a_backend_whose_shared_map_moves_the_page() {
         }
     }
     let b = Moves(SimBackend::new(), Default::default());
-    vmem_tests::sharing::shared_page_contents_and_release(&b, KIB64, None);
+    vmem::testing::sharing::shared_page_contents_and_release(&b, KIB64, None);
 }
 
 /// And a backend whose `map_shared` maps a copy (a fresh page) is caught by the contents.
@@ -199,5 +176,5 @@ fn the_suite_catches_a_backend_whose_shared_map_copies() {
     }
     let host = Arc::new(HostBackend::new().unwrap());
     let b = Copies(host.clone());
-    vmem_tests::sharing::shared_page_contents_and_release(&b, KIB64, Some(&HostContents(&host)));
+    vmem::testing::sharing::shared_page_contents_and_release(&b, KIB64, Some(&HostContents(&host)));
 }

@@ -3,8 +3,10 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use vmem::backend::{Backend, FaultPlan, FaultyBackend, HostBackend, KIB64};
-use vmem::{KvCacheManager, KvConfig, VmemError};
+use vmem::backend::{Backend, HostBackend, KIB64};
+use vmem::testing::{FaultPlan, FaultyBackend};
+use vmem::{KvCacheManager, VmemError};
+use vmem_tests::small_kv;
 
 fn setup() -> (Arc<HostBackend>, Arc<FaultyBackend>, KvCacheManager) {
     setup_with_cap(256)
@@ -13,19 +15,12 @@ fn setup() -> (Arc<HostBackend>, Arc<FaultyBackend>, KvCacheManager) {
 fn setup_with_cap(pages: u64) -> (Arc<HostBackend>, Arc<FaultyBackend>, KvCacheManager) {
     let host = Arc::new(HostBackend::new().unwrap());
     let faulty = Arc::new(FaultyBackend::new(host.clone() as Arc<dyn Backend>));
-    let mut c = KvConfig::builder()
-        .layers(2)
-        .max_batch(4)
-        .max_context(4096)
-        .kv_heads(2)
-        .head_dim(64)
-        .elem_bytes(2)
-        .page_size(KIB64)
+    let c = small_kv(2, 4, 4096, KIB64)
+        .memory_cap(pages * KIB64)
+        .overlap(false)
+        .reclaim_threshold(0)
+        .eager_tokens(0)
         .build();
-    c.memory_cap = pages * KIB64;
-    c.overlap = false;
-    c.reclaim_threshold = 0;
-    c.eager_tokens = 0;
     let kv = KvCacheManager::init(faulty.clone(), c).unwrap();
     (host, faulty, kv)
 }
@@ -116,17 +111,10 @@ fn a_failed_reservation_at_init_frees_what_was_reserved() {
         reserve: Some(3),
         ..Default::default()
     });
-    let mut c = KvConfig::builder()
-        .layers(2)
-        .max_batch(4)
-        .max_context(4096)
-        .kv_heads(2)
-        .head_dim(64)
-        .elem_bytes(2)
-        .page_size(KIB64)
+    let c = small_kv(2, 4, 4096, KIB64)
+        .memory_cap(64 * KIB64)
+        .prealloc(16 * KIB64)
         .build();
-    c.memory_cap = 64 * KIB64;
-    c.prealloc = 16 * KIB64;
     assert!(matches!(
         KvCacheManager::init(faulty, c),
         Err(VmemError::InjectedFault("reserve"))

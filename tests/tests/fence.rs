@@ -7,12 +7,12 @@ use std::sync::mpsc::channel;
 use std::sync::Arc;
 use std::time::Duration;
 use vmem::backend::{Backend, Checked, SimMemory, MIB2};
-use vmem_tests::conformance::{Counts, Tally};
+use vmem::testing::{CountingBackend, CountingDriver, DriverCounts};
 
-/// The simulation driver under a [`Tally`], which logs the calls these tests follow and can
+/// The simulation driver under a [`CountingDriver`], which logs the calls these tests follow and can
 /// hold a fence open; and the tally's counts.
-fn logged() -> (Tally<SimMemory>, Arc<Counts>) {
-    let driver = Tally::new(SimMemory::new(&[MIB2]));
+fn logged() -> (CountingDriver<SimMemory>, Arc<DriverCounts>) {
+    let driver = CountingDriver::new(SimMemory::new(&[MIB2]));
     let counts = driver.counts.clone();
     (driver, counts)
 }
@@ -95,17 +95,10 @@ fn dropping_the_backend_fences_once_for_everything_left_mapped() {
 }
 
 /// A KV manager over a counting simulation backend: 4 layers (8 buffers), 64 KB pages.
-fn counted_manager(deferred: bool) -> (Arc<vmem::backend::CountingBackend>, vmem::KvCacheManager) {
+fn counted_manager(deferred: bool) -> (Arc<CountingBackend>, vmem::KvCacheManager) {
     let sim: Arc<dyn Backend> = Arc::new(vmem::backend::SimBackend::new());
-    let b = Arc::new(vmem::backend::CountingBackend::new(sim));
-    let cfg = vmem::KvConfig::builder()
-        .layers(4)
-        .max_batch(4)
-        .max_context(4096)
-        .kv_heads(2)
-        .head_dim(64)
-        .elem_bytes(2)
-        .page_size(vmem::backend::KIB64)
+    let b = Arc::new(CountingBackend::new(sim));
+    let cfg = vmem_tests::small_kv(4, 4, 4096, vmem::backend::KIB64)
         .overlap(false)
         .eager_tokens(0)
         .deferred_reclaim(deferred)
@@ -171,4 +164,154 @@ fn the_driver_sees_one_fence_per_freed_request() {
     assert_eq!(log.iter().filter(|&&c| c == "fence").count(), 1, "{log:?}");
     assert_eq!(log.iter().filter(|&&c| c == "unmap").count(), 8, "{log:?}");
     assert_eq!(log[0], "fence", "{log:?}");
+}
+
+/// Every decorator passes `fence` on: the driver underneath is seen to fence, and the proof it
+/// returns serves the decorator's `unmap_fenced` without a second wait. A decorator that kept
+/// `Backend::fence`'s default (a proof of nothing) fails the first check.
+#[test]
+fn every_decorator_forwards_the_fence() {
+    type Wrap = fn(Arc<dyn Backend>) -> Arc<dyn Backend>;
+    let decorators: [(&str, Wrap); 2] = [
+        ("CountingBackend", |b| Arc::new(CountingBackend::new(b))),
+        ("FaultyBackend", |b| {
+            Arc::new(vmem::testing::FaultyBackend::new(b))
+        }),
+    ];
+    for (name, wrap) in decorators {
+        let (driver, log) = logged();
+        let b = wrap(Arc::new(Checked::wrap(driver).unwrap()));
+        let base = b.reserve(2 * MIB2).unwrap();
+        let p = b.create_page(MIB2).unwrap();
+        b.map(base, &[p], MIB2).unwrap();
+        log.clear_calls();
+        let fence = b.fence().unwrap();
+        assert_eq!(
+            log.ops(),
+            ["fence"],
+            "{name}: the fence did not reach the driver"
+        );
+        b.unmap_fenced(&fence, base, MIB2).unwrap();
+        assert_eq!(
+            log.ops(),
+            ["fence", "unmap"],
+            "{name}: the forwarded proof did not serve unmap_fenced"
+        );
+        b.release_page(p).unwrap();
+        b.free_range(base).unwrap();
+    }
+
+    // The check can fail: a hand-written forwarder that keeps `Backend::fence`'s default
+    // (what one once did) leaves the driver unfenced.
+    #[derive(Debug)]
+    struct Forgetful(Arc<dyn Backend>);
+    impl Backend for Forgetful {
+        fn kind(&self) -> vmem::backend::BackendKind {
+            self.0.kind()
+        }
+        fn page_sizes(&self) -> &[u64] {
+            self.0.page_sizes()
+        }
+        fn granularity(&self) -> u64 {
+            self.0.granularity()
+        }
+        fn reserve(&self, size: u64) -> vmem::Result<u64> {
+            self.0.reserve(size)
+        }
+        fn free_range(&self, addr: u64) -> vmem::Result<()> {
+            self.0.free_range(addr)
+        }
+        fn create_page(&self, page_size: u64) -> vmem::Result<vmem::backend::PageHandle> {
+            self.0.create_page(page_size)
+        }
+        fn release_page(&self, page: vmem::backend::PageHandle) -> vmem::Result<()> {
+            self.0.release_page(page)
+        }
+        fn map(&self, a: u64, p: &[vmem::backend::PageHandle], s: u64) -> vmem::Result<()> {
+            self.0.map(a, p, s)
+        }
+        fn unmap(&self, addr: u64, size: u64) -> vmem::Result<()> {
+            self.0.unmap(addr, size)
+        }
+        fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> vmem::Result<()> {
+            self.0.map_zero(addr, size, page_size)
+        }
+    }
+    let (driver, log) = logged();
+    let b = Forgetful(Arc::new(Checked::wrap(driver).unwrap()));
+    b.fence().unwrap();
+    assert!(log.ops().is_empty(), "a forgotten fence reaches no driver");
+}
+
+/// Every decorator passes the shared-page methods on, as it does `fence`: `map_shared`
+/// reaches the driver through each `Delegate` (the trait's default refuses sharing), and
+/// `RawDelegate` passes `shares_pages` on (`CountingDriver` here), so the checked core over a
+/// wrapped driver that shares pages does not refuse. A decorator that kept a default fails
+/// the first check.
+#[test]
+fn every_decorator_forwards_shared_maps() {
+    /// A decorator that overrides nothing: the `Delegate` defaults alone.
+    #[derive(Debug)]
+    struct Bare(Arc<dyn Backend>);
+    impl vmem::backend::Delegate for Bare {
+        fn inner(&self) -> &dyn Backend {
+            &*self.0
+        }
+    }
+    type Wrap = fn(Arc<dyn Backend>) -> Arc<dyn Backend>;
+    let decorators: [(&str, Wrap); 4] = [
+        ("none", |b| b),
+        ("Delegate defaults", |b| Arc::new(Bare(b))),
+        ("CountingBackend", |b| Arc::new(CountingBackend::new(b))),
+        ("FaultyBackend", |b| {
+            Arc::new(vmem::testing::FaultyBackend::new(b))
+        }),
+    ];
+    for (name, wrap) in decorators {
+        let (driver, log) = logged();
+        let b = wrap(Arc::new(Checked::wrap(driver).unwrap()));
+        let base = b.reserve(2 * MIB2).unwrap();
+        let p = b.create_page(MIB2).unwrap();
+        b.map(base, &[p], MIB2).unwrap();
+        log.clear_calls();
+        b.map_shared(base + MIB2, &[p], MIB2)
+            .unwrap_or_else(|e| panic!("{name}: a shared map did not reach the driver: {e}"));
+        assert_eq!(
+            log.map_addrs(),
+            [base + MIB2],
+            "{name}: the driver did not map the page a second time"
+        );
+        b.unmap(base + MIB2, MIB2).unwrap();
+        b.unmap(base, MIB2).unwrap();
+        b.release_page(p).unwrap();
+        b.free_range(base).unwrap();
+    }
+
+    // The check can fail: a driver decorator that does not say it shares pages makes the
+    // checked core refuse, and so would one that kept `RawBackend::shares_pages`'s default.
+    #[derive(Debug)]
+    struct NoShare(SimMemory);
+    impl vmem::backend::RawDelegate for NoShare {
+        type Inner = SimMemory;
+        fn inner(&self) -> &SimMemory {
+            &self.0
+        }
+        fn shares_pages(&self) -> bool {
+            false // what the default says
+        }
+    }
+    let b = Checked::wrap(NoShare(SimMemory::new(&[MIB2]))).unwrap();
+    let base = b.reserve(2 * MIB2).unwrap();
+    let p = b.create_page(MIB2).unwrap();
+    b.map(base, &[p], MIB2).unwrap();
+    assert!(
+        matches!(
+            b.map_shared(base + MIB2, &[p], MIB2),
+            Err(vmem::VmemError::Unsupported { .. })
+        ),
+        "a driver that does not share pages is refused"
+    );
+    b.unmap(base, MIB2).unwrap();
+    b.release_page(p).unwrap();
+    b.free_range(base).unwrap();
 }

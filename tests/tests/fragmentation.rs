@@ -13,9 +13,8 @@ fn load_trace(path: &std::path::Path) -> vmem_replay::Result<Vec<vmem_replay::Tr
     vmem_replay::load_trace(path, &TraceOptions::default()).map(|t| t.requests)
 }
 use vmem::Layout;
-use vmem_tests::{
-    default_traces, run_config, table8_cell, Allocator, Deployment, ExperimentConfig,
-};
+use vmem_replay::experiment::{run_config, table8_cell, Allocator, Deployment, ExperimentConfig};
+use vmem_tests::bundled_traces;
 
 const MB: u64 = 1 << 20;
 
@@ -71,7 +70,9 @@ fn fast_config(budget: u64) -> ExperimentConfig {
             ..Default::default()
         },
         deferred_reclaim: false,
+        eager: false,
         overlap: false,
+        pad_rows: false,
     }
 }
 
@@ -81,7 +82,7 @@ fn real_traces_host_and_sim_agree_and_waste_grows_with_page_size() {
     let cfg = fast_config(3 << 29);
     let host = || -> vmem::Result<Arc<dyn Backend>> { Ok(Arc::new(HostBackend::lazy()?)) };
     let sim = || -> vmem::Result<Arc<dyn Backend>> { Ok(Arc::new(SimBackend::new())) };
-    for (name, path) in default_traces() {
+    for (name, path) in bundled_traces() {
         let trace = load_trace(&path).unwrap();
         let d = dep("llama-3-8b", 1);
         // Baselines at a GPU-sized budget (simulation backend).
@@ -168,7 +169,7 @@ fn out_of_memory_preempts_and_everything_completes() {
     // A budget so small that requests must be preempted and recomputed.
     let cfg = fast_config(512 * MB);
     let sim = || -> vmem::Result<Arc<dyn Backend>> { Ok(Arc::new(SimBackend::new())) };
-    let (_, path) = &default_traces()[1];
+    let (_, path) = &bundled_traces()[1];
     let trace = load_trace(path).unwrap();
     let o = run_config(
         &trace,

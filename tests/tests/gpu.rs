@@ -9,10 +9,11 @@ use vmem_replay::{ReplayConfig, TraceOptions};
 fn load_trace(path: &std::path::Path) -> vmem_replay::Result<Vec<vmem_replay::TraceRequest>> {
     vmem_replay::load_trace(path, &TraceOptions::default()).map(|t| t.requests)
 }
-use vmem::{KvCacheManager, KvConfig, Layout, VmemError};
+use vmem::testing::conformance::{self, Contents};
+use vmem::{KvCacheManager, Layout, VmemError};
 use vmem_bench::GpuKernels;
-use vmem_tests::conformance::{self, Contents};
-use vmem_tests::{default_traces, run_config, Allocator, Deployment, ExperimentConfig};
+use vmem_replay::experiment::{run_config, Allocator, Deployment, ExperimentConfig, Outcome};
+use vmem_tests::bundled_traces;
 
 /// The GPU, or a failure: these tests run only when asked for (`--include-ignored`).
 fn gpu() -> Arc<CudaBackend> {
@@ -68,17 +69,7 @@ fn kernels_write_and_read_every_mapped_page_and_memory_comes_back() {
     let kernels = GpuKernels::load(&cuda).unwrap();
     let (free_before, _) = cuda.mem_info().unwrap();
     for layout in [Layout::PerLayer, Layout::TokenMajor] {
-        let mut cfg = KvConfig::builder()
-            .layers(4)
-            .max_batch(8)
-            .max_context(8192)
-            .kv_heads(8)
-            .head_dim(128)
-            .elem_bytes(2)
-            .page_size(MIB2)
-            .build();
-        cfg.layout = layout;
-        cfg.memory_cap = 8 << 30;
+        let cfg = vmem_bench::page_check_config(layout);
         let kv = KvCacheManager::init(cuda.clone(), cfg).unwrap();
         let ids: Vec<usize> = (0..3).map(|_| kv.alloc_reqid().unwrap()).collect();
         let mut lens = vec![0u64; 8];
@@ -151,7 +142,9 @@ fn cuda_and_simulation_replays_map_the_same_pages() {
             ..Default::default()
         },
         deferred_reclaim: false,
+        eager: false,
         overlap: false,
+        pad_rows: false,
     };
     let dep = Deployment {
         model: vmem::models::ModelSpec::by_name("llama-3-8b").unwrap(),
@@ -159,13 +152,13 @@ fn cuda_and_simulation_replays_map_the_same_pages() {
     };
     let on_gpu = move || -> vmem::Result<Arc<dyn Backend>> { Ok(cuda.clone()) };
     let sim = || -> vmem::Result<Arc<dyn Backend>> { Ok(Arc::new(SimBackend::new())) };
-    for (name, path) in default_traces() {
+    for (name, path) in bundled_traces() {
         let trace = load_trace(&path).unwrap();
         for layout in [Layout::PerLayer, Layout::TokenMajor] {
             let alloc = Allocator::Vmem { page: MIB2, layout };
             let g = run_config(&trace, dep, alloc, &cfg, &on_gpu).unwrap();
             let s = run_config(&trace, dep, alloc, &cfg, &sim).unwrap();
-            let pages = |o: &vmem_tests::Outcome| o.online.sync_pages + o.online.background_pages;
+            let pages = |o: &Outcome| o.online.sync_pages + o.online.background_pages;
             eprintln!(
                 "{name} {layout:?} 2MB: cuda {} pages, sim {} pages, avg waste {:.4}",
                 pages(&g),

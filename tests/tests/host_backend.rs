@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 use vmem::backend::{Backend, HostBackend, HostCommit, KIB256, KIB64, MIB2};
+use vmem::testing::conformance::read_host;
 use vmem::VmemError;
-use vmem_tests::conformance::read_host;
 
 #[test]
 fn bytes_written_through_a_mapping_follow_the_page() {
@@ -233,7 +233,7 @@ fn the_backend_is_shared_across_threads() {
 /// and a step that fails half-way leaves the rows readable and the data in place.
 #[test]
 fn zero_page_cache_reads_whole_rows_and_keeps_data() {
-    use vmem::backend::{FaultPlan, FaultyBackend};
+    use vmem::testing::{FaultPlan, FaultyBackend};
     use vmem::{KvCacheManager, KvConfig};
     let host = Arc::new(HostBackend::new().unwrap());
     let faulty = Arc::new(FaultyBackend::new(host.clone()));

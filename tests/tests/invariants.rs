@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use vmem::backend::{HostBackend, SimBackend, KIB128, KIB64};
 use vmem::{KvCacheManager, KvConfig, Layout, VmemError};
+use vmem_tests::small_kv;
 
 const B: usize = 6;
 const L: u64 = 1500;
@@ -29,22 +30,15 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn config(page: u64, layout: Layout, overlap: bool, deferred: bool, eager: usize) -> KvConfig {
-    let mut c = KvConfig::builder()
-        .layers(3)
-        .max_batch(B)
-        .max_context(L as usize)
-        .kv_heads(2)
+    small_kv(3, B, L as usize, page)
         .head_dim(32)
-        .elem_bytes(2)
-        .page_size(page)
-        .build();
-    c.layout = layout;
-    c.memory_cap = 48 * page; // tight: out-of-memory happens
-    c.overlap = overlap;
-    c.deferred_reclaim = deferred;
-    c.eager_tokens = eager;
-    c.reclaim_threshold = 8 * page;
-    c
+        .layout(layout)
+        .memory_cap(48 * page) // tight: out-of-memory happens
+        .overlap(overlap)
+        .deferred_reclaim(deferred)
+        .eager_tokens(eager)
+        .reclaim_threshold(8 * page)
+        .build()
 }
 
 fn check(kv: &KvCacheManager, lens: &[u64], active: &[bool]) -> Result<(), TestCaseError> {

@@ -3,25 +3,17 @@
 
 use std::sync::Arc;
 use vmem::backend::{Backend, HostBackend, KIB128, KIB64, MIB2};
-use vmem::{KvCacheManager, KvConfig, Layout, VmemError};
+use vmem::{KvCacheManager, KvConfigBuilder, Layout, VmemError};
+use vmem_tests::small_kv;
 
 /// Small model: 2 layers, batch 4, context 2048, 2 heads x 64 dims, fp16 -> 256 B per token
 /// per buffer (per-layer: 4 buffers; token-major: one buffer of 1 KB per token).
-fn cfg(page: u64, layout: Layout) -> KvConfig {
-    let mut c = KvConfig::builder()
-        .layers(2)
-        .max_batch(4)
-        .max_context(2048)
-        .kv_heads(2)
-        .head_dim(64)
-        .elem_bytes(2)
-        .page_size(page)
-        .build();
-    c.layout = layout;
-    c.memory_cap = 64 << 20;
-    c.reclaim_threshold = 0;
-    c.eager_tokens = 0;
-    c
+fn cfg(page: u64, layout: Layout) -> KvConfigBuilder {
+    small_kv(2, 4, 2048, page)
+        .layout(layout)
+        .memory_cap(64 << 20)
+        .reclaim_threshold(0)
+        .eager_tokens(0)
 }
 
 fn lens(b: usize, set: &[(usize, u64)]) -> Vec<u64> {
@@ -36,7 +28,7 @@ fn lens(b: usize, set: &[(usize, u64)]) -> Vec<u64> {
 fn every_mapped_page_holds_what_is_written_through_the_views() {
     for layout in [Layout::PerLayer, Layout::TokenMajor] {
         let host = Arc::new(HostBackend::new().unwrap());
-        let kv = KvCacheManager::init(host.clone(), cfg(KIB64, layout)).unwrap();
+        let kv = KvCacheManager::init(host.clone(), cfg(KIB64, layout).build()).unwrap();
         let a = kv.alloc_reqid().unwrap();
         let b = kv.alloc_reqid().unwrap();
         kv.step(&lens(4, &[(a, 700), (b, 1500)])).unwrap();
@@ -96,9 +88,8 @@ fn pages_follow_the_paper_arithmetic() {
     // Per-layer: 256 B/token/buffer, 64 KB page = 256 tokens; 4 buffers. No background
     // thread, so that only `step` maps.
     let host = Arc::new(HostBackend::new().unwrap());
-    let mut c = cfg(KIB64, Layout::PerLayer);
-    c.overlap = false;
-    let kv = KvCacheManager::init(host.clone(), c.clone()).unwrap();
+    let c = cfg(KIB64, Layout::PerLayer).overlap(false);
+    let kv = KvCacheManager::init(host.clone(), c.clone().build()).unwrap();
     let r = kv.alloc_reqid().unwrap();
     let rep = kv.step(&lens(4, &[(r, 1)])).unwrap();
     assert_eq!(rep.sync_pages, 4, "one page in each of 2 x layers buffers");
@@ -109,7 +100,7 @@ fn pages_follow_the_paper_arithmetic() {
     assert_eq!(kv.request_pages(r).unwrap(), vec![2; 4]);
     drop(kv);
     // Token-major: 1 KB per token in one buffer: 64 tokens per 64 KB page, one page per growth.
-    c.layout = Layout::TokenMajor;
+    let c = c.layout(Layout::TokenMajor).build();
     let kv = KvCacheManager::init(host.clone(), c).unwrap();
     let r = kv.alloc_reqid().unwrap();
     let rep = kv.step(&lens(4, &[(r, 65)])).unwrap();
@@ -120,9 +111,10 @@ fn pages_follow_the_paper_arithmetic() {
 #[test]
 fn dropping_the_manager_returns_every_byte() {
     let host = Arc::new(HostBackend::new().unwrap());
-    let mut c = cfg(KIB128, Layout::PerLayer);
-    c.prealloc = 4 << 20;
-    c.eager_tokens = 512;
+    let c = cfg(KIB128, Layout::PerLayer)
+        .prealloc(4 << 20)
+        .eager_tokens(512)
+        .build();
     let kv = KvCacheManager::init(host.clone(), c).unwrap();
     for _ in 0..3 {
         kv.alloc_reqid().unwrap();
@@ -142,7 +134,7 @@ fn dropping_the_manager_returns_every_byte() {
 #[test]
 fn bad_input_gets_a_typed_error_and_loses_nothing() {
     let host = Arc::new(HostBackend::new().unwrap());
-    let kv = KvCacheManager::init(host.clone(), cfg(KIB64, Layout::PerLayer)).unwrap();
+    let kv = KvCacheManager::init(host.clone(), cfg(KIB64, Layout::PerLayer).build()).unwrap();
     let r = kv.alloc_reqid().unwrap();
     kv.step(&lens(4, &[(r, 300)])).unwrap();
     let before = kv.mapped_handles();
@@ -166,7 +158,13 @@ fn bad_input_gets_a_typed_error_and_loses_nothing() {
         kv.free_reqid(9),
         Err(VmemError::UnknownRequest { req: 9, .. })
     ));
-    assert!(matches!(kv.free_reqid(2), Err(VmemError::DoubleFree(2))));
+    // Id 2 was never handed out: not a second free (issue 22, item 8).
+    let e = kv.free_reqid(2).unwrap_err();
+    assert!(matches!(e, VmemError::NotAllocated(2)), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        "request id 2 was never allocated (free_reqid takes an id alloc_reqid returned)"
+    );
     assert!(matches!(
         kv.request_pages(4),
         Err(VmemError::UnknownRequest { .. })
@@ -178,50 +176,67 @@ fn bad_input_gets_a_typed_error_and_loses_nothing() {
         kv.alloc_reqid(),
         Err(VmemError::TooManyRequests(4))
     ));
+    // A request longer than the context names no request id (there is none yet).
+    let e = kv.alloc_reqid_for(1 << 30).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            VmemError::ContextTooLong {
+                tokens: 1073741824,
+                max: 2048
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.to_string(),
+        "a request of 1073741824 tokens exceeds max context 2048: no request id can hold it"
+    );
     kv.free_reqid(r).unwrap();
-    assert!(matches!(kv.free_reqid(r), Err(VmemError::DoubleFree(_))));
+    let e = kv.free_reqid(r).unwrap_err();
+    assert!(matches!(e, VmemError::DoubleFree(id) if id == r), "{e:?}");
+    assert_eq!(e.to_string(), format!("request id {r} freed twice"));
     assert_eq!(kv.mapped_handles(), before, "no error changed a mapping");
 }
 
 #[test]
 fn bad_configurations_are_refused() {
     let host = Arc::new(HostBackend::new().unwrap());
-    let bad = |f: fn(&mut KvConfig)| {
-        let mut c = cfg(KIB64, Layout::PerLayer);
-        f(&mut c);
+    let bad = |f: fn(KvConfigBuilder) -> KvConfigBuilder| {
+        let c = f(cfg(KIB64, Layout::PerLayer)).build();
         KvCacheManager::init(host.clone() as Arc<dyn Backend>, c).unwrap_err()
     };
-    assert!(matches!(bad(|c| c.layers = 0), VmemError::InvalidConfig(_)));
+    assert!(matches!(bad(|c| c.layers(0)), VmemError::InvalidConfig(_)));
     assert!(matches!(
-        bad(|c| c.max_batch = 0),
+        bad(|c| c.max_batch(0)),
         VmemError::InvalidConfig(_)
     ));
     assert!(matches!(
-        bad(|c| c.page_size = 4096 * 3),
+        bad(|c| c.page_size(4096 * 3)),
         VmemError::UnsupportedPageSize { .. }
     ));
     assert!(matches!(
-        bad(|c| c.page_size = 1000),
+        bad(|c| c.page_size(1000)),
         VmemError::InvalidConfig(_)
     ));
     assert!(matches!(
-        bad(|c| c.memory_cap = 1000),
+        bad(|c| c.memory_cap(1000)),
         VmemError::InvalidConfig(_)
     ));
     assert!(matches!(
-        bad(|c| c.prealloc = 1 << 40),
+        bad(|c| c.prealloc(1 << 40)),
         VmemError::InvalidConfig(_)
     ));
     assert!(matches!(
-        bad(|c| c.eager_tokens = 4096),
+        bad(|c| c.eager_tokens(4096)),
         VmemError::InvalidConfig(_)
     ));
     assert!(matches!(
-        bad(|c| c.max_context = usize::MAX / 2),
+        bad(|c| c.max_context(usize::MAX / 2)),
         VmemError::SizeOverflow(_)
     ));
     assert!(matches!(
-        bad(|c| c.head_dim = usize::MAX),
+        bad(|c| c.head_dim(usize::MAX)),
         VmemError::SizeOverflow(_)
     ));
     assert_eq!(
@@ -235,9 +250,11 @@ fn bad_configurations_are_refused() {
 #[test]
 fn out_of_memory_maps_nothing_and_preemption_frees_room() {
     let host = Arc::new(HostBackend::new().unwrap());
-    let mut c = cfg(KIB64, Layout::PerLayer);
-    c.memory_cap = 16 * KIB64; // 16 pages = 4 pages per buffer = 1024 tokens in all
-    c.overlap = false;
+    // 16 pages = 4 pages per buffer = 1024 tokens in all.
+    let c = cfg(KIB64, Layout::PerLayer)
+        .memory_cap(16 * KIB64)
+        .overlap(false)
+        .build();
     let kv = KvCacheManager::init(host.clone(), c).unwrap();
     let a = kv.alloc_reqid().unwrap();
     let b = kv.alloc_reqid().unwrap();
@@ -263,9 +280,8 @@ fn out_of_memory_maps_nothing_and_preemption_frees_room() {
 #[test]
 fn deferred_reclamation_hands_the_mapped_id_to_the_next_request() {
     let host = Arc::new(HostBackend::new().unwrap());
-    let mut c = cfg(KIB64, Layout::PerLayer);
-    c.overlap = false;
-    let kv = KvCacheManager::init(host.clone(), c.clone()).unwrap();
+    let c = cfg(KIB64, Layout::PerLayer).overlap(false);
+    let kv = KvCacheManager::init(host.clone(), c.clone().build()).unwrap();
     let a = kv.alloc_reqid().unwrap();
     kv.step(&lens(4, &[(a, 1000)])).unwrap();
     kv.free_reqid(a).unwrap();
@@ -275,7 +291,7 @@ fn deferred_reclamation_hands_the_mapped_id_to_the_next_request() {
     assert_eq!(rep.sync_pages, 0, "a shorter request needs no new page");
 
     // Without deferred reclamation the pages go back to the pool at free time.
-    c.deferred_reclaim = false;
+    let c = c.deferred_reclaim(false).build();
     let kv = KvCacheManager::init(host.clone(), c).unwrap();
     let a = kv.alloc_reqid().unwrap();
     kv.step(&lens(4, &[(a, 1000)])).unwrap();
@@ -288,8 +304,7 @@ fn deferred_reclamation_hands_the_mapped_id_to_the_next_request() {
 #[test]
 fn eager_allocation_premaps_the_next_id() {
     let host = Arc::new(HostBackend::new().unwrap());
-    let mut c = cfg(KIB64, Layout::PerLayer);
-    c.eager_tokens = 512;
+    let c = cfg(KIB64, Layout::PerLayer).eager_tokens(512).build();
     let kv = KvCacheManager::init(host.clone(), c).unwrap();
     kv.wait_idle();
     let r = kv.alloc_reqid().unwrap();
@@ -309,9 +324,10 @@ fn eager_allocation_premaps_the_next_id() {
 #[test]
 fn reclamation_waits_for_the_threshold() {
     let host = Arc::new(HostBackend::new().unwrap());
-    let mut c = cfg(KIB64, Layout::PerLayer);
-    c.memory_cap = 64 * KIB64;
-    c.reclaim_threshold = 40 * KIB64;
+    let c = cfg(KIB64, Layout::PerLayer)
+        .memory_cap(64 * KIB64)
+        .reclaim_threshold(40 * KIB64)
+        .build();
     let kv = KvCacheManager::init(host.clone(), c).unwrap();
     let a = kv.alloc_reqid().unwrap();
     kv.step(&lens(4, &[(a, 1024)])).unwrap();
@@ -337,8 +353,7 @@ fn reclamation_waits_for_the_threshold() {
 fn background_mapping_takes_decode_growth_off_the_critical_path() {
     let run = |overlap: bool| {
         let host = Arc::new(HostBackend::new().unwrap());
-        let mut c = cfg(KIB64, Layout::PerLayer);
-        c.overlap = overlap;
+        let c = cfg(KIB64, Layout::PerLayer).overlap(overlap).build();
         let kv = KvCacheManager::init(host, c).unwrap();
         let r = kv.alloc_reqid().unwrap();
         let mut sync = 0;
@@ -363,7 +378,7 @@ fn background_mapping_takes_decode_growth_off_the_critical_path() {
 #[test]
 fn token_major_views_interleave_layers_in_one_buffer() {
     let host = Arc::new(HostBackend::new().unwrap());
-    let kv = KvCacheManager::init(host, cfg(MIB2, Layout::TokenMajor)).unwrap();
+    let kv = KvCacheManager::init(host, cfg(MIB2, Layout::TokenMajor).build()).unwrap();
     let v = kv.layer_views();
     let (h, d, p) = (2usize, 64usize, 2u64);
     assert_eq!(
@@ -383,14 +398,7 @@ fn token_major_views_interleave_layers_in_one_buffer() {
 
 fn small(pad_rows: bool) -> (std::sync::Arc<vmem::backend::SimBackend>, KvCacheManager) {
     let b = std::sync::Arc::new(vmem::backend::SimBackend::new());
-    let cfg = KvConfig::builder()
-        .layers(2)
-        .max_batch(4)
-        .max_context(4096)
-        .kv_heads(2)
-        .head_dim(64)
-        .elem_bytes(2)
-        .page_size(vmem::backend::KIB64)
+    let cfg = small_kv(2, 4, 4096, vmem::backend::KIB64)
         .memory_cap(256 * vmem::backend::KIB64)
         .overlap(false)
         .eager_tokens(0)
@@ -421,7 +429,7 @@ fn best_fit_reuses_the_smallest_inactive_id_that_covers_the_request() {
     assert_eq!(kv.alloc_reqid_for(3000).unwrap(), low);
     assert!(matches!(
         kv.alloc_reqid_for(5000),
-        Err(VmemError::SeqLenTooLong { .. })
+        Err(VmemError::ContextTooLong { tokens: 5000, .. })
     ));
     kv.alloc_reqid_for(1).unwrap();
     kv.alloc_reqid_for(1).unwrap();
@@ -488,14 +496,7 @@ fn padded_rows_are_mapped_as_far_as_the_longest_request() {
 fn idle_pages_go_back_to_the_driver_below_the_free_memory_threshold() {
     let b = std::sync::Arc::new(vmem::backend::SimBackend::new());
     let page = vmem::backend::KIB64;
-    let cfg = KvConfig::builder()
-        .layers(2)
-        .max_batch(4)
-        .max_context(4096)
-        .kv_heads(2)
-        .head_dim(64)
-        .elem_bytes(2)
-        .page_size(page)
+    let cfg = small_kv(2, 4, 4096, page)
         .memory_cap(256 * page)
         .overlap(false)
         .deferred_reclaim(false)
@@ -541,13 +542,14 @@ fn a_step_maps_in_address_order_buffer_by_buffer() {
     // On CUDA a map costs ~17 µs more when the call before it was a gigabyte away, so a
     // step maps every request's pages in one buffer before the next buffer's.
     use vmem::backend::{Checked, SimMemory};
-    use vmem_tests::conformance::Tally;
-    let tally = Tally::new(SimMemory::new(&[KIB64]));
+    use vmem::testing::CountingDriver;
+    let tally = CountingDriver::new(SimMemory::new(&[KIB64]));
     let counts = tally.counts.clone();
     let b: Arc<dyn Backend> = Arc::new(Checked::wrap(tally).unwrap());
-    let mut c = cfg(KIB64, Layout::PerLayer);
-    c.overlap = false;
-    c.deferred_reclaim = false;
+    let c = cfg(KIB64, Layout::PerLayer)
+        .overlap(false)
+        .deferred_reclaim(false)
+        .build();
     let kv = KvCacheManager::init(b, c).unwrap();
     let ids: Vec<usize> = (0..4).map(|_| kv.alloc_reqid().unwrap()).collect();
     let per_page = KIB64 / 256;

@@ -4,18 +4,12 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use vmem::backend::{Backend, BackendKind, PageHandle, SimBackend, KIB64};
+use vmem::backend::{Backend, Delegate, PageHandle, SimBackend, KIB64};
 use vmem::{KvCacheManager, KvConfig, VmemError};
+use vmem_tests::small_kv;
 
 fn config(cap_pages: u64) -> KvConfig {
-    KvConfig::builder()
-        .layers(2)
-        .max_batch(8)
-        .max_context(65536)
-        .kv_heads(2)
-        .head_dim(64)
-        .elem_bytes(2)
-        .page_size(KIB64)
+    small_kv(2, 8, 65536, KIB64)
         .memory_cap(cap_pages * KIB64)
         .overlap(false)
         .eager_tokens(0)
@@ -74,37 +68,13 @@ struct Slow {
     delay: Duration,
 }
 
-impl Backend for Slow {
-    fn kind(&self) -> BackendKind {
-        self.inner.kind()
-    }
-    fn page_sizes(&self) -> &[u64] {
-        self.inner.page_sizes()
-    }
-    fn granularity(&self) -> u64 {
-        self.inner.granularity()
-    }
-    fn reserve(&self, size: u64) -> vmem::Result<u64> {
-        self.inner.reserve(size)
-    }
-    fn free_range(&self, addr: u64) -> vmem::Result<()> {
-        self.inner.free_range(addr)
-    }
-    fn create_page(&self, page_size: u64) -> vmem::Result<PageHandle> {
-        self.inner.create_page(page_size)
-    }
-    fn release_page(&self, page: PageHandle) -> vmem::Result<()> {
-        self.inner.release_page(page)
+impl Delegate for Slow {
+    fn inner(&self) -> &dyn Backend {
+        &self.inner
     }
     fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> vmem::Result<()> {
         std::thread::sleep(self.delay);
         self.inner.map(addr, pages, page_size)
-    }
-    fn unmap(&self, addr: u64, size: u64) -> vmem::Result<()> {
-        self.inner.unmap(addr, size)
-    }
-    fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> vmem::Result<()> {
-        self.inner.map_zero(addr, size, page_size)
     }
 }
 
@@ -169,7 +139,8 @@ fn a_long_map_ahead_on_another_thread_does_not_block_the_other_requests_steps() 
 
 #[test]
 fn a_creation_failure_maps_nothing_and_keeps_the_accounts() {
-    use vmem::backend::{FaultPlan, FaultyBackend, HostBackend};
+    use vmem::backend::HostBackend;
+    use vmem::testing::{FaultPlan, FaultyBackend};
     let host = Arc::new(HostBackend::new().unwrap());
     let faulty = Arc::new(FaultyBackend::new(host.clone()));
     let kv = KvCacheManager::init(faulty.clone(), config(256)).unwrap();
@@ -194,4 +165,58 @@ fn a_creation_failure_maps_nothing_and_keeps_the_accounts() {
     assert_eq!(created, free + 128);
     drop(kv);
     assert_eq!(host.resident_bytes().unwrap(), 0);
+}
+
+/// A driver that panics inside `map_ahead`'s unlocked window (issue 22, item 10) leaves the
+/// request claimed no longer: a later `step` and `free_reqid` of that request complete instead
+/// of waiting forever for a claim nothing would release.
+#[test]
+fn a_panic_inside_map_ahead_does_not_hang_later_calls_on_the_request() {
+    use std::sync::mpsc::channel;
+
+    /// Panics in the next `map` once armed.
+    #[derive(Debug)]
+    struct Panicky {
+        inner: SimBackend,
+        armed: AtomicBool,
+    }
+    impl Delegate for Panicky {
+        fn inner(&self) -> &dyn Backend {
+            &self.inner
+        }
+        fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> vmem::Result<()> {
+            if self.armed.swap(false, Ordering::SeqCst) {
+                panic!("the driver panicked inside map_ahead");
+            }
+            self.inner.map(addr, pages, page_size)
+        }
+    }
+    let b = Arc::new(Panicky {
+        inner: SimBackend::new(),
+        armed: AtomicBool::new(false),
+    });
+    let kv = Arc::new(KvCacheManager::init(b.clone(), config(4096)).unwrap());
+    let r = kv.alloc_reqid().unwrap();
+    b.armed.store(true, Ordering::SeqCst);
+    let panicked =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| kv.map_ahead(r, 10_000)));
+    assert!(panicked.is_err(), "the driver's panic reaches the caller");
+
+    let (tx, rx) = channel();
+    let later = kv.clone();
+    std::thread::spawn(move || {
+        let mut lens = vec![0u64; 8];
+        lens[r] = 1000;
+        let step = later.step(&lens).map(|_| ());
+        let free = later.free_reqid(r);
+        let _ = tx.send((step, free));
+    });
+    let (step, free) = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("step / free_reqid on the request hung after a panic inside map_ahead");
+    step.unwrap();
+    free.unwrap();
+    // The manager still serves new requests.
+    let r2 = kv.alloc_reqid().unwrap();
+    kv.map_ahead(r2, 1000).unwrap();
 }

@@ -319,7 +319,7 @@ fn a_whole_cached_prompt_still_leaves_its_last_token_to_compute_in_a_page_of_its
 
 #[test]
 fn an_adoption_that_fails_half_way_maps_nothing_and_can_be_retried() {
-    use vmem::backend::{FaultPlan, FaultyBackend};
+    use vmem::testing::{FaultPlan, FaultyBackend};
     let host = Arc::new(HostBackend::new().unwrap());
     let faulty = Arc::new(FaultyBackend::new(host.clone()));
     // Per-layer: an adoption maps one run in each of the 4 buffers.

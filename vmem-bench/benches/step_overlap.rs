@@ -29,9 +29,12 @@ fn run(overlap: bool) -> Run {
     let backend: Arc<dyn Backend> =
         Arc::new(HostBackend::with_page_sizes(&[MIB2], HostCommit::Lazy).unwrap());
     let model = ModelSpec::by_name("llama-3-8b").unwrap();
-    let mut cfg = model.kv_config(1, B, 8192, MIB2).unwrap();
-    cfg.memory_cap = 256 << 30;
-    cfg.overlap = overlap;
+    let cfg = model
+        .kv_config_builder(1, B, 8192, MIB2)
+        .unwrap()
+        .memory_cap(256 << 30)
+        .overlap(overlap)
+        .build();
     let kv = KvCacheManager::init(backend, cfg).unwrap();
     let mut lens = vec![0u64; B];
     for (i, l) in lens.iter_mut().enumerate() {
@@ -76,9 +79,7 @@ fn main() {
         on.push(run(true));
     }
     let med = |v: &[Run], f: fn(&Run) -> f64| {
-        let mut x: Vec<f64> = v.iter().map(f).collect();
-        x.sort_by(f64::total_cmp);
-        x[x.len() / 2]
+        vmem_bench::stats::median(&mut v.iter().map(f).collect::<Vec<f64>>())
     };
     println!("step critical path, B={B}, {STEPS} decode steps, llama-3-8b per-layer, 2MB pages, host backend (3 alternating runs, median of each statistic)");
     println!(

@@ -45,7 +45,7 @@ fn main() -> vmem::Result<()> {
             )));
         }
     }
-    let mut cfg = KvConfig::builder()
+    let cfg = KvConfig::builder()
         .layers(32)
         .max_batch(8)
         .max_context(4096)
@@ -53,8 +53,8 @@ fn main() -> vmem::Result<()> {
         .head_dim(128)
         .elem_bytes(2)
         .page_size(64 << 10)
+        .memory_cap(4 << 30)
         .build();
-    cfg.memory_cap = 4 << 30;
     let kv = KvCacheManager::init(uvm.clone() as Arc<dyn Backend>, cfg)?;
     let r = kv.alloc_reqid()?;
     let mut lens = vec![0u64; 8];

@@ -270,10 +270,7 @@ pub fn time_raw_calls(
     unsafe { sys::cuMemAddressFree(base, size) }
         .result()
         .map_err(cuda_err("cuMemAddressFree"))?;
-    let med = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
+    let med = |v: &mut Vec<f64>| crate::stats::median(v);
     Ok(RawTimes {
         create_us: med(&mut t[0]),
         map_us: med(&mut t[1]),

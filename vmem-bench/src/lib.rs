@@ -7,11 +7,15 @@
 //!   (hand-written PTX, no compiler needed);
 //! * [`time_raw_calls`]: the raw CUDA VMM calls vmem makes, timed with nothing in between;
 //! * [`Shuffle`]: the shuffled contender orders of the interleaved benchmarks;
+//! * [`stats`]: the median and percentiles every benchmark reports;
 //! * [`DecodeModel`]: a Llama-3-8B-shaped decode iteration (cuBLAS GEMMs + nvrtc kernels)
 //!   that reads and writes K/V only through a vmem cache's layer views;
 //! * the `vmem-gpu` binary (every GPU check and benchmark in one run; `scripts/gpu-bench.sh`
-//!   builds it here and runs it on the GPU machine), the `uvm_check` example (a round trip
-//!   through the patched driver) and the `step_overlap` bench (host memory).
+//!   builds it here and runs it on the GPU machine), `alloc-bench`, `checked-cost`,
+//!   `manager-cost`, `prefill-overlap`, `pool-pressure`, the `fragmentation` experiment
+//!   (every trace x deployment x allocator, `vmem_replay::experiment`) and `plot-decode`; the
+//!   `uvm_check` example (a round trip through the patched driver) and the `step_overlap`
+//!   bench (host memory).
 //!
 //! Everything here that writes or reads through a caller's device address is an `unsafe fn`
 //! whose `# Safety` section says what must be mapped.
@@ -20,6 +24,10 @@
 
 pub mod decode;
 mod kernels;
+pub mod stats;
+
+use std::path::PathBuf;
+use vmem::{KvConfig, Layout};
 
 pub use decode::DecodeModel;
 pub use kernels::{time_raw_calls, GpuKernels, RawTimes};
@@ -55,6 +63,47 @@ impl Shuffle {
 }
 
 /// Turns a driver error into [`VmemError::Cuda`] naming the call.
+/// The two bundled Azure 2023 subsets (the first 2,000 requests of the code and conversation
+/// traces, in `vmem-cli/data/traces`), named `code` and `conv`. Paths are relative to the
+/// workspace this was built in, or, where that is gone (a binary carried to another machine),
+/// to the current directory.
+pub fn bundled_traces() -> Vec<(String, PathBuf)> {
+    let root = workspace_root();
+    ["code", "conv"]
+        .into_iter()
+        .map(|t| {
+            let path = root.join(format!("vmem-cli/data/traces/azure-{t}-2023-first2000.csv"));
+            (t.to_string(), path)
+        })
+        .collect()
+}
+
+/// The workspace this crate was built in, or `.` where it is gone.
+pub fn workspace_root() -> PathBuf {
+    let built_in = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    if built_in.join("vmem-cli/data/traces").exists() {
+        built_in
+    } else {
+        PathBuf::from(".")
+    }
+}
+
+/// The cache of the GPU page check (every mapped page written and read back by a kernel):
+/// 4 layers, batch 8, context 8,192, 8 KV heads of 128 in fp16, 2 MB pages, an 8 GiB cap.
+pub fn page_check_config(layout: Layout) -> KvConfig {
+    KvConfig::builder()
+        .layers(4)
+        .max_batch(8)
+        .max_context(8192)
+        .kv_heads(8)
+        .head_dim(128)
+        .elem_bytes(2)
+        .page_size(2 << 20)
+        .layout(layout)
+        .memory_cap(8 << 30)
+        .build()
+}
+
 pub(crate) fn cuda_err(op: &'static str) -> impl Fn(DriverError) -> VmemError {
     move |e| VmemError::Cuda {
         op,

@@ -3,17 +3,19 @@
 mod prefix;
 mod report;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{error::ErrorKind, Parser, Subcommand, ValueEnum};
 use report::{Progress, Row, Settings};
+use std::io::{self, IsTerminal, Read, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 use vmem::backend::{open_backend, Backend, BackendChoice, BackendKind, HostBackend, PAGE_SIZES};
 use vmem::models::ModelSpec;
 use vmem::units::{format_bytes, parse_bytes};
-use vmem::{KvCacheManager, KvConfig, Layout};
+use vmem::{KvCacheManager, Layout};
+use vmem_replay::experiment::{replay_one, Allocator, Deployment, ExperimentConfig};
 use vmem_replay::{
-    fit_to_context, load_trace, parse_trace, poisson_arrivals, replay, BlockMemory, Columns,
-    MaxReservation, Oversize, ReplayConfig, ReplayError, TimeUnit, TraceFormat, TraceOptions,
+    fit_to_context, parse_trace, poisson_arrivals, BlockMemory, Columns, MaxReservation, Oversize,
+    ReplayConfig, ReplayError, TimeUnit, TraceFormat, TraceOptions,
 };
 
 /// The bundled trace: the first 2,000 requests of Azure's 2023 conversation trace (CC BY 4.0,
@@ -28,7 +30,15 @@ const BUNDLED_NAME: &str = "bundled:azure-conv-2023-first2000.csv";
     about = "Demand-paged, virtually contiguous KV-cache memory: replay LLM request traces and \
              measure what each allocator wastes",
     long_about = None,
-    after_help = "With no subcommand, runs `replay` with the options given."
+    after_help = "With no subcommand, runs `replay` with the options given. Options go after \
+                  the subcommand when there is one (`vmem replay --budget 1G`).\n\n\
+                  Exit status: 0 done; 1 an error (a bad setting, trace or memory size is \
+                  refused before anything is printed; a backend failing mid-replay or an \
+                  unwritable stdout stops it); 2 a malformed command line; 141 stdout was \
+                  closed by its reader (what a shell shows for `cat` in `cat f | head -1`).",
+    // `vmem --budget 1G replay` would otherwise parse --budget into the top-level options
+    // and replay with the subcommand's default: refuse it instead.
+    args_conflicts_with_subcommands = true
 )]
 struct Cli {
     #[command(subcommand)]
@@ -214,47 +224,164 @@ fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
-    let result = match cli.command {
-        Some(Command::Detect { device }) => detect(device),
-        Some(Command::Replay(args)) => run_replay(&args),
-        None => run_replay(&cli.replay),
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // Help and version go to stdout: a failed write there is an error like any other
+        // (clap's own printing ignores it).
+        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {
+            let mut out = io::stdout().lock();
+            let written = if out.is_terminal() {
+                write!(out, "{}", e.render().ansi())
+            } else {
+                write!(out, "{e}")
+            };
+            finish(written.and_then(|()| out.flush()).map_err(CliError::Output));
+            return;
+        }
+        Err(e) => e.exit(),
     };
-    if let Err(e) = result {
-        eprintln!("error: {e}");
-        std::process::exit(1);
+    let stdout = io::stdout();
+    let mut out = stdout.lock();
+    let result = match cli.command {
+        Some(Command::Detect { device }) => detect(&mut out, device),
+        Some(Command::Replay(args)) => run_replay(&mut out, &args),
+        None => run_replay(&mut out, &cli.replay),
+    }
+    .and_then(|()| out.flush().map_err(CliError::Output));
+    finish(result);
+}
+
+/// Exits as `result` says: quietly with 0, quietly with [`EXIT_BROKEN_PIPE`] when the reader
+/// of stdout went away, else with the error on stderr and 1.
+fn finish(result: Result<(), CliError>) {
+    match result {
+        Ok(()) => {}
+        // The reader went away (`vmem replay | head -2`): stop quietly, as `cat` does; a
+        // shell reports `cat` killed by SIGPIPE as 128 + 13.
+        Err(CliError::Output(e)) if e.kind() == io::ErrorKind::BrokenPipe => {
+            std::process::exit(EXIT_BROKEN_PIPE)
+        }
+        Err(e) => fail(&e.to_string()),
     }
 }
 
-fn detect(device: usize) -> Result<(), ReplayError> {
-    println!("nvidia-uvm: {}", uvm_ioctl::detect().describe());
-    let sel = open_backend(BackendChoice::from_env_or(BackendChoice::Auto)?, device)?;
+/// Says `why` on stderr and exits with 1.
+fn fail(why: &str) -> ! {
+    // Nothing more to say if stderr is gone too; the status still says failure.
+    let _ = writeln!(io::stderr(), "error: {why}");
+    std::process::exit(1);
+}
+
+/// Exit status when standard output is a closed pipe: 128 + SIGPIPE, as a shell reports for
+/// `cat` in `cat big | head -1`.
+const EXIT_BROKEN_PIPE: i32 = 141;
+
+/// Why a command failed.
+#[derive(Debug)]
+enum CliError {
+    /// The settings, the trace or the memory under test.
+    Replay(ReplayError),
+    /// Standard output could not be written (a full disk, a closed pipe).
+    Output(io::Error),
+}
+
+impl std::fmt::Display for CliError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CliError::Replay(e) => e.fmt(f),
+            CliError::Output(e) => write!(f, "writing the output: {e}"),
+        }
+    }
+}
+
+impl<E: Into<ReplayError>> From<E> for CliError {
+    fn from(e: E) -> Self {
+        CliError::Replay(e.into())
+    }
+}
+
+/// Writes to standard output, turning a failed write into [`CliError::Output`].
+fn emit(r: io::Result<()>) -> Result<(), CliError> {
+    r.map_err(CliError::Output)
+}
+
+fn detect(out: &mut dyn Write, device: usize) -> Result<(), CliError> {
+    // Everything that can fail before the first line.
+    let driver = uvm_ioctl::detect().describe();
+    let choice = BackendChoice::from_env_or(BackendChoice::Auto)
+        .map_err(|e| config_err("VMEM_BACKEND", e))?;
+    let sel = open_backend(choice, device)?;
+    emit(writeln!(out, "nvidia-uvm: {driver}"))?;
     let sizes: Vec<String> = sel
         .backend
         .page_sizes()
         .iter()
         .map(|&p| format_bytes(p))
         .collect();
-    println!(
+    emit(writeln!(
+        out,
         "backend:    {} (page sizes {})",
         sel.backend.name(),
         sizes.join(", ")
-    );
-    println!("reason:     {}", sel.reason);
-    Ok(())
+    ))?;
+    emit(writeln!(out, "reason:     {}", sel.reason))
+}
+
+/// Most bytes of a trace file `vmem` reads: the whole trace is parsed in memory, so an
+/// endless input (`--trace /dev/zero`, a pipe that never ends) must stop somewhere.
+const TRACE_LIMIT: u64 = 2 << 30;
+
+/// Bytes read first, to refuse a binary file before reading the rest.
+const TRACE_SNIFF: u64 = 64 << 10;
+
+/// Reads a trace file, refusing one larger than [`TRACE_LIMIT`] or with NUL bytes in its
+/// first 64 KiB. A first 64 KiB that is not UTF-8 is returned alone, for [`parse_trace`] to
+/// say where.
+fn read_trace(path: &std::path::Path) -> Result<Vec<u8>, ReplayError> {
+    let err = |why: String| ReplayError::Trace {
+        path: path.display().to_string(),
+        line: 0,
+        why,
+    };
+    let file = std::fs::File::open(path).map_err(|e| err(e.to_string()))?;
+    let mut rest = file.take(TRACE_LIMIT + 1);
+    let mut buf = Vec::new();
+    (&mut rest)
+        .take(TRACE_SNIFF)
+        .read_to_end(&mut buf)
+        .map_err(|e| err(e.to_string()))?;
+    if std::str::from_utf8(&buf).is_err_and(|e| e.error_len().is_some()) {
+        return Ok(buf);
+    }
+    if buf.contains(&0) {
+        return Err(err(
+            "not a text trace: it holds NUL bytes (is this a trace file?)".into(),
+        ));
+    }
+    rest.read_to_end(&mut buf).map_err(|e| err(e.to_string()))?;
+    if buf.len() as u64 > TRACE_LIMIT {
+        return Err(err(format!(
+            "larger than {} (traces are read whole into memory): replay a part of it, \
+             e.g. its first lines through head",
+            format_bytes(TRACE_LIMIT)
+        )));
+    }
+    Ok(buf)
 }
 
 fn config_err(flag: &str, e: impl std::fmt::Display) -> ReplayError {
     ReplayError::Config(format!("{flag}: {e}"))
 }
 
-/// Everything a replay needs, validated before anything is printed.
+/// Everything a replay needs, validated before anything is printed: one deployment of the
+/// fragmentation experiment (`vmem_replay::experiment`), its allocators in table order.
 struct Plan {
     settings: Settings,
     trace: Vec<vmem_replay::TraceRequest>,
     backend: Arc<dyn Backend>,
-    configs: Vec<KvConfig>,
-    rcfg: ReplayConfig,
+    deployment: Deployment,
+    allocators: Vec<Allocator>,
+    experiment: ExperimentConfig,
     /// How the trace was read (the prefix comparison reads its hashes the same way).
     opts: TraceOptions,
 }
@@ -307,7 +434,8 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
         .map_err(|e| config_err("--time-unit", e))?;
     let choice = match &args.backend {
         Some(b) => b.parse().map_err(|e| config_err("--backend", e))?,
-        None => BackendChoice::from_env_or(BackendChoice::Auto)?,
+        None => BackendChoice::from_env_or(BackendChoice::Auto)
+            .map_err(|e| config_err("VMEM_BACKEND", e))?,
     };
 
     // The backend first: the page sizes it supports decide what --page-sizes may ask for.
@@ -348,23 +476,23 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
     if page_sizes.is_empty() {
         return Err(config_err("--page-sizes", "no page size to replay"));
     }
-    let mut configs = Vec::new();
+    let experiment = ExperimentConfig {
+        budget,
+        max_batch: args.max_batch,
+        max_context: args.max_context,
+        replay: ReplayConfig::default(),
+        deferred_reclaim: args.deferred_reclaim.on(),
+        eager: args.eager.on(),
+        overlap: args.overlap.on(),
+        pad_rows: args.pad_rows.on(),
+    };
+    let deployment = Deployment { model, tp: args.tp };
+    let mut allocators = vec![Allocator::Blocks(args.block_tokens)];
     for &page in &page_sizes {
-        let mut cfg = model
-            .kv_config(args.tp, args.max_batch, args.max_context, page)
-            .map_err(|e| config_err("--tp", e))?;
-        cfg.layout = layout;
-        cfg.memory_cap = budget;
-        cfg.reclaim_threshold = budget / 16;
-        cfg.deferred_reclaim = args.deferred_reclaim.on();
-        cfg.eager_tokens = if args.eager.on() {
-            1024.min(args.max_context)
-        } else {
-            0
-        };
-        cfg.overlap = args.overlap.on();
-        cfg.pad_rows = args.pad_rows.on();
-        cfg.validate()
+        experiment
+            .kv_config(deployment, page, layout)
+            .map_err(|e| config_err("--tp", e))?
+            .validate()
             .map_err(|e| config_err("--max-batch/--max-context", e))?;
         if budget < page {
             return Err(config_err(
@@ -376,8 +504,9 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
                 ),
             ));
         }
-        configs.push(cfg);
+        allocators.push(Allocator::Vmem { page, layout });
     }
+    allocators.push(Allocator::MaxReservation);
 
     // The trace.
     let opts = TraceOptions {
@@ -396,7 +525,10 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
         },
     };
     let (trace, trace_name) = match &args.trace {
-        Some(p) => (load_trace(p, &opts)?, p.display().to_string()),
+        Some(p) => {
+            let name = p.display().to_string();
+            (parse_trace(&read_trace(p)?, &name, &opts)?, name)
+        }
         None => (
             parse_trace(BUNDLED_TRACE, BUNDLED_NAME, &opts)?,
             BUNDLED_NAME.to_string(),
@@ -429,17 +561,20 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
         "all at time 0 (--offline)".to_string()
     } else if let Some(rate) = args.rate {
         poisson_arrivals(&mut requests, rate, args.seed)?;
-        format!("Poisson, {rate} req/s, seed {}", args.seed)
+        format!("Poisson, {} req/s, seed {}", report::num(rate), args.seed)
     } else if trace.timed {
         "the trace's timestamps".to_string()
     } else {
         "all at time 0 (the trace has no timestamps; --rate for Poisson arrivals)".to_string()
     };
-    let rcfg = ReplayConfig {
-        iteration_s: args.iteration_ms / 1000.0,
-        offline: args.offline || (args.rate.is_none() && !trace.timed),
-        max_requests: None,
-        horizon_s: args.horizon,
+    let experiment = ExperimentConfig {
+        replay: ReplayConfig {
+            iteration_s: args.iteration_ms / 1000.0,
+            offline: args.offline || (args.rate.is_none() && !trace.timed),
+            max_requests: None,
+            horizon_s: args.horizon,
+        },
+        ..experiment
     };
     let settings = Settings {
         trace: trace_name,
@@ -470,89 +605,134 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
         settings,
         trace: requests,
         backend,
-        configs,
-        rcfg,
+        deployment,
+        allocators,
+        experiment,
         opts,
     })
 }
 
-fn run_replay(args: &ReplayArgs) -> Result<(), ReplayError> {
+/// Most request ids a replay may ask for: the manager keeps per-id state in every buffer, so
+/// a larger --max-batch would spend gigabytes of host memory on bookkeeping before the first
+/// request (vLLM's default is 256).
+const MAX_BATCH_LIMIT: usize = 1 << 16;
+
+/// Sets up every contender once, before anything is printed, so a replay whose memory cannot
+/// be had fails up front naming the product that is too big (docs/replay.md promises every
+/// flag is checked before output). The contenders are dropped again; each replay sets its own
+/// up afresh.
+fn check_memory(p: &Plan) -> Result<(), ReplayError> {
+    let s = &p.settings;
+    if s.max_batch > MAX_BATCH_LIMIT {
+        return Err(config_err(
+            "--max-batch",
+            format!("{} request ids is more than {MAX_BATCH_LIMIT}", s.max_batch),
+        ));
+    }
+    let per_token = format!("{} bytes of K+V per token", s.token_bytes);
+    let block_bytes = s.block_tokens.checked_mul(s.token_bytes).ok_or_else(|| {
+        config_err(
+            "--block-tokens",
+            format!(
+                "--block-tokens {} x {per_token} overflows 64 bits",
+                s.block_tokens
+            ),
+        )
+    })?;
+    if block_bytes > s.budget {
+        return Err(config_err(
+            "--block-tokens",
+            format!(
+                "one block of {} tokens x {per_token} = {} exceeds the budget {}",
+                s.block_tokens,
+                format_bytes(block_bytes),
+                format_bytes(s.budget)
+            ),
+        ));
+    }
+    let (b, l) = (s.max_batch, s.max_context as u64);
+    BlockMemory::new(s.token_bytes, s.block_tokens, b, l, s.budget)?;
+    MaxReservation::new(s.token_bytes, b, l, s.budget).map_err(|e| {
+        config_err(
+            "--max-context",
+            format!("--max-context {l} x {per_token}: {e}"),
+        )
+    })?;
+    for &alloc in &p.allocators {
+        let Allocator::Vmem { page, layout } = alloc else {
+            continue;
+        };
+        let cfg = p.experiment.kv_config(p.deployment, page, layout)?;
+        let geo = cfg.validate()?;
+        let virt = u128::from(geo.slice_bytes) * b as u128 * geo.buffers as u128;
+        if let Err(e) = KvCacheManager::init(p.backend.clone(), cfg) {
+            return Err(config_err(
+                "--max-batch/--max-context",
+                format!(
+                    "--max-batch {b} x --max-context {l} x {per_token} = {virt} bytes of \
+                     virtual memory for vmem-{}, which the {} backend cannot reserve: {e}",
+                    format_bytes(page),
+                    p.backend.name()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn run_replay(out: &mut dyn Write, args: &ReplayArgs) -> Result<(), CliError> {
     let p = plan(args)?;
+    check_memory(&p)?;
     if args.prefix_cache {
-        return prefix::run(args, &p);
+        return prefix::run(out, args, &p);
     }
     let s = &p.settings;
     let human = !args.json && !args.csv;
     if human {
-        report::print_header(s);
-        report::print_table_header();
+        emit(report::print_header(out, s))?;
+        emit(report::print_table_header(out))?;
     }
-    let emit = |rows: &mut Vec<Row>, row: Row| {
+    let add_row = |out: &mut dyn Write, rows: &mut Vec<Row>, row: Row| {
         if human {
-            report::print_row(&row);
+            emit(report::print_row(out, &row))?;
         }
         rows.push(row);
+        Ok::<(), CliError>(())
     };
     let n = p.trace.len();
     let mut rows = Vec::new();
-
-    let blocks = {
-        let mut progress = Progress::new(&format!("blocks-{}", s.block_tokens), n, args.quiet);
-        let mut m = BlockMemory::new(
-            s.token_bytes,
-            s.block_tokens,
-            s.max_batch,
-            s.max_context as u64,
-            s.budget,
-        )?;
-        let stats = replay(&mut m, &p.trace, &p.rcfg, |d| progress.update(d))?;
-        progress.finish();
-        stats
-    };
-    let block_waste = blocks.avg_waste();
-    emit(
-        &mut rows,
-        Row::new(
-            format!("blocks-{}tok", s.block_tokens),
-            None,
-            &blocks,
-            block_waste,
-        ),
-    );
-    for cfg in &p.configs {
-        let label = format!("vmem-{}", format_bytes(cfg.page_size));
+    let mut block_waste = None;
+    for &alloc in &p.allocators {
+        let (label, page) = match alloc {
+            Allocator::Vmem { page, .. } => (format!("vmem-{}", format_bytes(page)), Some(page)),
+            Allocator::Blocks(tokens) => (format!("blocks-{tokens}"), None),
+            Allocator::MaxReservation => (alloc.label(), None),
+        };
         let mut progress = Progress::new(&label, n, args.quiet);
-        let kv = KvCacheManager::init(p.backend.clone(), cfg.clone())?;
-        let mut m = &kv;
-        let stats = replay(&mut m, &p.trace, &p.rcfg, |d| progress.update(d))?;
+        let stats = replay_one(
+            &p.trace,
+            p.deployment,
+            alloc,
+            &p.experiment,
+            &p.experiment.replay,
+            || Ok(p.backend.clone()),
+            |d| progress.update(d),
+        )?;
         progress.finish();
-        emit(
+        if let Allocator::Blocks(_) = alloc {
+            block_waste = report::avg_waste(&stats);
+        }
+        add_row(
+            out,
             &mut rows,
-            Row::new(
-                format!("{label}-{}", s.layout),
-                Some(cfg.page_size),
-                &stats,
-                block_waste,
-            ),
-        );
+            Row::new(alloc.label(), page, &stats, block_waste),
+        )?;
     }
-    {
-        let mut progress = Progress::new("max-reservation", n, args.quiet);
-        let mut m =
-            MaxReservation::new(s.token_bytes, s.max_batch, s.max_context as u64, s.budget)?;
-        let stats = replay(&mut m, &p.trace, &p.rcfg, |d| progress.update(d))?;
-        progress.finish();
-        emit(
-            &mut rows,
-            Row::new("max-reservation".into(), None, &stats, block_waste),
-        );
-    }
-    if args.json {
-        report::print_json(s, &rows);
+    emit(if args.json {
+        report::print_json(out, s, &rows)
     } else if args.csv {
-        report::print_csv(&rows);
+        report::print_csv(out, &rows)
     } else {
-        report::print_legend();
-    }
-    Ok(())
+        report::print_legend(out)
+    })
 }

@@ -7,9 +7,11 @@
 //! KV (a shared page once), admissions and preemptions.
 
 use crate::report::{print_header, Progress};
-use crate::{config_err, Plan, ReplayArgs};
+use crate::{config_err, emit, CliError, Plan, ReplayArgs};
+use std::io::{self, Write};
 use vmem::units::{format_bytes, parse_bytes};
 use vmem::KvCacheManager;
+use vmem_replay::experiment::Allocator;
 use vmem_replay::{
     check_prefix_hashes, load_prefix_hashes, load_trace, replay_with_prefixes, PrefixBlocks,
     PrefixHashes, ReplayError, ReplayStats,
@@ -73,8 +75,9 @@ fn row(
     }
 }
 
-fn print_row(r: &PrefixRow) {
-    println!(
+fn print_row(out: &mut dyn Write, r: &PrefixRow) -> io::Result<()> {
+    writeln!(
+        out,
         "{:<32} {:>6} {:>8} {:>9} {:>9} {:>7.1}% {:>10} {:>10} {:>10} {:>7.3} {:>7.3}",
         r.allocator,
         r.share_tokens,
@@ -87,7 +90,7 @@ fn print_row(r: &PrefixRow) {
         format_bytes(r.peak_cache_bytes),
         r.mean_vs_apc,
         r.peak_vs_apc,
-    );
+    )
 }
 
 /// The trace's prefix hashes (Mooncake's `hash_ids`, or `--hash-col`), checked against
@@ -121,8 +124,8 @@ fn hashes(args: &ReplayArgs, plan: &Plan) -> Result<PrefixHashes, ReplayError> {
     Ok(h)
 }
 
-/// Runs the comparison and prints it (table, or `--json`/`--csv`).
-pub fn run(args: &ReplayArgs, p: &Plan) -> Result<(), ReplayError> {
+/// Runs the comparison and writes it to `out` (table, or `--json`/`--csv`).
+pub fn run(out: &mut dyn Write, args: &ReplayArgs, p: &Plan) -> Result<(), CliError> {
     let s = &p.settings;
     let h = hashes(args, p)?;
     let cache_cap = match &args.cache_cap {
@@ -131,14 +134,16 @@ pub fn run(args: &ReplayArgs, p: &Plan) -> Result<(), ReplayError> {
     };
     let human = !args.json && !args.csv;
     if human {
-        print_header(s);
-        println!(
+        emit(print_header(out, s))?;
+        emit(writeln!(
+            out,
             "prefix     hashes of {} tokens | cache cap {} (memory kept only by the cache)",
             h.chunk_tokens(),
             format_bytes(cache_cap)
-        );
-        println!();
-        println!(
+        ))?;
+        emit(writeln!(out))?;
+        emit(writeln!(
+            out,
             "{:<32} {:>6} {:>8} {:>9} {:>9} {:>8} {:>10} {:>10} {:>10} {:>7} {:>7}",
             "allocator",
             "share",
@@ -151,16 +156,18 @@ pub fn run(args: &ReplayArgs, p: &Plan) -> Result<(), ReplayError> {
             "peak cache",
             "mean/apc",
             "peak/apc"
-        );
+        ))?;
     }
     let n = p.trace.len();
     let mut rows = Vec::new();
-    let mut emit = |r: PrefixRow| {
+    let add_row = |out: &mut dyn Write, rows: &mut Vec<PrefixRow>, r: PrefixRow| {
         if human {
-            print_row(&r);
+            emit(print_row(out, &r))?;
         }
         rows.push(r);
+        Ok::<(), CliError>(())
     };
+    let rcfg = &p.experiment.replay;
     let bt = s.block_tokens;
     let run_blocks = |caching: bool, label: &str| -> Result<ReplayStats, ReplayError> {
         let mut progress = Progress::new(label, n, args.quiet);
@@ -173,26 +180,29 @@ pub fn run(args: &ReplayArgs, p: &Plan) -> Result<(), ReplayError> {
             caching,
             cache_cap,
         )?;
-        let st = replay_with_prefixes(&mut m, &p.trace, Some(&h), &p.rcfg, |d| progress.update(d))?;
+        let st = replay_with_prefixes(&mut m, &p.trace, Some(&h), rcfg, |d| progress.update(d))?;
         progress.finish();
         Ok(st)
     };
     let apc_label = format!("blocks-{bt}tok-apc");
     let apc = run_blocks(true, &apc_label)?;
-    emit(row(apc_label, bt, &apc, None));
+    add_row(out, &mut rows, row(apc_label, bt, &apc, None))?;
     let plain_label = format!("blocks-{bt}tok");
     let plain = run_blocks(false, &plain_label)?;
-    emit(row(plain_label, 0, &plain, Some(&apc)));
-    for cfg in &p.configs {
+    add_row(out, &mut rows, row(plain_label, 0, &plain, Some(&apc)))?;
+    for &alloc in &p.allocators {
+        let Allocator::Vmem { page, layout } = alloc else {
+            continue;
+        };
         for share in [false, true] {
-            let mut cfg = cfg.clone();
-            let mut label = format!("vmem-{}-{}", format_bytes(cfg.page_size), s.layout);
+            let mut cfg = p.experiment.kv_config(p.deployment, page, layout)?;
+            let mut label = format!("vmem-{}-{}", format_bytes(page), layout.name());
             if share {
                 cfg.prefix_cache = Some(cache_cap);
                 label.push_str("-shared");
                 if let Err(e) = cfg.validate() {
                     if human {
-                        println!("{label:<32} not run: {e}");
+                        emit(writeln!(out, "{label:<32} not run: {e}"))?;
                     }
                     continue;
                 }
@@ -201,10 +211,10 @@ pub fn run(args: &ReplayArgs, p: &Plan) -> Result<(), ReplayError> {
             let kv = KvCacheManager::init(p.backend.clone(), cfg)?;
             let mut m = &kv;
             let st =
-                replay_with_prefixes(&mut m, &p.trace, Some(&h), &p.rcfg, |d| progress.update(d))?;
+                replay_with_prefixes(&mut m, &p.trace, Some(&h), rcfg, |d| progress.update(d))?;
             progress.finish();
             let bt = kv.prefix_block_tokens();
-            emit(row(label, bt, &st, Some(&apc)));
+            add_row(out, &mut rows, row(label, bt, &st, Some(&apc)))?;
         }
     }
     if args.json {
@@ -228,15 +238,17 @@ pub fn run(args: &ReplayArgs, p: &Plan) -> Result<(), ReplayError> {
                 })
             })
             .collect();
-        let out = serde_json::json!({ "trace": s.trace, "cache_cap": cache_cap, "rows": rows });
-        println!(
+        let doc = serde_json::json!({ "trace": s.trace, "cache_cap": cache_cap, "rows": rows });
+        emit(writeln!(
+            out,
             "{}",
-            serde_json::to_string_pretty(&out).expect("serializable")
-        );
+            serde_json::to_string_pretty(&doc).expect("serializable")
+        ))?;
     } else if args.csv {
-        println!("allocator,share_tokens,admitted,preempted,completed,prompt_tokens,cached_tokens,hit_rate,peak_bytes,mean_bytes,peak_cache_bytes,mean_vs_apc,peak_vs_apc");
+        emit(writeln!(out, "allocator,share_tokens,admitted,preempted,completed,prompt_tokens,cached_tokens,hit_rate,peak_bytes,mean_bytes,peak_cache_bytes,mean_vs_apc,peak_vs_apc"))?;
         for r in &rows {
-            println!(
+            emit(writeln!(
+                out,
                 "{},{},{},{},{},{},{},{:.6},{},{:.0},{},{:.6},{:.6}",
                 r.allocator,
                 r.share_tokens,
@@ -251,15 +263,19 @@ pub fn run(args: &ReplayArgs, p: &Plan) -> Result<(), ReplayError> {
                 r.peak_cache_bytes,
                 r.mean_vs_apc,
                 r.peak_vs_apc
-            );
+            ))?;
         }
     } else {
-        println!();
-        println!("hit: prompt tokens served from the prefix cache / prompt tokens admitted");
-        println!("mem: bytes of pages holding KV, of running requests or kept by the cache, a shared page once");
-        println!(
+        emit(writeln!(out))?;
+        emit(writeln!(
+            out,
+            "hit: prompt tokens served from the prefix cache / prompt tokens admitted"
+        ))?;
+        emit(writeln!(out, "mem: bytes of pages holding KV, of running requests or kept by the cache, a shared page once"))?;
+        emit(writeln!(
+            out,
             "mean/apc, peak/apc: against the blocks with automatic prefix caching (first row)"
-        );
+        ))?;
     }
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! What `vmem replay` prints: the header, the table (or JSON, or CSV), and progress.
 
 use indicatif::{ProgressBar, ProgressStyle};
-use std::io::IsTerminal;
+use std::io::{self, IsTerminal, Write};
 use std::time::{Duration, Instant};
 use vmem::units::format_bytes;
 use vmem_replay::ReplayStats;
@@ -39,9 +39,12 @@ pub struct Settings {
 pub struct Row {
     pub allocator: String,
     pub page_size: Option<u64>,
-    pub avg_waste: f64,
-    pub peak_waste: f64,
-    /// Average waste divided by the blocks baseline's.
+    /// Time-averaged waste; `None` when nothing was ever mapped (0/0).
+    pub avg_waste: Option<f64>,
+    /// Waste at the peak; `None` when nothing was ever mapped (0/0).
+    pub peak_waste: Option<f64>,
+    /// Average waste divided by the blocks baseline's; `None` when either is `None` or the
+    /// baseline's is 0.
     pub vs_blocks: Option<f64>,
     pub completed: usize,
     pub rejected_budget: usize,
@@ -56,14 +59,20 @@ pub struct Row {
 }
 
 impl Row {
-    pub fn new(allocator: String, page_size: Option<u64>, s: &ReplayStats, blocks: f64) -> Self {
-        let avg = s.avg_waste();
+    /// A row from a replay's statistics and the blocks baseline's average waste.
+    pub fn new(
+        allocator: String,
+        page_size: Option<u64>,
+        s: &ReplayStats,
+        blocks: Option<f64>,
+    ) -> Self {
+        let avg = avg_waste(s);
         Row {
             allocator,
             page_size,
             avg_waste: avg,
-            peak_waste: s.peak_waste(),
-            vs_blocks: (blocks > 0.0).then(|| avg / blocks),
+            peak_waste: (s.peak_active_mapped_bytes > 0).then(|| s.peak_waste()),
+            vs_blocks: avg.zip(blocks.filter(|&b| b > 0.0)).map(|(a, b)| a / b),
             completed: s.completed,
             rejected_budget: s.rejected_budget,
             preemptions: s.preemptions,
@@ -78,6 +87,34 @@ impl Row {
     }
 }
 
+/// A replay's time-averaged waste, `None` when nothing was ever mapped to a running request
+/// (the ratio is 0/0; `ReplayStats::avg_waste` reads it as 0).
+pub fn avg_waste(s: &ReplayStats) -> Option<f64> {
+    (s.sum_active_mapped_bytes > 0).then(|| s.avg_waste())
+}
+
+/// A number as a person reads it: plain in the usual range, else in exponent form
+/// (`1e-300`, not three hundred zeros).
+pub fn num(v: f64) -> String {
+    if v != 0.0 && v.is_finite() && !(1e-4..1e9).contains(&v.abs()) {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
+    }
+}
+
+/// A ratio as a percentage, or "n/a" when it is undefined.
+fn percent(v: Option<f64>) -> String {
+    v.map(|v| format!("{:.2}%", v * 100.0))
+        .unwrap_or_else(|| "n/a".into())
+}
+
+/// An optional number for CSV: empty when undefined (what `vs_blocks` and `page_size`
+/// already do; pandas and R read it as missing).
+fn csv_num(v: Option<f64>, digits: usize) -> String {
+    v.map(|v| format!("{v:.digits$}")).unwrap_or_default()
+}
+
 fn on(b: bool) -> &'static str {
     if b {
         "on"
@@ -86,12 +123,14 @@ fn on(b: bool) -> &'static str {
     }
 }
 
-pub fn print_header(s: &Settings) {
-    println!(
+pub fn print_header(out: &mut dyn Write, s: &Settings) -> io::Result<()> {
+    writeln!(
+        out,
         "trace      {} ({}, {} requests, {} replayed)",
         s.trace, s.format, s.trace_requests, s.replayed
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "oversize   {} requests longer than the max context ({} tokens): {}",
         s.oversize_count,
         s.max_context,
@@ -100,36 +139,41 @@ pub fn print_header(s: &Settings) {
             "truncate" => "truncated to the context",
             _ => "none allowed",
         }
-    );
-    println!("arrivals   {}", s.arrivals);
-    println!(
+    )?;
+    writeln!(out, "arrivals   {}", s.arrivals)?;
+    writeln!(
+        out,
         "model      {} TP-{}, {} bytes of K+V per token | vmem layout {}",
         s.model, s.tp, s.token_bytes, s.layout
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "memory     budget {} | B={} L={} | iteration {} ms{}",
         format_bytes(s.budget),
         s.max_batch,
         s.max_context,
-        s.iteration_ms,
+        num(s.iteration_ms),
         s.horizon_s
-            .map(|h| format!(" | horizon {h} s"))
+            .map(|h| format!(" | horizon {} s", num(h)))
             .unwrap_or_default()
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "vmem       deferred-reclaim {}, eager {}, overlap {}, pad-rows {}",
         on(s.deferred_reclaim),
         on(s.eager),
         on(s.overlap),
         on(s.pad_rows)
-    );
-    println!("backend    {} ({})", s.backend, s.backend_reason);
-    println!();
+    )?;
+    writeln!(out, "backend    {} ({})", s.backend, s.backend_reason)?;
+    writeln!(out)?;
+    Ok(())
 }
 
 /// The table's column names (printed once, before the first row).
-pub fn print_table_header() {
-    println!(
+pub fn print_table_header(out: &mut dyn Write) -> io::Result<()> {
+    writeln!(
+        out,
         "{:<24} {:>9} {:>10} {:>9} {:>9} {:>8} {:>9} {:>9} {:>10} {:>10} {:>10}",
         "allocator",
         "avg waste",
@@ -142,38 +186,43 @@ pub fn print_table_header() {
         "peak batch",
         "sync pages",
         "bg pages"
-    );
+    )?;
+    Ok(())
 }
 
 /// One row of the table, printed as soon as its replay finished.
-pub fn print_row(r: &Row) {
-    {
-        println!(
-            "{:<24} {:>8.2}% {:>9.2}% {:>9} {:>9} {:>8} {:>9} {:>9} {:>10} {:>10} {:>10}",
-            r.allocator,
-            r.avg_waste * 100.0,
-            r.peak_waste * 100.0,
-            r.vs_blocks
-                .map(|v| format!("{v:.2}x"))
-                .unwrap_or_else(|| "-".into()),
-            r.completed,
-            r.rejected_budget,
-            r.preemptions,
-            r.queued_at_end,
-            r.peak_batch,
-            r.sync_pages,
-            r.background_pages,
-        );
-    }
+pub fn print_row(out: &mut dyn Write, r: &Row) -> io::Result<()> {
+    writeln!(
+        out,
+        "{:<24} {:>9} {:>10} {:>9} {:>9} {:>8} {:>9} {:>9} {:>10} {:>10} {:>10}",
+        r.allocator,
+        percent(r.avg_waste),
+        percent(r.peak_waste),
+        r.vs_blocks
+            .map(|v| format!("{v:.2}x"))
+            .unwrap_or_else(|| "n/a".into()),
+        r.completed,
+        r.rejected_budget,
+        r.preemptions,
+        r.queued_at_end,
+        r.peak_batch,
+        r.sync_pages,
+        r.background_pages,
+    )?;
+    Ok(())
 }
 
 /// What the columns mean, after the table.
-pub fn print_legend() {
-    println!();
-    println!("avg waste   time-averaged share of the memory mapped to running requests that holds no KV data");
-    println!("peak waste  1 - peak KV bytes / peak bytes mapped to running requests");
-    println!("vs blocks   avg waste / the 16-token blocks' avg waste (ratios hold across traces; percentages move with request lengths)");
-    println!("rejected    requests that do not fit the whole budget even alone; queued: arrived but not admitted at the horizon");
+pub fn print_legend(out: &mut dyn Write) -> io::Result<()> {
+    writeln!(out)?;
+    writeln!(out, "avg waste   time-averaged share of the memory mapped to running requests that holds no KV data")?;
+    writeln!(
+        out,
+        "peak waste  1 - peak KV bytes / peak bytes mapped to running requests"
+    )?;
+    writeln!(out, "vs blocks   avg waste / the 16-token blocks' avg waste (ratios hold across traces; percentages move with request lengths)")?;
+    writeln!(out, "rejected    requests that do not fit the whole budget even alone; queued: arrived but not admitted at the horizon")?;
+    Ok(())
 }
 
 fn row_json(r: &Row) -> serde_json::Value {
@@ -196,7 +245,7 @@ fn row_json(r: &Row) -> serde_json::Value {
     })
 }
 
-pub fn print_json(s: &Settings, rows: &[Row]) {
+pub fn print_json(out: &mut dyn Write, s: &Settings, rows: &[Row]) -> io::Result<()> {
     let v = serde_json::json!({
         "settings": {
             "trace": s.trace,
@@ -224,22 +273,25 @@ pub fn print_json(s: &Settings, rows: &[Row]) {
         },
         "rows": rows.iter().map(row_json).collect::<Vec<_>>(),
     });
-    println!(
+    writeln!(
+        out,
         "{}",
         serde_json::to_string_pretty(&v).expect("plain JSON values")
-    );
+    )?;
+    Ok(())
 }
 
-pub fn print_csv(rows: &[Row]) {
-    println!("allocator,page_size,avg_waste,peak_waste,vs_blocks,completed,rejected_budget,preemptions,running_at_end,queued_at_end,peak_batch,peak_mapped_bytes,peak_kv_bytes,sync_pages,background_pages");
+pub fn print_csv(out: &mut dyn Write, rows: &[Row]) -> io::Result<()> {
+    writeln!(out, "allocator,page_size,avg_waste,peak_waste,vs_blocks,completed,rejected_budget,preemptions,running_at_end,queued_at_end,peak_batch,peak_mapped_bytes,peak_kv_bytes,sync_pages,background_pages")?;
     for r in rows {
-        println!(
-            "{},{},{:.6},{:.6},{},{},{},{},{},{},{},{},{},{},{}",
+        writeln!(
+            out,
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
             r.allocator,
             r.page_size.map(|p| p.to_string()).unwrap_or_default(),
-            r.avg_waste,
-            r.peak_waste,
-            r.vs_blocks.map(|v| format!("{v:.4}")).unwrap_or_default(),
+            csv_num(r.avg_waste, 6),
+            csv_num(r.peak_waste, 6),
+            csv_num(r.vs_blocks, 4),
             r.completed,
             r.rejected_budget,
             r.preemptions,
@@ -250,8 +302,9 @@ pub fn print_csv(rows: &[Row]) {
             r.peak_kv_bytes,
             r.sync_pages,
             r.background_pages
-        );
+        )?;
     }
+    Ok(())
 }
 
 /// Progress on stderr: a bar on a terminal, a line every few seconds otherwise, nothing with
@@ -305,7 +358,9 @@ impl Progress {
             } => {
                 if last.elapsed() >= LINE_EVERY {
                     *last = Instant::now();
-                    eprintln!(
+                    // Progress is best effort: a closed or full stderr must not stop the replay.
+                    let _ = writeln!(
+                        io::stderr(),
                         "{label}: {done}/{total} requests finished, {:.0} s",
                         start.elapsed().as_secs_f64()
                     );
@@ -325,7 +380,8 @@ impl Progress {
                 ..
             } => {
                 if start.elapsed() >= LINE_EVERY {
-                    eprintln!(
+                    let _ = writeln!(
+                        io::stderr(),
                         "{label}: done ({total} requests), {:.0} s",
                         start.elapsed().as_secs_f64()
                     );

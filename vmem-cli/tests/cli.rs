@@ -2,8 +2,6 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use vmem_replay::{ReplayConfig, TraceOptions};
-use vmem_tests::{run_config, Allocator, Deployment, ExperimentConfig};
 
 fn vmem(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_vmem"))
@@ -401,90 +399,6 @@ fn help_gives_units_and_defaults() {
     }
 }
 
-/// `vmem replay` and the fragmentation suite measure the same thing: on the same trace and
-/// settings they print the same numbers.
-#[test]
-fn replay_agrees_with_the_fragmentation_suite() {
-    let trace_path = bundled();
-    let out = vmem(&[
-        "replay",
-        "--json",
-        "--backend",
-        "sim",
-        "--trace",
-        trace_path.to_str().unwrap(),
-        "--requests",
-        "400",
-        "--budget",
-        "4GiB",
-        "--page-sizes",
-        "64K,2M",
-        "--oversize",
-        "skip",
-    ]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let rows = v["rows"].as_array().unwrap();
-    let trace = vmem_replay::load_trace(&trace_path, &TraceOptions::default())
-        .unwrap()
-        .requests;
-    let cfg = ExperimentConfig {
-        budget: 4 << 30,
-        max_batch: 256,
-        max_context: 16384,
-        replay: ReplayConfig {
-            max_requests: Some(400),
-            ..Default::default()
-        },
-        deferred_reclaim: false,
-        overlap: false,
-    };
-    let dep = Deployment {
-        model: vmem::models::LLAMA_3_8B,
-        tp: 1,
-    };
-    let sim = || -> vmem::Result<std::sync::Arc<dyn vmem::backend::Backend>> {
-        Ok(std::sync::Arc::new(vmem::backend::SimBackend::new()))
-    };
-    let allocs = [
-        Allocator::Blocks(16),
-        Allocator::Vmem {
-            page: 64 << 10,
-            layout: vmem::Layout::PerLayer,
-        },
-        Allocator::Vmem {
-            page: 2 << 20,
-            layout: vmem::Layout::PerLayer,
-        },
-        Allocator::MaxReservation,
-    ];
-    for (row, alloc) in rows.iter().zip(allocs) {
-        let o = run_config(&trace, dep, alloc, &cfg, &sim).unwrap().online;
-        let label = alloc.label();
-        assert_eq!(row["avg_waste"].as_f64().unwrap(), o.avg_waste(), "{label}");
-        assert_eq!(
-            row["peak_waste"].as_f64().unwrap(),
-            o.peak_waste(),
-            "{label}"
-        );
-        assert_eq!(
-            row["completed"].as_u64().unwrap() as usize,
-            o.completed,
-            "{label}"
-        );
-        assert_eq!(
-            row["preemptions"].as_u64().unwrap(),
-            o.preemptions,
-            "{label}"
-        );
-        assert_eq!(
-            row["peak_batch"].as_u64().unwrap() as usize,
-            o.peak_batch,
-            "{label}"
-        );
-    }
-}
-
 #[test]
 fn pad_rows_maps_every_request_to_the_longest_and_shows_its_cost() {
     let run = |pad: &str| {
@@ -537,4 +451,289 @@ fn pad_rows_maps_every_request_to_the_longest_and_shows_its_cost() {
         "{}",
         text(&bad.stderr)
     );
+}
+
+#[test]
+fn replay_options_before_the_subcommand_are_refused_not_ignored() {
+    for args in [
+        &[
+            "--budget",
+            "1G",
+            "replay",
+            "--backend",
+            "sim",
+            "--requests",
+            "5",
+        ][..],
+        &["--trace", "t.csv", "replay", "--backend", "sim"],
+        &["--quiet", "replay", "--backend", "sim", "--requests", "5"],
+        &["--backend", "sim", "detect"],
+    ] {
+        let out = vmem(args);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(out.stdout.is_empty(), "{args:?}: {}", text(&out.stdout));
+        assert!(err.contains("cannot be used with"), "{args:?}: {err}");
+        assert!(err.contains(args[0]), "{args:?}: {err}");
+    }
+    // Without a subcommand they are the replay's options, as before.
+    let out = vmem(&[
+        "--backend",
+        "sim",
+        "--requests",
+        "5",
+        "--budget",
+        "1G",
+        "--quiet",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("budget 1G |"),
+        "{}",
+        text(&out.stdout)
+    );
+}
+
+/// Runs vmem with `stdout` as its standard output, returning its exit status and stderr.
+fn vmem_to(args: &[&str], stdout: std::process::Stdio) -> (std::process::ExitStatus, String) {
+    let child = Command::new(env!("CARGO_BIN_EXE_vmem"))
+        .args(args)
+        .env_remove("VMEM_BACKEND")
+        .stdout(stdout)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run vmem");
+    let out = child.wait_with_output().expect("wait for vmem");
+    (out.status, text(&out.stderr))
+}
+
+#[test]
+fn a_closed_stdout_ends_quietly_as_cat_does() {
+    // A pipe whose reader is gone before vmem starts: its first write fails with EPIPE.
+    let closed = || {
+        let (reader, writer) = std::io::pipe().expect("pipe");
+        drop(reader);
+        std::process::Stdio::from(writer)
+    };
+    for fmt in [&[][..], &["--json"], &["--csv"]] {
+        let mut args = vec!["replay", "--quiet", "--backend", "sim", "--requests", "20"];
+        args.extend_from_slice(fmt);
+        let (status, err) = vmem_to(&args, closed());
+        // 141 = 128 + SIGPIPE: what a shell reports for `cat big | head -1`.
+        assert_eq!(status.code(), Some(141), "{fmt:?}: {err}");
+        assert!(err.is_empty(), "{fmt:?}: {err}");
+    }
+    let (status, err) = vmem_to(&["detect"], closed());
+    assert_eq!(status.code(), Some(141), "detect: {err}");
+    assert!(err.is_empty(), "detect: {err}");
+}
+
+#[test]
+fn a_full_stdout_is_an_error_not_a_panic() {
+    for fmt in [&[][..], &["--json"], &["--csv"]] {
+        let mut args = vec!["replay", "--quiet", "--backend", "sim", "--requests", "20"];
+        args.extend_from_slice(fmt);
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .expect("/dev/full");
+        let (status, err) = vmem_to(&args, full.into());
+        assert_eq!(status.code(), Some(1), "{fmt:?}: {err}");
+        assert!(err.contains("writing the output"), "{fmt:?}: {err}");
+        assert!(err.contains("No space left on device"), "{fmt:?}: {err}");
+        assert!(!err.contains("panicked"), "{fmt:?}: {err}");
+    }
+}
+
+#[test]
+fn waste_of_nothing_mapped_is_not_a_number() {
+    // 2 MB holds 16 tokens of llama-3-8b: every request is rejected, nothing is ever mapped,
+    // so both waste ratios are 0/0.
+    let base = [
+        "replay",
+        "--quiet",
+        "--backend",
+        "sim",
+        "--requests",
+        "20",
+        "--budget",
+        "2M",
+        "--page-sizes",
+        "2M",
+    ];
+    let out = vmem(&base);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let table = text(&out.stdout);
+    let rows: Vec<&str> = table
+        .lines()
+        .filter(|l| l.starts_with("blocks-") || l.starts_with("vmem-") || l.starts_with("max-"))
+        .collect();
+    assert_eq!(rows.len(), 3, "{table}");
+    for row in rows {
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(&cols[1..4], ["n/a", "n/a", "n/a"], "{row}");
+        assert!(!row.contains('%'), "{row}");
+    }
+
+    let json = vmem(&[&base[..], &["--json"]].concat());
+    assert!(json.status.success(), "{}", text(&json.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    for r in v["rows"].as_array().unwrap() {
+        assert_eq!(r["rejected_budget"], 20, "{r}");
+        for k in ["avg_waste", "peak_waste", "vs_blocks"] {
+            assert!(r[k].is_null(), "{k}: {r}");
+        }
+    }
+
+    let csv = vmem(&[&base[..], &["--csv"]].concat());
+    assert!(csv.status.success(), "{}", text(&csv.stderr));
+    let csv = text(&csv.stdout);
+    let mut lines = csv.lines();
+    let head: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let col = |name: &str| head.iter().position(|h| *h == name).unwrap();
+    for line in lines {
+        let f: Vec<&str> = line.split(',').collect();
+        for k in ["avg_waste", "peak_waste", "vs_blocks"] {
+            assert_eq!(f[col(k)], "", "{k} in {line}");
+        }
+    }
+}
+
+#[test]
+fn memory_that_cannot_be_had_is_refused_before_any_output() {
+    let cases: &[(&[&str], &[&str])] = &[
+        // 2^32 tokens x 128 KB a token x 256 requests: past the 57-bit simulated space.
+        (
+            &[
+                "--backend",
+                "sim",
+                "--max-context",
+                "4294967296",
+                "--page-sizes",
+                "64K",
+            ],
+            &[
+                "--max-batch 256 x --max-context 4294967296 x 131072 bytes",
+                "sim backend",
+            ],
+        ),
+        (
+            &["--backend", "sim", "--block-tokens", "18446744073709551615"],
+            &["--block-tokens 18446744073709551615 x 131072 bytes"],
+        ),
+        // A block bigger than the whole budget.
+        (
+            &["--backend", "sim", "--block-tokens", "1048576"],
+            &["--block-tokens", "exceeds the budget"],
+        ),
+        // Past the 47-bit user address space of the host.
+        (
+            &[
+                "--backend",
+                "host",
+                "--max-context",
+                "1000000000",
+                "--max-batch",
+                "60000",
+                "--page-sizes",
+                "2M",
+            ],
+            &[
+                "--max-batch 60000 x --max-context 1000000000 x 131072 bytes",
+                "host backend",
+            ],
+        ),
+        (
+            &["--backend", "sim", "--max-batch", "1000000"],
+            &["--max-batch", "65536"],
+        ),
+    ];
+    for (args, wants) in cases {
+        let all = [&["replay", "--requests", "5"][..], args].concat();
+        let out = vmem(&all);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            out.stdout.is_empty(),
+            "{args:?} printed {}",
+            text(&out.stdout)
+        );
+        for want in *wants {
+            assert!(err.contains(want), "{args:?}: no {want:?} in {err}");
+        }
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn help_and_version_on_a_full_stdout_fail() {
+    for args in [&["--help"][..], &["replay", "--help"], &["--version"]] {
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .expect("/dev/full");
+        let (status, err) = vmem_to(args, full.into());
+        assert_eq!(status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("No space left on device"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn detect_checks_vmem_backend_before_printing() {
+    let out = Command::new(env!("CARGO_BIN_EXE_vmem"))
+        .arg("detect")
+        .env("VMEM_BACKEND", "garbage")
+        .output()
+        .expect("run vmem");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stderr).contains("VMEM_BACKEND"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn an_endless_or_binary_trace_is_refused_without_reading_it_all() {
+    for dev in ["/dev/zero", "/dev/urandom"] {
+        let start = std::time::Instant::now();
+        let out = vmem(&["replay", "--backend", "sim", "--trace", dev]);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{dev}: {err}");
+        assert!(out.stdout.is_empty());
+        assert!(
+            err.contains("not a text trace") || err.contains("not UTF-8"),
+            "{dev}: {err}"
+        );
+        assert!(
+            start.elapsed().as_secs() < 10,
+            "{dev}: {:?}",
+            start.elapsed()
+        );
+    }
+}
+
+#[test]
+fn extreme_numbers_in_the_header_are_readable() {
+    let out = vmem(&[
+        "replay",
+        "--quiet",
+        "--backend",
+        "sim",
+        "--requests",
+        "5",
+        "--rate",
+        "1e-300",
+        "--iteration-ms",
+        "1e300",
+        "--horizon",
+        "1e-300",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let s = text(&out.stdout);
+    for want in ["1e-300 req/s", "iteration 1e300 ms", "horizon 1e-300 s"] {
+        assert!(s.contains(want), "no {want:?} in\n{s}");
+    }
+    assert!(s.lines().all(|l| l.len() < 200), "{s}");
 }

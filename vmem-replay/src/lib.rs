@@ -2,6 +2,7 @@
 
 mod baseline;
 mod error;
+pub mod experiment;
 mod prefix;
 mod sched;
 mod trace;

@@ -69,9 +69,23 @@ pub enum VmemError {
     #[error("request id {0} is not active (allocate it with alloc_reqid first)")]
     InactiveRequest(usize),
 
-    /// `free_reqid` on an id that is already free.
+    /// `free_reqid` on an id that was handed out and is already free.
     #[error("request id {0} freed twice")]
     DoubleFree(usize),
+
+    /// `free_reqid` on an id that was never handed out.
+    #[error("request id {0} was never allocated (free_reqid takes an id alloc_reqid returned)")]
+    NotAllocated(usize),
+
+    /// A request asked for before it has an id (`alloc_reqid_for`) is longer than the
+    /// maximum context: no id can hold it.
+    #[error("a request of {tokens} tokens exceeds max context {max}: no request id can hold it")]
+    ContextTooLong {
+        /// Tokens asked for.
+        tokens: u64,
+        /// Configured maximum context length.
+        max: u64,
+    },
 
     /// All `max_batch` request ids are in use.
     #[error("all {0} request ids are in use")]
@@ -134,7 +148,7 @@ pub enum VmemError {
         what: &'static str,
     },
 
-    /// A fault injected by [`crate::backend::FaultyBackend`] (tests only).
+    /// A fault injected by `vmem::testing::FaultyBackend` (tests only).
     #[error("injected fault in {0}")]
     InjectedFault(&'static str),
 }

@@ -6,7 +6,9 @@ mod error;
 pub mod kvcache;
 pub mod models;
 pub mod pool;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod units;
 
 pub use error::{Result, VmemError};
-pub use kvcache::{KvCacheManager, KvConfig, Layout, StepReport};
+pub use kvcache::{KvCacheManager, KvConfig, KvConfigBuilder, Layout, StepReport};

@@ -1,7 +1,7 @@
 //! KV shapes of the models the paper evaluates, and Llama-3.1-70B.
 
 use crate::error::{Result, VmemError};
-use crate::kvcache::KvConfig;
+use crate::kvcache::{KvConfig, KvConfigBuilder};
 
 /// The shape of a model: what its KV cache needs (layers, KV heads, head dimension, element
 /// size) and the few other dimensions a decode step's GEMMs need.
@@ -105,7 +105,8 @@ impl ModelSpec {
         Ok((2 * self.layers * self.heads_per_worker(tp)? * self.head_dim * self.elem_bytes) as u64)
     }
 
-    /// A KV-cache configuration for one worker of this model at TP-`tp`.
+    /// A KV-cache configuration for one worker of this model at TP-`tp`, with the default
+    /// policies ([`KvConfig::builder`]).
     pub fn kv_config(
         &self,
         tp: usize,
@@ -113,6 +114,20 @@ impl ModelSpec {
         max_context: usize,
         page_size: u64,
     ) -> Result<KvConfig> {
+        Ok(self
+            .kv_config_builder(tp, max_batch, max_context, page_size)?
+            .build())
+    }
+
+    /// A builder with the shape of one worker of this model at TP-`tp`, for configurations
+    /// that change a policy: `spec.kv_config_builder(1, 8, 4096, MIB2)?.memory_cap(..).build()`.
+    pub fn kv_config_builder(
+        &self,
+        tp: usize,
+        max_batch: usize,
+        max_context: usize,
+        page_size: u64,
+    ) -> Result<KvConfigBuilder> {
         Ok(KvConfig::builder()
             .layers(self.layers)
             .kv_heads(self.heads_per_worker(tp)?)
@@ -120,7 +135,6 @@ impl ModelSpec {
             .elem_bytes(self.elem_bytes)
             .max_batch(max_batch)
             .max_context(max_context)
-            .page_size(page_size)
-            .build())
+            .page_size(page_size))
     }
 }

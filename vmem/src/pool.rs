@@ -4,6 +4,12 @@ use crate::backend::{Backend, PageHandle};
 use crate::error::{Result, VmemError};
 use std::sync::Arc;
 
+/// Most pages [`PagePool::new`] (pre-allocation) or [`PagePool::set_cap_pages`] create in one
+/// call: 16 Mi pages, 1 TiB of 64 KB pages or 32 TiB of 2 MB ones, more than any GPU holds.
+/// A backend with no memory to run out of (the simulation, a lazy host backend) would
+/// otherwise create pages for as long as asked, with gigabytes of bookkeeping on the way.
+pub const MAX_EAGER_PAGES: u64 = 1 << 24;
+
 /// Physical pages of one size, created through a backend up to a cap in bytes.
 ///
 /// Pages lent out with [`PagePool::take`] belong to the borrower until they come back with
@@ -21,6 +27,11 @@ pub struct PagePool {
 impl PagePool {
     /// A pool of `page_size` pages holding at most `cap_bytes`, with `prealloc_bytes` created
     /// up front (rounded down to whole pages).
+    ///
+    /// Where the backend reports its free memory (the eager host backend, CUDA), the cap is
+    /// lowered to what is free now, with a warning, so that a default cap fits the machine;
+    /// a pre-allocation larger than that fails with [`VmemError::OutOfMemory`] before any
+    /// page is created.
     pub fn new(
         backend: Arc<dyn Backend>,
         page_size: u64,
@@ -28,7 +39,7 @@ impl PagePool {
         prealloc_bytes: u64,
     ) -> Result<Self> {
         backend.check_page_size(page_size)?;
-        let cap_pages = cap_bytes / page_size;
+        let mut cap_pages = cap_bytes / page_size;
         if cap_pages == 0 {
             return Err(VmemError::InvalidConfig(format!(
                 "memory cap {cap_bytes} bytes holds no {page_size}-byte page"
@@ -38,6 +49,27 @@ impl PagePool {
             return Err(VmemError::InvalidConfig(format!(
                 "pre-allocation {prealloc_bytes} bytes exceeds the cap {cap_bytes}"
             )));
+        }
+        check_eager(prealloc_bytes / page_size, page_size)?;
+        if let Some(free) = backend.free_memory() {
+            let fit = free / page_size;
+            let pre = prealloc_bytes / page_size;
+            if pre > fit || fit == 0 {
+                return Err(VmemError::OutOfMemory {
+                    needed_pages: pre.max(1),
+                    available_pages: fit,
+                    cap_bytes,
+                });
+            }
+            if cap_pages > fit {
+                tracing::warn!(
+                    cap_bytes,
+                    free_bytes = free,
+                    backend = backend.name(),
+                    "memory cap lowered to the memory the backend has free"
+                );
+                cap_pages = fit;
+            }
         }
         let mut pool = PagePool {
             backend,
@@ -82,24 +114,30 @@ impl PagePool {
         self.check_available(n)?;
         let from_free = (n as usize).min(self.free.len());
         let mut pages = self.free.split_off(self.free.len() - from_free);
-        while (pages.len() as u64) < n {
-            match self.backend.create_page(self.page_size) {
-                Ok(p) => {
-                    self.created += 1;
-                    pages.push(p);
-                }
-                Err(e) => {
-                    self.free.extend(pages);
-                    return Err(e);
-                }
-            }
+        if let Err(e) = self.create_into(n - from_free as u64, &mut pages) {
+            self.free.extend(pages);
+            return Err(e);
         }
         Ok(pages)
+    }
+
+    /// Creates `n` pages into `pages`, counting each as created. On error the pages created
+    /// so far are in `pages`.
+    fn create_into(&mut self, n: u64, pages: &mut Vec<PageHandle>) -> Result<()> {
+        for _ in 0..n {
+            pages.push(self.backend.create_page(self.page_size)?);
+            self.created += 1;
+        }
+        Ok(())
     }
 
     /// Sets the cap to `pages` and creates pages until `pages` are created; a lower cap
     /// releases free pages down to it (lent pages stay). Returns the pages created. On error
     /// the cap is as before and the pages created so far stay in the pool.
+    ///
+    /// Where the backend reports its free memory, more pages than it holds are refused with
+    /// [`VmemError::OutOfMemory`] before any is created (an eager host backend would
+    /// otherwise commit until the kernel's OOM killer ends the process).
     pub fn set_cap_pages(&mut self, pages: u64) -> Result<u64> {
         if pages == 0 {
             return Err(VmemError::InvalidConfig("a pool cap of 0 pages".into()));
@@ -110,15 +148,27 @@ impl PagePool {
             self.cap_pages = pages.max(self.created);
             return Ok(0);
         }
+        let want = pages - self.created;
+        check_eager(want, self.page_size)?;
+        if let Some(free) = self.backend.free_memory() {
+            let fit = free / self.page_size;
+            if want > fit {
+                return Err(VmemError::OutOfMemory {
+                    needed_pages: want,
+                    available_pages: fit,
+                    cap_bytes: self.cap_pages * self.page_size,
+                });
+            }
+        }
         let old = self.cap_pages;
         self.cap_pages = pages;
-        let want = pages - self.created;
-        let created_before = self.created;
-        match self.take(want) {
-            Ok(p) => {
-                self.put(p);
-                Ok(self.created - created_before)
-            }
+        // Create the difference: pages already on the free list count as created.
+        let mut new = Vec::new();
+        let r = self.create_into(want, &mut new);
+        let created = new.len() as u64;
+        self.put(new);
+        match r {
+            Ok(()) => Ok(created),
             Err(e) => {
                 self.cap_pages = old.max(self.created);
                 Err(e)
@@ -181,10 +231,183 @@ impl PagePool {
     }
 }
 
+/// Refuses to create more than [`MAX_EAGER_PAGES`] pages in one call.
+fn check_eager(pages: u64, page_size: u64) -> Result<()> {
+    if pages > MAX_EAGER_PAGES {
+        return Err(VmemError::InvalidConfig(format!(
+            "creating {pages} pages of {page_size} bytes at once: more than {MAX_EAGER_PAGES} \
+             pages at once is refused"
+        )));
+    }
+    Ok(())
+}
+
 impl Drop for PagePool {
     fn drop(&mut self) {
         if let Err(e) = self.trim(0) {
             tracing::error!(error = %e, "releasing pooled pages failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{SimBackend, KIB64, MIB2};
+
+    const MIB: u64 = 1 << 20;
+
+    fn pool() -> PagePool {
+        PagePool::new(Arc::new(SimBackend::new()), KIB64, MIB, 0).unwrap()
+    }
+
+    #[test]
+    fn raising_the_cap_creates_the_difference() {
+        let mut p = pool();
+        let mut got = Vec::new();
+        for bytes in [4 * MIB, 8 * MIB, 16 * MIB] {
+            let created = p.set_cap_pages(bytes / KIB64).unwrap();
+            got.push((created, p.created_pages() * KIB64, p.free_pages() * KIB64));
+        }
+        assert_eq!(
+            got,
+            [
+                (64, 4 * MIB, 4 * MIB),
+                (64, 8 * MIB, 8 * MIB),
+                (128, 16 * MIB, 16 * MIB)
+            ]
+        );
+    }
+
+    #[test]
+    fn raising_the_cap_with_pages_lent_counts_them_as_created() {
+        let mut p = pool();
+        p.set_cap_pages(64).unwrap();
+        let lent = p.take(10).unwrap();
+        assert_eq!(p.set_cap_pages(128).unwrap(), 64);
+        assert_eq!((p.created_pages(), p.free_pages()), (128, 118));
+        p.put(lent);
+        assert_eq!(p.set_cap_pages(32).unwrap(), 0);
+        assert_eq!(
+            (p.created_pages(), p.free_pages(), p.cap_pages()),
+            (32, 32, 32)
+        );
+    }
+
+    #[test]
+    fn a_reservation_past_the_free_memory_is_refused_before_anything_is_created() {
+        let b = Arc::new(SimBackend::new());
+        let mut p = PagePool::new(b.clone(), KIB64, MIB, 0).unwrap();
+        p.set_cap_pages(16).unwrap();
+        b.set_free_memory(Some(8 * MIB));
+        // 17 MiB would need 256 more pages; 8 MiB free holds 128.
+        match p.set_cap_pages(17 * MIB / KIB64) {
+            Err(VmemError::OutOfMemory {
+                needed_pages,
+                available_pages,
+                ..
+            }) => assert_eq!((needed_pages, available_pages), (256, 128)),
+            other => panic!("17 MiB with 8 MiB free: {other:?}"),
+        }
+        assert_eq!((p.created_pages(), p.cap_pages()), (16, 16));
+        assert_eq!(b.live_pages(), 16);
+        // What the free memory holds is still granted.
+        assert_eq!(p.set_cap_pages(9 * MIB / KIB64).unwrap(), 128);
+    }
+
+    #[test]
+    fn the_cap_fits_the_free_memory_when_the_pool_is_made() {
+        let b = Arc::new(SimBackend::new());
+        b.set_free_memory(Some(4 * MIB));
+        let p = PagePool::new(b.clone(), KIB64, 1 << 40, 0).unwrap();
+        assert_eq!(p.cap_pages(), 64);
+        match PagePool::new(b.clone(), KIB64, 1 << 40, 8 * MIB) {
+            Err(VmemError::OutOfMemory { needed_pages, .. }) => assert_eq!(needed_pages, 128),
+            other => panic!("8 MiB pre-allocated with 4 MiB free: {other:?}"),
+        }
+        assert_eq!(b.live_pages(), 0);
+        // A backend that cannot tell keeps the cap it was given.
+        b.set_free_memory(None);
+        let p = PagePool::new(b, KIB64, 1 << 40, 0).unwrap();
+        assert_eq!(p.cap_pages(), (1 << 40) / KIB64);
+    }
+
+    #[test]
+    fn a_physical_reservation_past_the_virtual_size_is_refused() {
+        use crate::{KvCacheManager, KvConfig};
+        // 2 layers x 2 (K, V) x 2 requests x one 64 KB page (64 tokens x 256 B): 512 KiB.
+        let cfg = KvConfig::builder()
+            .layers(2)
+            .max_batch(2)
+            .max_context(64)
+            .kv_heads(2)
+            .head_dim(64)
+            .elem_bytes(2)
+            .page_size(KIB64)
+            .overlap(false)
+            .eager_tokens(0)
+            .build();
+        let kv = KvCacheManager::init(Arc::new(SimBackend::new()), cfg).unwrap();
+        assert_eq!(kv.reserve_physical(512 << 10).unwrap(), 8);
+        for bytes in [(512 << 10) + KIB64, 1 << 30, u64::MAX] {
+            match kv.reserve_physical(bytes) {
+                Err(VmemError::InvalidConfig(msg)) => {
+                    assert!(msg.contains("virtual size"), "{bytes}: {msg}")
+                }
+                other => panic!("{bytes} bytes for a 512 KiB cache: {other:?}"),
+            }
+        }
+        assert_eq!(kv.usage().physical_bytes, 512 << 10);
+    }
+
+    /// The issue's case on real memory: a host pool never commits past the machine. Nothing
+    /// is committed here: the refusal comes before the first page.
+    #[test]
+    fn a_host_pool_refuses_more_than_the_machine_before_committing() {
+        use crate::backend::HostBackend;
+        let b = Arc::new(HostBackend::new().unwrap());
+        let free = b
+            .free_memory()
+            .expect("eager host memory knows what is free");
+        let mut p = PagePool::new(b.clone(), MIB2, 1 << 50, 0).unwrap();
+        // The default-sized cap fits the machine (read again: other processes move it).
+        assert!(p.cap_pages() * MIB2 <= free.max(b.free_memory().unwrap()));
+        let past = (free + (1 << 30)) / MIB2;
+        match p.set_cap_pages(past) {
+            Err(VmemError::OutOfMemory { needed_pages, .. }) => assert_eq!(needed_pages, past),
+            other => panic!("{past} pages of 2 MiB with {free} bytes free: {other:?}"),
+        }
+        assert_eq!(p.created_pages(), 0);
+        assert_eq!(b.resident_bytes().unwrap(), 0);
+        match PagePool::new(b.clone(), MIB2, 1 << 50, past * MIB2) {
+            Err(VmemError::OutOfMemory { .. }) => {}
+            other => panic!("pre-allocating past the machine: {other:?}"),
+        }
+        assert_eq!(b.resident_bytes().unwrap(), 0);
+        // A small reservation still works and is really committed.
+        assert_eq!(p.set_cap_pages(4).unwrap(), 4);
+        assert_eq!(b.resident_bytes().unwrap(), 4 * MIB2);
+    }
+
+    /// A backend with no memory to run out of (the simulation) must not create pages for
+    /// ever: 2^48 pages of bookkeeping is a hang, then the process killed for memory.
+    #[test]
+    fn an_endless_eager_creation_is_refused() {
+        let b = Arc::new(SimBackend::new());
+        match PagePool::new(b.clone(), KIB64, u64::MAX, u64::MAX) {
+            Err(VmemError::InvalidConfig(msg)) => assert!(msg.contains("pages at once"), "{msg}"),
+            other => panic!("pre-allocating 16 EiB: {other:?}"),
+        }
+        let mut p = PagePool::new(b.clone(), KIB64, u64::MAX, 0).unwrap();
+        for pages in [u64::MAX, MAX_EAGER_PAGES + 1] {
+            match p.set_cap_pages(pages) {
+                Err(VmemError::InvalidConfig(msg)) => {
+                    assert!(msg.contains("pages at once"), "{msg}")
+                }
+                other => panic!("a cap of {pages} pages: {other:?}"),
+            }
+        }
+        assert_eq!((p.created_pages(), b.live_pages()), (0, 0));
+        assert_eq!(p.cap_pages(), u64::MAX / KIB64);
     }
 }

@@ -202,8 +202,7 @@ impl Bench<'_> {
 
 /// Median and p99 of `v` (sorted in place).
 fn stats(v: &mut [f64]) -> (f64, f64) {
-    v.sort_by(f64::total_cmp);
-    (v[v.len() / 2], v[(v.len() * 99 / 100).min(v.len() - 1)])
+    (vmem_bench::stats::median(v), vmem_bench::stats::p99(v))
 }
 
 /// Median over slots of `a[slot] / b[slot]`.

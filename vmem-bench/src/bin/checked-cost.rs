@@ -19,6 +19,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 use vmem::backend::{Backend, PageHandle, SimBackend, MIB2};
+use vmem_bench::stats::median;
 
 const ROUNDS: usize = 41;
 const RUNS: [usize; 3] = [1, 16, 512];
@@ -28,11 +29,6 @@ fn sweep(buf: &mut [u64]) {
     for line in buf.chunks_mut(8) {
         line[0] = black_box(line[0].wrapping_add(1));
     }
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn main() {

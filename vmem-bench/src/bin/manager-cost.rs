@@ -38,7 +38,8 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::Instant;
-use vmem::backend::{Backend, CountingBackend, CudaBackend, PageHandle, MIB2};
+use vmem::backend::{Backend, CudaBackend, PageHandle, MIB2};
+use vmem::testing::{BackendCounts, CountingBackend};
 use vmem::{KvCacheManager, KvConfig, Result, VmemError};
 use vmem_bench::Shuffle;
 
@@ -74,10 +75,10 @@ fn counting() -> Result<Arc<CountingBackend>> {
 }
 
 /// Time inside the backend between two snapshots: maps, and unmaps with their fences.
-fn inside_map(a: &vmem::backend::CallCounts, b: &vmem::backend::CallCounts) -> f64 {
+fn inside_map(a: &BackendCounts, b: &BackendCounts) -> f64 {
     (b.map_ns - a.map_ns) as f64 / 1e3
 }
-fn inside_unmap(a: &vmem::backend::CallCounts, b: &vmem::backend::CallCounts) -> f64 {
+fn inside_unmap(a: &BackendCounts, b: &BackendCounts) -> f64 {
     (b.unmap_ns + b.fence_ns - a.unmap_ns - a.fence_ns) as f64 / 1e3
 }
 
@@ -288,9 +289,7 @@ impl Contender {
 }
 
 fn median(v: impl Iterator<Item = f64>) -> f64 {
-    let mut v: Vec<f64> = v.collect();
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    vmem_bench::stats::median(&mut v.collect::<Vec<f64>>())
 }
 
 /// Runs `slots` shuffled slots (after 4 to warm up) over `contenders` and prints the table.

@@ -29,13 +29,15 @@ fn run() -> Result<()> {
     );
     let mut ok = true;
     for threshold in [0, start] {
-        let mut cfg = LLAMA_3_8B.kv_config(1, 8, 32768, MIB2)?;
-        cfg.memory_cap = 16 << 30;
-        cfg.overlap = false;
-        cfg.deferred_reclaim = false;
-        cfg.eager_tokens = 0;
-        cfg.reclaim_threshold = 0;
-        cfg.min_free_memory = threshold;
+        let cfg = LLAMA_3_8B
+            .kv_config_builder(1, 8, 32768, MIB2)?
+            .memory_cap(16 << 30)
+            .overlap(false)
+            .deferred_reclaim(false)
+            .eager_tokens(0)
+            .reclaim_threshold(0)
+            .min_free_memory(threshold)
+            .build();
         let kv = KvCacheManager::init(cuda.clone() as Arc<dyn Backend>, cfg)?;
         let ids: Vec<usize> = (0..8).map(|_| kv.alloc_reqid()).collect::<Result<_>>()?;
         let mut lens = vec![8192u64; 8];

@@ -24,8 +24,10 @@ const PREFILL: u64 = 128 * 1024;
 const COMPUTE: Duration = Duration::from_millis(2);
 
 fn manager(backend: Arc<dyn Backend>) -> Result<(KvCacheManager, Vec<u64>, usize)> {
-    let mut cfg = LLAMA_3_8B.kv_config(1, DECODERS + 1, PREFILL as usize, MIB2)?;
-    cfg.memory_cap = 40 << 30;
+    let cfg = LLAMA_3_8B
+        .kv_config_builder(1, DECODERS + 1, PREFILL as usize, MIB2)?
+        .memory_cap(40 << 30)
+        .build();
     let kv = KvCacheManager::init(backend, cfg)?;
     let mut lens = vec![0u64; DECODERS + 1];
     for (i, l) in lens.iter_mut().take(DECODERS).enumerate() {
@@ -39,15 +41,19 @@ fn manager(backend: Arc<dyn Backend>) -> Result<(KvCacheManager, Vec<u64>, usize
 }
 
 fn summary(name: &str, mut v: Vec<f64>, mapping: Duration) {
-    v.sort_by(f64::total_cmp);
-    let q = |p: f64| v[((v.len() as f64 * p) as usize).min(v.len() - 1)];
+    use vmem_bench::stats::quantile;
+    let (median, p99, max) = (
+        quantile(&mut v, 0.5),
+        quantile(&mut v, 0.99),
+        quantile(&mut v, 1.0),
+    );
     println!(
         "{name:<7} prefill mapped in {:>8.1} ms | {:>4} decode steps meanwhile | step median {:>7.3} ms  p99 {:>8.3} ms  max {:>8.3} ms",
         mapping.as_secs_f64() * 1e3,
         v.len(),
-        q(0.5),
-        q(0.99),
-        v[v.len() - 1]
+        median,
+        p99,
+        max
     );
 }
 

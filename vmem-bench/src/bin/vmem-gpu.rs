@@ -4,32 +4,23 @@
 
 use std::sync::Arc;
 use std::time::Instant;
-use vmem::backend::{
-    open_backend, Backend, BackendChoice, CountingBackend, CudaBackend, KIB64, MIB2,
-};
-use vmem::{KvCacheManager, KvConfig, Layout, Result, VmemError};
+use vmem::backend::{open_backend, Backend, BackendChoice, CudaBackend, KIB64, MIB2};
+use vmem::{KvCacheManager, KvConfigBuilder, Layout, Result, VmemError};
 use vmem_bench::{time_raw_calls, DecodeModel, GpuKernels};
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn p99(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() * 99 / 100]
-}
+use vmem_bench::stats::{median, p99};
 
 /// A manager shaped like Llama-3-8B (32 layers, 8 KV heads of 128, fp16; 2 MB pages, B = 32,
 /// 40 GB cap), adjusted by `tweak`, with 32 requests prefilled at staggered lengths so that
 /// decode steps cross page boundaries at different times. Returns it with the lengths.
 fn staggered_decode(
     backend: Arc<dyn Backend>,
-    tweak: impl FnOnce(&mut KvConfig),
+    tweak: impl FnOnce(KvConfigBuilder) -> KvConfigBuilder,
 ) -> Result<(KvCacheManager, Vec<u64>)> {
-    let mut cfg = vmem_bench::decode::MODEL.kv_config(1, 32, 8192, MIB2)?;
-    cfg.memory_cap = 40 << 30;
-    tweak(&mut cfg);
+    let base = vmem_bench::decode::MODEL
+        .kv_config_builder(1, 32, 8192, MIB2)?
+        .memory_cap(40 << 30);
+    let cfg = tweak(base).build();
     let kv = KvCacheManager::init(backend, cfg)?;
     let mut lens = vec![0u64; 32];
     for (i, l) in lens.iter_mut().enumerate() {
@@ -85,17 +76,7 @@ fn run() -> Result<()> {
     let (free_before, _) = cuda.mem_info()?;
     {
         for layout in [Layout::PerLayer, Layout::TokenMajor] {
-            let mut cfg = KvConfig::builder()
-                .layers(4)
-                .max_batch(8)
-                .max_context(8192)
-                .kv_heads(8)
-                .head_dim(128)
-                .elem_bytes(2)
-                .page_size(MIB2)
-                .build();
-            cfg.layout = layout;
-            cfg.memory_cap = 8 << 30;
+            let cfg = vmem_bench::page_check_config(layout);
             let kv = KvCacheManager::init(cuda.clone(), cfg)?;
             let ids: Vec<usize> = (0..3).map(|_| kv.alloc_reqid()).collect::<Result<_>>()?;
             let mut lens = vec![0u64; 8];
@@ -219,10 +200,8 @@ fn run() -> Result<()> {
         (Layout::PerLayer, true),
         (Layout::TokenMajor, true),
     ] {
-        let (kv, mut lens) = staggered_decode(cuda.clone(), |cfg| {
-            cfg.overlap = overlap;
-            cfg.layout = layout;
-        })?;
+        let (kv, mut lens) =
+            staggered_decode(cuda.clone(), |cfg| cfg.overlap(overlap).layout(layout))?;
         let views = kv.layer_views().to_vec();
         for _ in 0..5 {
             // Warm-up: cuBLAS heuristics, module load.
@@ -278,11 +257,11 @@ fn run() -> Result<()> {
 
     // 5. Layouts: pages mapped and driver calls per 1000 decode steps.
     for layout in [Layout::PerLayer, Layout::TokenMajor] {
-        let counting = Arc::new(CountingBackend::new(cuda.clone() as Arc<dyn Backend>));
+        let counting = Arc::new(vmem::testing::CountingBackend::new(
+            cuda.clone() as Arc<dyn Backend>
+        ));
         let (kv, mut lens) = staggered_decode(counting.clone(), |cfg| {
-            cfg.layout = layout;
-            cfg.overlap = false;
-            cfg.eager_tokens = 0;
+            cfg.layout(layout).overlap(false).eager_tokens(0)
         })?;
         counting.reset();
         for _ in 0..1000 {

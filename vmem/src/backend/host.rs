@@ -8,6 +8,28 @@
 //!
 //! Memory written through a mapping is in the memfd, so remapping a page elsewhere shows the
 //! same bytes, exactly as re-mapping a GPU physical handle does.
+//!
+//! # Running out of memory
+//!
+//! `cuMemCreate` fails cleanly when the GPU is full; a memfd on Linux does not: `fallocate`
+//! past what the machine has lets the kernel's OOM killer end the process. An eager host
+//! backend therefore never commits past what the machine can give:
+//!
+//! * [`RawBackend::free_memory`] reports the memory the machine can still commit:
+//!   `MemAvailable` from `/proc/meminfo`, lowered to the headroom under the process's memory
+//!   cgroup limit (v2 `memory.max`, v1 `memory.limit_in_bytes`) when there is one, less
+//!   [`HOST_MEMORY_RESERVE`] left to the rest of the system. The page pool caps itself to it
+//!   when it is made and refuses a reservation past it with `OutOfMemory` before creating a
+//!   page (see [`crate::pool::PagePool`]).
+//! * Each page created is counted against that reading, read again at least every
+//!   [`HOST_RECHECK_BYTES`] committed: a page that does not fit fails with `ENOMEM`, as
+//!   `cuMemCreate` would, instead of the process being killed.
+//!
+//! Swap is not counted (memfd pages can be swapped, but a KV cache in swap is no cache), nor
+//! `RLIMIT_AS` / `RLIMIT_DATA` / the overcommit policy: those limit the address space, and
+//! `mmap` fails cleanly against them (`ENOMEM`), while the memory a memfd commits is counted
+//! by neither. A [`HostCommit::Lazy`] backend commits only what is written and reports no free
+//! memory: replays that write nothing map more than the machine has on purpose.
 
 use super::{BackendKind, Checked, PageHandle, PartialMap, RawBackend, PAGE_SIZES};
 use crate::error::{Result, VmemError};
@@ -25,6 +47,14 @@ pub enum HostCommit {
     /// nothing, which lets paper-scale replays (40 GB of KV) run on a small machine.
     Lazy,
 }
+
+/// Memory an eager host backend leaves to the rest of the machine: it refuses to commit a page
+/// that would bring the machine's available memory below this.
+pub const HOST_MEMORY_RESERVE: u64 = 256 << 20;
+
+/// An eager host backend reads the machine's available memory again after committing this
+/// much since the last reading (or sooner, when the last reading is nearly spent).
+pub const HOST_RECHECK_BYTES: u64 = 64 << 20;
 
 /// The host-memory backend: [`Checked`] over [`HostMemory`].
 pub type HostBackend = Checked<HostMemory>;
@@ -48,6 +78,9 @@ struct Slots {
     high_water: u64,
     /// Current memfd length.
     file_len: u64,
+    /// Eager commit: bytes that may still be committed before the machine's available
+    /// memory is read again (at most [`HOST_RECHECK_BYTES`] of the last reading).
+    commit_credit: u64,
 }
 
 impl Checked<HostMemory> {
@@ -140,6 +173,14 @@ impl RawBackend for HostMemory {
         self.granularity
     }
 
+    /// Eager: what the machine can still commit (see the module docs). Lazy: `None`.
+    fn free_memory(&self) -> Option<u64> {
+        match self.commit {
+            HostCommit::Eager => committable(),
+            HostCommit::Lazy => None,
+        }
+    }
+
     fn reserve(&self, size: u64) -> Result<u64> {
         sys::reserve_aligned(size, self.granularity)
     }
@@ -164,12 +205,27 @@ impl RawBackend for HostMemory {
             st.file_len = new_len;
         }
         if self.commit == HostCommit::Eager {
-            if let Err(e) = sys::fallocate(&self.memfd, 0, offset, page_size) {
+            let fits = st.commit_credit >= page_size || {
+                st.commit_credit =
+                    committable().map_or(HOST_RECHECK_BYTES, |b| b.min(HOST_RECHECK_BYTES));
+                st.commit_credit >= page_size
+            };
+            let r = if fits {
+                sys::fallocate(&self.memfd, 0, offset, page_size)
+            } else {
+                Err(VmemError::os(
+                    "create page (the machine's available memory, less what vmem leaves to \
+                     the system, holds no more pages)",
+                    std::io::Error::from_raw_os_error(libc::ENOMEM),
+                ))
+            };
+            if let Err(e) = r {
                 if reused.is_some() {
                     st.free.entry(page_size).or_default().push(offset);
                 }
                 return Err(e);
             }
+            st.commit_credit -= page_size;
         }
         st.high_water = st.high_water.max(end);
         Ok(PageHandle(offset))
@@ -258,6 +314,83 @@ impl RawBackend for HostMemory {
             }
         }
         Ok(())
+    }
+}
+
+/// Bytes this process may still commit: the machine's available memory (under the memory
+/// cgroup's limit, if any) less [`HOST_MEMORY_RESERVE`]; `None` when `/proc/meminfo` cannot
+/// be read.
+fn committable() -> Option<u64> {
+    #[cfg(test)]
+    if let Some(bytes) = tests::COMMITTABLE.with(|c| c.get()) {
+        return Some(bytes);
+    }
+    let available = limits::mem_available()?;
+    let available = limits::cgroup_headroom().map_or(available, |h| h.min(available));
+    Some(available.saturating_sub(HOST_MEMORY_RESERVE))
+}
+
+/// What the machine has: `/proc/meminfo` and the memory cgroup (v2 or v1).
+mod limits {
+    use std::fs::read_to_string;
+    use std::path::{Path, PathBuf};
+
+    /// `MemAvailable` in bytes.
+    pub(super) fn mem_available() -> Option<u64> {
+        let info = read_to_string("/proc/meminfo").ok()?;
+        let kb = info
+            .lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))?
+            .trim()
+            .strip_suffix("kB")?
+            .trim()
+            .parse::<u64>()
+            .ok()?;
+        kb.checked_mul(1024)
+    }
+
+    /// Limit minus usage of the process's memory cgroup, where a limit is set.
+    pub(super) fn cgroup_headroom() -> Option<u64> {
+        let own = read_to_string("/proc/self/cgroup").ok()?;
+        // v2: "0::/path"; v1: "N:...memory...:/path".
+        let (v2, v1) = own.lines().fold((None, None), |(v2, v1), line| {
+            let mut f = line.splitn(3, ':');
+            let (_, ctrl, path) = (f.next(), f.next().unwrap_or(""), f.next().unwrap_or(""));
+            if ctrl.is_empty() {
+                (Some(path.to_string()), v1)
+            } else if ctrl.split(',').any(|c| c == "memory") {
+                (v2, Some(path.to_string()))
+            } else {
+                (v2, v1)
+            }
+        });
+        let root = Path::new("/sys/fs/cgroup");
+        let read = |dirs: &[PathBuf], limit: &str, usage: &str| -> Option<u64> {
+            // The process's own group, else the mount's root (a cgroup namespace shows the
+            // container's group as the root).
+            dirs.iter().find_map(|d| {
+                let limit = read_to_string(d.join(limit)).ok()?;
+                let limit = limit.trim().parse::<u64>().ok()?; // "max": no limit
+                let usage = read_to_string(d.join(usage))
+                    .ok()?
+                    .trim()
+                    .parse::<u64>()
+                    .ok()?;
+                (limit < 1 << 60).then(|| limit.saturating_sub(usage))
+            })
+        };
+        let dirs = |base: &Path, path: &str| [base.join(path.trim_start_matches('/')), base.into()];
+        if let Some(p) = v1 {
+            let base = root.join("memory");
+            if let Some(h) = read(
+                &dirs(&base, &p),
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            ) {
+                return Some(h);
+            }
+        }
+        read(&dirs(root, &v2?), "memory.max", "memory.current")
     }
 }
 
@@ -454,5 +587,79 @@ mod sys {
             return Err(VmemError::os("munmap", std::io::Error::last_os_error()));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Backend, MIB2};
+    use std::cell::Cell;
+
+    thread_local! {
+        /// What `committable` reports on this thread instead of reading the machine.
+        pub(super) static COMMITTABLE: Cell<Option<u64>> = const { Cell::new(None) };
+    }
+
+    /// Restores the real reading when a test ends, even by a panic.
+    struct Pretend;
+    impl Pretend {
+        fn machine_can_commit(bytes: u64) -> Self {
+            COMMITTABLE.with(|c| c.set(Some(bytes)));
+            Pretend
+        }
+    }
+    impl Drop for Pretend {
+        fn drop(&mut self) {
+            COMMITTABLE.with(|c| c.set(None));
+        }
+    }
+
+    #[test]
+    fn a_page_past_what_the_machine_can_commit_fails_with_enomem() {
+        let b = HostBackend::with_page_sizes(&[MIB2], HostCommit::Eager).unwrap();
+        let _p = Pretend::machine_can_commit(3 << 20);
+        let first = b.create_page(MIB2).unwrap();
+        // The machine's memory fell (other processes, or this page): 1 MiB left.
+        COMMITTABLE.with(|c| c.set(Some(1 << 20)));
+        match b.create_page(MIB2) {
+            Err(VmemError::Os { source, .. }) => {
+                assert_eq!(source.raw_os_error(), Some(libc::ENOMEM))
+            }
+            other => panic!("a 2 MiB page with 1 MiB committable: {other:?}"),
+        }
+        assert_eq!(b.resident_bytes().unwrap(), MIB2);
+        // Memory came back: pages are created again.
+        COMMITTABLE.with(|c| c.set(Some(64 << 20)));
+        let second = b.create_page(MIB2).unwrap();
+        assert_eq!(b.resident_bytes().unwrap(), 2 * MIB2);
+        b.release_page(first).unwrap();
+        b.release_page(second).unwrap();
+        assert_eq!(b.resident_bytes().unwrap(), 0);
+    }
+
+    fn mem_available() -> u64 {
+        let info = std::fs::read_to_string("/proc/meminfo").unwrap();
+        let kb = info
+            .lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .unwrap()
+            .trim()
+            .trim_end_matches("kB")
+            .trim();
+        kb.parse::<u64>().unwrap() * 1024
+    }
+
+    #[test]
+    fn eager_host_memory_reports_what_the_machine_can_still_commit() {
+        let eager = HostBackend::new().unwrap();
+        let free = eager
+            .free_memory()
+            .expect("an eager host backend knows its memory");
+        // Read around the backend's own reading: other processes move MemAvailable.
+        let most = mem_available().max(mem_available()) + (64 << 20);
+        assert!(free > 0 && free < most, "{free} vs MemAvailable {most}");
+        // A lazy backend commits nothing it does not touch: nothing to check.
+        assert_eq!(HostBackend::lazy().unwrap().free_memory(), None);
     }
 }

@@ -22,25 +22,23 @@
 //! | free the range | `munmap` | `cuMemAddressFree` | `vMemFree` | nothing |
 //!
 //! A new backend (ROCm, a second GPU, a remote pool) implements [`RawBackend`] for its driver
-//! and must pass the conformance suite in `tests/` (`vmem_tests::conformance`).
-//! [`FaultyBackend`] and [`CountingBackend`] wrap any [`Backend`] for fault and call-count
-//! tests.
+//! and must pass the conformance suite (`vmem::testing::conformance`, behind the `testing`
+//! feature). A decorator that changes some operations of a backend implements [`Delegate`]
+//! (or [`RawDelegate`] for a driver) and forwards the rest by default.
 
 mod checked;
-mod counting;
 #[cfg(feature = "cuda")]
 mod cuda;
-mod fault;
+mod delegate;
 mod host;
 mod select;
 mod sim;
 mod uvm;
 
 pub use checked::Checked;
-pub use counting::{CallCounts, CountingBackend};
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaBackend, CudaDriver};
-pub use fault::{FaultPlan, FaultyBackend, Op};
+pub use delegate::{Delegate, RawDelegate};
 pub use host::{HostBackend, HostCommit, HostMemory};
 pub use select::{open_backend, BackendChoice, Selected};
 pub use sim::{SimBackend, SimMemory};

@@ -281,6 +281,24 @@ impl Geometry {
     pub fn tokens_per_page(&self) -> u64 {
         self.page_size / self.token_bytes
     }
+
+    /// Refuses, with [`VmemError::InvalidConfig`], a physical reservation of `bytes` larger
+    /// than the cache's virtual size (B x slice bytes x buffers): pages past it could never
+    /// be mapped, and an eager backend would commit them all the same.
+    pub fn check_reservation(&self, max_batch: usize, bytes: u64) -> Result<()> {
+        let virt = self
+            .slice_bytes
+            .saturating_mul(max_batch as u64)
+            .saturating_mul(self.buffers as u64);
+        if bytes > virt {
+            return Err(VmemError::InvalidConfig(format!(
+                "a reservation of {bytes} bytes exceeds the cache's virtual size, {virt} bytes \
+                 (B={max_batch} x {} bytes a request x {} buffers): more than it can ever map",
+                self.slice_bytes, self.buffers
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// A strided 4-D view `[batch, token, head, dim]` into virtual memory, as a kernel (or

@@ -18,41 +18,44 @@ fn run(shared: &Shared) {
         // Wait for work, then take a snapshot of what to map.
         let targets: Vec<(usize, u64)> = {
             let mut st = shared.lock();
-            while !st.work_pending && !st.shutdown {
+            while !st.signals.work_pending && !st.signals.shutdown {
                 st = shared.wake.wait(st).unwrap_or_else(|e| e.into_inner());
             }
-            if st.shutdown {
+            if st.signals.shutdown {
                 return;
             }
-            st.work_pending = false;
-            st.busy = true;
-            (0..st.active.len())
-                .filter(|&r| st.active[r] && st.lookahead[r] > 0)
-                .map(|r| (r, st.lookahead[r]))
+            st.signals.work_pending = false;
+            st.signals.busy = true;
+            (0..st.requests.active.len())
+                .filter(|&r| st.requests.active[r] && st.requests.lookahead[r] > 0)
+                .map(|r| (r, st.requests.lookahead[r]))
                 .collect()
         };
         // One request per lock hold, so a `step` arriving meanwhile waits for at most one
         // request's pages. Only free or creatable pages are used: the background never evicts.
         for (r, tokens) in targets {
             let mut st = shared.lock();
-            if st.shutdown {
+            if st.signals.shutdown {
                 return;
             }
-            if !st.active[r] || st.lookahead[r] != tokens || st.claimed[r] {
+            if !st.requests.active[r]
+                || st.requests.lookahead[r] != tokens
+                || st.requests.claimed[r]
+            {
                 continue;
             }
             if st.deficit(r, tokens) > st.pool.available_pages() {
                 continue;
             }
             match st.ensure(r, tokens, false) {
-                Ok(n) => st.background_pages += n,
+                Ok(n) => st.counters.background_pages += n,
                 Err(e) => tracing::debug!(req = r, error = %e, "background mapping stopped"),
             }
         }
         let mut st = shared.lock();
         let n = st.maintain();
-        st.background_pages += n;
-        st.busy = false;
+        st.counters.background_pages += n;
+        st.signals.busy = false;
         drop(st);
         shared.wake.notify_all();
     }

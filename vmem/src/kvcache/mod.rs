@@ -13,7 +13,9 @@
 //! [`KvConfig::reclaim_threshold`], or when a step cannot be served otherwise.
 
 mod config;
+mod map_ahead;
 mod mapper;
+mod policy;
 mod prefix;
 mod state;
 
@@ -95,7 +97,7 @@ impl Shared {
 ///
 /// let backend = Arc::new(HostBackend::new()?);
 /// // 2 layers, batch 4, context 1024, 2 KV heads of dim 64, fp16, 64 KB pages.
-/// let mut cfg = KvConfig::builder()
+/// let cfg = KvConfig::builder()
 ///     .layers(2)
 ///     .max_batch(4)
 ///     .max_context(1024)
@@ -103,8 +105,8 @@ impl Shared {
 ///     .head_dim(64)
 ///     .elem_bytes(2)
 ///     .page_size(KIB64)
+///     .memory_cap(64 << 20)
 ///     .build();
-/// cfg.memory_cap = 64 << 20;
 /// let kv = KvCacheManager::init(backend, cfg)?;
 /// let r = kv.alloc_reqid()?;
 /// let mut lens = vec![0; 4];
@@ -170,7 +172,7 @@ impl KvCacheManager {
         };
         if cfg.overlap {
             // First job: pre-map the first id (eager allocation).
-            shared.lock().work_pending = true;
+            shared.lock().signals.work_pending = true;
             mgr.mapper = Some(mapper::spawn(shared)?);
         } else {
             mgr.shared.lock().maintain();
@@ -181,15 +183,16 @@ impl KvCacheManager {
     /// Hands out a request id (`0..max_batch`), preferring the pre-mapped one.
     pub fn alloc_reqid(&self) -> Result<usize> {
         let mut st = self.shared.lock();
-        let id = match st.next_id.filter(|&r| !st.active[r]) {
+        let id = match st.requests.next_id.filter(|&r| !st.requests.active[r]) {
             Some(r) => r,
             None => st
                 .pick_next_id()
                 .ok_or(VmemError::TooManyRequests(self.cfg.max_batch))?,
         };
-        st.active[id] = true;
-        st.seq_lens[id] = 0;
-        st.next_id = st.pick_next_id();
+        st.requests.active[id] = true;
+        st.requests.handed_out[id] = true;
+        st.requests.seq_lens[id] = 0;
+        st.requests.next_id = st.pick_next_id();
         self.kick(st);
         Ok(id)
     }
@@ -198,23 +201,23 @@ impl KvCacheManager {
     /// the fewest pages that still cover `tokens` (so its prefill maps nothing), else the
     /// lowest inactive id (vAttention's `alloc_new_batch_idx`). Fails with
     /// [`VmemError::TooManyRequests`] when every id is active, and with
-    /// [`VmemError::SeqLenTooLong`] when `tokens` exceeds the max context.
+    /// [`VmemError::ContextTooLong`] when `tokens` exceeds the max context.
     pub fn alloc_reqid_for(&self, tokens: u64) -> Result<usize> {
         let mut st = self.shared.lock();
         if tokens > self.cfg.max_context as u64 {
-            return Err(VmemError::SeqLenTooLong {
-                req: self.cfg.max_batch,
-                len: tokens,
+            return Err(VmemError::ContextTooLong {
+                tokens,
                 max: self.cfg.max_context as u64,
             });
         }
         let id = st
             .best_fit(tokens)
             .ok_or(VmemError::TooManyRequests(self.cfg.max_batch))?;
-        st.active[id] = true;
-        st.seq_lens[id] = 0;
-        if st.next_id == Some(id) {
-            st.next_id = st.pick_next_id();
+        st.requests.active[id] = true;
+        st.requests.handed_out[id] = true;
+        st.requests.seq_lens[id] = 0;
+        if st.requests.next_id == Some(id) {
+            st.requests.next_id = st.pick_next_id();
         }
         self.kick(st);
         Ok(id)
@@ -223,8 +226,12 @@ impl KvCacheManager {
     /// Makes the pool hold `bytes` of physical memory: sets the cap to `bytes` (whole pages)
     /// and creates every page up to it now, so no step pays for creation (vAttention's
     /// `reserve_physical_pages`). Lowering the cap below what is created releases free pages
-    /// down to it; pages mapped to requests stay. Returns the pages created now.
+    /// down to it; pages mapped to requests stay. Returns the pages created now. More than
+    /// the cache's virtual size is refused with [`VmemError::InvalidConfig`], and more than
+    /// the backend has free (where it can tell) with [`VmemError::OutOfMemory`], before any
+    /// page is created.
     pub fn reserve_physical(&self, bytes: u64) -> Result<u64> {
+        self.geo.check_reservation(self.cfg.max_batch, bytes)?;
         let mut st = self.shared.lock();
         let pages = bytes / self.geo.page_size;
         if pages == 0 {
@@ -244,118 +251,13 @@ impl KvCacheManager {
         let mut st = self.shared.lock();
         let mut n = 0;
         for r in 0..self.cfg.max_batch {
-            if !st.active[r] {
+            if !st.requests.active[r] {
                 n += st.unmap_request(r)?;
             }
         }
-        st.reclaimed_pages += n;
+        st.counters.reclaimed_pages += n;
         self.kick(st);
         Ok(n)
-    }
-
-    /// Maps pages so that active request `req` holds `tokens` tokens in every buffer, without
-    /// holding the manager's lock while the driver maps: a long prefill mapped from another
-    /// thread does not block `step` for the other requests (a `step` or `free_reqid` of `req`
-    /// itself waits until it is done). Pages come from the pool, reclaiming from other
-    /// requests if needed, exactly as `step` would take them. Returns the pages mapped.
-    ///
-    /// On error, the pages mapped before it stay mapped and accounted (a later `step` or
-    /// `map_ahead` maps the rest); [`VmemError::OutOfMemory`] maps nothing.
-    pub fn map_ahead(&self, req: usize, tokens: u64) -> Result<u64> {
-        /// Pages per backend call: short calls keep the backend's own lock free for `step`.
-        /// Measured on the H100 with a 128K-token prefill beside 64 decoding requests
-        /// (prefill-overlap): 16 pages gave a worst decode step of 90-97 ms, 4 pages 25-65 ms,
-        /// for a prefill mapped 1.2-1.4x slower than in one call.
-        const CHUNK: usize = 4;
-        let page = self.geo.page_size;
-        // 1. Under the lock: claim the request and take every page it needs from the pool.
-        let (plan, to_create, mut pages) = {
-            let mut st = self.shared.lock();
-            st.check_id(req)?;
-            if !st.active[req] {
-                return Err(VmemError::InactiveRequest(req));
-            }
-            if tokens > self.cfg.max_context as u64 {
-                return Err(VmemError::SeqLenTooLong {
-                    req,
-                    len: tokens,
-                    max: self.cfg.max_context as u64,
-                });
-            }
-            st = self.wait_unclaimed(st, |st| st.claimed[req]);
-            let target = self.geo.pages_for(tokens);
-            let plan: Vec<(usize, u64, usize)> = st
-                .buffers
-                .iter()
-                .enumerate()
-                .filter_map(|(b, buf)| {
-                    let k = target.saturating_sub(buf.mapped(req)) as usize;
-                    (k > 0).then(|| (b, buf.next_free(req), k))
-                })
-                .collect();
-            let total: u64 = plan.iter().map(|p| p.2 as u64).sum();
-            if total == 0 {
-                return Ok(0);
-            }
-            if st.pool.available_pages() < total {
-                st.reclaim(total, Some(req), false)?;
-            }
-            // Free pages now; the missing ones are created below, outside the lock.
-            let (pages, to_create) = st.pool.take_deferred(total)?;
-            st.claimed[req] = true;
-            (plan, to_create, pages)
-        };
-        // 2. Without it: create the missing pages, then map, chunk by chunk.
-        let mut result = Ok(());
-        let mut created = 0;
-        while created < to_create {
-            match self.backend.create_page(page) {
-                Ok(p) => {
-                    pages.push(p);
-                    created += 1;
-                }
-                Err(e) => {
-                    result = Err(e);
-                    break;
-                }
-            }
-        }
-        // Pages mapped per planned buffer; empty when creation failed (nothing is mapped and
-        // every page goes back to the pool below).
-        let mut done: Vec<(usize, usize)> = Vec::with_capacity(plan.len());
-        let mut at_page = 0;
-        let plan_to_map = if result.is_ok() { &plan[..] } else { &[] };
-        'buffers: for &(b, addr, k) in plan_to_map {
-            let mut n = 0;
-            while n < k {
-                let c = CHUNK.min(k - n);
-                let run = &pages[at_page + n..at_page + n + c];
-                if let Err(e) = self.backend.map(addr + n as u64 * page, run, page) {
-                    result = Err(e);
-                    done.push((b, n));
-                    break 'buffers;
-                }
-                n += c;
-            }
-            done.push((b, n));
-            at_page += k;
-        }
-        // 3. Under the lock again: record what was mapped, return the rest, release the claim.
-        let mut st = self.shared.lock();
-        let mut used = 0;
-        let mut start = 0;
-        for (&(b, _, k), &(_, n)) in plan.iter().zip(&done) {
-            st.record_mapped(req, b, &pages[start..start + n]);
-            used += n as u64;
-            st.pool.put(pages[start + n..start + k].iter().copied());
-            start += k;
-        }
-        st.pool.put(pages.drain(start..));
-        st.pool.unreserve(to_create - created);
-        st.claimed[req] = false;
-        self.kick(st);
-        self.shared.wake.notify_all();
-        result.map(|()| used)
     }
 
     /// Waits on the manager's condition variable while `claimed` holds.
@@ -390,7 +292,7 @@ impl KvCacheManager {
     pub fn set_deferred_reclaim(&self, on: bool) {
         let mut st = self.shared.lock();
         st.cfg.deferred_reclaim = on;
-        st.next_id = st.pick_next_id();
+        st.requests.next_id = st.pick_next_id();
         self.kick(st);
     }
 
@@ -400,26 +302,32 @@ impl KvCacheManager {
     }
 
     /// Returns a request id. With deferred reclamation its pages stay mapped for the next
-    /// request; otherwise they go back to the pool now.
+    /// request; otherwise they go back to the pool now. Fails with
+    /// [`VmemError::DoubleFree`] for an id already freed, [`VmemError::NotAllocated`] for one
+    /// never handed out.
     pub fn free_reqid(&self, req: usize) -> Result<()> {
         let mut st = self.shared.lock();
         st.check_id(req)?;
-        st = self.wait_unclaimed(st, |st| st.claimed[req]);
-        if !st.active[req] {
-            return Err(VmemError::DoubleFree(req));
+        st = self.wait_unclaimed(st, |st| st.requests.claimed[req]);
+        if !st.requests.active[req] {
+            return Err(if st.requests.handed_out[req] {
+                VmemError::DoubleFree(req)
+            } else {
+                VmemError::NotAllocated(req)
+            });
         }
-        st.active[req] = false;
-        st.seq_lens[req] = 0;
-        st.lookahead[req] = 0;
-        st.pending[req] = 0;
+        st.requests.active[req] = false;
+        st.requests.seq_lens[req] = 0;
+        st.requests.lookahead[req] = 0;
+        st.requests.pending[req] = 0;
         let deferred = st.cfg.deferred_reclaim;
         // A request that maps cached prefix pages is unmapped now even when deferred: the
         // next request of its id would write them.
         if !deferred || st.prefix.held_blocks(req) > 0 {
             st.unmap_request(req)?;
         }
-        if st.next_id.is_none_or(|r| st.active[r]) || deferred {
-            st.next_id = st.pick_next_id();
+        if st.requests.next_id.is_none_or(|r| st.requests.active[r]) || deferred {
+            st.requests.next_id = st.pick_next_id();
         }
         self.kick(st);
         Ok(())
@@ -440,7 +348,7 @@ impl KvCacheManager {
             seq_lens
                 .iter()
                 .enumerate()
-                .any(|(r, &l)| l > 0 && st.claimed[r])
+                .any(|(r, &l)| l > 0 && st.requests.claimed[r])
         };
         if claimed(&st) {
             st = self.wait_unclaimed(st, claimed);
@@ -450,21 +358,15 @@ impl KvCacheManager {
         // With padded rows every active request is mapped as far as the longest one, so a
         // batched kernel that reads every row up to the batch's length reads mapped memory.
         let longest = seq_lens.iter().copied().max().unwrap_or(0);
-        let target = |len: u64| {
-            if self.cfg.pad_rows && len > 0 {
-                longest
-            } else {
-                len
-            }
-        };
+        let target = |len: u64| policy::row_target(self.cfg.pad_rows, len, longest);
         let needed: u64 = (0..seq_lens.len())
             .filter(|&r| seq_lens[r] > 0)
             .map(|r| st.deficit(r, target(seq_lens[r])))
             .sum();
-        let old_pending = std::mem::replace(&mut st.pending, seq_lens.to_vec());
+        let old_pending = std::mem::replace(&mut st.requests.pending, seq_lens.to_vec());
         let available = st.pool.available_pages() + st.reclaimable();
         if needed > available {
-            st.pending = old_pending;
+            st.requests.pending = old_pending;
             return Err(VmemError::OutOfMemory {
                 needed_pages: needed,
                 available_pages: available,
@@ -477,8 +379,8 @@ impl KvCacheManager {
             .map(|r| (r, target(seq_lens[r])));
         report.sync_pages += st.ensure_all(wants, true)?;
         for (r, &len) in seq_lens.iter().enumerate() {
-            st.seq_lens[r] = len;
-            st.lookahead[r] = if len > 0 {
+            st.requests.seq_lens[r] = len;
+            st.requests.lookahead[r] = if len > 0 {
                 (target(len) + 1).min(self.cfg.max_context as u64)
             } else {
                 0
@@ -488,8 +390,8 @@ impl KvCacheManager {
             // No background thread: upkeep happens here, on the critical path.
             report.sync_pages += st.maintain();
         }
-        report.background_pages = std::mem::take(&mut st.background_pages);
-        report.reclaimed_pages = std::mem::take(&mut st.reclaimed_pages);
+        report.background_pages = std::mem::take(&mut st.counters.background_pages);
+        report.reclaimed_pages = std::mem::take(&mut st.counters.reclaimed_pages);
         tracing::trace!(?report, "step done");
         self.kick(st);
         Ok(report)
@@ -499,7 +401,7 @@ impl KvCacheManager {
     /// once without overlap). Replays call it to stand in for an iteration's compute time.
     pub fn wait_idle(&self) {
         let mut st = self.shared.lock();
-        while self.mapper.is_some() && (st.work_pending || st.busy) {
+        while self.mapper.is_some() && (st.signals.work_pending || st.signals.busy) {
             st = self.shared.wake.wait(st).unwrap_or_else(|e| e.into_inner());
         }
     }
@@ -535,7 +437,7 @@ impl KvCacheManager {
     pub fn is_active(&self, req: usize) -> Result<bool> {
         let st = self.shared.lock();
         st.check_id(req)?;
-        Ok(st.active[req])
+        Ok(st.requests.active[req])
     }
 
     /// Every mapped run of pages, by request and buffer.
@@ -592,10 +494,11 @@ impl KvCacheManager {
         for r in 0..self.cfg.max_batch {
             let bytes = st.pages_of(r) * page;
             u.mapped_bytes += bytes;
-            if st.active[r] {
+            if st.requests.active[r] {
                 u.active_requests += 1;
                 u.active_mapped_bytes += bytes;
-                u.kv_bytes += st.seq_lens[r] * self.geo.token_bytes * self.geo.buffers as u64;
+                u.kv_bytes +=
+                    st.requests.seq_lens[r] * self.geo.token_bytes * self.geo.buffers as u64;
             }
         }
         u
@@ -604,7 +507,7 @@ impl KvCacheManager {
     /// Tells the background thread there is work, and releases the lock.
     fn kick(&self, mut st: MutexGuard<'_, State>) {
         if self.mapper.is_some() {
-            st.work_pending = true;
+            st.signals.work_pending = true;
             drop(st);
             self.shared.wake.notify_all();
         }
@@ -614,7 +517,7 @@ impl KvCacheManager {
 impl Drop for KvCacheManager {
     fn drop(&mut self) {
         if let Some(handle) = self.mapper.take() {
-            self.shared.lock().shutdown = true;
+            self.shared.lock().signals.shutdown = true;
             self.shared.wake.notify_all();
             if handle.join().is_err() {
                 tracing::error!("background mapping thread panicked");

@@ -273,7 +273,10 @@ impl State {
     /// Maps the cached prefix of `hashes` (at most `most` blocks) into inactive-range request
     /// `r` (active, nothing computed yet). See [`KvCacheManager::adopt_prefix_hashes`].
     fn adopt(&mut self, r: usize, hashes: &[BlockHash], most: u64) -> Result<u64> {
-        if self.seq_lens[r] > 0 || self.pending[r] > 0 || self.prefix.held_blocks(r) > 0 {
+        if self.requests.seq_lens[r] > 0
+            || self.requests.pending[r] > 0
+            || self.prefix.held_blocks(r) > 0
+        {
             return Err(VmemError::InvalidConfig(format!(
                 "request {r} has tokens already: a prefix is adopted before its first step"
             )));
@@ -341,7 +344,7 @@ impl State {
         let bt = self.prefix.block_tokens;
         let m = self.prefix.block_pages as usize;
         let mapped = self.buffers.iter().map(|b| b.mapped(r)).min().unwrap_or(0);
-        let full = (self.seq_lens[r] / bt).min(mapped / m as u64);
+        let full = (self.requests.seq_lens[r] / bt).min(mapped / m as u64);
         let start = self.prefix.held_blocks(r);
         let mut n = 0;
         for j in start..full.min(hashes.len() as u64) {
@@ -432,10 +435,10 @@ impl KvCacheManager {
                 what: "prefix sharing (KvConfig::prefix_cache is off)",
             });
         }
-        if !st.active[req] {
+        if !st.requests.active[req] {
             return Err(VmemError::InactiveRequest(req));
         }
-        st = self.wait_unclaimed(st, |st| st.claimed[req]);
+        st = self.wait_unclaimed(st, |st| st.requests.claimed[req]);
         let most = prompt_tokens.saturating_sub(1) / st.prefix.block_tokens;
         let tokens = st.adopt(req, hashes, most)?;
         self.kick(st);
@@ -461,10 +464,10 @@ impl KvCacheManager {
                 what: "prefix sharing (KvConfig::prefix_cache is off)",
             });
         }
-        if !st.active[req] {
+        if !st.requests.active[req] {
             return Err(VmemError::InactiveRequest(req));
         }
-        st = self.wait_unclaimed(st, |st| st.claimed[req]);
+        st = self.wait_unclaimed(st, |st| st.requests.claimed[req]);
         Ok(st.publish(req, hashes))
     }
 

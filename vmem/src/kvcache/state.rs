@@ -16,35 +16,75 @@ pub(super) struct State {
     /// Buffer indices in the order of their addresses: the order `ensure_all` maps in.
     by_address: Vec<usize>,
     pub(super) pool: PagePool,
+    /// What each request id is and holds.
+    pub(super) requests: Requests,
+    /// What the engine's threads and the background thread tell each other.
+    pub(super) signals: Signals,
+    /// Pages mapped and reclaimed off the critical path, reported by the next step.
+    pub(super) counters: Counters,
+    /// The prefix cache (kvcache/prefix.rs); empty and off unless `cfg.prefix_cache`.
+    pub(super) prefix: PrefixCache,
+}
+
+/// The request table: one entry per request id (`0..max_batch`) in each field.
+#[derive(Debug)]
+pub(super) struct Requests {
     /// Whether each request id is handed out.
     pub(super) active: Vec<bool>,
+    /// Whether each request id has ever been handed out (a free of one that never was is
+    /// not a second free).
+    pub(super) handed_out: Vec<bool>,
     /// Length each request had at the last successful step.
     pub(super) seq_lens: Vec<u64>,
     /// Pages each request holds, summed over buffers.
-    req_pages: Vec<u64>,
+    pub(super) pages: Vec<u64>,
     /// Fewest pages any buffer holds for each request (fast "already mapped" test).
-    req_floor: Vec<u64>,
+    pub(super) floor: Vec<u64>,
     /// The id `alloc_reqid` hands out next; kept pre-mapped (eager allocation).
     pub(super) next_id: Option<usize>,
     /// Lengths the background thread maps for (the next iteration's), per request.
     pub(super) lookahead: Vec<u64>,
     /// Lengths the step in progress maps for: never trimmed below, even if the step fails.
     pub(super) pending: Vec<u64>,
+    /// Requests whose pages `map_ahead` is mapping outside the lock: nothing else maps,
+    /// unmaps or reclaims their pages until it is done.
+    pub(super) claimed: Vec<bool>,
+}
+
+impl Requests {
+    fn new(b: usize) -> Self {
+        Requests {
+            active: vec![false; b],
+            handed_out: vec![false; b],
+            seq_lens: vec![0; b],
+            pages: vec![0; b],
+            floor: vec![0; b],
+            next_id: Some(0),
+            lookahead: vec![0; b],
+            pending: vec![0; b],
+            claimed: vec![false; b],
+        }
+    }
+}
+
+/// Signals between the engine's threads and the background thread.
+#[derive(Debug, Default)]
+pub(super) struct Signals {
     /// The background thread has lookahead work to do.
     pub(super) work_pending: bool,
     /// The background thread is mapping right now.
     pub(super) busy: bool,
-    /// Requests whose pages `map_ahead` is mapping outside the lock: nothing else maps,
-    /// unmaps or reclaims their pages until it is done.
-    pub(super) claimed: Vec<bool>,
     /// The manager is being dropped.
     pub(super) shutdown: bool,
+}
+
+/// Work done off the critical path since the last step.
+#[derive(Debug, Default)]
+pub(super) struct Counters {
     /// Pages mapped off the critical path since the last step.
     pub(super) background_pages: u64,
     /// Pages unmapped from deferred requests since the last step.
     pub(super) reclaimed_pages: u64,
-    /// The prefix cache (kvcache/prefix.rs); empty and off unless `cfg.prefix_cache`.
-    pub(super) prefix: PrefixCache,
 }
 
 impl State {
@@ -64,19 +104,9 @@ impl State {
             buffers,
             by_address,
             pool,
-            active: vec![false; b],
-            seq_lens: vec![0; b],
-            req_pages: vec![0; b],
-            req_floor: vec![0; b],
-            next_id: Some(0),
-            lookahead: vec![0; b],
-            pending: vec![0; b],
-            work_pending: false,
-            busy: false,
-            claimed: vec![false; b],
-            shutdown: false,
-            background_pages: 0,
-            reclaimed_pages: 0,
+            requests: Requests::new(b),
+            signals: Signals::default(),
+            counters: Counters::default(),
             prefix,
         }
     }
@@ -84,90 +114,24 @@ impl State {
     /// Forgets `n` pages of request `r` that were unmapped outside `trim_request` (a failed
     /// prefix adoption's).
     pub(super) fn forget_pages(&mut self, r: usize, n: u64) {
-        self.req_pages[r] -= n;
+        self.requests.pages[r] -= n;
         self.refresh_floor(r);
     }
 
     /// Pages request `r` holds in all buffers together.
     pub(super) fn pages_of(&self, r: usize) -> u64 {
-        self.req_pages[r]
-    }
-
-    /// Pages still to map so that every buffer holds `tokens` tokens of request `r`.
-    pub(super) fn deficit(&self, r: usize, tokens: u64) -> u64 {
-        let target = self.geo.pages_for(tokens);
-        if self.req_floor[r] >= target {
-            return 0;
-        }
-        self.buffers
-            .iter()
-            .map(|b| target.saturating_sub(b.mapped(r)))
-            .sum()
-    }
-
-    /// With padded rows, the length every active request must keep mapped: the longest
-    /// current or pending length among them; 0 without padding. Computed once per pass over
-    /// the requests, not per request.
-    fn padded_len(&self) -> u64 {
-        if !self.cfg.pad_rows {
-            return 0;
-        }
-        (0..self.active.len())
-            .filter(|&q| self.active[q])
-            .map(|q| self.seq_lens[q].max(self.pending[q]))
-            .max()
-            .unwrap_or(0)
-    }
-
-    /// Tokens request `r` must keep mapped: 0 when inactive, else its current or pending length
-    /// (with padded rows, `padded`, from [`State::padded_len`]).
-    fn keep_tokens(&self, r: usize, padded: u64) -> u64 {
-        if !self.active[r] {
-            0
-        } else if self.cfg.pad_rows {
-            padded.max(self.prefix.held_tokens(r))
-        } else {
-            // An adopted prefix stays mapped before the first step too.
-            self.seq_lens[r]
-                .max(self.pending[r])
-                .max(self.prefix.held_tokens(r))
-        }
-    }
-
-    /// Pages request `r` holds beyond what it must keep (all of them when inactive): a
-    /// reused id's leftovers from a longer predecessor, or lookahead pages.
-    /// `padded` is [`State::padded_len`].
-    fn excess(&self, r: usize, padded: u64) -> u64 {
-        let target = self.geo.pages_for(self.keep_tokens(r, padded));
-        if self.req_floor[r] >= target {
-            return self.req_pages[r] - target * self.buffers.len() as u64;
-        }
-        self.buffers
-            .iter()
-            .map(|b| b.mapped(r).saturating_sub(target))
-            .sum()
-    }
-
-    /// Pages that reclamation could free: every page beyond what each request must keep
-    /// (claimed requests' pages excepted).
-    pub(super) fn reclaimable(&self) -> u64 {
-        let padded = self.padded_len();
-        (0..self.active.len())
-            .filter(|&r| !self.claimed[r])
-            .map(|r| self.excess(r, padded))
-            .sum::<u64>()
-            + self.prefix.evictable_pages()
+        self.requests.pages[r]
     }
 
     /// Records pages `map_ahead` mapped at the end of request `r`'s slice in buffer `b`.
     pub(super) fn record_mapped(&mut self, r: usize, b: usize, pages: &[PageHandle]) {
         self.buffers[b].record_mapped(r, pages);
-        self.req_pages[r] += pages.len() as u64;
+        self.requests.pages[r] += pages.len() as u64;
         self.refresh_floor(r);
     }
 
     fn refresh_floor(&mut self, r: usize) {
-        self.req_floor[r] = self.buffers.iter().map(|b| b.mapped(r)).min().unwrap_or(0);
+        self.requests.floor[r] = self.buffers.iter().map(|b| b.mapped(r)).min().unwrap_or(0);
     }
 
     /// Maps pages until every buffer holds `tokens` tokens of request `r`, taking pages from
@@ -193,7 +157,7 @@ impl State {
         // a step where none is allocates nothing.
         let wants: Vec<(usize, u64)> = wants
             .into_iter()
-            .filter(|&(r, tokens)| self.req_floor[r] < self.geo.pages_for(tokens))
+            .filter(|&(r, tokens)| self.requests.floor[r] < self.geo.pages_for(tokens))
             .collect();
         if wants.is_empty() {
             return Ok(0);
@@ -219,7 +183,7 @@ impl State {
                         self.pool.put(pages);
                         return Err(e);
                     }
-                    self.req_pages[r] += k;
+                    self.requests.pages[r] += k;
                     mapped += k;
                 }
             }
@@ -264,7 +228,7 @@ impl State {
                 }
             }
         }
-        self.req_pages[r] -= n;
+        self.requests.pages[r] -= n;
         self.refresh_floor(r);
         // On error the cache keeps its references: a block a buffer still maps stays cached
         // (it is never evicted, so never released, under a mapping).
@@ -287,23 +251,8 @@ impl State {
         // Reclaiming trims pages, never lengths, so the padded length holds for the whole loop.
         let padded = self.padded_len();
         while self.pool.available_pages() < need {
-            let victim = (0..self.active.len())
-                .filter(|&r| {
-                    Some(r) != protect
-                        && !self.claimed[r]
-                        && !(only_inactive && self.active[r])
-                        && self.excess(r, padded) > 0
-                })
-                .max_by_key(|&r| {
-                    (
-                        !self.active[r],
-                        Some(r) != self.next_id,
-                        self.excess(r, padded),
-                        std::cmp::Reverse(r),
-                    )
-                });
-            // The prefix cache gives its pages back before any active request's.
-            if !only_inactive && victim.is_none_or(|v| self.active[v]) {
+            let victim = self.reclaim_victim(protect, only_inactive, padded);
+            if self.evict_cache_first(victim, only_inactive) {
                 if let Some(pages) = self.prefix.evict_one() {
                     self.pool.put(pages);
                     continue;
@@ -312,37 +261,15 @@ impl State {
             let Some(v) = victim else { break };
             let keep = self.geo.pages_for(self.keep_tokens(v, padded));
             let n = self.trim_request(v, keep)?;
-            self.reclaimed_pages += n;
+            self.counters.reclaimed_pages += n;
             tracing::debug!(
                 req = v,
                 pages = n,
-                active = self.active[v],
+                active = self.requests.active[v],
                 "reclaimed pages"
             );
         }
         Ok(())
-    }
-
-    /// The id to hand out after the current ones: the inactive id holding the most pages when
-    /// deferred reclamation is on (ties: lowest id), else the lowest inactive id.
-    pub(super) fn pick_next_id(&self) -> Option<usize> {
-        let free = (0..self.active.len()).filter(|&r| !self.active[r]);
-        if self.cfg.deferred_reclaim {
-            free.max_by_key(|&r| (self.req_pages[r], std::cmp::Reverse(r)))
-        } else {
-            free.min()
-        }
-    }
-
-    /// The inactive id holding the fewest pages that cover `tokens`, else the lowest inactive
-    /// id.
-    pub(super) fn best_fit(&self, tokens: u64) -> Option<usize> {
-        let target = self.geo.pages_for(tokens);
-        let inactive = || (0..self.active.len()).filter(|&r| !self.active[r]);
-        inactive()
-            .filter(|&r| self.req_floor[r] >= target)
-            .min_by_key(|&r| (self.req_pages[r], r))
-            .or_else(|| inactive().next())
     }
 
     /// Off-critical-path upkeep: keep the next id pre-mapped (eager allocation), and reclaim
@@ -359,12 +286,8 @@ impl State {
             }
         }
         let mut mapped = 0;
-        if let Some(id) = self.next_id {
-            let eager = self.cfg.eager_tokens as u64;
-            // Only from free or creatable pages, and never below the reclaim threshold: eager
-            // allocation evicts nothing and does not make the next upkeep reclaim.
-            let spare = self.pool.available_pages().saturating_sub(threshold_pages);
-            if eager > 0 && self.deficit(id, eager) <= spare {
+        if let Some(id) = self.requests.next_id {
+            if let Some(eager) = self.eager_tokens(id, threshold_pages) {
                 match self.ensure(id, eager, false) {
                     Ok(n) => mapped += n,
                     Err(e) => tracing::debug!(error = %e, "eager allocation skipped"),
@@ -422,7 +345,7 @@ impl State {
                     max: self.cfg.max_context as u64,
                 });
             }
-            if len > 0 && !self.active[r] {
+            if len > 0 && !self.requests.active[r] {
                 return Err(VmemError::InactiveRequest(r));
             }
         }

@@ -1,6 +1,6 @@
 //! The conformance suite's shared-page cases ([`Backend::map_shared`]): one physical page
-//! mapped at several addresses at once. [`crate::conformance::run_all`] and
-//! [`crate::conformance::run_raw`] run them with the other cases.
+//! mapped at several addresses at once. [`super::conformance::run_all`] and
+//! [`super::conformance::run_raw`] run them with the other cases.
 //!
 //! What every backend that shares pages must do:
 //!
@@ -18,11 +18,12 @@
 //! A backend that cannot share (the patched UVM driver today) fails `map_shared` with
 //! [`VmemError::Unsupported`] and changes nothing; the cases then check only that.
 
-use crate::conformance::{Contents, Tally};
-use vmem::backend::{Backend, Checked, PageHandle, RawBackend};
-use vmem::VmemError;
+use super::conformance::Contents;
+use super::CountingDriver;
+use crate::backend::{Backend, Checked, PageHandle, RawBackend};
+use crate::VmemError;
 
-fn refused<T: std::fmt::Debug>(r: vmem::Result<T>, what: &str) -> VmemError {
+fn refused<T: std::fmt::Debug>(r: crate::Result<T>, what: &str) -> VmemError {
     match r {
         Ok(v) => panic!("{what}: accepted ({v:?}), must be refused"),
         Err(e) => e,
@@ -139,7 +140,7 @@ pub fn shared_page_contents_and_release(
 /// fence for several (`unmap_fenced`); dropping the backend with mappings left fences once,
 /// unmaps each and releases the page once.
 pub fn shared_unmaps_are_fenced_and_drop_balances<R: RawBackend + 'static>(make: &impl Fn() -> R) {
-    let tally = Tally::new(make());
+    let tally = CountingDriver::new(make());
     let counts = tally.counts.clone();
     let b = Checked::wrap(tally).expect("wrap");
     let name = b.name();

@@ -1,17 +1,18 @@
 //! The backend conformance suite: the same checks, generic over the backend, that every
 //! backend must pass — sim, host and the fault-injecting wrapper in CI, CUDA on the GPU
-//! machine (`tests/tests/gpu.rs`). A new backend passes it or is not done.
+//! machine (`tests/tests/gpu.rs`). A new backend passes it or is not done: an out-of-tree
+//! backend runs it from its own tests with `vmem = { features = ["testing"] }`.
 //!
 //! Each check panics with a message on the first violation. [`run_all`] runs the checks that
 //! need only a [`Backend`]; [`run_raw`] runs those that wrap the driver underneath (drop with
 //! live mappings, rollback of a half-done map), for backends built as [`Checked`] over a
 //! [`RawBackend`].
 
-use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
-use std::sync::mpsc::{Receiver, Sender};
-use std::sync::{Arc, Mutex};
-use vmem::backend::{Backend, Checked, HostBackend, PageHandle, PartialMap, RawBackend};
-use vmem::{KvCacheManager, KvConfig, Result, VmemError};
+use super::{CountingDriver, DriverCounts};
+use crate::backend::{Backend, Checked, HostBackend, PageHandle, RawBackend};
+use crate::{KvCacheManager, KvConfig, Result, VmemError};
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::Arc;
 
 /// Reads and writes a backend's mapped memory, to check that contents follow pages.
 pub trait Contents {
@@ -107,7 +108,7 @@ pub fn run_all(b: &Arc<dyn Backend>, contents: Option<&dyn Contents>) {
         release_while_mapped_refused(&**b, page);
         oom_keeps_mappings(b, page, contents);
         zero_page(&**b, page, contents);
-        crate::sharing::run_all(&**b, page, contents);
+        super::sharing::run_all(&**b, page, contents);
     }
 }
 
@@ -116,7 +117,7 @@ pub fn run_raw<R: RawBackend + 'static>(make: impl Fn() -> R) {
     drop_with_live_mappings(&make);
     failed_map_is_rolled_back(&make);
     zero_page_drop_and_rollback(&make);
-    crate::sharing::run_raw(&make);
+    super::sharing::run_raw(&make);
 }
 
 /// The zero page: a zero-backed span reads as zeros; pages replace zero slots and keep their
@@ -464,214 +465,12 @@ pub fn oom_keeps_mappings(b: &Arc<dyn Backend>, page: u64, contents: Option<&dyn
     kv.step(&lens).expect("a step that fits still succeeds");
 }
 
-/// What a [`Tally`] driver saw: every driver call that acquires something, and its release,
-/// and the map, fence and unmap calls in order.
-#[derive(Debug, Default)]
-pub struct Counts {
-    /// Bytes reserved, and freed.
-    pub reserved: AtomicU64,
-    /// Bytes freed.
-    pub freed: AtomicU64,
-    /// Pages created.
-    pub created: AtomicU64,
-    /// Pages released.
-    pub released: AtomicU64,
-    /// Bytes mapped.
-    pub mapped: AtomicU64,
-    /// Bytes unmapped.
-    pub unmapped: AtomicU64,
-    /// Fail the map whose page this is (0-based, counted over all maps), reporting the pages
-    /// before it in that call as mapped. `u64::MAX`: never.
-    pub fail_at_page: AtomicU64,
-    /// Pages maps have been asked for so far.
-    pub pages_seen: AtomicU64,
-    /// Every `map`, zero-page map, `fence` and `unmap` the driver was asked for, in call
-    /// order: `("map" | "map_zero" | "fence" | "unmap", address)` (0 for a fence).
-    pub calls: Mutex<Vec<(&'static str, u64)>>,
-    /// When set, the next `fence` sends on the first channel, then waits on the second: a
-    /// fence held open, as `cuCtxSynchronize` behind a long kernel.
-    pub fence_gate: Mutex<Option<(Sender<()>, Receiver<()>)>>,
-}
-
-impl Counts {
-    fn get(a: &AtomicU64) -> u64 {
-        a.load(SeqCst)
-    }
-
-    fn call(&self, op: &'static str, addr: u64) {
-        self.calls.lock().unwrap().push((op, addr));
-    }
-
-    /// The names of the calls logged so far, in order.
-    pub fn ops(&self) -> Vec<&'static str> {
-        self.calls.lock().unwrap().iter().map(|c| c.0).collect()
-    }
-
-    /// The addresses of the `map` calls logged so far, in order.
-    pub fn map_addrs(&self) -> Vec<u64> {
-        let calls = self.calls.lock().unwrap();
-        calls.iter().filter(|c| c.0 == "map").map(|c| c.1).collect()
-    }
-
-    /// Forgets the calls logged so far.
-    pub fn clear_calls(&self) {
-        self.calls.lock().unwrap().clear();
-    }
-
-    /// Panics unless every acquisition was released.
-    pub fn assert_balanced(&self, what: &str) {
-        assert_eq!(
-            Self::get(&self.reserved),
-            Self::get(&self.freed),
-            "{what}: ranges leaked"
-        );
-        assert_eq!(
-            Self::get(&self.created),
-            Self::get(&self.released),
-            "{what}: pages leaked"
-        );
-        assert_eq!(
-            Self::get(&self.mapped),
-            Self::get(&self.unmapped),
-            "{what}: mappings leaked"
-        );
-    }
-}
-
-/// A driver that counts what the driver underneath acquires and releases, logs the calls that
-/// map and unmap, can fail a map half-way and can hold a fence open.
-#[derive(Debug)]
-pub struct Tally<R> {
-    inner: R,
-    /// The counts, shared with the test.
-    pub counts: Arc<Counts>,
-}
-
-impl<R> Tally<R> {
-    /// Wraps `inner`, failing no map.
-    pub fn new(inner: R) -> Self {
-        let counts = Counts {
-            fail_at_page: AtomicU64::new(u64::MAX),
-            ..Default::default()
-        };
-        Tally {
-            inner,
-            counts: Arc::new(counts),
-        }
-    }
-}
-
-impl<R: RawBackend> RawBackend for Tally<R> {
-    fn kind(&self) -> vmem::backend::BackendKind {
-        self.inner.kind()
-    }
-    fn page_sizes(&self) -> &[u64] {
-        self.inner.page_sizes()
-    }
-    fn granularity(&self) -> u64 {
-        self.inner.granularity()
-    }
-    fn reserve(&self, size: u64) -> Result<u64> {
-        let a = self.inner.reserve(size)?;
-        self.counts.reserved.fetch_add(size, SeqCst);
-        Ok(a)
-    }
-    unsafe fn free_range(&self, addr: u64, size: u64) -> Result<()> {
-        // SAFETY: forwarded under our caller's contract.
-        unsafe { self.inner.free_range(addr, size) }?;
-        self.counts.freed.fetch_add(size, SeqCst);
-        Ok(())
-    }
-    fn create(&self, page_size: u64) -> Result<PageHandle> {
-        let p = self.inner.create(page_size)?;
-        self.counts.created.fetch_add(1, SeqCst);
-        Ok(p)
-    }
-    unsafe fn release(&self, page: PageHandle, page_size: u64) -> Result<()> {
-        // SAFETY: forwarded under our caller's contract.
-        unsafe { self.inner.release(page, page_size) }?;
-        self.counts.released.fetch_add(1, SeqCst);
-        Ok(())
-    }
-    unsafe fn map(
-        &self,
-        addr: u64,
-        pages: &[PageHandle],
-        page_size: u64,
-    ) -> std::result::Result<(), PartialMap> {
-        self.counts.call("map", addr);
-        let first = self.counts.pages_seen.fetch_add(pages.len() as u64, SeqCst);
-        let fail = self.counts.fail_at_page.load(SeqCst);
-        let n = if (first..first + pages.len() as u64).contains(&fail) {
-            (fail - first) as usize
-        } else {
-            pages.len()
-        };
-        if n > 0 {
-            // SAFETY: a prefix of a call that satisfies the contract satisfies it too.
-            let r = unsafe { self.inner.map(addr, &pages[..n], page_size) };
-            let done = match &r {
-                Ok(()) => n,
-                Err(p) => p.mapped,
-            };
-            self.counts
-                .mapped
-                .fetch_add(done as u64 * page_size, SeqCst);
-            r?;
-        }
-        if n < pages.len() {
-            return Err(PartialMap {
-                mapped: n,
-                error: VmemError::InjectedFault("map (half-way)"),
-            });
-        }
-        Ok(())
-    }
-    fn fence(&self) -> Result<()> {
-        self.counts.call("fence", 0);
-        if let Some((entered, release)) = self.counts.fence_gate.lock().unwrap().take() {
-            entered.send(()).unwrap();
-            release.recv().unwrap();
-        }
-        self.inner.fence()
-    }
-    unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()> {
-        self.counts.call("unmap", addr);
-        // SAFETY: forwarded under our caller's contract.
-        unsafe { self.inner.unmap(addr, size) }?;
-        self.counts.unmapped.fetch_add(size, SeqCst);
-        Ok(())
-    }
-    fn create_zeroed(&self, page_size: u64) -> Result<PageHandle> {
-        let p = self.inner.create_zeroed(page_size)?;
-        self.counts.created.fetch_add(1, SeqCst);
-        Ok(p)
-    }
-    unsafe fn map_readonly(
-        &self,
-        addr: u64,
-        page: PageHandle,
-        page_size: u64,
-        count: u64,
-    ) -> std::result::Result<(), PartialMap> {
-        self.counts.call("map_zero", addr);
-        // SAFETY: forwarded under our caller's contract.
-        let r = unsafe { self.inner.map_readonly(addr, page, page_size, count) };
-        let done = match &r {
-            Ok(()) => count,
-            Err(p) => p.mapped as u64,
-        };
-        self.counts.mapped.fetch_add(done * page_size, SeqCst);
-        r
-    }
-}
-
-/// A checked backend over a [`Tally`] of `make()`'s driver, the tally's counts, and the
+/// A checked backend over a [`CountingDriver`] of `make()`'s driver, the tally's counts, and the
 /// driver's smallest page size: how the suite's accounting checks start.
 fn tallied<R: RawBackend + 'static>(
     make: &impl Fn() -> R,
-) -> (Checked<Tally<R>>, Arc<Counts>, u64) {
-    let tally = Tally::new(make());
+) -> (Checked<CountingDriver<R>>, Arc<DriverCounts>, u64) {
+    let tally = CountingDriver::new(make());
     let counts = tally.counts.clone();
     let b = Checked::wrap(tally).expect("wrap");
     let page = b.page_sizes()[0];

@@ -1,6 +1,6 @@
 //! A wrapper that makes chosen calls of an inner backend fail, for fault tests.
 
-use super::{Backend, BackendKind, Fence, PageHandle};
+use crate::backend::{Backend, Delegate, Fence, PageHandle};
 use crate::error::{Result, VmemError};
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 /// The backend operations a [`FaultPlan`] can make fail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Op {
-    /// [`Backend::reserve`].
+    /// [`Backend::reserve`](crate::backend::Backend::reserve).
     Reserve,
     /// [`Backend::create_page`].
     Create,
@@ -105,32 +105,17 @@ impl FaultyBackend {
     }
 }
 
-impl Backend for FaultyBackend {
-    fn kind(&self) -> BackendKind {
-        self.inner.kind()
-    }
-    fn page_sizes(&self) -> &[u64] {
-        self.inner.page_sizes()
-    }
-    fn granularity(&self) -> u64 {
-        self.inner.granularity()
-    }
-    fn free_memory(&self) -> Option<u64> {
-        self.inner.free_memory()
+impl Delegate for FaultyBackend {
+    fn inner(&self) -> &dyn Backend {
+        &*self.inner
     }
     fn reserve(&self, size: u64) -> Result<u64> {
         self.check(Op::Reserve)?;
         self.inner.reserve(size)
     }
-    fn free_range(&self, addr: u64) -> Result<()> {
-        self.inner.free_range(addr)
-    }
     fn create_page(&self, page_size: u64) -> Result<PageHandle> {
         self.check(Op::Create)?;
         self.inner.create_page(page_size)
-    }
-    fn release_page(&self, page: PageHandle) -> Result<()> {
-        self.inner.release_page(page)
     }
     fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()> {
         self.check(Op::Map)?;
@@ -143,9 +128,6 @@ impl Backend for FaultyBackend {
     fn unmap(&self, addr: u64, size: u64) -> Result<()> {
         self.check(Op::Unmap)?;
         self.inner.unmap(addr, size)
-    }
-    fn fence(&self) -> Result<Fence> {
-        self.inner.fence()
     }
     fn unmap_fenced(&self, fence: &Fence, addr: u64, size: u64) -> Result<()> {
         self.check(Op::Unmap)?;

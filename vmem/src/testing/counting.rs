@@ -1,6 +1,6 @@
 //! A wrapper that counts every backend call and the time spent in it.
 
-use super::{Backend, BackendKind, Fence, PageHandle};
+use crate::backend::{Backend, Delegate, Fence, PageHandle};
 use crate::error::Result;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -8,7 +8,7 @@ use std::time::Instant;
 
 /// Calls made through a [`CountingBackend`], and nanoseconds spent in them.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct CallCounts {
+pub struct BackendCounts {
     /// `reserve` calls.
     pub reserve: u64,
     /// `free_range` calls.
@@ -39,7 +39,7 @@ pub struct CallCounts {
     pub release_ns: u64,
 }
 
-impl CallCounts {
+impl BackendCounts {
     /// Total driver calls of every kind.
     pub fn total_calls(&self) -> u64 {
         self.reserve
@@ -102,9 +102,9 @@ impl CountingBackend {
     }
 
     /// The counts so far.
-    pub fn counts(&self) -> CallCounts {
+    pub fn counts(&self) -> BackendCounts {
         let c = |k| self.counters.get(k);
-        CallCounts {
+        BackendCounts {
             reserve: c(Counter::Reserve),
             free_range: c(Counter::Free),
             create: c(Counter::Create),
@@ -138,18 +138,9 @@ impl CountingBackend {
     }
 }
 
-impl Backend for CountingBackend {
-    fn kind(&self) -> BackendKind {
-        self.inner.kind()
-    }
-    fn page_sizes(&self) -> &[u64] {
-        self.inner.page_sizes()
-    }
-    fn granularity(&self) -> u64 {
-        self.inner.granularity()
-    }
-    fn free_memory(&self) -> Option<u64> {
-        self.inner.free_memory()
+impl Delegate for CountingBackend {
+    fn inner(&self) -> &dyn Backend {
+        &*self.inner
     }
     fn reserve(&self, size: u64) -> Result<u64> {
         self.counters.add(Counter::Reserve, 1);

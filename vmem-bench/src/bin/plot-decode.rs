@@ -1,5 +1,5 @@
 //! Plots per-iteration decode latency from the CSV `vmem-gpu` writes (docs/gpu.md):
-//! `cargo run -p vmem-tests --bin plot-decode -- IN.csv OUT.svg`
+//! `cargo run -p vmem-bench --bin plot-decode -- IN.csv OUT.svg`
 
 use plotters::prelude::*;
 

@@ -1,5 +1,5 @@
 //! The fragmentation experiment: every trace x deployment x allocator, a table on the
-//! terminal, a CSV and an SVG plot. `cargo run --release -p vmem-tests --bin fragmentation -- --help`
+//! terminal, a CSV and an SVG plot. `cargo run --release -p vmem-bench --bin fragmentation -- --help`
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -10,8 +10,8 @@ use std::sync::Arc;
 use vmem::backend::{Backend, BackendChoice, HostBackend, SimBackend, PAGE_SIZES};
 use vmem::units::{format_bytes, parse_bytes};
 use vmem::Layout;
+use vmem_replay::experiment::{deployments, run_config, Allocator, ExperimentConfig};
 use vmem_replay::{load_trace, ReplayConfig, ReplayError, Result, TraceOptions};
-use vmem_tests::{default_traces, deployments, run_config, Allocator, ExperimentConfig};
 
 #[derive(Parser, Debug)]
 #[command(about = "KV-cache fragmentation per page size on real request traces")]
@@ -37,6 +37,10 @@ struct Args {
     /// Only these models (default: all).
     #[arg(long, value_delimiter = ',')]
     models: Vec<String>,
+    /// vmem's background mapping thread: on (as a server runs), or off, which makes a run
+    /// exactly repeatable (with it on, its timing moves a few pages between runs).
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    overlap: String,
     /// Output directory for fragmentation.csv and fragmentation.svg.
     #[arg(long, default_value = "target/fragmentation")]
     out: PathBuf,
@@ -81,7 +85,9 @@ fn run(args: Args) -> Result<()> {
             ..Default::default()
         },
         deferred_reclaim: false,
-        overlap: true,
+        eager: false,
+        overlap: args.overlap == "on",
+        pad_rows: false,
     };
     let deps: Vec<_> = deployments()
         .into_iter()
@@ -198,6 +204,18 @@ fn run(args: Args) -> Result<()> {
     plot(&svg, &points).map_err(|e| ReplayError::Config(format!("plot: {e}")))?;
     println!("wrote {} and {}", csv_path.display(), svg.display());
     Ok(())
+}
+
+/// The two Azure traces: from `../shared/traces/` when present, else the bundled subsets.
+fn default_traces() -> Vec<(String, PathBuf)> {
+    let root = vmem_bench::workspace_root();
+    vmem_bench::bundled_traces()
+        .into_iter()
+        .map(|(t, bundled)| {
+            let full = root.join(format!("../shared/traces/AzureLLMInferenceTrace_{t}.csv"));
+            (t, if full.exists() { full } else { bundled })
+        })
+        .collect()
 }
 
 fn plot(

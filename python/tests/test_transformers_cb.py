@@ -1,0 +1,277 @@
+"""vmem.transformers under transformers' continuous batching, on the CPU (fp32, host backend).
+
+Needs torch and transformers 5.17 (CI installs neither: the tests are skipped there, and
+``python/benches/serving_check.py`` runs the same checks on the GPU in bf16). Logits of every
+request, teacher-forced on the engine's own tokens, are compared with a plain ``DynamicCache``
+forward, and with the engine's own ``paged|sdpa`` path."""
+
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (CI has no torch); benches/serving_check.py runs these on the GPU")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+if not transformers.__version__.startswith("5.17."):
+    pytest.skip(f"vmem.transformers supports transformers 5.17.x, not {transformers.__version__}", allow_module_level=True)
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benches"))
+
+import cb_harness as h  # noqa: E402
+import vmem  # noqa: E402
+import vmem.transformers as vt  # noqa: E402
+
+TOL = 1e-4  # fp32 on the CPU, relative to the largest logit
+NEW = 4
+# Prompt lengths cross blocks (256 tokens per-layer, 128 token-major) and Flex's 128-token blocks.
+LENGTHS = [5, 140, 270, 17, 33, 64]
+OPTS = dict(page_size="64K", max_requests=4, max_context=1024, memory="8M")
+
+
+@pytest.fixture(autouse=True)
+def _installed():
+    h.fake_cpu_memory()
+    vt.install(**OPTS)
+    yield
+    vt.uninstall()
+
+
+def _check_clean(cache):
+    """Nothing a finished or preempted request held stays mapped: only the trash row is."""
+    u = cache.usage()
+    assert u["rows_in_use"] == 0 and u["blocks_in_use"] == 0, u
+    assert u["active_requests"] == 1, u  # the trash row
+    assert u["mapped_bytes"] == cache.trash_bytes(), u
+    assert cache.get_num_free_blocks() == cache.num_blocks
+
+
+def _check_run(run, model, label):
+    cmp = h.compare(run, model, NEW)
+    assert cmp["counts_ok"], (label, cmp["requests"])
+    assert cmp["max_rel_err"] < TOL, (label, cmp["max_rel_err"])
+    assert cmp["decisive"] > 0 and cmp["top1_agree"] == cmp["decisive"], (label, cmp)
+    return cmp
+
+
+@pytest.mark.parametrize("arch", h.ARCHS)
+def test_logits_match_paged_and_dynamic_cache(arch):
+    """Chunked prefill (32-token budget), requests joining mid-run, streaming through the manager."""
+    model = h.make_model(arch, torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
+    stagger = [0, 0, 0, 3, 6, 9]  # the last three join after that many results came back
+    cbk = dict(max_batch_tokens=64)
+    ours = h.run_engine(model, vt.VMEM_ATTENTION, prompts, NEW, cb_kwargs=cbk, stagger=stagger, streaming=True)
+    _check_run(ours, model, "vmem")
+    assert all(n == NEW for n in ours["streamed"].values()), ours["streamed"]
+    _check_clean(ours["cache"])
+    theirs = h.run_engine(model, "paged|sdpa", prompts, NEW, cb_kwargs=dict(cbk, block_size=32, num_blocks=256),
+                          stagger=stagger)
+    _check_run(theirs, model, "paged|sdpa")
+    assert h.cross_compare(ours, theirs) < TOL
+
+
+@pytest.mark.parametrize("kernel", vt.KERNELS)
+def test_token_major_layout(kernel, monkeypatch):
+    calls = []
+    real = vt.fa_varlen_reference
+    monkeypatch.setattr(vt, "fa_varlen_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with vt.serving(layout="token-major", kernel=kernel):
+        model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+        prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
+        run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, NEW, cb_kwargs=dict(max_batch_tokens=64))
+    cache = run["cache"]
+    assert cache.layout == "token-major" and cache.kernel == kernel and cache.tokens_per_page == 64
+    if kernel == "fa":  # FA reads exact lengths: a block is one page
+        assert cache.block_size == 64 and cache.pages_per_block == 1
+        layers = model.config.num_hidden_layers  # one call per layer per round (the CPU stand-in for the FA op)
+        assert calls and len(calls) % layers == 0 and len(calls) >= run["rounds"] * layers, (len(calls), run["rounds"])
+    else:  # Flex reads whole 128-token KV blocks
+        assert cache.block_size == 128 and cache.pages_per_block == 2
+        assert not calls
+    _check_run(run, model, "token-major")
+    _check_clean(cache)
+
+
+def test_flex_kernel_matches():
+    """``kernel="flex"`` (the BlockMask path, dense reference on the CPU) stays a working option."""
+    with vt.serving(kernel="flex"):
+        model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+        prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
+        run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, NEW, cb_kwargs=dict(max_batch_tokens=64),
+                           stagger=[0, 0, 0, 3, 6, 9])
+    assert run["cache"].kernel == "flex"
+    _check_run(run, model, "flex")
+    _check_clean(run["cache"])
+
+
+def test_kernel_option_is_checked():
+    with pytest.raises(vmem.InvalidArgument, match="kernel"):
+        vt.install(kernel="sdpa")
+    cache, _ = _cache()
+    assert cache.kernel == "fa"  # the default
+
+
+def test_preemption_under_memory_pressure():
+    """A budget of 7 blocks for requests (256 tokens each), 4 rows: four 200-token requests hold
+    a block each, then all cross into a second block together (4 needed, 3 free): the engine's
+    scheduler preempts (soft reset) and readmits; logits still match."""
+    with vt.serving(memory=str(8 * 4 * 65536), max_requests=4):  # 8 blocks of 4 pages, one is the trash row
+        model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+        lengths = [200] * 5
+        prompts = h.make_prompts(len(lengths), lengths, model.config.vocab_size)
+        new = 80
+        run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, new, cb_kwargs=dict(max_batch_tokens=64))
+    cache = run["cache"]
+    assert cache.num_blocks == 7
+    cmp = h.compare(run, model, new)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
+    assert cache.readmissions > 0, "expected at least one preemption"
+    _check_clean(cache)
+
+
+def test_blockflex_contender_matches():
+    """The engine's own paged cache read by the same Flex core through its block table."""
+    model = h.make_model("qwen2-bias", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
+    run = h.run_engine(model, vt.BLOCKFLEX_ATTENTION, prompts, NEW,
+                       cb_kwargs=dict(max_batch_tokens=48, block_size=128, num_blocks=48), stagger=[0, 0, 2, 2, 4, 4])
+    assert type(run["cache"]).__name__ == "RecordingPagedCache"
+    _check_run(run, model, "blockflex")
+
+
+def test_generate_batch():
+    model = h.make_model("mistral", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(3, [9, 150, 33], model.config.vocab_size)
+    model.set_attn_implementation(vt.VMEM_ATTENTION)
+    gen = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate_batch(prompts, generation_config=gen,
+                               continuous_batching_config=transformers.ContinuousBatchingConfig(max_batch_tokens=64))
+    assert len(out) == 3 and all(len(r.generated_tokens) == 4 for r in out.values())
+    model.set_attn_implementation("sdpa")
+    for r, p in zip(out.values(), prompts):
+        ref = h.reference_logits(model, p + list(r.generated_tokens)[:-1])
+        assert ref[len(p) - 1:].argmax(-1).tolist() == list(r.generated_tokens)
+
+
+def _cache(**kw):
+    cfg = h.make_config("llama-gqa")
+    cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64)
+    opts = dict(OPTS, **kw)
+    return vt.VmemCBCache(cfg, cb, "cpu", dtype=torch.float32, **opts), cb
+
+
+def test_allocation_is_exact_and_never_raises():
+    cache, cb = _cache(memory=str(5 * 4 * 65536), max_requests=2)  # 5 blocks: 4 for requests
+    assert cb.allow_block_sharing is False and cb.max_blocks_per_request == 0 and cb.cpu_offload_space == 0
+    assert cache.block_size == 256 and cache.num_blocks == 4
+    assert cache.allocate_blocks(3, "a", 0) == 3
+    assert cache.get_num_free_blocks() == 1
+    assert cache.allocate_blocks(2, "b", 0) is None  # no memory: None, not an exception
+    assert cache.allocate_blocks(1, "b", 0) == 1
+    assert cache.get_num_free_blocks() == 0
+    cache.free_blocks("a")
+    assert cache.get_num_free_blocks() == 3
+    assert cache.allocate_blocks(1, "c", 0) == 1
+    assert cache.allocate_blocks(1, "d", 0) is None  # memory left, but no row (max_requests=2): None
+    cache.flush()
+    u = cache.usage()
+    assert u["rows_in_use"] == 2 and u["blocks_in_use"] == 2
+    assert u["mapped_bytes"] == 3 * cache.trash_bytes()  # b's and c's blocks and the trash row
+    cache.free_blocks("b")
+    cache.free_blocks("c")
+    cache.free_blocks("never-allocated")  # a no-op
+    cache.flush()
+    u = cache.usage()
+    assert u["mapped_bytes"] == cache.trash_bytes() and cache.get_num_free_blocks() == 4
+
+
+def test_allocation_capped_at_max_context():
+    cache, _ = _cache(memory="64M", max_requests=2)
+    assert cache.max_context == 1024 and cache.block_size == 256
+    assert cache.allocate_blocks(3, "a", 0) == 3
+    assert cache.allocate_blocks(3, "a", 3) == 1  # only one block left in the row
+    assert cache.allocate_blocks(1, "a", 4) is None
+
+
+def test_refuses_graphs_and_unknown_version(monkeypatch):
+    cfg = h.make_config("llama-gqa")
+    cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64, use_cuda_graph=True)
+    with pytest.raises(vmem.InvalidArgument, match="CUDA graphs"):
+        vt.VmemCBCache(cfg, cb, "cpu", dtype=torch.float32, **OPTS)
+    vt.uninstall()
+    monkeypatch.setattr(vt, "_transformers_version", lambda: "5.18.0")
+    with pytest.raises(vmem.VmemError, match="5.18.0"):
+        vt.install()
+
+
+def test_attention_outside_the_engine_is_refused():
+    model = h.make_model("llama-gqa", torch.float32, "cpu")
+    model.set_attn_implementation(vt.VMEM_ATTENTION)
+    with pytest.raises(vmem.VmemError, match="continuous batching"):
+        model(torch.tensor([[3, 4, 5]]))
+
+
+# ------------------------------------------------------------------------------------------------
+# kernel="fa": the round's varlen indices against an independent per-request computation
+# ------------------------------------------------------------------------------------------------
+def _attend_f64(q, k, v, scale):
+    """Attention of ``q`` [sq, Hq, D] over ``k``/``v`` [nk, Hkv, D], bottom-right causal, float64,
+    with explicit softmax (no SDPA): query j sees keys 0 .. nk - sq + j."""
+    sq, hq, d = q.shape
+    nk, hkv = k.shape[0], k.shape[1]
+    g = hq // hkv
+    out = torch.empty(sq, hq, d, dtype=torch.float64)
+    for h_ in range(hq):
+        kh, vh = k[:, h_ // g].double(), v[:, h_ // g].double()
+        for j in range(sq):
+            s = (kh @ q[j, h_].double()) * scale
+            s[nk - sq + j + 1:] = float("-inf")
+            p = torch.softmax(s, 0)
+            out[j, h_] = p @ vh
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fa_varlen_indices_match_per_request_attention(seed):
+    """Rows in random (unsorted) order, decodes and prefill chunks mixed: the packed FA call's
+    emulation over the flat view equals per-request attention over each row's first past+q
+    tokens; the slots past a request's length hold NaN and must not be read."""
+    g = torch.Generator().manual_seed(seed)
+    rows, ctx, hkv, hq, d = 7, 48, 2, 6, 8
+    k4 = torch.full((rows, ctx, hkv, d), float("nan"))
+    v4 = torch.full((rows, ctx, hkv, d), float("nan"))
+    order = torch.randperm(rows, generator=g).tolist()[:5]
+    entries = []
+    for i, row in enumerate(order):
+        q = 1 if i % 2 else int(torch.randint(2, 9, (1,), generator=g))
+        past = int(torch.randint(0, ctx - q + 1, (1,), generator=g))
+        entries.append((row, past, q))
+        k4[row, :past + q] = torch.randn(past + q, hkv, d, generator=g)
+        v4[row, :past + q] = torch.randn(past + q, hkv, d, generator=g)
+    idx = vt.fa_varlen_indices(entries, ctx)
+    total = sum(e[2] for e in entries)
+    assert idx.total_q == total and idx.max_q == max(e[2] for e in entries)
+    assert idx.max_k == max(p + q for _, p, q in entries)
+    n = len(entries)
+    h_ = idx.host.tolist()
+    assert h_[n + 1: 2 * n + 1] == [r * ctx for r, _, _ in entries]  # starts: the rows, in query order
+    assert h_[2 * n + 2:] == [p + q for _, p, q in entries]
+    q = torch.randn(total, hq, d, generator=g)
+    kf, vf = k4.view(rows * ctx, hkv, d), v4.view(rows * ctx, hkv, d)
+    scale = 0.3
+    got = vt.fa_varlen_reference(q, kf, vf, idx.to("cpu"), scale)
+    assert torch.isfinite(got).all()
+    start = 0
+    for row, past, ql in entries:
+        want = _attend_f64(q[start:start + ql], k4[row, :past + ql], v4[row, :past + ql], scale)
+        torch.testing.assert_close(got[start:start + ql].double(), want, rtol=1e-5, atol=1e-5)
+        start += ql
+
+
+def test_fa_varlen_indices_refuse_bad_entries():
+    with pytest.raises(vmem.VmemError):
+        vt.fa_varlen_indices([], 16)
+    with pytest.raises(vmem.VmemError):
+        vt.fa_varlen_indices([(0, 10, 7)], 16)  # past + q past the row
+    with pytest.raises(vmem.VmemError):
+        vt.fa_varlen_indices([(0, 0, 0)], 16)  # a request without queries
