@@ -87,8 +87,11 @@ the decodes are Q ``[B, Hq, 1, D]`` against the flat KV, each listing its physic
 
 No kernel reads past a request's mapped memory: FlashAttention reads a request's keys
 ``[start, start + past + q)`` only (its loads past ``seqused_k`` are predicated off), all inside
-the blocks the engine allocated for it; for Flex a block is a multiple of the KV block, so the
-last KV block a request lists is mapped (no zero page needed on the GPU). Newly mapped blocks
+the blocks the engine allocated for it. Flex is not so contained: on the H100, Flex over vmem
+rows faulted (illegal address) in the 256-request bench after 64-request runs had passed —
+its kernel touched memory outside the blocks a BlockMask lists (likely through the padding
+entries of ``kv_indices``, which name block 0 of a row that may be unmapped). So the Flex path always backs unmapped slots with vmem's read-only zero page
+(one page; a device synchronization per growth). Newly mapped blocks
 are zeroed at the round's step (both kernels; Flex needs it: it reads the whole last KV block
 and masks scores, and a NaN bit pattern in fresh memory would still poison ``p @ V``; for FA it
 is defence in depth). On the CPU (not compiled) the same BlockMask is evaluated densely and
@@ -490,7 +493,9 @@ class VmemCBCache(_Recorder):
             layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=str(dtype), max_batch=self.rows,
             max_context=self.max_context, page_size=page, layout=layout, backend=backend, device=ordinal,
             memory_cap=cap, prealloc=cap if prealloc else 0, overlap=False, deferred_reclaim=False,
-            eager_tokens=0, zero_page=self.device.type == "cpu" or (kernel == "flex" and not self.compiled),
+            # The zero page: on the CPU for the dense references; for Flex everywhere (see the
+            # module docs: compiled Flex touched unmapped rows on the H100).
+            eager_tokens=0, zero_page=self.device.type == "cpu" or kernel == "flex",
         )
         self.layout = layout
         if int(self.kv.config()["tokens_per_page"]) != tpp:
