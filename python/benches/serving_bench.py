@@ -134,9 +134,8 @@ def run_one(model: Any, name: str, prompts: List[List[int]], args: Any, budget: 
             # Compiled Flex indexes [rows, Hkv, max_context, D] with 32-bit offsets (rows = requests
             # + the trash row): cap the rows there, as vmem.transformers refuses more.
             cfg = model.config
-            per_row = args.max_context * cfg.num_key_value_heads * getattr(cfg, "head_dim", None) \
-                if getattr(cfg, "head_dim", None) else args.max_context * cfg.num_key_value_heads * (
-                    cfg.hidden_size // cfg.num_attention_heads)
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            per_row = args.max_context * cfg.num_key_value_heads * head_dim
             max_requests = min(max_requests, (2**31 - 1) // per_row - 1)
         opts = dict(layout=spec["layout"], kernel=spec["kernel"], memory=budget["kv_bytes"],
                     page_size=args.page_size, max_requests=max_requests, max_context=args.max_context)

@@ -282,7 +282,8 @@ def test_compiled_flex_refuses_a_cache_past_32_bit_offsets():
     # of 257 x 8192 x 8 x 128 elements faulted once row 256 was used. The check runs before any
     # memory is reserved, so a CPU test can ask for the compiled kernel.
     cfg = h.make_config("llama-gqa")
-    hkv, d = cfg.num_key_value_heads, cfg.head_dim if getattr(cfg, "head_dim", None) else cfg.hidden_size // cfg.num_attention_heads
+    hkv = cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     ctx = 8192
     rows_fit = (2**31 - 1) // (ctx * hkv * d)  # rows = max_requests + 1 (the trash row)
     too_many = rows_fit  # rows_fit + 1 rows: one past what 32-bit offsets reach
