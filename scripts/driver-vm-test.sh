@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
-# Loads the patched nvidia-uvm.ko for real: boots Debian's own kernel (the image matching the
-# headers CI compiles against) under qemu-system-x86_64 with a small initramfs that
+# Loads the patched nvidia-uvm.ko for real: boots the Debian kernel image whose headers the
+# tree was built against under qemu-system-x86_64, with a small initramfs that
 #   1. loads nvidia_stub.ko, a stand-in for nvidia.ko (which refuses to load without a GPU)
 #      that exports exactly the symbols nvidia-uvm imports from it, generated from the built
 #      module, and answers "no GPU": session creation and callback registration succeed,
 #      everything else returns NV_ERR_NOT_SUPPORTED and logs its name;
 #   2. loads nvidia-uvm.ko (uvm_leak_checker=1), makes /dev/nvidia-uvm;
 #   3. runs uvm-ioctl's vm_check example (detection, every ioctl's argument checks, the ABI
-#      handshake both ways, the fork check, close);
+#      handshake both ways, the shared-page checks, the fork check, close);
 #   4. unloads both modules and prints the kernel log.
 # Fails on a vm_check failure, a module that does not load or unload, or any Oops, BUG,
 # WARNING, call trace, lockdep or leak report in the kernel log.
 #
-#   scripts/driver-vm-test.sh TREE
+#   scripts/driver-vm-test.sh TREE COMMON_HEADERS FLAVOUR_HEADERS VMLINUZ
+#   scripts/driver-vm-test.sh TREE          # bookworm's newest kernel (driver-archive.sh)
 # TREE: a kernel-open tree with the series applied, after scripts/check-driver-patch.sh's
-# combined `make -k modules` (which links nvidia-uvm.o; nvidia/nv-pci.c fails on 6.1).
+# combined `make -k modules` against those headers (which links nvidia-uvm.o; nvidia/nv-pci.c
+# fails on 6.1). The headers and image are what `scripts/driver-archive.sh kernel` unpacks.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-tree=$(cd "${1:?usage: $0 KERNEL_OPEN_TREE}" && pwd)
+tree=$(cd "${1:?usage: $0 KERNEL_OPEN_TREE [COMMON FLAVOUR VMLINUZ]}" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 start=$(date +%s)
@@ -25,16 +27,17 @@ log() { printf '[driver-vm %4ss] %s\n' "$(( $(date +%s) - start ))" "$*"; }
 fail() { echo "DRIVER VM TEST FAILED: $*" >&2; exit 1; }
 
 export DEBIAN_FRONTEND=noninteractive
-apt-get install -y -qq qemu-system-x86 busybox-static cpio linux-headers-amd64 >/dev/null
-common=$(ls -d /usr/src/linux-headers-*-common | sort -V | tail -1)
-flavour=${common%-common}-amd64
-kver=${flavour#/usr/src/linux-headers-}
+apt-get install -y -qq qemu-system-x86 busybox-static cpio >/dev/null
+if [ $# -ge 4 ]; then
+  common=$2; flavour=$3; vmlinuz=$4
+else
+  read -r _ _ common flavour vmlinuz < <("$root/scripts/driver-archive.sh" kernel \
+    bookworm,bookworm-updates,bookworm-security "$work/kernel")
+fi
+kver=$(basename "$vmlinuz"); kver=${kver#vmlinuz-}
 [ -f "$tree/nvidia-uvm.o" ] || fail "$tree/nvidia-uvm.o is not built"
-
-log "kernel $kver: fetching Debian's image (matches the headers)"
-(cd "$work" && apt-get download -qq "linux-image-$kver-unsigned" 2>/dev/null ||
-  apt-get download -qq "linux-image-$kver")
-dpkg-deb --fsys-tarfile "$work"/linux-image-*.deb | tar -C "$work" -x "./boot/vmlinuz-$kver"
+[ -f "$vmlinuz" ] && [ -f "$flavour/Module.symvers" ] || fail "no kernel image or headers at $vmlinuz, $flavour"
+log "kernel $kver ($vmlinuz)"
 
 log "stub nvidia module: the symbols nvidia-uvm imports that the kernel does not export"
 mkdir -p "$work/stub"
@@ -152,7 +155,7 @@ chmod +x "$ir/init"
 accel=${VMTEST_ACCEL:-tcg}
 log "booting under qemu ($accel)"
 timeout 600 qemu-system-x86_64 -accel "$accel" -cpu max -smp 2 -m 1024 -nographic -no-reboot \
-  -kernel "$work/boot/vmlinuz-$kver" -initrd "$work/initramfs.gz" \
+  -kernel "$vmlinuz" -initrd "$work/initramfs.gz" \
   -append "console=ttyS0 panic=-1 loglevel=6" > "$work/console.log" 2>&1 || true
 tr -d '\r' < "$work/console.log" | sed -n '/VMTEST: booted/,$p' | grep -v '^\[ *[0-9.]*\] *$' > "$work/out.log" || true
 { grep -E '^(VMTEST|vm_check):' "$work/out.log" || true; } | sed -n '/VMTEST: kernel log/q;p'
