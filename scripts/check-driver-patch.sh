@@ -120,6 +120,8 @@ for combo in $COMBOS; do
   log "$combo: loading the module in a VM"
   "$root/scripts/driver-vm-test.sh" "$tree" "$c" "$f" "${vmlinuz[$k]}" 2>&1 | sed 's/^/    /' ||
     fail "$combo: the VM test failed"
+  "$root/scripts/driver-dkms.sh" --render "$tree" "${upstream_version[$v]}" "$work/dkms-$combo" | sed 's/^/    /' ||
+    fail "$combo: packaging/dkms/dkms.conf.in does not render"
   proven+=("${source_version[$v]} on linux ${kname_ver[$k]}")
   rm -rf "$work/$v-$k"
 done
