@@ -5,7 +5,8 @@
 #      that exports exactly the symbols nvidia-uvm imports from it, generated from the built
 #      module, and answers "no GPU": session creation and callback registration succeed,
 #      everything else returns NV_ERR_NOT_SUPPORTED and logs its name;
-#   2. loads nvidia-uvm.ko (uvm_leak_checker=1), makes /dev/nvidia-uvm;
+#   2. loads nvidia-uvm.ko (uvm_leak_checker=1, uvm_enable_builtin_tests=1 for the vMem
+#      self test), makes /dev/nvidia-uvm;
 #   3. runs uvm-ioctl's vm_check example (detection, every ioctl's argument checks, the ABI
 #      handshake both ways, the shared-page checks, the fork check, close);
 #   4. unloads both modules and prints the kernel log.
@@ -135,7 +136,7 @@ mount -t sysfs sysfs /sys
 mount -t devtmpfs dev /dev
 echo "VMTEST: booted $(uname -r)"
 insmod /nvidia_stub.ko && echo "VMTEST: stub loaded"
-insmod /nvidia-uvm.ko uvm_leak_checker=1 && echo "VMTEST: nvidia-uvm loaded"
+insmod /nvidia-uvm.ko uvm_leak_checker=1 uvm_enable_builtin_tests=1 && echo "VMTEST: nvidia-uvm loaded"
 major=$(awk '$2 == "nvidia-uvm" { print $1 }' /proc/devices)
 mknod /dev/nvidia-uvm c "$major" 0
 /vm_check
@@ -151,12 +152,14 @@ chmod +x "$ir/init"
 (cd "$ir" && find . | cpio -o -H newc --quiet | gzip -1) > "$work/initramfs.gz"
 
 # Software emulation: CI machines are VMs themselves, where /dev/kvm, if present, often
-# does not work. VMTEST_ACCEL=kvm to use it.
+# does not work. VMTEST_ACCEL=kvm to use it. no_timer_check: on a loaded host, emulated time
+# runs so unevenly that the kernel's IO-APIC timer check can fail and panic at boot (seen
+# with 6.12 while other builds ran).
 accel=${VMTEST_ACCEL:-tcg}
 log "booting under qemu ($accel)"
 timeout 600 qemu-system-x86_64 -accel "$accel" -cpu max -smp 2 -m 1024 -nographic -no-reboot \
   -kernel "$vmlinuz" -initrd "$work/initramfs.gz" \
-  -append "console=ttyS0 panic=-1 loglevel=6" > "$work/console.log" 2>&1 || true
+  -append "console=ttyS0 panic=-1 loglevel=6 no_timer_check" > "$work/console.log" 2>&1 || true
 tr -d '\r' < "$work/console.log" | sed -n '/VMTEST: booted/,$p' | grep -v '^\[ *[0-9.]*\] *$' > "$work/out.log" || true
 { grep -E '^(VMTEST|vm_check):' "$work/out.log" || true; } | sed -n '/VMTEST: kernel log/q;p'
 echo "---- kernel log, from the first module load on ----"
@@ -167,7 +170,9 @@ for step in "stub loaded" "nvidia-uvm loaded" "vm_check exit 0" "nvidia-uvm unlo
   grep -q "VMTEST: $step" "$work/out.log" || fail "missing: $step"
 done
 klog=$(sed -n '/VMTEST: kernel log/,/VMTEST: end/p' "$work/out.log")
-if echo "$klog" | grep -Ei 'Oops|BUG:|WARNING:|Call Trace|lockdep|possible circular|leak|general protection|kernel panic'; then
+# \boops\b: "calibrate_delay_direct() failed ... loops_per_jiffy", which a loaded host can
+# cause, is no Oops.
+if echo "$klog" | grep -Ei '\boops\b|BUG:|WARNING:|Call Trace|lockdep|possible circular|leak|general protection|kernel panic'; then
   fail "the kernel log reports a problem (above)"
 fi
 log "driver VM test passed: loaded, every ioctl answered as expected, unloaded, clean log"
