@@ -4,7 +4,9 @@
 #   - driver sources: the newest nvidia-open-kernel-source of each branch in BRANCHES
 #     (bookworm's or trixie's suites, contrib; scripts/driver-source.sh);
 #   - kernels: the newest amd64 headers and image of each suite set in KERNELS
-#     (scripts/driver-archive.sh kernel; unpacked, not installed).
+#     (scripts/driver-archive.sh kernel; unpacked, not installed): bookworm's own (6.1) and
+#     bookworm-backports' (6.12 today: trixie's kernel series, built with bookworm's gcc-12;
+#     trixie's own 6.12 headers need gcc-14 and a newer glibc than bookworm has).
 # For each pair in COMBOS (BRANCH@KERNEL): apply the series with no fuzz, check that the files
 # it adds are exactly driver-patch/src + include, build nvidia + nvidia-uvm, and require
 #   - every nvidia-uvm object built and nvidia-uvm.o linked, with no warning or error naming an
@@ -19,8 +21,8 @@
 # checkpatch.pl (from Debian's linux-source-6.1) reports nothing in our files.
 #
 # Environment (defaults are what CI runs):
-#   BRANCHES="535 550"   COMBOS="535@bookworm 550@bookworm"
-#   KERNELS="bookworm=bookworm,bookworm-updates,bookworm-security"
+#   BRANCHES="535 550"   COMBOS="535@bookworm 550@bookworm 550@backports"
+#   KERNELS="bookworm=bookworm,bookworm-updates,bookworm-security backports=bookworm-backports"
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d)
@@ -30,8 +32,8 @@ log() { printf '[driver-check %4ss] %s\n' "$(( $(date +%s) - start ))" "$*"; }
 fail() { echo "DRIVER CHECK FAILED: $*" >&2; exit 1; }
 archive="$root/scripts/driver-archive.sh"
 BRANCHES=${BRANCHES:-535 550}
-KERNELS=${KERNELS:-bookworm=bookworm,bookworm-updates,bookworm-security}
-COMBOS=${COMBOS:-535@bookworm 550@bookworm}
+KERNELS=${KERNELS:-bookworm=bookworm,bookworm-updates,bookworm-security backports=bookworm-backports}
+COMBOS=${COMBOS:-535@bookworm 550@bookworm 550@backports}
 
 log "installing sparse and build tools"
 export DEBIAN_FRONTEND=noninteractive
