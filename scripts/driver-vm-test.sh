@@ -49,7 +49,13 @@ nm -u "$tree/nvidia-uvm.o" | awk '$2 != "__this_module" {print $2}' | sort -u |
 others=$(grep -cv '^nvUvmInterface' "$work/needed" || true)
 [ "$others" = 0 ] || { grep -v '^nvUvmInterface' "$work/needed"; fail "nvidia-uvm imports symbols other than nvUvmInterface*"; }
 log "$(wc -l < "$work/needed") symbols, all nvUvmInterface*"
-special='nvUvmInterfaceSessionCreate|nvUvmInterfaceSessionDestroy|nvUvmInterfaceRegisterUvmCallbacks|nvUvmInterfaceDeRegisterUvmOps'
+# Callback registration is RegisterUvmCallbacks / DeRegisterUvmOps up to 5xx, and
+# RegisterUvmEvents / DeRegisterUvmEvents in 595: whichever the module imports succeeds.
+register=$(grep -xE 'nvUvmInterface(RegisterUvmCallbacks|RegisterUvmEvents)' "$work/needed" || true)
+deregister=$(grep -xE 'nvUvmInterfaceDeRegister(UvmOps|UvmEvents)' "$work/needed" || true)
+[ "$(echo "$register" | grep -c .)" = 1 ] && [ "$(echo "$deregister" | grep -c .)" = 1 ] ||
+  fail "nvidia-uvm imports no (or several) callback (de)registration functions: update the stub"
+special="nvUvmInterfaceSessionCreate|nvUvmInterfaceSessionDestroy|$register|$deregister"
 {
   cat <<'EOF'
 // SPDX-License-Identifier: MIT
@@ -76,18 +82,20 @@ NV_STATUS nvUvmInterfaceSessionDestroy(uvmGpuSessionHandle session)
 }
 EXPORT_SYMBOL(nvUvmInterfaceSessionDestroy);
 
-NV_STATUS nvUvmInterfaceRegisterUvmCallbacks(struct UvmOpsUvmEvents *ops);
-NV_STATUS nvUvmInterfaceRegisterUvmCallbacks(struct UvmOpsUvmEvents *ops)
-{
-	return NV_OK;
-}
-EXPORT_SYMBOL(nvUvmInterfaceRegisterUvmCallbacks);
-
-void nvUvmInterfaceDeRegisterUvmOps(void);
-void nvUvmInterfaceDeRegisterUvmOps(void)
-{
-}
-EXPORT_SYMBOL(nvUvmInterfaceDeRegisterUvmOps);
+/* Callback (de)registration: succeeds (the argument, UVM's callback table, is ignored). */
+#define REGISTER_OK(name)						\
+	NV_STATUS name(void *ops);					\
+	NV_STATUS name(void *ops)					\
+	{								\
+		return NV_OK;						\
+	}								\
+	EXPORT_SYMBOL(name)
+#define DEREGISTER(name)						\
+	void name(void);						\
+	void name(void)							\
+	{								\
+	}								\
+	EXPORT_SYMBOL(name)
 
 /* The rest: no GPU. Arguments are ignored (the x86-64 ABI makes that harmless). */
 #define STUB(name)							\
@@ -99,6 +107,8 @@ EXPORT_SYMBOL(nvUvmInterfaceDeRegisterUvmOps);
 	}								\
 	EXPORT_SYMBOL(name)
 EOF
+  echo "REGISTER_OK($register);"
+  echo "DEREGISTER($deregister);"
   grep -Ev "^($special)$" "$work/needed" | sed 's/.*/STUB(&);/'
   echo 'MODULE_LICENSE("Dual MIT/GPL");'
   echo 'MODULE_DESCRIPTION("vmem CI: nvidia.ko stand-in that reports no GPU");'
