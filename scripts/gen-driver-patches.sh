@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates driver-patch/patches/ from driver-patch/src/ and driver-patch/include/ against a
-# pristine kernel-open tree (Debian 535.261.03 by default, fetched with driver-source.sh).
+# pristine kernel-open tree (by default Debian's newest 535, fetched with driver-source.sh).
 # Patch 0001 adds our files (their content comes from src/ and include/); patch 0002 holds the
 # hooks into NVIDIA's files and is edited by hand. Output is reproducible (fixed dates, zero
 # commit ids), so CI can check that the committed series matches the sources.

@@ -14,11 +14,18 @@
  *   UVM_VMEM_RESERVE    reserve a range of GPU virtual address space          (vMemReserve)
  *   UVM_VMEM_CREATE     allocate one physical page of 64K/128K/256K/2M bytes    (vMemCreate)
  *   UVM_VMEM_MAP        map a page at a page-aligned address of a reserved range (vMemMap)
- *   UVM_VMEM_UNMAP      unmap a run of pages, keeping them allocated
+ *   UVM_VMEM_UNMAP      unmap a run of mappings, keeping the pages allocated
  *   UVM_VMEM_RELEASE    free a physical page (unmapping it first if asked)      (vMemRelease)
  *   UVM_VMEM_FREE       free a reserved range; it must have nothing mapped      (vMemFree)
  *   UVM_VMEM_MAP_BATCH  map N (address, page) pairs: one membar, one TLB invalidate
  *   UVM_VMEM_UNMAP_BATCH unmap N (address, page) pairs: likewise
+ *   UVM_VMEM_SELF_TEST  the module's own bookkeeping test (builtin tests only)
+ *
+ * Shared pages (version 3). A page can be mapped at several addresses at once, in one range
+ * or several of the same GPU: each mapping has its own PTEs, and the page counts its
+ * mappings (mapCount). Unmapping one mapping leaves the others. A page is freed only by
+ * UVM_VMEM_RELEASE, which refuses a page that still has a mapping (NV_ERR_IN_USE) unless
+ * UVM_VMEM_RELEASE_UNMAP asks it to unmap all of them first.
  *
  * Every command fills rmStatus: NV_OK, or NV_ERR_INVALID_ARGUMENT (bad size, alignment,
  * overflow, unsupported page size, flags), NV_ERR_INVALID_ADDRESS (not inside a range this
@@ -29,11 +36,14 @@
  *
  * ABI. UVM copies a command's parameter struct in and out by the size the module was built
  * with, so a struct of another size must never reach it. Each command number therefore
- * carries its struct's size (bits 4-15) next to its number (bits 0-3), as _IOWR numbers do:
- * a module and a client built from different versions of this header disagree on the number,
- * and the module answers a number of this family it does not know with the errno EPROTO
- * (never copying anything). UVM_VMEM_QUERY alone is frozen (number and struct, since
- * version 1), so any client can read the module's version and refuse one it does not know.
+ * carries its struct's size (bits 4-11) next to its number (bits 0-3), as _IOWR numbers do,
+ * and, since version 3, the interface version (bits 12-15; version 2 left them 0), because a
+ * command can change its meaning without changing its struct (version 3's MAP accepts a page
+ * that is mapped already, which version 2 refused): a module and a client built from
+ * different versions of this header disagree on every number, and the module answers a
+ * number of this family it does not know with the errno EPROTO (never copying anything).
+ * UVM_VMEM_QUERY alone is frozen (number and struct, since version 1), so any client can
+ * read the module's version and refuse one it does not know.
  */
 #ifndef _UVM_VMEM_IOCTL_H
 #define _UVM_VMEM_IOCTL_H
@@ -59,18 +69,22 @@ typedef struct nv_processor_uuid {
 #define UVM_VMEM_IOCTL_BASE 0x564d0000u
 #define UVM_VMEM_IOCTL_MASK 0xffff0000u
 #define UVM_VMEM_SIZE_SHIFT 4
-#define UVM_VMEM_QUERY (UVM_VMEM_IOCTL_BASE + 1u)
-#define UVM_VMEM_RESERVE (UVM_VMEM_IOCTL_BASE | (40u << UVM_VMEM_SIZE_SHIFT) | 2u)
-#define UVM_VMEM_CREATE (UVM_VMEM_IOCTL_BASE | (40u << UVM_VMEM_SIZE_SHIFT) | 3u)
-#define UVM_VMEM_MAP (UVM_VMEM_IOCTL_BASE | (24u << UVM_VMEM_SIZE_SHIFT) | 4u)
-#define UVM_VMEM_UNMAP (UVM_VMEM_IOCTL_BASE | (32u << UVM_VMEM_SIZE_SHIFT) | 5u)
-#define UVM_VMEM_RELEASE (UVM_VMEM_IOCTL_BASE | (16u << UVM_VMEM_SIZE_SHIFT) | 6u)
-#define UVM_VMEM_FREE (UVM_VMEM_IOCTL_BASE | (16u << UVM_VMEM_SIZE_SHIFT) | 7u)
-#define UVM_VMEM_MAP_BATCH (UVM_VMEM_IOCTL_BASE | (24u << UVM_VMEM_SIZE_SHIFT) | 8u)
-#define UVM_VMEM_UNMAP_BATCH (UVM_VMEM_IOCTL_BASE | (24u << UVM_VMEM_SIZE_SHIFT) | 9u)
+#define UVM_VMEM_VERSION_SHIFT 12
 
-/* Interface version reported by UVM_VMEM_QUERY. */
-#define UVM_VMEM_VERSION 2u
+/* Interface version reported by UVM_VMEM_QUERY, and carried by every other number. */
+#define UVM_VMEM_VERSION 3u
+
+#define UVM_VMEM_IOCTL_V (UVM_VMEM_IOCTL_BASE | (UVM_VMEM_VERSION << UVM_VMEM_VERSION_SHIFT))
+#define UVM_VMEM_QUERY (UVM_VMEM_IOCTL_BASE + 1u)
+#define UVM_VMEM_RESERVE (UVM_VMEM_IOCTL_V | (40u << UVM_VMEM_SIZE_SHIFT) | 2u)
+#define UVM_VMEM_CREATE (UVM_VMEM_IOCTL_V | (40u << UVM_VMEM_SIZE_SHIFT) | 3u)
+#define UVM_VMEM_MAP (UVM_VMEM_IOCTL_V | (32u << UVM_VMEM_SIZE_SHIFT) | 4u)
+#define UVM_VMEM_UNMAP (UVM_VMEM_IOCTL_V | (32u << UVM_VMEM_SIZE_SHIFT) | 5u)
+#define UVM_VMEM_RELEASE (UVM_VMEM_IOCTL_V | (16u << UVM_VMEM_SIZE_SHIFT) | 6u)
+#define UVM_VMEM_FREE (UVM_VMEM_IOCTL_V | (16u << UVM_VMEM_SIZE_SHIFT) | 7u)
+#define UVM_VMEM_MAP_BATCH (UVM_VMEM_IOCTL_V | (24u << UVM_VMEM_SIZE_SHIFT) | 8u)
+#define UVM_VMEM_UNMAP_BATCH (UVM_VMEM_IOCTL_V | (24u << UVM_VMEM_SIZE_SHIFT) | 9u)
+#define UVM_VMEM_SELF_TEST (UVM_VMEM_IOCTL_V | (12u << UVM_VMEM_SIZE_SHIFT) | 10u)
 
 /* Page sizes, as bits of UVM_VMEM_QUERY_PARAMS.pageSizes (bit n = 2^n bytes). */
 #define UVM_VMEM_PAGE_64K (1ull << 16)
@@ -114,15 +128,17 @@ typedef struct uvm_vmem_create_params {
 } UVM_VMEM_CREATE_PARAMS;
 
 typedef struct uvm_vmem_map_params {
-	NvU64 base; /* IN: page-aligned address inside a reserved range */
-	NvU64 handle; /* IN: a page created on this file, not mapped */
+	NvU64 base; /* IN: page-aligned address inside a reserved range, nothing mapped there */
+	NvU64 handle; /* IN: a page created on this file; it may be mapped elsewhere already */
+	NvU64 mapCount; /* OUT: the page's mappings, this one included */
 	NvU32 flags; /* IN: must be 0 */
 	NV_STATUS rmStatus; /* OUT */
 } UVM_VMEM_MAP_PARAMS;
 
 typedef struct uvm_vmem_unmap_params {
-	NvU64 base; /* IN: first page of a run of mapped pages */
-	NvU64 length; /* IN: bytes; the run must be exactly mapped */
+	NvU64 base; /* IN: first mapping of a run of mappings */
+	/* IN: bytes; the run must be exactly mapped (other mappings of its pages stay) */
+	NvU64 length;
 	NvU64 unmapped; /* OUT: bytes from base unmapped; length unless a GPU error stopped it */
 	NvU32 flags; /* IN: must be 0 */
 	NV_STATUS rmStatus; /* OUT */
@@ -130,7 +146,10 @@ typedef struct uvm_vmem_unmap_params {
 
 typedef struct uvm_vmem_release_params {
 	NvU64 handle; /* IN */
-	NvU32 flags; /* IN: 0 or UVM_VMEM_RELEASE_UNMAP */
+	/* IN: 0 (NV_ERR_IN_USE while it has a mapping) or UVM_VMEM_RELEASE_UNMAP (unmap every
+	 * mapping of it, then free it)
+	 */
+	NvU32 flags;
 	NV_STATUS rmStatus; /* OUT */
 } UVM_VMEM_RELEASE_PARAMS;
 
@@ -148,8 +167,9 @@ typedef struct uvm_vmem_batch_entry {
 
 /*
  * UVM_VMEM_MAP_BATCH: all or nothing; every entry is validated (as UVM_VMEM_MAP does, and
- * no two entries overlap) before any PTE is written. UVM_VMEM_UNMAP_BATCH: every entry must
- * name the page mapped at its address; done counts the entries unmapped, in order (count
+ * no two entries overlap; one page may be named by several entries, at different addresses)
+ * before any PTE is written. UVM_VMEM_UNMAP_BATCH: every entry must name the page mapped at
+ * its address, and no address twice; done counts the entries unmapped, in order (count
  * unless a GPU error stopped it; then the rest are still mapped).
  */
 typedef struct uvm_vmem_batch_params {
@@ -163,9 +183,22 @@ typedef struct uvm_vmem_batch_params {
 typedef UVM_VMEM_BATCH_PARAMS UVM_VMEM_MAP_BATCH_PARAMS;
 typedef UVM_VMEM_BATCH_PARAMS UVM_VMEM_UNMAP_BATCH_PARAMS;
 
-/* Each number carries its struct's size: checked wherever this header is compiled. */
+/*
+ * UVM_VMEM_SELF_TEST: runs the module's sharing bookkeeping (map counts, overlap and
+ * all-or-nothing validation, unmapping one mapping of several, release and free refusals)
+ * on objects of its own, with no GPU and no page tables, and touches nothing of the file's.
+ * Only when nvidia-uvm was loaded with uvm_enable_builtin_tests=1 (NV_ERR_NOT_SUPPORTED
+ * otherwise). failedStep is 0 when every step passed, else the first that did not.
+ */
+typedef struct uvm_vmem_self_test_params {
+	NvU32 flags; /* IN: must be 0 */
+	NvU32 failedStep; /* OUT */
+	NV_STATUS rmStatus; /* OUT */
+} UVM_VMEM_SELF_TEST_PARAMS;
+
+/* Each number carries its struct's size and the version: checked wherever it is compiled. */
 #define UVM_VMEM_CMD_OF(type, nr) \
-	(UVM_VMEM_IOCTL_BASE | ((NvU32)sizeof(type) << UVM_VMEM_SIZE_SHIFT) | (nr))
+	(UVM_VMEM_IOCTL_V | ((NvU32)sizeof(type) << UVM_VMEM_SIZE_SHIFT) | (nr))
 #define UVM_VMEM_CHECK_CMD(cmd, type, nr) \
 	_Static_assert((cmd) == UVM_VMEM_CMD_OF(type, nr), #cmd " does not encode its size")
 UVM_VMEM_CHECK_CMD(UVM_VMEM_RESERVE, UVM_VMEM_RESERVE_PARAMS, 2u);
@@ -176,5 +209,6 @@ UVM_VMEM_CHECK_CMD(UVM_VMEM_RELEASE, UVM_VMEM_RELEASE_PARAMS, 6u);
 UVM_VMEM_CHECK_CMD(UVM_VMEM_FREE, UVM_VMEM_FREE_PARAMS, 7u);
 UVM_VMEM_CHECK_CMD(UVM_VMEM_MAP_BATCH, UVM_VMEM_BATCH_PARAMS, 8u);
 UVM_VMEM_CHECK_CMD(UVM_VMEM_UNMAP_BATCH, UVM_VMEM_BATCH_PARAMS, 9u);
+UVM_VMEM_CHECK_CMD(UVM_VMEM_SELF_TEST, UVM_VMEM_SELF_TEST_PARAMS, 10u);
 
 #endif /* _UVM_VMEM_IOCTL_H */

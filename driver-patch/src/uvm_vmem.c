@@ -76,20 +76,28 @@ struct vmem_range {
 	uvm_gpu_t *gpu;
 	unsigned long cpu_start;	/* the CPU reservation (<= base), in state->mm */
 	unsigned long cpu_length;
-	NvU64 mapped_pages;
+	NvU64 mapped_pages;		/* mappings inside it */
 };
 
 struct vmem_page {
-	struct rb_node node;		/* in vmem_state.mapped, by address */
 	NvU64 handle;
 	uvm_gpu_t *gpu;
 	NvU64 page_size;
 	NvU32 chunk_count;
 	uvm_gpu_chunk_t **chunks;
-	struct vmem_range *range;	/* NULL when not mapped */
+	struct list_head mappings;	/* its vmem_mappings (one per address it is mapped at) */
+	NvU64 map_count;		/* how many */
+};
+
+/* One address a page is mapped at: since version 3 a page can have several. */
+struct vmem_mapping {
+	struct rb_node node;		/* in vmem_state.mapped, by address */
+	struct list_head page_link;	/* in page->mappings */
+	struct vmem_page *page;
+	struct vmem_range *range;
 	NvU64 address;
-	uvm_page_table_range_vec_t *ptes;
-	bool picked;			/* named by the batch being validated */
+	uvm_page_table_range_vec_t *ptes; /* NULL until its page tables are made */
+	bool picked;			/* named by the unmap batch being validated */
 };
 
 struct vmem_state {
@@ -194,51 +202,66 @@ static struct vmem_range *vmem_range_containing(struct vmem_state *state, NvU64 
 	return NULL;
 }
 
-/* The mapped page overlapping [address, address + size), if any. */
-static struct vmem_page *vmem_mapped_overlap(struct vmem_state *state, NvU64 address, NvU64 size)
+/* The mapping overlapping [address, address + size), if any. */
+static struct vmem_mapping *vmem_mapped_overlap(struct vmem_state *state, NvU64 address,
+						NvU64 size)
 {
 	struct rb_node *node = state->mapped.rb_node;
 
 	while (node) {
-		struct vmem_page *page = rb_entry(node, struct vmem_page, node);
+		struct vmem_mapping *m = rb_entry(node, struct vmem_mapping, node);
 
-		if (!uvm_vmem_overlaps(address, size, page->address, page->page_size))
-			node = address < page->address ? node->rb_left : node->rb_right;
+		if (!uvm_vmem_overlaps(address, size, m->address, m->page->page_size))
+			node = address < m->address ? node->rb_left : node->rb_right;
 		else
-			return page;
+			return m;
 	}
 	return NULL;
 }
 
-/* Links a page at `address` of `range`: it is mapped as far as the bookkeeping goes. */
-static void vmem_page_link(struct vmem_state *state, struct vmem_page *page,
-			   struct vmem_range *range, NvU64 address)
+/*
+ * Records `page` as mapped at `address` of `range` (bookkeeping only: no page tables yet).
+ * The caller has checked that nothing is mapped there. NULL when out of memory.
+ */
+static struct vmem_mapping *vmem_mapping_link(struct vmem_state *state, struct vmem_page *page,
+					      struct vmem_range *range, NvU64 address)
 {
 	struct rb_node **link = &state->mapped.rb_node, *parent = NULL;
+	struct vmem_mapping *m = uvm_kvmalloc_zero(sizeof(*m));
 
-	page->address = address;
-	page->range = range;
-	range->mapped_pages++;
+	if (!m)
+		return NULL;
+	m->page = page;
+	m->range = range;
+	m->address = address;
 	while (*link) {
-		struct vmem_page *other = rb_entry(*link, struct vmem_page, node);
+		struct vmem_mapping *other = rb_entry(*link, struct vmem_mapping, node);
 
 		parent = *link;
-		link = page->address < other->address ? &(*link)->rb_left : &(*link)->rb_right;
+		link = address < other->address ? &(*link)->rb_left : &(*link)->rb_right;
 	}
-	rb_link_node(&page->node, parent, link);
-	rb_insert_color(&page->node, &state->mapped);
+	rb_link_node(&m->node, parent, link);
+	rb_insert_color(&m->node, &state->mapped);
+	list_add_tail(&m->page_link, &page->mappings);
+	page->map_count++;
+	range->mapped_pages++;
+	return m;
 }
 
-static void vmem_page_unlink(struct vmem_state *state, struct vmem_page *page)
+/* Forgets a mapping (its page tables, if any, are the caller's to have put) and frees it. */
+static void vmem_mapping_unlink(struct vmem_state *state, struct vmem_mapping *m)
 {
-	rb_erase(&page->node, &state->mapped);
-	page->range->mapped_pages--;
-	page->range = NULL;
+	rb_erase(&m->node, &state->mapped);
+	list_del(&m->page_link);
+	m->page->map_count--;
+	m->range->mapped_pages--;
+	uvm_kvfree(m);
 }
 
 static NvU64 vmem_pte_maker(uvm_page_table_range_vec_t *range_vec, NvU64 offset, void *data)
 {
-	struct vmem_page *page = data;
+	struct vmem_mapping *m = data;
+	struct vmem_page *page = m->page;
 	uvm_page_tree_t *tree = range_vec->tree;
 	NvU64 chunk_size = page->page_size / page->chunk_count;
 	uvm_gpu_chunk_t *chunk = page->chunks[offset / chunk_size];
@@ -255,10 +278,10 @@ static NvU64 vmem_pte_maker(uvm_page_table_range_vec_t *range_vec, NvU64 offset,
 				   UVM_MMU_PTE_FLAGS_ACCESS_COUNTERS_DISABLED);
 }
 
-/* Pushes the PTE writes (or clears) of one page into `batch`. */
-static void vmem_page_push_ptes(uvm_pte_batch_t *batch, struct vmem_page *page, bool clear)
+/* Pushes the PTE writes (or clears) of one mapping into `batch`. */
+static void vmem_mapping_push_ptes(uvm_pte_batch_t *batch, struct vmem_mapping *m, bool clear)
 {
-	uvm_page_table_range_vec_t *vec = page->ptes;
+	uvm_page_table_range_vec_t *vec = m->ptes;
 	uvm_page_tree_t *tree = vec->tree;
 	NvU32 entry_size = uvm_mmu_pte_size(tree, vec->page_size);
 	NvU64 offset = 0;
@@ -274,7 +297,7 @@ static void vmem_page_push_ptes(uvm_pte_batch_t *batch, struct vmem_page *page, 
 			continue;
 		}
 		for (entry = 0; entry < range->entry_count; entry++) {
-			NvU64 pte = vmem_pte_maker(vec, offset, page);
+			NvU64 pte = vmem_pte_maker(vec, offset, m);
 
 			uvm_pte_batch_write_pte(batch, pa, pte, entry_size);
 			offset += vec->page_size;
@@ -284,12 +307,12 @@ static void vmem_page_push_ptes(uvm_pte_batch_t *batch, struct vmem_page *page, 
 }
 
 /*
- * Writes (or clears) the PTEs of `count` pages of one GPU VA space in as few pushes as fit,
- * with one TLB invalidate, in the last push, for all of them. Only for page trees the GPU
- * writes (vmem_tree_gpu_writes). Returns when the GPU has done it.
+ * Writes (or clears) the PTEs of `count` mappings of one GPU VA space in as few pushes as
+ * fit, with one TLB invalidate, in the last push, for all of them. Only for page trees the
+ * GPU writes (vmem_tree_gpu_writes). Returns when the GPU has done it.
  */
-static NV_STATUS vmem_ptes_batched(uvm_page_tree_t *tree, struct vmem_page **pages, NvU32 count,
-				   bool clear)
+static NV_STATUS vmem_ptes_batched(uvm_page_tree_t *tree, struct vmem_mapping **maps,
+				   NvU32 count, bool clear)
 {
 	uvm_tracker_t tracker = UVM_TRACKER_INIT();
 	uvm_pte_batch_t pte_batch;
@@ -301,13 +324,13 @@ static NV_STATUS vmem_ptes_batched(uvm_page_tree_t *tree, struct vmem_page **pag
 
 	while (i < count) {
 		status = uvm_push_begin_acquire(tree->gpu->channel_manager, UVM_CHANNEL_TYPE_MEMOPS,
-						&tracker, &push, "vmem: %s %u pages",
+						&tracker, &push, "vmem: %s %u mappings",
 						clear ? "unmap" : "map", count);
 		if (status != NV_OK)
 			break;
 		uvm_pte_batch_begin(&push, &pte_batch);
 		while (i < count) {
-			vmem_page_push_ptes(&pte_batch, pages[i++], clear);
+			vmem_mapping_push_ptes(&pte_batch, maps[i++], clear);
 			if (!uvm_push_has_space(&push, VMEM_PUSH_MARGIN))
 				break;
 		}
@@ -315,11 +338,12 @@ static NV_STATUS vmem_ptes_batched(uvm_page_tree_t *tree, struct vmem_page **pag
 		if (i == count) {
 			/* Unmap: a GPU membar, so no access through the old PTEs is in flight. */
 			uvm_tlb_batch_begin(tree, &tlb_batch);
-			for (j = 0; j < count; j++)
-				uvm_tlb_batch_invalidate(&tlb_batch, pages[j]->address,
-							 pages[j]->page_size,
-							 vmem_mmu_page_size(pages[j]->page_size),
-							 membar);
+			for (j = 0; j < count; j++) {
+				NvU64 size = maps[j]->page->page_size;
+
+				uvm_tlb_batch_invalidate(&tlb_batch, maps[j]->address, size,
+							 vmem_mmu_page_size(size), membar);
+			}
 			uvm_tlb_batch_end(&tlb_batch, &push, membar);
 		} else {
 			/* uvm_pte_batch_end's membar orders these before the last invalidate. */
@@ -333,27 +357,25 @@ static NV_STATUS vmem_ptes_batched(uvm_page_tree_t *tree, struct vmem_page **pag
 }
 
 /*
- * Clears one page's PTEs (TLB invalidate with a GPU membar) and puts its page tables.
- * On failure the page stays mapped in the bookkeeping: its PTEs may still point at it, and a
- * page that PTEs point at must never be freed. With `force` (teardown, where there is no
- * caller to report to and UVM itself is going away) the error is logged and the page tables
- * are put anyway, as UVM's own uvm_mem teardown does.
+ * Clears one mapping's PTEs (TLB invalidate with a GPU membar), puts its page tables and
+ * forgets it; the page's other mappings stay. On failure the mapping stays in the
+ * bookkeeping: its PTEs may still point at the page, and a page that PTEs point at must
+ * never be freed. With `force` (teardown, where there is no caller to report to and UVM
+ * itself is going away) the error is logged and the page tables are put anyway, as UVM's
+ * own uvm_mem teardown does.
  */
-static NV_STATUS vmem_page_unmap(struct vmem_state *state, struct vmem_page *page, bool force)
+static NV_STATUS vmem_mapping_unmap(struct vmem_state *state, struct vmem_mapping *m, bool force)
 {
 	NV_STATUS status;
 
-	if (!page->range)
-		return NV_OK;
-	status = uvm_page_table_range_vec_clear_ptes(page->ptes, UVM_MEMBAR_GPU);
+	status = uvm_page_table_range_vec_clear_ptes(m->ptes, UVM_MEMBAR_GPU);
 	if (status != NV_OK && !force)
 		return status;
 	if (status != NV_OK)
 		UVM_ERR_PRINT("vmem: clearing PTEs failed: %s, GPU %s\n",
-			      nvstatusToString(status), uvm_gpu_name(page->gpu));
-	uvm_page_table_range_vec_destroy(page->ptes);
-	page->ptes = NULL;
-	vmem_page_unlink(state, page);
+			      nvstatusToString(status), uvm_gpu_name(m->page->gpu));
+	uvm_page_table_range_vec_destroy(m->ptes);
+	vmem_mapping_unlink(state, m);
 	return NV_OK;
 }
 
@@ -369,47 +391,47 @@ static bool vmem_tree_gpu_writes(uvm_page_tree_t *tree)
 		tree->gpu->static_flat_mapping.ready);
 }
 
-/* The pages all have their PTEs in one page tree the GPU writes: batching is possible. */
-static uvm_page_tree_t *vmem_common_tree(struct vmem_page **pages, NvU32 count)
+/* The mappings all have their PTEs in one page tree the GPU writes: batching is possible. */
+static uvm_page_tree_t *vmem_common_tree(struct vmem_mapping **maps, NvU32 count)
 {
-	uvm_page_tree_t *tree = pages[0]->ptes->tree;
+	uvm_page_tree_t *tree = maps[0]->ptes->tree;
 	NvU32 i;
 
 	if (!vmem_tree_gpu_writes(tree))
 		return NULL;
 	for (i = 1; i < count; i++) {
-		if (pages[i]->ptes->tree != tree)
+		if (maps[i]->ptes->tree != tree)
 			return NULL;
 	}
 	return tree;
 }
 
 /*
- * Unmaps `count` linked pages, in order. Caller holds the VA space lock and state->lock.
- * First one batched clear with one TLB invalidate; if that fails, page by page, stopping at
- * the first failure. *done = pages unmapped (a prefix of `pages`); the others stay mapped
- * in the bookkeeping, which is then still true of them or errs on the safe side (cleared
- * PTEs recorded as mapped: unmapping again is harmless; the reverse would not be).
+ * Unmaps `count` mappings, in order (they are freed: the caller must not touch them after).
+ * Caller holds the VA space lock and state->lock. First one batched clear with one TLB
+ * invalidate; if that fails, mapping by mapping, stopping at the first failure. *done =
+ * mappings unmapped (a prefix of `maps`); the others stay in the bookkeeping, which is then
+ * still true of them or errs on the safe side (cleared PTEs recorded as mapped: unmapping
+ * again is harmless; the reverse would not be).
  */
-static NV_STATUS vmem_pages_unmap(struct vmem_state *state, struct vmem_page **pages, NvU32 count,
-				  NvU32 *done)
+static NV_STATUS vmem_maps_unmap(struct vmem_state *state, struct vmem_mapping **maps,
+				 NvU32 count, NvU32 *done)
 {
-	uvm_page_tree_t *tree = vmem_common_tree(pages, count);
+	uvm_page_tree_t *tree = vmem_common_tree(maps, count);
 	NV_STATUS status = NV_OK;
 	NvU32 i;
 
 	*done = 0;
-	if (tree && count > 1 && vmem_ptes_batched(tree, pages, count, true) == NV_OK) {
+	if (tree && count > 1 && vmem_ptes_batched(tree, maps, count, true) == NV_OK) {
 		for (i = 0; i < count; i++) {
-			uvm_page_table_range_vec_destroy(pages[i]->ptes);
-			pages[i]->ptes = NULL;
-			vmem_page_unlink(state, pages[i]);
+			uvm_page_table_range_vec_destroy(maps[i]->ptes);
+			vmem_mapping_unlink(state, maps[i]);
 		}
 		*done = count;
 		return NV_OK;
 	}
 	for (i = 0; i < count && status == NV_OK; i++) {
-		status = vmem_page_unmap(state, pages[i], false);
+		status = vmem_mapping_unmap(state, maps[i], false);
 		if (status == NV_OK)
 			(*done)++;
 	}
@@ -417,11 +439,14 @@ static NV_STATUS vmem_pages_unmap(struct vmem_state *state, struct vmem_page **p
 }
 
 /*
- * Validates and links `count` (address, page) pairs. On any error nothing stays linked.
- * Caller holds the VA space lock and state->lock.
+ * Validates and links `count` (address, page) pairs: each page known, the address aligned
+ * to its size, inside one reserved range of the page's GPU, with nothing mapped there (nor
+ * by an earlier entry). A page may already be mapped elsewhere, and may be named by several
+ * entries at different addresses: each gets its own mapping. On any error nothing stays
+ * linked. Caller holds the VA space lock and state->lock.
  */
 static NV_STATUS vmem_entries_link(struct vmem_state *state, const UVM_VMEM_BATCH_ENTRY *entries,
-				   NvU32 count, struct vmem_page **pages)
+				   NvU32 count, struct vmem_mapping **maps)
 {
 	NV_STATUS status = NV_OK;
 	struct vmem_range *range;
@@ -435,10 +460,6 @@ static NV_STATUS vmem_entries_link(struct vmem_state *state, const UVM_VMEM_BATC
 			status = NV_ERR_OBJECT_NOT_FOUND;
 			break;
 		}
-		if (page->range) {	/* mapped already, or named twice in this batch */
-			status = NV_ERR_IN_USE;
-			break;
-		}
 		if (!uvm_vmem_page_at_ok(entries[i].base, page->page_size)) {
 			status = NV_ERR_INVALID_ARGUMENT;
 			break;
@@ -449,12 +470,15 @@ static NV_STATUS vmem_entries_link(struct vmem_state *state, const UVM_VMEM_BATC
 			status = NV_ERR_INVALID_ADDRESS;
 			break;
 		}
-		vmem_page_link(state, page, range, entries[i].base);
-		pages[i] = page;
+		maps[i] = vmem_mapping_link(state, page, range, entries[i].base);
+		if (!maps[i]) {
+			status = NV_ERR_NO_MEMORY;
+			break;
+		}
 	}
 	if (status != NV_OK) {
 		while (i--)
-			vmem_page_unlink(state, pages[i]);
+			vmem_mapping_unlink(state, maps[i]);
 	}
 	return status;
 }
@@ -464,11 +488,11 @@ static NV_STATUS vmem_entries_link(struct vmem_state *state, const UVM_VMEM_BATC
  * page tables for each, then write every PTE with one TLB invalidate at the end. Caller
  * holds the VA space lock (read) and state->lock. *done = entries mapped: count on success,
  * 0 on failure, unless clearing the PTEs of a failed write failed too (a GPU error; then
- * the first *done entries stay mapped, see vmem_pages_unmap).
+ * the first *done entries stay mapped, see vmem_maps_unmap).
  */
 static NV_STATUS vmem_entries_map(uvm_va_space_t *va_space, struct vmem_state *state,
 				  const UVM_VMEM_BATCH_ENTRY *entries, NvU32 count,
-				  struct vmem_page **pages, NvU32 *done)
+				  struct vmem_mapping **maps, NvU32 *done)
 {
 	uvm_gpu_va_space_t *gpu_va_space;
 	uvm_page_tree_t *tree;
@@ -476,44 +500,42 @@ static NV_STATUS vmem_entries_map(uvm_va_space_t *va_space, struct vmem_state *s
 	NvU32 i, made;
 
 	*done = 0;
-	status = vmem_entries_link(state, entries, count, pages);
+	status = vmem_entries_link(state, entries, count, maps);
 	if (status != NV_OK)
 		return status;
 
 	for (made = 0; made < count; made++) {
-		struct vmem_page *page = pages[made];
+		struct vmem_mapping *m = maps[made];
 
-		gpu_va_space = uvm_gpu_va_space_get(va_space, page->gpu);
+		gpu_va_space = uvm_gpu_va_space_get(va_space, m->page->gpu);
 		if (!gpu_va_space) {
 			status = NV_ERR_INVALID_DEVICE;
 			break;
 		}
 		status = uvm_page_table_range_vec_create(&gpu_va_space->page_tables,
-							 page->address, page->page_size,
-							 vmem_mmu_page_size(page->page_size),
-							 UVM_PMM_ALLOC_FLAGS_EVICT, &page->ptes);
+							 m->address, m->page->page_size,
+							 vmem_mmu_page_size(m->page->page_size),
+							 UVM_PMM_ALLOC_FLAGS_EVICT, &m->ptes);
 		if (status != NV_OK)
 			break;
 	}
 	if (status != NV_OK) {
 		for (i = 0; i < count; i++) {
-			if (i < made) {
-				uvm_page_table_range_vec_destroy(pages[i]->ptes);
-				pages[i]->ptes = NULL;
-			}
-			vmem_page_unlink(state, pages[i]);
+			if (i < made)
+				uvm_page_table_range_vec_destroy(maps[i]->ptes);
+			vmem_mapping_unlink(state, maps[i]);
 		}
 		return status;
 	}
 
-	tree = vmem_common_tree(pages, count);
+	tree = vmem_common_tree(maps, count);
 	if (tree) {
-		status = vmem_ptes_batched(tree, pages, count, false);
+		status = vmem_ptes_batched(tree, maps, count, false);
 	} else {
 		for (i = 0; i < count && status == NV_OK; i++)
-			status = uvm_page_table_range_vec_write_ptes(pages[i]->ptes,
+			status = uvm_page_table_range_vec_write_ptes(maps[i]->ptes,
 								     UVM_MEMBAR_NONE,
-								     vmem_pte_maker, pages[i]);
+								     vmem_pte_maker, maps[i]);
 	}
 	if (status == NV_OK) {
 		*done = count;
@@ -526,7 +548,7 @@ static NV_STATUS vmem_entries_map(uvm_va_space_t *va_space, struct vmem_state *s
 	 * stay recorded as mapped, PTEs and all, and the caller learns which.
 	 */
 	for (i = count; i > 0; i--) {
-		if (vmem_page_unmap(state, pages[i - 1], false) != NV_OK) {
+		if (vmem_mapping_unmap(state, maps[i - 1], false) != NV_OK) {
 			*done = i;
 			break;
 		}
@@ -534,7 +556,10 @@ static NV_STATUS vmem_entries_map(uvm_va_space_t *va_space, struct vmem_state *s
 	return status;
 }
 
-/* Returns the page's chunks to PMM (those allocated: the array is zeroed) and frees it. */
+/*
+ * Returns the page's chunks to PMM (those allocated: the array is zeroed) and frees it.
+ * The page has no mapping.
+ */
 static void vmem_page_destroy(struct vmem_page *page)
 {
 	NvU32 i;
@@ -591,13 +616,15 @@ static NV_STATUS vmem_page_zero(struct vmem_page *page)
 static void vmem_release_gpu(struct vmem_state *state, uvm_gpu_t *gpu)
 {
 	struct vmem_range *range, *next_range;
+	struct vmem_mapping *m, *next_m;
 	struct vmem_page *page;
 	int id;
 
 	idr_for_each_entry(&state->pages, page, id) {
 		if (gpu && page->gpu != gpu)
 			continue;
-		vmem_page_unmap(state, page, true);
+		list_for_each_entry_safe(m, next_m, &page->mappings, page_link)
+			vmem_mapping_unmap(state, m, true);
 		vmem_page_free(state, page);
 	}
 	list_for_each_entry_safe(range, next_range, &state->ranges, link) {
@@ -757,6 +784,7 @@ NV_STATUS uvm_api_vmem_create(UVM_VMEM_CREATE_PARAMS *params, struct file *filp)
 	if (!page)
 		return NV_ERR_NO_MEMORY;
 	chunk_size = params->pageSize == UVM_VMEM_PAGE_2M ? UVM_CHUNK_SIZE_2M : UVM_CHUNK_SIZE_64K;
+	INIT_LIST_HEAD(&page->mappings);
 	page->chunk_count = params->pageSize / chunk_size;
 	page->page_size = params->pageSize;
 	page->chunks = uvm_kvmalloc_zero(page->chunk_count * sizeof(*page->chunks));
@@ -815,28 +843,30 @@ error:
 
 /*
  * Shared by MAP and MAP_BATCH: copies nothing, entries are in kernel memory. Takes the
- * locks.
+ * locks. *map_count (when not NULL) = the first entry's page's mappings after the call.
  */
 static NV_STATUS vmem_map(uvm_va_space_t *va_space, const UVM_VMEM_BATCH_ENTRY *entries,
-			  NvU32 count, NvU32 *done)
+			  NvU32 count, NvU32 *done, NvU64 *map_count)
 {
 	struct vmem_state *state;
-	struct vmem_page **pages;
+	struct vmem_mapping **maps;
 	NV_STATUS status;
 
 	*done = 0;
 	state = vmem_state_for_caller(va_space, &status);
 	if (!state)
 		return status;
-	pages = uvm_kvmalloc(count * sizeof(*pages));
-	if (!pages)
+	maps = uvm_kvmalloc(count * sizeof(*maps));
+	if (!maps)
 		return NV_ERR_NO_MEMORY;
 	uvm_va_space_down_read(va_space);
 	uvm_mutex_lock(&state->lock);
-	status = vmem_entries_map(va_space, state, entries, count, pages, done);
+	status = vmem_entries_map(va_space, state, entries, count, maps, done);
+	if (map_count && *done)
+		*map_count = maps[0]->page->map_count;
 	uvm_mutex_unlock(&state->lock);
 	uvm_va_space_up_read(va_space);
-	uvm_kvfree(pages);
+	uvm_kvfree(maps);
 	return status;
 }
 
@@ -845,9 +875,10 @@ NV_STATUS uvm_api_vmem_map(UVM_VMEM_MAP_PARAMS *params, struct file *filp)
 	UVM_VMEM_BATCH_ENTRY entry = { .base = params->base, .handle = params->handle };
 	NvU32 done;
 
+	params->mapCount = 0;
 	if (params->flags)
 		return NV_ERR_INVALID_ARGUMENT;
-	return vmem_map(uvm_va_space_get(filp), &entry, 1, &done);
+	return vmem_map(uvm_va_space_get(filp), &entry, 1, &done, &params->mapCount);
 }
 
 /* Copies a batch's entries in; NULL with *status set on failure. */
@@ -884,8 +915,42 @@ NV_STATUS uvm_api_vmem_map_batch(UVM_VMEM_MAP_BATCH_PARAMS *params, struct file 
 	entries = vmem_batch_copy_in(params, &status);
 	if (!entries)
 		return status;
-	status = vmem_map(uvm_va_space_get(filp), entries, params->count, &params->done);
+	status = vmem_map(uvm_va_space_get(filp), entries, params->count, &params->done, NULL);
 	uvm_kvfree(entries);
+	return status;
+}
+
+/*
+ * Validates an unmap batch: every entry names the mapping at its address, by its page's
+ * handle, and no address twice. Caller holds state->lock.
+ */
+static NV_STATUS vmem_unmap_entries_check(struct vmem_state *state,
+					  const UVM_VMEM_BATCH_ENTRY *entries, NvU32 count,
+					  struct vmem_mapping **maps)
+{
+	NV_STATUS status = NV_OK;
+	struct vmem_mapping *m;
+	NvU32 i, picked = 0;
+
+	for (i = 0; i < count; i++) {
+		m = vmem_mapped_overlap(state, entries[i].base, 1);
+		if (!m || m->address != entries[i].base) {
+			status = NV_ERR_INVALID_ADDRESS;
+			break;
+		}
+		if (m->page->handle != entries[i].handle) {
+			status = NV_ERR_OBJECT_NOT_FOUND;
+			break;
+		}
+		if (m->picked) {	/* named twice */
+			status = NV_ERR_INVALID_ARGUMENT;
+			break;
+		}
+		m->picked = true;
+		maps[picked++] = m;
+	}
+	for (i = 0; i < picked; i++)
+		maps[i]->picked = false;
 	return status;
 }
 
@@ -894,10 +959,8 @@ NV_STATUS uvm_api_vmem_unmap_batch(UVM_VMEM_UNMAP_BATCH_PARAMS *params, struct f
 	uvm_va_space_t *va_space = uvm_va_space_get(filp);
 	struct vmem_state *state;
 	UVM_VMEM_BATCH_ENTRY *entries;
-	struct vmem_page **pages = NULL;
-	struct vmem_page *page;
+	struct vmem_mapping **maps = NULL;
 	NV_STATUS status;
-	NvU32 i, picked = 0;
 
 	params->done = 0;
 	entries = vmem_batch_copy_in(params, &status);
@@ -905,8 +968,8 @@ NV_STATUS uvm_api_vmem_unmap_batch(UVM_VMEM_UNMAP_BATCH_PARAMS *params, struct f
 		return status;
 	state = vmem_state_for_caller(va_space, &status);
 	if (state) {
-		pages = uvm_kvmalloc(params->count * sizeof(*pages));
-		if (!pages)
+		maps = uvm_kvmalloc(params->count * sizeof(*maps));
+		if (!maps)
 			status = NV_ERR_NO_MEMORY;
 	}
 	if (status != NV_OK)
@@ -915,31 +978,13 @@ NV_STATUS uvm_api_vmem_unmap_batch(UVM_VMEM_UNMAP_BATCH_PARAMS *params, struct f
 	uvm_va_space_down_read(va_space);
 	uvm_mutex_lock(&state->lock);
 	/* Validate every entry first: on a bad one nothing is unmapped. */
-	for (i = 0; i < params->count; i++) {
-		page = vmem_mapped_overlap(state, entries[i].base, 1);
-		if (!page || page->address != entries[i].base) {
-			status = NV_ERR_INVALID_ADDRESS;
-			break;
-		}
-		if (page->handle != entries[i].handle) {
-			status = NV_ERR_OBJECT_NOT_FOUND;
-			break;
-		}
-		if (page->picked) {	/* named twice */
-			status = NV_ERR_INVALID_ARGUMENT;
-			break;
-		}
-		page->picked = true;
-		pages[picked++] = page;
-	}
-	for (i = 0; i < picked; i++)
-		pages[i]->picked = false;
+	status = vmem_unmap_entries_check(state, entries, params->count, maps);
 	if (status == NV_OK)
-		status = vmem_pages_unmap(state, pages, params->count, &params->done);
+		status = vmem_maps_unmap(state, maps, params->count, &params->done);
 	uvm_mutex_unlock(&state->lock);
 	uvm_va_space_up_read(va_space);
 out_free:
-	uvm_kvfree(pages);
+	uvm_kvfree(maps);
 	uvm_kvfree(entries);
 	return status;
 }
@@ -948,10 +993,11 @@ NV_STATUS uvm_api_vmem_unmap(UVM_VMEM_UNMAP_PARAMS *params, struct file *filp)
 {
 	uvm_va_space_t *va_space = uvm_va_space_get(filp);
 	struct vmem_state *state;
-	struct vmem_page *pages[64];
-	struct vmem_page *page;
+	struct vmem_mapping *maps[64];
+	NvU32 sizes[ARRAY_SIZE(maps)];
+	struct vmem_mapping *m;
 	NvU64 at, end;
-	NvU32 n, done;
+	NvU32 n, i, done;
 	NV_STATUS status;
 
 	params->unmapped = 0;
@@ -965,26 +1011,53 @@ NV_STATUS uvm_api_vmem_unmap(UVM_VMEM_UNMAP_PARAMS *params, struct file *filp)
 	uvm_va_space_down_read(va_space);
 	uvm_mutex_lock(&state->lock);
 	/* Validate the whole run first: on error nothing is unmapped. */
-	for (at = params->base; at < end; at += page->page_size) {
-		page = vmem_mapped_overlap(state, at, 1);
-		if (!page || page->address != at || end - at < page->page_size) {
+	for (at = params->base; at < end; at += m->page->page_size) {
+		m = vmem_mapped_overlap(state, at, 1);
+		if (!m || m->address != at || end - at < m->page->page_size) {
 			status = NV_ERR_INVALID_ADDRESS;
 			goto out;
 		}
 	}
-	/* Then in batches of up to 64 pages, each with one TLB invalidate. */
+	/*
+	 * Then in batches of up to 64 mappings, each with one TLB invalidate. Only these
+	 * mappings go: other mappings of the same pages stay.
+	 */
 	for (at = params->base; at < end && status == NV_OK; ) {
-		for (n = 0; n < ARRAY_SIZE(pages) && at < end; n++) {
-			pages[n] = vmem_mapped_overlap(state, at, 1);
-			at += pages[n]->page_size;
+		for (n = 0; n < ARRAY_SIZE(maps) && at < end; n++) {
+			maps[n] = vmem_mapped_overlap(state, at, 1);
+			sizes[n] = (NvU32)maps[n]->page->page_size;
+			at += sizes[n];
 		}
-		status = vmem_pages_unmap(state, pages, n, &done);
-		while (done--)
-			params->unmapped += pages[done]->page_size;
+		status = vmem_maps_unmap(state, maps, n, &done);	/* frees them */
+		for (i = 0; i < done; i++)
+			params->unmapped += sizes[i];
 	}
 out:
 	uvm_mutex_unlock(&state->lock);
 	uvm_va_space_up_read(va_space);
+	return status;
+}
+
+/*
+ * Unmaps every mapping of `page`, up to 64 per TLB invalidate. Caller holds the VA space
+ * lock and state->lock. On failure the mappings not yet unmapped stay.
+ */
+static NV_STATUS vmem_page_unmap_all(struct vmem_state *state, struct vmem_page *page)
+{
+	struct vmem_mapping *maps[64];
+	struct vmem_mapping *m;
+	NV_STATUS status = NV_OK;
+	NvU32 n, done;
+
+	while (page->map_count && status == NV_OK) {
+		n = 0;
+		list_for_each_entry(m, &page->mappings, page_link) {
+			maps[n++] = m;
+			if (n == ARRAY_SIZE(maps))
+				break;
+		}
+		status = vmem_maps_unmap(state, maps, n, &done);
+	}
 	return status;
 }
 
@@ -994,7 +1067,7 @@ NV_STATUS uvm_api_vmem_release(UVM_VMEM_RELEASE_PARAMS *params, struct file *fil
 	struct vmem_state *state;
 	struct vmem_page *page;
 	NV_STATUS status;
-	NvU32 done;
+	int action;
 
 	if (!uvm_vmem_release_ok(params->handle, params->flags))
 		return params->flags & ~UVM_VMEM_RELEASE_UNMAP ? NV_ERR_INVALID_ARGUMENT :
@@ -1008,10 +1081,12 @@ NV_STATUS uvm_api_vmem_release(UVM_VMEM_RELEASE_PARAMS *params, struct file *fil
 	page = idr_find(&state->pages, (int)params->handle);
 	if (!page) {
 		status = NV_ERR_OBJECT_NOT_FOUND;
-	} else if (page->range && !(params->flags & UVM_VMEM_RELEASE_UNMAP)) {
-		status = NV_ERR_IN_USE;
 	} else {
-		status = page->range ? vmem_pages_unmap(state, &page, 1, &done) : NV_OK;
+		action = uvm_vmem_release_action(page->map_count, params->flags);
+		if (action == UVM_VMEM_RELEASE_REFUSE)
+			status = NV_ERR_IN_USE;
+		else if (action == UVM_VMEM_RELEASE_UNMAP_FIRST)
+			status = vmem_page_unmap_all(state, page);
 		if (status == NV_OK)
 			vmem_page_free(state, page);
 	}
@@ -1061,4 +1136,155 @@ NV_STATUS uvm_api_vmem_free(UVM_VMEM_FREE_PARAMS *params, struct file *filp)
 		uvm_kvfree(found);
 	}
 	return status;
+}
+
+/*
+ * UVM_VMEM_SELF_TEST: the sharing bookkeeping on objects of its own (a private state, two
+ * ranges and two pages with no GPU, no chunks and no page tables), through the functions
+ * the ioctls use to validate, link and unlink mappings. Returns 0, or the first step that
+ * did not hold.
+ */
+static NvU32 vmem_self_test_steps(struct vmem_state *state, struct vmem_page *p64,
+				  struct vmem_page *p2m)
+{
+	const NvU64 mb = 1ull << 20;
+	struct vmem_mapping *maps[3], *m;
+	UVM_VMEM_BATCH_ENTRY e[3];
+	NvU64 h = p64->handle;
+
+	/* 1: one 64K page at three addresses, in two ranges, in one batch. */
+	e[0] = (UVM_VMEM_BATCH_ENTRY){ 2 * mb, h };
+	e[1] = (UVM_VMEM_BATCH_ENTRY){ 2 * mb + 0x10000, h };
+	e[2] = (UVM_VMEM_BATCH_ENTRY){ 8 * mb, h };
+	if (vmem_entries_link(state, e, 3, maps) != NV_OK)
+		return 1;
+	/* 2: map count and per-range counts. */
+	if (p64->map_count != 3 || maps[0]->range->mapped_pages != 2 ||
+	    maps[2]->range->mapped_pages != 1)
+		return 2;
+	/* 3: a second map of the same page at one of its addresses: refused. */
+	e[0] = (UVM_VMEM_BATCH_ENTRY){ 2 * mb + 0x10000, h };
+	if (vmem_entries_link(state, e, 1, maps) != NV_ERR_INVALID_ADDRESS || p64->map_count != 3)
+		return 3;
+	/* 4: a 2M page over the 64K mappings: refused, nothing linked. */
+	e[0] = (UVM_VMEM_BATCH_ENTRY){ 2 * mb, p2m->handle };
+	if (vmem_entries_link(state, e, 1, maps) != NV_ERR_INVALID_ADDRESS || p2m->map_count)
+		return 4;
+	/* 5: all or nothing: a good entry, then one overlapping it. */
+	e[0] = (UVM_VMEM_BATCH_ENTRY){ 4 * mb, p2m->handle };
+	e[1] = (UVM_VMEM_BATCH_ENTRY){ 4 * mb + 0x10000, h };
+	if (vmem_entries_link(state, e, 2, maps) != NV_ERR_INVALID_ADDRESS ||
+	    p2m->map_count || p64->map_count != 3 || vmem_mapped_overlap(state, 4 * mb, 2 * mb))
+		return 5;
+	/* 6: misaligned, outside every range, unknown handle. */
+	e[0] = (UVM_VMEM_BATCH_ENTRY){ 4 * mb + 0x10000, p2m->handle };
+	if (vmem_entries_link(state, e, 1, maps) != NV_ERR_INVALID_ARGUMENT)
+		return 6;
+	e[0] = (UVM_VMEM_BATCH_ENTRY){ 6 * mb, h };
+	if (vmem_entries_link(state, e, 1, maps) != NV_ERR_INVALID_ADDRESS)
+		return 6;
+	e[0] = (UVM_VMEM_BATCH_ENTRY){ 3 * mb, h + 1000 };
+	if (vmem_entries_link(state, e, 1, maps) != NV_ERR_OBJECT_NOT_FOUND)
+		return 6;
+	/* 7: release of a mapped page: refused without the flag, unmap-first with it. */
+	if (uvm_vmem_release_action(p64->map_count, 0) != UVM_VMEM_RELEASE_REFUSE ||
+	    uvm_vmem_release_action(p64->map_count, UVM_VMEM_RELEASE_UNMAP) !=
+	    UVM_VMEM_RELEASE_UNMAP_FIRST)
+		return 7;
+	/* 8: an unmap batch naming one mapping twice, or by another page: refused. */
+	e[0] = (UVM_VMEM_BATCH_ENTRY){ 8 * mb, h };
+	e[1] = (UVM_VMEM_BATCH_ENTRY){ 8 * mb, h };
+	if (vmem_unmap_entries_check(state, e, 2, maps) != NV_ERR_INVALID_ARGUMENT)
+		return 8;
+	e[0] = (UVM_VMEM_BATCH_ENTRY){ 8 * mb, p2m->handle };
+	if (vmem_unmap_entries_check(state, e, 1, maps) != NV_ERR_OBJECT_NOT_FOUND)
+		return 8;
+	/* 9: unmapping one mapping leaves the other two. */
+	e[0] = (UVM_VMEM_BATCH_ENTRY){ 2 * mb + 0x10000, h };
+	if (vmem_unmap_entries_check(state, e, 1, maps) != NV_OK)
+		return 9;
+	vmem_mapping_unlink(state, maps[0]);
+	m = vmem_mapped_overlap(state, 2 * mb, 1);
+	if (p64->map_count != 2 || vmem_mapped_overlap(state, 2 * mb + 0x10000, 0x10000) ||
+	    !m || m->page != p64 || !vmem_mapped_overlap(state, 8 * mb, 1))
+		return 9;
+	/* 10: the freed address takes a mapping again, of the same page. */
+	e[0] = (UVM_VMEM_BATCH_ENTRY){ 2 * mb + 0x10000, h };
+	if (vmem_entries_link(state, e, 1, maps) != NV_OK || p64->map_count != 3)
+		return 10;
+	/* 11: every mapping gone: counts back to 0, release frees. */
+	while (!list_empty(&p64->mappings))
+		vmem_mapping_unlink(state, list_first_entry(&p64->mappings, struct vmem_mapping,
+							    page_link));
+	if (p64->map_count || !RB_EMPTY_ROOT(&state->mapped) ||
+	    uvm_vmem_release_action(p64->map_count, 0) != UVM_VMEM_RELEASE_FREE)
+		return 11;
+	return 0;
+}
+
+static struct vmem_page *vmem_self_test_page(struct vmem_state *state, NvU64 page_size)
+{
+	struct vmem_page *page = uvm_kvmalloc_zero(sizeof(*page));
+	int id;
+
+	if (!page)
+		return NULL;
+	INIT_LIST_HEAD(&page->mappings);
+	page->page_size = page_size;
+	id = idr_alloc_cyclic(&state->pages, page, 1, (int)UVM_VMEM_MAX_HANDLE, GFP_KERNEL);
+	if (id < 0) {
+		uvm_kvfree(page);
+		return NULL;
+	}
+	page->handle = id;
+	state->bytes += page_size;
+	return page;
+}
+
+NV_STATUS uvm_api_vmem_self_test(UVM_VMEM_SELF_TEST_PARAMS *params, struct file *filp)
+{
+	struct vmem_range ranges[2] = {
+		{ .base = 2ull << 20, .length = 4ull << 20 },
+		{ .base = 8ull << 20, .length = 2ull << 20 },
+	};
+	struct vmem_page *p64, *p2m;
+	struct vmem_mapping *m, *next;
+	struct vmem_state *state;
+	int id;
+
+	params->failedStep = 0;
+	if (!uvm_enable_builtin_tests)
+		return NV_ERR_NOT_SUPPORTED;
+	if (params->flags)
+		return NV_ERR_INVALID_ARGUMENT;
+	state = uvm_kvmalloc_zero(sizeof(*state));
+	if (!state)
+		return NV_ERR_NO_MEMORY;
+	uvm_mutex_init(&state->lock, UVM_LOCK_ORDER_EXT_RANGE_TREE);
+	INIT_LIST_HEAD(&state->ranges);
+	idr_init(&state->pages);
+	state->mapped = RB_ROOT;
+	list_add_tail(&ranges[0].link, &state->ranges);
+	list_add_tail(&ranges[1].link, &state->ranges);
+
+	uvm_mutex_lock(&state->lock);
+	p64 = vmem_self_test_page(state, UVM_VMEM_PAGE_64K);
+	p2m = vmem_self_test_page(state, UVM_VMEM_PAGE_2M);
+	if (p64 && p2m)
+		params->failedStep = vmem_self_test_steps(state, p64, p2m);
+	else
+		params->failedStep = ~0u;
+	/* Whatever a failed step left: mappings first, then pages (no chunks to free). */
+	idr_for_each_entry(&state->pages, p64, id) {
+		list_for_each_entry_safe(m, next, &p64->mappings, page_link)
+			vmem_mapping_unlink(state, m);
+		vmem_page_free(state, p64);
+	}
+	if (!params->failedStep && (state->bytes || ranges[0].mapped_pages ||
+				    ranges[1].mapped_pages))
+		params->failedStep = 12;
+	uvm_mutex_unlock(&state->lock);
+	idr_destroy(&state->pages);
+	uvm_kvfree(state);
+	return NV_OK;
 }

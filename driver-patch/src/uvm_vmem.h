@@ -19,6 +19,7 @@ NV_STATUS uvm_api_vmem_release(struct uvm_vmem_release_params *params, struct fi
 NV_STATUS uvm_api_vmem_free(struct uvm_vmem_free_params *params, struct file *filp);
 NV_STATUS uvm_api_vmem_map_batch(struct uvm_vmem_batch_params *params, struct file *filp);
 NV_STATUS uvm_api_vmem_unmap_batch(struct uvm_vmem_batch_params *params, struct file *filp);
+NV_STATUS uvm_api_vmem_self_test(struct uvm_vmem_self_test_params *params, struct file *filp);
 
 /*
  * NV_ERR_UVM_ADDRESS_IN_USE when [start, end] (inclusive) overlaps a vMem range of the VA

@@ -93,6 +93,19 @@ static inline int uvm_vmem_batch_ok(NvU32 count, NvU32 flags)
 	return !flags && count && count <= UVM_VMEM_BATCH_MAX;
 }
 
+/* What UVM_VMEM_RELEASE does with a page that has map_count mappings. */
+#define UVM_VMEM_RELEASE_REFUSE 0	/* NV_ERR_IN_USE: it is mapped, and no UNMAP flag */
+#define UVM_VMEM_RELEASE_FREE 1		/* not mapped: freed */
+#define UVM_VMEM_RELEASE_UNMAP_FIRST 2	/* every mapping unmapped, then freed */
+
+static inline int uvm_vmem_release_action(NvU64 map_count, NvU32 flags)
+{
+	if (!map_count)
+		return UVM_VMEM_RELEASE_FREE;
+	return (flags & UVM_VMEM_RELEASE_UNMAP) ? UVM_VMEM_RELEASE_UNMAP_FIRST :
+						  UVM_VMEM_RELEASE_REFUSE;
+}
+
 /* A number of the vMem family that this header does not define (answered with EPROTO). */
 static inline int uvm_vmem_cmd_unknown(NvU32 cmd)
 {
@@ -108,6 +121,7 @@ static inline int uvm_vmem_cmd_unknown(NvU32 cmd)
 	case UVM_VMEM_FREE:
 	case UVM_VMEM_MAP_BATCH:
 	case UVM_VMEM_UNMAP_BATCH:
+	case UVM_VMEM_SELF_TEST:
 		return 0;
 	default:
 		return 1;

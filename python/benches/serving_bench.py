@@ -129,8 +129,16 @@ def run_one(model: Any, name: str, prompts: List[List[int]], args: Any, budget: 
     kw: Dict[str, Any] = dict(max_batch_tokens=budget["max_batch_tokens"], max_memory_percent=args.memory_percent,
                               use_cuda_graph=False)
     if spec["attn"] == vt.VMEM_ATTENTION:
+        max_requests = args.max_requests
+        if spec["kernel"] == "flex":
+            # Compiled Flex indexes [rows, Hkv, max_context, D] with 32-bit offsets (rows = requests
+            # + the trash row): cap the rows there, as vmem.transformers refuses more.
+            cfg = model.config
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            per_row = args.max_context * cfg.num_key_value_heads * head_dim
+            max_requests = min(max_requests, (2**31 - 1) // per_row - 1)
         opts = dict(layout=spec["layout"], kernel=spec["kernel"], memory=budget["kv_bytes"],
-                    page_size=args.page_size, max_requests=args.max_requests, max_context=args.max_context)
+                    page_size=args.page_size, max_requests=max_requests, max_context=args.max_context)
     else:
         bs = spec["block_size"]
         # The budget is fixed by num_blocks; the engine still checks its footprint against

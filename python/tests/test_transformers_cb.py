@@ -275,3 +275,19 @@ def test_fa_varlen_indices_refuse_bad_entries():
         vt.fa_varlen_indices([(0, 10, 7)], 16)  # past + q past the row
     with pytest.raises(vmem.VmemError):
         vt.fa_varlen_indices([(0, 0, 0)], 16)  # a request without queries
+
+
+def test_compiled_flex_refuses_a_cache_past_32_bit_offsets():
+    # Compiled Flex indexes [rows, Hkv, max_context, D] with 32-bit offsets: on the H100 a cache
+    # of 257 x 8192 x 8 x 128 elements faulted once row 256 was used. The check runs before any
+    # memory is reserved, so a CPU test can ask for the compiled kernel.
+    cfg = h.make_config("llama-gqa")
+    hkv = cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    ctx = 8192
+    rows_fit = (2**31 - 1) // (ctx * hkv * d)  # rows = max_requests + 1 (the trash row)
+    too_many = rows_fit  # rows_fit + 1 rows: one past what 32-bit offsets reach
+    cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64)
+    with pytest.raises(vmem.InvalidArgument, match="32-bit offsets"):
+        vt.VmemCBCache(cfg, cb, "cpu", dtype=torch.float32, **dict(OPTS, kernel="flex", compile=True,
+                       max_requests=too_many, max_context=ctx, memory="64M"))

@@ -88,7 +88,10 @@ the decodes are Q ``[B, Hq, 1, D]`` against the flat KV, each listing its physic
 No kernel reads past a request's mapped memory: FlashAttention reads a request's keys
 ``[start, start + past + q)`` only (its loads past ``seqused_k`` are predicated off), all inside
 the blocks the engine allocated for it; for Flex a block is a multiple of the KV block, so the
-last KV block a request lists is mapped (no zero page needed on the GPU). Newly mapped blocks
+last KV block a request lists is mapped. Compiled Flex indexes the ``[rows, Hkv, max_context,
+D]`` view with 32-bit element offsets, so ``kernel="flex"`` refuses a cache of 2^31 elements or
+more (on the H100 it faulted at 257 rows x 8192 x 8 x 128 once rows past 256 were used; 64
+requests ran clean). Newly mapped blocks
 are zeroed at the round's step (both kernels; Flex needs it: it reads the whole last KV block
 and masks scores, and a NaN bit pattern in fresh memory would still poison ``p @ V``; for FA it
 is defence in depth). On the CPU (not compiled) the same BlockMask is evaluated densely and
@@ -485,6 +488,16 @@ class VmemCBCache(_Recorder):
             raise InvalidArgument(
                 f"{VMEM_ATTENTION} kernel='fa': rows x max_context = {self.rows} x {self.max_context} tokens "
                 "does not fit FlashAttention's int32 cu_seqlens_k; lower max_requests or max_context"
+            )
+        elems = self.rows * self.max_context * kv_heads * head_dim
+        if kernel == "flex" and self.compiled and elems >= 2**31:
+            # Compiled Flex addresses a [rows, Hkv, max_context, D] view with 32-bit element
+            # offsets: past 2^31 elements they wrap, and the kernel reads outside the cache (on the
+            # H100: an illegal address at 256 rows x 8192 tokens x 8 heads x 128, not at 64 rows).
+            raise InvalidArgument(
+                f"{VMEM_ATTENTION} kernel='flex': rows x max_context x kv_heads x head_dim = {self.rows} x "
+                f"{self.max_context} x {kv_heads} x {head_dim} = {elems} elements; compiled FlexAttention "
+                "indexes them with 32-bit offsets (< 2^31): lower max_requests or max_context, or use kernel='fa'"
             )
         self.kv = KVCache(
             layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=str(dtype), max_batch=self.rows,

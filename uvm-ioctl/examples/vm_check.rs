@@ -1,7 +1,8 @@
 //! Runs every vMem ioctl against a loaded, patched nvidia-uvm with **no GPU** (the QEMU boot
-//! test of `scripts/driver-vm-test.sh` runs it as the VM's init payload): detection, the
-//! argument checks of every command, the ABI handshake both ways, the caller's-mm check
-//! after fork, and file close. Each check prints `ok` or `FAIL`; the exit status is the
+//! test of `scripts/driver-vm-test.sh` runs it as the VM's init payload, with the module
+//! loaded with `uvm_enable_builtin_tests=1`): detection, the argument checks of every
+//! command, the ABI handshake both ways (every version-2 number refused), the module's
+//! shared-page bookkeeping test, the caller's-mm check after fork, and file close. Each check prints `ok` or `FAIL`; the exit status is the
 //! number of failures (0: all passed).
 //!
 //! ```sh
@@ -156,6 +157,19 @@ fn main() -> ExitCode {
         f.ioctl(&mut p)
     };
     c.status("map flags 1", map(2 << 20, 1, 1), INVALID_ARGUMENT);
+    // v3's MAP reports the page's map count; a refused map must report 0, not leave what
+    // the caller passed in.
+    {
+        let mut p = UVM_VMEM_MAP_PARAMS {
+            base: 2 << 20,
+            handle: 3,
+            mapCount: 0xdead,
+            ..Default::default()
+        };
+        let r = f.ioctl(&mut p);
+        c.status("map of an unknown handle (v3 struct)", r, OBJECT_NOT_FOUND);
+        c.check("refused map: mapCount 0", p.mapCount == 0, p.mapCount);
+    }
     for handle in [0, 1, 0x7fff_ffff, 0x8000_0000, u64::MAX] {
         c.status(
             &format!("map handle {handle:#x}"),
@@ -268,14 +282,29 @@ fn main() -> ExitCode {
     }
 
     // ABI, the module's side: numbers of the family it does not know (a struct of another
-    // size, or the version-1 numbers) are refused with EPROTO before anything is copied.
+    // size, the version-1 numbers, every version-2 number: v3 changed MAP's struct and
+    // meaning, and carries the version in every number) are refused with EPROTO before
+    // anything is copied.
+    let v2 = |size: u32, nr: u32| UVM_VMEM_IOCTL_BASE | (size << 4) | nr;
     for (what, cmd) in [
         ("version-1 MAP number", UVM_VMEM_IOCTL_BASE + 4),
+        ("version-2 RESERVE", v2(40, 2)),
+        ("version-2 CREATE", v2(40, 3)),
+        ("version-2 MAP", v2(24, 4)),
+        ("version-2 UNMAP", v2(32, 5)),
+        ("version-2 RELEASE", v2(16, 6)),
+        ("version-2 FREE", v2(16, 7)),
+        ("version-2 MAP_BATCH", v2(24, 8)),
+        ("version-2 UNMAP_BATCH", v2(24, 9)),
         (
             "RESERVE with a 48-byte struct",
-            UVM_VMEM_IOCTL_BASE | (48 << 4) | 2,
+            UVM_VMEM_IOCTL_V | (48 << 4) | 2,
         ),
-        ("command 15", UVM_VMEM_IOCTL_BASE | (24 << 4) | 15),
+        (
+            "version-4 RESERVE",
+            v2(40, 2) | (4 << UVM_VMEM_VERSION_SHIFT),
+        ),
+        ("command 15", UVM_VMEM_IOCTL_V | (24 << 4) | 15),
     ] {
         let mut buf = [0xa5u8; 64];
         // SAFETY: `buf` is 64 writable bytes, more than any number here could name; the
@@ -300,6 +329,23 @@ fn main() -> ExitCode {
         matches!(f.query(), Ok(ref i) if i.version == UVM_VMEM_VERSION),
         f.query().map(|i| i.version),
     );
+
+    // Shared pages (v3): the module's bookkeeping test, through the functions its ioctls
+    // use (a page at three addresses in two ranges, refusals that leave counts as they
+    // were, unmapping one mapping of three, release refused while mapped). With no GPU no
+    // page can be created, so this is the only way the bookkeeping runs here.
+    c.check(
+        "self test: sharing bookkeeping, every step passed",
+        matches!(f.self_test(), Ok(None)),
+        f.self_test(),
+    );
+    {
+        let mut p = UVM_VMEM_SELF_TEST_PARAMS {
+            flags: 1,
+            ..Default::default()
+        };
+        c.status("self test flags 1", f.ioctl(&mut p), INVALID_ARGUMENT);
+    }
 
     // The caller's mm: a forked child may not act on its parent's VA space.
     // SAFETY: this process is single-threaded here; the child only issues one ioctl and

@@ -5,16 +5,19 @@
 pub const UVM_VMEM_IOCTL_BASE: u32 = 1447886848;
 pub const UVM_VMEM_IOCTL_MASK: u32 = 4294901760;
 pub const UVM_VMEM_SIZE_SHIFT: u32 = 4;
+pub const UVM_VMEM_VERSION_SHIFT: u32 = 12;
+pub const UVM_VMEM_VERSION: u32 = 3;
+pub const UVM_VMEM_IOCTL_V: u32 = 1447899136;
 pub const UVM_VMEM_QUERY: u32 = 1447886849;
-pub const UVM_VMEM_RESERVE: u32 = 1447887490;
-pub const UVM_VMEM_CREATE: u32 = 1447887491;
-pub const UVM_VMEM_MAP: u32 = 1447887236;
-pub const UVM_VMEM_UNMAP: u32 = 1447887365;
-pub const UVM_VMEM_RELEASE: u32 = 1447887110;
-pub const UVM_VMEM_FREE: u32 = 1447887111;
-pub const UVM_VMEM_MAP_BATCH: u32 = 1447887240;
-pub const UVM_VMEM_UNMAP_BATCH: u32 = 1447887241;
-pub const UVM_VMEM_VERSION: u32 = 2;
+pub const UVM_VMEM_RESERVE: u32 = 1447899778;
+pub const UVM_VMEM_CREATE: u32 = 1447899779;
+pub const UVM_VMEM_MAP: u32 = 1447899652;
+pub const UVM_VMEM_UNMAP: u32 = 1447899653;
+pub const UVM_VMEM_RELEASE: u32 = 1447899398;
+pub const UVM_VMEM_FREE: u32 = 1447899399;
+pub const UVM_VMEM_MAP_BATCH: u32 = 1447899528;
+pub const UVM_VMEM_UNMAP_BATCH: u32 = 1447899529;
+pub const UVM_VMEM_SELF_TEST: u32 = 1447899338;
 pub const UVM_VMEM_PAGE_64K: u32 = 65536;
 pub const UVM_VMEM_PAGE_128K: u32 = 131072;
 pub const UVM_VMEM_PAGE_256K: u32 = 262144;
@@ -121,21 +124,24 @@ pub type UVM_VMEM_CREATE_PARAMS = uvm_vmem_create_params;
 pub struct uvm_vmem_map_params {
     pub base: NvU64,
     pub handle: NvU64,
+    pub mapCount: NvU64,
     pub flags: NvU32,
     pub rmStatus: NV_STATUS,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of uvm_vmem_map_params"][::core::mem::size_of::<uvm_vmem_map_params>() - 24usize];
+    ["Size of uvm_vmem_map_params"][::core::mem::size_of::<uvm_vmem_map_params>() - 32usize];
     ["Alignment of uvm_vmem_map_params"][::core::mem::align_of::<uvm_vmem_map_params>() - 8usize];
     ["Offset of field: uvm_vmem_map_params::base"]
         [::core::mem::offset_of!(uvm_vmem_map_params, base) - 0usize];
     ["Offset of field: uvm_vmem_map_params::handle"]
         [::core::mem::offset_of!(uvm_vmem_map_params, handle) - 8usize];
+    ["Offset of field: uvm_vmem_map_params::mapCount"]
+        [::core::mem::offset_of!(uvm_vmem_map_params, mapCount) - 16usize];
     ["Offset of field: uvm_vmem_map_params::flags"]
-        [::core::mem::offset_of!(uvm_vmem_map_params, flags) - 16usize];
+        [::core::mem::offset_of!(uvm_vmem_map_params, flags) - 24usize];
     ["Offset of field: uvm_vmem_map_params::rmStatus"]
-        [::core::mem::offset_of!(uvm_vmem_map_params, rmStatus) - 20usize];
+        [::core::mem::offset_of!(uvm_vmem_map_params, rmStatus) - 28usize];
 };
 pub type UVM_VMEM_MAP_PARAMS = uvm_vmem_map_params;
 #[repr(C)]
@@ -248,3 +254,24 @@ const _: () = {
 pub type UVM_VMEM_BATCH_PARAMS = uvm_vmem_batch_params;
 pub type UVM_VMEM_MAP_BATCH_PARAMS = UVM_VMEM_BATCH_PARAMS;
 pub type UVM_VMEM_UNMAP_BATCH_PARAMS = UVM_VMEM_BATCH_PARAMS;
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct uvm_vmem_self_test_params {
+    pub flags: NvU32,
+    pub failedStep: NvU32,
+    pub rmStatus: NV_STATUS,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of uvm_vmem_self_test_params"]
+        [::core::mem::size_of::<uvm_vmem_self_test_params>() - 12usize];
+    ["Alignment of uvm_vmem_self_test_params"]
+        [::core::mem::align_of::<uvm_vmem_self_test_params>() - 4usize];
+    ["Offset of field: uvm_vmem_self_test_params::flags"]
+        [::core::mem::offset_of!(uvm_vmem_self_test_params, flags) - 0usize];
+    ["Offset of field: uvm_vmem_self_test_params::failedStep"]
+        [::core::mem::offset_of!(uvm_vmem_self_test_params, failedStep) - 4usize];
+    ["Offset of field: uvm_vmem_self_test_params::rmStatus"]
+        [::core::mem::offset_of!(uvm_vmem_self_test_params, rmStatus) - 8usize];
+};
+pub type UVM_VMEM_SELF_TEST_PARAMS = uvm_vmem_self_test_params;

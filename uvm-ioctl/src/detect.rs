@@ -157,7 +157,7 @@ mod tests {
     fn another_interface_version_is_refused_naming_both() {
         let ours = crate::bindings::UVM_VMEM_VERSION;
         assert!(crate::file::check_version(ours).is_ok());
-        for other in [0, 1, ours + 1, u32::MAX] {
+        for other in [0, 1, 2, ours + 1, u32::MAX] {
             let e = crate::file::check_version(other).unwrap_err();
             let text = e.to_string();
             assert!(

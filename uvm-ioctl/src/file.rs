@@ -207,18 +207,22 @@ impl UvmFile {
         Ok(p.handle)
     }
 
-    /// Maps page `handle` at `base`.
-    pub fn map(&self, base: u64, handle: u64) -> Result<(), UvmError> {
+    /// Maps page `handle` at `base`, where nothing is mapped. The page may be mapped at
+    /// other addresses already (interface v3: shared pages); returns how many addresses it
+    /// is mapped at now, this one included.
+    pub fn map(&self, base: u64, handle: u64) -> Result<u64, UvmError> {
         let mut p = UVM_VMEM_MAP_PARAMS {
             base,
             handle,
             ..Default::default()
         };
-        call(self, &mut p)
+        call(self, &mut p)?;
+        Ok(p.mapCount)
     }
 
-    /// Unmaps `[base, base + length)`, which must be exactly a run of mapped pages. On a GPU
-    /// error part way, `Err(Partial { done })` says how many bytes from `base` were unmapped.
+    /// Unmaps `[base, base + length)`, which must be exactly a run of mappings; other
+    /// mappings of the same pages stay. On a GPU error part way, `Err(Partial { done })`
+    /// says how many bytes from `base` were unmapped.
     pub fn unmap(&self, base: u64, length: u64) -> Result<(), UvmError> {
         let mut p = UVM_VMEM_UNMAP_PARAMS {
             base,
@@ -230,7 +234,8 @@ impl UvmFile {
     }
 
     /// Maps each `(address, page handle)` pair, all or nothing, with one TLB invalidate for
-    /// the whole batch (at most `UVM_VMEM_BATCH_MAX` pairs).
+    /// the whole batch (at most `UVM_VMEM_BATCH_MAX` pairs). A handle may appear in several
+    /// pairs, at addresses that do not overlap, and may be mapped elsewhere already.
     pub fn map_batch(&self, pairs: &[(u64, u64)]) -> Result<(), UvmError> {
         let entries = batch_entries(pairs)?;
         let mut p = MapBatch(batch_params(&entries));
@@ -248,7 +253,8 @@ impl UvmFile {
         partial(r, p.0.done)
     }
 
-    /// Releases page `handle`; with `unmap_first`, unmaps it first if it is mapped.
+    /// Releases page `handle`. A page still mapped somewhere is refused with
+    /// `NV_ERR_IN_USE`, unless `unmap_first`: then every mapping of it is unmapped first.
     pub fn release(&self, handle: u64, unmap_first: bool) -> Result<(), UvmError> {
         let mut p = UVM_VMEM_RELEASE_PARAMS {
             handle,
@@ -260,6 +266,17 @@ impl UvmFile {
             ..Default::default()
         };
         call(self, &mut p)
+    }
+
+    /// Runs the module's own sharing bookkeeping test (`UVM_VMEM_SELF_TEST`: map counts,
+    /// overlap and all-or-nothing validation, unmapping one of several mappings, release
+    /// refusals) on objects of the module's own; nothing of this file's is touched. Returns
+    /// the first step that failed, `None` when all passed. Needs nvidia-uvm loaded with
+    /// `uvm_enable_builtin_tests=1` (otherwise `NV_ERR_NOT_SUPPORTED`).
+    pub fn self_test(&self) -> Result<Option<u32>, UvmError> {
+        let mut p = UVM_VMEM_SELF_TEST_PARAMS::default();
+        call(self, &mut p)?;
+        Ok(std::num::NonZeroU32::new(p.failedStep).map(|s| s.get()))
     }
 
     /// Frees a reserved range that has nothing mapped.

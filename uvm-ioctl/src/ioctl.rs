@@ -48,6 +48,11 @@ command!(UVM_VMEM_MAP_PARAMS, UVM_VMEM_MAP, "vMemMap");
 command!(UVM_VMEM_UNMAP_PARAMS, UVM_VMEM_UNMAP, "vMemUnmap");
 command!(UVM_VMEM_RELEASE_PARAMS, UVM_VMEM_RELEASE, "vMemRelease");
 command!(UVM_VMEM_FREE_PARAMS, UVM_VMEM_FREE, "vMemFree");
+command!(
+    UVM_VMEM_SELF_TEST_PARAMS,
+    UVM_VMEM_SELF_TEST,
+    "vMemSelfTest"
+);
 command!(MapBatch, UVM_VMEM_MAP_BATCH, "vMemMapBatch", |p| p
     .0
     .rmStatus);
@@ -134,5 +139,49 @@ pub(crate) fn call<P: Command>(file: &crate::UvmFile, params: &mut P) -> Result<
             op: P::NAME,
             status,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every vMem number but the frozen query carries its struct's size (bits 4-11) and
+    /// this interface version (bits 12-15), so a module of another version refuses it.
+    fn carries_size_and_version<P: Command>() {
+        let cmd = P::CMD;
+        assert_eq!(
+            cmd & UVM_VMEM_IOCTL_MASK,
+            UVM_VMEM_IOCTL_BASE,
+            "{}",
+            P::NAME
+        );
+        assert_eq!(
+            ((cmd >> UVM_VMEM_SIZE_SHIFT) & 0xff) as usize,
+            std::mem::size_of::<P>(),
+            "{}",
+            P::NAME
+        );
+        assert_eq!(
+            cmd >> UVM_VMEM_VERSION_SHIFT & 0xf,
+            UVM_VMEM_VERSION,
+            "{}",
+            P::NAME
+        );
+    }
+
+    #[test]
+    fn every_number_carries_its_size_and_the_version() {
+        carries_size_and_version::<UVM_VMEM_RESERVE_PARAMS>();
+        carries_size_and_version::<UVM_VMEM_CREATE_PARAMS>();
+        carries_size_and_version::<UVM_VMEM_MAP_PARAMS>();
+        carries_size_and_version::<UVM_VMEM_UNMAP_PARAMS>();
+        carries_size_and_version::<UVM_VMEM_RELEASE_PARAMS>();
+        carries_size_and_version::<UVM_VMEM_FREE_PARAMS>();
+        carries_size_and_version::<MapBatch>();
+        carries_size_and_version::<UnmapBatch>();
+        carries_size_and_version::<UVM_VMEM_SELF_TEST_PARAMS>();
+        // The query is frozen since version 1: no size, no version.
+        assert_eq!(UVM_VMEM_QUERY, UVM_VMEM_IOCTL_BASE + 1);
     }
 }

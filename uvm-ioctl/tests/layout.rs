@@ -46,6 +46,7 @@ fn struct_layouts_and_numbers_match_the_c_compiler() {
         layout!(UVM_VMEM_MAP_PARAMS {
             base,
             handle,
+            mapCount,
             flags,
             rmStatus
         }),
@@ -74,6 +75,11 @@ fn struct_layouts_and_numbers_match_the_c_compiler() {
             done,
             rmStatus
         }),
+        layout!(UVM_VMEM_SELF_TEST_PARAMS {
+            flags,
+            failedStep,
+            rmStatus
+        }),
         vec![
             ("UVM_VMEM_QUERY".into(), UVM_VMEM_QUERY as usize),
             ("UVM_VMEM_RESERVE".into(), UVM_VMEM_RESERVE as usize),
@@ -84,6 +90,7 @@ fn struct_layouts_and_numbers_match_the_c_compiler() {
             ("UVM_VMEM_FREE".into(), UVM_VMEM_FREE as usize),
             ("UVM_VMEM_MAP_BATCH".into(), UVM_VMEM_MAP_BATCH as usize),
             ("UVM_VMEM_UNMAP_BATCH".into(), UVM_VMEM_UNMAP_BATCH as usize),
+            ("UVM_VMEM_SELF_TEST".into(), UVM_VMEM_SELF_TEST as usize),
             ("UVM_VMEM_VERSION".into(), UVM_VMEM_VERSION as usize),
             ("UVM_VMEM_PAGE_SIZES".into(), UVM_VMEM_PAGE_SIZES as usize),
         ],
