@@ -592,3 +592,23 @@ fn a_step_maps_in_address_order_buffer_by_buffer() {
         kv.free_reqid(r).unwrap();
     }
 }
+
+#[test]
+fn more_request_ids_than_the_manager_can_keep_are_refused_before_anything_is_allocated() {
+    // 10^8 ids passed every size check and then aborted the process allocating bookkeeping.
+    let backend = Arc::new(HostBackend::new().unwrap());
+    for b in [vmem::kvcache::MAX_BATCH + 1, 100_000_000] {
+        let e = KvCacheManager::init(backend.clone(), small_kv(2, b, 2048, 65536).build())
+            .err()
+            .expect("refused");
+        assert!(
+            matches!(e, VmemError::InvalidConfig(ref m) if m.contains("request ids")),
+            "{e}"
+        );
+    }
+    let at_limit = small_kv(2, vmem::kvcache::MAX_BATCH, 2048, 65536).build();
+    assert!(at_limit.validate().is_ok());
+    // A token count past 64 bits of bytes saturates instead of panicking.
+    let geo = at_limit.validate().unwrap();
+    assert!(geo.pages_for(u64::MAX) >= u64::MAX / geo.page_size);
+}

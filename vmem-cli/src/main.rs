@@ -612,10 +612,9 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
     })
 }
 
-/// Most request ids a replay may ask for: the manager keeps per-id state in every buffer, so
-/// a larger --max-batch would spend gigabytes of host memory on bookkeeping before the first
-/// request (vLLM's default is 256).
-const MAX_BATCH_LIMIT: usize = 1 << 16;
+/// Most request ids a replay may ask for: the manager's own limit ([`vmem::kvcache::MAX_BATCH`]),
+/// checked here too so the message names the flag.
+const MAX_BATCH_LIMIT: usize = vmem::kvcache::MAX_BATCH;
 
 /// Sets up every contender once, before anything is printed, so a replay whose memory cannot
 /// be had fails up front naming the product that is too big (docs/replay.md promises every

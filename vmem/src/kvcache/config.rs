@@ -2,6 +2,10 @@
 
 use crate::error::{Result, VmemError};
 
+/// The most request ids a cache may have (`max_batch`): the manager keeps bookkeeping for each
+/// from init. vLLM's default is 256.
+pub const MAX_BATCH: usize = 1 << 16;
+
 /// How K and V of all layers are laid out in virtual memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Layout {
@@ -202,7 +206,8 @@ impl KvConfig {
         })
     }
 
-    /// Checks every field, and that every size computed from them fits in 64 bits.
+    /// Checks every field (at most [`MAX_BATCH`] request ids), and that every size computed
+    /// from them fits in 64 bits.
     pub fn validate(&self) -> Result<Geometry> {
         let fields = [
             ("layers", self.layers),
@@ -216,6 +221,14 @@ impl KvConfig {
             if v == 0 {
                 return Err(VmemError::InvalidConfig(format!("{name} must be non-zero")));
             }
+        }
+        if self.max_batch > MAX_BATCH {
+            // The manager keeps per-request bookkeeping for every id from init: 10^8 ids passed
+            // every size check and then aborted the process allocating it.
+            return Err(VmemError::InvalidConfig(format!(
+                "max_batch {} is more than {MAX_BATCH} request ids",
+                self.max_batch
+            )));
         }
         if self.page_size == 0 || !self.page_size.is_multiple_of(4096) {
             return Err(VmemError::InvalidConfig(format!(
@@ -274,7 +287,11 @@ pub struct Geometry {
 impl Geometry {
     /// Pages one buffer needs for `tokens` tokens.
     pub fn pages_for(&self, tokens: u64) -> u64 {
-        (tokens * self.token_bytes).div_ceil(self.page_size)
+        // Saturating: a token count past what 64 bits of bytes hold needs more pages than any
+        // cache has (the manager refuses lengths past max_context before asking).
+        tokens
+            .saturating_mul(self.token_bytes)
+            .div_ceil(self.page_size)
     }
 
     /// Tokens one page of one buffer holds (the paper's Table 8, "tokens per page").

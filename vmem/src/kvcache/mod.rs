@@ -19,7 +19,7 @@ mod policy;
 mod prefix;
 mod state;
 
-pub use config::{Geometry, KvConfig, KvConfigBuilder, LayerView, Layout, TensorView};
+pub use config::{Geometry, KvConfig, KvConfigBuilder, LayerView, Layout, TensorView, MAX_BATCH};
 pub use prefix::{block_hashes, BlockHash, PrefixStats};
 
 use crate::backend::Backend;
