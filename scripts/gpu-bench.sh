@@ -38,25 +38,17 @@ case "${1:-}" in
     (cd "$bin" && strip vmem-gpu alloc-bench manager-cost prefill-overlap pool-pressure vmem gpu-tests)
     echo "built $bin/: vmem-gpu alloc-bench manager-cost prefill-overlap pool-pressure vmem gpu-tests"
     ;;
-  alloc)
+  alloc | manager | prefill | pressure)
+    # One benchmark binary alone, its output also saved as DIR/<binary>.txt.
+    case "$1" in
+      alloc) bench=alloc-bench ;;
+      manager) bench=manager-cost ;;
+      prefill) bench=prefill-overlap ;;
+      pressure) bench=pool-pressure ;;
+    esac
     cd "$root"
     mkdir -p "$out"
-    "$bin"/alloc-bench 2>&1 | tee "$out/alloc-bench.txt"
-    ;;
-  manager)
-    cd "$root"
-    mkdir -p "$out"
-    "$bin"/manager-cost 2>&1 | tee "$out/manager-cost.txt"
-    ;;
-  prefill)
-    cd "$root"
-    mkdir -p "$out"
-    "$bin"/prefill-overlap 2>&1 | tee "$out/prefill-overlap.txt"
-    ;;
-  pressure)
-    cd "$root"
-    mkdir -p "$out"
-    "$bin"/pool-pressure 2>&1 | tee "$out/pool-pressure.txt"
+    "$bin/$bench" 2>&1 | tee "$out/$bench.txt"
     ;;
   run)
     cd "$root"

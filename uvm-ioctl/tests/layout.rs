@@ -20,6 +20,13 @@ macro_rules! layout {
     };
 }
 
+/// Command numbers, each under its own name: `("UVM_VMEM_QUERY", UVM_VMEM_QUERY)`, ...
+macro_rules! numbers {
+    ($($name:ident),* $(,)?) => {
+        vec![$((stringify!($name).to_string(), $name as usize),)*]
+    };
+}
+
 #[test]
 fn struct_layouts_and_numbers_match_the_c_compiler() {
     let rust: Vec<(String, usize)> = [
@@ -80,20 +87,20 @@ fn struct_layouts_and_numbers_match_the_c_compiler() {
             failedStep,
             rmStatus
         }),
-        vec![
-            ("UVM_VMEM_QUERY".into(), UVM_VMEM_QUERY as usize),
-            ("UVM_VMEM_RESERVE".into(), UVM_VMEM_RESERVE as usize),
-            ("UVM_VMEM_CREATE".into(), UVM_VMEM_CREATE as usize),
-            ("UVM_VMEM_MAP".into(), UVM_VMEM_MAP as usize),
-            ("UVM_VMEM_UNMAP".into(), UVM_VMEM_UNMAP as usize),
-            ("UVM_VMEM_RELEASE".into(), UVM_VMEM_RELEASE as usize),
-            ("UVM_VMEM_FREE".into(), UVM_VMEM_FREE as usize),
-            ("UVM_VMEM_MAP_BATCH".into(), UVM_VMEM_MAP_BATCH as usize),
-            ("UVM_VMEM_UNMAP_BATCH".into(), UVM_VMEM_UNMAP_BATCH as usize),
-            ("UVM_VMEM_SELF_TEST".into(), UVM_VMEM_SELF_TEST as usize),
-            ("UVM_VMEM_VERSION".into(), UVM_VMEM_VERSION as usize),
-            ("UVM_VMEM_PAGE_SIZES".into(), UVM_VMEM_PAGE_SIZES as usize),
-        ],
+        numbers!(
+            UVM_VMEM_QUERY,
+            UVM_VMEM_RESERVE,
+            UVM_VMEM_CREATE,
+            UVM_VMEM_MAP,
+            UVM_VMEM_UNMAP,
+            UVM_VMEM_RELEASE,
+            UVM_VMEM_FREE,
+            UVM_VMEM_MAP_BATCH,
+            UVM_VMEM_UNMAP_BATCH,
+            UVM_VMEM_SELF_TEST,
+            UVM_VMEM_VERSION,
+            UVM_VMEM_PAGE_SIZES,
+        ),
     ]
     .concat();
 

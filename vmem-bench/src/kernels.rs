@@ -8,7 +8,40 @@ use std::ffi::{c_void, CString};
 use vmem::backend::CudaBackend;
 use vmem::Result;
 
-const PTX: &str = r#"
+/// PTX shared by both kernels: `%rd3` = this thread's first index into the span, `%rd5` =
+/// the whole grid's stride (threads per block x blocks).
+macro_rules! grid_stride {
+    () => {
+        concat!(
+            "    mov.u32 %r2, %ctaid.x;\n",
+            "    mov.u32 %r3, %ntid.x;\n",
+            "    mov.u32 %r4, %tid.x;\n",
+            "    mul.wide.u32 %rd3, %r2, %r3;\n",
+            "    cvt.u64.u32 %rd4, %r4;\n",
+            "    add.u64 %rd3, %rd3, %rd4;\n",
+            "    mov.u32 %r5, %nctaid.x;\n",
+            "    mul.wide.u32 %rd5, %r5, %r3;\n",
+        )
+    };
+}
+
+/// PTX shared by both kernels, so that `vmem_check` expects exactly what `vmem_fill` wrote:
+/// `%r7` = word `%rd3`'s pattern, `(index * 0x9E3779B1) ^ seed` (`%r1`), and `%rd7` = its
+/// address in the span at `%rd1`.
+macro_rules! pattern_word {
+    () => {
+        concat!(
+            "    cvt.u32.u64 %r6, %rd3;\n",
+            "    mul.lo.u32 %r6, %r6, -1640531535;\n",
+            "    xor.b32 %r7, %r6, %r1;\n",
+            "    shl.b64 %rd6, %rd3, 2;\n",
+            "    add.u64 %rd7, %rd1, %rd6;\n",
+        )
+    };
+}
+
+const PTX: &str = concat!(
+    r#"
 .version 7.0
 .target sm_70
 .address_size 64
@@ -21,23 +54,14 @@ const PTX: &str = r#"
     ld.param.u64 %rd1, [base];
     ld.param.u64 %rd2, [n];
     ld.param.u32 %r1, [seed];
-    mov.u32 %r2, %ctaid.x;
-    mov.u32 %r3, %ntid.x;
-    mov.u32 %r4, %tid.x;
-    mul.wide.u32 %rd3, %r2, %r3;
-    cvt.u64.u32 %rd4, %r4;
-    add.u64 %rd3, %rd3, %rd4;
-    mov.u32 %r5, %nctaid.x;
-    mul.wide.u32 %rd5, %r5, %r3;
-FILL_LOOP:
+"#,
+    grid_stride!(),
+    r#"FILL_LOOP:
     setp.ge.u64 %p, %rd3, %rd2;
     @%p bra FILL_DONE;
-    cvt.u32.u64 %r6, %rd3;
-    mul.lo.u32 %r6, %r6, -1640531535;
-    xor.b32 %r7, %r6, %r1;
-    shl.b64 %rd6, %rd3, 2;
-    add.u64 %rd7, %rd1, %rd6;
-    st.global.u32 [%rd7], %r7;
+"#,
+    pattern_word!(),
+    r#"    st.global.u32 [%rd7], %r7;
     add.u64 %rd3, %rd3, %rd5;
     bra FILL_LOOP;
 FILL_DONE:
@@ -53,23 +77,14 @@ FILL_DONE:
     ld.param.u64 %rd2, [n];
     ld.param.u32 %r1, [seed];
     ld.param.u64 %rd8, [errors];
-    mov.u32 %r2, %ctaid.x;
-    mov.u32 %r3, %ntid.x;
-    mov.u32 %r4, %tid.x;
-    mul.wide.u32 %rd3, %r2, %r3;
-    cvt.u64.u32 %rd4, %r4;
-    add.u64 %rd3, %rd3, %rd4;
-    mov.u32 %r5, %nctaid.x;
-    mul.wide.u32 %rd5, %r5, %r3;
-CHECK_LOOP:
+"#,
+    grid_stride!(),
+    r#"CHECK_LOOP:
     setp.ge.u64 %p1, %rd3, %rd2;
     @%p1 bra CHECK_DONE;
-    cvt.u32.u64 %r6, %rd3;
-    mul.lo.u32 %r6, %r6, -1640531535;
-    xor.b32 %r7, %r6, %r1;
-    shl.b64 %rd6, %rd3, 2;
-    add.u64 %rd7, %rd1, %rd6;
-    ld.global.u32 %r8, [%rd7];
+"#,
+    pattern_word!(),
+    r#"    ld.global.u32 %r8, [%rd7];
     setp.ne.u32 %p2, %r8, %r7;
     @%p2 atom.global.add.u32 %r9, [%rd8], 1;
     add.u64 %rd3, %rd3, %rd5;
@@ -78,7 +93,8 @@ CHECK_DONE:
     ret;
 }
 
-"#;
+"#,
+);
 
 /// The loaded kernels and a device word for the error count.
 #[derive(Debug)]

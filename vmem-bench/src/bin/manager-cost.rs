@@ -74,12 +74,23 @@ fn counting() -> Result<Arc<CountingBackend>> {
     )?))))
 }
 
-/// Time inside the backend between two snapshots: maps, and unmaps with their fences.
-fn inside_map(a: &BackendCounts, b: &BackendCounts) -> f64 {
-    (b.map_ns - a.map_ns) as f64 / 1e3
-}
-fn inside_unmap(a: &BackendCounts, b: &BackendCounts) -> f64 {
-    (b.unmap_ns + b.fence_ns - a.unmap_ns - a.fence_ns) as f64 / 1e3
+impl Phase {
+    /// A map phase of `wall` µs; inside: the backend's map time between snapshots `a` and `b`.
+    fn map(wall: f64, a: &BackendCounts, b: &BackendCounts) -> Phase {
+        Phase {
+            wall,
+            inside: (b.map_ns - a.map_ns) as f64 / 1e3,
+        }
+    }
+
+    /// An unmap phase of `wall` µs; inside: the backend's unmap and fence time between
+    /// snapshots `a` and `b`.
+    fn unmap(wall: f64, a: &BackendCounts, b: &BackendCounts) -> Phase {
+        Phase {
+            wall,
+            inside: (b.unmap_ns + b.fence_ns - a.unmap_ns - a.fence_ns) as f64 / 1e3,
+        }
+    }
 }
 
 /// The order a [`Direct`] contender maps in.
@@ -162,14 +173,8 @@ impl Direct {
             pages.rotate_left(1);
         }
         Ok(Slot {
-            map: Phase {
-                wall: map_wall,
-                inside: inside_map(&c0, &c1),
-            },
-            unmap: Phase {
-                wall: unmap_wall,
-                inside: inside_unmap(&c1, &c2),
-            },
+            map: Phase::map(map_wall, &c0, &c1),
+            unmap: Phase::unmap(unmap_wall, &c1, &c2),
             ..Slot::default()
         })
     }
@@ -260,14 +265,8 @@ impl Managed {
             )));
         }
         Ok(Slot {
-            map: Phase {
-                wall: step_wall,
-                inside: inside_map(&c0, &c1),
-            },
-            unmap: Phase {
-                wall: free_wall,
-                inside: inside_unmap(&c2, &c3),
-            },
+            map: Phase::map(step_wall, &c0, &c1),
+            unmap: Phase::unmap(free_wall, &c2, &c3),
             alloc,
             noop,
         })
