@@ -21,6 +21,8 @@ pub(super) struct State {
     pub(super) signals: Signals,
     /// Pages mapped and reclaimed off the critical path, reported by the next step.
     pub(super) counters: Counters,
+    /// The running digest of the manager's decisions (lockstep.rs).
+    pub(super) lockstep: super::lockstep::Digest,
 }
 
 /// The request table: one entry per request id (`0..max_batch`) in each field.
@@ -103,6 +105,7 @@ impl State {
             requests: Requests::new(b),
             signals: Signals::default(),
             counters: Counters::default(),
+            lockstep: Default::default(),
         }
     }
 
