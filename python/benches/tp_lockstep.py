@@ -31,11 +31,16 @@ import vmem
 
 
 def make_cache(args: argparse.Namespace, rank: int) -> vmem.KVCache:
-    device = "cpu" if args.device == "cpu" else f"cuda:{rank % max(1, torch.cuda.device_count())}"
+    # 256 tokens a page on both: 256 B a token in 64 KB pages (host), 8 KB in 2 MB (CUDA).
+    if args.device == "cpu":
+        device, heads, dim, page, cap = "cpu", 2, 64, "64K", 120 * 64 * 1024
+    else:
+        device = f"cuda:{rank % max(1, torch.cuda.device_count())}"
+        heads, dim, page, cap = 8, 512, "2M", 120 * 2 * 1024 * 1024
     return vmem.KVCache(
-        layers=2, kv_heads=2, head_dim=64, dtype="fp16", max_batch=args.batch,
-        max_context=4096, page_size="64K" if args.device == "cpu" else "2M",
-        device=device, memory_cap=args.cap, overlap=args.overlap,
+        layers=2, kv_heads=heads, head_dim=dim, dtype="fp16", max_batch=args.batch,
+        max_context=4096, page_size=page, device=device,
+        memory_cap=args.cap if args.cap is not None else cap, overlap=args.overlap,
         deferred_reclaim=args.deferred_reclaim,
     )
 
@@ -104,7 +109,7 @@ def main() -> int:
     p.add_argument("--every", type=int, default=50, help="compare digests every N steps")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--cap", default="7680K", help="memory cap per rank (120 64K pages)")
+    p.add_argument("--cap", default=None, help="memory cap per rank (default: 120 pages)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--deferred-reclaim", action=argparse.BooleanOptionalAction, default=False,
