@@ -405,6 +405,13 @@ impl KVCache {
         Ok((KVTensor::new(&inner, v.k), KVTensor::new(&inner, v.v)))
     }
 
+    /// The running digest of the manager's decisions, `(value, steps, calls)`: tensor-parallel
+    /// ranks making the same calls hold equal ones (docs/architecture.md, "Lockstep").
+    fn decision_digest(&self) -> PyResult<(u64, u64, u64)> {
+        let d = self.get()?.kv.decision_digest();
+        Ok((d.value, d.steps, d.calls))
+    }
+
     /// Memory held now, in bytes, and request counts.
     fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let inner = self.get()?;

@@ -328,6 +328,14 @@ class KVCache:
         return vmem_torch.layers(self)
 
     # -- state ------------------------------------------------------------------------------
+    def decision_digest(self) -> Tuple[int, int, int]:
+        """``(value, steps, calls)``: a running digest of the cache's decisions (ids handed
+        out, out-of-memory steps, pages held after each step). Tensor-parallel ranks making
+        the same calls hold equal digests; compare them every few steps (an all-gather) to
+        catch ranks out of lockstep. docs/architecture.md, "Lockstep", says what it covers
+        and which settings keep it a pure function of the calls."""
+        return self._rs.decision_digest()
+
     def usage(self) -> Dict[str, int]:
         """Bytes of KV data, of pages mapped (to active requests, to any), of physical pages
         and the cap; active requests; pool counters."""

@@ -178,3 +178,105 @@ fn cuda_and_simulation_replays_map_the_same_pages() {
         }
     }
 }
+
+/// The calling thread's current CUDA context (None: no context).
+fn current_context() -> Option<cudarc::driver::sys::CUcontext> {
+    cudarc::driver::result::ctx::get_current().unwrap()
+}
+
+/// A small per-layer cache on device 0: 4 buffers, 2 MB pages (8,192 tokens a page), every
+/// call on the calling thread (no background thread), frees unmapping at once (each free
+/// fences and unmaps).
+fn gpu_kv(backend: Arc<CudaBackend>, cap_pages: u64) -> KvCacheManager {
+    let cfg = vmem_tests::small_kv(2, 4, 65536, MIB2)
+        .memory_cap(cap_pages * MIB2)
+        .overlap(false)
+        .deferred_reclaim(false)
+        .eager_tokens(0)
+        .reclaim_threshold(0)
+        .build();
+    KvCacheManager::init(backend, cfg).unwrap()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-bench.sh runs it with --include-ignored"]
+fn cuda_calls_leave_the_callers_current_context_current() {
+    use cudarc::driver::{result as cu, sys};
+    cu::init().unwrap();
+    let dev = cu::device::get(0).unwrap();
+    // SAFETY: `dev` is a valid device; no creation parameters. cuCtxCreate makes the new,
+    // non-primary context current on this thread.
+    let user = unsafe { cu::ctx::create_v4(std::ptr::null_mut(), 0, dev) }.unwrap();
+    assert_eq!(current_context(), Some(user));
+    {
+        let b = gpu();
+        assert_eq!(current_context(), Some(user), "after opening the backend");
+        b.mem_info().unwrap();
+        assert_eq!(current_context(), Some(user), "after mem_info");
+        let kv = gpu_kv(b.clone(), 16);
+        assert_eq!(current_context(), Some(user), "after init");
+        let r = kv.alloc_reqid().unwrap();
+        let mut lens = vec![0u64; 4];
+        lens[r] = 20_000; // 3 pages in each of 4 buffers
+        assert_eq!(kv.step(&lens).unwrap().sync_pages, 12);
+        assert_eq!(current_context(), Some(user), "after a step that maps");
+        assert_eq!(b.mapped_pages(), 12);
+        kv.free_reqid(r).unwrap(); // fences, then unmaps
+        assert_eq!(
+            current_context(),
+            Some(user),
+            "after a free that fences and unmaps"
+        );
+        assert_eq!(b.mapped_pages(), 0);
+        // With no context current, none is left current either.
+        // SAFETY: null unbinds the calling thread's context.
+        unsafe { cu::ctx::set_current(std::ptr::null_mut()) }.unwrap();
+        let r = kv.alloc_reqid().unwrap();
+        lens = vec![0; 4];
+        lens[r] = 100;
+        kv.step(&lens).unwrap();
+        kv.free_reqid(r).unwrap();
+        assert_eq!(current_context(), None, "vmem left its context current");
+        // SAFETY: `user` is alive (destroyed below).
+        unsafe { cu::ctx::set_current(user) }.unwrap();
+        drop(kv);
+        drop(b);
+        assert_eq!(current_context(), Some(user), "after dropping the backend");
+    }
+    // SAFETY: our context, made above; nothing of vmem used it.
+    let r = unsafe { sys::cuCtxDestroy_v2(user) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-bench.sh runs it with --include-ignored"]
+fn two_managers_on_one_device_keep_their_own_pages() {
+    let (b1, b2) = (gpu(), gpu());
+    let (kv1, kv2) = (gpu_kv(b1.clone(), 16), gpu_kv(b2.clone(), 24));
+    let (r1, r2) = (kv1.alloc_reqid().unwrap(), kv2.alloc_reqid().unwrap());
+    let (mut l1, mut l2) = (vec![0u64; 4], vec![0u64; 4]);
+    // Interleaved: each step maps into its own manager only.
+    for (t1, t2) in [(8_000u64, 30_000u64), (16_500, 30_001), (24_600, 40_000)] {
+        l1[r1] = t1;
+        l2[r2] = t2;
+        kv1.step(&l1).unwrap();
+        kv2.step(&l2).unwrap();
+        let (p1, p2) = (t1.div_ceil(8192), t2.div_ceil(8192));
+        assert_eq!(kv1.request_pages(r1).unwrap(), vec![p1; 4]);
+        assert_eq!(kv2.request_pages(r2).unwrap(), vec![p2; 4]);
+        assert_eq!(b1.mapped_pages() as u64, 4 * p1);
+        assert_eq!(b2.mapped_pages() as u64, 4 * p2);
+    }
+    // Each manager's cap is its own: 16 pages hold 4 per buffer, not kv2's 24.
+    l1[r1] = 4 * 8192 + 1;
+    assert!(matches!(kv1.step(&l1), Err(VmemError::OutOfMemory { .. })));
+    assert_eq!(kv1.pool_pages().2, 16);
+    assert_eq!(kv2.pool_pages().2, 24);
+    // Freeing in one (fence + unmap) leaves the other's pages mapped.
+    kv1.free_reqid(r1).unwrap();
+    assert_eq!(b1.mapped_pages(), 0);
+    assert_eq!(b2.mapped_pages(), 20);
+    assert_eq!(kv2.request_pages(r2).unwrap(), vec![5; 4]);
+    kv2.free_reqid(r2).unwrap();
+    assert_eq!(b2.mapped_pages(), 0);
+}

@@ -151,6 +151,24 @@ pub enum VmemError {
     /// A fault injected by `vmem::testing::FaultyBackend` (tests only).
     #[error("injected fault in {0}")]
     InjectedFault(&'static str),
+
+    /// Ranks of a tensor-parallel group that should have made the same calls hold different
+    /// decision digests (`KvCacheManager::decision_digest`): their caches went out of
+    /// lockstep at or before `step`.
+    #[error(
+        "lockstep divergence by step {step}: this rank's decision digest {ours:#018x}, \
+         rank {rank}'s {theirs:#018x}"
+    )]
+    LockstepDivergence {
+        /// Steps this rank had made when the digests were compared.
+        step: u64,
+        /// The first rank whose digest differs.
+        rank: usize,
+        /// This rank's digest.
+        ours: u64,
+        /// That rank's digest.
+        theirs: u64,
+    },
 }
 
 /// Result alias used throughout the crate.

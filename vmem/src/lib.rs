@@ -11,4 +11,4 @@ pub mod testing;
 pub mod units;
 
 pub use error::{Result, VmemError};
-pub use kvcache::{KvCacheManager, KvConfig, KvConfigBuilder, Layout, StepReport};
+pub use kvcache::{DecisionDigest, KvCacheManager, KvConfig, KvConfigBuilder, Layout, StepReport};

@@ -73,8 +73,10 @@ impl Checked<CudaDriver> {
         self.driver().mem_info()
     }
 
-    /// Makes the backend's context current on the calling thread (for kernels launched
-    /// through other cudarc calls on the same device).
+    /// Makes the backend's context current on the calling thread and leaves it current (for
+    /// kernels launched through other cudarc calls on the same device). The backend's own
+    /// calls do not need this: each makes the context current for its duration and puts the
+    /// caller's back afterwards.
     pub fn bind_to_thread(&self) -> Result<()> {
         self.driver().ctx.make_current()
     }
@@ -103,7 +105,7 @@ impl CudaDriver {
         let ctx = unsafe { cu::primary_ctx::retain(device) }
             .map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
         let ctx = ContextHandle { device, ctx };
-        ctx.make_current()?;
+        let _current = ctx.enter()?;
         let uuid = cu::device::get_uuid(device).map_err(cuda_err("cuDeviceGetUuid"))?;
         let uuid = uuid.bytes.map(|b| b as u8);
         let name = cu::device::get_name(device).unwrap_or_else(|_| "unknown GPU".into());
@@ -135,7 +137,7 @@ impl CudaDriver {
 
     /// Free and total device memory in bytes (`cuMemGetInfo`).
     pub fn mem_info(&self) -> Result<(u64, u64)> {
-        self.ctx.make_current()?;
+        let _current = self.ctx.enter()?;
         let (free, total) = cu::mem_get_info().map_err(cuda_err("cuMemGetInfo"))?;
         Ok((free as u64, total as u64))
     }
@@ -153,15 +155,52 @@ fn allocation_prop(ordinal: i32) -> sys::CUmemAllocationProp {
 }
 
 impl ContextHandle {
-    /// Makes the context current on the calling thread, unless it already is: every
-    /// operation calls this, and `cuCtxGetCurrent` reads a thread-local where
-    /// `cuCtxSetCurrent` enters the driver.
+    /// Makes the context current on the calling thread and leaves it current
+    /// ([`CudaBackend::bind_to_thread`]).
     fn make_current(&self) -> Result<()> {
         if cu::ctx::get_current().ok().flatten() == Some(self.ctx) {
             return Ok(());
         }
         // SAFETY: `ctx` is a retained primary context, valid until Drop releases it.
         unsafe { cu::ctx::set_current(self.ctx) }.map_err(cuda_err("cuCtxSetCurrent"))
+    }
+
+    /// Makes the context current on the calling thread until the returned guard drops, which
+    /// puts back the context that was current before (or none). Every driver call runs under
+    /// one, so a caller's current context (PyTorch's on another device, a context of its own)
+    /// is the same after a vmem call as before, and a backend on device N creates, maps and
+    /// fences in device N's context only. When the context is already current (a thread
+    /// PyTorch uses on this device) it costs one `cuCtxGetCurrent`, a thread-local read.
+    fn enter(&self) -> Result<CurrentGuard> {
+        let prev = cu::ctx::get_current().map_err(cuda_err("cuCtxGetCurrent"))?;
+        if prev == Some(self.ctx) {
+            return Ok(CurrentGuard { restore: None });
+        }
+        // SAFETY: `ctx` is a retained primary context, valid until Drop releases it.
+        unsafe { cu::ctx::set_current(self.ctx) }.map_err(cuda_err("cuCtxSetCurrent"))?;
+        Ok(CurrentGuard {
+            restore: Some(prev.unwrap_or(std::ptr::null_mut())),
+        })
+    }
+}
+
+/// The context that was current on this thread before [`ContextHandle::enter`], made current
+/// again on drop. Holds a raw `CUcontext`, so it is neither `Send` nor `Sync`: it drops on the
+/// thread that made it.
+struct CurrentGuard {
+    /// What to make current again (null: no context); `None` when nothing was switched.
+    restore: Option<sys::CUcontext>,
+}
+
+impl Drop for CurrentGuard {
+    fn drop(&mut self) {
+        if let Some(prev) = self.restore {
+            // SAFETY: `prev` was current on this thread when the guard was made (or is null,
+            // which unbinds); the guard lives within one vmem call, which destroys no context.
+            if let Err(e) = unsafe { cu::ctx::set_current(prev) } {
+                tracing::warn!(error = ?e, "restoring the caller's CUDA context failed");
+            }
+        }
     }
 }
 
@@ -193,7 +232,7 @@ impl RawBackend for CudaDriver {
     }
 
     fn reserve(&self, size: u64) -> Result<u64> {
-        self.ctx.make_current()?;
+        let _current = self.ctx.enter()?;
         let mut addr: sys::CUdeviceptr = 0;
         // SAFETY: `addr` is a valid out-pointer; no existing memory is touched.
         unsafe {
@@ -205,7 +244,7 @@ impl RawBackend for CudaDriver {
     }
 
     unsafe fn free_range(&self, addr: u64, size: u64) -> Result<()> {
-        self.ctx.make_current()?;
+        let _current = self.ctx.enter()?;
         // SAFETY: by the caller's contract, a range this driver reserved with nothing mapped.
         unsafe { sys::cuMemAddressFree(addr, size as usize) }
             .result()
@@ -213,7 +252,7 @@ impl RawBackend for CudaDriver {
     }
 
     fn create(&self, page_size: u64) -> Result<PageHandle> {
-        self.ctx.make_current()?;
+        let _current = self.ctx.enter()?;
         let prop = allocation_prop(self.ordinal);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `handle` is a valid out-pointer and `prop` a valid property struct.
@@ -224,7 +263,7 @@ impl RawBackend for CudaDriver {
     }
 
     unsafe fn release(&self, page: PageHandle, _page_size: u64) -> Result<()> {
-        self.ctx.make_current()?;
+        let _current = self.ctx.enter()?;
         // SAFETY: by the caller's contract, a live unmapped handle from cuMemCreate.
         unsafe { sys::cuMemRelease(page.0) }
             .result()
@@ -239,7 +278,7 @@ impl RawBackend for CudaDriver {
         pages: &[PageHandle],
         page_size: u64,
     ) -> std::result::Result<(), PartialMap> {
-        self.ctx.make_current().map_err(PartialMap::none)?;
+        let _current = self.ctx.enter().map_err(PartialMap::none)?;
         for (i, p) in pages.iter().enumerate() {
             let at = addr + i as u64 * page_size;
             // SAFETY: by the caller's contract `at` is a page-aligned, unmapped address inside
@@ -276,6 +315,9 @@ impl RawBackend for CudaDriver {
     /// A page cleared with `cuMemsetD8` through a temporary mapping of its own (cuMemCreate
     /// makes no promise about the contents).
     fn create_zeroed(&self, page_size: u64) -> Result<PageHandle> {
+        // One switch for the whole sequence (the calls below find the context current), and
+        // the memset needs it.
+        let _current = self.ctx.enter()?;
         let page = self.create(page_size)?;
         let va = match self.reserve(page_size) {
             Ok(va) => va,
@@ -329,7 +371,7 @@ impl RawBackend for CudaDriver {
         page_size: u64,
         count: u64,
     ) -> std::result::Result<(), PartialMap> {
-        self.ctx.make_current().map_err(PartialMap::none)?;
+        let _current = self.ctx.enter().map_err(PartialMap::none)?;
         for i in 0..count {
             // SAFETY: by the caller's contract the slot is an unmapped, aligned part of our
             // reservation and `page` a live page of `page_size` bytes (CUDA maps a handle at
@@ -368,12 +410,12 @@ impl RawBackend for CudaDriver {
     /// the background thread does threshold reclamation), and [`Checked`] fences outside its
     /// lock, so the wait holds up only the call that unmaps.
     fn fence(&self) -> Result<()> {
-        self.ctx.make_current()?;
+        let _current = self.ctx.enter()?;
         cu::ctx::synchronize().map_err(cuda_err("cuCtxSynchronize"))
     }
 
     unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()> {
-        self.ctx.make_current()?;
+        let _current = self.ctx.enter()?;
         // SAFETY: by the caller's contract, a run of pages this driver mapped that no pending
         // device work reads (a fence returned after the last work that could).
         unsafe { sys::cuMemUnmap(addr, size as usize) }

@@ -13,6 +13,7 @@
 //! [`KvConfig::reclaim_threshold`], or when a step cannot be served otherwise.
 
 mod config;
+mod lockstep;
 mod map_ahead;
 mod mapper;
 mod policy;
@@ -20,6 +21,7 @@ mod prefix;
 mod state;
 
 pub use config::{Geometry, KvConfig, KvConfigBuilder, LayerView, Layout, TensorView, MAX_BATCH};
+pub use lockstep::DecisionDigest;
 pub use prefix::{block_hashes, BlockHash, PrefixStats};
 
 use crate::backend::Backend;
@@ -182,6 +184,12 @@ impl KvCacheManager {
 
     /// Hands out a request id (`0..max_batch`), preferring the pre-mapped one.
     pub fn alloc_reqid(&self) -> Result<usize> {
+        let r = self.alloc_reqid_unrecorded();
+        self.record(|d, _| d.alloc(None, &r));
+        r
+    }
+
+    fn alloc_reqid_unrecorded(&self) -> Result<usize> {
         let mut st = self.shared.lock();
         let id = match st.requests.next_id.filter(|&r| !st.requests.active[r]) {
             Some(r) => r,
@@ -203,6 +211,12 @@ impl KvCacheManager {
     /// [`VmemError::TooManyRequests`] when every id is active, and with
     /// [`VmemError::ContextTooLong`] when `tokens` exceeds the max context.
     pub fn alloc_reqid_for(&self, tokens: u64) -> Result<usize> {
+        let r = self.alloc_reqid_for_unrecorded(tokens);
+        self.record(|d, _| d.alloc(Some(tokens), &r));
+        r
+    }
+
+    fn alloc_reqid_for_unrecorded(&self, tokens: u64) -> Result<usize> {
         let mut st = self.shared.lock();
         if tokens > self.cfg.max_context as u64 {
             return Err(VmemError::ContextTooLong {
@@ -306,6 +320,12 @@ impl KvCacheManager {
     /// [`VmemError::DoubleFree`] for an id already freed, [`VmemError::NotAllocated`] for one
     /// never handed out.
     pub fn free_reqid(&self, req: usize) -> Result<()> {
+        let r = self.free_reqid_unrecorded(req);
+        self.record(|d, _| d.free(req, &r));
+        r
+    }
+
+    fn free_reqid_unrecorded(&self, req: usize) -> Result<()> {
         let mut st = self.shared.lock();
         st.check_id(req)?;
         st = self.wait_unclaimed(st, |st| st.requests.claimed[req]);
@@ -339,6 +359,12 @@ impl KvCacheManager {
     /// reclaiming every deferred request, cannot cover the step; the engine can then preempt
     /// a request and retry. On any error every mapping made before the call is intact.
     pub fn step(&self, seq_lens: &[u64]) -> Result<StepReport> {
+        let r = self.step_unrecorded(seq_lens);
+        self.record(|d, st| d.step(st, seq_lens, &r));
+        r
+    }
+
+    fn step_unrecorded(&self, seq_lens: &[u64]) -> Result<StepReport> {
         let _span = tracing::debug_span!("step").entered();
         let mut st = self.shared.lock();
         st.check_step(seq_lens)?;

@@ -24,6 +24,8 @@ pub(super) struct State {
     pub(super) counters: Counters,
     /// The prefix cache (kvcache/prefix.rs); empty and off unless `cfg.prefix_cache`.
     pub(super) prefix: PrefixCache,
+    /// The running digest of the manager's decisions (lockstep.rs).
+    pub(super) lockstep: super::lockstep::Digest,
 }
 
 /// The request table: one entry per request id (`0..max_batch`) in each field.
@@ -108,6 +110,7 @@ impl State {
             signals: Signals::default(),
             counters: Counters::default(),
             prefix,
+            lockstep: Default::default(),
         }
     }
 
