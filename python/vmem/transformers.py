@@ -419,6 +419,15 @@ class VmemCBCache(_Recorder):
             raise InvalidArgument(f"max_requests must be a positive int, got {max_requests!r}")
         if kernel not in KERNELS:
             raise InvalidArgument(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        if layout not in ("per-layer", "token-major"):
+            raise InvalidArgument(f"layout must be 'per-layer' or 'token-major', got {layout!r}")
+        if compile is not None and not isinstance(compile, bool):
+            raise InvalidArgument(f"compile must be True, False or None, got {compile!r}")
+        if not isinstance(prealloc, bool):
+            raise InvalidArgument(f"prealloc must be True or False, got {prealloc!r}")
+        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
+                                        or max_context < 1):
+            raise InvalidArgument(f"max_context must be a positive int, got {max_context!r}")
         self.kernel = kernel
         self.config = config
         self.dtype = dtype
