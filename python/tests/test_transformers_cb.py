@@ -301,3 +301,10 @@ def test_mistyped_options_are_refused_not_coerced(bad):
     # layout=3 went through to odd geometry or a TypeError instead of a typed error.
     with pytest.raises(vmem.InvalidArgument):
         _cache(**bad)
+
+
+def test_preallocating_more_than_the_ram_on_the_cpu_is_refused_not_killed():
+    # memory="1T" on the CPU with prealloc (the default) used to get the process killed (137).
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with pytest.raises(vmem.InvalidArgument, match="RAM"):
+        _cache(memory=str(4 * ram))
