@@ -291,3 +291,20 @@ def test_compiled_flex_refuses_a_cache_past_32_bit_offsets():
     with pytest.raises(vmem.InvalidArgument, match="32-bit offsets"):
         vt.VmemCBCache(cfg, cb, "cpu", dtype=torch.float32, **dict(OPTS, kernel="flex", compile=True,
                        max_requests=too_many, max_context=ctx, memory="64M"))
+
+
+@pytest.mark.parametrize("bad", [dict(compile="no"), dict(compile="yes"), dict(compile=1),
+                                 dict(prealloc="no"), dict(max_context=0), dict(max_context=-1),
+                                 dict(max_context="8"), dict(max_context=True), dict(layout=3)])
+def test_mistyped_options_are_refused_not_coerced(bad):
+    # compile="no" used to be truthy (a compiled kernel asked for), max_context=0 or "8" and
+    # layout=3 went through to odd geometry or a TypeError instead of a typed error.
+    with pytest.raises(vmem.InvalidArgument):
+        _cache(**bad)
+
+
+def test_preallocating_more_than_the_ram_on_the_cpu_is_refused_not_killed():
+    # memory="1T" on the CPU with prealloc (the default) used to get the process killed (137).
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with pytest.raises(vmem.InvalidArgument, match="RAM"):
+        _cache(memory=str(4 * ram))

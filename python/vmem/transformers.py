@@ -104,6 +104,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -419,6 +420,15 @@ class VmemCBCache(_Recorder):
             raise InvalidArgument(f"max_requests must be a positive int, got {max_requests!r}")
         if kernel not in KERNELS:
             raise InvalidArgument(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        if layout not in ("per-layer", "token-major"):
+            raise InvalidArgument(f"layout must be 'per-layer' or 'token-major', got {layout!r}")
+        if compile is not None and not isinstance(compile, bool):
+            raise InvalidArgument(f"compile must be True, False or None, got {compile!r}")
+        if not isinstance(prealloc, bool):
+            raise InvalidArgument(f"prealloc must be True or False, got {prealloc!r}")
+        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
+                                        or max_context < 1):
+            raise InvalidArgument(f"max_context must be a positive int, got {max_context!r}")
         self.kernel = kernel
         self.config = config
         self.dtype = dtype
@@ -484,6 +494,14 @@ class VmemCBCache(_Recorder):
                 f"({self.pages_per_block} pages of {page} bytes each); need at least 2 (one is the trash row's)"
             )
         cap = blocks * self.pages_per_block * page
+        if backend == "host" and prealloc:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            if cap > ram:
+                # Creating them all up front on the host would get the process killed, not refused.
+                raise InvalidArgument(
+                    f"{VMEM_ATTENTION}: memory {cap} bytes preallocated on the CPU exceeds this machine's "
+                    f"{ram} bytes of RAM; lower memory or pass prealloc=False"
+                )
         if kernel == "fa" and self.rows * self.max_context >= 2**31:
             raise InvalidArgument(
                 f"{VMEM_ATTENTION} kernel='fa': rows x max_context = {self.rows} x {self.max_context} tokens "

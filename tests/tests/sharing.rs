@@ -446,3 +446,68 @@ fn blocks_of_several_pages_share_whole() {
     drop(kv);
     assert_eq!(host.live_pages(), 0);
 }
+
+#[test]
+fn adopting_a_repeated_hash_past_the_context_is_refused_and_leaves_the_request_empty() {
+    // A caller's hash list repeating one cached hash, longer than the request's context: a
+    // typed error (the backend refuses a page named twice), nothing mapped, and the same
+    // request can then adopt the real prefix.
+    let kv = KvCacheManager::init(
+        Arc::new(SimBackend::new()),
+        cfg(Layout::TokenMajor, 64, Some(16 * KIB64)),
+    )
+    .unwrap();
+    let bt = kv.prefix_block_tokens();
+    let p = prompt(7, bt as usize + 1);
+    let a = kv.alloc_reqid().unwrap();
+    assert_eq!(kv.adopt_prefix(a, &p).unwrap(), 0);
+    kv.step(&lens(&[(a, bt + 1)])).unwrap();
+    assert_eq!(kv.publish_prefix(a, &p).unwrap(), 1);
+    let h = block_hashes(&p, bt as usize)[0];
+    let b = kv.alloc_reqid().unwrap();
+    let many = (4096 / bt + 4) as usize;
+    let r = kv.adopt_prefix_hashes(b, &vec![h; many], many as u64 * bt + 1);
+    assert!(r.is_err(), "adopted {r:?} tokens of a 4096-token context");
+    assert_eq!(kv.adopt_prefix(b, &p).unwrap(), bt);
+}
+
+#[test]
+fn the_prefix_api_refuses_wrong_ids_inactive_requests_and_a_second_adoption() {
+    let kv = KvCacheManager::init(
+        Arc::new(SimBackend::new()),
+        cfg(Layout::TokenMajor, 64, Some(16 * KIB64)),
+    )
+    .unwrap();
+    let bt = kv.prefix_block_tokens();
+    let p = prompt(9, 2 * bt as usize + 1);
+    assert!(kv.adopt_prefix(99, &p).is_err());
+    assert!(kv.publish_prefix(99, &p).is_err());
+    assert!(matches!(
+        kv.adopt_prefix(1, &p),
+        Err(VmemError::InactiveRequest(1))
+    ));
+    let a = kv.alloc_reqid().unwrap();
+    assert_eq!(kv.adopt_prefix(a, &[]).unwrap(), 0);
+    assert_eq!(kv.publish_prefix(a, &[]).unwrap(), 0);
+    kv.step(&lens(&[(a, p.len() as u64)])).unwrap();
+    assert_eq!(kv.publish_prefix(a, &p).unwrap(), 2);
+    let b = kv.alloc_reqid().unwrap();
+    assert_eq!(kv.adopt_prefix(b, &p).unwrap(), 2 * bt);
+    assert!(matches!(
+        kv.adopt_prefix(b, &p),
+        Err(VmemError::InvalidConfig(_))
+    ));
+    let r = KvCacheManager::init(
+        Arc::new(SimBackend::new()),
+        cfg(Layout::TokenMajor, 64, Some(0)),
+    );
+    // A cap of 0 is accepted and keeps nothing unmapped: a finished request's blocks go.
+    let kv0 = r.unwrap();
+    let c = kv0.alloc_reqid().unwrap();
+    kv0.step(&lens(&[(c, p.len() as u64)])).unwrap();
+    kv0.publish_prefix(c, &p).unwrap();
+    kv0.free_reqid(c).unwrap();
+    kv0.step(&lens(&[])).unwrap();
+    let d = kv0.alloc_reqid().unwrap();
+    assert_eq!(kv0.adopt_prefix(d, &p).unwrap(), 0);
+}

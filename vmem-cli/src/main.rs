@@ -205,15 +205,15 @@ struct ReplayArgs {
     prefix_cache: bool,
     /// With --prefix-cache: most memory kept only by the prefix cache (pages no running
     /// request maps), the same for every contender [default: the budget]
-    #[arg(long, value_name = "BYTES")]
+    #[arg(long, value_name = "BYTES", requires = "prefix_cache")]
     cache_cap: Option<String>,
     /// With --prefix-cache, a generic trace's column of prefix hashes (JSON: an array of
     /// integers; CSV: integers separated by spaces or ';').
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", requires = "prefix_cache")]
     hash_col: Option<String>,
     /// With --prefix-cache: prompt tokens per hash [default: 512 for Mooncake; required with
     /// --hash-col]
-    #[arg(long, value_name = "TOKENS")]
+    #[arg(long, value_name = "TOKENS", requires = "prefix_cache")]
     hash_block_tokens: Option<u64>,
 }
 

@@ -114,3 +114,29 @@ fn prefix_mode_refuses_traces_without_hashes_and_bad_flags() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--cache-cap"));
 }
+
+#[test]
+fn prefix_flags_without_prefix_cache_are_refused_not_ignored() {
+    // Each flag only means something with --prefix-cache; alone it used to be dropped
+    // silently and the plain replay ran (exit 0), so a user never learned it did nothing.
+    let moon = trace("mooncake-synthetic-first1000.jsonl");
+    for flag in [
+        ["--cache-cap", "1G"],
+        ["--hash-col", "hash_ids"],
+        ["--hash-block-tokens", "16"],
+    ] {
+        let out = vmem(&[
+            "replay",
+            "--trace",
+            &moon,
+            "--requests",
+            "1",
+            "-q",
+            flag[0],
+            flag[1],
+        ]);
+        assert_eq!(out.status.code(), Some(2), "{flag:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--prefix-cache"), "{flag:?}: {err}");
+    }
+}
