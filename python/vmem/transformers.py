@@ -104,7 +104,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -494,14 +493,6 @@ class VmemCBCache(_Recorder):
                 f"({self.pages_per_block} pages of {page} bytes each); need at least 2 (one is the trash row's)"
             )
         cap = blocks * self.pages_per_block * page
-        if backend == "host" and prealloc:
-            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            if cap > ram:
-                # Creating them all up front on the host would get the process killed, not refused.
-                raise InvalidArgument(
-                    f"{VMEM_ATTENTION}: memory {cap} bytes preallocated on the CPU exceeds this machine's "
-                    f"{ram} bytes of RAM; lower memory or pass prealloc=False"
-                )
         if kernel == "fa" and self.rows * self.max_context >= 2**31:
             raise InvalidArgument(
                 f"{VMEM_ATTENTION} kernel='fa': rows x max_context = {self.rows} x {self.max_context} tokens "
