@@ -205,15 +205,7 @@ fn jsonl_hashes(text: &str, col: &str, err: ErrFn<'_>) -> Result<HashMap<usize, 
 }
 
 fn csv_hashes(text: &str, col: &str, err: ErrFn<'_>) -> Result<HashMap<usize, Vec<u64>>> {
-    let mut reader = csv::ReaderBuilder::new()
-        .has_headers(true)
-        .flexible(false)
-        .trim(csv::Trim::All)
-        .from_reader(text.as_bytes());
-    let headers = reader
-        .headers()
-        .map_err(|e| err(1, format!("cannot read the header: {e}")))?
-        .clone();
+    let (mut reader, headers) = crate::trace::csv_with_header(text, err)?;
     let idx = headers
         .iter()
         .position(|h| h.eq_ignore_ascii_case(col))

@@ -79,12 +79,13 @@ fn parse_time(s: &str, unit: TimeUnit) -> std::result::Result<f64, String> {
     }
 }
 
-/// Parses a CSV trace with a header row.
-pub(super) fn parse_csv(
-    text: &str,
-    cols: &Columns,
+/// A CSV reader over `text` (a header row, fixed field count, trimmed fields) and its header;
+/// an unreadable header is reported at line 1. Shared by trace parsing and the prefix-hash
+/// reader (crate::prefix), which read the same files.
+pub(crate) fn csv_with_header<'t>(
+    text: &'t str,
     err: Err<'_>,
-) -> Result<(Vec<TraceRequest>, bool)> {
+) -> Result<(csv::Reader<&'t [u8]>, csv::StringRecord)> {
     let mut reader = csv::ReaderBuilder::new()
         .has_headers(true)
         .flexible(false)
@@ -94,6 +95,16 @@ pub(super) fn parse_csv(
         .headers()
         .map_err(|e| err(1, format!("cannot read the header: {e}")))?
         .clone();
+    Ok((reader, headers))
+}
+
+/// Parses a CSV trace with a header row.
+pub(super) fn parse_csv(
+    text: &str,
+    cols: &Columns,
+    err: Err<'_>,
+) -> Result<(Vec<TraceRequest>, bool)> {
+    let (mut reader, headers) = csv_with_header(text, err)?;
     let names: Vec<&str> = headers.iter().collect();
     let idx = |name: &str| {
         names

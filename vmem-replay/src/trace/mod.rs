@@ -14,6 +14,8 @@
 mod azure;
 mod generic;
 
+pub(crate) use generic::csv_with_header;
+
 use crate::error::{ReplayError, Result};
 use std::path::Path;
 
