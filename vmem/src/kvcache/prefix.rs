@@ -427,18 +427,7 @@ impl KvCacheManager {
         hashes: &[BlockHash],
         prompt_tokens: u64,
     ) -> Result<u64> {
-        let mut st = self.shared.lock();
-        st.check_id(req)?;
-        if !st.prefix.on() {
-            return Err(VmemError::Unsupported {
-                backend: self.backend.name(),
-                what: "prefix sharing (KvConfig::prefix_cache is off)",
-            });
-        }
-        if !st.requests.active[req] {
-            return Err(VmemError::InactiveRequest(req));
-        }
-        st = self.wait_unclaimed(st, |st| st.requests.claimed[req]);
+        let mut st = self.lock_for_prefix(req)?;
         let most = prompt_tokens.saturating_sub(1) / st.prefix.block_tokens;
         let tokens = st.adopt(req, hashes, most)?;
         self.kick(st);
@@ -456,7 +445,14 @@ impl KvCacheManager {
 
     /// [`KvCacheManager::publish_prefix`] with the block hashes computed by the caller.
     pub fn publish_prefix_hashes(&self, req: usize, hashes: &[BlockHash]) -> Result<u64> {
-        let mut st = self.shared.lock();
+        let mut st = self.lock_for_prefix(req)?;
+        Ok(st.publish(req, hashes))
+    }
+
+    /// The manager's state, locked, for a prefix call on `req`: a valid, active request not
+    /// claimed by `map_ahead`, with sharing on (else [`VmemError::Unsupported`]).
+    fn lock_for_prefix(&self, req: usize) -> Result<std::sync::MutexGuard<'_, State>> {
+        let st = self.shared.lock();
         st.check_id(req)?;
         if !st.prefix.on() {
             return Err(VmemError::Unsupported {
@@ -467,8 +463,7 @@ impl KvCacheManager {
         if !st.requests.active[req] {
             return Err(VmemError::InactiveRequest(req));
         }
-        st = self.wait_unclaimed(st, |st| st.requests.claimed[req]);
-        Ok(st.publish(req, hashes))
+        Ok(self.wait_unclaimed(st, |st| st.requests.claimed[req]))
     }
 
     /// What the prefix cache holds and has served.
