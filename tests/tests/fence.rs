@@ -17,6 +17,25 @@ fn logged() -> (CountingDriver<SimMemory>, Arc<DriverCounts>) {
     (driver, counts)
 }
 
+/// A logged sim driver under the checked core, wrapped by `wrap`, with one 2 MB page mapped at
+/// the start of a 4 MB range and the call log cleared: what the decorator tests start from.
+fn one_page_mapped_through(
+    wrap: fn(Arc<dyn Backend>) -> Arc<dyn Backend>,
+) -> (
+    Arc<dyn Backend>,
+    Arc<DriverCounts>,
+    u64,
+    vmem::backend::PageHandle,
+) {
+    let (driver, log) = logged();
+    let b = wrap(Arc::new(Checked::wrap(driver).unwrap()));
+    let base = b.reserve(2 * MIB2).unwrap();
+    let p = b.create_page(MIB2).unwrap();
+    b.map(base, &[p], MIB2).unwrap();
+    log.clear_calls();
+    (b, log, base, p)
+}
+
 #[test]
 fn a_waiting_fence_holds_up_no_other_threads_map() {
     let (driver, log) = logged();
@@ -179,12 +198,7 @@ fn every_decorator_forwards_the_fence() {
         }),
     ];
     for (name, wrap) in decorators {
-        let (driver, log) = logged();
-        let b = wrap(Arc::new(Checked::wrap(driver).unwrap()));
-        let base = b.reserve(2 * MIB2).unwrap();
-        let p = b.create_page(MIB2).unwrap();
-        b.map(base, &[p], MIB2).unwrap();
-        log.clear_calls();
+        let (b, log, base, p) = one_page_mapped_through(wrap);
         let fence = b.fence().unwrap();
         assert_eq!(
             log.ops(),
@@ -268,12 +282,7 @@ fn every_decorator_forwards_shared_maps() {
         }),
     ];
     for (name, wrap) in decorators {
-        let (driver, log) = logged();
-        let b = wrap(Arc::new(Checked::wrap(driver).unwrap()));
-        let base = b.reserve(2 * MIB2).unwrap();
-        let p = b.create_page(MIB2).unwrap();
-        b.map(base, &[p], MIB2).unwrap();
-        log.clear_calls();
+        let (b, log, base, p) = one_page_mapped_through(wrap);
         b.map_shared(base + MIB2, &[p], MIB2)
             .unwrap_or_else(|e| panic!("{name}: a shared map did not reach the driver: {e}"));
         assert_eq!(
