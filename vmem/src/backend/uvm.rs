@@ -111,6 +111,13 @@ impl RawBackend for UvmDriver {
         Ok(())
     }
 
+    /// Interface v3 (the only one [`UvmFile`] accepts) maps a page at any number of
+    /// addresses: the module counts a page's mappings, writes its PTEs per mapping, unmaps
+    /// one mapping leaving the others, and refuses to release a page still mapped.
+    fn shares_pages(&self) -> bool {
+        true
+    }
+
     /// Waits for nothing. The patched driver's `UVM_VMEM_UNMAP` clears PTEs behind a TLB
     /// invalidate; like `cuMemUnmap` it does not wait for kernels queued on the caller's
     /// streams, and this driver holds no CUDA context to synchronize. A known gap: an engine
