@@ -15,7 +15,7 @@ use dlpark::{DlpackFlags, Managed, ManagedTensorBase};
 use pyo3::create_exception;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyInt};
+use pyo3::types::{PyBool, PyDict, PyInt, PyList};
 use std::sync::{Arc, Mutex};
 use vmem::backend::{open_backend, Backend, BackendChoice, BackendKind};
 use vmem::{KvCacheManager, KvConfig, Layout, VmemError as CoreError};
@@ -167,6 +167,31 @@ fn to_u64(v: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
     })
 }
 
+/// Token ids from a Python sequence of ints (a list, a tuple, or anything iterable the
+/// Python side turned into a list): each must be an int in `0..2**32`; anything else is
+/// `InvalidArgument` naming its position.
+fn token_ids(v: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let seq = v.cast::<PyList>().map_err(|_| {
+        InvalidArgument::new_err("tokens must be a list of token ids (ints)".to_string())
+    })?;
+    seq.iter()
+        .enumerate()
+        .map(|(i, t)| {
+            // The message is built only for a bad id: a 100k-token prompt would otherwise
+            // format one name per token.
+            if t.is_exact_instance_of::<PyInt>() {
+                if let Ok(x) = t.extract::<u32>() {
+                    return Ok(x);
+                }
+            }
+            let x = to_u64(&t, &format!("tokens[{i}]"))?;
+            Err(InvalidArgument::new_err(format!(
+                "tokens[{i}] = {x} is not a token id (< 2**32)"
+            )))
+        })
+        .collect()
+}
+
 /// The OS's limit on memory mappings per process (Linux `vm.max_map_count`; 65530 when it
 /// cannot be read).
 fn max_map_count() -> u64 {
@@ -188,7 +213,7 @@ impl KVCache {
     #[new]
     #[pyo3(signature = (*, layers, kv_heads, head_dim, dtype, max_batch, max_context, page_size,
         layout, backend, device, memory_cap, prealloc, overlap, deferred_reclaim, eager_tokens,
-        reclaim_threshold=None, pad_rows=false, zero_page=None))]
+        reclaim_threshold=None, pad_rows=false, zero_page=None, prefix_cache=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -210,6 +235,7 @@ impl KVCache {
         reclaim_threshold: Option<&Bound<'_, PyAny>>,
         pad_rows: bool,
         zero_page: Option<bool>,
+        prefix_cache: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let dtype = DType::parse(dtype)?;
         let layout: Layout = layout.parse().map_err(py_err)?;
@@ -230,7 +256,12 @@ impl KVCache {
             .overlap(overlap)
             .deferred_reclaim(deferred_reclaim)
             .eager_tokens(to_usize(eager_tokens, "eager_tokens")?)
-            .pad_rows(pad_rows);
+            .pad_rows(pad_rows)
+            .prefix_cache(
+                prefix_cache
+                    .map(|b| to_u64(b, "prefix_cache"))
+                    .transpose()?,
+            );
         let shape = cfg.clone().build();
         let geo = shape.validate().map_err(py_err)?;
         let memory_cap = if memory_cap == 0 {
@@ -405,6 +436,47 @@ impl KVCache {
         Ok((KVTensor::new(&inner, v.k), KVTensor::new(&inner, v.v)))
     }
 
+    /// Starts active request `req`, before its first step, from the longest cached prefix of
+    /// its prompt `tokens` (token ids); returns the tokens served from the cache.
+    fn adopt_prefix(
+        &self,
+        py: Python<'_>,
+        req: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        let inner = self.get()?;
+        let r = to_usize(req, "request id")?;
+        let t = token_ids(tokens)?;
+        py.detach(|| inner.kv.adopt_prefix(r, &t)).map_err(py_err)
+    }
+
+    /// Publishes active request `req`'s computed full blocks of `tokens` to the prefix cache;
+    /// returns the blocks newly cached.
+    fn publish_prefix(
+        &self,
+        py: Python<'_>,
+        req: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        let inner = self.get()?;
+        let r = to_usize(req, "request id")?;
+        let t = token_ids(tokens)?;
+        py.detach(|| inner.kv.publish_prefix(r, &t)).map_err(py_err)
+    }
+
+    /// What the prefix cache holds and has served.
+    fn prefix_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.get()?.kv.prefix_stats();
+        let d = PyDict::new(py);
+        d.set_item("block_tokens", s.block_tokens)?;
+        d.set_item("blocks", s.blocks)?;
+        d.set_item("unmapped_bytes", s.unmapped_bytes)?;
+        d.set_item("shared_savings_bytes", s.shared_savings_bytes)?;
+        d.set_item("hit_tokens", s.hit_tokens)?;
+        d.set_item("evicted_blocks", s.evicted_blocks)?;
+        Ok(d)
+    }
+
     /// The running digest of the manager's decisions, `(value, steps, calls)`: tensor-parallel
     /// ranks making the same calls hold equal ones (docs/architecture.md, "Lockstep").
     fn decision_digest(&self) -> PyResult<(u64, u64, u64)> {
@@ -450,6 +522,7 @@ impl KVCache {
         d.set_item("eager_tokens", c.eager_tokens)?;
         d.set_item("pad_rows", c.pad_rows)?;
         d.set_item("zero_page", c.zero_page)?;
+        d.set_item("prefix_cache", c.prefix_cache)?;
         d.set_item("buffers", g.buffers)?;
         d.set_item("token_bytes", g.token_bytes)?;
         d.set_item("tokens_per_page", g.tokens_per_page())?;

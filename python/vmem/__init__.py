@@ -29,7 +29,7 @@ tensors), ``vmem.hf`` a transformers cache.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 from . import _vmem
 from ._device import placement
@@ -127,6 +127,24 @@ def _lengths(lengths: Any, max_batch: int) -> List[int]:
     return out
 
 
+def _token_ids(tokens: Any) -> List[int]:
+    """Token ids as a list of ints from a list, a tuple, a NumPy array or a CPU tensor (the
+    Rust side checks each is an int in ``0..2**32``)."""
+    if isinstance(tokens, list):
+        return tokens
+    if hasattr(tokens, "tolist"):  # NumPy arrays, torch tensors
+        device = getattr(tokens, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            raise InvalidArgument("tokens must be on the CPU (a device tensor would sync)")
+        out = tokens.tolist()
+        if not isinstance(out, list):
+            raise InvalidArgument(f"tokens must be a 1-D sequence of token ids, got {tokens!r}")
+        return out
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+        raise InvalidArgument(f"tokens must be a sequence of token ids, got {tokens!r}")
+    return list(tokens)
+
+
 def _dtype_name(dtype: Any) -> str:
     """A dtype's name from a string, a torch dtype (``torch.float16``), a NumPy dtype or a NumPy
     scalar type (``numpy.float16``), without importing either."""
@@ -176,6 +194,18 @@ class KVCache:
     (``vm.max_map_count``; one mapping per slot); off on the GPU backends and ``sim``.
     ``config()["zero_page"]`` says what was chosen (docs/python.md has the measurement).
 
+    Prefix sharing: ``prefix_cache`` (bytes, e.g. ``"4G"``; ``None``, the default, is off)
+    turns it on and bounds the memory of cached pages that no request maps (0 shares only
+    between requests that are running together). A request that starts with a prompt seen
+    before maps the cached pages of that prompt's full blocks into the start of its row —
+    the same physical pages, no copy — with :meth:`adopt_prefix`, and a request that has
+    computed its prompt offers its full blocks with :meth:`publish_prefix`. A block is the
+    fewest whole pages that hold whole tokens (``prefix_stats()["block_tokens"]``: 16
+    tokens of Llama-3-8B token-major at 2 MB, 1,024 per-layer). Writes never reach a shared
+    page: only blocks below the adopted length are shared, and a request writes only from
+    there on. Needs a backend that maps a page at several addresses (all but ``sim`` with
+    views; docs/prefix-sharing.md).
+
     Unmapping waits for the GPU work queued before it (the CUDA backend synchronizes the
     context first), so no queued kernel reads memory that goes away. A view reaches only the
     memory its request has mapped: read rows ``r`` up to the length given to :meth:`step`
@@ -206,6 +236,7 @@ class KVCache:
         reclaim_threshold: Optional[Size] = None,
         pad_rows: bool = False,
         zero_page: Optional[bool] = None,
+        prefix_cache: Optional[Size] = None,
     ) -> None:
         if model is not None and not isinstance(model, str):
             raise InvalidArgument(f"model must be a name such as 'llama-3-8b', got {model!r}")
@@ -248,6 +279,7 @@ class KVCache:
             overlap=bool(overlap), deferred_reclaim=bool(deferred_reclaim),
             eager_tokens=eager_tokens, reclaim_threshold=threshold, pad_rows=bool(pad_rows),
             zero_page=None if zero_page is None else bool(zero_page),
+            prefix_cache=None if prefix_cache is None else parse_bytes(prefix_cache),
         )
         if gpu_required and self._rs.config()["backend"] not in ("cuda", "uvm"):
             reason = self._rs.config()["backend_reason"]
@@ -307,6 +339,32 @@ class KVCache:
     def request_pages(self, req: int) -> List[int]:
         """Pages request ``req`` holds in each buffer."""
         return self._rs.request_pages(req)
+
+    # -- prefix sharing ---------------------------------------------------------------------
+    def adopt_prefix(self, req: int, tokens: Any) -> int:
+        """Starts active request ``req``, before its first :meth:`step`, from the longest
+        cached prefix of its prompt ``tokens`` (token ids: a list, a NumPy array or a CPU
+        tensor) that leaves at least the last token to compute: the cached pages are mapped
+        at the start of its row, shared with the requests that map them already. Returns the
+        tokens served from the cache (a multiple of ``prefix_stats()["block_tokens"]``);
+        compute the prompt from there. Raises :class:`InvalidArgument` when ``prefix_cache`` is
+        off."""
+        return self._rs.adopt_prefix(req, _token_ids(tokens))
+
+    def publish_prefix(self, req: int, tokens: Any) -> int:
+        """Offers active request ``req``'s full blocks of ``tokens`` (its token ids so far;
+        blocks past its length are left out) to the prefix cache, after the step that
+        computed them. Returns the blocks newly cached. They stay cached after ``req`` is
+        freed, up to ``prefix_cache`` bytes, least recently used evicted first, and are given
+        back before any running request runs short."""
+        return self._rs.publish_prefix(req, _token_ids(tokens))
+
+    def prefix_stats(self) -> Dict[str, int]:
+        """The prefix cache: ``block_tokens`` (0: sharing off), ``blocks`` cached,
+        ``unmapped_bytes`` (cached pages no request maps: what the cap bounds),
+        ``shared_savings_bytes`` (what the extra mappings of shared pages would cost
+        unshared), ``hit_tokens`` served by :meth:`adopt_prefix`, ``evicted_blocks``."""
+        return self._rs.prefix_stats()
 
     # -- tensors ----------------------------------------------------------------------------
     @property

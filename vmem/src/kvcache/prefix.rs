@@ -457,7 +457,7 @@ impl KvCacheManager {
         if !st.prefix.on() {
             return Err(VmemError::Unsupported {
                 backend: self.backend.name(),
-                what: "prefix sharing (KvConfig::prefix_cache is off)",
+                what: "share prefixes with prefix caching off (set KvConfig::prefix_cache; prefix_cache= in Python)",
             });
         }
         if !st.requests.active[req] {

@@ -1,0 +1,205 @@
+"""Prefix sharing through vmem.KVCache on the host backend: the same physical pages at the
+start of several requests' rows, a bounded cache of finished requests' pages, and its counters."""
+
+import numpy as np
+import pytest
+
+import vmem
+
+# 1 layer, 2 heads of 64 fp16: per-layer 256 B a token (256 tokens a 64 KiB page), token-major
+# 512 B a token (128 tokens a page).
+GEOM = dict(layers=1, kv_heads=2, head_dim=64, dtype="fp16", max_batch=4, max_context=4096,
+            page_size="64K", device="cpu", overlap=False, eager_tokens=0)
+
+
+def cache(layout="token-major", **kw):
+    return vmem.KVCache(**dict(GEOM, layout=layout, **kw))
+
+
+def fill(kv, req, n, seed):
+    """Writes distinct values into every K and V position `< n` of row `req`; returns them."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(kv.num_layers):
+        for t in kv.layer(i):
+            a = np.from_dlpack(t)
+            a[req, :n] = rng.standard_normal(a[req, :n].shape).astype(np.float16)
+            out.append(a[req, :n].copy())
+    return out
+
+
+def rows(kv, req, n):
+    return [np.from_dlpack(t)[req, :n].copy() for i in range(kv.num_layers) for t in kv.layer(i)]
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "token-major"])
+def test_an_adopted_prefix_is_the_same_memory_and_costs_no_new_pages(layout):
+    kv = cache(layout, prefix_cache="1M")
+    bt = kv.prefix_stats()["block_tokens"]
+    assert bt == (256 if layout == "per-layer" else 128)
+    prompt = list(range(1000, 1000 + 3 * bt + 17))  # 3 full blocks and a partial one
+    a = kv.alloc()
+    assert kv.adopt_prefix(a, prompt) == 0  # nothing cached yet
+    kv.step({a: len(prompt)})
+    written = fill(kv, a, len(prompt), seed=1)
+    assert kv.publish_prefix(a, prompt) == 3
+    pages_before = kv.usage()["pool_created_pages"]
+
+    b = kv.alloc()
+    assert kv.adopt_prefix(b, np.array(prompt)) == 3 * bt  # a NumPy array works too
+    kv.step({a: len(prompt), b: len(prompt)})
+    # B reads A's K and V for the adopted tokens without a copy...
+    for want, got in zip(written, rows(kv, b, 3 * bt)):
+        assert np.array_equal(want[: 3 * bt], got)
+    # ...because they are the same pages: a write through A's row shows through B's.
+    K = np.from_dlpack(kv.layer(0)[0])
+    K[a, 5] = 42.0
+    assert (K[b, 5] == 42.0).all()
+    # B maps only its own partial block (one page per buffer), not a second copy.
+    buffers = kv.config()["buffers"]
+    assert kv.usage()["pool_created_pages"] - pages_before == buffers
+    s = kv.prefix_stats()
+    assert s["hit_tokens"] == 3 * bt and s["blocks"] == 3
+    assert s["shared_savings_bytes"] == 3 * buffers * 64 * 1024
+    kv.close()
+
+
+def test_a_published_prefix_outlives_its_request_and_a_later_one_adopts_it():
+    kv = cache(prefix_cache="1M")
+    bt = kv.prefix_stats()["block_tokens"]
+    prompt = list(range(5 * bt))
+    a = kv.alloc()
+    kv.adopt_prefix(a, prompt)
+    kv.step({a: len(prompt)})
+    written = fill(kv, a, len(prompt), seed=2)
+    kv.publish_prefix(a, prompt)
+    kv.free(a)
+    kv.step({})
+    s = kv.prefix_stats()
+    assert s["blocks"] == 5 and s["unmapped_bytes"] == 5 * 64 * 1024
+    c = kv.alloc()
+    # The whole prompt is cached, but its last token is always computed: 4 blocks adopted.
+    assert kv.adopt_prefix(c, prompt) == 4 * bt
+    kv.step({c: len(prompt)})
+    for want, got in zip(written, rows(kv, c, 4 * bt)):
+        assert np.array_equal(want[: 4 * bt], got)
+    assert kv.prefix_stats()["unmapped_bytes"] == 1 * 64 * 1024
+    kv.close()
+
+
+def test_prompts_share_only_the_blocks_they_have_in_common():
+    kv = cache(prefix_cache="1M")
+    bt = kv.prefix_stats()["block_tokens"]
+    first = list(range(4 * bt))
+    a = kv.alloc()
+    kv.adopt_prefix(a, first)
+    kv.step({a: len(first)})
+    kv.publish_prefix(a, first)
+    second = first[: 2 * bt] + [7] + first[2 * bt + 1:]  # differs inside block 2
+    b = kv.alloc()
+    assert kv.adopt_prefix(b, second) == 2 * bt
+    unrelated = [9] + first[1:]
+    c = kv.alloc()
+    assert kv.adopt_prefix(c, unrelated) == 0
+    kv.close()
+
+
+def test_publish_leaves_out_blocks_the_request_has_not_computed():
+    kv = cache(prefix_cache="1M")
+    bt = kv.prefix_stats()["block_tokens"]
+    prompt = list(range(4 * bt))
+    a = kv.alloc()
+    kv.step({a: 2 * bt + 3})  # only 2 full blocks computed so far
+    assert kv.publish_prefix(a, prompt) == 2
+    assert kv.publish_prefix(a, prompt) == 0  # nothing new
+    kv.close()
+
+
+def test_the_cap_bounds_unmapped_cached_pages_and_evicts_the_least_recently_used():
+    kv = cache(prefix_cache="128K")  # two unmapped pages at most
+    bt = kv.prefix_stats()["block_tokens"]
+    prompts = [[p] * (2 * bt) for p in (1, 2, 3)]
+    for p in prompts:
+        r = kv.alloc()
+        kv.step({r: len(p)})
+        kv.publish_prefix(r, p)
+        kv.free(r)
+        kv.step({})
+        assert kv.prefix_stats()["unmapped_bytes"] <= 128 * 1024
+    s = kv.prefix_stats()
+    assert s["evicted_blocks"] == 4 and s["blocks"] == 2
+    # The newest prompt is still cached (adopt stops a token short of the prompt), the oldest not.
+    r = kv.alloc()
+    assert kv.adopt_prefix(r, prompts[2] + [0]) == 2 * bt
+    r2 = kv.alloc()
+    assert kv.adopt_prefix(r2, prompts[0] + [0]) == 0
+    kv.close()
+
+
+def test_cached_pages_go_back_before_a_step_runs_out_of_memory():
+    kv = cache(prefix_cache="10M", memory_cap="512K")  # 8 pages in all
+    bt = kv.prefix_stats()["block_tokens"]
+    p = list(range(6 * bt))
+    a = kv.alloc()
+    kv.step({a: len(p)})
+    kv.publish_prefix(a, p)
+    kv.free(a)
+    kv.step({})
+    assert kv.prefix_stats()["unmapped_bytes"] == 6 * 64 * 1024
+    b = kv.alloc()
+    kv.step({b: 8 * bt})  # needs all 8 pages: the 6 cached ones are evicted, not an OOM
+    assert kv.prefix_stats()["blocks"] == 0
+    with pytest.raises(vmem.OutOfMemory):
+        kv.step({b: 9 * bt})
+    kv.close()
+
+
+@pytest.mark.parametrize("tokens, words", [
+    ([-1], "tokens[0] must be >= 0"),
+    ([1, 2**32], "tokens[1] = 4294967296 is not a token id"),
+    ([1.5], "tokens[0] must be an int"),
+    ([True], "tokens[0] must be an int"),
+    ("abc", "sequence of token ids"),
+    (5, "sequence of token ids"),
+    (None, "sequence of token ids"),
+    (np.zeros((2, 2), dtype=np.int64), "tokens[0] must be an int"),
+])
+def test_bad_token_ids_are_invalid_arguments_and_change_nothing(tokens, words):
+    kv = cache(prefix_cache="1M")
+    r = kv.alloc()
+    for call in (kv.adopt_prefix, kv.publish_prefix):
+        with pytest.raises(vmem.InvalidArgument, match=words.replace("[", r"\[").replace("]", r"\]")):
+            call(r, tokens)
+    assert kv.prefix_stats()["blocks"] == 0 and not any(kv.request_pages(r))
+    kv.close()
+
+
+def test_sharing_calls_are_refused_where_sharing_is_off_or_the_request_is_not_active():
+    off = cache()
+    with pytest.raises(vmem.InvalidArgument, match="prefix caching off"):
+        off.adopt_prefix(off.alloc(), [1, 2, 3])
+    assert off.prefix_stats()["block_tokens"] == 0 and off.config()["prefix_cache"] is None
+    off.close()
+    kv = cache(prefix_cache=0)  # on, keeping nothing no request maps
+    assert kv.config()["prefix_cache"] == 0
+    with pytest.raises(vmem.VmemError, match="not active|inactive"):
+        kv.adopt_prefix(3, [1, 2, 3])
+    with pytest.raises(vmem.InvalidArgument):
+        kv.publish_prefix(99, [1, 2, 3])
+    for bad in (-1, "x", 1.5):
+        with pytest.raises(vmem.InvalidArgument):
+            cache(prefix_cache=bad)
+    kv.close()
+
+
+def test_a_device_tensor_of_token_ids_is_refused_before_it_syncs():
+    class FakeCudaTensor:
+        device = type("D", (), {"type": "cuda"})()
+
+        def tolist(self):
+            raise AssertionError("must not be read")
+
+    kv = cache(prefix_cache="1M")
+    with pytest.raises(vmem.InvalidArgument, match="on the CPU"):
+        kv.adopt_prefix(kv.alloc(), FakeCudaTensor())
+    kv.close()
