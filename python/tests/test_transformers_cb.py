@@ -153,16 +153,18 @@ def test_generate_batch():
         assert ref[len(p) - 1:].argmax(-1).tolist() == list(r.generated_tokens)
 
 
-def _cache(**kw):
+def _cache(sharing=True, **kw):
     cfg = h.make_config("llama-gqa")
-    cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64)
+    cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64, allow_block_sharing=sharing)
     opts = dict(OPTS, **kw)
     return vt.VmemCBCache(cfg, cb, "cpu", dtype=torch.float32, **opts), cb
 
 
-def test_allocation_is_exact_and_never_raises():
-    cache, cb = _cache(memory=str(5 * 4 * 65536), max_requests=2)  # 5 blocks: 4 for requests
-    assert cb.allow_block_sharing is False and cb.max_blocks_per_request == 0 and cb.cpu_offload_space == 0
+@pytest.mark.parametrize("sharing", [True, False])
+def test_allocation_is_exact_and_never_raises(sharing):
+    cache, cb = _cache(sharing, memory=str(5 * 4 * 65536), max_requests=2)  # 5 blocks: 4 for requests
+    assert cb.allow_block_sharing is sharing and cache.sharing is sharing
+    assert cb.max_blocks_per_request == 0 and cb.cpu_offload_space == 0
     assert cache.block_size == 256 and cache.num_blocks == 4
     assert cache.allocate_blocks(3, "a", 0) == 3
     assert cache.get_num_free_blocks() == 1
@@ -310,3 +312,87 @@ def test_preallocating_more_than_the_ram_on_the_cpu_is_refused_not_killed():
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     with pytest.raises(vmem.OutOfMemory, match="can be had"):
         _cache(memory=str(4 * ram))
+
+
+# -- prefix sharing --------------------------------------------------------------------------------
+SYSTEM = 200  # a shared "system prompt": 3 full token-major blocks of 64 tokens, and 8 tokens more
+SUFFIXES = [5, 40, 70, 17, 33]
+
+
+def _shared_prompts(vocab):
+    system = h.make_prompts(1, [SYSTEM], vocab, seed=7)[0]
+    return [system + p for p in h.make_prompts(len(SUFFIXES), SUFFIXES, vocab, seed=8)]
+
+
+def _run_shared(attn, sharing, **cb):
+    """The first request alone, then the rest once its first token streamed (its prompt is computed
+    and published by then)."""
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = _shared_prompts(model.config.vocab_size)
+    stagger = [0] + [1] * (len(prompts) - 1)
+    cbk = dict(max_batch_tokens=64, allow_block_sharing=sharing, **cb)
+    run = h.run_engine(model, attn, prompts, NEW, cb_kwargs=cbk, stagger=stagger, streaming=True)
+    return model, run
+
+
+def test_requests_with_a_shared_system_prompt_map_its_pages_once_and_match():
+    """vmem's sharing in place of the engine's: every later request adopts the system prompt's 3
+    full blocks (the same pages, not recomputed); logits match DynamicCache and the unshared run;
+    the distinct memory mapped at peak is smaller; afterwards only the trash row stays mapped and
+    the cached blocks count as free."""
+    with vt.serving(layout="token-major"):
+        model, shared = _run_shared(vt.VMEM_ATTENTION, True)
+        _, unshared = _run_shared(vt.VMEM_ATTENTION, False)
+    cache, plain = shared["cache"], unshared["cache"]
+    assert cache.sharing and not plain.sharing and cache.block_size == 64
+    _check_run(shared, model, "vmem shared")
+    _check_run(unshared, model, "vmem unshared")
+    assert h.cross_compare(shared, unshared) < TOL
+    for rid in shared["ids"]:
+        assert list(shared["results"][rid].generated_tokens) == list(unshared["results"][rid].generated_tokens)
+    later = len(SUFFIXES) - 1
+    u = cache.usage()
+    assert u["prefix_hit_tokens"] == later * 3 * 64 and cache._total_prefix_length == later * 3 * 64, u
+    assert plain.usage()["prefix_hit_tokens"] == 0 and plain._total_prefix_length == 0
+    # The shared blocks are mapped once, not once per request (how much that saves at peak
+    # depends on how the engine's chunked prefills overlap; python/benches/prefix_serving.py
+    # measures it on the GPU).
+    assert cache.peak_mapped_bytes < plain.peak_mapped_bytes, (cache.peak_mapped_bytes, plain.peak_mapped_bytes)
+    _check_clean(cache)
+    _check_clean(plain)
+    assert u["prefix_blocks"] > 0 and u["prefix_unmapped_bytes"] > 0  # cached for later requests
+
+
+def test_vmem_sharing_hits_what_the_engines_block_sharing_hits():
+    """The engine's own paged cache with its block sharing (64-token blocks, as vmem's) serves
+    the same prefix tokens from cache as vmem does."""
+    with vt.serving(layout="token-major"):
+        _, ours = _run_shared(vt.VMEM_ATTENTION, True)
+        model, theirs = _run_shared("paged|sdpa", True, block_size=64, num_blocks=64)
+    assert theirs["cache"]._total_prefix_length == ours["cache"]._total_prefix_length > 0
+    _check_run(theirs, model, "paged|sdpa shared")
+    assert h.cross_compare(ours, theirs) < TOL
+
+
+def test_a_small_prefix_cache_evicts_and_a_readmitted_request_recomputes():
+    """``prefix_cache=0``: blocks stay shared only while a request maps them; once the first
+    request finished, later ones find nothing and compute everything; logits still match."""
+    with vt.serving(layout="token-major", prefix_cache=0):
+        model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+        prompts = _shared_prompts(model.config.vocab_size)
+        run = h.run_engine(model, vt.VMEM_ATTENTION, prompts[:2], NEW, cb_kwargs=dict(max_batch_tokens=64))
+    cache = run["cache"]
+    assert cache.sharing
+    _check_run(run, model, "prefix_cache=0")
+    _check_clean(cache)
+    assert cache.usage()["prefix_unmapped_bytes"] == 0
+
+
+def test_sharing_is_off_for_the_flex_kernel_and_when_the_engine_disallows_it():
+    cache, cb = _cache(True, kernel="flex")
+    assert not cache.sharing and cb.allow_block_sharing is False and cache.search_prefix_match("a", [1] * 600) == 0
+    cache, cb = _cache(False)
+    assert not cache.sharing and cache.kv.prefix_stats()["block_tokens"] == 0
+    for bad in ("lots", -1, 1.5):
+        with pytest.raises(vmem.InvalidArgument):
+            _cache(True, prefix_cache=bad)

@@ -49,7 +49,19 @@ uses (it never calls its ``__init__``):
   backend synchronizes the context before unmapping; ``docs/python.md``), so a batch still in
   flight never reads an unmapped page. Nothing a finished, cancelled or preempted request held
   stays mapped (``usage()["mapped_bytes"]`` covers only live rows and the trash row);
-* no prefix/block sharing and no forks' page sharing (issue #25), no CPU offload pool: a
+* prefix sharing with vmem's pages in place of the engine's block sharing, following the
+  engine's ``allow_block_sharing`` (on by default) with ``kernel="fa"``:
+  ``search_prefix_match`` gives a pending request a row whose first blocks are the cached pages
+  of the longest prefix of its prompt that an earlier request computed
+  (:meth:`vmem.KVCache.adopt_prefix`: the same physical pages mapped into its row, no copy),
+  and the engine prefills from there; ``mark_shareable_blocks_as_complete`` publishes the
+  full blocks a request has computed (:meth:`vmem.KVCache.publish_prefix`). A finished
+  request's published pages stay cached up to the ``prefix_cache`` option's bytes (default:
+  the whole budget) and go back, least recently used first, before a step runs short.
+  ``get_num_free_blocks`` counts a shared block once and cached blocks as free. Writes never
+  reach a shared page (only full blocks below the adopted length are shared). With
+  ``kernel="flex"`` blocks span several pages' tokens and nothing is shared. No forks' page
+  sharing, no CPU offload pool: a
   preempted request is soft-reset (re-prefilled), as the engine does with its default
   ``cpu_offload_space=0``. CUDA graphs, compile of the forward and async batching are refused
   for ``paged|vmem`` in this version (the engine leaves them off for this name by default).
@@ -151,6 +163,7 @@ _DEFAULTS: Dict[str, Any] = {
     "prealloc": True,
     "compile": None,
     "kernel": "fa",
+    "prefix_cache": None,
 }
 _options: Dict[str, Any] = dict(_DEFAULTS)
 _installed: Dict[str, Any] = {}
@@ -200,7 +213,10 @@ def install(**options: Any) -> None:
     ``max_memory_percent`` of free memory less its activation estimate), ``prealloc`` (create
     the pages up front, default True), ``kernel`` ("fa": torch's FlashAttention-2 varlen op
     reading the rows in place, the default; "flex": compiled FlexAttention with a BlockMask),
-    ``compile`` (compile the Flex kernel; default: on CUDA).
+    ``compile`` (compile the Flex kernel; default: on CUDA), ``prefix_cache`` (bytes of cached
+    prefix pages that no request maps, kept for later requests; default: the whole budget, the
+    memory cap bounding everything; prefix sharing itself follows the engine's
+    ``allow_block_sharing``, on by default: see :class:`VmemCBCache`).
     Idempotent; refuses transformers versions other than 5.17.x.
     """
     continuous_api = _check_version()
@@ -407,7 +423,7 @@ class VmemCBCache(_Recorder):
     def __init__(self, config: Any, continuous_batching_config: Any, device: Any, *, dtype: torch.dtype,
                  tp_size: int = 1, layout: str = "per-layer", page_size: Any = "2M", max_requests: int = 256,
                  max_context: Optional[int] = None, memory: Any = None, prealloc: bool = True,
-                 compile: Optional[bool] = None, kernel: str = "fa") -> None:
+                 compile: Optional[bool] = None, kernel: str = "fa", prefix_cache: Any = None) -> None:
         cb = continuous_batching_config
         _check_no_graphs(cb, VMEM_ATTENTION)
         layer_types = getattr(config, "layer_types", None)
@@ -493,6 +509,14 @@ class VmemCBCache(_Recorder):
                 f"({self.pages_per_block} pages of {page} bytes each); need at least 2 (one is the trash row's)"
             )
         cap = blocks * self.pages_per_block * page
+        # Prefix sharing: vmem maps a cached prefix's pages into the new request's row (adopt) in
+        # place of the engine's block sharing, where a block is whole pages of whole tokens
+        # (kernel="fa": a block is one page's tokens). Flex blocks span several pages' tokens
+        # (lcm with its KV block), which vmem's blocks do not match: no sharing there.
+        self.sharing = bool(cb.allow_block_sharing) and kernel == "fa"
+        prefix_cap = None
+        if self.sharing:
+            prefix_cap = cap if prefix_cache is None else parse_bytes(prefix_cache)
         if kernel == "fa" and self.rows * self.max_context >= 2**31:
             raise InvalidArgument(
                 f"{VMEM_ATTENTION} kernel='fa': rows x max_context = {self.rows} x {self.max_context} tokens "
@@ -513,10 +537,14 @@ class VmemCBCache(_Recorder):
             max_context=self.max_context, page_size=page, layout=layout, backend=backend, device=ordinal,
             memory_cap=cap, prealloc=cap if prealloc else 0, overlap=False, deferred_reclaim=False,
             eager_tokens=0, zero_page=self.device.type == "cpu" or (kernel == "flex" and not self.compiled),
+            prefix_cache=prefix_cap,
         )
         self.layout = layout
         if int(self.kv.config()["tokens_per_page"]) != tpp:
             raise VmemError(f"vmem reports {self.kv.config()['tokens_per_page']} tokens per page, expected {tpp}")
+        if self.sharing and self.kv.prefix_stats()["block_tokens"] != self.block_size:
+            raise VmemError(f"vmem shares blocks of {self.kv.prefix_stats()['block_tokens']} tokens, "
+                            f"the engine's are {self.block_size}")
         # The trash row: padded tokens write at its first position; one block, always mapped.
         self.trash_row = self.kv.alloc()
         self._lengths = [0] * self.rows
@@ -534,8 +562,8 @@ class VmemCBCache(_Recorder):
         self.num_sliding_attention_groups = 0
         self.max_sliding_window_blocks_per_request = 0
         self.max_blocks_per_request = 0
-        self.use_prefix_sharing = False
-        self.allow_block_sharing = False
+        self.use_prefix_sharing = self.sharing
+        self.allow_block_sharing = self.sharing
         self.sliding_windows = {i: 1 for i in range(layers)}
         self.layer_index_to_group_indices = {i: (0, i) for i in range(layers)}
         self.group_cache_managers = [_GroupStub()]
@@ -558,20 +586,28 @@ class VmemCBCache(_Recorder):
         self._dirty = False  # lengths changed since the last step()
         self._seen: set = set()
         self._grown: Dict[int, Tuple[int, int]] = {}  # row -> (mapped before this round, after)
+        self._computed: Dict[int, int] = {}  # row -> tokens computed once this round's forward ran
+        self._pending_blocks = 0  # blocks allocated this round, mapped at its step
         self.readmissions = 0
         self.peak_mapped_bytes = 0
         self.steps = 0
 
-        # The engine's config: what this cache does not do.
-        cb.allow_block_sharing = False
+        # The engine's config: what this cache does not do (block sharing: vmem's instead).
+        cb.allow_block_sharing = self.sharing
         cb.max_blocks_per_request = 0
         cb.cpu_offload_space = 0.0
         cb.max_requests_per_batch = min(cb.max_requests_per_batch or max_requests, max_requests)
 
     # -- the engine's allocation surface ---------------------------------------------------------
     def get_num_free_blocks(self) -> int:
-        """Blocks not held by any request (exact: the memory cap's blocks less those held)."""
-        return self.num_blocks - self._used_blocks
+        """Blocks not held by any request (exact: the memory cap's blocks less those held). With
+        sharing, a block several requests map counts once, and cached blocks no request maps
+        count as free (a step evicts them before it runs short)."""
+        if not self.sharing:
+            return self.num_blocks - self._used_blocks
+        u, s = self.kv.usage(), self.kv.prefix_stats()
+        mapped_blocks = (u["mapped_bytes"] - s["shared_savings_bytes"]) // (self.pages_per_block * self.page_bytes)
+        return self.num_blocks - (mapped_blocks - 1) - self._pending_blocks  # less the trash row's block
 
     def blocks_needed(self, num_requested_blocks: int, allocated_blocks: int) -> int:
         return num_requested_blocks
@@ -609,6 +645,7 @@ class VmemCBCache(_Recorder):
                 self._seen.add(request_id)
             self._blocks[request_id] = held + n_blocks
             self._used_blocks += n_blocks
+            self._pending_blocks += n_blocks
             old = self._grown.get(row, (self._lengths[row], 0))[0]
             self._lengths[row] = (held + n_blocks) * self.block_size
             self._grown[row] = (old, self._lengths[row])
@@ -624,7 +661,10 @@ class VmemCBCache(_Recorder):
             return
         self._used_blocks -= self._blocks.pop(request_id, 0)
         self._lengths[row] = 0
-        self._grown.pop(row, None)
+        grown = self._grown.pop(row, None)
+        if grown is not None:  # allocated this round, never mapped
+            self._pending_blocks -= (grown[1] - grown[0]) // self.block_size
+        self._computed.pop(row, None)
         self.kv.free(row)
 
     def free_all_requests(self) -> None:
@@ -639,14 +679,14 @@ class VmemCBCache(_Recorder):
         if self._dirty:
             self.kv.step(self._lengths)
             self._dirty = False
+            self._pending_blocks = 0
             for row, (old, new) in self._grown.items():
                 for k, v in zip(self._k4, self._v4):
                     k[row, old:new].zero_()
                     v[row, old:new].zero_()
             self._grown.clear()
             self.steps += 1
-            mapped = self.kv.usage().get("mapped_bytes", 0)
-            self.peak_mapped_bytes = max(self.peak_mapped_bytes, mapped)
+            self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.distinct_mapped_bytes())
 
     def _on_new_round(self) -> None:
         self.flush()
@@ -657,6 +697,7 @@ class VmemCBCache(_Recorder):
         row = self._row[request_id]
         base = row * self.max_context + past_length
         write_index[0].extend(range(base, base + query_length))
+        self._computed[row] = past_length + query_length
         self._record(row, past_length, query_length, None)
 
     def fill_block_table(self, *args: Any, **kwargs: Any) -> None:
@@ -668,11 +709,53 @@ class VmemCBCache(_Recorder):
     def kv_layer(self, layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
         return self.key_cache[layer_idx], self.value_cache[layer_idx]
 
-    # -- sharing, forks: off in this version ------------------------------------------------------
+    # -- prefix sharing (vmem's pages); forks: off in this version --------------------------------
     def search_prefix_match(self, request_id: str, prompt_ids: List[int]) -> int:
-        return 0
+        """Gives a pending request a row that starts with the cached pages of the longest prefix
+        of ``prompt_ids`` the cache holds (:meth:`vmem.KVCache.adopt_prefix`: mapped, not copied,
+        at least the last token left to compute); returns the tokens adopted, a multiple of
+        ``block_size`` (0, holding nothing, when none or when no row is free)."""
+        if not self.sharing:
+            return 0
+        row = self._row.get(request_id)
+        fresh = row is None
+        try:
+            if row is None:
+                row = self.kv.alloc()
+            got = self.kv.adopt_prefix(row, prompt_ids)
+        except VmemError:
+            got = 0
+        if got == 0:
+            if fresh and row is not None:
+                self.kv.free(row)
+            return 0
+        blocks = got // self.block_size
+        self._row[request_id] = row
+        if request_id in self._seen:
+            self.readmissions += 1
+        self._seen.add(request_id)
+        self._blocks[request_id] = self._blocks.get(request_id, 0) + blocks
+        self._used_blocks += blocks
+        self._lengths[row] = got
+        self._total_prefix_length += got
+        return got
 
     def mark_shareable_blocks_as_complete(self, state: Any, num_complete_blocks: int) -> None:
+        """Publishes the full blocks the request has computed (its tokens so far, up to what this
+        round's forward wrote) to vmem's prefix cache (:meth:`vmem.KVCache.publish_prefix`)."""
+        if not self.sharing or num_complete_blocks == 0:
+            return None
+        row = self._row.get(state.request_id)
+        if row is None or getattr(state.status, "name", "") == "FINISHED":
+            return None
+        computed = self._computed.get(row, 0)
+        if computed < self.block_size:
+            return None
+        tokens = (list(state.initial_tokens) + list(state.generated_tokens))[:computed]
+        try:
+            self.kv.publish_prefix(row, tokens)
+        except VmemError:
+            pass  # nothing published; the request goes on unshared
         return None
 
     def compute_max_num_forks(self, source_request_id: str) -> int:
@@ -691,11 +774,21 @@ class VmemCBCache(_Recorder):
         raise VmemError(f"{VMEM_ATTENTION}: the cache is read in place by its attention function, not through update()")
 
     # -- state -----------------------------------------------------------------------------------
+    def distinct_mapped_bytes(self) -> int:
+        """Bytes of pages mapped, each page once however many rows share it (the trash row's
+        included)."""
+        u = self.kv.usage()
+        return int(u["mapped_bytes"] - (self.kv.prefix_stats()["shared_savings_bytes"] if self.sharing else 0))
+
     def usage(self) -> Dict[str, int]:
-        """vmem's counters (bytes mapped, physical, ...), plus rows and blocks in use."""
+        """vmem's counters (bytes mapped, physical, ...), plus rows and blocks in use (a shared
+        block once per row), and the prefix cache's (``prefix_*``; zeros when sharing is off)."""
         u = dict(self.kv.usage())
         u["rows_in_use"] = len(self._row)
         u["blocks_in_use"] = self._used_blocks
+        u["distinct_mapped_bytes"] = self.distinct_mapped_bytes()
+        for k, v in self.kv.prefix_stats().items():
+            u[f"prefix_{k}"] = v
         return u
 
     def trash_bytes(self) -> int:
