@@ -38,7 +38,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -104,11 +104,14 @@ def kv_budget(model: Any, args: Any) -> Dict[str, int]:
 
 
 class Watch:
-    """A forward hook: the most requests running at once."""
+    """A forward hook: the most requests running at once, and the most KV blocks in use after a
+    round's allocations (the engine's and vmem's ``num_blocks - get_num_free_blocks()``: a block
+    several requests share counts once, cached blocks no request holds count as free)."""
 
     def __init__(self, model: Any) -> None:
         self.manager = None
         self.max_running = 0
+        self.peak_blocks = 0
         self.rounds = 0
         self.handle = model.register_forward_hook(self._hook)
 
@@ -117,17 +120,24 @@ class Watch:
         if bp is not None:
             self.rounds += 1
             self.max_running = max(self.max_running, len(bp.scheduler.active_requests))
+            cache = bp.cache
+            self.peak_blocks = max(self.peak_blocks, cache.num_blocks - cache.get_num_free_blocks())
 
 
 def run_one(model: Any, name: str, prompts: List[List[int]], args: Any, budget: Dict[str, int],
-            timed: bool = True) -> Dict[str, Any]:
+            timed: bool = True, contenders: Optional[Dict[str, Dict[str, Any]]] = None,
+            primers: int = 0) -> Dict[str, Any]:
+    """Serves ``prompts`` with contender ``name`` (of ``contenders``, default :data:`CONTENDERS`;
+    a spec's ``sharing`` sets the engine's ``allow_block_sharing``, default on, the engine's
+    default). With ``primers``, the first ``primers`` prompts are served to the end first and
+    the clock starts after them (a cache that has seen those prompts before)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    spec = CONTENDERS[name]
+    spec = (contenders or CONTENDERS)[name]
     model.set_attn_implementation(spec["attn"])
     gen = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     kw: Dict[str, Any] = dict(max_batch_tokens=budget["max_batch_tokens"], max_memory_percent=args.memory_percent,
-                              use_cuda_graph=False)
+                              use_cuda_graph=False, allow_block_sharing=spec.get("sharing", True))
     if spec["attn"] == vt.VMEM_ATTENTION:
         max_requests = args.max_requests
         if spec["kernel"] == "flex":
@@ -154,38 +164,35 @@ def run_one(model: Any, name: str, prompts: List[List[int]], args: Any, budget: 
         mgr = model.init_continuous_batching(generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(**kw))
         watch.manager = mgr
         mgr.start()
+        results: Dict[str, Any] = {}
         t0 = time.perf_counter()
         ids = [mgr.add_request(p, request_id=f"r{i}", max_new_tokens=args.new_tokens, record_timestamps=True)
-               for i, p in enumerate(prompts)]
-        results: Dict[str, Any] = {}
+               for i, p in enumerate(prompts[:primers])]
         try:
-            while len(results) < len(ids):
-                r = mgr.get_result(timeout=1.0)
-                if r is None:
-                    if not mgr.is_running():
-                        raise RuntimeError(f"{name}: engine stopped: {mgr.background_thread_status.fatal_error!r}")
-                    if time.perf_counter() - t0 > args.timeout:
-                        raise TimeoutError(f"{name}: timed out after {args.timeout} s")
-                    continue
-                if r.error is not None:
-                    raise RuntimeError(f"{name}: request {r.request_id} failed: {r.error}")
-                if r.is_finished():
-                    results[r.request_id] = r
+            for phase in ("primers", "timed"):
+                if phase == "timed":
+                    t0 = time.perf_counter()
+                    ids += [mgr.add_request(p, request_id=f"r{i}", max_new_tokens=args.new_tokens,
+                                            record_timestamps=True)
+                            for i, p in enumerate(prompts) if i >= primers]
+                await_results(mgr, name, ids, results, t0, args.timeout)
             wall = time.perf_counter() - t0
             cache = mgr.batch_processor.cache
             info = cache_info(cache, budget)
+            info["kv_peak_in_use_mb"] = watch.peak_blocks * cache.block_size * budget["token_bytes"] / 2**20
         finally:
             mgr.stop(block=True, timeout=120)
             watch.handle.remove()
-    generated = sum(len(r.generated_tokens) for r in results.values())
+    timed_results = [r for i, r in enumerate(results[k] for k in ids) if i >= primers]
+    generated = sum(len(r.generated_tokens) for r in timed_results)
     ttft, tbt = [], []
-    for r in results.values():
+    for r in timed_results:
         ts = r.timestamps or []
         if ts:
             ttft.append(ts[0] - r.created_time)
             tbt.extend(b - a for a, b in zip(ts, ts[1:]))
     out = {
-        "contender": name, "requests": len(results), "generated_tokens": generated, "wall_s": wall,
+        "contender": name, "requests": len(timed_results), "generated_tokens": generated, "wall_s": wall,
         "tok_s": generated / wall, "rounds": watch.rounds, "max_running": watch.max_running,
         "ttft_p50_ms": pct(ttft, 50) * 1e3, "ttft_p99_ms": pct(ttft, 99) * 1e3,
         "tbt_p50_ms": pct(tbt, 50) * 1e3, "tbt_p99_ms": pct(tbt, 99) * 1e3,
@@ -199,15 +206,34 @@ def run_one(model: Any, name: str, prompts: List[List[int]], args: Any, budget: 
     return out
 
 
+def await_results(mgr: Any, name: str, ids: List[str], results: Dict[str, Any], t0: float, timeout: float) -> None:
+    """Collects finished results into ``results`` until every id in ``ids`` has one."""
+    while any(i not in results for i in ids):
+        r = mgr.get_result(timeout=1.0)
+        if r is None:
+            if not mgr.is_running():
+                raise RuntimeError(f"{name}: engine stopped: {mgr.background_thread_status.fatal_error!r}")
+            if time.perf_counter() - t0 > timeout:
+                raise TimeoutError(f"{name}: timed out after {timeout} s")
+            continue
+        if r.error is not None:
+            raise RuntimeError(f"{name}: request {r.request_id} failed: {r.error}")
+        if r.is_finished():
+            results[r.request_id] = r
+
+
 def cache_info(cache: Any, budget: Dict[str, int]) -> Dict[str, Any]:
+    """Memory, preemptions and prefix hits (tokens served from cache) of a finished run's cache."""
+    common = {"block_size": cache.block_size, "num_blocks": cache.num_blocks,
+              "prefix_hit_tokens": getattr(cache, "_total_prefix_length", 0),
+              "sharing": bool(getattr(cache, "use_prefix_sharing", False))}
     if isinstance(cache, vt.VmemCBCache):
         u = cache.usage()
         return {"kv_reserved_mb": u["physical_bytes"] / 2**20, "kv_peak_mapped_mb": cache.peak_mapped_bytes / 2**20,
                 "kv_mapped_at_end_mb": u["mapped_bytes"] / 2**20, "preemptions": cache.readmissions,
-                "block_size": cache.block_size, "num_blocks": cache.num_blocks, "kernel": cache.kernel}
+                "kernel": cache.kernel, **common}
     kv = sum(t.numel() * t.element_size() for t in cache.key_cache + cache.value_cache)
-    return {"kv_reserved_mb": kv / 2**20, "kv_peak_mapped_mb": None, "preemptions": None,
-            "block_size": cache.block_size, "num_blocks": cache.num_blocks}
+    return {"kv_reserved_mb": kv / 2**20, "kv_peak_mapped_mb": None, "preemptions": None, **common}
 
 
 def pct(xs: List[float], q: float) -> float:

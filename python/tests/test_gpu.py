@@ -13,6 +13,11 @@ pytest says why. Benchmarks are in python/benches (gpu_bench.py).
     left-padded prompts of different lengths; teacher-forced logits with VmemCache equal
     DynamicCache's within bf16 tolerance at every step; greedy tokens identical once the
     output head is scaled so logits are decisive.
+  shared_prefix: prefix sharing on the GPU (2 MB pages, both layouts): a request that adopts
+    another's published prompt reads the same physical pages (a write through one row shows
+    through the other), SDPA flash over its row equals SDPA over a contiguous copy of the same
+    K/V bit-exactly, its own tail never reaches the shared pages, the owner's free leaves them
+    readable, and the pool holds each shared page once.
   fp8_consumer: vmem views are torch.float8_e4m3fn tensors on the GPU; torch kernels write and
     read them (bytes round-trip), and dequantized SDPA on the views equals the same on
     contiguous copies, bit-exact, in both layouts.
@@ -254,6 +259,62 @@ def fp8_consumer():
               f"max diff {float((a.float() - b.float()).abs().max()):.3g}")
         del k, v, kq, vq
         kv.close()
+
+
+def shared_prefix():
+    torch.manual_seed(0)
+    H, D, G, n = 8, 128, 4, 3000
+    for layout in ["token-major", "per-layer"]:
+        kv = vmem.KVCache(layers=2, kv_heads=H, head_dim=D, dtype="bf16", max_batch=4, max_context=8192,
+                          layout=layout, backend="cuda", overlap=False, eager_tokens=0, prefix_cache="1G")
+        bt = kv.prefix_stats()["block_tokens"]
+        prompt = torch.randint(0, 128000, (n,)).tolist()
+        a = kv.alloc()
+        kv.adopt_prefix(a, prompt)
+        kv.step({a: n})
+        layers = kv.torch_layers()
+        for k, v in layers:
+            k[a, :n].copy_(torch.randn(n, H, D, device="cuda", dtype=torch.bfloat16))
+            v[a, :n].copy_(torch.randn(n, H, D, device="cuda", dtype=torch.bfloat16))
+        torch.cuda.synchronize()
+        check(f"{layout} publish", kv.publish_prefix(a, prompt) == n // bt, f"{n // bt} blocks of {bt}")
+        pages_before = kv.usage()["pool_created_pages"]
+        b = kv.alloc()
+        got = kv.adopt_prefix(b, torch.tensor(prompt + [5] * 100))
+        check(f"{layout} adopt", got == n // bt * bt, f"{got} tokens")
+        kv.step({a: n, b: n + 100})
+        pages = kv.usage()["pool_created_pages"] - pages_before
+        own = (-(-(n + 100) // bt) - got // bt) * kv.config()["buffers"]  # B's blocks past the adopted ones
+        check(f"{layout} the adopted blocks cost no pages", pages == own, f"{pages} new pages, {own} expected")
+        k, v = layers[1]
+        # B's own tokens (from its adopted length on) go to its own pages only.
+        k[b, got:n + 100].copy_(torch.randn(n + 100 - got, H, D, device="cuda", dtype=torch.bfloat16))
+        v[b, got:n + 100].copy_(torch.randn(n + 100 - got, H, D, device="cuda", dtype=torch.bfloat16))
+        a_tail = k[a, got:n].clone()
+        torch.cuda.synchronize()
+        check(f"{layout} B's tail does not reach A's row", torch.equal(k[a, got:n], a_tail))
+        check(f"{layout} B reads A's K/V", torch.equal(k[b, :got], k[a, :got]) and torch.equal(v[b, :got], v[a, :got]))
+        q = torch.randn(1, H * G, 1, D, device="cuda", dtype=torch.bfloat16)
+        kq, vq = k[b:b + 1, :n + 100].transpose(1, 2), v[b:b + 1, :n + 100].transpose(1, 2)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            x = F.scaled_dot_product_attention(q, kq, vq, enable_gqa=True)
+            y = F.scaled_dot_product_attention(q, kq.contiguous(), vq.contiguous(), enable_gqa=True)
+        check(f"{layout} sdpa flash over a shared row equals contiguous", torch.equal(x, y))
+        k[a, 7].fill_(3.0)
+        torch.cuda.synchronize()
+        check(f"{layout} one physical page: a write through A shows through B", bool((k[b, 7] == 3.0).all()))
+        kv.free(a)
+        kv.step({b: n + 100})
+        torch.cuda.synchronize()
+        check(f"{layout} A's free leaves B's shared pages", bool((k[b, 7] == 3.0).all()))
+        s = kv.prefix_stats()
+        check(f"{layout} counters", s["hit_tokens"] == got and s["blocks"] == n // bt, str(s))
+        del k, v, layers, kq, vq
+        kv.close()
+
+
+def test_shared_prefix():
+    shared_prefix()
 
 
 def test_dlpack_views():
