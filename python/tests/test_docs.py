@@ -42,6 +42,15 @@ def test_the_first_steps_snippet_runs_as_written(capsys):
     assert "float16" in out and "cpu" in out, out
 
 
+def test_the_prefix_sharing_snippet_runs_as_written(capsys):
+    pytest.importorskip("numpy")
+    with open(DOCS) as fh:
+        m = re.search(r"<!-- prefix sharing: .*? -->\s*```python\n(.*?)```", fh.read(), re.S)
+    assert m, "docs/python.md lost its prefix-sharing snippet"
+    exec(compile(m.group(1), "docs/python.md prefix sharing", "exec"), {})
+    assert capsys.readouterr().out.split() == ["64", "0", "15", "896", "1.0", "896"]
+
+
 def test_every_module_has_examples():
     # A module whose examples were deleted would pass test_docstring_examples by running none.
     for name in ["vmem", "vmem._device"]:
