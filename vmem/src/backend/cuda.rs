@@ -41,8 +41,9 @@ unsafe impl Send for ContextHandle {}
 // SAFETY: as above; it is never mutated after creation.
 unsafe impl Sync for ContextHandle {}
 
-/// Turns a driver error into [`VmemError::Cuda`] naming the call.
-fn cuda_err(op: &'static str) -> impl Fn(DriverError) -> VmemError {
+/// Turns a driver error into [`VmemError::Cuda`] naming the call `op`: for this driver, and
+/// for code beside it that calls the CUDA driver itself (vmem-bench's kernels and timings).
+pub fn cuda_err(op: &'static str) -> impl Fn(DriverError) -> VmemError {
     move |e| VmemError::Cuda {
         op,
         msg: e

@@ -37,7 +37,7 @@ mod uvm;
 
 pub use checked::Checked;
 #[cfg(feature = "cuda")]
-pub use cuda::{CudaBackend, CudaDriver};
+pub use cuda::{cuda_err, CudaBackend, CudaDriver};
 pub use delegate::{Delegate, RawDelegate};
 pub use host::{HostBackend, HostCommit, HostMemory};
 pub use select::{open_backend, BackendChoice, Selected};

@@ -56,6 +56,12 @@ impl DriverCounts {
         calls.iter().filter(|c| c.0 == "map").map(|c| c.1).collect()
     }
 
+    /// Fails the next map on its page `i` (0-based), reporting the pages before it mapped.
+    pub fn fail_map_at(&self, i: u64) {
+        let seen = self.pages_seen.load(SeqCst);
+        self.fail_at_page.store(seen + i, SeqCst);
+    }
+
     /// Forgets the calls logged so far.
     pub fn clear_calls(&self) {
         self.calls.lock().unwrap().clear();
