@@ -126,13 +126,19 @@ fn counted_manager(deferred: bool) -> (Arc<CountingBackend>, vmem::KvCacheManage
     (b, kv)
 }
 
+/// Starts one request on `kv` and steps it to `tokens` tokens; returns its id.
+fn one_request(kv: &vmem::KvCacheManager, tokens: u64) -> usize {
+    let r = kv.alloc_reqid().unwrap();
+    let mut lens = vec![0u64; kv.config().max_batch];
+    lens[r] = tokens;
+    kv.step(&lens).unwrap();
+    r
+}
+
 #[test]
 fn freeing_a_request_waits_for_the_device_once_for_all_its_buffers() {
     let (b, kv) = counted_manager(false);
-    let r = kv.alloc_reqid().unwrap();
-    let mut lens = vec![0u64; 4];
-    lens[r] = 1000; // 4 pages in each of the 8 buffers
-    kv.step(&lens).unwrap();
+    let r = one_request(&kv, 1000); // 4 pages in each of the 8 buffers
     b.reset();
     kv.free_reqid(r).unwrap();
     let c = b.counts();
@@ -173,10 +179,7 @@ fn the_driver_sees_one_fence_per_freed_request() {
         .deferred_reclaim(false)
         .build();
     let kv = vmem::KvCacheManager::init(b, cfg).unwrap();
-    let r = kv.alloc_reqid().unwrap();
-    let mut lens = vec![0u64; 2];
-    lens[r] = 3000; // 3 pages in each of the 8 buffers
-    kv.step(&lens).unwrap();
+    let r = one_request(&kv, 3000); // 3 pages in each of the 8 buffers
     log.clear_calls();
     kv.free_reqid(r).unwrap();
     let log = log.ops();

@@ -2,9 +2,17 @@
 //! the system, and every bad argument is refused without changing anything.
 
 use std::sync::Arc;
-use vmem::backend::{Backend, HostBackend, HostCommit, KIB256, KIB64, MIB2};
+use vmem::backend::{Backend, HostBackend, HostCommit, PageHandle, KIB256, KIB64, MIB2};
 use vmem::testing::conformance::read_host;
 use vmem::VmemError;
+
+/// A host backend, one 2 MiB range of it, and a new page of each of `sizes`, in order.
+fn host_with_pages(sizes: &[u64]) -> (HostBackend, u64, Vec<PageHandle>) {
+    let b = HostBackend::new().unwrap();
+    let r = b.reserve(MIB2).unwrap();
+    let pages = sizes.iter().map(|&s| b.create_page(s).unwrap()).collect();
+    (b, r, pages)
+}
 
 #[test]
 fn bytes_written_through_a_mapping_follow_the_page() {
@@ -60,9 +68,7 @@ fn lazy_commit_allocates_on_first_touch() {
 
 #[test]
 fn a_multi_page_map_is_contiguous_memory() {
-    let b = HostBackend::new().unwrap();
-    let r = b.reserve(MIB2).unwrap();
-    let pages: Vec<_> = (0..4).map(|_| b.create_page(KIB64).unwrap()).collect();
+    let (b, r, pages) = host_with_pages(&[KIB64; 4]);
     // Map in reverse slot order, so no two neighbours are adjacent in the memfd.
     let rev: Vec<_> = pages.iter().rev().copied().collect();
     b.map(r, &rev, KIB64).unwrap();
@@ -78,11 +84,8 @@ fn a_multi_page_map_is_contiguous_memory() {
 
 #[test]
 fn bad_arguments_are_refused_and_change_nothing() {
-    let b = HostBackend::new().unwrap();
-    let r = b.reserve(MIB2).unwrap();
-    let p = b.create_page(KIB64).unwrap();
-    let q = b.create_page(KIB64).unwrap();
-    let big = b.create_page(KIB256).unwrap();
+    let (b, r, pages) = host_with_pages(&[KIB64, KIB64, KIB256]);
+    let (p, q, big) = (pages[0], pages[1], pages[2]);
 
     assert!(matches!(
         b.create_page(4096),
@@ -142,10 +145,8 @@ fn bad_arguments_are_refused_and_change_nothing() {
 #[test]
 fn spans_inside_larger_pages_and_zero_slots_are_refused() {
     // 64 KB units, 256 KB pages: a page is one head and three tail units in the book.
-    let b = HostBackend::new().unwrap();
-    let r = b.reserve(MIB2).unwrap();
-    let big = b.create_page(KIB256).unwrap();
-    let small = b.create_page(KIB64).unwrap();
+    let (b, r, pages) = host_with_pages(&[KIB256, KIB64]);
+    let (big, small) = (pages[0], pages[1]);
     b.map(r, &[big], KIB256).unwrap();
     // Unmaps that start or end inside the page.
     assert!(b.unmap(r + KIB64, KIB256 - KIB64).is_err());

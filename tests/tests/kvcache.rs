@@ -16,6 +16,15 @@ fn cfg(page: u64, layout: Layout) -> KvConfigBuilder {
         .eager_tokens(0)
 }
 
+/// The host backend and a 64 KiB per-layer manager over it with no background thread (so that
+/// only `step` maps), with its settings for a second manager that changes one.
+fn host_per_layer() -> (Arc<HostBackend>, KvConfigBuilder, KvCacheManager) {
+    let host = Arc::new(HostBackend::new().unwrap());
+    let c = cfg(KIB64, Layout::PerLayer).overlap(false);
+    let kv = KvCacheManager::init(host.clone(), c.clone().build()).unwrap();
+    (host, c, kv)
+}
+
 fn lens(b: usize, set: &[(usize, u64)]) -> Vec<u64> {
     let mut v = vec![0; b];
     for &(r, l) in set {
@@ -87,9 +96,7 @@ fn every_mapped_page_holds_what_is_written_through_the_views() {
 fn pages_follow_the_paper_arithmetic() {
     // Per-layer: 256 B/token/buffer, 64 KB page = 256 tokens; 4 buffers. No background
     // thread, so that only `step` maps.
-    let host = Arc::new(HostBackend::new().unwrap());
-    let c = cfg(KIB64, Layout::PerLayer).overlap(false);
-    let kv = KvCacheManager::init(host.clone(), c.clone().build()).unwrap();
+    let (host, c, kv) = host_per_layer();
     let r = kv.alloc_reqid().unwrap();
     let rep = kv.step(&lens(4, &[(r, 1)])).unwrap();
     assert_eq!(rep.sync_pages, 4, "one page in each of 2 x layers buffers");
@@ -279,9 +286,7 @@ fn out_of_memory_maps_nothing_and_preemption_frees_room() {
 
 #[test]
 fn deferred_reclamation_hands_the_mapped_id_to_the_next_request() {
-    let host = Arc::new(HostBackend::new().unwrap());
-    let c = cfg(KIB64, Layout::PerLayer).overlap(false);
-    let kv = KvCacheManager::init(host.clone(), c.clone().build()).unwrap();
+    let (host, c, kv) = host_per_layer();
     let a = kv.alloc_reqid().unwrap();
     kv.step(&lens(4, &[(a, 1000)])).unwrap();
     kv.free_reqid(a).unwrap();

@@ -61,11 +61,23 @@ fn map_ahead_refuses_bad_input_and_out_of_memory_maps_nothing() {
     assert_eq!(b.mapped_pages(), 64);
 }
 
-/// A backend whose every `map` call takes `delay`: a stand-in for a slow driver.
+/// A backend whose every `map` call takes `delay` (a stand-in for a slow driver), and which
+/// panics in the next `map` once `armed`.
 #[derive(Debug)]
 struct Slow {
     inner: SimBackend,
     delay: Duration,
+    armed: AtomicBool,
+}
+
+impl Slow {
+    fn new(delay: Duration) -> Self {
+        Slow {
+            inner: SimBackend::new(),
+            delay,
+            armed: AtomicBool::new(false),
+        }
+    }
 }
 
 impl Delegate for Slow {
@@ -74,16 +86,16 @@ impl Delegate for Slow {
     }
     fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> vmem::Result<()> {
         std::thread::sleep(self.delay);
+        if self.armed.swap(false, Ordering::SeqCst) {
+            panic!("the driver panicked inside map_ahead");
+        }
         self.inner.map(addr, pages, page_size)
     }
 }
 
 #[test]
 fn a_long_map_ahead_on_another_thread_does_not_block_the_other_requests_steps() {
-    let slow = Arc::new(Slow {
-        inner: SimBackend::new(),
-        delay: Duration::from_millis(2),
-    });
+    let slow = Arc::new(Slow::new(Duration::from_millis(2)));
     let kv = Arc::new(KvCacheManager::init(slow, config(8192)).unwrap());
     let decoders: Vec<usize> = (0..4).map(|_| kv.alloc_reqid().unwrap()).collect();
     let prefill = kv.alloc_reqid().unwrap();
@@ -174,27 +186,7 @@ fn a_creation_failure_maps_nothing_and_keeps_the_accounts() {
 fn a_panic_inside_map_ahead_does_not_hang_later_calls_on_the_request() {
     use std::sync::mpsc::channel;
 
-    /// Panics in the next `map` once armed.
-    #[derive(Debug)]
-    struct Panicky {
-        inner: SimBackend,
-        armed: AtomicBool,
-    }
-    impl Delegate for Panicky {
-        fn inner(&self) -> &dyn Backend {
-            &self.inner
-        }
-        fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> vmem::Result<()> {
-            if self.armed.swap(false, Ordering::SeqCst) {
-                panic!("the driver panicked inside map_ahead");
-            }
-            self.inner.map(addr, pages, page_size)
-        }
-    }
-    let b = Arc::new(Panicky {
-        inner: SimBackend::new(),
-        armed: AtomicBool::new(false),
-    });
+    let b = Arc::new(Slow::new(Duration::ZERO));
     let kv = Arc::new(KvCacheManager::init(b.clone(), config(4096)).unwrap());
     let r = kv.alloc_reqid().unwrap();
     b.armed.store(true, Ordering::SeqCst);

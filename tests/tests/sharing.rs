@@ -28,6 +28,15 @@ fn cfg(layout: Layout, cap_pages: u64, cache: Option<u64>) -> KvConfig {
     c
 }
 
+/// A token-major manager over the simulation with 64 pages and a prefix cache of `cache`
+/// bytes.
+fn sim_kv(cache: Option<u64>) -> vmem::Result<KvCacheManager> {
+    KvCacheManager::init(
+        Arc::new(SimBackend::new()),
+        cfg(Layout::TokenMajor, 64, cache),
+    )
+}
+
 fn lens(set: &[(usize, u64)]) -> Vec<u64> {
     let mut v = vec![0; 4];
     for &(r, l) in set {
@@ -452,11 +461,7 @@ fn adopting_a_repeated_hash_past_the_context_is_refused_and_leaves_the_request_e
     // A caller's hash list repeating one cached hash, longer than the request's context: a
     // typed error (the backend refuses a page named twice), nothing mapped, and the same
     // request can then adopt the real prefix.
-    let kv = KvCacheManager::init(
-        Arc::new(SimBackend::new()),
-        cfg(Layout::TokenMajor, 64, Some(16 * KIB64)),
-    )
-    .unwrap();
+    let kv = sim_kv(Some(16 * KIB64)).unwrap();
     let bt = kv.prefix_block_tokens();
     let p = prompt(7, bt as usize + 1);
     let a = kv.alloc_reqid().unwrap();
@@ -473,11 +478,7 @@ fn adopting_a_repeated_hash_past_the_context_is_refused_and_leaves_the_request_e
 
 #[test]
 fn the_prefix_api_refuses_wrong_ids_inactive_requests_and_a_second_adoption() {
-    let kv = KvCacheManager::init(
-        Arc::new(SimBackend::new()),
-        cfg(Layout::TokenMajor, 64, Some(16 * KIB64)),
-    )
-    .unwrap();
+    let kv = sim_kv(Some(16 * KIB64)).unwrap();
     let bt = kv.prefix_block_tokens();
     let p = prompt(9, 2 * bt as usize + 1);
     assert!(kv.adopt_prefix(99, &p).is_err());
@@ -497,10 +498,7 @@ fn the_prefix_api_refuses_wrong_ids_inactive_requests_and_a_second_adoption() {
         kv.adopt_prefix(b, &p),
         Err(VmemError::InvalidConfig(_))
     ));
-    let r = KvCacheManager::init(
-        Arc::new(SimBackend::new()),
-        cfg(Layout::TokenMajor, 64, Some(0)),
-    );
+    let r = sim_kv(Some(0));
     // A cap of 0 is accepted and keeps nothing unmapped: a finished request's blocks go.
     let kv0 = r.unwrap();
     let c = kv0.alloc_reqid().unwrap();

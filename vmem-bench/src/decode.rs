@@ -8,7 +8,7 @@
 use crate::cuda_err;
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use std::sync::Arc;
 use vmem::kvcache::LayerView;
@@ -198,8 +198,13 @@ impl DecodeModel {
                 HIDDEN,
                 &mut self.qkv,
             )?;
-            let (sb, st) = (view.k.strides[0] as u64, view.k.strides[1] as u64);
-            let (kb, vb) = (view.k.addr, view.v.addr);
+            // K base, V base, and the strides of a request and of a token.
+            let kv = [
+                view.k.addr,
+                view.v.addr,
+                view.k.strides[0] as u64,
+                view.k.strides[1] as u64,
+            ];
             let (qkv_ld, k_off, v_off) = (
                 QKV as i32,
                 (Q_HEADS * HEAD_DIM) as i32,
@@ -210,14 +215,7 @@ impl DecodeModel {
                 block_dim: ((KV_HEADS * HEAD_DIM) as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut launch = self.stream.launch_builder(&self.append);
-            launch
-                .arg(&self.qkv)
-                .arg(&kb)
-                .arg(&vb)
-                .arg(&sb)
-                .arg(&st)
-                .arg(&self.lens);
+            let mut launch = kv_launch(&self.stream, &self.append, &self.qkv, &kv, &self.lens);
             launch.arg(&qkv_ld).arg(&k_off).arg(&v_off);
             // SAFETY: the arguments match append_kv's parameters in order and type; every
             // address written is token len-1 of an active request, mapped by the caller's
@@ -233,15 +231,8 @@ impl DecodeModel {
                 block_dim: (HEAD_DIM as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut launch = self.stream.launch_builder(&self.attend);
-            launch
-                .arg(&self.qkv)
-                .arg(&kb)
-                .arg(&vb)
-                .arg(&sb)
-                .arg(&st)
-                .arg(&self.lens)
-                .arg(&mut self.attn);
+            let mut launch = kv_launch(&self.stream, &self.attend, &self.qkv, &kv, &self.lens);
+            launch.arg(&mut self.attn);
             launch.arg(&group).arg(&qkv_ld).arg(&out_ld).arg(&scale);
             // SAFETY: arguments match attend's parameters; it reads tokens 0..len-1 of active
             // requests, mapped by the caller's contract, and writes `attn`, B x HIDDEN floats.
@@ -312,4 +303,23 @@ fn gemm(
     // SAFETY: sizes agree with the buffers: w holds k x n floats, input B rows of ld_in >= k
     // floats, out B x n floats (allocated in `DecodeModel::new` for these shapes).
     unsafe { blas.gemm(cfg, w, input, out) }.map_err(blas_err)
+}
+
+/// Starts a launch of `func` (`append_kv` or `attend`) with the arguments both take first, in
+/// their order: the qkv activations, `kv` (K base, V base, request stride, token stride) and
+/// the lengths.
+fn kv_launch<'a>(
+    stream: &'a CudaStream,
+    func: &'a CudaFunction,
+    qkv: &'a CudaSlice<f32>,
+    kv: &'a [u64; 4],
+    lens: &'a CudaSlice<u64>,
+) -> LaunchArgs<'a> {
+    let mut launch = stream.launch_builder(func);
+    launch.arg(qkv);
+    for word in kv {
+        launch.arg(word);
+    }
+    launch.arg(lens);
+    launch
 }

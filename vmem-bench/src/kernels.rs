@@ -8,11 +8,17 @@ use std::ffi::{c_void, CString};
 use vmem::backend::CudaBackend;
 use vmem::Result;
 
-/// PTX shared by both kernels: `%rd3` = this thread's first index into the span, `%rd5` =
-/// the whole grid's stride (threads per block x blocks).
-macro_rules! grid_stride {
-    () => {
+/// PTX shared by both kernels, up to the loop's body: `%rd1` = the span's base, `%rd2` = its
+/// words, `%r1` = the seed (the kernel's first three parameters); `%rd3` = this thread's first
+/// index into the span, `%rd5` = the whole grid's stride (threads per block x blocks); then
+/// the loop `<$label>_LOOP`, left through predicate `$p` to `<$label>_DONE` past the span's
+/// end, and word `%rd3`'s pattern and address (`pattern_word!`).
+macro_rules! span_loop {
+    ($label:literal, $p:literal) => {
         concat!(
+            "    ld.param.u64 %rd1, [base];\n",
+            "    ld.param.u64 %rd2, [n];\n",
+            "    ld.param.u32 %r1, [seed];\n",
             "    mov.u32 %r2, %ctaid.x;\n",
             "    mov.u32 %r3, %ntid.x;\n",
             "    mov.u32 %r4, %tid.x;\n",
@@ -21,6 +27,17 @@ macro_rules! grid_stride {
             "    add.u64 %rd3, %rd3, %rd4;\n",
             "    mov.u32 %r5, %nctaid.x;\n",
             "    mul.wide.u32 %rd5, %r5, %r3;\n",
+            $label,
+            "_LOOP:\n",
+            "    setp.ge.u64 ",
+            $p,
+            ", %rd3, %rd2;\n",
+            "    @",
+            $p,
+            " bra ",
+            $label,
+            "_DONE;\n",
+            pattern_word!(),
         )
     };
 }
@@ -51,16 +68,8 @@ const PTX: &str = concat!(
     .reg .pred %p;
     .reg .b32 %r<8>;
     .reg .b64 %rd<8>;
-    ld.param.u64 %rd1, [base];
-    ld.param.u64 %rd2, [n];
-    ld.param.u32 %r1, [seed];
 "#,
-    grid_stride!(),
-    r#"FILL_LOOP:
-    setp.ge.u64 %p, %rd3, %rd2;
-    @%p bra FILL_DONE;
-"#,
-    pattern_word!(),
+    span_loop!("FILL", "%p"),
     r#"    st.global.u32 [%rd7], %r7;
     add.u64 %rd3, %rd3, %rd5;
     bra FILL_LOOP;
@@ -73,17 +82,9 @@ FILL_DONE:
     .reg .pred %p<3>;
     .reg .b32 %r<10>;
     .reg .b64 %rd<10>;
-    ld.param.u64 %rd1, [base];
-    ld.param.u64 %rd2, [n];
-    ld.param.u32 %r1, [seed];
     ld.param.u64 %rd8, [errors];
 "#,
-    grid_stride!(),
-    r#"CHECK_LOOP:
-    setp.ge.u64 %p1, %rd3, %rd2;
-    @%p1 bra CHECK_DONE;
-"#,
-    pattern_word!(),
+    span_loop!("CHECK", "%p1"),
     r#"    ld.global.u32 %r8, [%rd7];
     setp.ne.u32 %p2, %r8, %r7;
     @%p2 atom.global.add.u32 %r9, [%rd8], 1;

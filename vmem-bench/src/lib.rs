@@ -32,9 +32,7 @@ use vmem::{KvConfig, Layout};
 pub use decode::DecodeModel;
 pub use kernels::{time_raw_calls, GpuKernels, RawTimes};
 
-use cudarc::driver::result::DriverError;
 use cudarc::driver::sys;
-use vmem::VmemError;
 
 /// Shuffled orders for interleaved contenders: every slot of a benchmark runs each contender
 /// once, in an order drawn here (xorshift64, fixed seed: runs are reproducible), so the
@@ -62,7 +60,6 @@ impl Shuffle {
     }
 }
 
-/// Turns a driver error into [`VmemError::Cuda`] naming the call.
 /// The two bundled Azure 2023 subsets (the first 2,000 requests of the code and conversation
 /// traces, in `vmem-cli/data/traces`), named `code` and `conv`. Paths are relative to the
 /// workspace this was built in, or, where that is gone (a binary carried to another machine),
@@ -104,15 +101,7 @@ pub fn page_check_config(layout: Layout) -> KvConfig {
         .build()
 }
 
-pub(crate) fn cuda_err(op: &'static str) -> impl Fn(DriverError) -> VmemError {
-    move |e| VmemError::Cuda {
-        op,
-        msg: e
-            .error_name()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|_| format!("{:?}", e.0)),
-    }
-}
+pub(crate) use vmem::backend::cuda_err;
 
 /// Properties of a pinned device allocation on GPU `ordinal`, as vmem's CUDA driver uses.
 pub(crate) fn allocation_prop(ordinal: i32) -> sys::CUmemAllocationProp {

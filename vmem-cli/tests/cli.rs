@@ -1,22 +1,30 @@
 //! The `vmem` command as a user runs it: the binary, its exit status, stdout and stderr.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::{text, trace, vmem};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 
-fn vmem(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_vmem"))
-        .args(args)
-        .env_remove("VMEM_BACKEND")
-        .output()
-        .expect("run vmem")
+/// `vmem replay --quiet --backend sim`, then `extra`.
+fn quiet_sim<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    [&["replay", "--quiet", "--backend", "sim"][..], extra].concat()
 }
 
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-fn bundled() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("data/traces/azure-conv-2023-first2000.csv")
+/// Asserts that `vmem` refused `case` as bad input: exit status 1, nothing on stdout, and on
+/// stderr an error naming each of `wants`, not a panic.
+fn assert_refused(out: &Output, case: &str, wants: &[&str]) {
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{case}: {err}");
+    assert!(
+        out.stdout.is_empty(),
+        "{case} printed {}",
+        text(&out.stdout)
+    );
+    for want in wants {
+        assert!(err.contains(want), "{case}: no {want:?} in {err}");
+    }
+    assert!(!err.contains("panicked"), "{case}: {err}");
 }
 
 /// A scratch file with `content`, removed at drop.
@@ -119,16 +127,7 @@ fn bad_flags_are_refused_before_any_output() {
             all.extend(["--backend", "sim"]);
         }
         all.extend_from_slice(args);
-        let out = vmem(&all);
-        let err = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
-        assert!(
-            out.stdout.is_empty(),
-            "{args:?} printed {}",
-            text(&out.stdout)
-        );
-        assert!(err.contains(flag), "{args:?}: {err}");
-        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_refused(&vmem(&all), &format!("{args:?}"), &[*flag]);
     }
     // clap's own refusals (unknown values, malformed numbers) exit 2, also before output.
     for args in [
@@ -146,45 +145,31 @@ fn bad_flags_are_refused_before_any_output() {
 fn bad_traces_are_refused_with_the_line_and_nothing_panics() {
     let header = "TIMESTAMP,ContextTokens,GeneratedTokens\n";
     let row = "2023-11-16 18:00:00.0,10,2\n";
+    // The header and one good row, then a line at 18:00:01 with these token counts.
+    let late = |tokens: &str| format!("{header}{row}2023-11-16 18:00:01.0,{tokens}\n").into_bytes();
+    let after_header = |lines: &str| format!("{header}{lines}").into_bytes();
+    // One JSON Lines request with this input length.
+    let jsonl = |input: &str| format!("{{\"input_tokens\": {input}, \"output_tokens\": 1}}\n");
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
         ("empty.csv", b"".to_vec(), "empty"),
         ("header.csv", header.as_bytes().to_vec(), "no requests"),
         (
             "max.csv",
-            format!(
-                "{header}{row}2023-11-16 18:00:01.0,18446744073709551615,18446744073709551615\n"
-            )
-            .into_bytes(),
+            late("18446744073709551615,18446744073709551615"),
             ":3:",
         ),
-        (
-            "huge.csv",
-            format!("{header}{row}2023-11-16 18:00:01.0,1000000000000,5\n").into_bytes(),
-            ":3:",
-        ),
-        (
-            "over.csv",
-            format!("{header}{row}2023-11-16 18:00:01.0,18446744073709551616,5\n").into_bytes(),
-            ":3:",
-        ),
-        (
-            "neg.csv",
-            format!("{header}{row}2023-11-16 18:00:01.0,-5,5\n").into_bytes(),
-            "negative",
-        ),
-        (
-            "cols.csv",
-            format!("{header}2023-11-16 18:00:01.0,5\n").into_bytes(),
-            ":2:",
-        ),
+        ("huge.csv", late("1000000000000,5"), ":3:"),
+        ("over.csv", late("18446744073709551616,5"), ":3:"),
+        ("neg.csv", late("-5,5"), "negative"),
+        ("cols.csv", after_header("2023-11-16 18:00:01.0,5\n"), ":2:"),
         (
             "back.csv",
-            format!("{header}2023-11-16 18:00:02.0,5,5\n2023-11-16 18:00:01.0,5,5\n").into_bytes(),
+            after_header("2023-11-16 18:00:02.0,5,5\n2023-11-16 18:00:01.0,5,5\n"),
             "backwards",
         ),
         (
             "zero.csv",
-            format!("{header}2023-11-16 18:00:02.0,0,5\n").into_bytes(),
+            after_header("2023-11-16 18:00:02.0,0,5\n"),
             "zero",
         ),
         ("other.csv", b"a,b,c\n1,2,3\n".to_vec(), "--input-col"),
@@ -195,29 +180,13 @@ fn bad_traces_are_refused_with_the_line_and_nothing_panics() {
         ),
         (
             "bad.jsonl",
-            b"{\"input_tokens\": 5, \"output_tokens\": 1}\n{not json\n".to_vec(),
+            (jsonl("5") + "{not json\n").into_bytes(),
             ":2:",
         ),
-        (
-            "neg.jsonl",
-            b"{\"input_tokens\": -5, \"output_tokens\": 1}\n".to_vec(),
-            "negative",
-        ),
-        (
-            "frac.jsonl",
-            b"{\"input_tokens\": 5.5, \"output_tokens\": 1}\n".to_vec(),
-            "whole",
-        ),
-        (
-            "big.jsonl",
-            b"{\"input_tokens\": 1e400, \"output_tokens\": 1}\n".to_vec(),
-            ":1:",
-        ),
-        (
-            "str.jsonl",
-            b"{\"input_tokens\": [1], \"output_tokens\": 1}\n".to_vec(),
-            "not a number",
-        ),
+        ("neg.jsonl", jsonl("-5").into_bytes(), "negative"),
+        ("frac.jsonl", jsonl("5.5").into_bytes(), "whole"),
+        ("big.jsonl", jsonl("1e400").into_bytes(), ":1:"),
+        ("str.jsonl", jsonl("[1]").into_bytes(), "not a number"),
         (
             "nan.csv",
             b"input_tokens,output_tokens,time\n5,1,NaN\n".to_vec(),
@@ -227,15 +196,7 @@ fn bad_traces_are_refused_with_the_line_and_nothing_panics() {
     for (name, content, want) in cases {
         let f = Scratch::new(name, &content);
         let out = vmem(&["replay", "--backend", "sim", "--trace", f.path()]);
-        let err = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{name}: {err}");
-        assert!(
-            out.stdout.is_empty(),
-            "{name} printed {}",
-            text(&out.stdout)
-        );
-        assert!(err.contains(want), "{name}: wanted {want:?} in {err}");
-        assert!(!err.contains("panicked"), "{name}: {err}");
+        assert_refused(&out, name, &[want]);
     }
     let missing = vmem(&["--trace", "/nonexistent/trace.csv"]);
     assert_eq!(missing.status.code(), Some(1));
@@ -245,16 +206,7 @@ fn bad_traces_are_refused_with_the_line_and_nothing_panics() {
 fn oversize_requests_are_an_error_unless_skipped_or_truncated_and_always_counted() {
     let t = "input_tokens,output_tokens\n100,10\n20000,10\n30,5000\n9000,9000\n";
     let f = Scratch::new("oversize.csv", t.as_bytes());
-    let base = [
-        "replay",
-        "--quiet",
-        "--backend",
-        "sim",
-        "--page-sizes",
-        "2M",
-        "--trace",
-        f.path(),
-    ];
+    let base = quiet_sim(&["--page-sizes", "2M", "--trace", f.path()]);
     let out = vmem(&base);
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1));
@@ -263,7 +215,7 @@ fn oversize_requests_are_an_error_unless_skipped_or_truncated_and_always_counted
         ("skip", "2 replayed", "skipped"),
         ("truncate", "4 replayed", "truncated"),
     ] {
-        let mut args = base.to_vec();
+        let mut args = base.clone();
         args.extend(["--oversize", policy]);
         let out = vmem(&args);
         let s = text(&out.stdout);
@@ -289,31 +241,20 @@ fn every_trace_format_replays() {
         "ms.csv",
         b"input_tokens,output_tokens,t\n100,20,1000\n50,5,1500\n",
     );
-    let azure = bundled();
+    let azure = trace("azure-conv-2023-first2000.csv");
+    let named_cols = [
+        "--trace",
+        named.path(),
+        "--input-col",
+        "p",
+        "--output-col",
+        "o",
+    ];
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (vec!["--trace", csv.path()], "(csv, 2 requests"),
+        (named_cols.to_vec(), "all at time 0"),
         (
-            vec![
-                "--trace",
-                named.path(),
-                "--input-col",
-                "p",
-                "--output-col",
-                "o",
-            ],
-            "all at time 0",
-        ),
-        (
-            vec![
-                "--trace",
-                named.path(),
-                "--input-col",
-                "p",
-                "--output-col",
-                "o",
-                "--rate",
-                "2",
-            ],
+            [&named_cols[..], &["--rate", "2"]].concat(),
             "Poisson, 2 req/s",
         ),
         (vec!["--trace", jsonl.path()], "(jsonl, 2 requests"),
@@ -327,19 +268,12 @@ fn every_trace_format_replays() {
             "the trace's timestamps",
         ),
         (
-            vec!["--trace", azure.to_str().unwrap(), "--requests", "50"],
+            vec!["--trace", &azure, "--requests", "50"],
             "(azure, 50 requests",
         ),
     ];
     for (args, want) in cases {
-        let mut all = vec![
-            "replay",
-            "--quiet",
-            "--backend",
-            "sim",
-            "--page-sizes",
-            "64K",
-        ];
+        let mut all = quiet_sim(&["--page-sizes", "64K"]);
         all.extend(args.iter().copied());
         let out = vmem(&all);
         let s = text(&out.stdout);
@@ -445,12 +379,9 @@ fn pad_rows_maps_every_request_to_the_longest_and_shows_its_cost() {
     // The baselines do not depend on it.
     assert_eq!(off["rows"][0], on["rows"][0]);
     let bad = vmem(&["replay", "--pad-rows", "maybe"]);
+    let err = text(&bad.stderr);
     assert!(!bad.status.success());
-    assert!(
-        text(&bad.stderr).contains("--pad-rows"),
-        "{}",
-        text(&bad.stderr)
-    );
+    assert!(err.contains("--pad-rows"), "{err}");
 }
 
 #[test]
@@ -516,8 +447,7 @@ fn a_closed_stdout_ends_quietly_as_cat_does() {
         std::process::Stdio::from(writer)
     };
     for fmt in [&[][..], &["--json"], &["--csv"]] {
-        let mut args = vec!["replay", "--quiet", "--backend", "sim", "--requests", "20"];
-        args.extend_from_slice(fmt);
+        let args = quiet_sim(&[&["--requests", "20"][..], fmt].concat());
         let (status, err) = vmem_to(&args, closed());
         // 141 = 128 + SIGPIPE: what a shell reports for `cat big | head -1`.
         assert_eq!(status.code(), Some(141), "{fmt:?}: {err}");
@@ -531,8 +461,7 @@ fn a_closed_stdout_ends_quietly_as_cat_does() {
 #[test]
 fn a_full_stdout_is_an_error_not_a_panic() {
     for fmt in [&[][..], &["--json"], &["--csv"]] {
-        let mut args = vec!["replay", "--quiet", "--backend", "sim", "--requests", "20"];
-        args.extend_from_slice(fmt);
+        let args = quiet_sim(&[&["--requests", "20"][..], fmt].concat());
         let full = std::fs::OpenOptions::new()
             .write(true)
             .open("/dev/full")
@@ -549,18 +478,7 @@ fn a_full_stdout_is_an_error_not_a_panic() {
 fn waste_of_nothing_mapped_is_not_a_number() {
     // 2 MB holds 16 tokens of llama-3-8b: every request is rejected, nothing is ever mapped,
     // so both waste ratios are 0/0.
-    let base = [
-        "replay",
-        "--quiet",
-        "--backend",
-        "sim",
-        "--requests",
-        "20",
-        "--budget",
-        "2M",
-        "--page-sizes",
-        "2M",
-    ];
+    let base = quiet_sim(&["--requests", "20", "--budget", "2M", "--page-sizes", "2M"]);
     let out = vmem(&base);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let table = text(&out.stdout);
@@ -650,18 +568,7 @@ fn memory_that_cannot_be_had_is_refused_before_any_output() {
     ];
     for (args, wants) in cases {
         let all = [&["replay", "--requests", "5"][..], args].concat();
-        let out = vmem(&all);
-        let err = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
-        assert!(
-            out.stdout.is_empty(),
-            "{args:?} printed {}",
-            text(&out.stdout)
-        );
-        for want in *wants {
-            assert!(err.contains(want), "{args:?}: no {want:?} in {err}");
-        }
-        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_refused(&vmem(&all), &format!("{args:?}"), wants);
     }
 }
 
@@ -687,11 +594,8 @@ fn detect_checks_vmem_backend_before_printing() {
         .expect("run vmem");
     assert_eq!(out.status.code(), Some(1));
     assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
-    assert!(
-        text(&out.stderr).contains("VMEM_BACKEND"),
-        "{}",
-        text(&out.stderr)
-    );
+    let err = text(&out.stderr);
+    assert!(err.contains("VMEM_BACKEND"), "{err}");
 }
 
 #[test]
@@ -716,11 +620,7 @@ fn an_endless_or_binary_trace_is_refused_without_reading_it_all() {
 
 #[test]
 fn extreme_numbers_in_the_header_are_readable() {
-    let out = vmem(&[
-        "replay",
-        "--quiet",
-        "--backend",
-        "sim",
+    let out = vmem(&quiet_sim(&[
         "--requests",
         "5",
         "--rate",
@@ -729,7 +629,7 @@ fn extreme_numbers_in_the_header_are_readable() {
         "1e300",
         "--horizon",
         "1e-300",
-    ]);
+    ]));
     assert!(out.status.success(), "{}", text(&out.stderr));
     let s = text(&out.stdout);
     for want in ["1e-300 req/s", "iteration 1e300 ms", "horizon 1e-300 s"] {

@@ -1,24 +1,9 @@
 //! `vmem replay --prefix-cache` on the bundled Mooncake subset: every contender replays the
 //! same requests, caching serves prompt tokens only where it is on, and bad input is refused.
 
-use std::path::Path;
-use std::process::{Command, Output};
+mod common;
 
-fn vmem(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_vmem"))
-        .args(args)
-        .env_remove("VMEM_BACKEND")
-        .output()
-        .expect("run vmem")
-}
-
-fn trace(name: &str) -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("data/traces")
-        .join(name)
-        .display()
-        .to_string()
-}
+use common::{text, trace, vmem};
 
 fn run(extra: &[&str]) -> serde_json::Value {
     let t = trace("mooncake-conversation-first1000.jsonl");
@@ -44,11 +29,7 @@ fn run(extra: &[&str]) -> serde_json::Value {
     ];
     args.extend_from_slice(extra);
     let out = vmem(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
     serde_json::from_slice(&out.stdout).expect("json")
 }
 
@@ -93,7 +74,7 @@ fn prefix_mode_refuses_traces_without_hashes_and_bad_flags() {
     let azure = trace("azure-conv-2023-first2000.csv");
     let out = vmem(&["replay", "--prefix-cache", "--trace", &azure, "-q"]);
     assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = text(&out.stderr);
     assert!(err.contains("has no prefix hashes"), "{err}");
     let out = vmem(&["replay", "--prefix-cache", "-q"]);
     assert_eq!(out.status.code(), Some(1));
@@ -112,7 +93,7 @@ fn prefix_mode_refuses_traces_without_hashes_and_bad_flags() {
         "-q",
     ]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--cache-cap"));
+    assert!(text(&out.stderr).contains("--cache-cap"));
 }
 
 #[test]
@@ -136,7 +117,7 @@ fn prefix_flags_without_prefix_cache_are_refused_not_ignored() {
             flag[1],
         ]);
         assert_eq!(out.status.code(), Some(2), "{flag:?}");
-        let err = String::from_utf8_lossy(&out.stderr);
+        let err = text(&out.stderr);
         assert!(err.contains("--prefix-cache"), "{flag:?}: {err}");
     }
 }

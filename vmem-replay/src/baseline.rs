@@ -7,7 +7,7 @@ use vmem::{Result, VmemError};
 
 /// Request ids and lengths, shared by the baselines.
 #[derive(Debug)]
-struct Requests {
+pub struct Requests {
     active: Vec<bool>,
     lens: Vec<u64>,
     max_context: u64,
@@ -33,27 +33,12 @@ impl Requests {
         self.lens.iter().sum::<u64>() * self.token_bytes
     }
     fn alloc(&mut self) -> Result<usize> {
-        let r = self
-            .active
-            .iter()
-            .position(|a| !a)
-            .ok_or(VmemError::TooManyRequests(self.active.len()))?;
-        self.active[r] = true;
-        Ok(r)
+        take_id(&mut self.active)
     }
     fn free(&mut self, r: usize) -> Result<()> {
-        match self.active.get_mut(r) {
-            None => Err(VmemError::UnknownRequest {
-                req: r,
-                max_batch: self.active.len(),
-            }),
-            Some(false) => Err(VmemError::DoubleFree(r)),
-            Some(a) => {
-                *a = false;
-                self.lens[r] = 0;
-                Ok(())
-            }
-        }
+        give_back_id(&mut self.active, r)?;
+        self.lens[r] = 0;
+        Ok(())
     }
     fn check(&self, lens: &[u64]) -> Result<()> {
         if lens.len() != self.active.len() {
@@ -66,11 +51,100 @@ impl Requests {
     }
 }
 
+/// Marks the first inactive id of `active` active and returns it.
+pub(crate) fn take_id(active: &mut [bool]) -> Result<usize> {
+    let r = active
+        .iter()
+        .position(|a| !a)
+        .ok_or(VmemError::TooManyRequests(active.len()))?;
+    active[r] = true;
+    Ok(r)
+}
+
+/// Marks the active id `r` of `active` inactive; an unknown or inactive id is an error and
+/// changes nothing.
+pub(crate) fn give_back_id(active: &mut [bool], r: usize) -> Result<()> {
+    match active.get_mut(r) {
+        None => Err(VmemError::UnknownRequest {
+            req: r,
+            max_batch: active.len(),
+        }),
+        Some(false) => Err(VmemError::DoubleFree(r)),
+        Some(a) => {
+            *a = false;
+            Ok(())
+        }
+    }
+}
+
+/// A baseline allocator: its request table, and how `P` holds memory for the requests
+/// ([`BlockMemory`], [`MaxReservation`]).
+#[derive(Debug)]
+pub struct Baseline<P> {
+    req: Requests,
+    memory: P,
+}
+
+/// How a baseline holds memory for its requests: what differs between [`BlockMemory`] and
+/// [`MaxReservation`].
+pub trait Holding: std::fmt::Debug {
+    /// Drops what request `r` holds; it is being freed.
+    fn release(&mut self, r: usize);
+    /// Holds memory for the requests' new lengths `lens` (checked against the batch): what
+    /// [`KvMemory::step`] does, with the same error, changing nothing on error.
+    fn hold(&mut self, req: &Requests, lens: &[u64]) -> Result<StepReport>;
+    /// What is held for `req`'s requests now.
+    fn usage(&self, req: &Requests) -> MemoryUsage;
+}
+
+impl<P> Baseline<P> {
+    /// A baseline holding `memory`, with an empty request table.
+    fn holding(memory: P, max_batch: usize, max_context: u64, token_bytes: u64) -> Result<Self> {
+        let req = Requests::new(max_batch, max_context, token_bytes)?;
+        Ok(Baseline { req, memory })
+    }
+}
+
+/// The bytes of `tokens` tokens of `token_bytes` each; zero or past `u64` is an error naming
+/// `what`.
+fn span_bytes(tokens: u64, token_bytes: u64, what: &'static str) -> Result<u64> {
+    let bytes = tokens.checked_mul(token_bytes).filter(|&b| b > 0);
+    bytes.ok_or(VmemError::SizeOverflow(what))
+}
+
+impl<P: Holding> KvMemory for Baseline<P> {
+    fn max_batch(&self) -> usize {
+        self.req.active.len()
+    }
+    fn max_context(&self) -> u64 {
+        self.req.max_context
+    }
+    fn alloc_reqid(&mut self) -> Result<usize> {
+        self.req.alloc()
+    }
+    fn free_reqid(&mut self, r: usize) -> Result<()> {
+        self.req.free(r)?;
+        self.memory.release(r);
+        Ok(())
+    }
+    fn step(&mut self, lens: &[u64]) -> Result<StepReport> {
+        self.req.check(lens)?;
+        let rep = self.memory.hold(&self.req, lens)?;
+        self.req.lens.copy_from_slice(lens);
+        Ok(rep)
+    }
+    fn usage(&self) -> MemoryUsage {
+        self.memory.usage(&self.req)
+    }
+}
+
 /// vLLM's PagedAttention allocator, reduced to memory: fixed blocks of `block_tokens`
 /// tokens (all layers' K and V); a request holds `ceil(len / block_tokens)` blocks.
+pub type BlockMemory = Baseline<Blocks>;
+
+/// [`BlockMemory`]'s memory: the blocks each request holds.
 #[derive(Debug)]
-pub struct BlockMemory {
-    req: Requests,
+pub struct Blocks {
     blocks: Vec<u64>,
     block_tokens: u64,
     total_blocks: u64,
@@ -85,36 +159,21 @@ impl BlockMemory {
         max_context: u64,
         budget: u64,
     ) -> Result<Self> {
-        let block_bytes = block_tokens
-            .checked_mul(token_bytes)
-            .filter(|&b| b > 0)
-            .ok_or(VmemError::SizeOverflow("block bytes"))?;
-        Ok(BlockMemory {
-            req: Requests::new(max_batch, max_context, token_bytes)?,
+        let block_bytes = span_bytes(block_tokens, token_bytes, "block bytes")?;
+        let blocks = Blocks {
             blocks: vec![0; max_batch],
             block_tokens,
             total_blocks: budget / block_bytes,
-        })
+        };
+        Baseline::holding(blocks, max_batch, max_context, token_bytes)
     }
 }
 
-impl KvMemory for BlockMemory {
-    fn max_batch(&self) -> usize {
-        self.req.active.len()
-    }
-    fn max_context(&self) -> u64 {
-        self.req.max_context
-    }
-    fn alloc_reqid(&mut self) -> Result<usize> {
-        self.req.alloc()
-    }
-    fn free_reqid(&mut self, r: usize) -> Result<()> {
-        self.req.free(r)?;
+impl Holding for Blocks {
+    fn release(&mut self, r: usize) {
         self.blocks[r] = 0;
-        Ok(())
     }
-    fn step(&mut self, lens: &[u64]) -> Result<StepReport> {
-        self.req.check(lens)?;
+    fn hold(&mut self, req: &Requests, lens: &[u64]) -> Result<StepReport> {
         let want: Vec<u64> = lens
             .iter()
             .map(|&l| l.div_ceil(self.block_tokens))
@@ -124,7 +183,7 @@ impl KvMemory for BlockMemory {
             return Err(VmemError::OutOfMemory {
                 needed_pages: total - self.blocks.iter().sum::<u64>(),
                 available_pages: self.total_blocks - self.blocks.iter().sum::<u64>(),
-                cap_bytes: self.total_blocks * self.block_tokens * self.req.token_bytes,
+                cap_bytes: self.total_blocks * self.block_tokens * req.token_bytes,
             });
         }
         let mut rep = StepReport::default();
@@ -134,74 +193,58 @@ impl KvMemory for BlockMemory {
                 *have = w;
             }
         }
-        self.req.lens.copy_from_slice(lens);
         Ok(rep)
     }
-    fn usage(&self) -> MemoryUsage {
-        let block_bytes = self.block_tokens * self.req.token_bytes;
+    fn usage(&self, req: &Requests) -> MemoryUsage {
+        let block_bytes = self.block_tokens * req.token_bytes;
         MemoryUsage {
-            kv_bytes: self.req.kv_bytes(),
+            kv_bytes: req.kv_bytes(),
             active_mapped_bytes: self.blocks.iter().sum::<u64>() * block_bytes,
             mapped_bytes: self.blocks.iter().sum::<u64>() * block_bytes,
             physical_bytes: self.total_blocks * block_bytes,
             cap_bytes: self.total_blocks * block_bytes,
-            active_requests: self.req.active.iter().filter(|&&a| a).count(),
+            active_requests: req.active.iter().filter(|&&a| a).count(),
         }
     }
 }
 
 /// Orca / FasterTransformer: a request reserves `max_context` tokens when admitted.
+pub type MaxReservation = Baseline<Reservations>;
+
+/// [`MaxReservation`]'s memory: how many max-length reservations fit.
 #[derive(Debug)]
-pub struct MaxReservation {
-    req: Requests,
+pub struct Reservations {
     slots: u64,
 }
 
 impl MaxReservation {
     /// As many max-length reservations of `token_bytes`-byte tokens as `budget` bytes hold.
     pub fn new(token_bytes: u64, max_batch: usize, max_context: u64, budget: u64) -> Result<Self> {
-        let per = token_bytes
-            .checked_mul(max_context)
-            .filter(|&b| b > 0)
-            .ok_or(VmemError::SizeOverflow("reservation bytes"))?;
-        Ok(MaxReservation {
-            req: Requests::new(max_batch, max_context, token_bytes)?,
-            slots: budget / per,
-        })
+        let per = span_bytes(max_context, token_bytes, "reservation bytes")?;
+        let slots = budget / per;
+        Baseline::holding(Reservations { slots }, max_batch, max_context, token_bytes)
     }
 }
 
-impl KvMemory for MaxReservation {
-    fn max_batch(&self) -> usize {
-        self.req.active.len()
-    }
-    fn max_context(&self) -> u64 {
-        self.req.max_context
-    }
-    fn alloc_reqid(&mut self) -> Result<usize> {
-        self.req.alloc()
-    }
-    fn free_reqid(&mut self, r: usize) -> Result<()> {
-        self.req.free(r)
-    }
-    fn step(&mut self, lens: &[u64]) -> Result<StepReport> {
-        self.req.check(lens)?;
+impl Holding for Reservations {
+    /// Nothing to drop: a request's reservation is its length being non-zero.
+    fn release(&mut self, _r: usize) {}
+    fn hold(&mut self, req: &Requests, lens: &[u64]) -> Result<StepReport> {
         let running = lens.iter().filter(|&&l| l > 0).count() as u64;
         if running > self.slots {
             return Err(VmemError::OutOfMemory {
                 needed_pages: running,
                 available_pages: self.slots,
-                cap_bytes: self.slots * self.req.max_context * self.req.token_bytes,
+                cap_bytes: self.slots * req.max_context * req.token_bytes,
             });
         }
-        self.req.lens.copy_from_slice(lens);
         Ok(StepReport::default())
     }
-    fn usage(&self) -> MemoryUsage {
-        let running = self.req.lens.iter().filter(|&&l| l > 0).count() as u64;
-        let per = self.req.max_context * self.req.token_bytes;
+    fn usage(&self, req: &Requests) -> MemoryUsage {
+        let running = req.lens.iter().filter(|&&l| l > 0).count() as u64;
+        let per = req.max_context * req.token_bytes;
         MemoryUsage {
-            kv_bytes: self.req.kv_bytes(),
+            kv_bytes: req.kv_bytes(),
             active_mapped_bytes: running * per,
             mapped_bytes: running * per,
             physical_bytes: self.slots * per,

@@ -23,9 +23,10 @@
 //! 16-token blocks; a chunk that differs shares none of its blocks, though the real prompts
 //! may share some of its tokens — hit rates are what the trace proves, a lower bound).
 
+use crate::baseline::{give_back_id, take_id};
 use crate::error::{ReplayError, Result};
 use crate::sched::KvMemory;
-use crate::trace::{TraceFormat, TraceRequest};
+use crate::trace::{json_lines, read_trace_file, TraceFormat, TraceRequest};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use vmem::kvcache::{MemoryUsage, StepReport};
@@ -123,12 +124,7 @@ pub fn load_prefix_hashes(
     hash_col: Option<&str>,
     chunk_tokens: Option<u64>,
 ) -> Result<Option<PrefixHashes>> {
-    let name = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|e| ReplayError::Trace {
-        path: name.clone(),
-        line: 0,
-        why: e.to_string(),
-    })?;
+    let (name, bytes) = read_trace_file(path)?;
     parse_prefix_hashes(&bytes, &name, format, hash_col, chunk_tokens)
 }
 
@@ -176,13 +172,8 @@ type ErrFn<'a> = &'a dyn Fn(usize, String) -> ReplayError;
 
 fn jsonl_hashes(text: &str, col: &str, err: ErrFn<'_>) -> Result<HashMap<usize, Vec<u64>>> {
     let mut out = HashMap::new();
-    for (i, raw) in text.lines().enumerate() {
-        let line = i + 1;
-        if raw.trim().is_empty() {
-            continue;
-        }
-        let v: serde_json::Value =
-            serde_json::from_str(raw).map_err(|e| err(line, format!("not a JSON object: {e}")))?;
+    for parsed in json_lines(text, err) {
+        let (line, v) = parsed?;
         let Some(h) = v.get(col) else {
             return Err(err(line, format!("no {col:?} here")));
         };
@@ -403,26 +394,10 @@ impl KvMemory for PrefixBlocks {
         self.max_context
     }
     fn alloc_reqid(&mut self) -> vmem::Result<usize> {
-        let r = self
-            .active
-            .iter()
-            .position(|a| !a)
-            .ok_or(VmemError::TooManyRequests(self.active.len()))?;
-        self.active[r] = true;
-        Ok(r)
+        take_id(&mut self.active)
     }
     fn free_reqid(&mut self, r: usize) -> vmem::Result<()> {
-        match self.active.get(r) {
-            None => {
-                return Err(VmemError::UnknownRequest {
-                    req: r,
-                    max_batch: self.active.len(),
-                })
-            }
-            Some(false) => return Err(VmemError::DoubleFree(r)),
-            Some(true) => {}
-        }
-        self.active[r] = false;
+        give_back_id(&mut self.active, r)?;
         self.lens[r] = 0;
         // Tail first: the tail of a prompt is the least likely to be shared.
         let table = std::mem::take(&mut self.tables[r]);

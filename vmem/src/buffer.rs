@@ -8,9 +8,9 @@ use std::sync::Arc;
 /// A reserved virtual range of `slices x slice_bytes`, with exact bookkeeping of the pages
 /// mapped in each slice (always a prefix of the slice).
 ///
-/// A zero-backed buffer ([`VirtualBuffer::zero_backed`]) keeps the rest of every slice
-/// backed by the backend's read-only zero page ([`Backend::map_zero`]), so the whole range
-/// can be read at any time.
+/// A zero-backed buffer (`zero_backed` in [`VirtualBuffer::new`]) keeps the rest of every
+/// slice backed by the backend's read-only zero page ([`Backend::map_zero`]), so the whole
+/// range can be read at any time.
 ///
 /// Dropping it unmaps every page, releases them, and frees the range.
 #[derive(Debug)]
@@ -27,12 +27,15 @@ pub struct VirtualBuffer {
 
 impl VirtualBuffer {
     /// Reserves a buffer of `slices` slices of `slice_bytes` (a non-zero multiple of
-    /// `page_size`) each.
+    /// `page_size`) each. With `zero_backed`, every slice is backed by the zero page until
+    /// pages are mapped into it: reads anywhere in the buffer return data or zeros, never
+    /// fault; a backend without a zero page fails that with [`VmemError::Unsupported`].
     pub fn new(
         backend: Arc<dyn Backend>,
         slices: usize,
         slice_bytes: u64,
         page_size: u64,
+        zero_backed: bool,
     ) -> Result<Self> {
         backend.check_page_size(page_size)?;
         if slices == 0 || slice_bytes == 0 || !slice_bytes.is_multiple_of(page_size) {
@@ -45,30 +48,21 @@ impl VirtualBuffer {
             .and_then(|s| s.checked_next_multiple_of(backend.granularity()))
             .ok_or(VmemError::SizeOverflow("buffer size"))?;
         let addr = backend.reserve(size)?;
-        Ok(VirtualBuffer {
+        let mut buf = VirtualBuffer {
             backend,
             addr,
             page_size,
             slice_bytes,
             slices: vec![Vec::new(); slices],
             zero_backed: false,
-        })
-    }
-
-    /// Like [`VirtualBuffer::new`], with every slice backed by the zero page until pages are
-    /// mapped into it: reads anywhere in the buffer return data or zeros, never fault.
-    /// Fails with [`VmemError::Unsupported`] on a backend without a zero page.
-    pub fn zero_backed(
-        backend: Arc<dyn Backend>,
-        slices: usize,
-        slice_bytes: u64,
-        page_size: u64,
-    ) -> Result<Self> {
-        let mut buf = VirtualBuffer::new(backend, slices, slice_bytes, page_size)?;
-        // `slices * slice_bytes` fits: `new` computed it.
-        buf.backend
-            .map_zero(buf.addr, slices as u64 * slice_bytes, page_size)?;
-        buf.zero_backed = true;
+        };
+        if zero_backed {
+            // `slices * slice_bytes` fits: computed above. On error, dropping `buf` frees
+            // the range.
+            buf.backend
+                .map_zero(buf.addr, slices as u64 * slice_bytes, page_size)?;
+            buf.zero_backed = true;
+        }
         Ok(buf)
     }
 

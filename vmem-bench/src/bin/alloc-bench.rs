@@ -60,47 +60,21 @@ struct Contender {
     batched: bool,
 }
 
+impl Contender {
+    const fn new(name: &'static str, way: Way, batched: bool) -> Self {
+        Contender { name, way, batched }
+    }
+}
+
 const CONTENDERS: [Contender; 8] = [
-    Contender {
-        name: "raw",
-        way: Way::Raw { sync: false },
-        batched: false,
-    },
-    Contender {
-        name: "raw+sync",
-        way: Way::Raw { sync: true },
-        batched: false,
-    },
-    Contender {
-        name: "raw+sync'",
-        way: Way::Raw { sync: true },
-        batched: false,
-    },
-    Contender {
-        name: "driver",
-        way: Way::Driver,
-        batched: false,
-    },
-    Contender {
-        name: "vmem",
-        way: Way::Vmem,
-        batched: false,
-    },
-    Contender {
-        name: "raw batched",
-        way: Way::Raw { sync: false },
-        batched: true,
-    },
-    Contender {
-        name: "raw+sync batched",
-        way: Way::Raw { sync: true },
-        batched: true,
-    },
-    Contender {
-        name: "vmem batched",
-        way: Way::Vmem,
-        batched: true,
-    },
+    Contender::new("raw", Way::Raw { sync: false }, false),
+    Contender::new("raw+sync", Way::Raw { sync: true }, false),
+    Contender::new("raw+sync'", Way::Raw { sync: true }, false),
+    Contender::new("driver", Way::Driver, false),
+    Contender::new("vmem", Way::Vmem, false),
+    Contender::new("raw batched", Way::Raw { sync: false }, true),
+    Contender::new("raw+sync batched", Way::Raw { sync: true }, true),
+    Contender::new("vmem batched", Way::Vmem, true),
 ];
 
 /// One contender's resources for a slot: a reserved range and its pages.

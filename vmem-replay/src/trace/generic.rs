@@ -145,6 +145,22 @@ fn json_text(v: &serde_json::Value) -> Option<String> {
     }
 }
 
+/// The JSON value of each line of `text` that is not blank, with its line number (from 1);
+/// a line that is not JSON is an error naming it.
+pub(crate) fn json_lines<'t>(
+    text: &'t str,
+    err: Err<'t>,
+) -> impl Iterator<Item = Result<(usize, serde_json::Value)>> + 't {
+    let lines = text.lines().enumerate();
+    let filled = lines.filter(|(_, raw)| !raw.trim().is_empty());
+    filled.map(move |(i, raw)| {
+        let value = serde_json::from_str(raw);
+        value
+            .map(|v| (i + 1, v))
+            .map_err(|e| err(i + 1, format!("not a JSON object: {e}")))
+    })
+}
+
 /// Parses a JSON-lines trace: one object a line; blank lines are skipped.
 pub(super) fn parse_jsonl(
     text: &str,
@@ -153,13 +169,8 @@ pub(super) fn parse_jsonl(
 ) -> Result<(Vec<TraceRequest>, bool)> {
     let mut rows: Rows = Vec::new();
     let mut keys: Option<(String, String, Option<String>)> = None;
-    for (i, raw) in text.lines().enumerate() {
-        let line = i + 1;
-        if raw.trim().is_empty() {
-            continue;
-        }
-        let value: serde_json::Value =
-            serde_json::from_str(raw).map_err(|e| err(line, format!("not a JSON object: {e}")))?;
+    for parsed in json_lines(text, err) {
+        let (line, value) = parsed?;
         let obj = value
             .as_object()
             .ok_or_else(|| err(line, "not a JSON object".into()))?;

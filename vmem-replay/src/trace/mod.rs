@@ -14,6 +14,8 @@
 mod azure;
 mod generic;
 
+pub(crate) use generic::json_lines;
+
 pub(crate) use generic::csv_with_header;
 
 use crate::error::{ReplayError, Result};
@@ -92,12 +94,22 @@ pub enum TimeUnit {
 impl std::str::FromStr for TimeUnit {
     type Err = ReplayError;
     fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "s" => Ok(TimeUnit::Seconds),
-            "ms" => Ok(TimeUnit::Milliseconds),
-            _ => Err(ReplayError::Config(format!(
-                "unknown time unit {s:?} (s, ms)"
-            ))),
+        let units = [("s", TimeUnit::Seconds), ("ms", TimeUnit::Milliseconds)];
+        choose("time unit", s, &units)
+    }
+}
+
+/// The value `s` names among `choices` (names and values) of a `what`; the error lists the
+/// names.
+fn choose<T: Copy>(what: &str, s: &str, choices: &[(&'static str, T)]) -> Result<T> {
+    match choices.iter().find(|c| c.0 == s) {
+        Some(&(_, value)) => Ok(value),
+        None => {
+            let names: Vec<&str> = choices.iter().map(|c| c.0).collect();
+            Err(ReplayError::Config(format!(
+                "unknown {what} {s:?} ({})",
+                names.join(", ")
+            )))
         }
     }
 }
@@ -164,13 +176,19 @@ pub struct Trace {
 
 /// Reads a trace file. Errors name the file and line.
 pub fn load_trace(path: &Path, opts: &TraceOptions) -> Result<Trace> {
+    let (name, bytes) = read_trace_file(path)?;
+    parse_trace(&bytes, &name, opts)
+}
+
+/// A trace file's name for messages and its bytes; a failed read is an error naming the file.
+pub(crate) fn read_trace_file(path: &Path) -> Result<(String, Vec<u8>)> {
     let name = path.display().to_string();
     let bytes = std::fs::read(path).map_err(|e| ReplayError::Trace {
         path: name.clone(),
         line: 0,
         why: e.to_string(),
     })?;
-    parse_trace(&bytes, &name, opts)
+    Ok((name, bytes))
 }
 
 /// Parses a trace held in memory; `name` is used in messages (and its extension in
@@ -260,28 +278,25 @@ pub enum Oversize {
     Truncate,
 }
 
-impl std::str::FromStr for Oversize {
-    type Err = ReplayError;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "error" => Ok(Oversize::Error),
-            "skip" => Ok(Oversize::Skip),
-            "truncate" => Ok(Oversize::Truncate),
-            _ => Err(ReplayError::Config(format!(
-                "unknown oversize policy {s:?} (error, skip, truncate)"
-            ))),
-        }
+impl Oversize {
+    /// Every policy with the name `--oversize` gives it.
+    const NAMED: [(&'static str, Oversize); 3] = [
+        ("error", Oversize::Error),
+        ("skip", Oversize::Skip),
+        ("truncate", Oversize::Truncate),
+    ];
+
+    /// The name used by `--oversize`.
+    pub fn name(self) -> &'static str {
+        let named = Oversize::NAMED.iter().find(|c| c.1 == self);
+        named.expect("every policy is named").0
     }
 }
 
-impl Oversize {
-    /// The name used by `--oversize`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Oversize::Error => "error",
-            Oversize::Skip => "skip",
-            Oversize::Truncate => "truncate",
-        }
+impl std::str::FromStr for Oversize {
+    type Err = ReplayError;
+    fn from_str(s: &str) -> Result<Self> {
+        choose("oversize policy", s, &Oversize::NAMED)
     }
 }
 

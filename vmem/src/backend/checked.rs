@@ -1,6 +1,6 @@
 //! The checked core: validation, locking, bookkeeping, rollback and tracing for every driver.
 
-use super::{Backend, BackendKind, Fence, PageHandle, RawBackend};
+use super::{Backend, BackendKind, Fence, PageHandle, RawBackend, SlotRun};
 use crate::error::{Result, VmemError};
 use parking_lot::{Mutex, MutexGuard};
 
@@ -377,9 +377,14 @@ impl<R: RawBackend> Checked<R> {
             }
         };
         let count = size / page_size;
+        let slots = SlotRun {
+            addr,
+            page_size,
+            count,
+        };
         // SAFETY: the caller checked that the span lies inside one reserved range, is aligned
         // to `page_size` and has nothing mapped; `zero` came from create_zeroed(page_size).
-        if let Err(partial) = unsafe { self.raw.map_readonly(addr, zero, page_size, count) } {
+        if let Err(partial) = unsafe { self.raw.map_readonly(zero, slots) } {
             let done = partial.mapped.min(count as usize) as u64 * page_size;
             if done > 0 {
                 // SAFETY: exactly the slots the driver reports mapped, read-only and unseen.

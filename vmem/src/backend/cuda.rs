@@ -6,7 +6,7 @@
 //! granularity (2 MB on every GPU we know of); smaller pages are refused with
 //! [`VmemError::UnsupportedPageSize`].
 
-use super::{BackendKind, Checked, PageHandle, PartialMap, RawBackend};
+use super::{BackendKind, Checked, MapResult, PageHandle, PartialMap, RawBackend, SlotRun};
 use crate::error::{Result, VmemError};
 use cudarc::driver::result::{self as cu, DriverError};
 use cudarc::driver::sys;
@@ -41,8 +41,9 @@ unsafe impl Send for ContextHandle {}
 // SAFETY: as above; it is never mutated after creation.
 unsafe impl Sync for ContextHandle {}
 
-/// Turns a driver error into [`VmemError::Cuda`] naming the call.
-fn cuda_err(op: &'static str) -> impl Fn(DriverError) -> VmemError {
+/// Turns a driver error into [`VmemError::Cuda`] naming the call `op`: for this driver, and
+/// for code beside it that calls the CUDA driver itself (vmem-bench's kernels and timings).
+pub fn cuda_err(op: &'static str) -> impl Fn(DriverError) -> VmemError {
     move |e| VmemError::Cuda {
         op,
         msg: e
@@ -272,12 +273,7 @@ impl RawBackend for CudaDriver {
 
     /// Maps each page with `cuMemMap`, then enables access over the whole run with a single
     /// `cuMemSetAccess` (the most expensive call; once per run, not per page).
-    unsafe fn map(
-        &self,
-        addr: u64,
-        pages: &[PageHandle],
-        page_size: u64,
-    ) -> std::result::Result<(), PartialMap> {
+    unsafe fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> MapResult {
         let _current = self.ctx.enter().map_err(PartialMap::none)?;
         for (i, p) in pages.iter().enumerate() {
             let at = addr + i as u64 * page_size;
@@ -364,20 +360,13 @@ impl RawBackend for CudaDriver {
 
     /// `cuMemMap` of the one page at each slot, then one `cuMemSetAccess` with read-only
     /// access over them all.
-    unsafe fn map_readonly(
-        &self,
-        addr: u64,
-        page: PageHandle,
-        page_size: u64,
-        count: u64,
-    ) -> std::result::Result<(), PartialMap> {
+    unsafe fn map_readonly(&self, page: PageHandle, slots: SlotRun) -> MapResult {
         let _current = self.ctx.enter().map_err(PartialMap::none)?;
-        for i in 0..count {
+        for i in 0..slots.count {
             // SAFETY: by the caller's contract the slot is an unmapped, aligned part of our
-            // reservation and `page` a live page of `page_size` bytes (CUDA maps a handle at
-            // any number of addresses).
-            let r =
-                unsafe { sys::cuMemMap(addr + i * page_size, page_size as usize, 0, page.0, 0) };
+            // reservation and `page` a live page of the slot's size (CUDA maps a handle at any
+            // number of addresses).
+            let r = unsafe { sys::cuMemMap(slots.at(i), slots.page_size as usize, 0, page.0, 0) };
             if let Err(e) = r.result() {
                 return Err(PartialMap {
                     mapped: i as usize,
@@ -390,10 +379,10 @@ impl RawBackend for CudaDriver {
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
         };
         // SAFETY: the span was just mapped in full; `read` is valid for the call.
-        let r = unsafe { sys::cuMemSetAccess(addr, (count * page_size) as usize, &read, 1) };
+        let r = unsafe { sys::cuMemSetAccess(slots.addr, slots.bytes() as usize, &read, 1) };
         if let Err(e) = r.result() {
             return Err(PartialMap {
-                mapped: count as usize,
+                mapped: slots.count as usize,
                 error: cuda_err("cuMemSetAccess")(e),
             });
         }

@@ -35,235 +35,104 @@
 //! # Ok::<(), vmem::VmemError>(())
 //! ```
 
-use super::{Backend, BackendKind, Fence, PageHandle, PartialMap, RawBackend};
+use super::{Backend, BackendKind, Fence, MapResult, PageHandle, RawBackend, SlotRun};
 use crate::error::Result;
 use std::fmt::Debug;
 
-/// A [`Backend`] decorator: every method forwards to [`Delegate::inner`] unless overridden.
-/// Each method means what the [`Backend`] method of the same name means.
-#[allow(missing_docs)]
-pub trait Delegate: Send + Sync + Debug {
-    /// The backend calls go to.
-    fn inner(&self) -> &dyn Backend;
+/// Writes a decorator trait and its blanket implementation from one list of signatures: the
+/// trait's method of each signature forwards to `inner()` unless a decorator overrides it,
+/// and the decorated trait's method of the same signature calls the decorator's. The safe
+/// methods come first, then the `unsafe` ones, whose forwarding passes the caller's contract
+/// on to the inner backend's method of the same name.
+macro_rules! decorator {
+    (
+        $(#[$attr:meta])*
+        pub trait $name:ident decorates $base:ident { $($head:tt)* }
+        $(fn $f:ident(&self $(, $a:ident: $t:ty)*) -> $r:ty;)*
+        $(unsafe fn $u:ident(&self $(, $ua:ident: $ut:ty)*) -> $ur:ty;)*
+    ) => {
+        $(#[$attr])*
+        pub trait $name: Send + Sync + Debug {
+            $($head)*
+            $(
+                fn $f(&self $(, $a: $t)*) -> $r {
+                    self.inner().$f($($a),*)
+                }
+            )*
+            $(
+                unsafe fn $u(&self $(, $ua: $ut)*) -> $ur {
+                    // SAFETY: forwarded under our caller's contract, which is the inner
+                    // driver's.
+                    unsafe { self.inner().$u($($ua),*) }
+                }
+            )*
+        }
 
-    fn kind(&self) -> BackendKind {
-        self.inner().kind()
-    }
-    fn page_sizes(&self) -> &[u64] {
-        self.inner().page_sizes()
-    }
-    fn granularity(&self) -> u64 {
-        self.inner().granularity()
-    }
-    fn reserve(&self, size: u64) -> Result<u64> {
-        self.inner().reserve(size)
-    }
-    fn free_range(&self, addr: u64) -> Result<()> {
-        self.inner().free_range(addr)
-    }
-    fn create_page(&self, page_size: u64) -> Result<PageHandle> {
-        self.inner().create_page(page_size)
-    }
-    fn release_page(&self, page: PageHandle) -> Result<()> {
-        self.inner().release_page(page)
-    }
-    fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()> {
-        self.inner().map(addr, pages, page_size)
-    }
-    fn map_shared(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()> {
-        self.inner().map_shared(addr, pages, page_size)
-    }
-    fn unmap(&self, addr: u64, size: u64) -> Result<()> {
-        self.inner().unmap(addr, size)
-    }
-    fn fence(&self) -> Result<Fence> {
-        self.inner().fence()
-    }
-    fn unmap_fenced(&self, fence: &Fence, addr: u64, size: u64) -> Result<()> {
-        self.inner().unmap_fenced(fence, addr, size)
-    }
-    fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> Result<()> {
-        self.inner().map_zero(addr, size, page_size)
-    }
-    fn free_memory(&self) -> Option<u64> {
-        self.inner().free_memory()
-    }
+        impl<T: $name> $base for T {
+            $(
+                fn $f(&self $(, $a: $t)*) -> $r {
+                    $name::$f(self $(, $a)*)
+                }
+            )*
+            $(
+                unsafe fn $u(&self $(, $ua: $ut)*) -> $ur {
+                    // SAFETY: the same contract, passed on.
+                    unsafe { $name::$u(self $(, $ua)*) }
+                }
+            )*
+        }
+    };
 }
 
-impl<T: Delegate> Backend for T {
-    fn kind(&self) -> BackendKind {
-        Delegate::kind(self)
+decorator! {
+    /// A [`Backend`] decorator: every method forwards to [`Delegate::inner`] unless overridden.
+    /// Each method means what the [`Backend`] method of the same name means.
+    #[allow(missing_docs)]
+    pub trait Delegate decorates Backend {
+        /// The backend calls go to.
+        fn inner(&self) -> &dyn Backend;
     }
-    fn page_sizes(&self) -> &[u64] {
-        Delegate::page_sizes(self)
-    }
-    fn granularity(&self) -> u64 {
-        Delegate::granularity(self)
-    }
-    fn reserve(&self, size: u64) -> Result<u64> {
-        Delegate::reserve(self, size)
-    }
-    fn free_range(&self, addr: u64) -> Result<()> {
-        Delegate::free_range(self, addr)
-    }
-    fn create_page(&self, page_size: u64) -> Result<PageHandle> {
-        Delegate::create_page(self, page_size)
-    }
-    fn release_page(&self, page: PageHandle) -> Result<()> {
-        Delegate::release_page(self, page)
-    }
-    fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()> {
-        Delegate::map(self, addr, pages, page_size)
-    }
-    fn map_shared(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()> {
-        Delegate::map_shared(self, addr, pages, page_size)
-    }
-    fn unmap(&self, addr: u64, size: u64) -> Result<()> {
-        Delegate::unmap(self, addr, size)
-    }
-    fn fence(&self) -> Result<Fence> {
-        Delegate::fence(self)
-    }
-    fn unmap_fenced(&self, fence: &Fence, addr: u64, size: u64) -> Result<()> {
-        Delegate::unmap_fenced(self, fence, addr, size)
-    }
-    fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> Result<()> {
-        Delegate::map_zero(self, addr, size, page_size)
-    }
-    fn free_memory(&self) -> Option<u64> {
-        Delegate::free_memory(self)
-    }
+    fn kind(&self) -> BackendKind;
+    fn page_sizes(&self) -> &[u64];
+    fn granularity(&self) -> u64;
+    fn reserve(&self, size: u64) -> Result<u64>;
+    fn free_range(&self, addr: u64) -> Result<()>;
+    fn create_page(&self, page_size: u64) -> Result<PageHandle>;
+    fn release_page(&self, page: PageHandle) -> Result<()>;
+    fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()>;
+    fn map_shared(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> Result<()>;
+    fn unmap(&self, addr: u64, size: u64) -> Result<()>;
+    fn fence(&self) -> Result<Fence>;
+    fn unmap_fenced(&self, fence: &Fence, addr: u64, size: u64) -> Result<()>;
+    fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> Result<()>;
+    fn free_memory(&self) -> Option<u64>;
 }
 
-/// A [`RawBackend`] decorator, beneath the checked core: every method forwards to
-/// [`RawDelegate::inner`] unless overridden. Each method means, and each `unsafe fn` requires,
-/// what the [`RawBackend`] method of the same name does; an override that calls the inner
-/// driver forwards its caller's contract.
-#[allow(missing_docs, clippy::missing_safety_doc)]
-pub trait RawDelegate: Send + Sync + Debug {
-    /// The driver underneath.
-    type Inner: RawBackend;
+decorator! {
+    /// A [`RawBackend`] decorator, beneath the checked core: every method forwards to
+    /// [`RawDelegate::inner`] unless overridden. Each method means, and each `unsafe fn`
+    /// requires, what the [`RawBackend`] method of the same name does; an override that calls
+    /// the inner driver forwards its caller's contract.
+    #[allow(missing_docs, clippy::missing_safety_doc)]
+    pub trait RawDelegate decorates RawBackend {
+        /// The driver underneath.
+        type Inner: RawBackend;
 
-    /// The driver calls go to.
-    fn inner(&self) -> &Self::Inner;
-
-    fn kind(&self) -> BackendKind {
-        self.inner().kind()
+        /// The driver calls go to.
+        fn inner(&self) -> &Self::Inner;
     }
-    fn page_sizes(&self) -> &[u64] {
-        self.inner().page_sizes()
-    }
-    fn granularity(&self) -> u64 {
-        self.inner().granularity()
-    }
-    fn reserve(&self, size: u64) -> Result<u64> {
-        self.inner().reserve(size)
-    }
-    unsafe fn free_range(&self, addr: u64, size: u64) -> Result<()> {
-        // SAFETY: forwarded under our caller's contract, which is the inner driver's.
-        unsafe { self.inner().free_range(addr, size) }
-    }
-    fn create(&self, page_size: u64) -> Result<PageHandle> {
-        self.inner().create(page_size)
-    }
-    unsafe fn release(&self, page: PageHandle, page_size: u64) -> Result<()> {
-        // SAFETY: forwarded under our caller's contract.
-        unsafe { self.inner().release(page, page_size) }
-    }
-    unsafe fn map(
-        &self,
-        addr: u64,
-        pages: &[PageHandle],
-        page_size: u64,
-    ) -> std::result::Result<(), PartialMap> {
-        // SAFETY: forwarded under our caller's contract.
-        unsafe { self.inner().map(addr, pages, page_size) }
-    }
-    fn shares_pages(&self) -> bool {
-        self.inner().shares_pages()
-    }
-    fn free_memory(&self) -> Option<u64> {
-        self.inner().free_memory()
-    }
-    fn create_zeroed(&self, page_size: u64) -> Result<PageHandle> {
-        self.inner().create_zeroed(page_size)
-    }
-    unsafe fn map_readonly(
-        &self,
-        addr: u64,
-        page: PageHandle,
-        page_size: u64,
-        count: u64,
-    ) -> std::result::Result<(), PartialMap> {
-        // SAFETY: forwarded under our caller's contract.
-        unsafe { self.inner().map_readonly(addr, page, page_size, count) }
-    }
-    fn fence(&self) -> Result<()> {
-        self.inner().fence()
-    }
-    unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()> {
-        // SAFETY: forwarded under our caller's contract.
-        unsafe { self.inner().unmap(addr, size) }
-    }
-}
-
-impl<T: RawDelegate> RawBackend for T {
-    fn kind(&self) -> BackendKind {
-        RawDelegate::kind(self)
-    }
-    fn page_sizes(&self) -> &[u64] {
-        RawDelegate::page_sizes(self)
-    }
-    fn granularity(&self) -> u64 {
-        RawDelegate::granularity(self)
-    }
-    fn reserve(&self, size: u64) -> Result<u64> {
-        RawDelegate::reserve(self, size)
-    }
-    unsafe fn free_range(&self, addr: u64, size: u64) -> Result<()> {
-        // SAFETY: the same contract, passed on.
-        unsafe { RawDelegate::free_range(self, addr, size) }
-    }
-    fn create(&self, page_size: u64) -> Result<PageHandle> {
-        RawDelegate::create(self, page_size)
-    }
-    unsafe fn release(&self, page: PageHandle, page_size: u64) -> Result<()> {
-        // SAFETY: the same contract, passed on.
-        unsafe { RawDelegate::release(self, page, page_size) }
-    }
-    unsafe fn map(
-        &self,
-        addr: u64,
-        pages: &[PageHandle],
-        page_size: u64,
-    ) -> std::result::Result<(), PartialMap> {
-        // SAFETY: the same contract, passed on.
-        unsafe { RawDelegate::map(self, addr, pages, page_size) }
-    }
-    fn shares_pages(&self) -> bool {
-        RawDelegate::shares_pages(self)
-    }
-    fn free_memory(&self) -> Option<u64> {
-        RawDelegate::free_memory(self)
-    }
-    fn create_zeroed(&self, page_size: u64) -> Result<PageHandle> {
-        RawDelegate::create_zeroed(self, page_size)
-    }
-    unsafe fn map_readonly(
-        &self,
-        addr: u64,
-        page: PageHandle,
-        page_size: u64,
-        count: u64,
-    ) -> std::result::Result<(), PartialMap> {
-        // SAFETY: the same contract, passed on.
-        unsafe { RawDelegate::map_readonly(self, addr, page, page_size, count) }
-    }
-    fn fence(&self) -> Result<()> {
-        RawDelegate::fence(self)
-    }
-    unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()> {
-        // SAFETY: the same contract, passed on.
-        unsafe { RawDelegate::unmap(self, addr, size) }
-    }
+    fn kind(&self) -> BackendKind;
+    fn page_sizes(&self) -> &[u64];
+    fn granularity(&self) -> u64;
+    fn reserve(&self, size: u64) -> Result<u64>;
+    fn create(&self, page_size: u64) -> Result<PageHandle>;
+    fn shares_pages(&self) -> bool;
+    fn free_memory(&self) -> Option<u64>;
+    fn create_zeroed(&self, page_size: u64) -> Result<PageHandle>;
+    fn fence(&self) -> Result<()>;
+    unsafe fn free_range(&self, addr: u64, size: u64) -> Result<()>;
+    unsafe fn release(&self, page: PageHandle, page_size: u64) -> Result<()>;
+    unsafe fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> MapResult;
+    unsafe fn map_readonly(&self, page: PageHandle, slots: SlotRun) -> MapResult;
+    unsafe fn unmap(&self, addr: u64, size: u64) -> Result<()>;
 }

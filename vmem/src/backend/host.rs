@@ -31,7 +31,9 @@
 //! by neither. A [`HostCommit::Lazy`] backend commits only what is written and reports no free
 //! memory: replays that write nothing map more than the machine has on purpose.
 
-use super::{BackendKind, Checked, PageHandle, PartialMap, RawBackend, PAGE_SIZES};
+use super::{
+    BackendKind, Checked, MapResult, PageHandle, PartialMap, RawBackend, SlotRun, PAGE_SIZES,
+};
 use crate::error::{Result, VmemError};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -242,12 +244,7 @@ impl RawBackend for HostMemory {
         Ok(())
     }
 
-    unsafe fn map(
-        &self,
-        addr: u64,
-        pages: &[PageHandle],
-        page_size: u64,
-    ) -> std::result::Result<(), PartialMap> {
+    unsafe fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> MapResult {
         // Map runs of pages whose memfd offsets are consecutive with one call each.
         let mut i = 0;
         while i < pages.len() {
@@ -293,18 +290,12 @@ impl RawBackend for HostMemory {
 
     /// One read-only `mmap` per slot (each is a mapping of its own for the kernel, which
     /// counts against `vm.max_map_count`).
-    unsafe fn map_readonly(
-        &self,
-        addr: u64,
-        page: PageHandle,
-        page_size: u64,
-        count: u64,
-    ) -> std::result::Result<(), PartialMap> {
-        for i in 0..count {
+    unsafe fn map_readonly(&self, page: PageHandle, slots: SlotRun) -> MapResult {
+        for i in 0..slots.count {
             // SAFETY: as in `map`: the slot lies in our range with nothing mapped; the offset
             // is a slot of our memfd.
             let r = unsafe {
-                sys::map_shared_fixed(&self.memfd, addr + i * page_size, page_size, page.0, false)
+                sys::map_shared_fixed(&self.memfd, slots.at(i), slots.page_size, page.0, false)
             };
             if let Err(error) = r {
                 return Err(PartialMap {

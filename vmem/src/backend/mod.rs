@@ -37,7 +37,7 @@ mod uvm;
 
 pub use checked::Checked;
 #[cfg(feature = "cuda")]
-pub use cuda::{CudaBackend, CudaDriver};
+pub use cuda::{cuda_err, CudaBackend, CudaDriver};
 pub use delegate::{Delegate, RawDelegate};
 pub use host::{HostBackend, HostCommit, HostMemory};
 pub use select::{open_backend, BackendChoice, Selected};
@@ -246,6 +246,34 @@ impl PartialMap {
     }
 }
 
+/// What [`RawBackend::map`] and [`RawBackend::map_readonly`] return: `Ok` when every page
+/// is mapped, or how far a failed call got.
+pub type MapResult = std::result::Result<(), PartialMap>;
+
+/// A run of `count` consecutive slots of `page_size` bytes from `addr`: where
+/// [`RawBackend::map_readonly`] maps its one page at every slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotRun {
+    /// The address of the first slot, aligned to `page_size`.
+    pub addr: u64,
+    /// The bytes of each slot: the page size.
+    pub page_size: u64,
+    /// How many slots.
+    pub count: u64,
+}
+
+impl SlotRun {
+    /// The address of slot `i`.
+    pub fn at(&self, i: u64) -> u64 {
+        self.addr + i * self.page_size
+    }
+
+    /// The bytes the run spans.
+    pub fn bytes(&self) -> u64 {
+        self.count * self.page_size
+    }
+}
+
 /// How one memory system does the five operations: what a new backend implements.
 ///
 /// A driver does no validation and keeps no bookkeeping of its own: [`Checked`] calls it only
@@ -292,12 +320,7 @@ pub trait RawBackend: Send + Sync + Debug {
     /// is aligned to `page_size` and has nothing mapped; every page is live, of `page_size`
     /// bytes, and named once; and unmapped, unless [`RawBackend::shares_pages`] says the
     /// driver maps a page at several addresses.
-    unsafe fn map(
-        &self,
-        addr: u64,
-        pages: &[PageHandle],
-        page_size: u64,
-    ) -> std::result::Result<(), PartialMap>;
+    unsafe fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> MapResult;
 
     /// Free memory of the device, in bytes, where the driver can tell.
     fn free_memory(&self) -> Option<u64> {
@@ -323,21 +346,15 @@ pub trait RawBackend: Send + Sync + Debug {
         })
     }
 
-    /// Maps `page` read-only at each of `count` consecutive `page_size` slots from `addr`.
-    /// On failure it reports how many leading slots stay mapped (the caller unmaps them).
+    /// Maps `page` read-only at each of the `slots`. On failure it reports how many leading
+    /// slots stay mapped (the caller unmaps them).
     ///
     /// # Safety
-    /// As [`RawBackend::map`] for the span `[addr, addr + count * page_size)`, except that
-    /// `page` is a page from [`RawBackend::create_zeroed`] of `page_size` bytes, which may be
-    /// mapped elsewhere too.
-    unsafe fn map_readonly(
-        &self,
-        addr: u64,
-        page: PageHandle,
-        page_size: u64,
-        count: u64,
-    ) -> std::result::Result<(), PartialMap> {
-        let _ = (addr, page, page_size, count);
+    /// As [`RawBackend::map`] for the span of the `slots`, except that `page` is a page from
+    /// [`RawBackend::create_zeroed`] of the slots' `page_size` bytes, which may be mapped
+    /// elsewhere too.
+    unsafe fn map_readonly(&self, page: PageHandle, slots: SlotRun) -> MapResult {
+        let _ = (page, slots);
         Err(PartialMap::none(VmemError::Unsupported {
             backend: self.kind().name(),
             what: "back unmapped memory with a shared zero page",

@@ -3,7 +3,7 @@
 //! GB of KV, hundreds of thousands of pages) cost only the bookkeeping; the fragmentation
 //! suite checks that it maps exactly the pages the host backend maps for the same replay.
 
-use super::{BackendKind, Checked, PageHandle, PartialMap, RawBackend, MIB2, PAGE_SIZES};
+use super::{BackendKind, Checked, MapResult, PageHandle, RawBackend, SlotRun, MIB2, PAGE_SIZES};
 use crate::error::{Result, VmemError};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -206,12 +206,7 @@ impl RawBackend for SimMemory {
         Ok(())
     }
 
-    unsafe fn map(
-        &self,
-        _addr: u64,
-        _pages: &[PageHandle],
-        _page_size: u64,
-    ) -> std::result::Result<(), PartialMap> {
+    unsafe fn map(&self, _addr: u64, _pages: &[PageHandle], _page_size: u64) -> MapResult {
         Ok(())
     }
 
@@ -233,13 +228,7 @@ impl RawBackend for SimMemory {
         self.create(page_size)
     }
 
-    unsafe fn map_readonly(
-        &self,
-        _addr: u64,
-        _page: PageHandle,
-        _page_size: u64,
-        _count: u64,
-    ) -> std::result::Result<(), PartialMap> {
+    unsafe fn map_readonly(&self, _page: PageHandle, _slots: SlotRun) -> MapResult {
         Ok(())
     }
 }

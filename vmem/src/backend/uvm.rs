@@ -4,7 +4,7 @@
 //! disabled on its GPU machine), so this backend is compile-checked and its argument
 //! handling unit-tested, but has never mapped GPU memory: see docs/driver-patch.md.
 
-use super::{BackendKind, Checked, PageHandle, PartialMap, RawBackend};
+use super::{BackendKind, Checked, MapResult, PageHandle, PartialMap, RawBackend};
 use crate::error::{Result, VmemError};
 use uvm_ioctl::{GpuUuid, UvmFile};
 
@@ -80,12 +80,7 @@ impl RawBackend for UvmDriver {
         Ok(self.file.release(page.0, false)?)
     }
 
-    unsafe fn map(
-        &self,
-        addr: u64,
-        pages: &[PageHandle],
-        page_size: u64,
-    ) -> std::result::Result<(), PartialMap> {
+    unsafe fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> MapResult {
         // One UVM_VMEM_MAP_BATCH per up to BATCH_MAX pages: one TLB invalidate each, and
         // all or nothing, so on failure exactly the earlier batches are mapped.
         let batch = uvm_ioctl::bindings::UVM_VMEM_BATCH_MAX as usize;

@@ -138,16 +138,12 @@ impl KvCacheManager {
         let pool = PagePool::new(backend.clone(), cfg.page_size, cfg.memory_cap, cfg.prealloc)?;
         let buffers = (0..geo.buffers)
             .map(|_| {
-                let new = if cfg.zero_page {
-                    VirtualBuffer::zero_backed
-                } else {
-                    VirtualBuffer::new
-                };
-                new(
+                VirtualBuffer::new(
                     backend.clone(),
                     cfg.max_batch,
                     geo.slice_bytes,
                     cfg.page_size,
+                    cfg.zero_page,
                 )
             })
             .collect::<Result<Vec<_>>>()?;

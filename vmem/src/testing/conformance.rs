@@ -147,9 +147,7 @@ pub fn zero_page(b: &dyn Backend, page: u64, contents: Option<&dyn Contents>) {
     }
     let e = refused(b.map_zero(r, page, page), "map_zero over zero slots");
     assert!(matches!(e, VmemError::InvalidAddress { .. }), "{e}");
-    let pages: Vec<PageHandle> = (0..2)
-        .map(|_| b.create_page(page).expect("create"))
-        .collect();
+    let pages = create_pages(b, 2, page);
     // Pages replace zero slots (slots 2 and 3).
     b.map(r + 2 * page, &pages, page)
         .unwrap_or_else(|e| panic!("{name}: map over zero slots: {e}"));
@@ -218,12 +216,8 @@ pub fn zero_page_drop_and_rollback<R: RawBackend + 'static>(make: &impl Fn() -> 
         return;
     }
     assert_eq!(b.zero_slots(), 4);
-    let pages: Vec<PageHandle> = (0..4)
-        .map(|_| b.create_page(page).expect("create"))
-        .collect();
-    counts
-        .fail_at_page
-        .store(counts.pages_seen.load(SeqCst) + 2, SeqCst);
+    let pages = create_pages(&b, 4, page);
+    counts.fail_map_at(2);
     let e = refused(
         b.map(r, &pages, page),
         "a map over zero slots failing half-way",
@@ -248,6 +242,13 @@ pub fn zero_page_drop_and_rollback<R: RawBackend + 'static>(make: &impl Fn() -> 
     counts.assert_balanced("drop with zero slots");
 }
 
+/// `n` new pages of `page` bytes.
+fn create_pages(b: &dyn Backend, n: u64, page: u64) -> Vec<PageHandle> {
+    (0..n)
+        .map(|_| b.create_page(page).expect("create"))
+        .collect()
+}
+
 /// A range of `n` pages' worth, rounded up to the granularity.
 fn reserve_pages(b: &dyn Backend, n: u64, page: u64) -> u64 {
     let size = (n * page).next_multiple_of(b.granularity());
@@ -258,9 +259,7 @@ fn reserve_pages(b: &dyn Backend, n: u64, page: u64) -> u64 {
 /// their contents with them.
 pub fn map_unmap_remap_contents(b: &dyn Backend, page: u64, contents: Option<&dyn Contents>) {
     let r = reserve_pages(b, 8, page);
-    let pages: Vec<PageHandle> = (0..4)
-        .map(|_| b.create_page(page).expect("create"))
-        .collect();
+    let pages = create_pages(b, 4, page);
     b.map(r, &pages, page).expect("map 4 pages");
     if let Some(c) = contents {
         for i in 0..4u64 {
@@ -484,9 +483,7 @@ pub fn drop_with_live_mappings<R: RawBackend + 'static>(make: &impl Fn() -> R) {
     let name = b.name();
     let r = reserve_pages(&b, 8, page);
     let _r2 = reserve_pages(&b, 2, page);
-    let pages: Vec<PageHandle> = (0..5)
-        .map(|_| b.create_page(page).expect("create"))
-        .collect();
+    let pages = create_pages(&b, 5, page);
     b.map(r, &pages[..2], page).expect("map");
     b.map(r + 3 * page, &pages[2..4], page).expect("map");
     // pages[4] stays created and unmapped.
@@ -500,12 +497,8 @@ pub fn drop_with_live_mappings<R: RawBackend + 'static>(make: &impl Fn() -> R) {
 pub fn failed_map_is_rolled_back<R: RawBackend + 'static>(make: &impl Fn() -> R) {
     let (b, counts, page) = tallied(make);
     let r = reserve_pages(&b, 8, page);
-    let pages: Vec<PageHandle> = (0..4)
-        .map(|_| b.create_page(page).expect("create"))
-        .collect();
-    counts
-        .fail_at_page
-        .store(counts.pages_seen.load(SeqCst) + 2, SeqCst);
+    let pages = create_pages(&b, 4, page);
+    counts.fail_map_at(2);
     let e = refused(b.map(r, &pages, page), "a map failing on its third page");
     assert!(matches!(e, VmemError::InjectedFault(_)), "{e}");
     assert_eq!(

@@ -1,7 +1,7 @@
 //! A driver decorator that counts what the driver underneath acquires and releases, beneath
 //! the checked core: the conformance suite's accounting checks and the fence-order tests.
 
-use crate::backend::{PageHandle, PartialMap, RawBackend, RawDelegate};
+use crate::backend::{MapResult, PageHandle, PartialMap, RawBackend, RawDelegate, SlotRun};
 use crate::{Result, VmemError};
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::mpsc::{Receiver, Sender};
@@ -54,6 +54,12 @@ impl DriverCounts {
     pub fn map_addrs(&self) -> Vec<u64> {
         let calls = self.calls.lock().unwrap();
         calls.iter().filter(|c| c.0 == "map").map(|c| c.1).collect()
+    }
+
+    /// Fails the next map on its page `i` (0-based), reporting the pages before it mapped.
+    pub fn fail_map_at(&self, i: u64) {
+        let seen = self.pages_seen.load(SeqCst);
+        self.fail_at_page.store(seen + i, SeqCst);
     }
 
     /// Forgets the calls logged so far.
@@ -131,12 +137,7 @@ impl<R: RawBackend> RawDelegate for CountingDriver<R> {
         self.counts.released.fetch_add(1, SeqCst);
         Ok(())
     }
-    unsafe fn map(
-        &self,
-        addr: u64,
-        pages: &[PageHandle],
-        page_size: u64,
-    ) -> std::result::Result<(), PartialMap> {
+    unsafe fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> MapResult {
         self.counts.call("map", addr);
         let first = self.counts.pages_seen.fetch_add(pages.len() as u64, SeqCst);
         let fail = self.counts.fail_at_page.load(SeqCst);
@@ -185,21 +186,15 @@ impl<R: RawBackend> RawDelegate for CountingDriver<R> {
         self.counts.created.fetch_add(1, SeqCst);
         Ok(p)
     }
-    unsafe fn map_readonly(
-        &self,
-        addr: u64,
-        page: PageHandle,
-        page_size: u64,
-        count: u64,
-    ) -> std::result::Result<(), PartialMap> {
-        self.counts.call("map_zero", addr);
+    unsafe fn map_readonly(&self, page: PageHandle, slots: SlotRun) -> MapResult {
+        self.counts.call("map_zero", slots.addr);
         // SAFETY: forwarded under our caller's contract.
-        let r = unsafe { self.inner.map_readonly(addr, page, page_size, count) };
+        let r = unsafe { self.inner.map_readonly(page, slots) };
         let done = match &r {
-            Ok(()) => count,
+            Ok(()) => slots.count,
             Err(p) => p.mapped as u64,
         };
-        self.counts.mapped.fetch_add(done * page_size, SeqCst);
+        self.counts.mapped.fetch_add(done * slots.page_size, SeqCst);
         r
     }
 }
