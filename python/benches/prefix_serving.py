@@ -177,27 +177,14 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 config on the CPU (smoke test)")
     ap.add_argument("--out", default="prefix-serving-out")
     args = ap.parse_args()
-    names = [n.strip() for n in args.contenders.split(",") if n.strip()]
-    for n in names:
-        if n not in CONTENDERS:
-            ap.error(f"unknown contender {n!r} (known: {list(CONTENDERS)})")
+    names = sb.contender_names(ap, args.contenders, CONTENDERS)
     for name, v in (("--requests", args.requests), ("--groups", args.groups), ("--system", args.system),
                     ("--max-suffix", args.max_suffix), ("--new-tokens", args.new_tokens), ("--rounds", args.rounds)):
         if v < 1:
             ap.error(f"{name} must be at least 1, got {v}")
     if args.groups > args.requests:
         ap.error(f"--groups {args.groups} is more than --requests {args.requests}")
-    if args.tiny:
-        args.device, args.dtype = "cpu", torch.float32
-        args.page_size = "64K"
-        args.max_context = min(args.max_context, 2048)
-        args.max_batch_tokens = args.max_batch_tokens or 256
-        args.max_requests = min(args.max_requests, 8)
-        h.fake_cpu_memory()
-    else:
-        if not torch.cuda.is_available():
-            ap.error("no GPU: use --tiny for a CPU smoke test")
-        args.device, args.dtype = "cuda", torch.bfloat16
+    sb.place(ap, args)
     if args.system + args.max_suffix + args.new_tokens > args.max_context:
         ap.error(f"--system + --max-suffix + --new-tokens passes --max-context {args.max_context}")
     tol = args.tol or (1e-4 if args.tiny else 0.04)

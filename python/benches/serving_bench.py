@@ -266,6 +266,31 @@ def table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def contender_names(ap: argparse.ArgumentParser, spec: str, known: Dict[str, Any]) -> List[str]:
+    """The comma-separated contender names of ``spec``; an unknown one is a usage error."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    for n in names:
+        if n not in known:
+            ap.error(f"unknown contender {n!r} (known: {list(known)})")
+    return names
+
+
+def place(ap: argparse.ArgumentParser, args: Any) -> None:
+    """Sets ``args.device`` and ``args.dtype``: bf16 on the GPU, or with ``--tiny`` fp32 on the CPU
+    with small pages, context and batch (a smoke test); no GPU without ``--tiny`` is a usage error."""
+    if args.tiny:
+        args.device, args.dtype = "cpu", torch.float32
+        args.page_size = "64K"
+        args.max_context = min(args.max_context, 2048)
+        args.max_batch_tokens = args.max_batch_tokens or 256
+        args.max_requests = min(args.max_requests, 8)  # eager Flex on the CPU materializes rows x context scores
+        h.fake_cpu_memory()
+    else:
+        if not torch.cuda.is_available():
+            ap.error("no GPU: use --tiny for a CPU smoke test")
+        args.device, args.dtype = "cuda", torch.bfloat16
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma-separated, of {list(CONTENDERS)}")
@@ -286,21 +311,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 config on the CPU (smoke test)")
     ap.add_argument("--out", default="serving-bench-out")
     args = ap.parse_args()
-    names = [n.strip() for n in args.contenders.split(",") if n.strip()]
-    for n in names:
-        if n not in CONTENDERS:
-            ap.error(f"unknown contender {n!r} (known: {list(CONTENDERS)})")
-    if args.tiny:
-        args.device, args.dtype = "cpu", torch.float32
-        args.page_size = "64K"
-        args.max_context = min(args.max_context, 2048)
-        args.max_batch_tokens = args.max_batch_tokens or 256
-        args.max_requests = min(args.max_requests, 8)  # eager Flex on the CPU materializes rows x context scores
-        h.fake_cpu_memory()
-    else:
-        if not torch.cuda.is_available():
-            ap.error("no GPU: use --tiny for a CPU smoke test")
-        args.device, args.dtype = "cuda", torch.bfloat16
+    names = contender_names(ap, args.contenders, CONTENDERS)
+    place(ap, args)
     vt.install()
     os.makedirs(args.out, exist_ok=True)
 

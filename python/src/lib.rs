@@ -146,6 +146,21 @@ impl KVCache {
             .clone()
             .ok_or_else(|| Closed::new_err("the cache is closed"))
     }
+
+    /// A prefix call (`adopt_prefix`, `publish_prefix`) on request `req` with prompt `tokens`,
+    /// both checked first, with the GIL released.
+    fn with_prefix(
+        &self,
+        py: Python<'_>,
+        req: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+        call: fn(&KvCacheManager, usize, &[u32]) -> vmem::Result<u64>,
+    ) -> PyResult<u64> {
+        let inner = self.get()?;
+        let r = to_usize(req, "request id")?;
+        let t = token_ids(tokens)?;
+        py.detach(|| call(&inner.kv, r, &t)).map_err(py_err)
+    }
 }
 
 /// A Python int as a `u64`: anything else (a bool, a float, a negative int, an int past 64
@@ -444,10 +459,7 @@ impl KVCache {
         req: &Bound<'_, PyAny>,
         tokens: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
-        let inner = self.get()?;
-        let r = to_usize(req, "request id")?;
-        let t = token_ids(tokens)?;
-        py.detach(|| inner.kv.adopt_prefix(r, &t)).map_err(py_err)
+        self.with_prefix(py, req, tokens, KvCacheManager::adopt_prefix)
     }
 
     /// Publishes active request `req`'s computed full blocks of `tokens` to the prefix cache;
@@ -458,10 +470,7 @@ impl KVCache {
         req: &Bound<'_, PyAny>,
         tokens: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
-        let inner = self.get()?;
-        let r = to_usize(req, "request id")?;
-        let t = token_ids(tokens)?;
-        py.detach(|| inner.kv.publish_prefix(r, &t)).map_err(py_err)
+        self.with_prefix(py, req, tokens, KvCacheManager::publish_prefix)
     }
 
     /// What the prefix cache holds and has served.

@@ -28,6 +28,16 @@ def fill(kv, req, n, seed):
     return out
 
 
+def prefilled(kv, prompt, seed=0):
+    """A new request that finds nothing cached, computes ``prompt`` (distinct K/V values) and
+    publishes it: ``(id, what it wrote, blocks published)``."""
+    a = kv.alloc()
+    assert kv.adopt_prefix(a, prompt) == 0
+    kv.step({a: len(prompt)})
+    written = fill(kv, a, len(prompt), seed)
+    return a, written, kv.publish_prefix(a, prompt)
+
+
 def rows(kv, req, n):
     return [np.from_dlpack(t)[req, :n].copy() for i in range(kv.num_layers) for t in kv.layer(i)]
 
@@ -38,11 +48,8 @@ def test_an_adopted_prefix_is_the_same_memory_and_costs_no_new_pages(layout):
     bt = kv.prefix_stats()["block_tokens"]
     assert bt == (256 if layout == "per-layer" else 128)
     prompt = list(range(1000, 1000 + 3 * bt + 17))  # 3 full blocks and a partial one
-    a = kv.alloc()
-    assert kv.adopt_prefix(a, prompt) == 0  # nothing cached yet
-    kv.step({a: len(prompt)})
-    written = fill(kv, a, len(prompt), seed=1)
-    assert kv.publish_prefix(a, prompt) == 3
+    a, written, published = prefilled(kv, prompt, seed=1)
+    assert published == 3
     pages_before = kv.usage()["pool_created_pages"]
 
     b = kv.alloc()
@@ -68,11 +75,7 @@ def test_a_published_prefix_outlives_its_request_and_a_later_one_adopts_it():
     kv = cache(prefix_cache="1M")
     bt = kv.prefix_stats()["block_tokens"]
     prompt = list(range(5 * bt))
-    a = kv.alloc()
-    kv.adopt_prefix(a, prompt)
-    kv.step({a: len(prompt)})
-    written = fill(kv, a, len(prompt), seed=2)
-    kv.publish_prefix(a, prompt)
+    a, written, _ = prefilled(kv, prompt, seed=2)
     kv.free(a)
     kv.step({})
     s = kv.prefix_stats()
@@ -91,10 +94,7 @@ def test_prompts_share_only_the_blocks_they_have_in_common():
     kv = cache(prefix_cache="1M")
     bt = kv.prefix_stats()["block_tokens"]
     first = list(range(4 * bt))
-    a = kv.alloc()
-    kv.adopt_prefix(a, first)
-    kv.step({a: len(first)})
-    kv.publish_prefix(a, first)
+    prefilled(kv, first)
     second = first[: 2 * bt] + [7] + first[2 * bt + 1:]  # differs inside block 2
     b = kv.alloc()
     assert kv.adopt_prefix(b, second) == 2 * bt
