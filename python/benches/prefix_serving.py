@@ -165,6 +165,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--memory-percent", type=float, default=0.5)
+    ap.add_argument("--kv-gib", type=float, default=None,
+                    help="KV budget in GiB for every contender (default: the engine's at --memory-percent)")
     ap.add_argument("--max-batch-tokens", type=int, default=None)
     ap.add_argument("--max-requests", type=int, default=256)
     ap.add_argument("--max-context", type=int, default=8192)
@@ -192,6 +194,10 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     model = sb.make_model(args)
     budget = sb.kv_budget(model, args)
+    if args.kv_gib is not None:
+        if not args.kv_gib > 0:
+            ap.error(f"--kv-gib must be more than 0, got {args.kv_gib}")
+        budget["kv_bytes"] = int(args.kv_gib * 2**30)
     meta = {"args": {k: str(v) for k, v in vars(args).items()}, "budget": budget,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
     result: Dict[str, Any] = dict(meta)
