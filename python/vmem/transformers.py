@@ -552,7 +552,12 @@ class VmemCBCache(_Recorder):
         self.kv.step(self._lengths)
         self.num_blocks = blocks - 1  # what requests can hold
         self._used_blocks = 0
-        self.num_pages = self.num_blocks * self.block_size  # the engine's per-round KV-read budget
+        # The engine's per-round KV-read budget (its scheduler's cache_budget). It sizes the engine's
+        # gather of K/V into a contiguous buffer; the vmem kernels read rows in place, so a round
+        # may read every token of every row, including shared pages counted once per reader
+        # (tied to memory, it would cap requests sharing a prompt at what the pages would hold
+        # unshared). The engine sizes its read-index storage from num_blocks, not from this.
+        self.num_pages = self.rows * self.max_context
         self.write_trash_index = self.trash_row * self.max_context
         self.read_trash_index = self.write_trash_index
 
