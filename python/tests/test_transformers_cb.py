@@ -396,3 +396,31 @@ def test_sharing_is_off_for_the_flex_kernel_and_when_the_engine_disallows_it():
     for bad in ("lots", -1, 1.5):
         with pytest.raises(vmem.InvalidArgument):
             _cache(True, prefix_cache=bad)
+
+
+def test_adopting_cached_blocks_never_overcommits_this_rounds_allocations():
+    """An adoption maps cached blocks that ``get_num_free_blocks`` counted as free: after a
+    running request was given the last free blocks this round, a new request adopting the
+    cached prefix of a finished one took them too (free blocks -2), and the round's ``flush``
+    raised OutOfMemory (the engine's loop dies). The adoption is refused instead (0 tokens,
+    no row held): the request waits, and the free count stays exact."""
+    cache, _ = _cache(memory=str(5 * 4 * 65536))  # 4 blocks of 256 tokens for requests
+    bs = cache.block_size
+    prompt = list(range(2 * bs + 10))
+    assert cache.search_prefix_match("a", prompt) == 0
+    assert cache.allocate_blocks(3, "a", 0) == 3
+    cache.flush()
+    assert cache.kv.publish_prefix(cache._row["a"], prompt) == 2
+    cache.free_blocks("a")  # its 2 full blocks stay cached, counted as free
+    assert cache.get_num_free_blocks() == 4
+    assert cache.allocate_blocks(2, "b", 0) == 2
+    cache.flush()
+    assert cache.allocate_blocks(2, "b", 2) == 2  # the cached blocks' memory, evicted at the flush
+    assert cache.get_num_free_blocks() == 0
+    assert cache.search_prefix_match("c", prompt) == 0  # would take the cached blocks back
+    assert "c" not in cache._row and cache.get_num_free_blocks() == 0
+    cache.flush()  # raised OutOfMemory
+    assert cache.usage()["rows_in_use"] == 1
+    cache.free_blocks("b")
+    cache.flush()
+    _check_clean(cache)

@@ -714,19 +714,23 @@ class VmemCBCache(_Recorder):
         """Gives a pending request a row that starts with the cached pages of the longest prefix
         of ``prompt_ids`` the cache holds (:meth:`vmem.KVCache.adopt_prefix`: mapped, not copied,
         at least the last token left to compute); returns the tokens adopted, a multiple of
-        ``block_size`` (0, holding nothing, when none or when no row is free)."""
-        if not self.sharing:
-            return 0
-        row = self._row.get(request_id)
-        fresh = row is None
+        ``block_size`` (0, holding nothing, when none, when no row is free, or when the cached
+        blocks it would map are the memory this round's allocations counted on)."""
+        if not self.sharing or request_id in self._row:
+            return 0  # a pending request holds no row; one that does keeps what it has
+        row = None
         try:
-            if row is None:
-                row = self.kv.alloc()
+            row = self.kv.alloc()
             got = self.kv.adopt_prefix(row, prompt_ids)
+            # Adopting maps cached blocks no request mapped, which get_num_free_blocks counted
+            # as free: when this round's allocations were counting on them, the request waits
+            # (else the round's step would run out of memory).
+            if got and self.get_num_free_blocks() < 0:
+                got = 0
         except VmemError:
             got = 0
         if got == 0:
-            if fresh and row is not None:
+            if row is not None:
                 self.kv.free(row)
             return 0
         blocks = got // self.block_size
