@@ -261,3 +261,31 @@ def test_token_ids_that_are_not_a_1d_sequence_of_ids_are_refused_in_one_line(tok
     assert not any(kv.request_pages(r)) and kv.prefix_stats()["hit_tokens"] == 0
     kv.close()
 
+
+def test_publishing_other_tokens_than_the_adopted_prefix_is_refused_and_poisons_nothing():
+    # A request that adopted prompt P's blocks and then published tokens Q (a mistake: Q is not
+    # what its row holds) cached its own blocks under Q's hashes; once a request computed Q's
+    # first blocks, a later Q request adopted the poisoned blocks, with P's context, silently.
+    kv = cache(prefix_cache="1M")
+    bt = kv.prefix_stats()["block_tokens"]
+    p = list(range(4 * bt))
+    q = [t + 7 for t in p]
+    prefilled(kv, p[: 2 * bt + 1])  # caches P's 2 first blocks
+    d = kv.alloc()
+    assert kv.adopt_prefix(d, p) == 2 * bt
+    kv.step({d: len(p)})
+    with pytest.raises(vmem.InvalidArgument, match="not the tokens"):
+        kv.publish_prefix(d, q)
+    assert kv.prefix_stats()["blocks"] == 2  # nothing cached under Q's hashes
+    assert kv.publish_prefix(d, p) == 2  # its own tokens: blocks 2 and 3
+    kv.free(d)
+    # The same for a request that published once, then publishes other tokens.
+    e, _, published = prefilled(kv, q[: 2 * bt + 1], seed=3)
+    assert published == 2
+    kv.step({e: 4 * bt})
+    with pytest.raises(vmem.InvalidArgument, match="not the tokens"):
+        kv.publish_prefix(e, p)
+    assert kv.publish_prefix(e, q) == 2 and kv.prefix_stats()["blocks"] == 8
+    # Fewer tokens than it holds, agreeing with them: nothing new, no error.
+    assert kv.publish_prefix(e, q[:bt]) == 0
+    kv.close()
