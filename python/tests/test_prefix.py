@@ -270,7 +270,8 @@ def test_publishing_other_tokens_than_the_adopted_prefix_is_refused_and_poisons_
     bt = kv.prefix_stats()["block_tokens"]
     p = list(range(4 * bt))
     q = [t + 7 for t in p]
-    prefilled(kv, p[: 2 * bt + 1])  # caches P's 2 first blocks
+    a, _, _ = prefilled(kv, p[: 2 * bt + 1])  # caches P's 2 first blocks
+    kv.free(a)
     d = kv.alloc()
     assert kv.adopt_prefix(d, p) == 2 * bt
     kv.step({d: len(p)})
@@ -288,4 +289,31 @@ def test_publishing_other_tokens_than_the_adopted_prefix_is_refused_and_poisons_
     assert kv.publish_prefix(e, q) == 2 and kv.prefix_stats()["blocks"] == 8
     # Fewer tokens than it holds, agreeing with them: nothing new, no error.
     assert kv.publish_prefix(e, q[:bt]) == 0
+    kv.close()
+
+
+def test_a_length_below_the_shared_pages_a_request_maps_is_refused_once_it_started():
+    # A step gave an adopted request a shorter length (a restart in place, a rollback into the
+    # prompt) and kept its shared pages mapped: the engine then recomputed positions from there
+    # and wrote them into pages the publisher, other requests and the cache read.
+    kv = cache(prefix_cache="1M")
+    p = list(range(3 * 128 + 5))
+    a, written, _ = prefilled(kv, p, seed=4)
+    c = kv.alloc()
+    assert kv.adopt_prefix(c, p) == 3 * 128
+    kv.step({a: len(p)})  # c not started yet: 0 is fine
+    with pytest.raises(vmem.InvalidArgument, match="shared prefix"):
+        kv.step({a: len(p), c: 10})  # would write position 10 on: a shared page
+    kv.step({a: len(p), c: len(p)})
+    for bad in (10, 0):
+        with pytest.raises(vmem.InvalidArgument, match="shared prefix"):
+            kv.step({a: len(p), c: bad})
+    with pytest.raises(vmem.InvalidArgument, match="shared prefix"):
+        kv.step({a: 100, c: len(p)})  # the publisher is held to its published blocks too
+    kv.step({a: len(p), c: 3 * 128})  # down to the shared pages themselves: nothing shared is written
+    for want, got in zip(written, rows(kv, a, len(p))):
+        assert np.array_equal(want, got)
+    kv.free(c)  # to start over, free it
+    c = kv.alloc()
+    assert kv.adopt_prefix(c, p) == 3 * 128
     kv.close()

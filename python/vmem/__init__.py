@@ -241,7 +241,8 @@ class KVCache:
     fewest whole pages that hold whole tokens (``prefix_stats()["block_tokens"]``: 16
     tokens of Llama-3-8B token-major at 2 MB, 1,024 per-layer). Writes never reach a shared
     page: only blocks below the adopted length are shared, and a request writes only from
-    there on. Needs a backend that maps a page at several addresses (all but ``sim`` with
+    there on (a step giving a started request a length below the shared blocks it maps is
+    refused with :class:`InvalidArgument`: free it to start it over). Needs a backend that maps a page at several addresses (all but ``sim`` with
     views; docs/prefix-sharing.md).
 
     Unmapping waits for the GPU work queued before it (the CUDA backend synchronizes the
@@ -394,7 +395,9 @@ class KVCache:
         blocks past its length are left out) to the prefix cache, after the step that
         computed them. Returns the blocks newly cached. They stay cached after ``req`` is
         freed, up to ``prefix_cache`` bytes, least recently used evicted first, and are given
-        back before any running request runs short."""
+        back before any running request runs short. Tokens that disagree with the blocks
+        ``req`` holds already (adopted or published) are refused (:class:`InvalidArgument`,
+        nothing cached): its blocks were computed after those, not after these."""
         return self._rs.publish_prefix(req, _token_ids(tokens))
 
     def prefix_stats(self) -> Dict[str, int]:

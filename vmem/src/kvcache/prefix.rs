@@ -270,6 +270,28 @@ fn block_shape(page: u64, token_bytes: u64) -> (u64, u64) {
 }
 
 impl State {
+    /// Refuses a step that gives a request a length below the cached blocks it maps (adopted
+    /// or published), once it has started: it would compute, and write, positions that lie in
+    /// pages other requests and the cache share. Before its first step (length 0, nothing
+    /// pending) an adopted request may be given 0.
+    pub(super) fn check_prefix_lengths(&self, seq_lens: &[u64]) -> Result<()> {
+        if !self.prefix.on() {
+            return Ok(());
+        }
+        for (r, &len) in seq_lens.iter().enumerate() {
+            let held = self.prefix.held_tokens(r);
+            let started = self.requests.seq_lens[r] > 0 || self.requests.pending[r] > 0;
+            if len < held && (len > 0 || started) {
+                return Err(VmemError::InvalidConfig(format!(
+                    "request {r} maps {held} tokens of shared prefix pages: its length cannot go \
+                     below them (it would write pages other requests read); got {len}. Free it \
+                     to start it over"
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Maps the cached prefix of `hashes` (at most `most` blocks) into inactive-range request
     /// `r` (active, nothing computed yet). See [`KvCacheManager::adopt_prefix_hashes`].
     fn adopt(&mut self, r: usize, hashes: &[BlockHash], most: u64) -> Result<u64> {
