@@ -424,3 +424,36 @@ def test_adopting_cached_blocks_never_overcommits_this_rounds_allocations():
     cache.free_blocks("b")
     cache.flush()
     _check_clean(cache)
+
+
+# -- the serving benchmarks' command lines ---------------------------------------------------------
+BAD_FLAGS = [
+    ["--requests", "0"], ["--new-tokens", "0"], ["--rounds", "0"], ["--layers", "0"], ["--max-requests", "0"],
+    ["--max-context", "0"], ["--max-batch-tokens", "0"], ["--max-batch-tokens", "-5"],
+    ["--memory-percent", "0"], ["--memory-percent", "nan"], ["--memory-percent", "7"],
+    ["--page-size", "bogus"], ["--page-size", "0"], ["--timeout", "0"], ["--timeout", "nan"],
+    ["--trace", "/nonexistent/trace.csv"], ["--contenders", ","], ["--out", "/proc/version/x"],
+]
+
+
+@pytest.mark.parametrize("script, extra", [("serving_bench", ["--warmup", "-1"]), ("serving_bench", ["--max-prompt", "0"]),
+                                           ("prefix_serving", ["--tol", "-1"]), ("prefix_serving", ["--tol", "nan"]),
+                                           ("prefix_serving", ["--system", "0"]), ("prefix_serving", ["--groups", "0"])]
+                         + [(s, f) for f in BAD_FLAGS for s in ("serving_bench", "prefix_serving")])
+def test_bench_command_lines_refuse_bad_flags_with_a_usage_error(script, extra, capsys, tmp_path):
+    """Each bad flag is a usage error (exit 2, one line naming the flag) before any model is built:
+    these ran with 0 contenders or rounds and exit 0, tracebacked (exit 1) from deep in the
+    engine (--max-requests 0, --memory-percent nan, a missing --trace), or went on with a value
+    --tiny overrode (--page-size bogus)."""
+    mod = __import__(script)
+    built = []
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(mod.sb if hasattr(mod, "sb") else mod, "make_model", lambda *a, **k: built.append(1) or 1 / 0)
+    try:
+        with pytest.raises(SystemExit) as e:
+            mod.main(["--tiny", "--out", str(tmp_path / "out"), *extra])
+    finally:
+        monkey.undo()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and not built, (e.value.code, err[-3:])
+    assert ": error: " in err[-1] and extra[0] in err[-1], err[-1]
