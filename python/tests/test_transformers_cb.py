@@ -457,3 +457,35 @@ def test_bench_command_lines_refuse_bad_flags_with_a_usage_error(script, extra, 
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and not built, (e.value.code, err[-3:])
     assert ": error: " in err[-1] and extra[0] in err[-1], err[-1]
+
+
+def test_in_the_engine_an_adoption_never_leaves_free_blocks_negative(monkeypatch):
+    """The engine run of the case above: a request with a cached system prompt joins as the one
+    running request crosses into a new block with the memory full (7 blocks of 64 tokens for
+    requests). Its adoption took the cached blocks the running request's new block counted on:
+    free blocks -1, and the engine soft-reset the adopter before the flush. Now the adoption is
+    refused (vmem's cache counts it served, the engine's counter not), free blocks stay >= 0 after
+    every search, and logits match."""
+    seen = []
+    real = vt.VmemCBCache.search_prefix_match
+
+    def search(self, request_id, prompt_ids):
+        got = real(self, request_id, prompt_ids)
+        seen.append(self.get_num_free_blocks())
+        return got
+
+    monkeypatch.setattr(vt.VmemCBCache, "search_prefix_match", search)
+    with vt.serving(layout="token-major", memory=str(8 * 65536)):
+        model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+        vocab = model.config.vocab_size
+        system = h.make_prompts(1, [192], vocab, seed=7)[0]
+        prompts = [system + h.make_prompts(1, [10], vocab, seed=8)[0], h.make_prompts(1, [250], vocab, seed=9)[0],
+                   system + h.make_prompts(1, [5], vocab, seed=10)[0]]
+        run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 20, cb_kwargs=dict(max_batch_tokens=64),
+                           stagger=[0, 20, 26], streaming=True)
+    cache = run["cache"]
+    assert seen and min(seen) >= 0, seen
+    assert cache.usage()["prefix_hit_tokens"] > cache._total_prefix_length, "the refused adoption did not happen"
+    cmp = h.compare(run, model, 20)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL and cmp["top1_agree"] == cmp["decisive"] > 0, cmp
+    _check_clean(cache)
