@@ -489,3 +489,14 @@ def test_in_the_engine_an_adoption_never_leaves_free_blocks_negative(monkeypatch
     cmp = h.compare(run, model, 20)
     assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL and cmp["top1_agree"] == cmp["decisive"] > 0, cmp
     _check_clean(cache)
+
+
+@pytest.mark.parametrize("bad", ["lots", -1, 1.5, True])
+def test_a_bad_prefix_cache_option_is_refused_at_install_and_with_sharing_off(bad):
+    # install(prefix_cache="lots") was accepted and failed only once the engine built its cache
+    # (in its own thread); with the engine's sharing off the value was not looked at.
+    with pytest.raises(vmem.InvalidArgument):
+        vt.install(prefix_cache=bad)
+    assert vt._options["prefix_cache"] is None  # nothing of the refused call stays
+    with pytest.raises(vmem.InvalidArgument):
+        _cache(False, prefix_cache=bad)

@@ -200,6 +200,8 @@ def _set_options(options: Dict[str, Any]) -> None:
         raise InvalidArgument(f"layout must be 'per-layer' or 'token-major', got {options['layout']!r}")
     if "kernel" in options and options["kernel"] not in KERNELS:
         raise InvalidArgument(f"kernel must be one of {KERNELS}, got {options['kernel']!r}")
+    if options.get("prefix_cache") is not None:
+        parse_bytes(options["prefix_cache"])  # InvalidArgument now, not once the engine builds its cache
     _options.update(options)
 
 
@@ -514,9 +516,11 @@ class VmemCBCache(_Recorder):
         # (kernel="fa": a block is one page's tokens). Flex blocks span several pages' tokens
         # (lcm with its KV block), which vmem's blocks do not match: no sharing there.
         self.sharing = bool(cb.allow_block_sharing) and kernel == "fa"
-        prefix_cap = None
-        if self.sharing:
-            prefix_cap = cap if prefix_cache is None else parse_bytes(prefix_cache)
+        prefix_cap = None if prefix_cache is None else parse_bytes(prefix_cache)  # checked even when unused
+        if not self.sharing:
+            prefix_cap = None
+        elif prefix_cap is None:
+            prefix_cap = cap
         if kernel == "fa" and self.rows * self.max_context >= 2**31:
             raise InvalidArgument(
                 f"{VMEM_ATTENTION} kernel='fa': rows x max_context = {self.rows} x {self.max_context} tokens "
