@@ -35,7 +35,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -154,7 +154,7 @@ def table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma-separated, of {list(CONTENDERS)}")
     ap.add_argument("--requests", type=int, default=128)
@@ -178,12 +178,12 @@ def main() -> int:
     ap.add_argument("--tol", type=float, default=None, help="relative logits tolerance (bf16 0.04, fp32 1e-4)")
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 config on the CPU (smoke test)")
     ap.add_argument("--out", default="prefix-serving-out")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     names = sb.contender_names(ap, args.contenders, CONTENDERS)
-    for name, v in (("--requests", args.requests), ("--groups", args.groups), ("--system", args.system),
-                    ("--max-suffix", args.max_suffix), ("--new-tokens", args.new_tokens), ("--rounds", args.rounds)):
-        if v < 1:
-            ap.error(f"{name} must be at least 1, got {v}")
+    sb.check_flags(ap, args, ["--requests", "--groups", "--system", "--max-suffix", "--new-tokens", "--rounds",
+                              "--layers", "--max-batch-tokens", "--max-requests", "--max-context"])
+    if args.tol is not None and not args.tol > 0:  # NaN included
+        ap.error(f"--tol must be more than 0, got {args.tol}")
     if args.groups > args.requests:
         ap.error(f"--groups {args.groups} is more than --requests {args.requests}")
     sb.place(ap, args)

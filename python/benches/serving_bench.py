@@ -272,7 +272,38 @@ def contender_names(ap: argparse.ArgumentParser, spec: str, known: Dict[str, Any
     for n in names:
         if n not in known:
             ap.error(f"unknown contender {n!r} (known: {list(known)})")
+    if not names:
+        ap.error(f"--contenders names none (known: {list(known)})")
     return names
+
+
+def check_flags(ap: argparse.ArgumentParser, args: Any, positive: List[str], at_least_zero: List[str] = ()) -> None:
+    """Refuses, as usage errors (exit 2, one line naming the flag), before any model is built,
+    what either benchmark cannot run: counts in ``positive`` below 1 (a ``None`` default passes),
+    in ``at_least_zero`` below 0, ``--memory-percent`` outside (0, 1], ``--timeout`` not above 0,
+    a ``--page-size`` vmem cannot parse or 0, a ``--trace`` that is no file, an ``--out`` that
+    cannot be created."""
+    for flag in [*positive, *at_least_zero]:
+        v = getattr(args, flag[2:].replace("-", "_"))
+        least = 1 if flag in positive else 0
+        if v is not None and v < least:
+            ap.error(f"{flag} must be at least {least}, got {v}")
+    if not 0 < args.memory_percent <= 1:  # NaN included
+        ap.error(f"--memory-percent must be a fraction in (0, 1], got {args.memory_percent}")
+    if not args.timeout > 0:
+        ap.error(f"--timeout must be more than 0 seconds, got {args.timeout}")
+    try:
+        page = vt.parse_bytes(args.page_size)
+    except vt.VmemError as e:
+        ap.error(f"--page-size {args.page_size!r}: {e}")
+    if page == 0:
+        ap.error("--page-size must be more than 0 bytes")
+    if not os.path.isfile(args.trace):
+        ap.error(f"--trace {args.trace!r} is not a file")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        ap.error(f"--out {args.out!r} cannot be created: {e.strerror}")
 
 
 def place(ap: argparse.ArgumentParser, args: Any) -> None:
@@ -291,7 +322,7 @@ def place(ap: argparse.ArgumentParser, args: Any) -> None:
         args.device, args.dtype = "cuda", torch.bfloat16
 
 
-def main() -> int:
+def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma-separated, of {list(CONTENDERS)}")
     ap.add_argument("--requests", type=int, default=256)
@@ -310,8 +341,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 config on the CPU (smoke test)")
     ap.add_argument("--out", default="serving-bench-out")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     names = contender_names(ap, args.contenders, CONTENDERS)
+    check_flags(ap, args, ["--requests", "--new-tokens", "--rounds", "--layers", "--max-prompt", "--max-batch-tokens",
+                           "--max-requests", "--max-context"], ["--warmup"])
     place(ap, args)
     vt.install()
     os.makedirs(args.out, exist_ok=True)

@@ -198,6 +198,17 @@ fn token_ids(v: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
                 if let Ok(x) = t.extract::<u32>() {
                     return Ok(x);
                 }
+                if !t.lt(0)? {
+                    // Past 32 bits, however far: not "too large for 64 bits".
+                    let mut shown = t.str()?.to_string();
+                    if shown.len() > 40 {
+                        shown.truncate(37);
+                        shown.push_str("...");
+                    }
+                    return Err(InvalidArgument::new_err(format!(
+                        "tokens[{i}] = {shown} is not a token id (< 2**32)"
+                    )));
+                }
             }
             let x = to_u64(&t, &format!("tokens[{i}]"))?;
             Err(InvalidArgument::new_err(format!(

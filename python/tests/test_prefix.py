@@ -1,6 +1,8 @@
 """Prefix sharing through vmem.KVCache on the host backend: the same physical pages at the
 start of several requests' rows, a bounded cache of finished requests' pages, and its counters."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -162,7 +164,7 @@ def test_cached_pages_go_back_before_a_step_runs_out_of_memory():
     ("abc", "sequence of token ids"),
     (5, "sequence of token ids"),
     (None, "sequence of token ids"),
-    (np.zeros((2, 2), dtype=np.int64), "tokens[0] must be an int"),
+    (np.zeros((2, 2), dtype=np.int64), "tokens must be a 1-D sequence"),
 ])
 def test_bad_token_ids_are_invalid_arguments_and_change_nothing(tokens, words):
     kv = cache(prefix_cache="1M")
@@ -202,4 +204,116 @@ def test_a_device_tensor_of_token_ids_is_refused_before_it_syncs():
     kv = cache(prefix_cache="1M")
     with pytest.raises(vmem.InvalidArgument, match="on the CPU"):
         kv.adopt_prefix(kv.alloc(), FakeCudaTensor())
+    kv.close()
+
+
+def _published(kv):
+    """A cache holding one published prompt of 2 full blocks and a bit: ``(prompt, block_tokens)``."""
+    bt = kv.prefix_stats()["block_tokens"]
+    prompt = list(range(2 * bt + 5))
+    prefilled(kv, prompt)
+    return prompt, bt
+
+
+class _Cuda0d:
+    """A 0-d CUDA tensor's look: must be refused, not read (a read would sync)."""
+    ndim = 0
+    dtype = "torch.int64"
+    device = type("D", (), {"type": "cuda"})()
+
+    def __index__(self):
+        raise AssertionError("must not be read")
+
+
+def test_token_ids_as_integer_scalars_of_numpy_are_accepted():
+    # A list of NumPy ints (``list(array)``, ``[np.int64(t) ...]``) was refused ("tokens[0] must
+    # be an int, got np.int64(0)") though the array itself is accepted.
+    kv = cache(prefix_cache="1M")
+    prompt, bt = _published(kv)
+    for as_list in ([np.int64(t) for t in prompt], list(np.array(prompt, dtype=np.uint32)),
+                    [np.uint64(t) for t in prompt]):
+        r = kv.alloc()
+        assert kv.adopt_prefix(r, as_list) == 2 * bt
+        kv.free(r)
+    kv.close()
+
+
+@pytest.mark.parametrize("tokens, words", [
+    (np.zeros((2, 3), dtype=np.int64), "1-D"),            # the message was the whole first row
+    (np.zeros((1, 5000), dtype=np.int64), "1-D"),
+    (np.array([True, False]), "not booleans"),          # bools are not token ids
+    ([np.True_, 1], "tokens[0] must be an int"),
+    ([[1, 2] * 5000], "tokens[0] must be an int"),     # one short line, not 10,000 ids
+    ({1: 2, 3: 4}, "ordered sequence"),                 # a dict's keys went through as ids
+    ({1, 2, 3}, "ordered sequence"),                    # a set's order is not a prompt's
+    (bytearray(b"abc"), "sequence of token ids"),       # bytes were refused, bytearray not
+    ([_Cuda0d()], "on the CPU"),
+    ([2**70], "not a token id"),                        # said "at most 2**64 - 1"
+])
+def test_token_ids_that_are_not_a_1d_sequence_of_ids_are_refused_in_one_line(tokens, words):
+    kv = cache(prefix_cache="1M")
+    _published(kv)
+    r = kv.alloc()
+    for call in (kv.adopt_prefix, kv.publish_prefix):
+        with pytest.raises(vmem.InvalidArgument, match=re.escape(words)) as e:
+            call(r, tokens)
+        assert len(str(e.value)) < 200 and "\n" not in str(e.value), str(e.value)
+    assert not any(kv.request_pages(r)) and kv.prefix_stats()["hit_tokens"] == 0
+    kv.close()
+
+
+def test_publishing_other_tokens_than_the_adopted_prefix_is_refused_and_poisons_nothing():
+    # A request that adopted prompt P's blocks and then published tokens Q (a mistake: Q is not
+    # what its row holds) cached its own blocks under Q's hashes; once a request computed Q's
+    # first blocks, a later Q request adopted the poisoned blocks, with P's context, silently.
+    kv = cache(prefix_cache="1M")
+    bt = kv.prefix_stats()["block_tokens"]
+    p = list(range(4 * bt))
+    q = [t + 7 for t in p]
+    a, _, _ = prefilled(kv, p[: 2 * bt + 1])  # caches P's 2 first blocks
+    kv.free(a)
+    d = kv.alloc()
+    assert kv.adopt_prefix(d, p) == 2 * bt
+    kv.step({d: len(p)})
+    with pytest.raises(vmem.InvalidArgument, match="not the tokens"):
+        kv.publish_prefix(d, q)
+    assert kv.prefix_stats()["blocks"] == 2  # nothing cached under Q's hashes
+    assert kv.publish_prefix(d, p) == 2  # its own tokens: blocks 2 and 3
+    kv.free(d)
+    # The same for a request that published once, then publishes other tokens.
+    e, _, published = prefilled(kv, q[: 2 * bt + 1], seed=3)
+    assert published == 2
+    kv.step({e: 4 * bt})
+    with pytest.raises(vmem.InvalidArgument, match="not the tokens"):
+        kv.publish_prefix(e, p)
+    assert kv.publish_prefix(e, q) == 2 and kv.prefix_stats()["blocks"] == 8
+    # Fewer tokens than it holds, agreeing with them: nothing new, no error.
+    assert kv.publish_prefix(e, q[:bt]) == 0
+    kv.close()
+
+
+def test_a_length_below_the_shared_pages_a_request_maps_is_refused_once_it_started():
+    # A step gave an adopted request a shorter length (a restart in place, a rollback into the
+    # prompt) and kept its shared pages mapped: the engine then recomputed positions from there
+    # and wrote them into pages the publisher, other requests and the cache read.
+    kv = cache(prefix_cache="1M")
+    p = list(range(3 * 128 + 5))
+    a, written, _ = prefilled(kv, p, seed=4)
+    c = kv.alloc()
+    assert kv.adopt_prefix(c, p) == 3 * 128
+    kv.step({a: len(p)})  # c not started yet: 0 is fine
+    with pytest.raises(vmem.InvalidArgument, match="shared prefix"):
+        kv.step({a: len(p), c: 10})  # would write position 10 on: a shared page
+    kv.step({a: len(p), c: len(p)})
+    for bad in (10, 0):
+        with pytest.raises(vmem.InvalidArgument, match="shared prefix"):
+            kv.step({a: len(p), c: bad})
+    with pytest.raises(vmem.InvalidArgument, match="shared prefix"):
+        kv.step({a: 100, c: len(p)})  # the publisher is held to its published blocks too
+    kv.step({a: len(p), c: 3 * 128})  # down to the shared pages themselves: nothing shared is written
+    for want, got in zip(written, rows(kv, a, len(p))):
+        assert np.array_equal(want, got)
+    kv.free(c)  # to start over, free it
+    c = kv.alloc()
+    assert kv.adopt_prefix(c, p) == 3 * 128
     kv.close()

@@ -396,3 +396,107 @@ def test_sharing_is_off_for_the_flex_kernel_and_when_the_engine_disallows_it():
     for bad in ("lots", -1, 1.5):
         with pytest.raises(vmem.InvalidArgument):
             _cache(True, prefix_cache=bad)
+
+
+def test_adopting_cached_blocks_never_overcommits_this_rounds_allocations():
+    """An adoption maps cached blocks that ``get_num_free_blocks`` counted as free: after a
+    running request was given the last free blocks this round, a new request adopting the
+    cached prefix of a finished one took them too (free blocks -2), and the round's ``flush``
+    raised OutOfMemory (the engine's loop dies). The adoption is refused instead (0 tokens,
+    no row held): the request waits, and the free count stays exact."""
+    cache, _ = _cache(memory=str(5 * 4 * 65536))  # 4 blocks of 256 tokens for requests
+    bs = cache.block_size
+    prompt = list(range(2 * bs + 10))
+    assert cache.search_prefix_match("a", prompt) == 0
+    assert cache.allocate_blocks(3, "a", 0) == 3
+    cache.flush()
+    assert cache.kv.publish_prefix(cache._row["a"], prompt) == 2
+    cache.free_blocks("a")  # its 2 full blocks stay cached, counted as free
+    assert cache.get_num_free_blocks() == 4
+    assert cache.allocate_blocks(2, "b", 0) == 2
+    cache.flush()
+    assert cache.allocate_blocks(2, "b", 2) == 2  # the cached blocks' memory, evicted at the flush
+    assert cache.get_num_free_blocks() == 0
+    assert cache.search_prefix_match("c", prompt) == 0  # would take the cached blocks back
+    assert "c" not in cache._row and cache.get_num_free_blocks() == 0
+    cache.flush()  # raised OutOfMemory
+    assert cache.usage()["rows_in_use"] == 1
+    cache.free_blocks("b")
+    cache.flush()
+    _check_clean(cache)
+
+
+# -- the serving benchmarks' command lines ---------------------------------------------------------
+BAD_FLAGS = [
+    ["--requests", "0"], ["--new-tokens", "0"], ["--rounds", "0"], ["--layers", "0"], ["--max-requests", "0"],
+    ["--max-context", "0"], ["--max-batch-tokens", "0"], ["--max-batch-tokens", "-5"],
+    ["--memory-percent", "0"], ["--memory-percent", "nan"], ["--memory-percent", "7"],
+    ["--page-size", "bogus"], ["--page-size", "0"], ["--timeout", "0"], ["--timeout", "nan"],
+    ["--trace", "/nonexistent/trace.csv"], ["--contenders", ","], ["--out", "/proc/version/x"],
+]
+
+
+@pytest.mark.parametrize("script, extra", [("serving_bench", ["--warmup", "-1"]), ("serving_bench", ["--max-prompt", "0"]),
+                                           ("prefix_serving", ["--tol", "-1"]), ("prefix_serving", ["--tol", "nan"]),
+                                           ("prefix_serving", ["--system", "0"]), ("prefix_serving", ["--groups", "0"])]
+                         + [(s, f) for f in BAD_FLAGS for s in ("serving_bench", "prefix_serving")])
+def test_bench_command_lines_refuse_bad_flags_with_a_usage_error(script, extra, capsys, tmp_path):
+    """Each bad flag is a usage error (exit 2, one line naming the flag) before any model is built:
+    these ran with 0 contenders or rounds and exit 0, tracebacked (exit 1) from deep in the
+    engine (--max-requests 0, --memory-percent nan, a missing --trace), or went on with a value
+    --tiny overrode (--page-size bogus)."""
+    mod = __import__(script)
+    built = []
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(mod.sb if hasattr(mod, "sb") else mod, "make_model", lambda *a, **k: built.append(1) or 1 / 0)
+    try:
+        with pytest.raises(SystemExit) as e:
+            mod.main(["--tiny", "--out", str(tmp_path / "out"), *extra])
+    finally:
+        monkey.undo()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and not built, (e.value.code, err[-3:])
+    assert ": error: " in err[-1] and extra[0] in err[-1], err[-1]
+
+
+def test_in_the_engine_an_adoption_never_leaves_free_blocks_negative(monkeypatch):
+    """The engine run of the case above: a request with a cached system prompt joins as the one
+    running request crosses into a new block with the memory full (7 blocks of 64 tokens for
+    requests). Its adoption took the cached blocks the running request's new block counted on:
+    free blocks -1, and the engine soft-reset the adopter before the flush. Now the adoption is
+    refused (vmem's cache counts it served, the engine's counter not), free blocks stay >= 0 after
+    every search, and logits match."""
+    seen = []
+    real = vt.VmemCBCache.search_prefix_match
+
+    def search(self, request_id, prompt_ids):
+        got = real(self, request_id, prompt_ids)
+        seen.append(self.get_num_free_blocks())
+        return got
+
+    monkeypatch.setattr(vt.VmemCBCache, "search_prefix_match", search)
+    with vt.serving(layout="token-major", memory=str(8 * 65536)):
+        model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+        vocab = model.config.vocab_size
+        system = h.make_prompts(1, [192], vocab, seed=7)[0]
+        prompts = [system + h.make_prompts(1, [10], vocab, seed=8)[0], h.make_prompts(1, [250], vocab, seed=9)[0],
+                   system + h.make_prompts(1, [5], vocab, seed=10)[0]]
+        run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 20, cb_kwargs=dict(max_batch_tokens=64),
+                           stagger=[0, 20, 26], streaming=True)
+    cache = run["cache"]
+    assert seen and min(seen) >= 0, seen
+    assert cache.usage()["prefix_hit_tokens"] > cache._total_prefix_length, "the refused adoption did not happen"
+    cmp = h.compare(run, model, 20)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL and cmp["top1_agree"] == cmp["decisive"] > 0, cmp
+    _check_clean(cache)
+
+
+@pytest.mark.parametrize("bad", ["lots", -1, 1.5, True])
+def test_a_bad_prefix_cache_option_is_refused_at_install_and_with_sharing_off(bad):
+    # install(prefix_cache="lots") was accepted and failed only once the engine built its cache
+    # (in its own thread); with the engine's sharing off the value was not looked at.
+    with pytest.raises(vmem.InvalidArgument):
+        vt.install(prefix_cache=bad)
+    assert vt._options["prefix_cache"] is None  # nothing of the refused call stays
+    with pytest.raises(vmem.InvalidArgument):
+        _cache(False, prefix_cache=bad)

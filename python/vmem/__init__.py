@@ -29,6 +29,8 @@ tensors), ``vmem.hf`` a transformers cache.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Set as AbstractSet
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 from . import _vmem
@@ -128,21 +130,57 @@ def _lengths(lengths: Any, max_batch: int) -> List[int]:
 
 
 def _token_ids(tokens: Any) -> List[int]:
-    """Token ids as a list of ints from a list, a tuple, a NumPy array or a CPU tensor (the
-    Rust side checks each is an int in ``0..2**32``)."""
-    if isinstance(tokens, list):
-        return tokens
-    if hasattr(tokens, "tolist"):  # NumPy arrays, torch tensors
+    """Token ids as a list of ints from a list, a tuple, a NumPy array or a CPU tensor (1-D),
+    or any ordered iterable of ints, NumPy integers or 0-d integer CPU tensors (the Rust side
+    checks each is an int in ``0..2**32``)."""
+    if hasattr(tokens, "tolist") and not isinstance(tokens, (list, tuple)):  # arrays, tensors
         device = getattr(tokens, "device", None)
         if device is not None and getattr(device, "type", "cpu") != "cpu":
             raise InvalidArgument("tokens must be on the CPU (a device tensor would sync)")
+        shape = getattr(tokens, "shape", None)
+        if shape is not None and len(shape) != 1:
+            raise InvalidArgument(f"tokens must be a 1-D sequence of token ids, got an array of shape {tuple(shape)}")
+        if "bool" in str(getattr(tokens, "dtype", "")):
+            raise InvalidArgument("tokens must be token ids, not booleans")
         out = tokens.tolist()
         if not isinstance(out, list):
-            raise InvalidArgument(f"tokens must be a 1-D sequence of token ids, got {tokens!r}")
+            raise InvalidArgument(f"tokens must be a 1-D sequence of token ids, got {_short(tokens)}")
         return out
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
-        raise InvalidArgument(f"tokens must be a sequence of token ids, got {tokens!r}")
-    return list(tokens)
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Iterable):
+        raise InvalidArgument(f"tokens must be a sequence of token ids, got {_short(tokens)}")
+    if isinstance(tokens, (Mapping, AbstractSet)):
+        raise InvalidArgument(f"tokens must be an ordered sequence of token ids, not a {type(tokens).__name__}")
+    out = tokens if isinstance(tokens, list) else list(tokens)
+    # The common case, plain ints, goes to Rust as it is (a C loop over the types).
+    if set(map(type, out)) <= {int}:
+        return out
+    return [_token_id(i, t) for i, t in enumerate(out)]
+
+
+def _token_id(i: int, t: Any) -> Any:
+    """Element ``i`` of a prompt as an int where it is an integer scalar (a NumPy integer, a 0-d
+    integer CPU tensor); anything else is refused here, naming it in one short line (ints go on
+    to Rust's range check)."""
+    if isinstance(t, int) and not isinstance(t, bool):
+        if t >= 2**32:  # Rust would say "at most 2**64 - 1" past 64 bits
+            raise InvalidArgument(f"tokens[{i}] = {_short(t)} is not a token id (< 2**32)")
+        return t
+    if not isinstance(t, (bool, float)) and getattr(t, "ndim", 0) == 0 and hasattr(t, "__index__") \
+            and "bool" not in str(getattr(t, "dtype", "")):
+        device = getattr(t, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            raise InvalidArgument("tokens must be on the CPU (a device tensor would sync)")
+        try:
+            return _token_id(i, operator.index(t))
+        except TypeError:
+            pass
+    raise InvalidArgument(f"tokens[{i}] must be an int, got {_short(t)}")
+
+
+def _short(v: Any, most: int = 60) -> str:
+    """``repr(v)``, cut to ``most`` characters."""
+    r = repr(v)
+    return r if len(r) <= most else r[: most - 3] + "..."
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -203,7 +241,8 @@ class KVCache:
     fewest whole pages that hold whole tokens (``prefix_stats()["block_tokens"]``: 16
     tokens of Llama-3-8B token-major at 2 MB, 1,024 per-layer). Writes never reach a shared
     page: only blocks below the adopted length are shared, and a request writes only from
-    there on. Needs a backend that maps a page at several addresses (all but ``sim`` with
+    there on (a step giving a started request a length below the shared blocks it maps is
+    refused with :class:`InvalidArgument`: free it to start it over). Needs a backend that maps a page at several addresses (all but ``sim`` with
     views; docs/prefix-sharing.md).
 
     Unmapping waits for the GPU work queued before it (the CUDA backend synchronizes the
@@ -356,7 +395,9 @@ class KVCache:
         blocks past its length are left out) to the prefix cache, after the step that
         computed them. Returns the blocks newly cached. They stay cached after ``req`` is
         freed, up to ``prefix_cache`` bytes, least recently used evicted first, and are given
-        back before any running request runs short."""
+        back before any running request runs short. Tokens that disagree with the blocks
+        ``req`` holds already (adopted or published) are refused (:class:`InvalidArgument`,
+        nothing cached): its blocks were computed after those, not after these."""
         return self._rs.publish_prefix(req, _token_ids(tokens))
 
     def prefix_stats(self) -> Dict[str, int]:

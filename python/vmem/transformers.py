@@ -200,6 +200,8 @@ def _set_options(options: Dict[str, Any]) -> None:
         raise InvalidArgument(f"layout must be 'per-layer' or 'token-major', got {options['layout']!r}")
     if "kernel" in options and options["kernel"] not in KERNELS:
         raise InvalidArgument(f"kernel must be one of {KERNELS}, got {options['kernel']!r}")
+    if options.get("prefix_cache") is not None:
+        parse_bytes(options["prefix_cache"])  # InvalidArgument now, not once the engine builds its cache
     _options.update(options)
 
 
@@ -514,9 +516,11 @@ class VmemCBCache(_Recorder):
         # (kernel="fa": a block is one page's tokens). Flex blocks span several pages' tokens
         # (lcm with its KV block), which vmem's blocks do not match: no sharing there.
         self.sharing = bool(cb.allow_block_sharing) and kernel == "fa"
-        prefix_cap = None
-        if self.sharing:
-            prefix_cap = cap if prefix_cache is None else parse_bytes(prefix_cache)
+        prefix_cap = None if prefix_cache is None else parse_bytes(prefix_cache)  # checked even when unused
+        if not self.sharing:
+            prefix_cap = None
+        elif prefix_cap is None:
+            prefix_cap = cap
         if kernel == "fa" and self.rows * self.max_context >= 2**31:
             raise InvalidArgument(
                 f"{VMEM_ATTENTION} kernel='fa': rows x max_context = {self.rows} x {self.max_context} tokens "
@@ -719,19 +723,23 @@ class VmemCBCache(_Recorder):
         """Gives a pending request a row that starts with the cached pages of the longest prefix
         of ``prompt_ids`` the cache holds (:meth:`vmem.KVCache.adopt_prefix`: mapped, not copied,
         at least the last token left to compute); returns the tokens adopted, a multiple of
-        ``block_size`` (0, holding nothing, when none or when no row is free)."""
-        if not self.sharing:
-            return 0
-        row = self._row.get(request_id)
-        fresh = row is None
+        ``block_size`` (0, holding nothing, when none, when no row is free, or when the cached
+        blocks it would map are the memory this round's allocations counted on)."""
+        if not self.sharing or request_id in self._row:
+            return 0  # a pending request holds no row; one that does keeps what it has
+        row = None
         try:
-            if row is None:
-                row = self.kv.alloc()
+            row = self.kv.alloc()
             got = self.kv.adopt_prefix(row, prompt_ids)
+            # Adopting maps cached blocks no request mapped, which get_num_free_blocks counted
+            # as free: when this round's allocations were counting on them, the request waits
+            # (else the round's step would run out of memory).
+            if got and self.get_num_free_blocks() < 0:
+                got = 0
         except VmemError:
             got = 0
         if got == 0:
-            if fresh and row is not None:
+            if row is not None:
                 self.kv.free(row)
             return 0
         blocks = got // self.block_size

@@ -270,6 +270,28 @@ fn block_shape(page: u64, token_bytes: u64) -> (u64, u64) {
 }
 
 impl State {
+    /// Refuses a step that gives a request a length below the cached blocks it maps (adopted
+    /// or published), once it has started: it would compute, and write, positions that lie in
+    /// pages other requests and the cache share. Before its first step (length 0, nothing
+    /// pending) an adopted request may be given 0.
+    pub(super) fn check_prefix_lengths(&self, seq_lens: &[u64]) -> Result<()> {
+        if !self.prefix.on() {
+            return Ok(());
+        }
+        for (r, &len) in seq_lens.iter().enumerate() {
+            let held = self.prefix.held_tokens(r);
+            let started = self.requests.seq_lens[r] > 0 || self.requests.pending[r] > 0;
+            if len < held && (len > 0 || started) {
+                return Err(VmemError::InvalidConfig(format!(
+                    "request {r} maps {held} tokens of shared prefix pages: its length cannot go \
+                     below them (it would write pages other requests read); got {len}. Free it \
+                     to start it over"
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Maps the cached prefix of `hashes` (at most `most` blocks) into inactive-range request
     /// `r` (active, nothing computed yet). See [`KvCacheManager::adopt_prefix_hashes`].
     fn adopt(&mut self, r: usize, hashes: &[BlockHash], most: u64) -> Result<u64> {
@@ -339,8 +361,20 @@ impl State {
     }
 
     /// Hands request `r`'s computed full blocks, hashed `hashes`, to the cache: from the
-    /// first block it does not hold yet, while the cache has no block of that hash.
-    fn publish(&mut self, r: usize, hashes: &[BlockHash]) -> u64 {
+    /// first block it does not hold yet, while the cache has no block of that hash. Refused,
+    /// caching nothing, when `hashes` disagree with the cached blocks `r` holds (adopted or
+    /// published): its row holds other tokens than those, and its blocks past them were
+    /// computed after those, so caching them under `hashes` would serve them to requests
+    /// whose prefix they are not.
+    fn publish(&mut self, r: usize, hashes: &[BlockHash]) -> Result<u64> {
+        let held = &self.prefix.held[r];
+        let common = held.len().min(hashes.len());
+        if held[..common] != hashes[..common] {
+            return Err(VmemError::InvalidConfig(format!(
+                "request {r}'s tokens are not the tokens of the prefix it holds (adopted or \
+                 published before): publish the tokens its row was computed from"
+            )));
+        }
         let bt = self.prefix.block_tokens;
         let m = self.prefix.block_pages as usize;
         let mapped = self.buffers.iter().map(|b| b.mapped(r)).min().unwrap_or(0);
@@ -369,7 +403,7 @@ impl State {
             self.prefix.held[r].push(h);
             n += 1;
         }
-        n
+        Ok(n)
     }
 }
 
@@ -437,7 +471,9 @@ impl KvCacheManager {
     /// Publishes active request `req`'s computed full blocks of `tokens` (its token ids so
     /// far; blocks past its current length are left out) to the prefix cache, so later
     /// requests can adopt them. Returns the blocks newly cached. Call it after the step that
-    /// prefilled them. Fails with [`VmemError::Unsupported`] when sharing is off.
+    /// prefilled them. Fails with [`VmemError::Unsupported`] when sharing is off, and with
+    /// [`VmemError::InvalidConfig`], caching nothing, when `tokens` disagree with the cached
+    /// blocks `req` holds already (adopted or published).
     pub fn publish_prefix(&self, req: usize, tokens: &[u32]) -> Result<u64> {
         let bt = self.prefix_block_tokens() as usize;
         self.publish_prefix_hashes(req, &block_hashes(tokens, bt))
@@ -446,7 +482,7 @@ impl KvCacheManager {
     /// [`KvCacheManager::publish_prefix`] with the block hashes computed by the caller.
     pub fn publish_prefix_hashes(&self, req: usize, hashes: &[BlockHash]) -> Result<u64> {
         let mut st = self.lock_for_prefix(req)?;
-        Ok(st.publish(req, hashes))
+        st.publish(req, hashes)
     }
 
     /// The manager's state, locked, for a prefix call on `req`: a valid, active request not

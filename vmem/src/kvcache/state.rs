@@ -352,7 +352,7 @@ impl State {
                 return Err(VmemError::InactiveRequest(r));
             }
         }
-        Ok(())
+        self.check_prefix_lengths(seq_lens)
     }
 
     pub(super) fn check_id(&self, r: usize) -> Result<()> {
