@@ -69,6 +69,7 @@ fn py_err(e: CoreError) -> PyErr {
         | CoreError::NotAllocated(_)
         | CoreError::ContextTooLong { .. }
         | CoreError::TooManyRequests(_)
+        | CoreError::PrefixMisuse { .. }
         | CoreError::Unsupported { .. } => InvalidArgument::new_err(msg),
         _ => VmemError::new_err(msg),
     }

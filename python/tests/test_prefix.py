@@ -313,6 +313,8 @@ def test_a_length_below_the_shared_pages_a_request_maps_is_refused_once_it_start
     kv.step({a: len(p), c: 3 * 128})  # down to the shared pages themselves: nothing shared is written
     for want, got in zip(written, rows(kv, a, len(p))):
         assert np.array_equal(want, got)
+    with pytest.raises(vmem.InvalidArgument, match=f"prefix sharing, request {c}: it has tokens already"):
+        kv.adopt_prefix(c, p)  # adopting again, after steps
     kv.free(c)  # to start over, free it
     c = kv.alloc()
     assert kv.adopt_prefix(c, p) == 3 * 128

@@ -496,7 +496,7 @@ fn the_prefix_api_refuses_wrong_ids_inactive_requests_and_a_second_adoption() {
     assert_eq!(kv.adopt_prefix(b, &p).unwrap(), 2 * bt);
     assert!(matches!(
         kv.adopt_prefix(b, &p),
-        Err(VmemError::InvalidConfig(_))
+        Err(VmemError::PrefixMisuse { req, .. }) if req == b
     ));
     let r = sim_kv(Some(0));
     // A cap of 0 is accepted and keeps nothing unmapped: a finished request's blocks go.

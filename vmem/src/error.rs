@@ -10,6 +10,17 @@ pub enum VmemError {
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
 
+    /// A prefix-sharing call that does not fit what request `req` holds: adopting into a
+    /// request that has tokens already, publishing tokens other than those of the prefix it
+    /// holds, or a step that gives it a length below the shared pages it maps. Nothing changed.
+    #[error("prefix sharing, request {req}: {why}")]
+    PrefixMisuse {
+        /// The request.
+        req: usize,
+        /// What was wrong with the call.
+        why: String,
+    },
+
     /// A size computation (e.g. `B x L x H x D x P`) does not fit in 64 bits.
     #[error("size overflow while computing {0}")]
     SizeOverflow(&'static str),

@@ -353,7 +353,9 @@ impl KvCacheManager {
     ///
     /// Fails with [`VmemError::OutOfMemory`] before mapping anything when the pool, even after
     /// reclaiming every deferred request, cannot cover the step; the engine can then preempt
-    /// a request and retry. On any error every mapping made before the call is intact.
+    /// a request and retry; with [`VmemError::PrefixMisuse`] when a started request would go
+    /// below the shared prefix pages it maps. On any error every mapping made before the call
+    /// is intact.
     pub fn step(&self, seq_lens: &[u64]) -> Result<StepReport> {
         let r = self.step_unrecorded(seq_lens);
         self.record(|d, st| d.step(st, seq_lens, &r));

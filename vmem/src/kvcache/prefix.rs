@@ -282,11 +282,14 @@ impl State {
             let held = self.prefix.held_tokens(r);
             let started = self.requests.seq_lens[r] > 0 || self.requests.pending[r] > 0;
             if len < held && (len > 0 || started) {
-                return Err(VmemError::InvalidConfig(format!(
-                    "request {r} maps {held} tokens of shared prefix pages: its length cannot go \
-                     below them (it would write pages other requests read); got {len}. Free it \
-                     to start it over"
-                )));
+                return Err(VmemError::PrefixMisuse {
+                    req: r,
+                    why: format!(
+                        "it maps {held} tokens of shared prefix pages: its length cannot go below \
+                         them (it would write pages other requests read); got {len}. Free it to \
+                         start it over"
+                    ),
+                });
             }
         }
         Ok(())
@@ -299,9 +302,10 @@ impl State {
             || self.requests.pending[r] > 0
             || self.prefix.held_blocks(r) > 0
         {
-            return Err(VmemError::InvalidConfig(format!(
-                "request {r} has tokens already: a prefix is adopted before its first step"
-            )));
+            return Err(VmemError::PrefixMisuse {
+                req: r,
+                why: "it has tokens already: a prefix is adopted before its first step".into(),
+            });
         }
         // Leftover pages (a deferred predecessor's, eager ones) go first: the range must be
         // empty, so the adopted pages start it.
@@ -370,10 +374,12 @@ impl State {
         let held = &self.prefix.held[r];
         let common = held.len().min(hashes.len());
         if held[..common] != hashes[..common] {
-            return Err(VmemError::InvalidConfig(format!(
-                "request {r}'s tokens are not the tokens of the prefix it holds (adopted or \
-                 published before): publish the tokens its row was computed from"
-            )));
+            return Err(VmemError::PrefixMisuse {
+                req: r,
+                why: "its tokens are not the tokens of the prefix it holds (adopted or published \
+                      before): publish the tokens its row was computed from"
+                    .into(),
+            });
         }
         let bt = self.prefix.block_tokens;
         let m = self.prefix.block_pages as usize;
@@ -419,7 +425,7 @@ impl KvCacheManager {
     /// cache (a multiple of [`KvCacheManager::prefix_block_tokens`]); the engine prefills
     /// from there. Pages `req` held from an earlier request (deferred, eager) are unmapped
     /// first. On error nothing is mapped. Fails with [`VmemError::Unsupported`] when sharing
-    /// is off.
+    /// is off, and with [`VmemError::PrefixMisuse`] when `req` has tokens (or a prefix) already.
     ///
     /// ```
     /// use std::sync::Arc;
@@ -472,7 +478,7 @@ impl KvCacheManager {
     /// far; blocks past its current length are left out) to the prefix cache, so later
     /// requests can adopt them. Returns the blocks newly cached. Call it after the step that
     /// prefilled them. Fails with [`VmemError::Unsupported`] when sharing is off, and with
-    /// [`VmemError::InvalidConfig`], caching nothing, when `tokens` disagree with the cached
+    /// [`VmemError::PrefixMisuse`], caching nothing, when `tokens` disagree with the cached
     /// blocks `req` holds already (adopted or published).
     pub fn publish_prefix(&self, req: usize, tokens: &[u32]) -> Result<u64> {
         let bt = self.prefix_block_tokens() as usize;
