@@ -115,6 +115,7 @@ of the KV block (128 or 256): the KV blocks listed are the request's physical bl
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -166,6 +167,7 @@ _DEFAULTS: Dict[str, Any] = {
     "prefix_cache": None,
 }
 _options: Dict[str, Any] = dict(_DEFAULTS)
+_log = logging.getLogger(__name__)
 _installed: Dict[str, Any] = {}
 _lock = threading.Lock()
 
@@ -767,8 +769,8 @@ class VmemCBCache(_Recorder):
         tokens = (list(state.initial_tokens) + list(state.generated_tokens))[:computed]
         try:
             self.kv.publish_prefix(row, tokens)
-        except VmemError:
-            pass  # nothing published; the request goes on unshared
+        except VmemError as e:  # nothing published; the request goes on unshared, and says why
+            _log.warning("vmem: request %s's blocks were not published for sharing: %s", state.request_id, e)
         return None
 
     def compute_max_num_forks(self, source_request_id: str) -> int:
