@@ -242,8 +242,8 @@ class KVCache:
     tokens of Llama-3-8B token-major at 2 MB, 1,024 per-layer). Writes never reach a shared
     page: only blocks below the adopted length are shared, and a request writes only from
     there on (a step giving a started request a length below the shared blocks it maps is
-    refused with :class:`InvalidArgument`: free it to start it over). Needs a backend that maps a page at several addresses (all but ``sim`` with
-    views; docs/prefix-sharing.md).
+    refused with :class:`InvalidArgument`: free it to start it over). Needs a backend that
+    maps a page at several addresses (all but ``sim`` with views; docs/prefix-sharing.md).
 
     Unmapping waits for the GPU work queued before it (the CUDA backend synchronizes the
     context first), so no queued kernel reads memory that goes away. A view reaches only the
