@@ -616,8 +616,7 @@ class VmemCBCache(_Recorder):
         count as free (a step evicts them before it runs short)."""
         if not self.sharing:
             return self.num_blocks - self._used_blocks
-        u, s = self.kv.usage(), self.kv.prefix_stats()
-        mapped_blocks = (u["mapped_bytes"] - s["shared_savings_bytes"]) // (self.pages_per_block * self.page_bytes)
+        mapped_blocks = self.distinct_mapped_bytes() // (self.pages_per_block * self.page_bytes)
         return self.num_blocks - (mapped_blocks - 1) - self._pending_blocks  # less the trash row's block
 
     def blocks_needed(self, num_requested_blocks: int, allocated_blocks: int) -> int:
@@ -792,17 +791,18 @@ class VmemCBCache(_Recorder):
     def distinct_mapped_bytes(self) -> int:
         """Bytes of pages mapped, each page once however many rows share it (the trash row's
         included)."""
-        u = self.kv.usage()
-        return int(u["mapped_bytes"] - (self.kv.prefix_stats()["shared_savings_bytes"] if self.sharing else 0))
+        mapped = int(self.kv.usage()["mapped_bytes"])
+        return mapped - int(self.kv.prefix_stats()["shared_savings_bytes"]) if self.sharing else mapped
 
     def usage(self) -> Dict[str, int]:
         """vmem's counters (bytes mapped, physical, ...), plus rows and blocks in use (a shared
         block once per row), and the prefix cache's (``prefix_*``; zeros when sharing is off)."""
         u = dict(self.kv.usage())
+        stats = self.kv.prefix_stats()
         u["rows_in_use"] = len(self._row)
         u["blocks_in_use"] = self._used_blocks
-        u["distinct_mapped_bytes"] = self.distinct_mapped_bytes()
-        for k, v in self.kv.prefix_stats().items():
+        u["distinct_mapped_bytes"] = int(u["mapped_bytes"] - stats["shared_savings_bytes"])
+        for k, v in stats.items():
             u[f"prefix_{k}"] = v
         return u
 
