@@ -83,15 +83,8 @@ def check(model: Any, args: Any, budget: Dict[str, int], tol: float) -> Dict[str
         runs = {}
         for name in filter(None, (shared_name, plain_name)):
             spec = CONTENDERS[name]
-            kw = dict(cbk, allow_block_sharing=spec["sharing"])
-            opts: Dict[str, Any] = {}
-            if spec["attn"] == vt.VMEM_ATTENTION:
-                opts = dict(layout=spec["layout"], memory=budget["kv_bytes"], page_size=args.page_size,
-                            max_requests=32, max_context=args.max_context)
-            else:
-                kw.update(block_size=spec["block_size"],
-                          num_blocks=budget["kv_bytes"] // (spec["block_size"] * budget["token_bytes"]),
-                          max_memory_percent=0.95)
+            extra, opts = sb.contender_config(model, spec, args, budget, max_requests=32)
+            kw = dict(cbk, **extra)
             with vt.serving(**opts):
                 runs[name] = h.run_engine(model, spec["attn"], prompts, new, cb_kwargs=kw, stagger=stagger)
             # Keep what is needed of the cache, and let its memory go before the next run.

@@ -38,7 +38,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -137,27 +137,9 @@ def run_one(model: Any, name: str, prompts: List[List[int]], args: Any, budget: 
     model.set_attn_implementation(spec["attn"])
     gen = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     kw: Dict[str, Any] = dict(max_batch_tokens=budget["max_batch_tokens"], max_memory_percent=args.memory_percent,
-                              use_cuda_graph=False, allow_block_sharing=spec.get("sharing", True))
-    if spec["attn"] == vt.VMEM_ATTENTION:
-        max_requests = args.max_requests
-        if spec["kernel"] == "flex":
-            # Compiled Flex indexes [rows, Hkv, max_context, D] with 32-bit offsets (rows = requests
-            # + the trash row): cap the rows there, as vmem.transformers refuses more.
-            cfg = model.config
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            per_row = args.max_context * cfg.num_key_value_heads * head_dim
-            max_requests = min(max_requests, (2**31 - 1) // per_row - 1)
-        opts = dict(layout=spec["layout"], kernel=spec["kernel"], memory=budget["kv_bytes"],
-                    page_size=args.page_size, max_requests=max_requests, max_context=args.max_context)
-    else:
-        bs = spec["block_size"]
-        # The budget is fixed by num_blocks; the engine still checks its footprint against
-        # max_memory_percent of the memory free *now*, which the run before may have moved by a
-        # few hundred MB (seen on the H100: 39.37 GB asked, 39.28 GB allowed). Let the check
-        # pass; the blocks, not the percentage, set what the cache holds.
-        kw.update(block_size=bs, num_blocks=budget["kv_bytes"] // (bs * budget["token_bytes"]),
-                  max_memory_percent=0.95)
-        opts = {}
+                              use_cuda_graph=False)
+    extra, opts = contender_config(model, spec, args, budget)
+    kw.update(extra)
     watch = Watch(model)
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     with vt.serving(**opts):
@@ -204,6 +186,35 @@ def run_one(model: Any, name: str, prompts: List[List[int]], args: Any, budget: 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
+
+
+def contender_config(model: Any, spec: Dict[str, Any], args: Any, budget: Dict[str, int],
+                     max_requests: Optional[int] = None) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """What contender ``spec`` needs to hold exactly ``budget["kv_bytes"]`` of KV: the engine's
+    config entries (block sharing per the spec's ``sharing``, default on as in the engine; for
+    the engine's own cache its block size and block count) and the ``vmem.transformers.serving``
+    options (vmem: layout, kernel, memory, rows — ``max_requests``, default ``--max-requests``)."""
+    kw: Dict[str, Any] = dict(allow_block_sharing=spec.get("sharing", True))
+    if spec["attn"] == vt.VMEM_ATTENTION:
+        rows = args.max_requests if max_requests is None else max_requests
+        if spec.get("kernel", "fa") == "flex":
+            # Compiled Flex indexes [rows, Hkv, max_context, D] with 32-bit offsets (rows = requests
+            # + the trash row): cap the rows there, as vmem.transformers refuses more.
+            cfg = model.config
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            per_row = args.max_context * cfg.num_key_value_heads * head_dim
+            rows = min(rows, (2**31 - 1) // per_row - 1)
+        opts = dict(layout=spec["layout"], kernel=spec.get("kernel", "fa"), memory=budget["kv_bytes"],
+                    page_size=args.page_size, max_requests=rows, max_context=args.max_context)
+        return kw, opts
+    bs = spec["block_size"]
+    # The budget is fixed by num_blocks; the engine still checks its footprint against
+    # max_memory_percent of the memory free *now*, which the run before may have moved by a
+    # few hundred MB (seen on the H100: 39.37 GB asked, 39.28 GB allowed). Let the check
+    # pass; the blocks, not the percentage, set what the cache holds.
+    kw.update(block_size=bs, num_blocks=budget["kv_bytes"] // (bs * budget["token_bytes"]),
+              max_memory_percent=0.95)
+    return kw, {}
 
 
 def await_results(mgr: Any, name: str, ids: List[str], results: Dict[str, Any], t0: float, timeout: float) -> None:
