@@ -46,10 +46,11 @@ import time
 os.environ.setdefault("KVCACHED_MAX_RESERVED_PAGES", "0")
 os.environ.setdefault("KVCACHED_MIN_RESERVED_PAGES", "0")
 
-import torch  # noqa: E402
+import torch
+import vmem_bench as bench
+from harness.stats import percentile
 
-import vmem  # noqa: E402
-import vmem_bench as bench  # noqa: E402  (python/benches/native)
+import vmem
 
 PAGE = 2 << 20
 RUNS = [1, 16, 512]
@@ -167,17 +168,17 @@ def main():
                 if rnd >= 2:
                     cycles.append(slot)
 
-        def ratio(a, b):
+        def ratio(a, b, cycles=cycles):
             """Median over slots of a's cycle time / b's in the same slot (drift cancels)."""
             return statistics.median(x[a] / x[b] for x in cycles)
 
         for c in contenders:
             m = statistics.median(t_map[c])
             u = statistics.median(t_unmap[c])
-            mp = sorted(t_map[c])[int(len(t_map[c]) * 0.99) - 1 if len(t_map[c]) > 1 else 0]
-            up = sorted(t_unmap[c])[int(len(t_unmap[c]) * 0.99) - 1 if len(t_unmap[c]) > 1 else 0]
+            mp = percentile(t_map[c], 99)
+            up = percentile(t_unmap[c], 99)
             gbps = PAGE / ((m + u) * 1e-6) / 1e9
-            rows.append(dict(pages=n, contender=c, map_us=m, map_p99=mp, unmap_us=u, unmap_p99=up, cycle_gbps=gbps))
+            rows.append({"pages": n, "contender": c, "map_us": m, "map_p99": mp, "unmap_us": u, "unmap_p99": up, "cycle_gbps": gbps})
             print(f"{n:<6} {c:<20} {m:>10.2f} {mp:>8.2f} {u:>11.2f} {up:>8.2f} {gbps:>10.1f}", flush=True)
         pairs = [("raw per page", "vmem per page"), ("raw per page + sync", "vmem per page"),
                  ("raw batched", "vmem batched"), ("kvcached per page", "vmem per page"),
@@ -192,9 +193,10 @@ def main():
             print(f"{n:<6}   {k:<44} {v:6.3f}", flush=True)
     out = os.environ.get("OUT", "/tmp")
     with open(os.path.join(out, "alloc_bench.json"), "w") as fh:
-        json.dump(dict(rows=rows, ratios=ratios), fh, indent=1)
+        json.dump({"rows": rows, "ratios": ratios}, fh, indent=1)
     kva.close()
-    del sets, pa
+    sets.clear()
+    pa = None  # the page allocator goes before the summary
     vmm_ops.shutdown_kvcached()
 
 

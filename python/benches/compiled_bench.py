@@ -35,6 +35,7 @@ import sys
 import time
 
 import torch
+from harness.models import LLAMA_TOKENS, llama3_8b_config, random_model
 from transformers import LogitsProcessor, LogitsProcessorList
 
 RESULTS = {"checks": [], "rows": []}
@@ -43,7 +44,7 @@ FAILED = []
 
 
 def check(name, ok, detail=""):
-    RESULTS["checks"].append(dict(name=name, ok=bool(ok), detail=detail))
+    RESULTS["checks"].append({"name": name, "ok": bool(ok), "detail": detail})
     print(f"[{'PASS' if ok else 'FAIL'}] {name}" + (f": {detail}" if detail else ""), flush=True)
     if not ok:
         FAILED.append(name)
@@ -83,20 +84,16 @@ def blhd_static_cache(cfg, max_len):
 
 def main():
     import transformers
-    from transformers import StaticCache
     from torch._dynamo.utils import counters
-
+    from transformers import StaticCache
     from vmem.hf import VmemCache
 
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}", flush=True)
-    cfg = transformers.LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-        num_hidden_layers=4, vocab_size=32000, max_position_embeddings=16384, rope_theta=500000.0)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
+    cfg = llama3_8b_config(4, vocab=32000, max_position_embeddings=16384, tokens=LLAMA_TOKENS)
+    model = random_model(cfg, torch.bfloat16, "cuda")
     with torch.no_grad():
         model.lm_head.weight.mul_(50.0)
     decode = 64
@@ -110,12 +107,13 @@ def main():
             ids[i, : ctx - n] = 0
             mask[i, ctx - n:] = 1
         max_len = 4 * ctx
-        makers = {"static": lambda: StaticCache(config=cfg, max_cache_len=max_len),
-                  "static BLHD": lambda: blhd_static_cache(cfg, max_len)}
+        makers = {"static": lambda max_len=max_len: StaticCache(config=cfg, max_cache_len=max_len),
+                  "static BLHD": lambda max_len=max_len: blhd_static_cache(cfg, max_len)}
         for lay in layouts:
-            makers[f"vmem {lay}"] = (lambda lay=lay: VmemCache(cfg, B, max_len, layout=lay, static=True))
+            makers[f"vmem {lay}"] = (lambda lay=lay, B=B, max_len=max_len: VmemCache(cfg, B, max_len, layout=lay,
+                                                                                      static=True))
 
-        def gen(cache, n, **kw):
+        def gen(cache, n, ids=ids, mask=mask, **kw):
             torch.cuda.synchronize()
             t = time.perf_counter()
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
@@ -133,7 +131,7 @@ def main():
             try:
                 with torch.no_grad():
                     out, dt = gen(cache, decode + 1, return_dict_in_generate=True, output_logits=True)
-            except Exception as e:  # a contender that fails is a failed check; the rest run
+            except Exception as e:  # noqa: BLE001 - a contender that fails is a failed check; the rest run
                 import traceback
 
                 traceback.print_exc()
@@ -193,7 +191,7 @@ def main():
         caches.clear()
         need = 2 * 4 * 8 * 128 * 2 * sum(n + decode for n in lens)
 
-        def paired(name, ref_name):
+        def paired(name, ref_name, times=times):
             """Median over rounds of this round's ratio to the reference's."""
             if not times.get(ref_name):
                 return float("nan")
@@ -201,16 +199,16 @@ def main():
 
         for name, ts in times.items():
             tps = statistics.median(ts)
-            row = dict(batch=B, context=ctx, max_cache_len=max_len, cache=name, tokens_per_s=round(tps, 1),
-                       vs_static=round(paired(name, "static"), 3), vs_static_blhd=round(paired(name, "static BLHD"), 3),
-                       rounds=[round(x, 1) for x in ts], kv_bytes=kv_bytes[name], kv_needed=need)
+            row = {"batch": B, "context": ctx, "max_cache_len": max_len, "cache": name, "tokens_per_s": round(tps, 1),
+                       "vs_static": round(paired(name, "static"), 3), "vs_static_blhd": round(paired(name, "static BLHD"), 3),
+                       "rounds": [round(x, 1) for x in ts], "kv_bytes": kv_bytes[name], "kv_needed": need}
             RESULTS["rows"].append(row)
             print(f"B={B:<3} ctx={ctx:<5} {name:<17} {tps:9.1f} tok/s  x{row['vs_static']:.3f} of static, "
                   f"x{row['vs_static_blhd']:.3f} of static BLHD  "
                   f"KV {kv_bytes[name] / 2**20:7.1f} MB (tokens need {need / 2**20:.1f} MB)", flush=True)
         for name in ref:
             if name.startswith("vmem"):
-                r = [x for x in RESULTS["rows"] if x["batch"] == B and x["context"] == ctx and x["cache"] == name][0]
+                r = next(x for x in RESULTS["rows"] if x["batch"] == B and x["context"] == ctx and x["cache"] == name)
                 check(f"B={B} ctx={ctx} {name}: decode within 3% of StaticCache, compiled", r["vs_static"] >= 0.97,
                       f"x{r['vs_static']:.3f}")
         gc.collect()

@@ -25,6 +25,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+from harness.models import LLAMA_TOKENS, llama3_8b_config, random_model
+from harness.stats import percentile
+from harness.trace import prompt_lengths
 
 import vmem
 
@@ -40,15 +43,11 @@ def check(name, ok, detail=""):
 
 
 def throughput():
-    import transformers
     from transformers import DynamicCache, StaticCache
     from vmem.hf import VmemCache
 
-    cfg = transformers.LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-        num_hidden_layers=4, vocab_size=32000, max_position_embeddings=8192)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
+    cfg = llama3_8b_config(4, vocab=32000, max_position_embeddings=8192, tokens=LLAMA_TOKENS)
+    model = random_model(cfg, torch.bfloat16, "cuda")
     rows = []
     decode = 64
     for B in [1, 8, 32]:
@@ -57,9 +56,9 @@ def throughput():
             max_len = ctx + decode + 8
             makers = {
                 "dynamic": lambda: DynamicCache(config=cfg),
-                "static": lambda: StaticCache(config=cfg, max_cache_len=max_len),
-                "vmem-per-layer": lambda: VmemCache(cfg, B, max_len, layout="per-layer"),
-                "vmem-token-major": lambda: VmemCache(cfg, B, max_len, layout="token-major"),
+                "static": lambda max_len=max_len: StaticCache(config=cfg, max_cache_len=max_len),
+                "vmem-per-layer": lambda B=B, max_len=max_len: VmemCache(cfg, B, max_len, layout="per-layer"),
+                "vmem-token-major": lambda B=B, max_len=max_len: VmemCache(cfg, B, max_len, layout="token-major"),
             }
             times = {k: [] for k in makers}
             peaks = {}
@@ -68,8 +67,6 @@ def throughput():
                     gc.collect()
                     torch.cuda.empty_cache()
                     torch.cuda.synchronize()
-                    base = torch.cuda.memory_allocated()
-                    free0 = torch.cuda.mem_get_info()[0]
                     torch.cuda.reset_peak_memory_stats()
                     cache = make()
                     with torch.no_grad():
@@ -94,21 +91,12 @@ def throughput():
             need = 2 * 4 * 8 * 128 * 2 * B * (ctx + decode)
             for name in makers:
                 tps = statistics.median(times[name])
-                rows.append(dict(batch=B, context=ctx, cache=name, tokens_per_s=round(tps, 1),
-                                 kv_bytes=peaks[name], kv_needed=need,
-                                 vs_static=round(tps / statistics.median(times["static"]), 3)))
+                rows.append({"batch": B, "context": ctx, "cache": name, "tokens_per_s": round(tps, 1),
+                                 "kv_bytes": peaks[name], "kv_needed": need,
+                                 "vs_static": round(tps / statistics.median(times["static"]), 3)})
                 print(f"B={B:<3} ctx={ctx:<5} {name:<17} {tps:9.1f} tok/s  x{rows[-1]['vs_static']:.3f} of static  KV {peaks[name] >> 20:6} MB (tokens need {need >> 20} MB)", flush=True)
     RESULTS["throughput"] = rows
     del model
-
-
-def trace_prompt_lengths(n, cap):
-    """The first n prompt lengths of the Azure conversation trace, capped."""
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "vmem-cli", "data", "traces",
-                        "azure-conv-2023-first2000.csv")
-    with open(path) as fh:
-        next(fh)
-        return [min(int(line.split(",")[1]), cap) for _, line in zip(range(n), fh)]
 
 
 def padding_cost():
@@ -116,7 +104,7 @@ def padding_cost():
     torch.manual_seed(0)
     B, H, D, G, layers, steps, cap = 16, 8, 128, 4, 4, 512, 7000
     max_ctx = 8192
-    lens0 = trace_prompt_lengths(B, cap)
+    lens0 = prompt_lengths(None, B, cap)
     q = torch.randn(B, H * G, 1, D, device="cuda", dtype=torch.bfloat16)
     new = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
     rows = torch.arange(B, device="cuda")
@@ -181,9 +169,9 @@ def padding_cost():
     print(f"batch {B}, prompts {min(lens0)}-{max(lens0)} tokens (Azure conv), {steps} decode steps, 3 rounds:")
     for m in modes:
         ts = sorted(per[m])
-        med, p99 = statistics.median(ts), ts[int(len(ts) * 0.99) - 1]
-        rows_out.append(dict(mode=m, step_ms=med * 1e3, p99_ms=p99 * 1e3, vs_buffer=med / base, mapped_bytes=mapped[m],
-                             kv_bytes=need))
+        med, p99 = statistics.median(ts), percentile(ts, 99)
+        rows_out.append({"mode": m, "step_ms": med * 1e3, "p99_ms": p99 * 1e3, "vs_buffer": med / base, "mapped_bytes": mapped[m],
+                             "kv_bytes": need})
         print(f"  {m:<13} step {med * 1e3:7.3f} ms (x{med / base:.3f} of the buffer) p99 {p99 * 1e3:7.3f} ms  "
               f"mapped {mapped[m] >> 20:6} MB (tokens need {need >> 20} MB)", flush=True)
     RESULTS["padding_cost"] = rows_out
@@ -203,7 +191,7 @@ def main():
         t = time.perf_counter()
         try:
             f()
-        except Exception as e:  # a benchmark that raises has failed, and the rest still run
+        except Exception as e:  # noqa: BLE001 - a benchmark that raises has failed, and the rest still run
             import traceback
 
             traceback.print_exc()
@@ -211,7 +199,7 @@ def main():
         print(f"-- {f.__name__}: {time.perf_counter() - t:.1f} s", flush=True)
     name = "python_gpu.json" if not only else f"python_gpu-{'-'.join(only)}.json"
     with open(os.path.join(OUT, name), "w") as fh:
-        json.dump(dict(results=RESULTS, failures=FAILS), fh, indent=1)
+        json.dump({"results": RESULTS, "failures": FAILS}, fh, indent=1)
     print("ALL PYTHON GPU BENCHMARKS RAN" if not FAILS else f"FAILED: {FAILS}")
     sys.exit(1 if FAILS else 0)
 

@@ -24,11 +24,10 @@ import time
 
 os.environ.setdefault("KVCACHED_MAX_RESERVED_PAGES", "0")
 os.environ.setdefault("KVCACHED_MIN_RESERVED_PAGES", "0")
-import torch  # noqa: E402,F401  (the CUDA context, as in an engine)
+import torch  # noqa: F401  (the CUDA context, as in an engine)
+import vmem_bench
 
-import vmem  # noqa: E402
-from vmem import _vmem  # noqa: E402
-import vmem_bench  # noqa: E402  (python/benches/native)
+import vmem
 
 PAGE = 2 << 20
 N = 512
@@ -51,8 +50,9 @@ def run(label, slots=400):
     print(label, "threads:", threading.active_count(), " ".join(f"{k}={statistics.median(v)*1e6:.1f}" for k, v in t.items()), flush=True)
 run("before kvcached")
 run("before kvcached")
-import kvcached  # noqa: E402,F401
-from kvcached import vmm_ops  # noqa: E402
+import kvcached  # noqa: F401
+from kvcached import vmm_ops
+
 vmm_ops.init_kvcached("cuda:0", PAGE, False)
 vmm_ops.create_kv_tensors(2 * N * PAGE, 2, "cuda:0", 1)
 vmm_ops.create_kv_tensors(2 * N * PAGE, 2, "cuda:0", 1, 2, 1)

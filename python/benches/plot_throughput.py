@@ -13,7 +13,8 @@ COLORS = {"dynamic": "#888888", "static": "#1f77b4", "vmem-per-layer": "#d62728"
 
 
 def main(src, dst):
-    rows = json.load(open(src))["results"]["throughput"]
+    with open(src) as f:
+        rows = json.load(f)["results"]["throughput"]
     groups = []
     for r in rows:
         key = (r["batch"], r["context"])
@@ -50,7 +51,8 @@ def main(src, dst):
         out.append(f'<rect x="{x}" y="{H-28}" width="12" height="12" fill="{COLORS[c]}"/>')
         out.append(f'<text x="{x+16}" y="{H-18}">{c}</text>')
     out.append("</svg>")
-    open(dst, "w").write("\n".join(out) + "\n")
+    with open(dst, "w") as f:
+        f.write("\n".join(out) + "\n")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,7 @@ import threading
 import time
 
 import torch
-import transformers
-
+from harness.models import LLAMA_TOKENS, llama3_8b_config, random_model
 from vmem.hf import VmemCache
 
 LENGTHS = [1024, 4096, 16384, 65536]
@@ -30,13 +29,8 @@ ITERATION_S = 0.025
 
 
 def main():
-    cfg = transformers.LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-        num_hidden_layers=32, vocab_size=32000, max_position_embeddings=65536 + 64,
-        rope_theta=500000.0)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    cfg = llama3_8b_config(32, vocab=32000, max_position_embeddings=65536 + 64, tokens=LLAMA_TOKENS)
+    model = random_model(cfg, torch.bfloat16, "cuda")
     times = {(n, m): [] for n in LENGTHS for m in ["premapped", "synchronous", "map_ahead"]}
     mapping = {n: [] for n in LENGTHS}
     rng = random.Random(3)
@@ -76,7 +70,7 @@ def main():
         syn = statistics.median(times[(n, "synchronous")])
         ahe = statistics.median(times[(n, "map_ahead")])
         mp = statistics.median(mapping[n])
-        rows.append(dict(tokens=n, map_s=mp, premapped_s=pre, synchronous_s=syn, map_ahead_s=ahe))
+        rows.append({"tokens": n, "map_s": mp, "premapped_s": pre, "synchronous_s": syn, "map_ahead_s": ahe})
         print(f"{n:>7} {mp * 1e3:>8.1f} {pre * 1e3:>13.1f} {syn * 1e3:>9.1f} {syn / pre:>9.3f} {ahe * 1e3:>13.1f} {ahe / pre:>10.3f}", flush=True)
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "prefill_cost.json"), "w") as fh:
         json.dump(rows, fh, indent=1)

@@ -21,7 +21,6 @@ import os
 import random
 import sys
 import tempfile
-from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,7 +44,7 @@ def make_cache(args: argparse.Namespace, rank: int) -> vmem.KVCache:
     )
 
 
-def gather(d: Tuple[int, int, int], world: int) -> List[Tuple[int, int, int]]:
+def gather(d: tuple[int, int, int], world: int) -> list[tuple[int, int, int]]:
     # int64 on the wire: the digest's u64 value reinterpreted, then back.
     t = torch.tensor([d[0] - (1 << 64) if d[0] >= (1 << 63) else d[0], d[1], d[2]],
                      dtype=torch.int64)
@@ -58,7 +57,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, init: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     kv = make_cache(args, rank)
     rng = random.Random(args.seed)  # the same seed on every rank: the same calls
-    active: List[List[int]] = []  # [id, length] in admission order
+    active: list[list[int]] = []  # [id, length] in admission order
     ooms = checks = 0
     status = 0
     for step in range(1, args.steps + 1):

@@ -20,6 +20,8 @@ import os
 import statistics
 import time
 
+from harness.stats import percentile
+
 import vmem
 
 
@@ -46,9 +48,9 @@ def run(zero_page: bool, layout: str, page: str, B: int, start: int, end: int) -
     free = time.perf_counter() - t
     kv.close()
     steps.sort()
-    return dict(init_s=init, growth_s=growth, free_s=free, step_med_s=statistics.median(steps),
-                step_p99_s=steps[int(len(steps) * 0.99) - 1], mapping_step_med_s=statistics.median(mapping),
-                mapping_steps=len(mapping), steps=len(steps))
+    return {"init_s": init, "growth_s": growth, "free_s": free, "step_med_s": statistics.median(steps),
+                "step_p99_s": percentile(steps, 99), "mapping_step_med_s": statistics.median(mapping),
+                "mapping_steps": len(mapping), "steps": len(steps)}
 
 
 def main() -> None:
@@ -66,11 +68,11 @@ def main() -> None:
                 res = run(zp, layout, page, B, start, end)
                 if rnd > 0:
                     per[zp].append(res)
-        row = dict(layout=layout, page=page, batch=B, tokens=end, rounds=args.rounds - 1)
+        row = {"layout": layout, "page": page, "batch": B, "tokens": end, "rounds": args.rounds - 1}
         for key in ["init_s", "growth_s", "free_s", "step_med_s", "step_p99_s", "mapping_step_med_s"]:
             off = statistics.median(r[key] for r in per[False])
             on = statistics.median(r[key] for r in per[True])
-            row[key] = dict(off=off, on=on, ratio=on / off)
+            row[key] = {"off": off, "on": on, "ratio": on / off}
         row["mapping_steps"] = per[True][0]["mapping_steps"]
         out.append(row)
         print(f"{layout:<11} {page:>3} B={B} 1..{end} tokens, {row['mapping_steps']} steps map pages, "

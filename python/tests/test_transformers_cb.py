@@ -17,7 +17,7 @@ if not transformers.__version__.startswith("5.17."):
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benches"))
 
-import cb_harness as h  # noqa: E402
+from harness import check as h  # noqa: E402
 import vmem  # noqa: E402
 import vmem.transformers as vt  # noqa: E402
 

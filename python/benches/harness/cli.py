@@ -1,0 +1,82 @@
+"""Command-line pieces the serving benches share: contender lists, flag checks (usage errors,
+exit 2, one line, before any model is built) and where a run goes (GPU, or ``--tiny`` on the CPU)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import vmem
+from harness.engine import fake_cpu_memory
+from harness.trace import load_trace
+
+
+def contender_names(ap: argparse.ArgumentParser, spec: str, known: dict[str, Any]) -> list[str]:
+    """The comma-separated contender names of ``spec``; an unknown one is a usage error."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    for n in names:
+        if n not in known:
+            ap.error(f"unknown contender {n!r} (known: {list(known)})")
+    if not names:
+        ap.error(f"--contenders names none (known: {list(known)})")
+    return names
+
+
+def check_flags(ap: argparse.ArgumentParser, args: Any, positive: Sequence[str],
+                at_least_zero: Sequence[str] = ()) -> None:
+    """Refuses, as usage errors (exit 2, one line naming the flag), before any model is built,
+    what a serving bench cannot run: counts in ``positive`` below 1 (a ``None`` default passes),
+    in ``at_least_zero`` below 0, ``--memory-percent`` outside (0, 1], ``--timeout`` not above 0,
+    a ``--page-size`` vmem cannot parse or 0, a ``--trace`` that is no file, an ``--out`` that
+    cannot be created."""
+    for flag in [*positive, *at_least_zero]:
+        v = getattr(args, flag[2:].replace("-", "_"))
+        least = 1 if flag in positive else 0
+        if v is not None and v < least:
+            ap.error(f"{flag} must be at least {least}, got {v}")
+    if not 0 < args.memory_percent <= 1:  # NaN included
+        ap.error(f"--memory-percent must be a fraction in (0, 1], got {args.memory_percent}")
+    if not args.timeout > 0:
+        ap.error(f"--timeout must be more than 0 seconds, got {args.timeout}")
+    try:
+        page = vmem.parse_bytes(args.page_size)
+    except vmem.VmemError as e:
+        ap.error(f"--page-size {args.page_size!r}: {e}")
+    if page == 0:
+        ap.error("--page-size must be more than 0 bytes")
+    if not os.path.isfile(args.trace):
+        ap.error(f"--trace {args.trace!r} is not a file")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        ap.error(f"--out {args.out!r} cannot be created: {e.strerror}")
+
+
+def trace_lengths(ap: argparse.ArgumentParser, path: str, n: int, cap: int) -> list[int]:
+    """The first ``n`` prompt lengths of ``path`` capped at ``cap``; a trace that cannot give
+    them is a usage error."""
+    try:
+        return [r.prompt_len for r in load_trace(path, n, cap)]
+    except (OSError, ValueError) as e:
+        ap.error(f"--trace {path!r}: {e}")
+        raise  # not reached: ap.error exits
+
+
+def place(ap: argparse.ArgumentParser, args: Any) -> None:
+    """Sets ``args.device`` and ``args.dtype``: bf16 on the GPU, or with ``--tiny`` fp32 on the CPU
+    with small pages, context and batch (a smoke test); no GPU without ``--tiny`` is a usage error."""
+    import torch
+
+    if args.tiny:
+        args.device, args.dtype = "cpu", torch.float32
+        args.page_size = "64K"
+        args.max_context = min(args.max_context, 2048)
+        args.max_batch_tokens = args.max_batch_tokens or 256
+        args.max_requests = min(args.max_requests, 8)  # eager Flex on the CPU materializes rows x context scores
+        fake_cpu_memory()
+    else:
+        if not torch.cuda.is_available():
+            ap.error("no GPU: use --tiny for a CPU smoke test")
+        args.device, args.dtype = "cuda", torch.bfloat16
