@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         result["check"] = prefix.check(model, args, budget, suffixes, tol)
         save()
-    prompts = prefix.shared_prompts(args, model.config.vocab_size, suffixes, args.groups)
+    prompts = prefix.shared_prompts(args, model.config.vocab_size, suffixes[:args.requests], args.groups)
     print(f"KV budget {budget['kv_bytes'] / 2**30:.2f} GiB, max_batch_tokens {budget['max_batch_tokens']}, "
           f"{len(prompts)} requests ({args.groups} system prompts of {args.system} tokens), "
           f"prompt tokens {sum(map(len, prompts))}, {args.new_tokens} new each", flush=True)
