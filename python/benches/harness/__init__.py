@@ -6,11 +6,11 @@
 * :mod:`harness.models`: the one random-weight model builder and the configs it builds;
 * :mod:`harness.engine`: the one runner of transformers' continuous-batching engine;
 * :mod:`harness.contenders`: every serving contender, by name, and how to configure it;
-* :mod:`harness.check`: teacher-forced logits checks of an engine run.
+* :mod:`harness.check`: teacher-forced logits checks of an engine run;
+* the other modules: each script's body (README.md names which).
 
-Nothing here imports torch or transformers at import time except :mod:`harness.engine`,
-:mod:`harness.check`, :mod:`harness.contenders` and :mod:`harness.models` (the pure pieces are
-tested without them). Scripts run as ``python3 python/benches/X.py``: the script's own
-directory is on ``sys.path``, so ``harness`` is found as a sibling package; tests find it
-through pytest's ``pythonpath``.
+:mod:`harness.trace` (but :func:`~harness.trace.random_prompts`), :mod:`harness.stats` and
+:mod:`harness.table` import neither torch nor transformers: they are tested without them.
+Scripts run as ``python3 python/benches/X.py``: the script's own directory is on ``sys.path``,
+so ``harness`` is found as a sibling package; tests find it through pytest's ``pythonpath``.
 """
