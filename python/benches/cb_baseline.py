@@ -36,7 +36,7 @@ def block_sizes(text: str) -> list[int]:
     return sizes
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU check: 2-layer tiny model, 8 short requests")
     ap.add_argument("--requests", type=int, default=256)
@@ -51,7 +51,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per run")
     ap.add_argument("--out", default="target/cb-baseline")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    cli.check_counts(ap, args, ["--requests", "--new-tokens", "--rounds", "--prompt-cap", "--layers"])
+    cli.check_fraction(ap, "--max-memory-percent", args.max_memory_percent)
+    cli.check_seconds(ap, "--timeout-s", args.timeout_s)
     cap = args.prompt_cap
     if args.tiny:
         args.requests, args.new_tokens, cap = min(args.requests, 8), min(args.new_tokens, 8), 64

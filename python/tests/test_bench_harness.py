@@ -139,3 +139,53 @@ def test_serving_metrics_from_token_times() -> None:
         stats.serving_metrics(0.0, [0.0], [])
     empty = stats.serving_metrics(0.0, [0.0], [[]])
     assert math.isnan(empty["tok_per_s"]) and math.isnan(empty["tbt_p99_ms"])
+
+
+def parser():
+    import argparse
+
+    return argparse.ArgumentParser(prog="bench")
+
+
+def usage_error(capsys, check, *args) -> str:
+    """The one line ``check`` prints on a usage error (argparse exits 2)."""
+    with pytest.raises(SystemExit) as e:
+        check(parser(), *args)
+    assert e.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_flag_checks_name_the_flag_in_one_usage_line(capsys) -> None:
+    from types import SimpleNamespace
+
+    from harness import cli
+
+    args = SimpleNamespace(requests=0, warmup=-1, max_batch_tokens=None, rounds=2)
+    line = usage_error(capsys, cli.check_counts, args, ["--max-batch-tokens", "--rounds", "--requests"])
+    assert line == "bench: error: --requests must be at least 1, got 0"
+    line = usage_error(capsys, cli.check_counts, SimpleNamespace(warmup=-1), [], ["--warmup"])
+    assert line == "bench: error: --warmup must be at least 0, got -1"
+    cli.check_counts(parser(), SimpleNamespace(warmup=0, rounds=1), ["--rounds"], ["--warmup"])
+    for v in (0.0, -0.5, 1.5, float("nan")):
+        line = usage_error(capsys, cli.check_fraction, "--memory-percent", v)
+        assert "--memory-percent must be a fraction in (0, 1]" in line
+        if not v > 0:
+            assert "--timeout must be more than 0 seconds" in usage_error(capsys, cli.check_seconds, "--timeout", v)
+    cli.check_fraction(parser(), "--memory-percent", 1.0)
+    cli.check_seconds(parser(), "--timeout", 0.5)
+
+
+@pytest.mark.parametrize("flags", [["--rounds", "0"], ["--requests", "0"], ["--new-tokens", "0"], ["--prompt-cap", "0"],
+                                   ["--block-sizes", "16,x"], ["--block-sizes", "0"], ["--timeout-s", "nan"],
+                                   ["--max-memory-percent", "2"], ["--trace", os.devnull]])
+def test_cb_baseline_refuses_bad_flags_with_one_usage_line(flags, tmp_path, capsys) -> None:
+    """Each was a traceback (IndexError for --rounds 0, the engine's ValueError for
+    --new-tokens 0) or a run on a value that makes no sense, before the flags were checked."""
+    pytest.importorskip("transformers", reason="cb_baseline.py imports transformers' engine")
+    import cb_baseline
+
+    with pytest.raises(SystemExit) as e:
+        cb_baseline.main(["--tiny", "--out", str(tmp_path), *flags])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2, last
+    assert ": error: " in last and flags[0] in last, last

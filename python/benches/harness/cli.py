@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import vmem
-from harness.engine import fake_cpu_memory
 from harness.trace import load_trace
 
 
@@ -24,22 +23,38 @@ def contender_names(ap: argparse.ArgumentParser, spec: str, known: dict[str, Any
     return names
 
 
-def check_flags(ap: argparse.ArgumentParser, args: Any, positive: Sequence[str],
-                at_least_zero: Sequence[str] = ()) -> None:
-    """Refuses, as usage errors (exit 2, one line naming the flag), before any model is built,
-    what a serving bench cannot run: counts in ``positive`` below 1 (a ``None`` default passes),
-    in ``at_least_zero`` below 0, ``--memory-percent`` outside (0, 1], ``--timeout`` not above 0,
-    a ``--page-size`` vmem cannot parse or 0, a ``--trace`` that is no file, an ``--out`` that
-    cannot be created."""
+def check_counts(ap: argparse.ArgumentParser, args: Any, positive: Sequence[str],
+                 at_least_zero: Sequence[str] = ()) -> None:
+    """Refuses, as a usage error (exit 2, one line naming the flag), a count in ``positive``
+    below 1 or in ``at_least_zero`` below 0 (a ``None`` default passes)."""
     for flag in [*positive, *at_least_zero]:
         v = getattr(args, flag[2:].replace("-", "_"))
         least = 1 if flag in positive else 0
         if v is not None and v < least:
             ap.error(f"{flag} must be at least {least}, got {v}")
-    if not 0 < args.memory_percent <= 1:  # NaN included
-        ap.error(f"--memory-percent must be a fraction in (0, 1], got {args.memory_percent}")
-    if not args.timeout > 0:
-        ap.error(f"--timeout must be more than 0 seconds, got {args.timeout}")
+
+
+def check_fraction(ap: argparse.ArgumentParser, flag: str, value: float) -> None:
+    """Refuses, as a usage error, ``value`` of ``flag`` outside (0, 1] (NaN included)."""
+    if not 0 < value <= 1:
+        ap.error(f"{flag} must be a fraction in (0, 1], got {value}")
+
+
+def check_seconds(ap: argparse.ArgumentParser, flag: str, value: float) -> None:
+    """Refuses, as a usage error, ``value`` of ``flag`` not above 0 seconds (NaN included)."""
+    if not value > 0:
+        ap.error(f"{flag} must be more than 0 seconds, got {value}")
+
+
+def check_flags(ap: argparse.ArgumentParser, args: Any, positive: Sequence[str],
+                at_least_zero: Sequence[str] = ()) -> None:
+    """Refuses, as usage errors (exit 2, one line naming the flag), before any model is built,
+    what a serving bench cannot run: :func:`check_counts`, ``--memory-percent`` outside (0, 1],
+    ``--timeout`` not above 0, a ``--page-size`` vmem cannot parse or 0, a ``--trace`` that is
+    no file, an ``--out`` that cannot be created."""
+    check_counts(ap, args, positive, at_least_zero)
+    check_fraction(ap, "--memory-percent", args.memory_percent)
+    check_seconds(ap, "--timeout", args.timeout)
     try:
         page = vmem.parse_bytes(args.page_size)
     except vmem.VmemError as e:
@@ -68,6 +83,8 @@ def place(ap: argparse.ArgumentParser, args: Any) -> None:
     """Sets ``args.device`` and ``args.dtype``: bf16 on the GPU, or with ``--tiny`` fp32 on the CPU
     with small pages, context and batch (a smoke test); no GPU without ``--tiny`` is a usage error."""
     import torch
+
+    from harness.engine import fake_cpu_memory
 
     if args.tiny:
         args.device, args.dtype = "cpu", torch.float32
