@@ -73,7 +73,8 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
     """Serves ``prompts`` (``max_new_tokens`` each, greedy, EOS off) with attention ``attn``.
 
     ``cb_kwargs``: the ``ContinuousBatchingConfig``; ``serving``: options of
-    ``vmem.transformers.serving`` held while the manager is made and started (``None``: none);
+    ``vmem.transformers.serving`` held from making the manager until it stopped (its thread
+    builds the cache; ``None``: none);
     ``stagger[i]``: add request ``i`` only after that many results (streamed tokens or finished
     requests) came back, so requests join mid-run; ``primers``: serve the first ``primers``
     prompts to the end first, and start the clock after them; ``request_kwargs``: more
@@ -129,7 +130,7 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
                 mgr.destroy()
             observer.remove()
     run.update(rounds=observer.rounds, max_running=observer.max_running, peak_blocks=observer.peak_blocks,
-               logits=observer.logits, seconds=run["wall_s"])
+               logits=observer.logits)
     return run
 
 
