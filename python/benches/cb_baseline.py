@@ -25,23 +25,12 @@ import sys
 from harness import baseline, cli
 
 
-def block_sizes(text: str) -> list[int]:
-    """``--block-sizes``: comma-separated positive integers."""
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"block sizes must be at least 1: {text!r}")
-    return sizes
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU check: 2-layer tiny model, 8 short requests")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--block-sizes", type=block_sizes, default="256,16")
+    ap.add_argument("--block-sizes", type=cli.int_list, default="256,16")
     ap.add_argument("--rounds", type=int, default=1, help="repeat the block sizes alternately")
     ap.add_argument("--prompt-cap", type=int, default=4000)
     ap.add_argument("--layers", type=int, default=8)

@@ -33,10 +33,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from harness import cli
 from harness.kernel_runs import ALL, study
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU self-check: tiny shapes, eager flex")
     ap.add_argument("--batches", default="1,8,32,128")
@@ -63,8 +64,17 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--out", default="target/kernel-study")
-    args = ap.parse_args()
-
+    args = ap.parse_args(argv)
+    for flag in ("--batches", "--contexts", "--prefill-batches"):
+        cli.check_int_list(ap, flag, getattr(args, flag[2:].replace("-", "_")))
+    cli.names(ap, "--modes", args.modes, ["decode", "prefill"])
+    cli.names(ap, "--contenders", args.contenders, ALL)
+    cli.check_counts(ap, args, ["--prefill-q", "--reps"])
+    cli.check_fraction(ap, "--mem-frac", args.mem_frac)
+    for flag in ("--region-s", "--budget-s"):
+        cli.check_seconds(ap, flag, getattr(args, flag[2:].replace("-", "_")))
+    if not args.tol > 0:  # NaN included
+        ap.error(f"--tol must be more than 0, got {args.tol}")
     return study(args)
 
 

@@ -24,11 +24,11 @@ import argparse
 import sys
 
 import torch
-from harness import cb_check
+from harness import cb_check, cli
 from harness.models import ARCHS
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--requests", type=int, default=8)
@@ -36,7 +36,11 @@ def main() -> int:
     ap.add_argument("--tol", type=float, default=None, help="relative logits tolerance (bf16 default 0.04)")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default="serving-check-out")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.archs = ",".join(cli.names(ap, "--archs", args.archs, ARCHS, allow_none=True))  # none: kernel checks only
+    cli.check_counts(ap, args, ["--requests", "--new-tokens"])
+    if args.tol is not None and not args.tol > 0:  # NaN included
+        ap.error(f"--tol must be more than 0, got {args.tol}")
     if not args.tiny and not torch.cuda.is_available():
         ap.error("no GPU: use --tiny for a CPU smoke test")
     return cb_check.run(args)

@@ -189,3 +189,22 @@ def test_cb_baseline_refuses_bad_flags_with_one_usage_line(flags, tmp_path, caps
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2, last
     assert ": error: " in last and flags[0] in last, last
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("kernel_study", ["--batches", "1,x"]), ("kernel_study", ["--contexts", "0"]),
+    ("kernel_study", ["--modes", "decode,foo"]), ("kernel_study", ["--contenders", "nope"]),
+    ("kernel_study", ["--reps", "0"]), ("kernel_study", ["--mem-frac", "0"]), ("kernel_study", ["--tol", "nan"]),
+    ("serving_check", ["--archs", "foo"]), ("serving_check", ["--requests", "0"]),
+    ("serving_check", ["--new-tokens", "-1"]), ("serving_check", ["--tol", "0"]),
+])
+def test_study_and_check_refuse_bad_flags_with_one_usage_line(script, flags, tmp_path, capsys) -> None:
+    """kernel_study.py raised ValueError tracebacks on a bad list or ran a mode named 'foo' as a
+    prefill; serving_check.py ran an unknown arch into a traceback, or no requests at all."""
+    pytest.importorskip("transformers", reason="the scripts import torch and transformers")
+    mod = __import__(script)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--tiny", "--out", str(tmp_path), *flags])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2, last
+    assert ": error: " in last and flags[0] in last, last

@@ -23,6 +23,38 @@ def contender_names(ap: argparse.ArgumentParser, spec: str, known: dict[str, Any
     return names
 
 
+def int_list(text: str) -> list[int]:
+    """An ``argparse`` type: comma-separated integers of at least 1 (``"256,16"``)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"values must be at least 1: {text!r}")
+    return values
+
+
+def check_int_list(ap: argparse.ArgumentParser, flag: str, text: str) -> None:
+    """Refuses, as a usage error, ``text`` of ``flag`` that :func:`int_list` refuses."""
+    try:
+        int_list(text)
+    except argparse.ArgumentTypeError as e:
+        ap.error(f"{flag}: {e}")
+
+
+def names(ap: argparse.ArgumentParser, flag: str, spec: str, known: Sequence[str],
+          allow_none: bool = False) -> list[str]:
+    """The comma-separated names of ``spec`` for ``flag``; one not in ``known``, or none (unless
+    ``allow_none``), is a usage error."""
+    out = [n.strip() for n in spec.split(",") if n.strip()]
+    for n in out:
+        if n not in known:
+            ap.error(f"{flag}: unknown {n!r} (known: {list(known)})")
+    if not out and not allow_none:
+        ap.error(f"{flag} names none (known: {list(known)})")
+    return out
+
+
 def check_counts(ap: argparse.ArgumentParser, args: Any, positive: Sequence[str],
                  at_least_zero: Sequence[str] = ()) -> None:
     """Refuses, as a usage error (exit 2, one line naming the flag), a count in ``positive``
