@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 config on the CPU (smoke test)")
     ap.add_argument("--out", default="prefix-serving-out")
     args = ap.parse_args(argv)
-    names = cli.contender_names(ap, args.contenders, CONTENDERS)
+    names = cli.names(ap, "--contenders", args.contenders, list(CONTENDERS))
     cli.check_flags(ap, args, ["--requests", "--groups", "--system", "--max-suffix", "--new-tokens", "--rounds",
                                "--layers", "--max-batch-tokens", "--max-requests", "--max-context"])
     if args.tol is not None and not args.tol > 0:  # NaN included

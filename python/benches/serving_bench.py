@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 config on the CPU (smoke test)")
     ap.add_argument("--out", default="serving-bench-out")
     args = ap.parse_args(argv)
-    names = cli.contender_names(ap, args.contenders, CONTENDERS)
+    names = cli.names(ap, "--contenders", args.contenders, list(CONTENDERS))
     cli.check_flags(ap, args, ["--requests", "--new-tokens", "--rounds", "--layers", "--max-prompt",
                                "--max-batch-tokens", "--max-requests", "--max-context"], ["--warmup"])
     lengths = cli.trace_lengths(ap, args.trace, args.requests, args.max_prompt)

@@ -173,6 +173,14 @@ def test_flag_checks_name_the_flag_in_one_usage_line(capsys) -> None:
             assert "--timeout must be more than 0 seconds" in usage_error(capsys, cli.check_seconds, "--timeout", v)
     cli.check_fraction(parser(), "--memory-percent", 1.0)
     cli.check_seconds(parser(), "--timeout", 0.5)
+    assert cli.names(parser(), "--modes", " decode, prefill,", ["decode", "prefill"]) == ["decode", "prefill"]
+    assert cli.names(parser(), "--archs", ",", ["a"], allow_none=True) == []
+    assert usage_error(capsys, cli.names, "--modes", "decode,foo", ["decode"]) == \
+        "bench: error: --modes: unknown 'foo' (known: ['decode'])"
+    assert usage_error(capsys, cli.names, "--contenders", ",", ["a"]) == "bench: error: --contenders names none (known: ['a'])"
+    assert cli.int_list("256, 16") == [256, 16]
+    for bad in ("", "x", "16,0", "1.5"):
+        assert "--batches: " in usage_error(capsys, cli.check_int_list, "--batches", bad)
 
 
 @pytest.mark.parametrize("flags", [["--rounds", "0"], ["--requests", "0"], ["--new-tokens", "0"], ["--prompt-cap", "0"],

@@ -1,4 +1,4 @@
-"""Command-line pieces the serving benches share: contender lists, flag checks (usage errors,
+"""Command-line pieces the benches share: name lists, flag checks (usage errors,
 exit 2, one line, before any model is built) and where a run goes (GPU, or ``--tiny`` on the CPU)."""
 
 from __future__ import annotations
@@ -10,17 +10,6 @@ from typing import Any
 
 import vmem
 from harness.trace import load_trace
-
-
-def contender_names(ap: argparse.ArgumentParser, spec: str, known: dict[str, Any]) -> list[str]:
-    """The comma-separated contender names of ``spec``; an unknown one is a usage error."""
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    for n in names:
-        if n not in known:
-            ap.error(f"unknown contender {n!r} (known: {list(known)})")
-    if not names:
-        ap.error(f"--contenders names none (known: {list(known)})")
-    return names
 
 
 def int_list(text: str) -> list[int]:
