@@ -17,7 +17,7 @@ if not transformers.__version__.startswith("5.17."):
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benches"))
 
-import cb_harness as h  # noqa: E402
+from harness import check as h  # noqa: E402
 import vmem  # noqa: E402
 import vmem.transformers as vt  # noqa: E402
 
@@ -448,7 +448,7 @@ def test_bench_command_lines_refuse_bad_flags_with_a_usage_error(script, extra, 
     mod = __import__(script)
     built = []
     monkey = pytest.MonkeyPatch()
-    monkey.setattr(mod.sb if hasattr(mod, "sb") else mod, "make_model", lambda *a, **k: built.append(1) or 1 / 0)
+    monkey.setattr(__import__("harness.serving").serving, "serving_model", lambda *a, **k: built.append(1) or 1 / 0)
     try:
         with pytest.raises(SystemExit) as e:
             mod.main(["--tiny", "--out", str(tmp_path / "out"), *extra])

@@ -1,0 +1,185 @@
+"""The one runner of transformers' continuous-batching engine for every bench: prompts in
+through the manager API (``init_continuous_batching`` -> ``start`` -> ``add_request`` ->
+``get_result``), results, timings and what a forward hook saw of each round out."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+def fake_cpu_memory(total: int = 8 << 30) -> None:
+    """On a CPU without psutil the engine sees 0 bytes free and refuses to size its paged cache:
+    report ``total`` bytes free instead (CPU smoke tests only; a GPU reports its real memory)."""
+    from transformers.generation.continuous_batching import cache as cb_cache
+
+    if getattr(cb_cache.get_device_and_memory_breakdown, "__fake__", False):
+        return
+
+    def breakdown() -> Any:
+        return torch.device("cpu"), total, 0, 0
+
+    breakdown.__fake__ = True  # type: ignore[attr-defined]
+    cb_cache.get_device_and_memory_breakdown = breakdown
+
+
+class Observer:
+    """A forward hook on the model: the rounds run, the most requests running at once, the most
+    KV blocks in use after a round's allocations (``num_blocks - get_num_free_blocks()``: a block
+    several requests share counts once), and, with ``capture_logits``, each round's logits filed
+    under the request they belong to (the engine passes ``logits_to_keep = logits_indices``, so
+    row ``i`` is the ``i``-th scheduled request with a new token)."""
+
+    def __init__(self, model: Any, capture_logits: bool = False) -> None:
+        self.manager: Any = None
+        self.capture_logits = capture_logits
+        self.logits: dict[str, list[torch.Tensor]] = {}
+        self.rounds = 0
+        self.max_running = 0
+        self.peak_blocks = 0
+        self.handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, module: Any, args: Any, output: Any) -> None:
+        bp = self.manager.batch_processor if self.manager is not None else None
+        if bp is None:
+            return
+        self.rounds += 1
+        self.max_running = max(self.max_running, len(bp.scheduler.active_requests))
+        cache = bp.cache
+        self.peak_blocks = max(self.peak_blocks, cache.num_blocks - cache.get_num_free_blocks())
+        if self.capture_logits:
+            states = [fs for fs in bp.inputs_and_outputs.requests_in_batch if fs.has_new_token]
+            logits = output.logits[0].float().cpu()
+            for i, fs in enumerate(states):
+                self.logits.setdefault(fs.state.request_id, []).append(logits[i])
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_tokens: int, *,
+               cb_kwargs: dict[str, Any] | None = None, serving: dict[str, Any] | None = None,
+               stagger: Sequence[int] | None = None, primers: int = 0, streaming: bool = False,
+               capture_logits: bool = False, record_timestamps: bool = False,
+               request_kwargs: dict[str, Any] | None = None, pad_token_id: int | None = 0,
+               warmup: bool = False, workload_hints: bool = False,
+               inspect: Callable[[Any], dict[str, Any]] | None = None, fail_fast: bool = True,
+               timeout: float = 600.0, stop_timeout: float = 60.0, destroy: bool = False,
+               name: str = "engine", id_prefix: str = "req") -> dict[str, Any]:
+    """Serves ``prompts`` (``max_new_tokens`` each, greedy, EOS off) with attention ``attn``.
+
+    ``cb_kwargs``: the ``ContinuousBatchingConfig``; ``serving``: options of
+    ``vmem.transformers.serving`` held from making the manager until it stopped (its thread
+    builds the cache; ``None``: none);
+    ``stagger[i]``: add request ``i`` only after that many results (streamed tokens or finished
+    requests) came back, so requests join mid-run; ``primers``: serve the first ``primers``
+    prompts to the end first, and start the clock after them; ``request_kwargs``: more
+    ``add_request`` arguments; ``warmup``: ``manager.warmup()`` before ``start`` (what
+    ``generate_batch`` does), with ``workload_hints`` from the prompts; ``inspect(cache)``: called
+    once after the last result, before the engine stops, its dict returned as ``cache_info``.
+
+    A request error, an engine that stops or ``timeout`` seconds of a phase raise
+    (``fail_fast``), or end the run with ``error`` set. Returns the request ids, prompts,
+    finished results by id, ``t0`` (the clock start), ``wall_s`` (last result - ``t0``),
+    ``init_s``, the forward hook's rounds, ``max_running``, ``peak_blocks``, captured logits,
+    streamed counts, the cache and ``error``."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    model.set_attn_implementation(attn)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                           pad_token_id=pad_token_id)
+    init: dict[str, Any] = {"generation_config": gen,
+                                "continuous_batching_config": ContinuousBatchingConfig(**(cb_kwargs or {}))}
+    if workload_hints:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        init["workload_hints"] = WorkloadHints(max_prompt_length=max(len(p) for p in prompts),
+                                               max_generated_length=max_new_tokens, num_requests=len(prompts))
+    ids = [f"{id_prefix}{i}" for i in range(len(prompts))]
+    run: dict[str, Any] = {"ids": ids, "prompts": prompts, "results": {}, "streamed": {}, "error": None,
+                           "gpu_allocated_before_bytes": torch.cuda.memory_allocated() if torch.cuda.is_available() else 0}
+    observer = Observer(model, capture_logits)
+    if serving is None:
+        options: Any = contextlib.nullcontext()
+    else:
+        import vmem.transformers as vt
+
+        options = vt.serving(**serving)
+    t_init = time.perf_counter()
+    # The options stay in force until the engine stopped: its thread builds the cache later.
+    with options:
+        mgr = model.init_continuous_batching(**init)
+        if warmup:
+            mgr.warmup()
+        run["init_s"] = time.perf_counter() - t_init
+        observer.manager = mgr
+        mgr.start()
+        try:
+            _serve(mgr, run, primers, max_new_tokens, stagger, streaming,
+                   dict(request_kwargs or {}, record_timestamps=record_timestamps), fail_fast, timeout, name)
+            run["cache"] = mgr.batch_processor.cache if mgr.batch_processor is not None else None
+            if inspect is not None and run["cache"] is not None:
+                run["cache_info"] = inspect(run["cache"])
+        finally:
+            mgr.stop(block=True, timeout=stop_timeout)
+            if destroy:
+                mgr.destroy()
+            observer.remove()
+    run.update(rounds=observer.rounds, max_running=observer.max_running, peak_blocks=observer.peak_blocks,
+               logits=observer.logits)
+    return run
+
+
+def _serve(mgr: Any, run: dict[str, Any], primers: int, max_new_tokens: int, stagger: Sequence[int] | None,
+           streaming: bool, request_kwargs: dict[str, Any], fail_fast: bool, timeout: float, name: str) -> None:
+    """Serves the primers, then the rest with the clock (``run["t0"]``, ``run["wall_s"]``) reset."""
+    n = len(run["prompts"])
+    for phase in ([range(primers), range(primers, n)] if primers else [range(n)]):
+        run["t0"] = time.perf_counter()
+        _serve_phase(mgr, run, list(phase), max_new_tokens, stagger, streaming, request_kwargs,
+                     fail_fast, timeout, name)
+        if run["error"]:
+            break
+    run["wall_s"] = time.perf_counter() - run["t0"]
+
+
+def _serve_phase(mgr: Any, run: dict[str, Any], indices: list[int], max_new_tokens: int,
+                 stagger: Sequence[int] | None, streaming: bool, request_kwargs: dict[str, Any],
+                 fail_fast: bool, timeout: float, name: str) -> None:
+    """Adds the requests of ``indices`` (by ``stagger``) and collects their results into ``run``."""
+    ids, results, streamed = run["ids"], run["results"], run["streamed"]
+    order = sorted(indices, key=lambda i: stagger[i] if stagger else 0)
+    pos = events = done = 0
+    t0 = run["t0"]
+
+    def fail(msg: str, exc: type) -> None:
+        if fail_fast:
+            raise exc(f"{name}: {msg}")
+        run["error"] = msg
+
+    while done < len(order):
+        # Add a request once enough results came back, or when every request added so far has
+        # finished (without streaming, finished requests are the only results).
+        while pos < len(order) and ((stagger[order[pos]] if stagger else 0) <= events or done == pos):
+            i = order[pos]
+            mgr.add_request(run["prompts"][i], request_id=ids[i], max_new_tokens=max_new_tokens,
+                            streaming=streaming, **request_kwargs)
+            pos += 1
+        r = mgr.get_result(timeout=1.0)
+        if r is None:
+            if not mgr.is_running():
+                return fail(f"engine stopped: {mgr.background_thread_status.fatal_error!r}", RuntimeError)
+            if time.perf_counter() - t0 > timeout:
+                return fail(f"timed out after {timeout} s", TimeoutError)
+            continue
+        events += 1
+        if r.error is not None and fail_fast:
+            raise RuntimeError(f"{name}: request {r.request_id} failed: {r.error}")
+        streamed[r.request_id] = streamed.get(r.request_id, 0) + 1
+        if r.is_finished():
+            results[r.request_id] = r
+            done += 1

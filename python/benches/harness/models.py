@@ -1,0 +1,99 @@
+"""The one model builder of the benchmarks (random weights, configs made in code: no downloads),
+and the configs it builds: Llama-3-8B shapes, a tiny Llama for CPU smoke tests, and the four
+architectures of the continuous-batching correctness checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: the checks' architectures: Llama GQA, Qwen2 with qkv bias, Mistral, head dim 64 with tied embeddings
+ARCHS = ("llama-gqa", "qwen2-bias", "mistral", "hd64-tied")
+
+#: no BOS, EOS or PAD id (the engine then stops a request only at its token limit)
+NO_TOKENS = (None, None, None)
+#: BOS 1, EOS 2, PAD 0
+SERVING_TOKENS = (1, 2, 0)
+#: LlamaConfig's own: BOS 1, EOS 2, no PAD (the decode benches' generate())
+LLAMA_TOKENS = (1, 2, None)
+
+
+def llama3_8b_config(layers: int = 8, vocab: int = 128256, max_position_embeddings: int = 131072,
+                     tokens: tuple[int | None, int | None, int | None] = NO_TOKENS) -> Any:
+    """Llama-3-8B shapes (32 query heads, 8 KV heads of 128, MLP 14,336, rope theta 500,000) with
+    ``layers`` layers, ``vocab`` tokens and ``tokens`` = (BOS, EOS, PAD) ids."""
+    from transformers import LlamaConfig
+
+    bos, eos, pad = tokens
+    return LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       intermediate_size=14336, vocab_size=vocab, num_hidden_layers=layers,
+                       rope_theta=500000.0, max_position_embeddings=max_position_embeddings,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False,
+                       bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+
+
+def tiny_llama_config(tokens: tuple[int | None, int | None, int | None] = SERVING_TOKENS) -> Any:
+    """A 2-layer Llama (hidden 128, 4 query heads, 2 KV heads of 32, vocab 256): CPU smoke tests."""
+    from transformers import LlamaConfig
+
+    bos, eos, pad = tokens
+    return LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                       bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+
+
+def check_config(arch: str, size: str = "tiny") -> Any:
+    """A config of one of :data:`ARCHS`: ``tiny`` (CPU tests) or ``small`` (the GPU check).
+    An unknown ``arch`` is a ValueError."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    if size == "tiny":
+        common = {"vocab_size": 128, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+                      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
+    else:
+        # Llama-3-8B's KV shape per layer (8 KV heads of 128: 1,024 tokens per 2 MB page).
+        common = {"vocab_size": 4096, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 4,
+                      "num_attention_heads": 16, "num_key_value_heads": 8, "max_position_embeddings": 8192}
+    common.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "llama-gqa":
+        return LlamaConfig(**common, tie_word_embeddings=False)
+    if arch == "qwen2-bias":
+        return Qwen2Config(**common, tie_word_embeddings=False, use_sliding_window=False)
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
+    if arch == "hd64-tied":
+        c = dict(common)
+        c["num_attention_heads"] = max(2, c["hidden_size"] // 64)
+        c["num_key_value_heads"] = 1 if size == "tiny" else 8
+        return LlamaConfig(**c, head_dim=64, tie_word_embeddings=True)
+    raise ValueError(f"unknown arch {arch!r} (known: {ARCHS})")
+
+
+def random_model(config: Any, dtype: Any, device: Any, seed: int = 0, attn: str = "sdpa") -> Any:
+    """A causal LM of ``config`` with random weights (``torch.manual_seed(seed)``), built on
+    ``device`` in ``dtype`` with attention ``attn``, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+    return model.eval()
+
+
+def check_model(arch: str, dtype: Any, device: Any, size: str = "tiny", seed: int = 0,
+                logit_scale: float = 1.0) -> Any:
+    """A model of :func:`check_config` for the correctness checks: built in float32 on the CPU,
+    qkv biases made to matter (Qwen2), the output head times ``logit_scale`` (decisive logits),
+    then moved to ``device`` and ``dtype``."""
+    import torch
+
+    config = check_config(arch, size)
+    model = random_model(config, torch.float32, "cpu", seed)
+    with torch.no_grad():
+        if arch == "qwen2-bias":
+            for layer in model.model.layers:
+                for p in (layer.self_attn.q_proj.bias, layer.self_attn.k_proj.bias, layer.self_attn.v_proj.bias):
+                    p.normal_(0, 0.5)
+        if logit_scale != 1.0 and not config.tie_word_embeddings:
+            model.lm_head.weight.mul_(logit_scale)
+    return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,63 @@
+"""The one percentile of the benchmarks, and the serving metrics computed with it."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (``q`` in [0, 100]) of ``xs``: the nearest rank, the sorted value at
+    index ``round(q / 100 * (n - 1))`` (numpy's ``method="nearest"``; the formula of the serving
+    results in docs/results). NaN for an empty sequence; ``q`` outside [0, 100] or NaN is a
+    ValueError."""
+    if not 0 <= q <= 100:  # NaN included
+        raise ValueError(f"percentile must be in [0, 100], got {q}")
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+def mean(xs: Sequence[float]) -> float:
+    """The mean of ``xs``; NaN for an empty sequence."""
+    return statistics.mean(xs) if xs else float("nan")
+
+
+def serving_metrics(t_start: float, created: Sequence[float], token_times: Sequence[Sequence[float]],
+                    expected_tokens: int | None = None) -> dict[str, Any]:
+    """Metrics from per-request token timestamps (seconds, one clock).
+
+    ``t_start``: when the first request was submitted; ``created[i]``: when request i was
+    submitted; ``token_times[i]``: the time each of its generated tokens was produced.
+    Returns the requests, generated tokens, makespan (last token - ``t_start``), tok/s over the
+    makespan, TTFT p50/p99/mean (first token - submission), TBT p50/p99/mean (gaps between
+    consecutive tokens of one request, pooled over requests), and how many requests did not
+    produce ``expected_tokens``."""
+    if len(created) != len(token_times):
+        raise ValueError(f"created ({len(created)}) and token_times ({len(token_times)}) differ in length")
+    ttft, tbt = [], []
+    total = short = 0
+    last = t_start
+    for c, ts in zip(created, token_times):
+        total += len(ts)
+        if expected_tokens is not None and len(ts) != expected_tokens:
+            short += 1
+        if not ts:
+            continue
+        ttft.append(ts[0] - c)
+        tbt.extend(ts[i + 1] - ts[i] for i in range(len(ts) - 1))
+        last = max(last, ts[-1])
+    span = last - t_start
+    return {
+        "requests": len(created),
+        "generated_tokens": total,
+        "makespan_s": span,
+        "tok_per_s": total / span if span > 0 else math.nan,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "ttft_mean_s": mean(ttft),
+        "tbt_p50_ms": percentile(tbt, 50) * 1e3, "tbt_p99_ms": percentile(tbt, 99) * 1e3,
+        "tbt_mean_ms": mean(tbt) * 1e3,
+        "requests_wrong_token_count": short,
+    }

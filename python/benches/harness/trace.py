@@ -1,0 +1,77 @@
+"""The one trace loader of the benchmarks: Azure LLM inference trace CSVs (columns TIMESTAMP,
+ContextTokens, GeneratedTokens), and the random prompts drawn to their lengths."""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: the Azure conversation trace (first 2,000 requests), relative to the repository root
+DEFAULT_TRACE = os.path.join("vmem-cli", "data", "traces", "azure-conv-2023-first2000.csv")
+
+
+def repo_root() -> str:
+    """The repository root (this file is python/benches/harness/trace.py)."""
+    return os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+
+
+def default_trace() -> str:
+    """The absolute path of :data:`DEFAULT_TRACE`."""
+    return os.path.join(repo_root(), DEFAULT_TRACE)
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One trace row: its index, the prompt length a bench serves (the trace's context capped,
+    at least 1 token) and the trace's own context and generated lengths."""
+
+    index: int
+    prompt_len: int
+    context: int
+    generated: int
+
+
+def load_trace(path: str | None = None, n: int = 256, cap: int = 4000) -> list[TraceRequest]:
+    """The first ``n`` requests of the trace at ``path`` (default :func:`default_trace`), prompt
+    lengths ``max(1, min(ContextTokens, cap))``. A missing column, a field that is not an
+    integer, a negative length, ``n`` or ``cap`` below 1, or fewer than ``n`` rows is a
+    ValueError naming the file (and row)."""
+    path = path or default_trace()
+    if n < 1 or cap < 1:
+        raise ValueError(f"n and cap must be at least 1, got n={n}, cap={cap}")
+    out: list[TraceRequest] = []
+    with open(path, newline="") as f:
+        rows = csv.DictReader(f)
+        missing = {"ContextTokens", "GeneratedTokens"} - set(rows.fieldnames or [])
+        if missing:
+            raise ValueError(f"{path}: missing columns {sorted(missing)} (has {rows.fieldnames})")
+        for i, row in enumerate(rows):
+            if len(out) >= n:
+                break
+            try:
+                ctx, gen = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{path}: row {i + 2}: {e}") from e
+            if ctx < 0 or gen < 0:
+                raise ValueError(f"{path}: row {i + 2}: negative length ({ctx}, {gen})")
+            out.append(TraceRequest(i, max(1, min(ctx, cap)), ctx, gen))
+    if len(out) < n:
+        raise ValueError(f"{path}: {len(out)} requests, {n} asked")
+    return out
+
+
+def prompt_lengths(path: str | None = None, n: int = 256, cap: int = 4000) -> list[int]:
+    """The prompt lengths of :func:`load_trace`."""
+    return [r.prompt_len for r in load_trace(path, n, cap)]
+
+
+def random_prompts(lengths: Sequence[int], vocab: int, seed: int = 0, low: int = 3) -> list[Any]:
+    """One prompt of random token ids in ``[low, vocab)`` per length, drawn in order from one
+    ``torch.Generator`` seeded with ``seed`` (the same ids for every contender)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, vocab, (n,), generator=g).tolist() for n in lengths]
