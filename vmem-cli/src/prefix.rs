@@ -1,79 +1,12 @@
-//! `vmem replay --prefix-cache`: the prefix-sharing comparison (docs/prefix-sharing.md).
-//!
-//! Every contender replays the same trace with the same budget and the same cap on memory
-//! kept only by the prefix cache: 16-token blocks with vLLM's automatic prefix caching, the
-//! same blocks without caching, and vmem at each page size without and with sharing. Each
-//! row reports prompt tokens served from the cache (hit rate), peak and mean memory holding
-//! KV (a shared page once), admissions and preemptions.
+//! `vmem replay --prefix-cache`: prints the prefix-sharing comparison
+//! (docs/prefix-sharing.md), which `vmem_replay::experiment::PrefixExperiment` runs.
 
 use crate::report::{print_header, Progress};
 use crate::{config_err, emit, CliError, Plan, ReplayArgs};
 use std::io::{self, Write};
 use vmem::units::{format_bytes, parse_bytes};
-use vmem::KvCacheManager;
-use vmem_replay::experiment::Allocator;
-use vmem_replay::{
-    check_prefix_hashes, load_prefix_hashes, load_trace, replay_with_prefixes, PrefixBlocks,
-    PrefixHashes, ReplayError, ReplayStats,
-};
-
-/// One contender's outcome.
-#[derive(Debug, Clone)]
-pub struct PrefixRow {
-    /// Allocator label.
-    pub allocator: String,
-    /// Tokens per sharing block (0: no sharing).
-    pub share_tokens: u64,
-    /// Admissions.
-    pub admitted: u64,
-    /// Preemptions.
-    pub preempted: u64,
-    /// Completed requests.
-    pub completed: usize,
-    /// Prompt tokens admitted.
-    pub prompt_tokens: u64,
-    /// Of those, served from the cache.
-    pub cached_tokens: u64,
-    /// cached / prompt.
-    pub hit_rate: f64,
-    /// Peak bytes holding KV.
-    pub peak_bytes: u64,
-    /// Time-averaged bytes holding KV.
-    pub mean_bytes: f64,
-    /// Peak bytes kept only by the cache.
-    pub peak_cache_bytes: u64,
-    /// mean_bytes / the APC blocks' mean_bytes.
-    pub mean_vs_apc: f64,
-    /// peak_bytes / the APC blocks' peak_bytes.
-    pub peak_vs_apc: f64,
-}
-
-fn row(
-    allocator: String,
-    share_tokens: u64,
-    s: &ReplayStats,
-    apc: Option<&ReplayStats>,
-) -> PrefixRow {
-    let (mean_ref, peak_ref) = match apc {
-        Some(a) => (a.mean_held_bytes(), a.peak_held_bytes as f64),
-        None => (s.mean_held_bytes(), s.peak_held_bytes as f64),
-    };
-    PrefixRow {
-        allocator,
-        share_tokens,
-        admitted: s.admitted,
-        preempted: s.preemptions,
-        completed: s.completed,
-        prompt_tokens: s.prompt_tokens,
-        cached_tokens: s.cached_tokens,
-        hit_rate: s.hit_rate(),
-        peak_bytes: s.peak_held_bytes,
-        mean_bytes: s.mean_held_bytes(),
-        peak_cache_bytes: s.peak_cached_bytes,
-        mean_vs_apc: s.mean_held_bytes() / mean_ref.max(1.0),
-        peak_vs_apc: s.peak_held_bytes as f64 / peak_ref.max(1.0),
-    }
-}
+use vmem_replay::experiment::{PrefixExperiment, PrefixOutcome, PrefixRow};
+use vmem_replay::{check_prefix_hashes, load_prefix_hashes, load_trace, PrefixHashes, ReplayError};
 
 fn print_row(out: &mut dyn Write, r: &PrefixRow) -> io::Result<()> {
     writeln!(
@@ -167,54 +100,37 @@ pub fn run(out: &mut dyn Write, args: &ReplayArgs, p: &Plan) -> Result<(), CliEr
         rows.push(r);
         Ok::<(), CliError>(())
     };
-    let rcfg = &p.experiment.replay;
-    let bt = s.block_tokens;
-    let run_blocks = |caching: bool, label: &str| -> Result<ReplayStats, ReplayError> {
-        let mut progress = Progress::new(label, n, args.quiet);
-        let mut m = PrefixBlocks::new(
-            s.token_bytes,
-            bt,
-            s.max_batch,
-            s.max_context as u64,
-            s.budget,
-            caching,
-            cache_cap,
-        )?;
-        let st = replay_with_prefixes(&mut m, &p.trace, Some(&h), rcfg, |d| progress.update(d))?;
-        progress.finish();
-        Ok(st)
+    let exp = PrefixExperiment {
+        config: p.experiment.clone(),
+        deployment: p.deployment,
+        block_tokens: s.block_tokens,
+        cache_cap,
     };
-    let apc_label = format!("blocks-{bt}tok-apc");
-    let apc = run_blocks(true, &apc_label)?;
-    add_row(out, &mut rows, row(apc_label, bt, &apc, None))?;
-    let plain_label = format!("blocks-{bt}tok");
-    let plain = run_blocks(false, &plain_label)?;
-    add_row(out, &mut rows, row(plain_label, 0, &plain, Some(&apc)))?;
-    for &alloc in &p.allocators {
-        let Allocator::Vmem { page, layout } = alloc else {
-            continue;
-        };
-        for share in [false, true] {
-            let mut cfg = p.experiment.kv_config(p.deployment, page, layout)?;
-            let mut label = format!("vmem-{}-{}", format_bytes(page), layout.name());
-            if share {
-                cfg.prefix_cache = Some(cache_cap);
-                label.push_str("-shared");
-                if let Err(e) = cfg.validate() {
-                    if human {
-                        emit(writeln!(out, "{label:<32} not run: {e}"))?;
-                    }
-                    continue;
+    let mut apc: Option<PrefixRow> = None;
+    for c in exp.contenders(&p.allocators) {
+        let label = c.label();
+        let mut progress = Progress::new(&label, n, args.quiet);
+        let outcome = exp.run(
+            c,
+            &p.trace,
+            &h,
+            || Ok(p.backend.clone()),
+            apc.as_ref(),
+            |d| progress.update(d),
+        )?;
+        progress.finish();
+        match outcome {
+            PrefixOutcome::Ran(r) => {
+                if apc.is_none() {
+                    apc = Some(r.clone());
+                }
+                add_row(out, &mut rows, r)?;
+            }
+            PrefixOutcome::NotRun { label, why } => {
+                if human {
+                    emit(writeln!(out, "{label:<32} not run: {why}"))?;
                 }
             }
-            let mut progress = Progress::new(&label, n, args.quiet);
-            let kv = KvCacheManager::init(p.backend.clone(), cfg)?;
-            let mut m = &kv;
-            let st =
-                replay_with_prefixes(&mut m, &p.trace, Some(&h), rcfg, |d| progress.update(d))?;
-            progress.finish();
-            let bt = kv.prefix_block_tokens();
-            add_row(out, &mut rows, row(label, bt, &st, Some(&apc)))?;
         }
     }
     if args.json {

@@ -81,7 +81,7 @@ fn parse_time(s: &str, unit: TimeUnit) -> std::result::Result<f64, String> {
 
 /// A CSV reader over `text` (a header row, fixed field count, trimmed fields) and its header;
 /// an unreadable header is reported at line 1. Shared by trace parsing and the prefix-hash
-/// reader (crate::prefix), which read the same files.
+/// reader (crate::hashes), which read the same files.
 pub(crate) fn csv_with_header<'t>(
     text: &'t str,
     err: Err<'_>,

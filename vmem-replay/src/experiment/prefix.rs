@@ -1,0 +1,236 @@
+//! The prefix-sharing experiment (docs/prefix-sharing.md): every contender replays the same
+//! trace with the same budget and the same cap on memory kept only by the prefix cache:
+//! PagedAttention blocks with vLLM's automatic prefix caching (APC), the same blocks without
+//! caching, and vmem at each page size without and with sharing. Each row reports prompt
+//! tokens served from the cache (hit rate), peak and mean memory holding KV (a shared page
+//! once), admissions and preemptions.
+
+use super::{Allocator, Deployment, ExperimentConfig};
+use crate::{replay_with_prefixes, PrefixBlocks, PrefixHashes, ReplayStats, Result, TraceRequest};
+use std::sync::Arc;
+use vmem::backend::Backend;
+use vmem::{KvCacheManager, Layout};
+
+/// One contender of the prefix experiment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefixContender {
+    /// PagedAttention blocks of `block_tokens` tokens, with APC (`caching`) or without.
+    Blocks {
+        /// Tokens per block.
+        block_tokens: u64,
+        /// vLLM's automatic prefix caching on.
+        caching: bool,
+    },
+    /// vmem's KV-cache manager at `page` and `layout`, sharing prefixes or not.
+    Vmem {
+        /// Page size in bytes.
+        page: u64,
+        /// Layout.
+        layout: Layout,
+        /// Prefix sharing on (the cache capped at the experiment's cache cap).
+        share: bool,
+    },
+}
+
+impl PrefixContender {
+    /// Label for tables and CSV.
+    pub fn label(&self) -> String {
+        match *self {
+            PrefixContender::Blocks {
+                block_tokens,
+                caching,
+            } => format!(
+                "blocks-{block_tokens}tok{}",
+                if caching { "-apc" } else { "" }
+            ),
+            PrefixContender::Vmem {
+                page,
+                layout,
+                share,
+            } => format!(
+                "vmem-{}-{}{}",
+                vmem::units::format_bytes(page),
+                layout.name(),
+                if share { "-shared" } else { "" }
+            ),
+        }
+    }
+}
+
+/// The settings of one prefix comparison: the fragmentation experiment's settings for one
+/// deployment, the blocks' size and the cap on memory kept only by the cache.
+#[derive(Debug, Clone)]
+pub struct PrefixExperiment {
+    /// Budget, batch, context, scheduler settings and vmem's policies.
+    pub config: ExperimentConfig,
+    /// The model and TP degree.
+    pub deployment: Deployment,
+    /// Tokens per PagedAttention block.
+    pub block_tokens: u64,
+    /// Most bytes kept only by the prefix cache, for every contender.
+    pub cache_cap: u64,
+}
+
+/// One contender's outcome, ready to print.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefixRow {
+    /// Contender label.
+    pub allocator: String,
+    /// Tokens per sharing block (0: no sharing).
+    pub share_tokens: u64,
+    /// Admissions.
+    pub admitted: u64,
+    /// Preemptions.
+    pub preempted: u64,
+    /// Completed requests.
+    pub completed: usize,
+    /// Prompt tokens admitted.
+    pub prompt_tokens: u64,
+    /// Of those, served from the cache.
+    pub cached_tokens: u64,
+    /// cached / prompt.
+    pub hit_rate: f64,
+    /// Peak bytes holding KV.
+    pub peak_bytes: u64,
+    /// Time-averaged bytes holding KV.
+    pub mean_bytes: f64,
+    /// Peak bytes kept only by the cache.
+    pub peak_cache_bytes: u64,
+    /// mean_bytes / the APC blocks' mean_bytes.
+    pub mean_vs_apc: f64,
+    /// peak_bytes / the APC blocks' peak_bytes.
+    pub peak_vs_apc: f64,
+}
+
+impl PrefixRow {
+    /// A row from a replay's statistics; ratios against `apc` (the APC blocks' row), or
+    /// against itself when this is that row (`None`).
+    pub fn new(
+        allocator: String,
+        share_tokens: u64,
+        s: &ReplayStats,
+        apc: Option<&PrefixRow>,
+    ) -> Self {
+        let mean = s.mean_held_bytes();
+        let peak = s.peak_held_bytes;
+        let (mean_ref, peak_ref) =
+            apc.map_or((mean, peak as f64), |a| (a.mean_bytes, a.peak_bytes as f64));
+        let ratio = |x: f64, of: f64| x / of.max(1.0);
+        PrefixRow {
+            allocator,
+            share_tokens,
+            admitted: s.admitted,
+            preempted: s.preemptions,
+            completed: s.completed,
+            prompt_tokens: s.prompt_tokens,
+            cached_tokens: s.cached_tokens,
+            hit_rate: s.hit_rate(),
+            peak_bytes: peak,
+            mean_bytes: mean,
+            peak_cache_bytes: s.peak_cached_bytes,
+            mean_vs_apc: ratio(mean, mean_ref),
+            peak_vs_apc: ratio(peak as f64, peak_ref),
+        }
+    }
+}
+
+/// What running one contender gave.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PrefixOutcome {
+    /// It replayed the trace.
+    Ran(PrefixRow),
+    /// Its configuration is not valid here (e.g. vmem's pages too large to share at this
+    /// cache cap): the label and why.
+    NotRun {
+        /// Contender label.
+        label: String,
+        /// Why it did not run.
+        why: String,
+    },
+}
+
+impl PrefixExperiment {
+    /// The contenders in table order: the blocks with APC (the reference of every ratio),
+    /// without, then each vmem configuration of `allocators` without and with sharing.
+    pub fn contenders(&self, allocators: &[Allocator]) -> Vec<PrefixContender> {
+        let bt = self.block_tokens;
+        let mut out = vec![
+            PrefixContender::Blocks {
+                block_tokens: bt,
+                caching: true,
+            },
+            PrefixContender::Blocks {
+                block_tokens: bt,
+                caching: false,
+            },
+        ];
+        for &alloc in allocators {
+            if let Allocator::Vmem { page, layout } = alloc {
+                for share in [false, true] {
+                    out.push(PrefixContender::Vmem {
+                        page,
+                        layout,
+                        share,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// Replays `trace` with its prefix `hashes` through contender `c` (vmem on the backend
+    /// `backend` returns); ratios against `apc` (`None` for the APC blocks themselves).
+    /// `progress` is called as [`crate::replay`] calls it.
+    pub fn run(
+        &self,
+        c: PrefixContender,
+        trace: &[TraceRequest],
+        hashes: &PrefixHashes,
+        backend: impl FnOnce() -> vmem::Result<Arc<dyn Backend>>,
+        apc: Option<&PrefixRow>,
+        progress: impl FnMut(usize),
+    ) -> Result<PrefixOutcome> {
+        let cfg = &self.config;
+        let rcfg = &cfg.replay;
+        let label = c.label();
+        match c {
+            PrefixContender::Blocks {
+                block_tokens,
+                caching,
+            } => {
+                let token_bytes = self.deployment.model.token_bytes(self.deployment.tp)?;
+                let mut m = PrefixBlocks::new(
+                    token_bytes,
+                    block_tokens,
+                    cfg.max_batch,
+                    cfg.max_context as u64,
+                    cfg.budget,
+                    caching,
+                    self.cache_cap,
+                )?;
+                let st = replay_with_prefixes(&mut m, trace, Some(hashes), rcfg, progress)?;
+                let share = if caching { block_tokens } else { 0 };
+                Ok(PrefixOutcome::Ran(PrefixRow::new(label, share, &st, apc)))
+            }
+            PrefixContender::Vmem {
+                page,
+                layout,
+                share,
+            } => {
+                let mut kc = cfg.kv_config(self.deployment, page, layout)?;
+                if share {
+                    kc.prefix_cache = Some(self.cache_cap);
+                    if let Err(e) = kc.validate() {
+                        let why = e.to_string();
+                        return Ok(PrefixOutcome::NotRun { label, why });
+                    }
+                }
+                let kv = KvCacheManager::init(backend()?, kc)?;
+                let mut m = &kv;
+                let st = replay_with_prefixes(&mut m, trace, Some(hashes), rcfg, progress)?;
+                let bt = kv.prefix_block_tokens();
+                Ok(PrefixOutcome::Ran(PrefixRow::new(label, bt, &st, apc)))
+            }
+        }
+    }
+}
