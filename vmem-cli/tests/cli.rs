@@ -2,8 +2,7 @@
 
 mod common;
 
-use common::{text, trace, vmem};
-use std::path::PathBuf;
+use common::{text, trace, vmem, Scratch};
 use std::process::{Command, Output};
 
 /// `vmem replay --quiet --backend sim`, then `extra`.
@@ -25,28 +24,6 @@ fn assert_refused(out: &Output, case: &str, wants: &[&str]) {
         assert!(err.contains(want), "{case}: no {want:?} in {err}");
     }
     assert!(!err.contains("panicked"), "{case}: {err}");
-}
-
-/// A scratch file with `content`, removed at drop.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str, content: &[u8]) -> Self {
-        let dir = std::env::temp_dir().join(format!("vmem-cli-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join(name);
-        std::fs::write(&p, content).unwrap();
-        Scratch(p)
-    }
-    fn path(&self) -> &str {
-        self.0.to_str().unwrap()
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
 }
 
 const QUICK: [&str; 6] = [

@@ -3,7 +3,10 @@
 
 mod common;
 
-use common::{text, trace, vmem};
+use common::{text, trace, vmem, Scratch};
+use std::io::Write;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 fn run(extra: &[&str]) -> serde_json::Value {
     let t = trace("mooncake-conversation-first1000.jsonl");
@@ -121,3 +124,111 @@ fn prefix_flags_without_prefix_cache_are_refused_not_ignored() {
         assert!(err.contains("--prefix-cache"), "{flag:?}: {err}");
     }
 }
+
+/// `vmem replay --prefix-cache` as issue #30 ran it, on the sim backend, before `extra`.
+fn prefix_args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    let base = [
+        "replay",
+        "-q",
+        "--prefix-cache",
+        "--backend",
+        "sim",
+        "--page-sizes",
+        "2M",
+        "--layout",
+        "token-major",
+        "--max-context",
+        "131072",
+        "--oversize",
+        "skip",
+    ];
+    [&base[..], extra].concat()
+}
+
+/// The first 20 requests of the bundled Mooncake conversation trace (issue #30's mc20.jsonl).
+fn mc20_text() -> String {
+    let all = std::fs::read_to_string(trace("mooncake-conversation-first1000.jsonl")).unwrap();
+    all.lines().take(20).map(|l| format!("{l}\n")).collect()
+}
+
+fn mc20(name: &str) -> Scratch {
+    Scratch::new(name, mc20_text().as_bytes())
+}
+
+/// Waits for `child` at most `limit`; kills it and fails the test if it is still running.
+fn wait_or_kill(mut child: Child, limit: Duration, case: &str) -> Output {
+    let start = Instant::now();
+    while child.try_wait().expect("poll vmem").is_none() {
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{case}: still running after {limit:?} (it hangs)");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().expect("vmem's output")
+}
+
+fn spawn(args: &[&str], stdin: Stdio) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_vmem"))
+        .args(args)
+        .env_remove("VMEM_BACKEND")
+        .stdin(stdin)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run vmem")
+}
+
+fn json_rows(out: &Output, case: &str) -> Vec<serde_json::Value> {
+    assert!(out.status.success(), "{case}: {}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    v["rows"].as_array().expect("rows").clone()
+}
+
+#[test]
+fn a_huge_budget_costs_memory_by_the_blocks_in_use_not_the_budget() {
+    // Issue #30 item 2: one entry per block of a 511 TB budget of 1-token blocks was 137 GB
+    // allocated up front (abort, exit 134). Under a 2 GB address-space limit it must run as
+    // the plain replay does.
+    let t = mc20("huge-budget.jsonl");
+    let args = prefix_args(&[
+        "--trace",
+        t.path(),
+        "--budget",
+        "511T",
+        "--block-tokens",
+        "1",
+        "--json",
+    ]);
+    let out = Command::new("prlimit")
+        .arg("--as=2000000000")
+        .arg(env!("CARGO_BIN_EXE_vmem"))
+        .args(&args)
+        .env_remove("VMEM_BACKEND")
+        .output()
+        .expect("prlimit (util-linux) runs vmem");
+    let rows = json_rows(&out, "511T");
+    assert_eq!(rows.len(), 4, "{rows:?}");
+    for r in &rows {
+        assert_eq!(r["completed"], 20, "{r}");
+    }
+}
+
+#[test]
+fn a_budget_of_u64_max_runs_or_is_refused_naming_the_flag() {
+    // Issue #30 item 4: the header, then "more than 2^32 blocks" naming no flag.
+    let t = mc20("max-budget.jsonl");
+    let out = vmem(&prefix_args(&[
+        "--trace",
+        t.path(),
+        "--budget",
+        "18446744073709551615",
+        "--json",
+    ]));
+    let rows = json_rows(&out, "u64::MAX budget");
+    for r in &rows {
+        assert_eq!(r["completed"], 20, "{r}");
+    }
+}
+

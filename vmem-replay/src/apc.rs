@@ -7,6 +7,9 @@ use std::collections::{BTreeMap, HashMap};
 use vmem::kvcache::{MemoryUsage, StepReport};
 use vmem::VmemError;
 
+/// A block's index in [`PrefixBlocks`]' table of blocks.
+type BlockId = usize;
+
 /// One physical block of [`PrefixBlocks`].
 #[derive(Debug, Clone, Copy, Default)]
 struct Block {
@@ -38,21 +41,27 @@ pub struct PrefixBlocks {
     max_context: u64,
     caching: bool,
     cache_cap_blocks: u64,
+    /// Blocks the budget holds.
+    total: u64,
+    /// The blocks used so far, by id: created when first needed, so memory follows the
+    /// blocks in use, not the budget (a 511 TB budget of 1-token blocks is 2^49 blocks).
     blocks: Vec<Block>,
-    free: Vec<u32>,
+    /// Ids of created blocks that hold nothing, for reuse before a new one is created.
+    free: Vec<BlockId>,
     /// hash -> cached block.
-    cached: HashMap<u64, u32>,
+    cached: HashMap<u64, BlockId>,
     /// (tick, block) of cached blocks nobody references, oldest first.
-    lru: BTreeMap<(u64, u32), ()>,
+    lru: BTreeMap<(u64, BlockId), ()>,
     tick: u64,
     active: Vec<bool>,
     lens: Vec<u64>,
-    tables: Vec<Vec<u32>>,
+    tables: Vec<Vec<BlockId>>,
 }
 
 impl PrefixBlocks {
     /// Blocks of `block_tokens` tokens of `token_bytes`, as many as `budget` bytes hold;
-    /// with `caching`, unreferenced cached blocks up to `cache_cap` bytes.
+    /// with `caching`, unreferenced cached blocks up to `cache_cap` bytes. Memory grows with
+    /// the blocks in use, whatever the budget.
     pub fn new(
         token_bytes: u64,
         block_tokens: u64,
@@ -71,17 +80,15 @@ impl PrefixBlocks {
                 "baseline: batch and context must be non-zero".into(),
             ));
         }
-        let total = budget / block_bytes;
-        let total = u32::try_from(total)
-            .map_err(|_| VmemError::InvalidConfig("more than 2^32 blocks".into()))?;
         Ok(PrefixBlocks {
             token_bytes,
             block_tokens,
             max_context,
             caching,
             cache_cap_blocks: cache_cap / block_bytes,
-            blocks: vec![Block::default(); total as usize],
-            free: (0..total).rev().collect(),
+            total: budget / block_bytes,
+            blocks: Vec::new(),
+            free: Vec::new(),
             cached: HashMap::new(),
             lru: BTreeMap::new(),
             tick: 0,
@@ -100,22 +107,32 @@ impl PrefixBlocks {
         self.blocks.len() as u64 - self.free.len() as u64 - self.lru.len() as u64
     }
 
-    /// A block for new contents: a free one, else the least recently used cached one.
-    fn take_block(&mut self) -> Option<u32> {
+    /// Blocks holding nothing: created and free, or never created.
+    fn free_blocks(&self) -> u64 {
+        self.total - self.blocks.len() as u64 + self.free.len() as u64
+    }
+
+    /// A block for new contents: a free one, else a new one while the budget holds more,
+    /// else the least recently used cached one.
+    fn take_block(&mut self) -> Option<BlockId> {
         if let Some(b) = self.free.pop() {
             return Some(b);
         }
+        if (self.blocks.len() as u64) < self.total {
+            self.blocks.push(Block::default());
+            return Some(self.blocks.len() - 1);
+        }
         let (&(t, b), _) = self.lru.iter().next()?;
         self.lru.remove(&(t, b));
-        if let Some(h) = self.blocks[b as usize].hash.take() {
+        if let Some(h) = self.blocks[b].hash.take() {
             self.cached.remove(&h);
         }
         Some(b)
     }
 
     /// Drops one reference to `b`; unreferenced, it joins the LRU if cached, else is free.
-    fn unref(&mut self, b: u32) {
-        let blk = &mut self.blocks[b as usize];
+    fn unref(&mut self, b: BlockId) {
+        let blk = &mut self.blocks[b];
         blk.refs -= 1;
         if blk.refs > 0 {
             return;
@@ -136,7 +153,7 @@ impl PrefixBlocks {
                 break;
             };
             self.lru.remove(&(t, b));
-            if let Some(h) = self.blocks[b as usize].hash.take() {
+            if let Some(h) = self.blocks[b].hash.take() {
                 self.cached.remove(&h);
             }
             self.free.push(b);
@@ -177,12 +194,12 @@ impl KvMemory for PrefixBlocks {
             .zip(&self.tables)
             .map(|(&l, t)| l.div_ceil(self.block_tokens).saturating_sub(t.len() as u64))
             .sum();
-        let available = self.free.len() as u64 + self.lru.len() as u64;
+        let available = self.free_blocks() + self.lru.len() as u64;
         if need > available {
             return Err(VmemError::OutOfMemory {
                 needed_pages: need,
                 available_pages: available,
-                cap_bytes: self.blocks.len() as u64 * self.block_bytes(),
+                cap_bytes: self.total * self.block_bytes(),
             });
         }
         let mut rep = StepReport::default();
@@ -190,7 +207,7 @@ impl KvMemory for PrefixBlocks {
             let want = len.div_ceil(self.block_tokens);
             while (self.tables[r].len() as u64) < want {
                 let b = self.take_block().expect("counted above");
-                self.blocks[b as usize].refs = 1;
+                self.blocks[b].refs = 1;
                 self.tables[r].push(b);
                 rep.sync_pages += 1;
             }
@@ -205,8 +222,8 @@ impl KvMemory for PrefixBlocks {
             kv_bytes: self.lens.iter().sum::<u64>() * self.token_bytes,
             active_mapped_bytes: referenced,
             mapped_bytes: referenced,
-            physical_bytes: self.blocks.len() as u64 * bb,
-            cap_bytes: self.blocks.len() as u64 * bb,
+            physical_bytes: self.total * bb,
+            cap_bytes: self.total * bb,
             active_requests: self.active.iter().filter(|&&a| a).count(),
         }
     }
@@ -231,7 +248,7 @@ impl KvMemory for PrefixBlocks {
             let Some(&b) = self.cached.get(&h) else {
                 break;
             };
-            let blk = &mut self.blocks[b as usize];
+            let blk = &mut self.blocks[b];
             if blk.refs == 0 {
                 self.lru.remove(&(blk.tick, b));
             }
@@ -249,8 +266,8 @@ impl KvMemory for PrefixBlocks {
             let Some(&b) = self.tables[r].get(j) else {
                 break;
             };
-            if self.blocks[b as usize].hash.is_none() && !self.cached.contains_key(&h) {
-                self.blocks[b as usize].hash = Some(h);
+            if self.blocks[b].hash.is_none() && !self.cached.contains_key(&h) {
+                self.blocks[b].hash = Some(h);
                 self.cached.insert(h, b);
             }
         }
@@ -345,5 +362,38 @@ mod tests {
         off.publish_prefix(a, &h).unwrap();
         off.free_reqid(a).unwrap();
         assert_eq!(off.held_bytes(), (0, 0));
+    }
+
+    #[test]
+    fn a_budget_of_any_size_costs_only_the_blocks_in_use() {
+        // Issue #30 item 2: one entry per block of the budget was allocated up front (2^64
+        // one-byte blocks here; "more than 2^32 blocks" before, an abort for 2^37).
+        let mut m = PrefixBlocks::new(1, 1, 4, 1 << 20, u64::MAX, true, u64::MAX).unwrap();
+        let h: Vec<u64> = (1..=100).collect();
+        let a = m.alloc_reqid().unwrap();
+        m.step(&[100, 0, 0, 0]).unwrap();
+        m.publish_prefix(a, &h).unwrap();
+        m.free_reqid(a).unwrap();
+        let b = m.alloc_reqid().unwrap();
+        assert_eq!(m.adopt_prefix(b, &h, 100).unwrap(), 99);
+        let mut lens = [0; 4];
+        lens[b] = 100;
+        m.step(&lens).unwrap();
+        // a's 100 blocks (cached), and b's last one: created as used, never for the budget.
+        assert_eq!(m.blocks.len(), 101);
+        assert_eq!(m.usage().cap_bytes, u64::MAX);
+        // A small budget still runs out where it did: 10 blocks, then out of memory.
+        let mut m = apc(10, 10);
+        m.alloc_reqid().unwrap();
+        m.step(&[160, 0, 0, 0]).unwrap();
+        m.alloc_reqid().unwrap();
+        assert!(matches!(
+            m.step(&[160, 1, 0, 0]),
+            Err(VmemError::OutOfMemory {
+                needed_pages: 1,
+                available_pages: 0,
+                ..
+            })
+        ));
     }
 }
