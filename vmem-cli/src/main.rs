@@ -382,8 +382,8 @@ struct Plan {
     deployment: Deployment,
     allocators: Vec<Allocator>,
     experiment: ExperimentConfig,
-    /// How the trace was read (the prefix comparison reads its hashes the same way).
-    opts: TraceOptions,
+    /// With `--prefix-cache`: the trace's prefix hashes, read from the same bytes.
+    hashes: Option<vmem_replay::PrefixHashes>,
 }
 
 fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
@@ -524,15 +524,22 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
             time_unit,
         },
     };
-    let (trace, trace_name) = match &args.trace {
+    let (trace, trace_name, bytes) = match &args.trace {
         Some(p) => {
             let name = p.display().to_string();
-            (parse_trace(&read_trace(p)?, &name, &opts)?, name)
+            let bytes = read_trace(p)?;
+            (parse_trace(&bytes, &name, &opts)?, name, Some(bytes))
         }
         None => (
             parse_trace(BUNDLED_TRACE, BUNDLED_NAME, &opts)?,
             BUNDLED_NAME.to_string(),
+            None,
         ),
+    };
+    let hashes = if args.prefix_cache {
+        Some(prefix::hashes(args, bytes.as_deref(), &trace_name, &trace)?)
+    } else {
+        None
     };
     let total = trace.requests.len();
     let take = args.requests.unwrap_or(total).min(total);
@@ -608,7 +615,7 @@ fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
         deployment,
         allocators,
         experiment,
-        opts,
+        hashes,
     })
 }
 
@@ -682,8 +689,8 @@ fn check_memory(p: &Plan) -> Result<(), ReplayError> {
 fn run_replay(out: &mut dyn Write, args: &ReplayArgs) -> Result<(), CliError> {
     let p = plan(args)?;
     check_memory(&p)?;
-    if args.prefix_cache {
-        return prefix::run(out, args, &p);
+    if let Some(h) = &p.hashes {
+        return prefix::run(out, args, &p, h);
     }
     let s = &p.settings;
     let human = !args.json && !args.csv;

@@ -6,7 +6,7 @@ use crate::{config_err, emit, CliError, Plan, ReplayArgs};
 use std::io::{self, Write};
 use vmem::units::{format_bytes, parse_bytes};
 use vmem_replay::experiment::{PrefixExperiment, PrefixOutcome, PrefixRow};
-use vmem_replay::{check_prefix_hashes, load_prefix_hashes, load_trace, PrefixHashes, ReplayError};
+use vmem_replay::{check_prefix_hashes, parse_prefix_hashes, PrefixHashes, ReplayError, Trace};
 
 fn print_row(out: &mut dyn Write, r: &PrefixRow) -> io::Result<()> {
     writeln!(
@@ -26,24 +26,28 @@ fn print_row(out: &mut dyn Write, r: &PrefixRow) -> io::Result<()> {
     )
 }
 
-/// The trace's prefix hashes (Mooncake's `hash_ids`, or `--hash-col`), checked against
-/// its requests.
-fn hashes(args: &ReplayArgs, plan: &Plan) -> Result<PrefixHashes, ReplayError> {
+/// The prefix hashes of the trace `name` (Mooncake's `hash_ids`, or `--hash-col`), read
+/// from its `bytes` (`None`: the bundled trace) as `trace` was, and checked against its
+/// requests. The trace is read once: a FIFO or a pipe cannot be read again.
+pub fn hashes(
+    args: &ReplayArgs,
+    bytes: Option<&[u8]>,
+    name: &str,
+    trace: &Trace,
+) -> Result<PrefixHashes, ReplayError> {
     let chunk = args.hash_block_tokens;
     if chunk == Some(0) {
         return Err(config_err("--hash-block-tokens", "must be at least 1"));
     }
-    let Some(path) = &args.trace else {
+    let Some(bytes) = bytes else {
         return Err(config_err(
             "--prefix-cache",
             "the bundled trace has no prefix hashes: give --trace (e.g. \
              vmem-cli/data/traces/mooncake-synthetic-first1000.jsonl)",
         ));
     };
-    let trace = load_trace(path, &plan.opts)?;
-    let name = path.display().to_string();
-    let h = load_prefix_hashes(path, trace.format, args.hash_col.as_deref(), chunk)?.ok_or_else(
-        || {
+    let h = parse_prefix_hashes(bytes, name, trace.format, args.hash_col.as_deref(), chunk)?
+        .ok_or_else(|| {
             config_err(
                 "--prefix-cache",
                 format!(
@@ -51,16 +55,20 @@ fn hashes(args: &ReplayArgs, plan: &Plan) -> Result<PrefixHashes, ReplayError> {
                     trace.format.name()
                 ),
             )
-        },
-    )?;
-    check_prefix_hashes(&h, &trace.requests, &name)?;
+        })?;
+    check_prefix_hashes(&h, &trace.requests, name)?;
     Ok(h)
 }
 
-/// Runs the comparison and writes it to `out` (table, or `--json`/`--csv`).
-pub fn run(out: &mut dyn Write, args: &ReplayArgs, p: &Plan) -> Result<(), CliError> {
+/// Runs the comparison on the trace with prefix hashes `h` and writes it to `out` (table, or
+/// `--json`/`--csv`).
+pub fn run(
+    out: &mut dyn Write,
+    args: &ReplayArgs,
+    p: &Plan,
+    h: &PrefixHashes,
+) -> Result<(), CliError> {
     let s = &p.settings;
-    let h = hashes(args, p)?;
     let cache_cap = match &args.cache_cap {
         Some(c) => parse_bytes(c).map_err(|e| config_err("--cache-cap", e))?,
         None => s.budget,
@@ -113,7 +121,7 @@ pub fn run(out: &mut dyn Write, args: &ReplayArgs, p: &Plan) -> Result<(), CliEr
         let outcome = exp.run(
             c,
             &p.trace,
-            &h,
+            h,
             || Ok(p.backend.clone()),
             apc.as_ref(),
             |d| progress.update(d),

@@ -216,6 +216,54 @@ fn a_huge_budget_costs_memory_by_the_blocks_in_use_not_the_budget() {
 }
 
 #[test]
+fn a_fifo_or_a_pipe_trace_is_read_once() {
+    // Issue #30 item 3: --prefix-cache opened the trace a second time for its hashes: a FIFO
+    // hung forever, a pipe on /dev/stdin was "empty".
+    let dir = std::env::temp_dir().join(format!("vmem-cli-fifo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fifo = dir.join("trace.fifo");
+    let _ = std::fs::remove_file(&fifo);
+    let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
+    assert!(made.success());
+    let writer = {
+        let fifo = fifo.clone();
+        // Opening a FIFO for writing waits for its reader; a reader that never comes back
+        // for a second read is what the test catches, with the timeout below.
+        std::thread::spawn(move || std::fs::write(fifo, mc20_text()))
+    };
+    let f = fifo.to_str().unwrap();
+    let args = prefix_args(&["--csv", "--trace", f, "--format", "mooncake"]);
+    let out = wait_or_kill(
+        spawn(&args, Stdio::null()),
+        Duration::from_secs(120),
+        "FIFO",
+    );
+    // Unblock a writer still waiting for a reader (the FIFO was never opened) before joining.
+    if !writer.is_finished() {
+        let _ = std::fs::File::open(&fifo);
+    }
+    let _ = writer.join();
+    let _ = std::fs::remove_file(&fifo);
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "FIFO: {err}");
+    let csv = text(&out.stdout);
+    assert_eq!(csv.lines().count(), 5, "{csv}");
+    assert!(
+        csv.lines().nth(1).unwrap().starts_with("blocks-16tok-apc,"),
+        "{csv}"
+    );
+
+    let args = prefix_args(&["--json", "--trace", "/dev/stdin"]);
+    let mut child = spawn(&args, Stdio::piped());
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(mc20_text().as_bytes()).unwrap();
+    drop(stdin);
+    let out = wait_or_kill(child, Duration::from_secs(120), "pipe");
+    let rows = json_rows(&out, "pipe on /dev/stdin");
+    assert_eq!(rows.len(), 4);
+}
+
+#[test]
 fn a_budget_of_u64_max_runs_or_is_refused_naming_the_flag() {
     // Issue #30 item 4: the header, then "more than 2^32 blocks" naming no flag.
     let t = mc20("max-budget.jsonl");
@@ -231,4 +279,3 @@ fn a_budget_of_u64_max_runs_or_is_refused_naming_the_flag() {
         assert_eq!(r["completed"], 20, "{r}");
     }
 }
-
