@@ -1,7 +1,7 @@
 //! `vmem replay --prefix-cache`: prints the prefix-sharing comparison
 //! (docs/prefix-sharing.md), which `vmem_replay::experiment::PrefixExperiment` runs.
 
-use crate::report::{print_header, Progress};
+use crate::report::{csv_num, print_header, Progress};
 use crate::{config_err, emit, CliError, Plan, ReplayArgs};
 use std::io::{self, Write};
 use vmem::units::{format_bytes, parse_bytes};
@@ -11,19 +11,26 @@ use vmem_replay::{check_prefix_hashes, parse_prefix_hashes, PrefixHashes, Replay
 fn print_row(out: &mut dyn Write, r: &PrefixRow) -> io::Result<()> {
     writeln!(
         out,
-        "{:<32} {:>6} {:>8} {:>9} {:>9} {:>7.1}% {:>10} {:>10} {:>10} {:>7.3} {:>7.3}",
+        "{:<32} {:>6} {:>8} {:>9} {:>9} {:>8} {:>8} {:>8} {:>10} {:>10} {:>10} {:>8} {:>8}",
         r.allocator,
         r.share_tokens,
         r.admitted,
         r.preempted,
         r.completed,
-        100.0 * r.hit_rate,
+        r.rejected_budget,
+        r.queued_at_end,
+        or_na(r.hit_rate.map(|h| format!("{:.1}%", 100.0 * h))),
         format_bytes(r.peak_bytes),
         format_bytes(r.mean_bytes as u64),
         format_bytes(r.peak_cache_bytes),
-        r.mean_vs_apc,
-        r.peak_vs_apc,
+        or_na(r.mean_vs_apc.map(|v| format!("{v:.3}"))),
+        or_na(r.peak_vs_apc.map(|v| format!("{v:.3}"))),
     )
+}
+
+/// A value as the table shows it, "n/a" when it is undefined (a ratio of 0/0).
+fn or_na(v: Option<String>) -> String {
+    v.unwrap_or_else(|| "n/a".into())
 }
 
 /// The prefix hashes of the trace `name` (Mooncake's `hash_ids`, or `--hash-col`), read
@@ -85,12 +92,14 @@ pub fn run(
         emit(writeln!(out))?;
         emit(writeln!(
             out,
-            "{:<32} {:>6} {:>8} {:>9} {:>9} {:>8} {:>10} {:>10} {:>10} {:>7} {:>7}",
+            "{:<32} {:>6} {:>8} {:>9} {:>9} {:>8} {:>8} {:>8} {:>10} {:>10} {:>10} {:>8} {:>8}",
             "allocator",
             "share",
             "admitted",
             "preempted",
             "completed",
+            "rejected",
+            "queued",
             "hit",
             "peak mem",
             "mean mem",
@@ -151,6 +160,9 @@ pub fn run(
                     "admitted": r.admitted,
                     "preempted": r.preempted,
                     "completed": r.completed,
+                    "rejected_budget": r.rejected_budget,
+                    "running_at_end": r.running_at_end,
+                    "queued_at_end": r.queued_at_end,
                     "prompt_tokens": r.prompt_tokens,
                     "cached_tokens": r.cached_tokens,
                     "hit_rate": r.hit_rate,
@@ -169,32 +181,36 @@ pub fn run(
             serde_json::to_string_pretty(&doc).expect("serializable")
         ))?;
     } else if args.csv {
-        emit(writeln!(out, "allocator,share_tokens,admitted,preempted,completed,prompt_tokens,cached_tokens,hit_rate,peak_bytes,mean_bytes,peak_cache_bytes,mean_vs_apc,peak_vs_apc"))?;
+        emit(writeln!(out, "allocator,share_tokens,admitted,preempted,completed,rejected_budget,running_at_end,queued_at_end,prompt_tokens,cached_tokens,hit_rate,peak_bytes,mean_bytes,peak_cache_bytes,mean_vs_apc,peak_vs_apc"))?;
         for r in &rows {
             emit(writeln!(
                 out,
-                "{},{},{},{},{},{},{},{:.6},{},{:.0},{},{:.6},{:.6}",
+                "{},{},{},{},{},{},{},{},{},{},{},{},{:.0},{},{},{}",
                 r.allocator,
                 r.share_tokens,
                 r.admitted,
                 r.preempted,
                 r.completed,
+                r.rejected_budget,
+                r.running_at_end,
+                r.queued_at_end,
                 r.prompt_tokens,
                 r.cached_tokens,
-                r.hit_rate,
+                csv_num(r.hit_rate, 6),
                 r.peak_bytes,
                 r.mean_bytes,
                 r.peak_cache_bytes,
-                r.mean_vs_apc,
-                r.peak_vs_apc
+                csv_num(r.mean_vs_apc, 6),
+                csv_num(r.peak_vs_apc, 6)
             ))?;
         }
     } else {
         emit(writeln!(out))?;
         emit(writeln!(
             out,
-            "hit: prompt tokens served from the prefix cache / prompt tokens admitted"
+            "hit: prompt tokens served from the prefix cache / prompt tokens admitted (n/a: none admitted)"
         ))?;
+        emit(writeln!(out, "rejected: requests that do not fit the whole budget even alone; queued: arrived but not admitted at the horizon"))?;
         emit(writeln!(out, "mem: bytes of pages holding KV, of running requests or kept by the cache, a shared page once"))?;
         emit(writeln!(
             out,

@@ -111,7 +111,7 @@ fn percent(v: Option<f64>) -> String {
 
 /// An optional number for CSV: empty when undefined (what `vs_blocks` and `page_size`
 /// already do; pandas and R read it as missing).
-fn csv_num(v: Option<f64>, digits: usize) -> String {
+pub fn csv_num(v: Option<f64>, digits: usize) -> String {
     v.map(|v| format!("{v:.digits$}")).unwrap_or_default()
 }
 

@@ -279,3 +279,60 @@ fn a_budget_of_u64_max_runs_or_is_refused_naming_the_flag() {
         assert_eq!(r["completed"], 20, "{r}");
     }
 }
+
+#[test]
+fn ratios_of_nothing_are_not_numbers_and_requests_that_never_fit_are_shown() {
+    // Issue #30 items 5 and 8: at 64 MB every request is larger than the budget: 0/0 was
+    // printed 0.0% (JSON 0.0), and the 20 rejections were nowhere.
+    let t = mc20("small-budget.jsonl");
+    let small = ["--trace", t.path(), "--budget", "64M"];
+    let out = vmem(&prefix_args(&[&small[..], &["--json"]].concat()));
+    for r in json_rows(&out, "64M --json") {
+        for k in ["hit_rate", "mean_vs_apc", "peak_vs_apc"] {
+            assert!(r[k].is_null(), "{k}: {r}");
+        }
+        assert_eq!(
+            (&r["completed"], &r["rejected_budget"], &r["queued_at_end"]),
+            (&0.into(), &20.into(), &0.into()),
+            "{r}"
+        );
+    }
+    let out = vmem(&prefix_args(&[&small[..], &["--csv"]].concat()));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let csv = text(&out.stdout);
+    let mut lines = csv.lines();
+    let head: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let col = |name: &str| head.iter().position(|h| *h == name).unwrap();
+    for line in lines {
+        let f: Vec<&str> = line.split(',').collect();
+        assert_eq!(f.len(), head.len(), "{line}");
+        for k in ["hit_rate", "mean_vs_apc", "peak_vs_apc"] {
+            assert_eq!(f[col(k)], "", "{k}: {line}");
+        }
+        assert_eq!(f[col("rejected_budget")], "20", "{line}");
+    }
+    let out = vmem(&prefix_args(&small));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let table = text(&out.stdout);
+    let head = table.lines().find(|l| l.starts_with("allocator")).unwrap();
+    assert!(
+        head.contains("rejected") && head.contains("queued"),
+        "{head}"
+    );
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("blocks-16tok-apc"))
+        .unwrap();
+    assert_eq!(row.matches("n/a").count(), 3, "{row}");
+    assert!(!row.contains("0.0%") && !row.contains("0.000"), "{row}");
+
+    // At the default budget, mc20's 6 longest requests never fit: counted, not hidden.
+    let out = vmem(&prefix_args(&["--trace", t.path(), "--json"]));
+    for r in json_rows(&out, "2GiB --json") {
+        assert_eq!(
+            (&r["completed"], &r["rejected_budget"]),
+            (&14.into(), &6.into()),
+            "{r}"
+        );
+    }
+}

@@ -3,7 +3,7 @@
 //! PagedAttention blocks with vLLM's automatic prefix caching (APC), the same blocks without
 //! caching, and vmem at each page size without and with sharing. Each row reports prompt
 //! tokens served from the cache (hit rate), peak and mean memory holding KV (a shared page
-//! once), admissions and preemptions.
+//! once), admissions, preemptions, and the requests that never fit or were left queued.
 
 use super::{Allocator, Deployment, ExperimentConfig};
 use crate::{replay_with_prefixes, PrefixBlocks, PrefixHashes, ReplayStats, Result, TraceRequest};
@@ -84,22 +84,28 @@ pub struct PrefixRow {
     pub preempted: u64,
     /// Completed requests.
     pub completed: usize,
+    /// Requests refused because they do not fit the whole budget even alone.
+    pub rejected_budget: usize,
+    /// Requests still running at the horizon.
+    pub running_at_end: usize,
+    /// Requests arrived but not admitted at the horizon.
+    pub queued_at_end: usize,
     /// Prompt tokens admitted.
     pub prompt_tokens: u64,
     /// Of those, served from the cache.
     pub cached_tokens: u64,
-    /// cached / prompt.
-    pub hit_rate: f64,
+    /// cached / prompt; `None` when no prompt token was admitted (0/0).
+    pub hit_rate: Option<f64>,
     /// Peak bytes holding KV.
     pub peak_bytes: u64,
     /// Time-averaged bytes holding KV.
     pub mean_bytes: f64,
     /// Peak bytes kept only by the cache.
     pub peak_cache_bytes: u64,
-    /// mean_bytes / the APC blocks' mean_bytes.
-    pub mean_vs_apc: f64,
-    /// peak_bytes / the APC blocks' peak_bytes.
-    pub peak_vs_apc: f64,
+    /// mean_bytes / the APC blocks' mean_bytes; `None` when theirs is 0.
+    pub mean_vs_apc: Option<f64>,
+    /// peak_bytes / the APC blocks' peak_bytes; `None` when theirs is 0.
+    pub peak_vs_apc: Option<f64>,
 }
 
 impl PrefixRow {
@@ -115,16 +121,19 @@ impl PrefixRow {
         let peak = s.peak_held_bytes;
         let (mean_ref, peak_ref) =
             apc.map_or((mean, peak as f64), |a| (a.mean_bytes, a.peak_bytes as f64));
-        let ratio = |x: f64, of: f64| x / of.max(1.0);
+        let ratio = |x: f64, of: f64| (of > 0.0).then(|| x / of.max(1.0));
         PrefixRow {
             allocator,
             share_tokens,
             admitted: s.admitted,
             preempted: s.preemptions,
             completed: s.completed,
+            rejected_budget: s.rejected_budget,
+            running_at_end: s.running_at_end,
+            queued_at_end: s.queued_at_end,
             prompt_tokens: s.prompt_tokens,
             cached_tokens: s.cached_tokens,
-            hit_rate: s.hit_rate(),
+            hit_rate: (s.prompt_tokens > 0).then(|| s.hit_rate()),
             peak_bytes: peak,
             mean_bytes: mean,
             peak_cache_bytes: s.peak_cached_bytes,
