@@ -180,6 +180,35 @@ fn bad_traces_are_refused_with_the_line_and_nothing_panics() {
 }
 
 #[test]
+fn a_column_or_key_named_twice_is_refused_in_either_format() {
+    // Issue #30 item 14: a CSV silently took the first of two equal columns, JSON lines the
+    // last of two equal keys. One rule: refused, naming the file, the line and the name, in
+    // the plain replay and with --prefix-cache.
+    let moon = |extra: &str| {
+        format!(
+            "{{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 2, \"hash_ids\": [1]{extra}}}\n"
+        )
+    };
+    let cases: [(&str, String, &[&str], &str); 5] = [
+        ("dup.csv", "input_tokens,output_tokens,input_tokens\n10,2,99\n".into(), &[], ":1:"),
+        ("dup.jsonl", "{\"input_tokens\": 10, \"output_tokens\": 2}\n{\"input_tokens\": 10, \"output_tokens\": 2, \"output_tokens\": 9}\n".into(), &[], ":2:"),
+        ("case.jsonl", "{\"input_tokens\": 10, \"INPUT_TOKENS\": 9, \"output_tokens\": 2}\n".into(), &[], ":1:"),
+        ("moon.jsonl", moon(", \"input_length\": 99"), &[], ":1:"),
+        ("hash.jsonl", moon(", \"hash_ids\": [2]"), &["--prefix-cache"], ":1:"),
+    ];
+    for (name, content, extra, line) in cases {
+        let f = Scratch::new(name, content.as_bytes());
+        let args = [
+            &["replay", "-q", "--backend", "sim", "--trace", f.path()][..],
+            extra,
+        ]
+        .concat();
+        let out = vmem(&args);
+        assert_refused(&out, name, &[name, line, "twice"]);
+    }
+}
+
+#[test]
 fn oversize_requests_are_an_error_unless_skipped_or_truncated_and_always_counted() {
     let t = "input_tokens,output_tokens\n100,10\n20000,10\n30,5000\n9000,9000\n";
     let f = Scratch::new("oversize.csv", t.as_bytes());

@@ -446,6 +446,46 @@ mod tests {
     }
 
     #[test]
+    fn a_column_or_key_named_twice_is_refused_naming_the_line_and_the_name() {
+        // Issue #30 item 14: a CSV took the first of two equal columns, JSON lines the last
+        // of two equal keys, silently. Both are refused, names compared as columns are
+        // found (ignoring case).
+        let cases: [(&str, &str, &str, &str); 6] = [
+            ("t.csv", "input_tokens,output_tokens,input_tokens\n10,2,99\n", "t.csv:1", "input_tokens"),
+            ("t.csv", "time,Input_Tokens,output_tokens,INPUT_TOKENS\n0,10,2,99\n", "t.csv:1", "INPUT_TOKENS"),
+            ("t.csv", "input_tokens,output_tokens,note,note\n10,2,a,b\n", "t.csv:1", "note"),
+            ("t.jsonl", "{\"input_tokens\": 1, \"output_tokens\": 2}\n{\"input_tokens\": 10, \"output_tokens\": 2, \"input_tokens\": 99}\n", "t.jsonl:2", "input_tokens"),
+            ("t.jsonl", "{\"input_tokens\": 10, \"Input_Tokens\": 99, \"output_tokens\": 2}\n", "t.jsonl:1", "Input_Tokens"),
+            ("m.jsonl", "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 2, \"hash_ids\": [1], \"hash_ids\": [2]}\n", "m.jsonl:1", "hash_ids"),
+        ];
+        for (name, text, at, key) in cases {
+            let e = parse_trace(text.as_bytes(), name, &opts())
+                .expect_err(text)
+                .to_string();
+            assert!(
+                e.contains(at) && e.contains(&format!("{key:?}")) && e.contains("twice"),
+                "{text}: {e}"
+            );
+        }
+        // The prefix hashes are read by the same rule.
+        let moon =
+            "{\"input_length\": 10, \"output_length\": 2, \"hash_ids\": [1], \"hash_ids\": [2]}\n";
+        let e = crate::parse_prefix_hashes(moon.as_bytes(), "m", TraceFormat::Mooncake, None, None)
+            .expect_err("duplicate hash_ids")
+            .to_string();
+        assert!(e.contains("m:1") && e.contains("\"hash_ids\""), "{e}");
+        // Names that differ, and empty CSV header fields, are fine.
+        let ok = "input_tokens,output_tokens,,\n10,2,,\n";
+        assert_eq!(
+            parse_trace(ok.as_bytes(), "t.csv", &opts())
+                .unwrap()
+                .requests
+                .len(),
+            1
+        );
+    }
+
+    #[test]
     fn detects_each_format() {
         let azure = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00.0,10,2\n";
         assert_eq!(
