@@ -1,7 +1,7 @@
 //! `vmem replay --prefix-cache`: prints the prefix-sharing comparison
 //! (docs/prefix-sharing.md), which `vmem_replay::experiment::PrefixExperiment` runs.
 
-use crate::report::{csv_num, print_header, Progress};
+use crate::report::{csv_num, print_header, settings_json, Progress};
 use crate::{config_err, emit, CliError, Plan, ReplayArgs};
 use std::io::{self, Write};
 use vmem::units::{format_bytes, parse_bytes};
@@ -174,7 +174,12 @@ pub fn run(
                 })
             })
             .collect();
-        let doc = serde_json::json!({ "trace": s.trace, "cache_cap": cache_cap, "rows": rows });
+        let doc = serde_json::json!({
+            "trace": s.trace,
+            "cache_cap": cache_cap,
+            "settings": settings_json(s),
+            "rows": rows,
+        });
         emit(writeln!(
             out,
             "{}",

@@ -336,3 +336,41 @@ fn ratios_of_nothing_are_not_numbers_and_requests_that_never_fit_are_shown() {
         );
     }
 }
+
+#[test]
+fn prefix_json_carries_the_settings_as_the_plain_replay_does() {
+    // Found by the adversarial pass of issue #30: --prefix-cache --json gave the trace and
+    // the cache cap only; the budget, model, batch, context and policies a row was measured
+    // under were nowhere, so a saved result could not be reproduced.
+    let t = mc20("settings.jsonl");
+    let out = vmem(&prefix_args(&[
+        "--trace",
+        t.path(),
+        "--json",
+        "--budget",
+        "3G",
+        "--max-batch",
+        "7",
+        "--eager",
+        "on",
+        "--cache-cap",
+        "1G",
+    ]));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let s = &v["settings"];
+    assert_eq!(s["budget"], 3u64 << 30, "{v}");
+    assert_eq!(
+        (&s["max_batch"], &s["max_context"], &s["eager"], &s["model"]),
+        (
+            &7.into(),
+            &131072.into(),
+            &true.into(),
+            &"llama-3-8b".into()
+        ),
+        "{s}"
+    );
+    assert_eq!(s["block_tokens"], 16);
+    assert_eq!(v["cache_cap"], 1u64 << 30);
+    assert_eq!(v["trace"], s["trace"]);
+}
