@@ -92,7 +92,7 @@ pub fn derive_blocks(
     if block_tokens == 0 || chunk_tokens == 0 {
         return Vec::new();
     }
-    let covered = prompt_tokens.min(chunks.len() as u64 * chunk_tokens);
+    let covered = prompt_tokens.min((chunks.len() as u64).saturating_mul(chunk_tokens));
     let n = covered / block_tokens;
     let mut out = Vec::with_capacity(n as usize);
     let mut id = 0x005E_ED0F_B10C;
@@ -267,6 +267,9 @@ mod tests {
         assert_eq!(derive_blocks(&[1], 512, 1400, 16).len(), 32);
         // Deterministic.
         assert_eq!(a, derive_blocks(&[1, 2, 3], 512, 1400, 16));
+        // Chunks of 2^63 tokens: two of them cover more than 64 bits count (an overflow
+        // panic before); the prompt's 6 full blocks lie in the first.
+        assert_eq!(derive_blocks(&[1, 2], 1 << 63, 100, 16).len(), 6);
     }
 
     #[test]
