@@ -146,6 +146,17 @@ impl PrefixBlocks {
         }
     }
 
+    /// Whether request id `r` is handed out; an error if it is no id of this memory.
+    fn known(&self, r: usize) -> vmem::Result<bool> {
+        self.active
+            .get(r)
+            .copied()
+            .ok_or(VmemError::UnknownRequest {
+                req: r,
+                max_batch: self.active.len(),
+            })
+    }
+
     /// Evicts least recently used unreferenced blocks down to the cache cap.
     fn enforce_cap(&mut self) {
         while self.lru.len() as u64 > self.cache_cap_blocks {
@@ -235,7 +246,7 @@ impl KvMemory for PrefixBlocks {
         }
     }
     fn adopt_prefix(&mut self, r: usize, blocks: &[u64], prompt_tokens: u64) -> vmem::Result<u64> {
-        if !self.caching || !self.active.get(r).copied().unwrap_or(false) {
+        if !self.caching || !self.known(r)? {
             return Ok(0);
         }
         if !self.tables[r].is_empty() {
@@ -258,7 +269,7 @@ impl KvMemory for PrefixBlocks {
         Ok(self.tables[r].len() as u64 * self.block_tokens)
     }
     fn publish_prefix(&mut self, r: usize, blocks: &[u64]) -> vmem::Result<()> {
-        if !self.caching {
+        if !self.caching || !self.known(r)? {
             return Ok(());
         }
         let full = (self.lens[r] / self.block_tokens) as usize;
@@ -395,5 +406,26 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn a_request_id_out_of_range_is_an_error_not_a_panic() {
+        // Found by the adversarial pass of #30: publish_prefix indexed the lengths by the id
+        // unchecked (a panic for an id past max_batch).
+        let mut m = apc(10, 10);
+        for r in [4, usize::MAX] {
+            assert!(matches!(
+                m.publish_prefix(r, &[1, 2]),
+                Err(VmemError::UnknownRequest { .. })
+            ));
+            assert!(matches!(
+                m.adopt_prefix(r, &[1, 2], 64),
+                Err(VmemError::UnknownRequest { .. })
+            ));
+            assert!(matches!(
+                m.free_reqid(r),
+                Err(VmemError::UnknownRequest { .. })
+            ));
+        }
     }
 }
