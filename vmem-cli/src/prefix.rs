@@ -1,8 +1,10 @@
 //! `vmem replay --prefix-cache`: prints the prefix-sharing comparison
 //! (docs/prefix-sharing.md), which `vmem_replay::experiment::PrefixExperiment` runs.
 
+use crate::args::ReplayArgs;
+use crate::plan::Plan;
 use crate::report::{csv_num, print_header, settings_json, Progress};
-use crate::{config_err, emit, CliError, Plan, ReplayArgs};
+use crate::{config_err, emit, CliError};
 use std::io::{self, Write};
 use vmem::units::{format_bytes, parse_bytes};
 use vmem_replay::experiment::{PrefixExperiment, PrefixOutcome, PrefixRow};
