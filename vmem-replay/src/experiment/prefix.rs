@@ -243,3 +243,121 @@ impl PrefixExperiment {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ReplayConfig;
+    use std::collections::HashMap;
+    use vmem::backend::{SimBackend, MIB2};
+    use vmem::models::LLAMA_3_8B;
+
+    fn experiment(budget: u64) -> PrefixExperiment {
+        PrefixExperiment {
+            config: ExperimentConfig {
+                budget,
+                max_batch: 8,
+                max_context: 8192,
+                replay: ReplayConfig {
+                    offline: true,
+                    ..ReplayConfig::default()
+                },
+                deferred_reclaim: false,
+                eager: false,
+                overlap: false,
+                pad_rows: false,
+            },
+            deployment: Deployment {
+                model: LLAMA_3_8B,
+                tp: 1,
+            },
+            block_tokens: 16,
+            cache_cap: 1 << 30,
+        }
+    }
+
+    /// Six requests of 1,500 prompt tokens whose first two 512-token chunks are the same.
+    fn shared_trace() -> (Vec<TraceRequest>, PrefixHashes) {
+        let trace: Vec<TraceRequest> = (1..=6)
+            .map(|line| TraceRequest {
+                arrival_s: 0.0,
+                prompt_tokens: 1500,
+                output_tokens: 10,
+                line,
+            })
+            .collect();
+        let by_line: HashMap<usize, Vec<u64>> =
+            (1..=6).map(|l| (l, vec![7, 8, 100 + l as u64])).collect();
+        (trace, PrefixHashes::new(512, by_line).unwrap())
+    }
+
+    fn run_all(e: &PrefixExperiment) -> Vec<PrefixRow> {
+        let (trace, hashes) = shared_trace();
+        let vmem_2m = Allocator::Vmem {
+            page: MIB2,
+            layout: Layout::TokenMajor,
+        };
+        let contenders = e.contenders(&[Allocator::Blocks(16), vmem_2m, Allocator::MaxReservation]);
+        let mut rows: Vec<PrefixRow> = Vec::new();
+        for c in contenders {
+            let sim = || -> vmem::Result<Arc<dyn Backend>> { Ok(Arc::new(SimBackend::new())) };
+            match e
+                .run(c, &trace, &hashes, sim, rows.first(), |_| {})
+                .unwrap()
+            {
+                PrefixOutcome::Ran(r) => rows.push(r),
+                PrefixOutcome::NotRun { label, why } => panic!("{label}: {why}"),
+            }
+        }
+        rows
+    }
+
+    #[test]
+    fn the_contenders_replay_one_trace_and_only_the_sharing_ones_hit() {
+        let rows = run_all(&experiment(4 << 30));
+        let labels: Vec<&str> = rows.iter().map(|r| r.allocator.as_str()).collect();
+        assert_eq!(
+            labels,
+            [
+                "blocks-16tok-apc",
+                "blocks-16tok",
+                "vmem-2M-token-major",
+                "vmem-2M-token-major-shared"
+            ]
+        );
+        // The five later requests each adopt the 1,024 shared tokens, with APC and with
+        // vmem's sharing (2 MB token-major pages of Llama-3-8B are 16-token blocks).
+        for (r, cached, share) in [
+            (&rows[0], 5 * 1024, 16),
+            (&rows[1], 0, 0),
+            (&rows[2], 0, 0),
+            (&rows[3], 5 * 1024, 16),
+        ] {
+            assert_eq!((r.completed, r.rejected_budget), (6, 0), "{r:?}");
+            assert_eq!((r.cached_tokens, r.share_tokens), (cached, share), "{r:?}");
+            assert_eq!(r.hit_rate, Some(cached as f64 / (6.0 * 1500.0)), "{r:?}");
+        }
+        assert_eq!(
+            (rows[0].mean_vs_apc, rows[0].peak_vs_apc),
+            (Some(1.0), Some(1.0))
+        );
+        assert_eq!(rows[3].peak_bytes, rows[0].peak_bytes);
+        assert!(rows[1].peak_vs_apc.unwrap() > 1.0, "{:?}", rows[1]);
+    }
+
+    #[test]
+    fn nothing_admitted_gives_no_ratios_and_counts_the_rejections() {
+        // 64 MB holds 512 tokens: every 1,510-token request is rejected.
+        for r in run_all(&experiment(64 << 20)) {
+            assert_eq!(
+                (r.completed, r.rejected_budget, r.admitted),
+                (0, 6, 0),
+                "{r:?}"
+            );
+            assert_eq!(
+                (r.hit_rate, r.mean_vs_apc, r.peak_vs_apc),
+                (None, None, None)
+            );
+        }
+    }
+}
