@@ -1,7 +1,7 @@
 //! The baseline prefix sharing is measured against: vLLM's automatic prefix caching (APC)
 //! over PagedAttention blocks ([`PrefixBlocks`]), reduced to memory.
 
-use crate::baseline::{give_back_id, take_id};
+use crate::baseline::{check_lens, give_back_id, take_id};
 use crate::sched::KvMemory;
 use std::collections::{BTreeMap, HashMap};
 use vmem::kvcache::{MemoryUsage, StepReport};
@@ -194,12 +194,7 @@ impl KvMemory for PrefixBlocks {
         Ok(())
     }
     fn step(&mut self, lens: &[u64]) -> vmem::Result<StepReport> {
-        if lens.len() != self.active.len() {
-            return Err(VmemError::BatchLenMismatch {
-                expected: self.active.len(),
-                got: lens.len(),
-            });
-        }
+        check_lens(&self.active, self.max_context, lens)?;
         let need: u64 = lens
             .iter()
             .zip(&self.tables)
