@@ -1,8 +1,8 @@
 //! A replay's plan: every flag checked and the trace read (once) before anything is printed.
 
 use crate::args::{FormatArg, OversizeArg, ReplayArgs};
+use crate::config_err;
 use crate::report::{self, Settings};
-use crate::{config_err, prefix};
 use std::io::Read;
 use std::sync::Arc;
 use vmem::backend::{open_backend, Backend, BackendChoice, BackendKind, HostBackend, PAGE_SIZES};
@@ -11,8 +11,9 @@ use vmem::units::{format_bytes, parse_bytes};
 use vmem::Layout;
 use vmem_replay::experiment::{Allocator, Deployment, ExperimentConfig};
 use vmem_replay::{
-    fit_to_context, parse_trace, poisson_arrivals, Columns, Oversize, ReplayConfig, ReplayError,
-    TimeUnit, TraceFormat, TraceOptions,
+    check_prefix_hashes, fit_to_context, parse_prefix_hashes, parse_trace, poisson_arrivals,
+    Columns, Oversize, PrefixHashes, ReplayConfig, ReplayError, TimeUnit, Trace, TraceFormat,
+    TraceOptions,
 };
 
 /// The bundled trace: the first 2,000 requests of Azure's 2023 conversation trace (CC BY 4.0,
@@ -72,7 +73,7 @@ pub(crate) struct Plan {
     pub(crate) allocators: Vec<Allocator>,
     pub(crate) experiment: ExperimentConfig,
     /// With `--prefix-cache`: the trace's prefix hashes, read from the same bytes.
-    pub(crate) hashes: Option<vmem_replay::PrefixHashes>,
+    pub(crate) hashes: Option<PrefixHashes>,
 }
 
 pub(crate) fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
@@ -226,7 +227,7 @@ pub(crate) fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
         ),
     };
     let hashes = if args.prefix_cache {
-        Some(prefix::hashes(args, bytes.as_deref(), &trace_name, &trace)?)
+        Some(prefix_hashes(args, bytes.as_deref(), &trace_name, &trace)?)
     } else {
         None
     };
@@ -306,4 +307,38 @@ pub(crate) fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
         experiment,
         hashes,
     })
+}
+
+/// The prefix hashes of the trace `name` (Mooncake's `hash_ids`, or `--hash-col`), read
+/// from its `bytes` (`None`: the bundled trace) as `trace` was, and checked against its
+/// requests. The trace is read once: a FIFO or a pipe cannot be read again.
+fn prefix_hashes(
+    args: &ReplayArgs,
+    bytes: Option<&[u8]>,
+    name: &str,
+    trace: &Trace,
+) -> Result<PrefixHashes, ReplayError> {
+    let chunk = args.hash_block_tokens;
+    if chunk == Some(0) {
+        return Err(config_err("--hash-block-tokens", "must be at least 1"));
+    }
+    let Some(bytes) = bytes else {
+        return Err(config_err(
+            "--prefix-cache",
+            "the bundled trace has no prefix hashes: give --trace (e.g. \
+             vmem-cli/data/traces/mooncake-synthetic-first1000.jsonl)",
+        ));
+    };
+    let h = parse_prefix_hashes(bytes, name, trace.format, args.hash_col.as_deref(), chunk)?
+        .ok_or_else(|| {
+            config_err(
+                "--prefix-cache",
+                format!(
+                    "{name} ({}) has no prefix hashes: name its column with --hash-col",
+                    trace.format.name()
+                ),
+            )
+        })?;
+    check_prefix_hashes(&h, &trace.requests, name)?;
+    Ok(h)
 }

@@ -8,7 +8,7 @@ use crate::{config_err, emit, CliError};
 use std::io::{self, Write};
 use vmem::units::{format_bytes, parse_bytes};
 use vmem_replay::experiment::{PrefixExperiment, PrefixOutcome, PrefixRow};
-use vmem_replay::{check_prefix_hashes, parse_prefix_hashes, PrefixHashes, ReplayError, Trace};
+use vmem_replay::PrefixHashes;
 
 fn print_row(out: &mut dyn Write, r: &PrefixRow) -> io::Result<()> {
     writeln!(
@@ -33,40 +33,6 @@ fn print_row(out: &mut dyn Write, r: &PrefixRow) -> io::Result<()> {
 /// A value as the table shows it, "n/a" when it is undefined (a ratio of 0/0).
 fn or_na(v: Option<String>) -> String {
     v.unwrap_or_else(|| "n/a".into())
-}
-
-/// The prefix hashes of the trace `name` (Mooncake's `hash_ids`, or `--hash-col`), read
-/// from its `bytes` (`None`: the bundled trace) as `trace` was, and checked against its
-/// requests. The trace is read once: a FIFO or a pipe cannot be read again.
-pub fn hashes(
-    args: &ReplayArgs,
-    bytes: Option<&[u8]>,
-    name: &str,
-    trace: &Trace,
-) -> Result<PrefixHashes, ReplayError> {
-    let chunk = args.hash_block_tokens;
-    if chunk == Some(0) {
-        return Err(config_err("--hash-block-tokens", "must be at least 1"));
-    }
-    let Some(bytes) = bytes else {
-        return Err(config_err(
-            "--prefix-cache",
-            "the bundled trace has no prefix hashes: give --trace (e.g. \
-             vmem-cli/data/traces/mooncake-synthetic-first1000.jsonl)",
-        ));
-    };
-    let h = parse_prefix_hashes(bytes, name, trace.format, args.hash_col.as_deref(), chunk)?
-        .ok_or_else(|| {
-            config_err(
-                "--prefix-cache",
-                format!(
-                    "{name} ({}) has no prefix hashes: name its column with --hash-col",
-                    trace.format.name()
-                ),
-            )
-        })?;
-    check_prefix_hashes(&h, &trace.requests, name)?;
-    Ok(h)
 }
 
 /// Runs the comparison on the trace with prefix hashes `h` and writes it to `out` (table, or
