@@ -111,7 +111,7 @@ fn percent(v: Option<f64>) -> String {
 
 /// An optional number for CSV: empty when undefined (what `vs_blocks` and `page_size`
 /// already do; pandas and R read it as missing).
-fn csv_num(v: Option<f64>, digits: usize) -> String {
+pub fn csv_num(v: Option<f64>, digits: usize) -> String {
     v.map(|v| format!("{v:.digits$}")).unwrap_or_default()
 }
 
@@ -245,32 +245,38 @@ fn row_json(r: &Row) -> serde_json::Value {
     })
 }
 
+/// The settings as JSON, the same object in the plain replay's and the prefix comparison's
+/// `--json`.
+pub fn settings_json(s: &Settings) -> serde_json::Value {
+    serde_json::json!({
+        "trace": s.trace,
+        "format": s.format,
+        "trace_requests": s.trace_requests,
+        "replayed": s.replayed,
+        "oversize": s.oversize,
+        "oversize_count": s.oversize_count,
+        "arrivals": s.arrivals,
+        "model": s.model,
+        "tp": s.tp,
+        "layout": s.layout,
+        "budget": s.budget,
+        "max_batch": s.max_batch,
+        "max_context": s.max_context,
+        "iteration_ms": s.iteration_ms,
+        "horizon_s": s.horizon_s,
+        "block_tokens": s.block_tokens,
+        "token_bytes": s.token_bytes,
+        "deferred_reclaim": s.deferred_reclaim,
+        "eager": s.eager,
+        "overlap": s.overlap,
+        "pad_rows": s.pad_rows,
+        "backend": s.backend,
+    })
+}
+
 pub fn print_json(out: &mut dyn Write, s: &Settings, rows: &[Row]) -> io::Result<()> {
     let v = serde_json::json!({
-        "settings": {
-            "trace": s.trace,
-            "format": s.format,
-            "trace_requests": s.trace_requests,
-            "replayed": s.replayed,
-            "oversize": s.oversize,
-            "oversize_count": s.oversize_count,
-            "arrivals": s.arrivals,
-            "model": s.model,
-            "tp": s.tp,
-            "layout": s.layout,
-            "budget": s.budget,
-            "max_batch": s.max_batch,
-            "max_context": s.max_context,
-            "iteration_ms": s.iteration_ms,
-            "horizon_s": s.horizon_s,
-            "block_tokens": s.block_tokens,
-            "token_bytes": s.token_bytes,
-            "deferred_reclaim": s.deferred_reclaim,
-            "eager": s.eager,
-            "overlap": s.overlap,
-            "pad_rows": s.pad_rows,
-            "backend": s.backend,
-        },
+        "settings": settings_json(s),
         "rows": rows.iter().map(row_json).collect::<Vec<_>>(),
     });
     writeln!(

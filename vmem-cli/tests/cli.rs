@@ -2,8 +2,7 @@
 
 mod common;
 
-use common::{text, trace, vmem};
-use std::path::PathBuf;
+use common::{text, trace, vmem, Scratch};
 use std::process::{Command, Output};
 
 /// `vmem replay --quiet --backend sim`, then `extra`.
@@ -25,28 +24,6 @@ fn assert_refused(out: &Output, case: &str, wants: &[&str]) {
         assert!(err.contains(want), "{case}: no {want:?} in {err}");
     }
     assert!(!err.contains("panicked"), "{case}: {err}");
-}
-
-/// A scratch file with `content`, removed at drop.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str, content: &[u8]) -> Self {
-        let dir = std::env::temp_dir().join(format!("vmem-cli-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join(name);
-        std::fs::write(&p, content).unwrap();
-        Scratch(p)
-    }
-    fn path(&self) -> &str {
-        self.0.to_str().unwrap()
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
 }
 
 const QUICK: [&str; 6] = [
@@ -200,6 +177,35 @@ fn bad_traces_are_refused_with_the_line_and_nothing_panics() {
     }
     let missing = vmem(&["--trace", "/nonexistent/trace.csv"]);
     assert_eq!(missing.status.code(), Some(1));
+}
+
+#[test]
+fn a_column_or_key_named_twice_is_refused_in_either_format() {
+    // Issue #30 item 14: a CSV silently took the first of two equal columns, JSON lines the
+    // last of two equal keys. One rule: refused, naming the file, the line and the name, in
+    // the plain replay and with --prefix-cache.
+    let moon = |extra: &str| {
+        format!(
+            "{{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 2, \"hash_ids\": [1]{extra}}}\n"
+        )
+    };
+    let cases: [(&str, String, &[&str], &str); 5] = [
+        ("dup.csv", "input_tokens,output_tokens,input_tokens\n10,2,99\n".into(), &[], ":1:"),
+        ("dup.jsonl", "{\"input_tokens\": 10, \"output_tokens\": 2}\n{\"input_tokens\": 10, \"output_tokens\": 2, \"output_tokens\": 9}\n".into(), &[], ":2:"),
+        ("case.jsonl", "{\"input_tokens\": 10, \"INPUT_TOKENS\": 9, \"output_tokens\": 2}\n".into(), &[], ":1:"),
+        ("moon.jsonl", moon(", \"input_length\": 99"), &[], ":1:"),
+        ("hash.jsonl", moon(", \"hash_ids\": [2]"), &["--prefix-cache"], ":1:"),
+    ];
+    for (name, content, extra, line) in cases {
+        let f = Scratch::new(name, content.as_bytes());
+        let args = [
+            &["replay", "-q", "--backend", "sim", "--trace", f.path()][..],
+            extra,
+        ]
+        .concat();
+        let out = vmem(&args);
+        assert_refused(&out, name, &[name, line, "twice"]);
+    }
 }
 
 #[test]

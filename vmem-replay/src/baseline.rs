@@ -41,14 +41,32 @@ impl Requests {
         Ok(())
     }
     fn check(&self, lens: &[u64]) -> Result<()> {
-        if lens.len() != self.active.len() {
-            return Err(VmemError::BatchLenMismatch {
-                expected: self.active.len(),
-                got: lens.len(),
+        check_lens(&self.active, self.max_context, lens)
+    }
+}
+
+/// Checks a step's lengths as vmem's manager does: one per request id, none past
+/// `max_context`, none for an id not handed out (`active`).
+pub(crate) fn check_lens(active: &[bool], max_context: u64, lens: &[u64]) -> Result<()> {
+    if lens.len() != active.len() {
+        return Err(VmemError::BatchLenMismatch {
+            expected: active.len(),
+            got: lens.len(),
+        });
+    }
+    for (r, (&len, &on)) in lens.iter().zip(active).enumerate() {
+        if len > max_context {
+            return Err(VmemError::SeqLenTooLong {
+                req: r,
+                len,
+                max: max_context,
             });
         }
-        Ok(())
+        if len > 0 && !on {
+            return Err(VmemError::InactiveRequest(r));
+        }
     }
+    Ok(())
 }
 
 /// Marks the first inactive id of `active` active and returns it.
@@ -250,6 +268,55 @@ impl Holding for Reservations {
             physical_bytes: self.slots * per,
             cap_bytes: self.slots * per,
             active_requests: running as usize,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::PrefixBlocks;
+
+    #[test]
+    fn a_step_for_an_id_not_handed_out_or_past_the_context_is_refused_and_changes_nothing() {
+        // Found by the adversarial pass of #30: the baselines held memory for a length given
+        // to an id nobody was handed, or past the max context, where vmem's manager refuses.
+        let memories: Vec<(&str, Box<dyn KvMemory>)> = vec![
+            (
+                "blocks",
+                Box::new(BlockMemory::new(1, 16, 4, 1024, 1 << 20).unwrap()),
+            ),
+            (
+                "max-reservation",
+                Box::new(MaxReservation::new(1, 4, 1024, 1 << 20).unwrap()),
+            ),
+            (
+                "apc",
+                Box::new(PrefixBlocks::new(1, 16, 4, 1024, 1 << 20, true, 1 << 20).unwrap()),
+            ),
+        ];
+        for (name, mut m) in memories {
+            let r = m.alloc_reqid().unwrap();
+            let mut lens = [0u64; 4];
+            lens[r] = 10;
+            m.step(&lens).unwrap();
+            let before = m.usage();
+            let idle = (r + 1) % 4;
+            let mut bad = lens;
+            bad[idle] = 5;
+            let e = m.step(&bad);
+            assert!(
+                matches!(e, Err(VmemError::InactiveRequest(i)) if i == idle),
+                "{name}: {e:?}"
+            );
+            let mut long = lens;
+            long[r] = 1025;
+            let e = m.step(&long);
+            assert!(
+                matches!(e, Err(VmemError::SeqLenTooLong { len: 1025, .. })),
+                "{name}: {e:?}"
+            );
+            assert_eq!(m.usage(), before, "{name}");
         }
     }
 }

@@ -1,17 +1,19 @@
 #![doc = include_str!("../README.md")]
 
+mod apc;
 mod baseline;
 mod error;
 pub mod experiment;
-mod prefix;
+mod hashes;
 mod sched;
 mod trace;
 
+pub use apc::PrefixBlocks;
 pub use baseline::{BlockMemory, MaxReservation};
 pub use error::{ReplayError, Result};
-pub use prefix::{
-    check_prefix_hashes, derive_blocks, load_prefix_hashes, parse_prefix_hashes, PrefixBlocks,
-    PrefixHashes, MOONCAKE_CHUNK_TOKENS,
+pub use hashes::{
+    check_prefix_hashes, derive_blocks, load_prefix_hashes, parse_prefix_hashes, PrefixHashes,
+    MOONCAKE_CHUNK_TOKENS,
 };
 pub use sched::{replay, replay_with_prefixes, KvMemory, ReplayConfig, ReplayStats};
 pub use trace::{

@@ -7,7 +7,7 @@
 //! implementing [`KvMemory`]: vmem's [`KvCacheManager`], and the baselines.
 
 use crate::error::{ReplayError, Result};
-use crate::prefix::PrefixHashes;
+use crate::hashes::PrefixHashes;
 use crate::trace::TraceRequest;
 use std::collections::VecDeque;
 use vmem::kvcache::{KvCacheManager, MemoryUsage, StepReport};

@@ -1,7 +1,7 @@
 //! What every test of the `vmem` command needs: the binary run with arguments, its output as
 //! text, the bundled traces.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// Runs the `vmem` binary with `args`, without the caller's `VMEM_BACKEND`.
@@ -25,4 +25,26 @@ pub fn trace(name: &str) -> String {
         .join(name)
         .display()
         .to_string()
+}
+
+/// A scratch file with `content`, removed at drop.
+pub struct Scratch(PathBuf);
+
+impl Scratch {
+    pub fn new(name: &str, content: &[u8]) -> Self {
+        let dir = std::env::temp_dir().join(format!("vmem-cli-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(name);
+        std::fs::write(&p, content).unwrap();
+        Scratch(p)
+    }
+    pub fn path(&self) -> &str {
+        self.0.to_str().unwrap()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }

@@ -4,6 +4,8 @@ use super::{
     finish, parse_tokens, Columns, TimeUnit, TraceRequest, INPUT_NAMES, OUTPUT_NAMES, TIME_NAMES,
 };
 use crate::error::{ReplayError, Result};
+use serde::de::{Deserialize, Deserializer, Error as _, MapAccess, Visitor};
+use std::collections::HashSet;
 
 type Err<'a> = &'a dyn Fn(usize, String) -> ReplayError;
 type Rows = Vec<(Option<f64>, u64, u64, usize)>;
@@ -81,7 +83,7 @@ fn parse_time(s: &str, unit: TimeUnit) -> std::result::Result<f64, String> {
 
 /// A CSV reader over `text` (a header row, fixed field count, trimmed fields) and its header;
 /// an unreadable header is reported at line 1. Shared by trace parsing and the prefix-hash
-/// reader (crate::prefix), which read the same files.
+/// reader (crate::hashes), which read the same files.
 pub(crate) fn csv_with_header<'t>(
     text: &'t str,
     err: Err<'_>,
@@ -95,7 +97,53 @@ pub(crate) fn csv_with_header<'t>(
         .headers()
         .map_err(|e| err(1, format!("cannot read the header: {e}")))?
         .clone();
+    let line = headers.position().map_or(1, |p| p.line() as usize);
+    let mut seen = HashSet::new();
+    for name in headers.iter().filter(|n| !n.is_empty()) {
+        if !seen.insert(name.to_ascii_lowercase()) {
+            return Err(err(line, twice("column", name)));
+        }
+    }
     Ok((reader, headers))
+}
+
+/// Why a trace naming `name` twice is refused: which of the two values is meant cannot be
+/// known (CSV readers keep the first, JSON readers the last).
+fn twice(what: &str, name: &str) -> String {
+    format!("the {what} {name:?} is named twice (names are compared ignoring case): keep one")
+}
+
+/// One line of a JSON-lines trace: an object whose keys are all distinct, compared ignoring
+/// case as columns are found ([`pick`]); a key given twice is an error, not the last value.
+struct Object(serde_json::Map<String, serde_json::Value>);
+
+impl<'de> Deserialize<'de> for Object {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        d.deserialize_map(ObjectVisitor)
+    }
+}
+
+struct ObjectVisitor;
+
+impl<'de> Visitor<'de> for ObjectVisitor {
+    type Value = Object;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Object, A::Error> {
+        let mut obj = serde_json::Map::new();
+        let mut seen = HashSet::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if !seen.insert(key.to_ascii_lowercase()) {
+                return Err(A::Error::custom(twice("key", &key)));
+            }
+            let value = map.next_value()?;
+            obj.insert(key, value);
+        }
+        Ok(Object(obj))
+    }
 }
 
 /// Parses a CSV trace with a header row.
@@ -145,19 +193,24 @@ fn json_text(v: &serde_json::Value) -> Option<String> {
     }
 }
 
-/// The JSON value of each line of `text` that is not blank, with its line number (from 1);
-/// a line that is not JSON is an error naming it.
+/// The JSON object of each line of `text` that is not blank, with its line number (from 1);
+/// a line that is not a JSON object, or names a key twice, is an error naming it.
 pub(crate) fn json_lines<'t>(
     text: &'t str,
     err: Err<'t>,
-) -> impl Iterator<Item = Result<(usize, serde_json::Value)>> + 't {
+) -> impl Iterator<Item = Result<(usize, serde_json::Map<String, serde_json::Value>)>> + 't {
     let lines = text.lines().enumerate();
     let filled = lines.filter(|(_, raw)| !raw.trim().is_empty());
-    filled.map(move |(i, raw)| {
-        let value = serde_json::from_str(raw);
-        value
-            .map(|v| (i + 1, v))
-            .map_err(|e| err(i + 1, format!("not a JSON object: {e}")))
+    filled.map(move |(i, raw)| match serde_json::from_str::<Object>(raw) {
+        Ok(Object(obj)) => Ok((i + 1, obj)),
+        // A parsed line of the wrong shape (not an object, a key twice): serde's message
+        // without its position inside the line.
+        Err(e) if e.is_data() => {
+            let why = e.to_string();
+            let why = why.rfind(" at line ").map_or(why.as_str(), |at| &why[..at]);
+            Err(err(i + 1, why.to_string()))
+        }
+        Err(e) => Err(err(i + 1, format!("not a JSON object: {e}"))),
     })
 }
 
@@ -170,10 +223,7 @@ pub(super) fn parse_jsonl(
     let mut rows: Rows = Vec::new();
     let mut keys: Option<(String, String, Option<String>)> = None;
     for parsed in json_lines(text, err) {
-        let (line, value) = parsed?;
-        let obj = value
-            .as_object()
-            .ok_or_else(|| err(line, "not a JSON object".into()))?;
+        let (line, obj) = parsed?;
         if keys.is_none() {
             let names: Vec<&str> = obj.keys().map(String::as_str).collect();
             let (input, output, time) = choose(&names, cols).map_err(|why| err(line, why))?;

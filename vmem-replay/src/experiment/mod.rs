@@ -3,6 +3,14 @@
 //! the two classic baselines (vLLM-style 16-token blocks, ahead-of-time max-length
 //! reservation) replayed by the same scheduler. `vmem replay` runs one deployment of it; the
 //! `fragmentation` binary of `vmem-bench` runs every trace x deployment x allocator.
+//!
+//! Its prefix-sharing variant ([`PrefixExperiment`], `vmem replay --prefix-cache`) replays a
+//! trace with prefix hashes through blocks with and without vLLM's automatic prefix caching
+//! and vmem without and with sharing.
+
+mod prefix;
+
+pub use prefix::{PrefixContender, PrefixExperiment, PrefixOutcome, PrefixRow};
 
 use crate::{replay, BlockMemory, MaxReservation, ReplayConfig, ReplayStats, Result, TraceRequest};
 use std::sync::Arc;
