@@ -150,6 +150,10 @@ impl<R: RawBackend> Backend for Checked<R> {
         self.raw.free_memory()
     }
 
+    fn replaces_zero_in_place(&self) -> bool {
+        self.raw.replaces_zero_in_place()
+    }
+
     fn reserve(&self, size: u64) -> Result<u64> {
         let g = self.raw.granularity();
         if size == 0 || !size.is_multiple_of(g) {
@@ -308,10 +312,15 @@ impl<R: RawBackend> Checked<R> {
         let (total, zero_backed) = book
             .check_map(addr, pages, page_size, shared)
             .map_err(|e| self.refuse("map", e))?;
-        if zero_backed {
+        // A driver that replaces zero slots in place maps straight over them: no moment in
+        // which a read of the span (a NumPy view past a request's length) faults.
+        let in_place = zero_backed && self.raw.replaces_zero_in_place();
+        if zero_backed && !in_place {
             // Queued kernels may read the zero slots (that is what they are for): wait for
             // them. Under the lock, unlike `unmap`: the check above is what says the span is
             // zero-backed, and kernels with static shapes read it until this call returns.
+            // Work queued from now until the map below is done must not read the span
+            // (`Backend::replaces_zero_in_place`).
             self.raw.fence()?;
             // SAFETY: the span is exactly a run of zero-page slots this backend mapped
             // (check_map); the zero page is read-only, so no host access to it is in flight;
@@ -320,10 +329,16 @@ impl<R: RawBackend> Checked<R> {
             book.record_unmap(addr, total);
         }
         // SAFETY: check_map verified every clause of RawBackend::map's contract under the
-        // lock, which every other operation takes too (a zero-backed span was just unmapped);
-        // a page mapped elsewhere is passed only when `shared`, which `map_shared` allows only
-        // for a driver that shares pages.
+        // lock, which every other operation takes too (a zero-backed span was just unmapped,
+        // or holds only zero slots, for a driver that replaces them in place); a page mapped
+        // elsewhere is passed only when `shared`, which `map_shared` allows only for a driver
+        // that shares pages.
         if let Err(partial) = unsafe { self.raw.map(addr, pages, page_size) } {
+            if in_place {
+                self.restore_zero_in_place(&mut book, addr, total, page_size);
+                tracing::debug!(backend = self.raw.kind().name(), addr, error = %partial.error, "map failed");
+                return Err(partial.error);
+            }
             let done = partial.mapped.min(pages.len()) as u64 * page_size;
             if done > 0 {
                 // Roll back: on error nothing of this call stays mapped.
@@ -350,6 +365,10 @@ impl<R: RawBackend> Checked<R> {
             );
             return Err(partial.error);
         }
+        if in_place {
+            // The zero slots are gone: replaced by the pages.
+            book.record_unmap(addr, total);
+        }
         book.record_map(addr, pages, page_size);
         // A fair hand-off: without it the thread that just unlocked usually wins the lock again
         // on its next call, and a long run of calls from one thread (a prefill mapped by
@@ -359,6 +378,38 @@ impl<R: RawBackend> Checked<R> {
         tracing::trace!(backend = self.raw.kind().name(), addr, size = total, "map");
         Ok(())
     }
+    /// After a failed `map` over the zero slots `[addr, addr + total)` of a driver that
+    /// replaces them in place: maps the zero page back over the whole span (over the pages
+    /// the failing call mapped, too), so the span is as it was and the book, which still
+    /// records the zero slots, is right. If that fails as well, unmaps the span and forgets
+    /// the slots, so that book and driver agree (reads of the span then fault).
+    fn restore_zero_in_place(&self, book: &mut Book, addr: u64, total: u64, page_size: u64) {
+        let Some(&zero) = book.zero.get(&page_size) else {
+            // Zero slots of this size exist, so their page does: unreachable.
+            tracing::error!(addr, total, "no zero page for a zero-backed span");
+            return;
+        };
+        let slots = SlotRun {
+            addr,
+            page_size,
+            count: total / page_size,
+        };
+        // SAFETY: the driver replaces in place, so map_readonly accepts this span of its zero
+        // slots and the failing call's pages, which nothing else references (the book never
+        // recorded them); `zero` is the zero page of `page_size`.
+        let Err(partial) = (unsafe { self.raw.map_readonly(zero, slots) }) else {
+            return;
+        };
+        tracing::error!(error = %partial.error, addr, total, "restoring the zero page after a failed map failed; unmapping the span");
+        // SAFETY: as above, the driver accepts any mix of its mappings here; no host access
+        // through the checked core is in flight (we hold its lock), and the driver has no
+        // device work to wait for (it replaces in place: host memory).
+        match unsafe { self.raw.unmap(addr, total) } {
+            Ok(()) => book.record_unmap(addr, total),
+            Err(e) => tracing::error!(error = %e, addr, total, "unmapping the span failed too"),
+        }
+    }
+
     /// What this backend's fences carry: its address, which stays put while anyone can call
     /// it (callers hold a reference or an `Arc`).
     fn fence_id(&self) -> usize {

@@ -255,8 +255,8 @@ impl RawBackend for HostMemory {
             let at = addr + i as u64 * page_size;
             let len = (j - i) as u64 * page_size;
             // SAFETY: the caller guarantees [at, at + len) lies in a range this driver
-            // reserved with nothing mapped, so MAP_FIXED replaces only our own PROT_NONE
-            // placeholder; the offsets are slots of our memfd (a slot mapped elsewhere too is
+            // reserved with nothing mapped but zero slots, so MAP_FIXED replaces only our own
+            // PROT_NONE placeholder or read-only zero slots (in one step); the offsets are slots of our memfd (a slot mapped elsewhere too is
             // another MAP_SHARED view of the same bytes).
             let r = unsafe { sys::map_shared_fixed(&self.memfd, at, len, pages[i].0, true) };
             if let Err(error) = r {
@@ -270,6 +270,14 @@ impl RawBackend for HostMemory {
     /// One memfd slot maps at any number of addresses (`MAP_SHARED`): every mapping shows
     /// the same bytes, and unmapping one (`reserve_fixed` over it) leaves the others.
     fn shares_pages(&self) -> bool {
+        true
+    }
+
+    /// `mmap(MAP_FIXED)` replaces whatever is mapped at the span in one step (the kernel
+    /// swaps the mappings under the process's mmap lock, which a page fault takes too): a
+    /// thread reading a zero slot while a page replaces it reads zeros or the page, never a
+    /// `PROT_NONE` hole. `map_readonly` and `unmap` are `MAP_FIXED` too, over anything.
+    fn replaces_zero_in_place(&self) -> bool {
         true
     }
 
@@ -292,8 +300,9 @@ impl RawBackend for HostMemory {
     /// counts against `vm.max_map_count`).
     unsafe fn map_readonly(&self, page: PageHandle, slots: SlotRun) -> MapResult {
         for i in 0..slots.count {
-            // SAFETY: as in `map`: the slot lies in our range with nothing mapped; the offset
-            // is a slot of our memfd.
+            // SAFETY: as in `map`: the slot lies in our range with nothing mapped that anyone
+            // still uses (or a failing map's pages, replaced in one step); the offset is a slot
+            // of our memfd.
             let r = unsafe {
                 sys::map_shared_fixed(&self.memfd, slots.at(i), slots.page_size, page.0, false)
             };

@@ -191,6 +191,18 @@ pub trait Backend: Send + Sync + Debug {
         None
     }
 
+    /// Whether [`Backend::map`] replaces zero-page slots with pages in one step, so that a
+    /// read of the span at any moment sees the zero page or the new page, never nothing
+    /// ([`RawBackend::replaces_zero_in_place`]; host memory: yes). Where it does not (CUDA
+    /// cannot map over a mapping), `map` unmaps the zero slots first, after a fence: device
+    /// work queued between that fence and the map's end faults if it reads the span, so only
+    /// the thread that queues the kernels reading a zero-backed span may map over it (the KV
+    /// cache refuses a background mapper over zero-backed buffers on such a backend). The
+    /// default, for wrappers that do not pass it on, says no.
+    fn replaces_zero_in_place(&self) -> bool {
+        false
+    }
+
     /// Short name for logs and tables.
     fn name(&self) -> &'static str {
         self.kind().name()
@@ -317,7 +329,8 @@ pub trait RawBackend: Send + Sync + Debug {
     ///
     /// # Safety
     /// `[addr, addr + pages.len() * page_size)` lies inside one range this driver reserved,
-    /// is aligned to `page_size` and has nothing mapped; every page is live, of `page_size`
+    /// is aligned to `page_size` and has nothing mapped (or, where
+    /// [`RawBackend::replaces_zero_in_place`] says so, only zero-page slots of `page_size`); every page is live, of `page_size`
     /// bytes, and named once; and unmapped, unless [`RawBackend::shares_pages`] says the
     /// driver maps a page at several addresses.
     unsafe fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> MapResult;
@@ -359,6 +372,19 @@ pub trait RawBackend: Send + Sync + Debug {
             backend: self.kind().name(),
             what: "back unmapped memory with a shared zero page",
         }))
+    }
+
+    /// Whether [`RawBackend::map`] may be given a span of zero-page slots (mapped by
+    /// [`RawBackend::map_readonly`] with a page of the same size), which it then replaces in
+    /// one step: a read of a slot at any moment sees the zero page or the new page, never an
+    /// unmapped address (host memory: `mmap(MAP_FIXED)` replaces the old mapping atomically).
+    /// A driver that says so also accepts, in [`RawBackend::map_readonly`] and
+    /// [`RawBackend::unmap`], a span whose slots hold any mix of its zero-page slots, pages
+    /// of a `map` that is failing, and nothing: [`Checked`] restores a failed map's zero
+    /// slots with them. The default, `false`, makes [`Checked`] fence and unmap the zero
+    /// slots before mapping.
+    fn replaces_zero_in_place(&self) -> bool {
+        false
     }
 
     /// Waits until the device work queued so far has finished, so that memory it reads can
