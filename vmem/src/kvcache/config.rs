@@ -100,7 +100,10 @@ pub struct KvConfig {
     /// with a mask, as transformers' `StaticCache` does — can read any position: positions no
     /// token has reached read as zeros. Costs one page of memory, and a synchronization of
     /// the device before each growth (the zero slots a queued kernel may read are unmapped
-    /// to make room). Writes to positions that are not mapped still fault: map first.
+    /// to make room). Writes to positions that are not mapped still fault: map first. On a
+    /// backend that cannot replace a zero slot in place (CUDA; see
+    /// [`Backend::replaces_zero_in_place`](crate::backend::Backend::replaces_zero_in_place)),
+    /// `init` refuses it with `overlap`: only the thread that queues the kernels may map.
     pub zero_page: bool,
     /// Give the pool's idle pages back to the driver while the device's free memory (as the
     /// backend reports it) is below this many bytes; 0 = never. The pool still grows to its
