@@ -91,10 +91,7 @@ pub(super) fn reserve_aligned(size: u64, align: u64) -> Result<u64> {
         )
     };
     if p == libc::MAP_FAILED {
-        return Err(VmemError::os(
-            "mmap(PROT_NONE reserve)",
-            std::io::Error::last_os_error(),
-        ));
+        return Err(mapping_error("mmap(PROT_NONE reserve)"));
     }
     let base = p as u64;
     let start = base.next_multiple_of(align);
@@ -131,10 +128,46 @@ pub(super) unsafe fn reserve_fixed(addr: u64, len: u64) -> Result<()> {
         )
     };
     if p == libc::MAP_FAILED {
-        return Err(VmemError::os(
-            "mmap(PROT_NONE, MAP_FIXED)",
-            std::io::Error::last_os_error(),
-        ));
+        let err = mapping_error("mmap(PROT_NONE, MAP_FIXED)");
+        if !matches!(err, VmemError::MapLimit { .. }) {
+            return Err(err);
+        }
+        // At the limit no mmap succeeds (the kernel refuses one while the process holds more
+        // mappings than the limit), but a munmap of whole mappings lowers the count: unmap,
+        // then reserve the hole again, refusing to replace anything another thread mapped
+        // there in between (MAP_FIXED_NOREPLACE).
+        // SAFETY: as above: our own mappings, which the caller says nothing uses.
+        unsafe { munmap(addr, len) }?;
+        // SAFETY: MAP_FIXED_NOREPLACE replaces nothing: it fails if the span is not free.
+        let q = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                len as usize,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE
+                    | libc::MAP_ANONYMOUS
+                    | libc::MAP_NORESERVE
+                    | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            )
+        };
+        if q != addr as *mut libc::c_void {
+            if q != libc::MAP_FAILED {
+                // A kernel without MAP_FIXED_NOREPLACE (before 4.17) took it as a hint.
+                // SAFETY: the mapping just made elsewhere, which nothing knows of.
+                let _ = unsafe { munmap(q as u64, len) };
+            }
+            // The span is unmapped but not reserved: another mapping took part of it.
+            tracing::error!(
+                addr,
+                len,
+                "re-reserving a span unmapped at the mapping limit failed"
+            );
+            return Err(mapping_error(
+                "mmap(PROT_NONE, MAP_FIXED_NOREPLACE) after munmap",
+            ));
+        }
     }
     Ok(())
 }
@@ -169,11 +202,7 @@ pub(super) unsafe fn map_shared_fixed(
         )
     };
     if p == libc::MAP_FAILED {
-        let err = std::io::Error::last_os_error();
-        if err.raw_os_error() == Some(libc::ENOMEM) {
-            tracing::warn!("mmap failed with ENOMEM: the process may have hit vm.max_map_count");
-        }
-        return Err(VmemError::os("mmap(MAP_SHARED, MAP_FIXED)", err));
+        return Err(mapping_error("mmap(MAP_SHARED, MAP_FIXED)"));
     }
     Ok(())
 }
@@ -186,7 +215,17 @@ pub(super) unsafe fn munmap(addr: u64, len: u64) -> Result<()> {
     // SAFETY: by the caller's contract nothing refers to these addresses any more.
     let r = unsafe { libc::munmap(addr as *mut libc::c_void, len as usize) };
     if r != 0 {
-        return Err(VmemError::os("munmap", std::io::Error::last_os_error()));
+        return Err(mapping_error("munmap"));
     }
     Ok(())
+}
+
+/// The error of a failed `mmap`/`munmap`, from `errno`: [`VmemError::MapLimit`] when it is
+/// `ENOMEM` and the process is at the OS's limit on mappings (each zero-page slot and each
+/// split of a reservation is a mapping of its own), else the plain [`VmemError::Os`].
+fn mapping_error(op: &'static str) -> VmemError {
+    let err = std::io::Error::last_os_error();
+    super::limits::mapping_error(op, err, || {
+        Some((super::limits::map_count()?, super::limits::max_map_count()?))
+    })
 }
