@@ -147,6 +147,31 @@ pub enum VmemError {
         limit: u64,
     },
 
+    /// The KV cache's virtual buffers could not be reserved (or zero-backed): `max_batch` x
+    /// `max_context` x the bytes of K and V a token takes is more virtual memory than the
+    /// backend gives. Nothing is left reserved.
+    #[error(
+        "max_batch {max_batch} x max_context {max_context} x {token_bytes} bytes of K+V per \
+         token = {bytes} bytes ({}) of virtual memory, which the {backend} backend cannot \
+         reserve: lower max_batch or max_context ({source})",
+        crate::units::format_bytes(u64::try_from(*.bytes).unwrap_or(u64::MAX))
+    )]
+    Reservation {
+        /// Request ids.
+        max_batch: usize,
+        /// Tokens per request.
+        max_context: usize,
+        /// Bytes of K and V of every layer one token takes.
+        token_bytes: u64,
+        /// The product, in bytes.
+        bytes: u128,
+        /// The backend.
+        backend: &'static str,
+        /// What the backend said.
+        #[source]
+        source: Box<VmemError>,
+    },
+
     /// A CUDA driver call failed.
     #[error("CUDA {op} failed: {msg}")]
     Cuda {

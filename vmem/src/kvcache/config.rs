@@ -1,5 +1,6 @@
 //! KV-cache configuration, the two layouts, and the tensor views kernels get.
 
+use crate::backend::Backend;
 use crate::error::{Result, VmemError};
 
 /// The most request ids a cache may have (`max_batch`): the manager keeps bookkeeping for each
@@ -207,6 +208,55 @@ impl KvConfig {
             min_free_memory: 0,
             prefix_cache: None,
         })
+    }
+
+    /// Checks what this configuration asks of `backend` beyond its page size: a zero-backed
+    /// cache maps in the background only where the backend replaces zero slots in place
+    /// (docs/gpu.md, "The zero page on CUDA").
+    pub(crate) fn check_backend(&self, backend: &dyn Backend) -> Result<()> {
+        if self.zero_page && self.overlap && !backend.replaces_zero_in_place() {
+            // The background thread would map over zero slots that kernels queued meanwhile
+            // may read, and this backend unmaps them first.
+            return Err(VmemError::InvalidConfig(format!(
+                "zero_page with overlap on the {} backend: it cannot map a page over a zero \
+                 slot in one step (it unmaps the slot first), so the background thread would \
+                 pull zero slots from under kernels queued while it maps; turn overlap off \
+                 (pages are then mapped by step, on the thread that queues the kernels)",
+                backend.name()
+            )));
+        }
+        Ok(())
+    }
+
+    /// What `init` reports when the backend could not reserve (or zero-back) the buffers of
+    /// `geo`: [`VmemError::Reservation`], naming `max_batch x max_context x bytes per token`
+    /// and what to lower, for the errors a reservation gives (the OS's, the mapping limit's,
+    /// CUDA's, an overflow); any other error as it is.
+    pub(crate) fn reservation_error(
+        &self,
+        geo: &Geometry,
+        backend: &'static str,
+        e: VmemError,
+    ) -> VmemError {
+        let reserving = matches!(
+            e,
+            VmemError::Os { .. }
+                | VmemError::MapLimit { .. }
+                | VmemError::Cuda { .. }
+                | VmemError::SizeOverflow(_)
+        );
+        if !reserving {
+            return e;
+        }
+        let token_bytes = geo.token_bytes * geo.buffers as u64;
+        VmemError::Reservation {
+            max_batch: self.max_batch,
+            max_context: self.max_context,
+            token_bytes,
+            bytes: self.max_batch as u128 * self.max_context as u128 * token_bytes as u128,
+            backend,
+            source: Box::new(e),
+        }
     }
 
     /// Checks every field (at most [`MAX_BATCH`] request ids), and that every size computed

@@ -135,17 +135,7 @@ impl KvCacheManager {
     pub fn init(backend: Arc<dyn Backend>, cfg: KvConfig) -> Result<Self> {
         let geo = cfg.validate()?;
         backend.check_page_size(cfg.page_size)?;
-        if cfg.zero_page && cfg.overlap && !backend.replaces_zero_in_place() {
-            // The background thread would map over zero slots that kernels queued meanwhile
-            // may read, and this backend unmaps them first (docs/gpu.md, "The zero page").
-            return Err(VmemError::InvalidConfig(format!(
-                "zero_page with overlap on the {} backend: it cannot map a page over a zero \
-                 slot in one step (it unmaps the slot first), so the background thread would \
-                 pull zero slots from under kernels queued while it maps; turn overlap off \
-                 (pages are then mapped by step, on the thread that queues the kernels)",
-                backend.name()
-            )));
-        }
+        cfg.check_backend(&*backend)?;
         let pool = PagePool::new(backend.clone(), cfg.page_size, cfg.memory_cap, cfg.prealloc)?;
         let buffers = (0..geo.buffers)
             .map(|_| {
@@ -157,7 +147,8 @@ impl KvCacheManager {
                     cfg.zero_page,
                 )
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Result<Vec<_>>>()
+            .map_err(|e| cfg.reservation_error(&geo, backend.name(), e))?;
         let views = layer_views(&cfg, &geo, &buffers);
         tracing::info!(
             backend = backend.name(),
