@@ -152,9 +152,8 @@ pub enum VmemError {
     /// backend gives. Nothing is left reserved.
     #[error(
         "max_batch {max_batch} x max_context {max_context} x {token_bytes} bytes of K+V per \
-         token = {bytes} bytes ({}) of virtual memory, which the {backend} backend cannot \
-         reserve: lower max_batch or max_context ({source})",
-        crate::units::format_bytes(u64::try_from(*.bytes).unwrap_or(u64::MAX))
+         token = {bytes} bytes ({size}) of virtual memory, which the {backend} backend cannot \
+         reserve: lower max_batch or max_context ({source})"
     )]
     Reservation {
         /// Request ids.
@@ -165,6 +164,8 @@ pub enum VmemError {
         token_bytes: u64,
         /// The product, in bytes.
         bytes: u128,
+        /// The product, written short (`512T`).
+        size: String,
         /// The backend.
         backend: &'static str,
         /// What the backend said.

@@ -249,11 +249,13 @@ impl KvConfig {
             return e;
         }
         let token_bytes = geo.token_bytes * geo.buffers as u64;
+        let bytes = self.max_batch as u128 * self.max_context as u128 * token_bytes as u128;
         VmemError::Reservation {
             max_batch: self.max_batch,
             max_context: self.max_context,
             token_bytes,
-            bytes: self.max_batch as u128 * self.max_context as u128 * token_bytes as u128,
+            bytes,
+            size: crate::units::format_bytes(u64::try_from(bytes).unwrap_or(u64::MAX)),
             backend,
             source: Box::new(e),
         }

@@ -12,7 +12,9 @@
 //! Deferred requests' pages are reclaimed only when the pool's available memory falls below
 //! [`KvConfig::reclaim_threshold`], or when a step cannot be served otherwise.
 
+mod blocks;
 mod config;
+mod digest;
 mod lockstep;
 mod map_ahead;
 mod mapper;
@@ -20,9 +22,9 @@ mod policy;
 mod prefix;
 mod state;
 
+pub use blocks::{block_hashes, BlockHash, PrefixStats};
 pub use config::{Geometry, KvConfig, KvConfigBuilder, LayerView, Layout, TensorView, MAX_BATCH};
-pub use lockstep::DecisionDigest;
-pub use prefix::{block_hashes, BlockHash, PrefixStats};
+pub use digest::DecisionDigest;
 
 use crate::backend::Backend;
 use crate::buffer::VirtualBuffer;
@@ -135,7 +137,6 @@ impl KvCacheManager {
     pub fn init(backend: Arc<dyn Backend>, cfg: KvConfig) -> Result<Self> {
         let geo = cfg.validate()?;
         backend.check_page_size(cfg.page_size)?;
-        cfg.check_backend(&*backend)?;
         let pool = PagePool::new(backend.clone(), cfg.page_size, cfg.memory_cap, cfg.prealloc)?;
         let buffers = (0..geo.buffers)
             .map(|_| {
@@ -149,6 +150,8 @@ impl KvCacheManager {
             })
             .collect::<Result<Vec<_>>>()
             .map_err(|e| cfg.reservation_error(&geo, backend.name(), e))?;
+        // After the buffers: a backend without a zero page says so first (Unsupported).
+        cfg.check_backend(&*backend)?;
         let views = layer_views(&cfg, &geo, &buffers);
         tracing::info!(
             backend = backend.name(),
