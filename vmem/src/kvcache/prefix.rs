@@ -31,7 +31,7 @@
 //!   The owner that published a page wrote it before publishing and, its tokens being
 //!   computed, never writes it again. Tested in `tests/tests/sharing.rs`.
 //! * **The cache is bounded and page-aware**: pages no request maps stay cached up to
-//!   [`KvConfig::prefix_cache`] bytes; beyond it, and whenever the pool runs short, the
+//!   [`KvConfig::prefix_cache`](super::KvConfig::prefix_cache) bytes; beyond it, and whenever the pool runs short, the
 //!   least recently released go back to the pool first. A page a request maps is never
 //!   evicted. A step short of memory takes cached pages before any running request's
 //!   (so the engine preempts only when the cache has nothing left to give).
@@ -194,7 +194,7 @@ impl State {
 }
 
 impl KvCacheManager {
-    /// Tokens per block of prefix sharing ([`KvConfig::prefix_cache`]); 0 when it is off.
+    /// Tokens per block of prefix sharing ([`KvConfig::prefix_cache`](super::KvConfig::prefix_cache)); 0 when it is off.
     pub fn prefix_block_tokens(&self) -> u64 {
         self.shared.lock().prefix.block_tokens
     }
