@@ -5,6 +5,7 @@ use crate::error::{Result, VmemError};
 use parking_lot::{Mutex, MutexGuard};
 
 mod book;
+mod in_place;
 use book::Book;
 
 /// A [`RawBackend`] made safe: every call is validated against what this backend reserved,
@@ -285,11 +286,26 @@ impl<R: RawBackend> Backend for Checked<R> {
     fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> Result<()> {
         self.check_page_size(page_size)
             .map_err(|e| self.refuse("map_zero", e))?;
+        let in_place = self.raw.replaces_zero_in_place();
+        if in_place {
+            // The span may be a run of pages (see below), which device work may read: wait
+            // for it as `unmap` does, before the lock.
+            self.raw.fence()?;
+        }
         let mut book = self.lock();
         book.check_inside(addr, size, page_size)
-            .and_then(|()| book.check_unmapped(addr, size))
             .map_err(|e| self.refuse("map_zero", e))?;
-        self.map_zero_locked(&mut book, addr, size, page_size)?;
+        match book.check_unmapped(addr, size) {
+            Ok(()) => self.map_zero_locked(&mut book, addr, size, page_size)?,
+            // A zero-backed buffer giving pages back: the zero page replaces them in one step.
+            Err(_) if in_place => {
+                let pages = book
+                    .pages_of_run(addr, size, page_size)
+                    .map_err(|e| self.refuse("map_zero", e))?;
+                self.zero_over_pages(&mut book, addr, &pages, page_size)?;
+            }
+            Err(e) => return Err(self.refuse("map_zero", e)),
+        }
         MutexGuard::unlock_fair(book);
         tracing::trace!(backend = self.raw.kind().name(), addr, size, "map_zero");
         Ok(())
@@ -378,55 +394,26 @@ impl<R: RawBackend> Checked<R> {
         tracing::trace!(backend = self.raw.kind().name(), addr, size = total, "map");
         Ok(())
     }
-    /// After a failed `map` over the zero slots `[addr, addr + total)` of a driver that
-    /// replaces them in place: maps the zero page back over the whole span (over the pages
-    /// the failing call mapped, too), so the span is as it was and the book, which still
-    /// records the zero slots, is right. If that fails as well, unmaps the span and forgets
-    /// the slots, so that book and driver agree (reads of the span then fault).
-    fn restore_zero_in_place(&self, book: &mut Book, addr: u64, total: u64, page_size: u64) {
-        let Some(&zero) = book.zero.get(&page_size) else {
-            // Zero slots of this size exist, so their page does: unreachable.
-            tracing::error!(addr, total, "no zero page for a zero-backed span");
-            return;
-        };
-        let slots = SlotRun {
-            addr,
-            page_size,
-            count: total / page_size,
-        };
-        // SAFETY: the driver replaces in place, so map_readonly accepts this span of its zero
-        // slots and the failing call's pages, which nothing else references (the book never
-        // recorded them); `zero` is the zero page of `page_size`.
-        let Err(partial) = (unsafe { self.raw.map_readonly(zero, slots) }) else {
-            return;
-        };
-        tracing::error!(error = %partial.error, addr, total, "restoring the zero page after a failed map failed; unmapping the span");
-        // SAFETY: as above, the driver accepts any mix of its mappings here; no host access
-        // through the checked core is in flight (we hold its lock), and the driver has no
-        // device work to wait for (it replaces in place: host memory).
-        match unsafe { self.raw.unmap(addr, total) } {
-            Ok(()) => book.record_unmap(addr, total),
-            Err(e) => tracing::error!(error = %e, addr, total, "unmapping the span failed too"),
-        }
-    }
-
     /// What this backend's fences carry: its address, which stays put while anyone can call
     /// it (callers hold a reference or an `Arc`).
     fn fence_id(&self) -> usize {
         self as *const Self as usize
     }
 
+    /// The zero page of `page_size`, created on first use.
+    fn zero_page(&self, book: &mut Book, page_size: u64) -> Result<PageHandle> {
+        if let Some(&z) = book.zero.get(&page_size) {
+            return Ok(z);
+        }
+        let z = self.raw.create_zeroed(page_size)?;
+        book.zero.insert(page_size, z);
+        Ok(z)
+    }
+
     /// Backs the unmapped, checked span with the zero page of `page_size`, creating it first
     /// if needed. On error nothing of the span is mapped.
     fn map_zero_locked(&self, book: &mut Book, addr: u64, size: u64, page_size: u64) -> Result<()> {
-        let zero = match book.zero.get(&page_size) {
-            Some(&z) => z,
-            None => {
-                let z = self.raw.create_zeroed(page_size)?;
-                book.zero.insert(page_size, z);
-                z
-            }
-        };
+        let zero = self.zero_page(book, page_size)?;
         let count = size / page_size;
         let slots = SlotRun {
             addr,

@@ -178,7 +178,11 @@ pub trait Backend: Send + Sync + Debug {
     /// `torch.compile`, attention over a whole `max_context` row with a mask: they read
     /// positions no token has reached yet. The zero page is created on first use (one per page
     /// size) and released when the backend goes. [`Backend::map`] replaces zero slots with
-    /// pages; [`Backend::unmap`] removes them.
+    /// pages; [`Backend::unmap`] removes them. Where the backend replaces in place
+    /// ([`Backend::replaces_zero_in_place`]), the span may instead be exactly a run of mapped
+    /// pages of `page_size`, which the zero page then replaces in one step (their mappings go,
+    /// as with `unmap`; the pages stay alive): how a zero-backed buffer gives pages back with
+    /// no moment in which a reader finds the span unmapped.
     ///
     /// Backends that cannot map one page at several addresses fail with
     /// [`VmemError::Unsupported`] (the patched UVM driver maps each page once). On error
@@ -378,10 +382,11 @@ pub trait RawBackend: Send + Sync + Debug {
     /// [`RawBackend::map_readonly`] with a page of the same size), which it then replaces in
     /// one step: a read of a slot at any moment sees the zero page or the new page, never an
     /// unmapped address (host memory: `mmap(MAP_FIXED)` replaces the old mapping atomically).
-    /// A driver that says so also accepts, in [`RawBackend::map_readonly`] and
-    /// [`RawBackend::unmap`], a span whose slots hold any mix of its zero-page slots, pages
-    /// of a `map` that is failing, and nothing: [`Checked`] restores a failed map's zero
-    /// slots with them. The default, `false`, makes [`Checked`] fence and unmap the zero
+    /// A driver that says so also accepts, in [`RawBackend::map`],
+    /// [`RawBackend::map_readonly`] and [`RawBackend::unmap`], a span whose slots hold any mix
+    /// of its zero-page slots, its pages and nothing, which the call replaces in one step:
+    /// [`Checked`] maps the zero page over pages a buffer gives back, and restores a failed
+    /// call's span with them. The default, `false`, makes [`Checked`] fence and unmap the zero
     /// slots before mapping.
     fn replaces_zero_in_place(&self) -> bool {
         false

@@ -53,8 +53,8 @@ pub fn run_raw<R: RawBackend + 'static>(make: impl Fn() -> R) {
 
 /// The zero page: a zero-backed span reads as zeros; pages replace zero slots and keep their
 /// contents; unmapped pages can be zero-backed again; the refusals hold (map over a part of a
-/// zero run, zero over mapped pages, the zero page's handle as a page); a zero slot is not data
-/// for the checked read/write. Backends without a zero page must say so with
+/// zero run, zero over mapped pages unless the backend replaces in place, the zero page's
+/// handle as a page); a zero slot is not data for the checked read/write. Backends without a zero page must say so with
 /// [`VmemError::Unsupported`], and change nothing.
 pub fn zero_page(b: &dyn Backend, page: u64, contents: Option<&dyn Contents>) {
     let name = b.name();
@@ -88,10 +88,33 @@ pub fn zero_page(b: &dyn Backend, page: u64, contents: Option<&dyn Contents>) {
             unsafe { c.fill(r + (2 + i) * page, page, 7 + i as u32) }.expect("fill");
         }
     }
-    // Mapped pages cannot be zero-backed; a partly-mapped span cannot be mapped.
+    // Mapped pages are zero-backed in one step where the backend replaces in place (the slot
+    // reads zeros; the page, unmapped, keeps its contents and maps back); elsewhere refused.
+    // A span of zero slots and pages is refused either way; a partly-mapped span cannot be
+    // mapped.
+    if b.replaces_zero_in_place() {
+        b.map_zero(r + 2 * page, page, page)
+            .unwrap_or_else(|e| panic!("{name}: map_zero over a mapped page, in place: {e}"));
+        if let Some(c) = contents {
+            // SAFETY: zero-backed just above.
+            let n = unsafe { c.nonzero(r + 2 * page, page) }.expect("read");
+            assert_eq!(
+                n, 0,
+                "{name}: a page given back to zero reads {n} non-zero bytes"
+            );
+        }
+        b.map(r + 2 * page, &[pages[0]], page)
+            .unwrap_or_else(|e| panic!("{name}: map back over the zero slot: {e}"));
+    } else {
+        let e = refused(
+            b.map_zero(r + 2 * page, page, page),
+            "map_zero over a mapped page",
+        );
+        assert!(matches!(e, VmemError::InvalidAddress { .. }), "{e}");
+    }
     let e = refused(
-        b.map_zero(r + 2 * page, page, page),
-        "map_zero over a mapped page",
+        b.map_zero(r + page, 2 * page, page),
+        "map_zero over a zero slot and a page",
     );
     assert!(matches!(e, VmemError::InvalidAddress { .. }), "{e}");
     let q = b.create_page(page).expect("create");
