@@ -18,6 +18,13 @@ pytest says why. Benchmarks are in python/benches (gpu_bench.py).
     through the other), SDPA flash over its row equals SDPA over a contiguous copy of the same
     K/V bit-exactly, its own tail never reaches the shared pages, the owner's free leaves them
     readable, and the pool holds each shared page once.
+  zero_slots_under_queued_reads: the zero page on CUDA (issue #30, item 1). cuMemMap cannot
+    map over a mapping, so replacing a zero slot unmaps it first; a kernel queued after the
+    fence that reads the slot then faults. The rule: on CUDA a zero-backed cache maps on the
+    thread that queues the kernels (zero_page with overlap is refused); under it, reads of a
+    whole max_context row queued behind a long kernel, then steps that replace the row's zero
+    slots, give exact sums and leave the context alive. Were the background mapper allowed,
+    the same loop would run with it and fault.
   fp8_consumer: vmem views are torch.float8_e4m3fn tensors on the GPU; torch kernels write and
     read them (bytes round-trip), and dequantized SDPA on the views equals the same on
     contiguous copies, bit-exact, in both layouts.
@@ -311,6 +318,43 @@ def shared_prefix():
         check(f"{layout} counters", s["hit_tokens"] == got and s["blocks"] == n // bt, str(s))
         del k, v, layers, kq, vq
         kv.close()
+
+
+def zero_slots_under_queued_reads():
+    # fp32, 1 head x 128: 512 B a token, 4,096 tokens a 2 MB page, 8 pages a row.
+    shape = dict(layers=1, kv_heads=1, head_dim=128, dtype="fp32", max_batch=2, max_context=32768,
+                 backend="cuda", eager_tokens=0, deferred_reclaim=False, zero_page=True)
+    try:
+        kv = vmem.KVCache(**shape, overlap=True)
+        refused = None
+    except vmem.InvalidArgument as e:
+        kv, refused = None, str(e)
+    check("zero_page with overlap refused on cuda", refused is not None and "overlap" in refused, str(refused))
+    if kv is None:
+        kv = vmem.KVCache(**shape, overlap=False)
+    tpp = int(kv.config()["tokens_per_page"])
+    r = kv.alloc()
+    K = torch.from_dlpack(kv.layer(0)[0])
+    row = K[r]  # the whole max_context row: past the request's length it reads zero slots
+    acc = torch.zeros((), dtype=torch.float64, device="cuda")
+    want = 0
+    for n in range(tpp, 32768 + 1, tpp):
+        kv.step({r: n})  # replaces a zero slot that the reads queued below still cover
+        K[r, n - tpp:n] = 1.0
+        torch.cuda._sleep(50_000_000)  # queued GPU work ahead of the reads: the next step waits
+        for _ in range(4):
+            acc += row.sum(dtype=torch.float64)
+        want += 4 * n * 128
+    torch.cuda.synchronize()
+    check("reads of zero slots around steps: exact sums", float(acc) == want, f"{float(acc)} vs {want}")
+    y = torch.ones(1024, device="cuda").sum()
+    check("context alive after the swaps", float(y) == 1024.0)
+    del K, row
+    kv.close()
+
+
+def test_zero_slots_under_queued_reads():
+    zero_slots_under_queued_reads()
 
 
 def test_shared_prefix():

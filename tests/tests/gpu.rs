@@ -280,3 +280,30 @@ fn two_managers_on_one_device_keep_their_own_pages() {
     kv2.free_reqid(r2).unwrap();
     assert_eq!(b2.mapped_pages(), 0);
 }
+
+/// The zero page on CUDA (issue #30, item 1): `cuMemMap` cannot map over a mapping, so the
+/// backend says it cannot replace a zero slot in place, and the KV cache refuses a background
+/// mapper over zero-backed buffers (a kernel queued after the mapper's fence would read an
+/// unmapped slot); without it, steps map over zero slots on the calling thread.
+#[test]
+#[ignore = "needs an NVIDIA GPU: scripts/gpu-bench.sh runs it with --include-ignored"]
+fn cuda_maps_over_zero_slots_only_on_the_calling_thread() {
+    let cuda = gpu();
+    assert!(!cuda.replaces_zero_in_place());
+    let cfg = vmem_tests::small_kv(1, 2, 8192, MIB2)
+        .eager_tokens(0)
+        .zero_page(true);
+    match KvCacheManager::init(cuda.clone(), cfg.clone().overlap(true).build()) {
+        Err(VmemError::InvalidConfig(m)) => assert!(m.contains("overlap"), "{m}"),
+        other => panic!(
+            "zero page + overlap on CUDA: {:?}",
+            other.map(|_| "initialised")
+        ),
+    }
+    let kv = KvCacheManager::init(cuda.clone(), cfg.overlap(false).build()).unwrap();
+    let r = kv.alloc_reqid().unwrap();
+    let mut lens = vec![0; 2];
+    lens[r] = 5000;
+    kv.step(&lens).unwrap();
+    assert!(cuda.zero_slots() > 0 && cuda.mapped_pages() > 0);
+}

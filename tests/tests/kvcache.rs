@@ -618,3 +618,26 @@ fn more_request_ids_than_the_manager_can_keep_are_refused_before_anything_is_all
     let geo = at_limit.validate().unwrap();
     assert!(geo.pages_for(u64::MAX) >= u64::MAX / geo.page_size);
 }
+
+/// A cache past the address space (issue #30, item 10): the error names the product of the
+/// sizes and what to lower, not only the failed `mmap`, and nothing is left reserved.
+#[test]
+fn a_cache_past_the_address_space_names_batch_x_context_x_bytes() {
+    let host = Arc::new(HostBackend::new().unwrap());
+    // 1 x 2^40 tokens x 512 B (K and V of one layer, 2 heads x 64, fp16) = 512 TiB: past the
+    // 47-bit user address space.
+    let cfg = small_kv(1, 1, 1 << 40, KIB64).eager_tokens(0).build();
+    let err = KvCacheManager::init(host.clone(), cfg).expect_err("512 TiB of virtual memory");
+    let msg = err.to_string();
+    for part in [
+        "max_batch 1 x max_context 1099511627776 x 512 bytes of K+V per token",
+        "= 562949953421312 bytes (512T) of virtual memory",
+        "host backend cannot reserve",
+        "lower max_batch or max_context",
+        "mmap(PROT_NONE reserve) failed",
+    ] {
+        assert!(msg.contains(part), "{part:?} not in {msg}");
+    }
+    assert!(matches!(err, VmemError::Reservation { .. }), "{err:?}");
+    assert_eq!(host.reserved_ranges(), 0);
+}

@@ -183,6 +183,11 @@ fn check_memory(p: &Plan) -> Result<(), ReplayError> {
         let geo = cfg.validate()?;
         let virt = u128::from(geo.slice_bytes) * b as u128 * geo.buffers as u128;
         if let Err(e) = KvCacheManager::init(p.backend.clone(), cfg) {
+            // The library names the product in its own words; the flags' words are here.
+            let e = match e {
+                vmem::VmemError::Reservation { source, .. } => *source,
+                e => e,
+            };
             return Err(config_err(
                 "--max-batch/--max-context",
                 format!(

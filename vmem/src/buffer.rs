@@ -166,6 +166,13 @@ impl VirtualBuffer {
         let keep = have - n;
         let at = self.slice_addr(i) + keep * self.page_size;
         let len = n * self.page_size;
+        if self.zero_backed && self.backend.replaces_zero_in_place() {
+            // The zero page replaces the pages in one step: a reader of the row (a NumPy view
+            // of a freed row the background thread reclaims) sees the pages or zeros, never an
+            // unmapped slot. The backend fences as `unmap` does. On error nothing changed.
+            self.backend.map_zero(at, len, self.page_size)?;
+            return Ok(self.slices[i].split_off(keep as usize));
+        }
         match fence {
             Some(f) => self.backend.unmap_fenced(f, at, len)?,
             None => self.backend.unmap(at, len)?,

@@ -128,6 +128,51 @@ pub enum VmemError {
         source: io::Error,
     },
 
+    /// A mapping call of the host backend failed with `ENOMEM` while the process holds as
+    /// many memory mappings as the OS allows (Linux `vm.max_map_count`): every zero-page slot
+    /// is a mapping of its own, and so is every split of a reservation.
+    #[error(
+        "{op} failed: the process has {maps} memory mappings, at the OS's limit \
+         vm.max_map_count = {limit}; raise it (as root: sysctl -w vm.max_map_count={}) or \
+         make fewer mappings: without the zero page (zero_page off), with larger pages, or \
+         with a smaller max_batch x max_context",
+        suggested_map_count(*.limit)
+    )]
+    MapLimit {
+        /// The call, e.g. `munmap`.
+        op: &'static str,
+        /// The process's mappings when it failed (`/proc/self/maps`).
+        maps: u64,
+        /// The limit (`/proc/sys/vm/max_map_count`).
+        limit: u64,
+    },
+
+    /// The KV cache's virtual buffers could not be reserved (or zero-backed): `max_batch` x
+    /// `max_context` x the bytes of K and V a token takes is more virtual memory than the
+    /// backend gives. Nothing is left reserved.
+    #[error(
+        "max_batch {max_batch} x max_context {max_context} x {token_bytes} bytes of K+V per \
+         token = {bytes} bytes ({size}) of virtual memory, which the {backend} backend cannot \
+         reserve: lower max_batch or max_context ({source})"
+    )]
+    Reservation {
+        /// Request ids.
+        max_batch: usize,
+        /// Tokens per request.
+        max_context: usize,
+        /// Bytes of K and V of every layer one token takes.
+        token_bytes: u64,
+        /// The product, in bytes.
+        bytes: u128,
+        /// The product, written short (`512T`).
+        size: String,
+        /// The backend.
+        backend: &'static str,
+        /// What the backend said.
+        #[source]
+        source: Box<VmemError>,
+    },
+
     /// A CUDA driver call failed.
     #[error("CUDA {op} failed: {msg}")]
     Cuda {
@@ -193,4 +238,10 @@ impl VmemError {
             source: source.into(),
         }
     }
+}
+
+/// The `vm.max_map_count` to suggest above `limit`: four times it, at least 262,144 (what
+/// several distributions ship).
+fn suggested_map_count(limit: u64) -> u64 {
+    limit.saturating_mul(4).max(262_144)
 }

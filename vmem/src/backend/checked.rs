@@ -5,6 +5,7 @@ use crate::error::{Result, VmemError};
 use parking_lot::{Mutex, MutexGuard};
 
 mod book;
+mod in_place;
 use book::Book;
 
 /// A [`RawBackend`] made safe: every call is validated against what this backend reserved,
@@ -150,6 +151,10 @@ impl<R: RawBackend> Backend for Checked<R> {
         self.raw.free_memory()
     }
 
+    fn replaces_zero_in_place(&self) -> bool {
+        self.raw.replaces_zero_in_place()
+    }
+
     fn reserve(&self, size: u64) -> Result<u64> {
         let g = self.raw.granularity();
         if size == 0 || !size.is_multiple_of(g) {
@@ -281,11 +286,26 @@ impl<R: RawBackend> Backend for Checked<R> {
     fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> Result<()> {
         self.check_page_size(page_size)
             .map_err(|e| self.refuse("map_zero", e))?;
+        let in_place = self.raw.replaces_zero_in_place();
+        if in_place {
+            // The span may be a run of pages (see below), which device work may read: wait
+            // for it as `unmap` does, before the lock.
+            self.raw.fence()?;
+        }
         let mut book = self.lock();
         book.check_inside(addr, size, page_size)
-            .and_then(|()| book.check_unmapped(addr, size))
             .map_err(|e| self.refuse("map_zero", e))?;
-        self.map_zero_locked(&mut book, addr, size, page_size)?;
+        match book.check_unmapped(addr, size) {
+            Ok(()) => self.map_zero_locked(&mut book, addr, size, page_size)?,
+            // A zero-backed buffer giving pages back: the zero page replaces them in one step.
+            Err(_) if in_place => {
+                let pages = book
+                    .pages_of_run(addr, size, page_size)
+                    .map_err(|e| self.refuse("map_zero", e))?;
+                self.zero_over_pages(&mut book, addr, &pages, page_size)?;
+            }
+            Err(e) => return Err(self.refuse("map_zero", e)),
+        }
         MutexGuard::unlock_fair(book);
         tracing::trace!(backend = self.raw.kind().name(), addr, size, "map_zero");
         Ok(())
@@ -308,10 +328,15 @@ impl<R: RawBackend> Checked<R> {
         let (total, zero_backed) = book
             .check_map(addr, pages, page_size, shared)
             .map_err(|e| self.refuse("map", e))?;
-        if zero_backed {
+        // A driver that replaces zero slots in place maps straight over them: no moment in
+        // which a read of the span (a NumPy view past a request's length) faults.
+        let in_place = zero_backed && self.raw.replaces_zero_in_place();
+        if zero_backed && !in_place {
             // Queued kernels may read the zero slots (that is what they are for): wait for
             // them. Under the lock, unlike `unmap`: the check above is what says the span is
             // zero-backed, and kernels with static shapes read it until this call returns.
+            // Work queued from now until the map below is done must not read the span
+            // (`Backend::replaces_zero_in_place`).
             self.raw.fence()?;
             // SAFETY: the span is exactly a run of zero-page slots this backend mapped
             // (check_map); the zero page is read-only, so no host access to it is in flight;
@@ -320,10 +345,16 @@ impl<R: RawBackend> Checked<R> {
             book.record_unmap(addr, total);
         }
         // SAFETY: check_map verified every clause of RawBackend::map's contract under the
-        // lock, which every other operation takes too (a zero-backed span was just unmapped);
-        // a page mapped elsewhere is passed only when `shared`, which `map_shared` allows only
-        // for a driver that shares pages.
+        // lock, which every other operation takes too (a zero-backed span was just unmapped,
+        // or holds only zero slots, for a driver that replaces them in place); a page mapped
+        // elsewhere is passed only when `shared`, which `map_shared` allows only for a driver
+        // that shares pages.
         if let Err(partial) = unsafe { self.raw.map(addr, pages, page_size) } {
+            if in_place {
+                self.restore_zero_in_place(&mut book, addr, total, page_size);
+                tracing::debug!(backend = self.raw.kind().name(), addr, error = %partial.error, "map failed");
+                return Err(partial.error);
+            }
             let done = partial.mapped.min(pages.len()) as u64 * page_size;
             if done > 0 {
                 // Roll back: on error nothing of this call stays mapped.
@@ -350,6 +381,10 @@ impl<R: RawBackend> Checked<R> {
             );
             return Err(partial.error);
         }
+        if in_place {
+            // The zero slots are gone: replaced by the pages.
+            book.record_unmap(addr, total);
+        }
         book.record_map(addr, pages, page_size);
         // A fair hand-off: without it the thread that just unlocked usually wins the lock again
         // on its next call, and a long run of calls from one thread (a prefill mapped by
@@ -365,17 +400,20 @@ impl<R: RawBackend> Checked<R> {
         self as *const Self as usize
     }
 
+    /// The zero page of `page_size`, created on first use.
+    fn zero_page(&self, book: &mut Book, page_size: u64) -> Result<PageHandle> {
+        if let Some(&z) = book.zero.get(&page_size) {
+            return Ok(z);
+        }
+        let z = self.raw.create_zeroed(page_size)?;
+        book.zero.insert(page_size, z);
+        Ok(z)
+    }
+
     /// Backs the unmapped, checked span with the zero page of `page_size`, creating it first
     /// if needed. On error nothing of the span is mapped.
     fn map_zero_locked(&self, book: &mut Book, addr: u64, size: u64, page_size: u64) -> Result<()> {
-        let zero = match book.zero.get(&page_size) {
-            Some(&z) => z,
-            None => {
-                let z = self.raw.create_zeroed(page_size)?;
-                book.zero.insert(page_size, z);
-                z
-            }
-        };
+        let zero = self.zero_page(book, page_size)?;
         let count = size / page_size;
         let slots = SlotRun {
             addr,

@@ -106,6 +106,7 @@ decorator! {
     fn unmap_fenced(&self, fence: &Fence, addr: u64, size: u64) -> Result<()>;
     fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> Result<()>;
     fn free_memory(&self) -> Option<u64>;
+    fn replaces_zero_in_place(&self) -> bool;
 }
 
 decorator! {
@@ -127,6 +128,7 @@ decorator! {
     fn reserve(&self, size: u64) -> Result<u64>;
     fn create(&self, page_size: u64) -> Result<PageHandle>;
     fn shares_pages(&self) -> bool;
+    fn replaces_zero_in_place(&self) -> bool;
     fn free_memory(&self) -> Option<u64>;
     fn create_zeroed(&self, page_size: u64) -> Result<PageHandle>;
     fn fence(&self) -> Result<()>;

@@ -178,7 +178,11 @@ pub trait Backend: Send + Sync + Debug {
     /// `torch.compile`, attention over a whole `max_context` row with a mask: they read
     /// positions no token has reached yet. The zero page is created on first use (one per page
     /// size) and released when the backend goes. [`Backend::map`] replaces zero slots with
-    /// pages; [`Backend::unmap`] removes them.
+    /// pages; [`Backend::unmap`] removes them. Where the backend replaces in place
+    /// ([`Backend::replaces_zero_in_place`]), the span may instead be exactly a run of mapped
+    /// pages of `page_size`, which the zero page then replaces in one step (their mappings go,
+    /// as with `unmap`; the pages stay alive): how a zero-backed buffer gives pages back with
+    /// no moment in which a reader finds the span unmapped.
     ///
     /// Backends that cannot map one page at several addresses fail with
     /// [`VmemError::Unsupported`] (the patched UVM driver maps each page once). On error
@@ -189,6 +193,18 @@ pub trait Backend: Send + Sync + Debug {
     /// (CUDA: `cuMemGetInfo`); `None` where it cannot.
     fn free_memory(&self) -> Option<u64> {
         None
+    }
+
+    /// Whether [`Backend::map`] replaces zero-page slots with pages in one step, so that a
+    /// read of the span at any moment sees the zero page or the new page, never nothing
+    /// ([`RawBackend::replaces_zero_in_place`]; host memory: yes). Where it does not (CUDA
+    /// cannot map over a mapping), `map` unmaps the zero slots first, after a fence: device
+    /// work queued between that fence and the map's end faults if it reads the span, so only
+    /// the thread that queues the kernels reading a zero-backed span may map over it (the KV
+    /// cache refuses a background mapper over zero-backed buffers on such a backend). The
+    /// default, for wrappers that do not pass it on, says no.
+    fn replaces_zero_in_place(&self) -> bool {
+        false
     }
 
     /// Short name for logs and tables.
@@ -317,7 +333,8 @@ pub trait RawBackend: Send + Sync + Debug {
     ///
     /// # Safety
     /// `[addr, addr + pages.len() * page_size)` lies inside one range this driver reserved,
-    /// is aligned to `page_size` and has nothing mapped; every page is live, of `page_size`
+    /// is aligned to `page_size` and has nothing mapped (or, where
+    /// [`RawBackend::replaces_zero_in_place`] says so, only zero-page slots of `page_size`); every page is live, of `page_size`
     /// bytes, and named once; and unmapped, unless [`RawBackend::shares_pages`] says the
     /// driver maps a page at several addresses.
     unsafe fn map(&self, addr: u64, pages: &[PageHandle], page_size: u64) -> MapResult;
@@ -359,6 +376,20 @@ pub trait RawBackend: Send + Sync + Debug {
             backend: self.kind().name(),
             what: "back unmapped memory with a shared zero page",
         }))
+    }
+
+    /// Whether [`RawBackend::map`] may be given a span of zero-page slots (mapped by
+    /// [`RawBackend::map_readonly`] with a page of the same size), which it then replaces in
+    /// one step: a read of a slot at any moment sees the zero page or the new page, never an
+    /// unmapped address (host memory: `mmap(MAP_FIXED)` replaces the old mapping atomically).
+    /// A driver that says so also accepts, in [`RawBackend::map`],
+    /// [`RawBackend::map_readonly`] and [`RawBackend::unmap`], a span whose slots hold any mix
+    /// of its zero-page slots, its pages and nothing, which the call replaces in one step:
+    /// [`Checked`] maps the zero page over pages a buffer gives back, and restores a failed
+    /// call's span with them. The default, `false`, makes [`Checked`] fence and unmap the zero
+    /// slots before mapping.
+    fn replaces_zero_in_place(&self) -> bool {
+        false
     }
 
     /// Waits until the device work queued so far has finished, so that memory it reads can

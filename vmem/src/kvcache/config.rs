@@ -1,5 +1,6 @@
 //! KV-cache configuration, the two layouts, and the tensor views kernels get.
 
+use crate::backend::Backend;
 use crate::error::{Result, VmemError};
 
 /// The most request ids a cache may have (`max_batch`): the manager keeps bookkeeping for each
@@ -100,7 +101,10 @@ pub struct KvConfig {
     /// with a mask, as transformers' `StaticCache` does — can read any position: positions no
     /// token has reached read as zeros. Costs one page of memory, and a synchronization of
     /// the device before each growth (the zero slots a queued kernel may read are unmapped
-    /// to make room). Writes to positions that are not mapped still fault: map first.
+    /// to make room). Writes to positions that are not mapped still fault: map first. On a
+    /// backend that cannot replace a zero slot in place (CUDA; see
+    /// [`Backend::replaces_zero_in_place`](crate::backend::Backend::replaces_zero_in_place)),
+    /// `init` refuses it with `overlap`: only the thread that queues the kernels may map.
     pub zero_page: bool,
     /// Give the pool's idle pages back to the driver while the device's free memory (as the
     /// backend reports it) is below this many bytes; 0 = never. The pool still grows to its
@@ -204,6 +208,57 @@ impl KvConfig {
             min_free_memory: 0,
             prefix_cache: None,
         })
+    }
+
+    /// Checks what this configuration asks of `backend` beyond its page size: a zero-backed
+    /// cache maps in the background only where the backend replaces zero slots in place
+    /// (docs/gpu.md, "The zero page on CUDA").
+    pub(crate) fn check_backend(&self, backend: &dyn Backend) -> Result<()> {
+        if self.zero_page && self.overlap && !backend.replaces_zero_in_place() {
+            // The background thread would map over zero slots that kernels queued meanwhile
+            // may read, and this backend unmaps them first.
+            return Err(VmemError::InvalidConfig(format!(
+                "zero_page with overlap on the {} backend: it cannot map a page over a zero \
+                 slot in one step (it unmaps the slot first), so the background thread would \
+                 pull zero slots from under kernels queued while it maps; turn overlap off \
+                 (pages are then mapped by step, on the thread that queues the kernels)",
+                backend.name()
+            )));
+        }
+        Ok(())
+    }
+
+    /// What `init` reports when the backend could not reserve (or zero-back) the buffers of
+    /// `geo`: [`VmemError::Reservation`], naming `max_batch x max_context x bytes per token`
+    /// and what to lower, for the errors a reservation gives (the OS's, the mapping limit's,
+    /// CUDA's, an overflow); any other error as it is.
+    pub(crate) fn reservation_error(
+        &self,
+        geo: &Geometry,
+        backend: &'static str,
+        e: VmemError,
+    ) -> VmemError {
+        let reserving = matches!(
+            e,
+            VmemError::Os { .. }
+                | VmemError::MapLimit { .. }
+                | VmemError::Cuda { .. }
+                | VmemError::SizeOverflow(_)
+        );
+        if !reserving {
+            return e;
+        }
+        let token_bytes = geo.token_bytes * geo.buffers as u64;
+        let bytes = self.max_batch as u128 * self.max_context as u128 * token_bytes as u128;
+        VmemError::Reservation {
+            max_batch: self.max_batch,
+            max_context: self.max_context,
+            token_bytes,
+            bytes,
+            size: crate::units::format_bytes(u64::try_from(bytes).unwrap_or(u64::MAX)),
+            backend,
+            source: Box::new(e),
+        }
     }
 
     /// Checks every field (at most [`MAX_BATCH`] request ids), and that every size computed

@@ -15,6 +15,13 @@ impl KvCacheManager {
     ///
     /// On error, the pages mapped before it stay mapped and accounted (a later `step` or
     /// `map_ahead` maps the rest); [`VmemError::OutOfMemory`] maps nothing.
+    ///
+    /// With [`KvConfig::zero_page`](crate::KvConfig::zero_page) on a backend that cannot
+    /// replace a zero slot in place ([`Backend::replaces_zero_in_place`]: CUDA), the slots it
+    /// maps over are unmapped for a moment: call it from another thread only while no kernel
+    /// that reads `req`'s row can be queued (docs/gpu.md, "The zero page on CUDA").
+    ///
+    /// [`Backend::replaces_zero_in_place`]: crate::backend::Backend::replaces_zero_in_place
     pub fn map_ahead(&self, req: usize, tokens: u64) -> Result<u64> {
         /// Pages per backend call: short calls keep the backend's own lock free for `step`.
         /// Measured on the H100 with a 128K-token prefill beside 64 decoding requests

@@ -12,7 +12,9 @@
 //! Deferred requests' pages are reclaimed only when the pool's available memory falls below
 //! [`KvConfig::reclaim_threshold`], or when a step cannot be served otherwise.
 
+mod blocks;
 mod config;
+mod digest;
 mod lockstep;
 mod map_ahead;
 mod mapper;
@@ -20,9 +22,9 @@ mod policy;
 mod prefix;
 mod state;
 
+pub use blocks::{block_hashes, BlockHash, PrefixStats};
 pub use config::{Geometry, KvConfig, KvConfigBuilder, LayerView, Layout, TensorView, MAX_BATCH};
-pub use lockstep::DecisionDigest;
-pub use prefix::{block_hashes, BlockHash, PrefixStats};
+pub use digest::DecisionDigest;
 
 use crate::backend::Backend;
 use crate::buffer::VirtualBuffer;
@@ -146,7 +148,10 @@ impl KvCacheManager {
                     cfg.zero_page,
                 )
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Result<Vec<_>>>()
+            .map_err(|e| cfg.reservation_error(&geo, backend.name(), e))?;
+        // After the buffers: a backend without a zero page says so first (Unsupported).
+        cfg.check_backend(&*backend)?;
         let views = layer_views(&cfg, &geo, &buffers);
         tracing::info!(
             backend = backend.name(),

@@ -31,7 +31,7 @@
 //!   The owner that published a page wrote it before publishing and, its tokens being
 //!   computed, never writes it again. Tested in `tests/tests/sharing.rs`.
 //! * **The cache is bounded and page-aware**: pages no request maps stay cached up to
-//!   [`KvConfig::prefix_cache`] bytes; beyond it, and whenever the pool runs short, the
+//!   [`KvConfig::prefix_cache`](super::KvConfig::prefix_cache) bytes; beyond it, and whenever the pool runs short, the
 //!   least recently released go back to the pool first. A page a request maps is never
 //!   evicted. A step short of memory takes cached pages before any running request's
 //!   (so the engine preempts only when the cache has nothing left to give).
@@ -43,231 +43,11 @@
 //! reclamation would hand its id, cached pages and all, to a request that writes them), and
 //! adopting into an id that still holds pages (deferred or eager ones) unmaps them first.
 
+use super::blocks::{block_hashes, BlockHash, Entry, PrefixStats};
 use super::state::State;
-use super::{Geometry, KvCacheManager, KvConfig};
+use super::KvCacheManager;
 use crate::backend::PageHandle;
 use crate::error::{Result, VmemError};
-use rustc_hash::FxHashMap;
-use std::collections::BTreeSet;
-
-/// A block's chained hash.
-pub type BlockHash = u64;
-
-/// A fixed 64-bit mixing of two words (SplitMix64's finalizer): the same on every platform
-/// and version, so every rank computes the same hashes.
-fn mix(a: u64, b: u64) -> u64 {
-    let mut z = a.rotate_left(23) ^ b.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// The chained hashes of the full blocks of `block_tokens` tokens of `tokens`: block `j`'s
-/// hash mixes block `j - 1`'s (a fixed seed for the first) with its token ids, so equal
-/// hashes mean equal prefixes (up to 64-bit collisions: about `n² / 2^65` for `n` cached
-/// blocks, 3e-8 for a million). A partial last block gets no hash.
-pub fn block_hashes(tokens: &[u32], block_tokens: usize) -> Vec<BlockHash> {
-    if block_tokens == 0 {
-        return Vec::new();
-    }
-    let mut parent: u64 = 0x7650_7265_6669_7800; // "vprefix"
-    tokens
-        .chunks_exact(block_tokens)
-        .map(|block| {
-            let mut h = mix(parent, block_tokens as u64);
-            for &t in block {
-                h = mix(h, u64::from(t));
-            }
-            parent = h;
-            h
-        })
-        .collect()
-}
-
-/// What the prefix cache holds and has served.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PrefixStats {
-    /// Tokens per block (0: sharing is off).
-    pub block_tokens: u64,
-    /// Blocks cached (mapped by requests or not).
-    pub blocks: u64,
-    /// Bytes of cached pages no request maps (what the cap bounds).
-    pub unmapped_bytes: u64,
-    /// Bytes that extra mappings of shared pages would have cost without sharing: subtract
-    /// from [`super::MemoryUsage::mapped_bytes`] for the memory mapped, each page once.
-    pub shared_savings_bytes: u64,
-    /// Tokens served from the cache by `adopt_prefix` so far.
-    pub hit_tokens: u64,
-    /// Blocks evicted so far.
-    pub evicted_blocks: u64,
-}
-
-/// One cached block: a page in every buffer.
-#[derive(Debug)]
-struct Entry {
-    pages: Vec<PageHandle>,
-    /// Requests that map it.
-    refs: u32,
-    /// When its last mapping went (a count of calls), while `refs == 0`.
-    tick: u64,
-}
-
-/// The prefix cache: blocks by hash, the requests' adopted runs, the eviction order.
-#[derive(Debug, Default)]
-pub(super) struct PrefixCache {
-    /// Tokens per block; 0 when sharing is off.
-    block_tokens: u64,
-    /// Pages a block spans in each buffer.
-    block_pages: u64,
-    /// Most pages kept with no mapping.
-    cap_pages: u64,
-    /// Pages per block, all buffers together.
-    per_block: u64,
-    entries: FxHashMap<BlockHash, Entry>,
-    /// (tick, hash) of the blocks no request maps, oldest first.
-    lru: BTreeSet<(u64, BlockHash)>,
-    tick: u64,
-    /// Per request: the hashes of the cached blocks at the start of its range.
-    held: Vec<Vec<BlockHash>>,
-    hit_tokens: u64,
-    evicted: u64,
-}
-
-impl PrefixCache {
-    /// The cache of a manager with `cfg`'s prefix setting and geometry `geo`.
-    pub(super) fn new(cfg: &KvConfig, geo: &Geometry) -> Self {
-        let Some(cap) = cfg.prefix_cache else {
-            return PrefixCache::default();
-        };
-        let (block_tokens, block_pages) = block_shape(geo.page_size, geo.token_bytes);
-        PrefixCache {
-            block_tokens,
-            block_pages,
-            cap_pages: cap / cfg.page_size,
-            per_block: block_pages * geo.buffers as u64,
-            held: vec![Vec::new(); cfg.max_batch],
-            ..PrefixCache::default()
-        }
-    }
-
-    /// Whether sharing is on.
-    pub(super) fn on(&self) -> bool {
-        self.block_tokens > 0
-    }
-
-    /// Cached blocks at the start of request `r`'s range.
-    pub(super) fn held_blocks(&self, r: usize) -> u64 {
-        self.held.get(r).map_or(0, |h| h.len() as u64)
-    }
-
-    /// Pages (in each buffer) of the cached blocks at the start of request `r`'s range.
-    pub(super) fn held_pages(&self, r: usize) -> u64 {
-        self.held_blocks(r) * self.block_pages
-    }
-
-    /// `keep` pages a buffer rounded down to a whole block where it would cut into request
-    /// `r`'s cached blocks: a block is kept or unmapped whole.
-    pub(super) fn whole_blocks(&self, r: usize, keep: u64) -> u64 {
-        if keep < self.held_pages(r) {
-            keep - keep % self.block_pages
-        } else {
-            keep
-        }
-    }
-
-    /// Tokens of request `r` that live in cached pages: it must keep them mapped.
-    pub(super) fn held_tokens(&self, r: usize) -> u64 {
-        self.held_blocks(r) * self.block_tokens
-    }
-
-    /// Pages the cache can give back now: those of blocks no request maps.
-    pub(super) fn evictable_pages(&self) -> u64 {
-        self.lru.len() as u64 * self.per_block
-    }
-
-    /// Evicts the least recently released block no request maps; returns its pages (unmapped,
-    /// for the pool), or `None` when every cached block is mapped.
-    pub(super) fn evict_one(&mut self) -> Option<Vec<PageHandle>> {
-        let first = *self.lru.iter().next()?;
-        self.lru.remove(&first);
-        let e = self.entries.remove(&first.1)?;
-        self.evicted += 1;
-        Some(e.pages)
-    }
-
-    /// Request `r` no longer maps its cached blocks past `keep` pages a buffer (a whole
-    /// number of blocks, [`PrefixCache::whole_blocks`]). Returns the pages evicted to stay
-    /// under the cap.
-    pub(super) fn unmapped(&mut self, r: usize, keep: u64) -> Vec<PageHandle> {
-        let keep = keep / self.block_pages.max(1);
-        let Some(held) = self.held.get_mut(r) else {
-            return Vec::new();
-        };
-        if keep >= held.len() as u64 {
-            return Vec::new();
-        }
-        let gone = held.split_off(keep as usize);
-        // Tail first: a prompt's tail is the least likely to be shared.
-        for h in gone.into_iter().rev() {
-            if let Some(e) = self.entries.get_mut(&h) {
-                e.refs -= 1;
-                if e.refs == 0 {
-                    self.tick += 1;
-                    e.tick = self.tick;
-                    self.lru.insert((self.tick, h));
-                }
-            }
-        }
-        let mut out = Vec::new();
-        while self.evictable_pages() > self.cap_pages {
-            match self.evict_one() {
-                Some(p) => out.extend(p),
-                None => break,
-            }
-        }
-        out
-    }
-
-    /// The statistics.
-    pub(super) fn stats(&self, page_size: u64) -> PrefixStats {
-        let extra: u64 = self
-            .entries
-            .values()
-            .map(|e| u64::from(e.refs.saturating_sub(1)))
-            .sum();
-        PrefixStats {
-            block_tokens: self.block_tokens,
-            blocks: self.entries.len() as u64,
-            unmapped_bytes: self.evictable_pages() * page_size,
-            shared_savings_bytes: extra * self.per_block * page_size,
-            hit_tokens: self.hit_tokens,
-            evicted_blocks: self.evicted,
-        }
-    }
-
-    /// Every block no request maps, removed from the cache (the manager is going).
-    pub(super) fn drain_unmapped(&mut self) -> Vec<PageHandle> {
-        let mut out = Vec::new();
-        while let Some(p) = self.evict_one() {
-            out.extend(p);
-        }
-        out
-    }
-}
-
-/// Tokens a block holds and the pages it spans in one buffer: the least common multiple of
-/// the page and a token's bytes in one buffer, in tokens and in pages.
-fn block_shape(page: u64, token_bytes: u64) -> (u64, u64) {
-    let gcd = |mut a: u64, mut b: u64| {
-        while b != 0 {
-            (a, b) = (b, a % b);
-        }
-        a
-    };
-    let g = gcd(page, token_bytes).max(1);
-    // lcm = page / g * token_bytes: tokens = page / g, pages = token_bytes / g.
-    (page / g, token_bytes / g)
-}
 
 impl State {
     /// Refuses a step that gives a request a length below the cached blocks it maps (adopted
@@ -414,7 +194,7 @@ impl State {
 }
 
 impl KvCacheManager {
-    /// Tokens per block of prefix sharing ([`KvConfig::prefix_cache`]); 0 when it is off.
+    /// Tokens per block of prefix sharing ([`KvConfig::prefix_cache`](super::KvConfig::prefix_cache)); 0 when it is off.
     pub fn prefix_block_tokens(&self) -> u64 {
         self.shared.lock().prefix.block_tokens
     }

@@ -1,7 +1,7 @@
 //! The manager's mutable state and the page bookkeeping both threads share.
 
+use super::blocks::PrefixCache;
 use super::config::{Geometry, KvConfig};
-use super::prefix::PrefixCache;
 use crate::backend::PageHandle;
 use crate::buffer::VirtualBuffer;
 use crate::error::{Result, VmemError};
@@ -25,7 +25,7 @@ pub(super) struct State {
     /// The prefix cache (kvcache/prefix.rs); empty and off unless `cfg.prefix_cache`.
     pub(super) prefix: PrefixCache,
     /// The running digest of the manager's decisions (lockstep.rs).
-    pub(super) lockstep: super::lockstep::Digest,
+    pub(super) lockstep: super::digest::Digest,
 }
 
 /// The request table: one entry per request id (`0..max_batch`) in each field.

@@ -9,81 +9,12 @@
 //! [`RawBackend`].
 
 use super::{CountingDriver, DriverCounts};
-use crate::backend::{Backend, Checked, HostBackend, PageHandle, RawBackend};
+use crate::backend::{Backend, Checked, PageHandle, RawBackend};
 use crate::{KvCacheManager, KvConfig, Result, VmemError};
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
 
-/// Reads and writes a backend's mapped memory, to check that contents follow pages.
-pub trait Contents {
-    /// Fills `[addr, addr + len)` with a pattern derived from `seed`.
-    ///
-    /// # Safety
-    /// The span is mapped read/write for the whole call.
-    unsafe fn fill(&self, addr: u64, len: u64, seed: u32) -> Result<()>;
-
-    /// Counts the 4-byte words of `[addr, addr + len)` that differ from `seed`'s pattern.
-    ///
-    /// # Safety
-    /// The span is mapped readable for the whole call.
-    unsafe fn check(&self, addr: u64, len: u64, seed: u32) -> Result<u64>;
-
-    /// Counts the non-zero bytes of `[addr, addr + len)`, read as a kernel would (zero-page
-    /// slots included).
-    ///
-    /// # Safety
-    /// The span is mapped readable for the whole call.
-    unsafe fn nonzero(&self, addr: u64, len: u64) -> Result<u64>;
-}
-
-/// The pattern word `i` of a span filled with `seed` holds (the GPU kernels use the same).
-pub fn pattern_word(i: u64, seed: u32) -> u32 {
-    (i as u32).wrapping_mul(0x9E37_79B1) ^ seed
-}
-
-/// [`Contents`] of the host backend, through its checked `read` and `write`.
-#[derive(Debug)]
-pub struct HostContents<'a>(pub &'a HostBackend);
-
-impl Contents for HostContents<'_> {
-    unsafe fn fill(&self, addr: u64, len: u64, seed: u32) -> Result<()> {
-        let bytes: Vec<u8> = (0..len / 4)
-            .flat_map(|i| pattern_word(i, seed).to_le_bytes())
-            .collect();
-        self.0.write(addr, &bytes)
-    }
-
-    unsafe fn check(&self, addr: u64, len: u64, seed: u32) -> Result<u64> {
-        let mut bytes = vec![0u8; len as usize];
-        self.0.read(addr, &mut bytes)?;
-        Ok(bytes
-            .chunks_exact(4)
-            .enumerate()
-            .filter(|(i, w)| {
-                u32::from_le_bytes([w[0], w[1], w[2], w[3]]) != pattern_word(*i as u64, seed)
-            })
-            .count() as u64)
-    }
-
-    unsafe fn nonzero(&self, addr: u64, len: u64) -> Result<u64> {
-        // SAFETY: by the caller's contract the span is mapped readable.
-        let bytes = unsafe { read_host(addr, len as usize) };
-        Ok(bytes.iter().filter(|&&b| b != 0).count() as u64)
-    }
-}
-
-/// Reads `len` bytes of host-backend memory at `addr` with plain loads, as a kernel would:
-/// unlike the checked `read`, which refuses zero-page slots (they are not data), it reads
-/// whatever is mapped readable.
-///
-/// # Safety
-/// The span is mapped readable (pages or zero slots) and nothing unmaps it meanwhile.
-pub unsafe fn read_host(addr: u64, len: usize) -> Vec<u8> {
-    let mut out = vec![0u8; len];
-    // SAFETY: by the caller's contract.
-    unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), len) };
-    out
-}
+pub use super::contents::{pattern_word, read_host, Contents, HostContents};
 
 fn refused<T: std::fmt::Debug>(r: Result<T>, what: &str) -> VmemError {
     match r {
@@ -122,8 +53,8 @@ pub fn run_raw<R: RawBackend + 'static>(make: impl Fn() -> R) {
 
 /// The zero page: a zero-backed span reads as zeros; pages replace zero slots and keep their
 /// contents; unmapped pages can be zero-backed again; the refusals hold (map over a part of a
-/// zero run, zero over mapped pages, the zero page's handle as a page); a zero slot is not data
-/// for the checked read/write. Backends without a zero page must say so with
+/// zero run, zero over mapped pages unless the backend replaces in place, the zero page's
+/// handle as a page); a zero slot is not data for the checked read/write. Backends without a zero page must say so with
 /// [`VmemError::Unsupported`], and change nothing.
 pub fn zero_page(b: &dyn Backend, page: u64, contents: Option<&dyn Contents>) {
     let name = b.name();
@@ -157,10 +88,33 @@ pub fn zero_page(b: &dyn Backend, page: u64, contents: Option<&dyn Contents>) {
             unsafe { c.fill(r + (2 + i) * page, page, 7 + i as u32) }.expect("fill");
         }
     }
-    // Mapped pages cannot be zero-backed; a partly-mapped span cannot be mapped.
+    // Mapped pages are zero-backed in one step where the backend replaces in place (the slot
+    // reads zeros; the page, unmapped, keeps its contents and maps back); elsewhere refused.
+    // A span of zero slots and pages is refused either way; a partly-mapped span cannot be
+    // mapped.
+    if b.replaces_zero_in_place() {
+        b.map_zero(r + 2 * page, page, page)
+            .unwrap_or_else(|e| panic!("{name}: map_zero over a mapped page, in place: {e}"));
+        if let Some(c) = contents {
+            // SAFETY: zero-backed just above.
+            let n = unsafe { c.nonzero(r + 2 * page, page) }.expect("read");
+            assert_eq!(
+                n, 0,
+                "{name}: a page given back to zero reads {n} non-zero bytes"
+            );
+        }
+        b.map(r + 2 * page, &[pages[0]], page)
+            .unwrap_or_else(|e| panic!("{name}: map back over the zero slot: {e}"));
+    } else {
+        let e = refused(
+            b.map_zero(r + 2 * page, page, page),
+            "map_zero over a mapped page",
+        );
+        assert!(matches!(e, VmemError::InvalidAddress { .. }), "{e}");
+    }
     let e = refused(
-        b.map_zero(r + 2 * page, page, page),
-        "map_zero over a mapped page",
+        b.map_zero(r + page, 2 * page, page),
+        "map_zero over a zero slot and a page",
     );
     assert!(matches!(e, VmemError::InvalidAddress { .. }), "{e}");
     let q = b.create_page(page).expect("create");

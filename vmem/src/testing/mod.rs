@@ -16,6 +16,7 @@
 //! [`Backend`]: crate::backend::Backend
 
 pub mod conformance;
+mod contents;
 mod counting;
 mod fault;
 pub mod sharing;

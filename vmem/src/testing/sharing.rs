@@ -18,7 +18,7 @@
 //! A backend that cannot share (the patched UVM driver today) fails `map_shared` with
 //! [`VmemError::Unsupported`] and changes nothing; the cases then check only that.
 
-use super::conformance::Contents;
+use super::contents::Contents;
 use super::CountingDriver;
 use crate::backend::{Backend, Checked, PageHandle, RawBackend};
 use crate::VmemError;

@@ -3,6 +3,7 @@
 
 use crate::backend::{MapResult, PageHandle, PartialMap, RawBackend, RawDelegate, SlotRun};
 use crate::{Result, VmemError};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -34,6 +35,10 @@ pub struct DriverCounts {
     /// When set, the next `fence` sends on the first channel, then waits on the second: a
     /// fence held open, as `cuCtxSynchronize` behind a long kernel.
     pub fence_gate: Mutex<Option<(Sender<()>, Receiver<()>)>>,
+    /// The mappings made and not yet unmapped, address to bytes (a page or a zero slot each):
+    /// a driver that replaces zero slots in place unmaps what a map lands on without an
+    /// `unmap` call, and those bytes count as unmapped.
+    live: Mutex<BTreeMap<u64, u64>>,
 }
 
 impl DriverCounts {
@@ -60,6 +65,26 @@ impl DriverCounts {
     pub fn fail_map_at(&self, i: u64) {
         let seen = self.pages_seen.load(SeqCst);
         self.fail_at_page.store(seen + i, SeqCst);
+    }
+
+    /// Records the mappings `[addr + i * size, +size)` for `i < count`, first counting as
+    /// unmapped whatever they replace (`in_place`) in their span.
+    fn record_maps(&self, addr: u64, size: u64, count: u64, in_place: bool) {
+        let mut live = self.live.lock().unwrap();
+        if in_place {
+            let gone = Self::forget(&mut live, addr, size * count);
+            self.unmapped.fetch_add(gone, SeqCst);
+        }
+        for i in 0..count {
+            live.insert(addr + i * size, size);
+        }
+        self.mapped.fetch_add(size * count, SeqCst);
+    }
+
+    /// Drops the mappings that start in `[addr, addr + len)`; returns their bytes.
+    fn forget(live: &mut BTreeMap<u64, u64>, addr: u64, len: u64) -> u64 {
+        let starts: Vec<u64> = live.range(addr..addr + len).map(|(&a, _)| a).collect();
+        starts.iter().filter_map(|a| live.remove(a)).sum()
     }
 
     /// Forgets the calls logged so far.
@@ -153,9 +178,9 @@ impl<R: RawBackend> RawDelegate for CountingDriver<R> {
                 Ok(()) => n,
                 Err(p) => p.mapped,
             };
+            let in_place = self.inner.replaces_zero_in_place();
             self.counts
-                .mapped
-                .fetch_add(done as u64 * page_size, SeqCst);
+                .record_maps(addr, page_size, done as u64, in_place);
             r?;
         }
         if n < pages.len() {
@@ -178,6 +203,7 @@ impl<R: RawBackend> RawDelegate for CountingDriver<R> {
         self.counts.call("unmap", addr);
         // SAFETY: forwarded under our caller's contract.
         unsafe { self.inner.unmap(addr, size) }?;
+        DriverCounts::forget(&mut self.counts.live.lock().unwrap(), addr, size);
         self.counts.unmapped.fetch_add(size, SeqCst);
         Ok(())
     }
@@ -194,7 +220,9 @@ impl<R: RawBackend> RawDelegate for CountingDriver<R> {
             Ok(()) => slots.count,
             Err(p) => p.mapped as u64,
         };
-        self.counts.mapped.fetch_add(done * slots.page_size, SeqCst);
+        let in_place = self.inner.replaces_zero_in_place();
+        self.counts
+            .record_maps(slots.addr, slots.page_size, done, in_place);
         r
     }
 }

@@ -416,6 +416,27 @@ impl Book {
         Ok(())
     }
 
+    /// The pages of `[addr, addr + size)`, which must be exactly a run of pages of
+    /// `page_size` (no zero-page slots, nothing unmapped), in address order.
+    pub(super) fn pages_of_run(
+        &self,
+        addr: u64,
+        size: u64,
+        page_size: u64,
+    ) -> Result<Vec<PageHandle>> {
+        self.check_run(addr, size)?;
+        (0..size / page_size)
+            .map(|i| match self.table.get(addr + i * page_size) {
+                Slot::Page { page, size } if size == page_size => Ok(page),
+                _ => Err(VmemError::InvalidAddress {
+                    addr,
+                    size,
+                    why: "not a run of pages of this size (nor unmapped)",
+                }),
+            })
+            .collect()
+    }
+
     /// Forgets the run `[addr, addr + size)` that `check_run` (or `check_unmapped_or_zero`)
     /// accepted.
     pub(super) fn record_unmap(&mut self, addr: u64, size: u64) {

@@ -255,8 +255,8 @@ impl RawBackend for HostMemory {
             let at = addr + i as u64 * page_size;
             let len = (j - i) as u64 * page_size;
             // SAFETY: the caller guarantees [at, at + len) lies in a range this driver
-            // reserved with nothing mapped, so MAP_FIXED replaces only our own PROT_NONE
-            // placeholder; the offsets are slots of our memfd (a slot mapped elsewhere too is
+            // reserved with nothing mapped but zero slots, so MAP_FIXED replaces only our own
+            // PROT_NONE placeholder or read-only zero slots (in one step); the offsets are slots of our memfd (a slot mapped elsewhere too is
             // another MAP_SHARED view of the same bytes).
             let r = unsafe { sys::map_shared_fixed(&self.memfd, at, len, pages[i].0, true) };
             if let Err(error) = r {
@@ -270,6 +270,14 @@ impl RawBackend for HostMemory {
     /// One memfd slot maps at any number of addresses (`MAP_SHARED`): every mapping shows
     /// the same bytes, and unmapping one (`reserve_fixed` over it) leaves the others.
     fn shares_pages(&self) -> bool {
+        true
+    }
+
+    /// `mmap(MAP_FIXED)` replaces whatever is mapped at the span in one step (the kernel
+    /// swaps the mappings under the process's mmap lock, which a page fault takes too): a
+    /// thread reading a zero slot while a page replaces it reads zeros or the page, never a
+    /// `PROT_NONE` hole. `map_readonly` and `unmap` are `MAP_FIXED` too, over anything.
+    fn replaces_zero_in_place(&self) -> bool {
         true
     }
 
@@ -292,8 +300,9 @@ impl RawBackend for HostMemory {
     /// counts against `vm.max_map_count`).
     unsafe fn map_readonly(&self, page: PageHandle, slots: SlotRun) -> MapResult {
         for i in 0..slots.count {
-            // SAFETY: as in `map`: the slot lies in our range with nothing mapped; the offset
-            // is a slot of our memfd.
+            // SAFETY: as in `map`: the slot lies in our range with nothing mapped that anyone
+            // still uses (or a failing map's pages, replaced in one step); the offset is a slot
+            // of our memfd.
             let r = unsafe {
                 sys::map_shared_fixed(&self.memfd, slots.at(i), slots.page_size, page.0, false)
             };
@@ -321,265 +330,9 @@ fn committable() -> Option<u64> {
     Some(available.saturating_sub(HOST_MEMORY_RESERVE))
 }
 
-/// What the machine has: `/proc/meminfo` and the memory cgroup (v2 or v1).
-mod limits {
-    use std::fs::read_to_string;
-    use std::path::{Path, PathBuf};
+mod limits;
 
-    /// `MemAvailable` in bytes.
-    pub(super) fn mem_available() -> Option<u64> {
-        let info = read_to_string("/proc/meminfo").ok()?;
-        let kb = info
-            .lines()
-            .find_map(|l| l.strip_prefix("MemAvailable:"))?
-            .trim()
-            .strip_suffix("kB")?
-            .trim()
-            .parse::<u64>()
-            .ok()?;
-        kb.checked_mul(1024)
-    }
-
-    /// Limit minus usage of the process's memory cgroup, where a limit is set.
-    pub(super) fn cgroup_headroom() -> Option<u64> {
-        let own = read_to_string("/proc/self/cgroup").ok()?;
-        // v2: "0::/path"; v1: "N:...memory...:/path".
-        let (v2, v1) = own.lines().fold((None, None), |(v2, v1), line| {
-            let mut f = line.splitn(3, ':');
-            let (_, ctrl, path) = (f.next(), f.next().unwrap_or(""), f.next().unwrap_or(""));
-            if ctrl.is_empty() {
-                (Some(path.to_string()), v1)
-            } else if ctrl.split(',').any(|c| c == "memory") {
-                (v2, Some(path.to_string()))
-            } else {
-                (v2, v1)
-            }
-        });
-        let root = Path::new("/sys/fs/cgroup");
-        let read = |dirs: &[PathBuf], limit: &str, usage: &str| -> Option<u64> {
-            // The process's own group, else the mount's root (a cgroup namespace shows the
-            // container's group as the root).
-            dirs.iter().find_map(|d| {
-                let limit = read_to_string(d.join(limit)).ok()?;
-                let limit = limit.trim().parse::<u64>().ok()?; // "max": no limit
-                let usage = read_to_string(d.join(usage))
-                    .ok()?
-                    .trim()
-                    .parse::<u64>()
-                    .ok()?;
-                (limit < 1 << 60).then(|| limit.saturating_sub(usage))
-            })
-        };
-        let dirs = |base: &Path, path: &str| [base.join(path.trim_start_matches('/')), base.into()];
-        if let Some(p) = v1 {
-            let base = root.join("memory");
-            if let Some(h) = read(
-                &dirs(&base, &p),
-                "memory.limit_in_bytes",
-                "memory.usage_in_bytes",
-            ) {
-                return Some(h);
-            }
-        }
-        read(&dirs(root, &v2?), "memory.max", "memory.current")
-    }
-}
-
-/// The system calls, each wrapped once. Every `unsafe` block of this backend that is not a
-/// copy through a checked mapping lives here.
-mod sys {
-    use super::*;
-
-    pub(super) fn os_page_size() -> u64 {
-        // SAFETY: sysconf has no memory-safety preconditions.
-        let v = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-        if v > 0 {
-            v as u64
-        } else {
-            4096
-        }
-    }
-
-    pub(super) fn memfd_create(name: &str) -> Result<OwnedFd> {
-        let cname = std::ffi::CString::new(name).expect("static name has no NUL");
-        // SAFETY: `cname` is a valid NUL-terminated string for the duration of the call.
-        let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(VmemError::os(
-                "memfd_create",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-    }
-
-    pub(super) fn ftruncate(fd: &OwnedFd, len: u64) -> Result<()> {
-        // SAFETY: plain syscall on a descriptor we own.
-        let r = unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) };
-        if r != 0 {
-            return Err(VmemError::os(
-                "ftruncate(memfd)",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        Ok(())
-    }
-
-    pub(super) fn fallocate(fd: &OwnedFd, mode: i32, offset: u64, len: u64) -> Result<()> {
-        // SAFETY: plain syscall on a descriptor we own; no user memory is passed.
-        let r = unsafe {
-            libc::fallocate(
-                fd.as_raw_fd(),
-                mode,
-                offset as libc::off_t,
-                len as libc::off_t,
-            )
-        };
-        if r != 0 {
-            return Err(VmemError::os(
-                "fallocate(memfd)",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        Ok(())
-    }
-
-    pub(super) fn allocated_bytes(fd: &OwnedFd) -> Result<u64> {
-        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-        // SAFETY: `st` is a writable buffer of the size fstat fills.
-        let r = unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) };
-        if r != 0 {
-            return Err(VmemError::os(
-                "fstat(memfd)",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        // SAFETY: fstat returned 0, so it initialised `st`.
-        let st = unsafe { st.assume_init() };
-        Ok(st.st_blocks as u64 * 512)
-    }
-
-    /// Reserves `size` bytes aligned to `align` by over-reserving and trimming.
-    pub(super) fn reserve_aligned(size: u64, align: u64) -> Result<u64> {
-        let span = size
-            .checked_add(align)
-            .ok_or(VmemError::SizeOverflow("reservation"))?;
-        // SAFETY: a fresh anonymous PROT_NONE mapping at an address the kernel chooses touches
-        // no existing memory.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                span as usize,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(VmemError::os(
-                "mmap(PROT_NONE reserve)",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        let base = p as u64;
-        let start = base.next_multiple_of(align);
-        let end = start + size;
-        if start > base {
-            // SAFETY: the head trimmed off is part of the mapping just made, which nothing
-            // else knows of.
-            unsafe { munmap(base, start - base) }?;
-        }
-        if base + span > end {
-            // SAFETY: likewise for the tail.
-            unsafe { munmap(end, base + span - end) }?;
-        }
-        Ok(start)
-    }
-
-    /// Replaces `[addr, addr + len)` with a fresh PROT_NONE anonymous mapping (unmap while
-    /// keeping the address space reserved).
-    ///
-    /// # Safety
-    /// `[addr, addr + len)` lies inside a range reserved by `reserve_aligned` and not freed:
-    /// MAP_FIXED replaces whatever is there.
-    pub(super) unsafe fn reserve_fixed(addr: u64, len: u64) -> Result<()> {
-        // SAFETY: the caller passes only spans inside a range this driver reserved, so
-        // MAP_FIXED replaces nothing but our own mappings.
-        let p = unsafe {
-            libc::mmap(
-                addr as *mut libc::c_void,
-                len as usize,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(VmemError::os(
-                "mmap(PROT_NONE, MAP_FIXED)",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        Ok(())
-    }
-
-    /// Maps `len` bytes of the memfd from `offset` at `addr`, shared; read/write or read-only.
-    ///
-    /// # Safety
-    /// `[addr, addr + len)` lies inside a range reserved by `reserve_aligned` and holds no
-    /// mapping that anything still uses: MAP_FIXED replaces whatever is there.
-    pub(super) unsafe fn map_shared_fixed(
-        fd: &OwnedFd,
-        addr: u64,
-        len: u64,
-        offset: u64,
-        writable: bool,
-    ) -> Result<()> {
-        let prot = if writable {
-            libc::PROT_READ | libc::PROT_WRITE
-        } else {
-            libc::PROT_READ
-        };
-        // SAFETY: by the caller's contract MAP_FIXED replaces only our own PROT_NONE
-        // placeholder; `fd` is our memfd.
-        let p = unsafe {
-            libc::mmap(
-                addr as *mut libc::c_void,
-                len as usize,
-                prot,
-                libc::MAP_SHARED | libc::MAP_FIXED,
-                fd.as_raw_fd(),
-                offset as libc::off_t,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            let err = std::io::Error::last_os_error();
-            if err.raw_os_error() == Some(libc::ENOMEM) {
-                tracing::warn!(
-                    "mmap failed with ENOMEM: the process may have hit vm.max_map_count"
-                );
-            }
-            return Err(VmemError::os("mmap(MAP_SHARED, MAP_FIXED)", err));
-        }
-        Ok(())
-    }
-
-    /// Unmaps `[addr, addr + len)`.
-    ///
-    /// # Safety
-    /// The span is part of a reservation of ours that nothing uses any more.
-    pub(super) unsafe fn munmap(addr: u64, len: u64) -> Result<()> {
-        // SAFETY: by the caller's contract nothing refers to these addresses any more.
-        let r = unsafe { libc::munmap(addr as *mut libc::c_void, len as usize) };
-        if r != 0 {
-            return Err(VmemError::os("munmap", std::io::Error::last_os_error()));
-        }
-        Ok(())
-    }
-}
+mod sys;
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,140 @@
+//! The digest of the manager's decisions that ranks compare (lockstep.rs folds a step into
+//! it from the manager's state; docs/architecture.md, "Lockstep (tensor parallelism)").
+
+use crate::error::{Result, VmemError};
+
+/// FNV-1a's 64-bit offset basis and prime.
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+/// Tags that keep one kind of call's words apart from another's.
+const TAG_ALLOC: u64 = 1;
+const TAG_ALLOC_FOR: u64 = 2;
+const TAG_FREE: u64 = 3;
+pub(super) const TAG_STEP: u64 = 4;
+
+/// The manager's decisions so far, as ranks compare them: the digest and how many steps and
+/// calls it covers. Equal calls give equal values on every rank and in every process.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct DecisionDigest {
+    /// FNV-1a over every call's words so far.
+    pub value: u64,
+    /// `step` calls made (failed ones included).
+    pub steps: u64,
+    /// `alloc_reqid`, `alloc_reqid_for`, `free_reqid` and `step` calls made.
+    pub calls: u64,
+}
+
+impl DecisionDigest {
+    /// Compares this rank's digest with every rank's (`all[i]` is rank `i`'s, this one's
+    /// included, as an all-gather returns them). Fails with
+    /// [`VmemError::LockstepDivergence`] naming the step and the first rank that differs.
+    pub fn check(&self, all: &[DecisionDigest]) -> Result<()> {
+        match all.iter().position(|d| d != self) {
+            None => Ok(()),
+            Some(rank) => Err(VmemError::LockstepDivergence {
+                step: self.steps,
+                rank,
+                ours: self.value,
+                theirs: all[rank].value,
+            }),
+        }
+    }
+
+    /// The three numbers as one array (for sending over a pipe or a collective).
+    pub fn to_words(&self) -> [u64; 3] {
+        [self.value, self.steps, self.calls]
+    }
+
+    /// The inverse of [`DecisionDigest::to_words`].
+    pub fn from_words(w: [u64; 3]) -> Self {
+        DecisionDigest {
+            value: w[0],
+            steps: w[1],
+            calls: w[2],
+        }
+    }
+}
+
+/// The running digest kept in the manager's state.
+#[derive(Debug, Clone)]
+pub(super) struct Digest {
+    pub(super) d: DecisionDigest,
+}
+
+impl Default for Digest {
+    fn default() -> Self {
+        Digest {
+            d: DecisionDigest {
+                value: FNV_OFFSET,
+                steps: 0,
+                calls: 0,
+            },
+        }
+    }
+}
+
+impl Digest {
+    /// FNV-1a over whole words (one multiply per word, not per byte: a step folds in two
+    /// words per request id), with a fold of the high half so high bits reach the low ones.
+    pub(super) fn word(&mut self, w: u64) {
+        let v = (self.d.value ^ w).wrapping_mul(FNV_PRIME);
+        self.d.value = v ^ (v >> 32);
+    }
+
+    pub(super) fn outcome<T>(&mut self, r: &Result<T>, ok: impl FnOnce(&mut Self, &T)) {
+        match r {
+            Ok(v) => {
+                self.word(0);
+                ok(self, v);
+            }
+            Err(e) => self.word(1 + error_code(e)),
+        }
+    }
+
+    /// An `alloc_reqid` (`tokens` = None) or `alloc_reqid_for(tokens)` and the id it gave.
+    /// The id is a pure function of the calls without the background thread, or without
+    /// deferred reclamation (`alloc_reqid` then gives the lowest inactive id); with both, or
+    /// with `alloc_reqid_for`, it is chosen by the pages inactive requests hold, which can
+    /// include what the background thread mapped ahead, and ranks may diverge: the digest
+    /// then says so (docs/architecture.md, "Lockstep").
+    pub(super) fn alloc(&mut self, tokens: Option<u64>, r: &Result<usize>) {
+        self.d.calls += 1;
+        match tokens {
+            None => self.word(TAG_ALLOC),
+            Some(t) => {
+                self.word(TAG_ALLOC_FOR);
+                self.word(t);
+            }
+        }
+        self.outcome(r, |d, &id| d.word(id as u64));
+    }
+
+    /// A `free_reqid(req)` and whether it succeeded.
+    pub(super) fn free(&mut self, req: usize, r: &Result<()>) {
+        self.d.calls += 1;
+        self.word(TAG_FREE);
+        self.word(req as u64);
+        self.outcome(r, |_, ()| {});
+    }
+
+    pub(super) fn get(&self) -> DecisionDigest {
+        self.d
+    }
+}
+
+/// A stable code per error kind (the messages may carry timing-dependent numbers).
+fn error_code(e: &VmemError) -> u64 {
+    match e {
+        VmemError::OutOfMemory { .. } => 1,
+        VmemError::TooManyRequests(_) => 2,
+        VmemError::DoubleFree(_) => 3,
+        VmemError::NotAllocated(_) => 4,
+        VmemError::InactiveRequest(_) => 5,
+        VmemError::UnknownRequest { .. } => 6,
+        VmemError::SeqLenTooLong { .. } => 7,
+        VmemError::BatchLenMismatch { .. } => 8,
+        VmemError::ContextTooLong { .. } => 9,
+        _ => 100,
+    }
+}
