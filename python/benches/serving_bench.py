@@ -46,11 +46,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cb_harness as h  # noqa: E402
 import vmem.transformers as vt  # noqa: E402
+from harness.blockflex import BLOCKFLEX_ATTENTION  # noqa: E402
 
 CONTENDERS = {
     "paged-sdpa-16": dict(attn="paged|sdpa", block_size=16),
     "paged-sdpa-256": dict(attn="paged|sdpa", block_size=256),
-    "paged-flex-256": dict(attn=vt.BLOCKFLEX_ATTENTION, block_size=256),
+    "paged-flex-256": dict(attn=BLOCKFLEX_ATTENTION, block_size=256),
     "vmem-per-layer": dict(attn=vt.VMEM_ATTENTION, layout="per-layer", kernel="fa"),
     "vmem-token-major": dict(attn=vt.VMEM_ATTENTION, layout="token-major", kernel="fa"),
     "vmem-per-layer-flex": dict(attn=vt.VMEM_ATTENTION, layout="per-layer", kernel="flex"),

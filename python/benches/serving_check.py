@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cb_harness as h  # noqa: E402
 import vmem.transformers as vt  # noqa: E402
+from harness.blockflex import BLOCKFLEX_ATTENTION  # noqa: E402
 
 
 def clean(cache: Any) -> str:
@@ -60,9 +61,9 @@ def padding_cost(device: str, dtype: torch.dtype, tiny: bool, kernel: str) -> Di
                           intermediate_size=256, vocab_size=128, max_position_embeddings=16384)
         rows, long, short, page, reps = 64, 16384, 512, "2M", 20
     cb = ContinuousBatchingConfig(max_batch_tokens=rows)
-    cache = vt.VmemCBCache(cfg, cb, device, dtype=dtype, max_requests=rows, max_context=long,
-                           memory=str(2 * (rows + 2) * long * 8 * 128 * dtype.itemsize), page_size=page,
-                           kernel=kernel)
+    cache = vt.VmemCBCache(cfg, cb, device, dtype=dtype, options=vt.Options(
+        max_requests=rows, max_context=long, memory=str(2 * (rows + 2) * long * 8 * 128 * dtype.itemsize),
+        page_size=page, kernel=kernel))
     hq, d = cfg.num_attention_heads, 128 if not tiny else 32
 
     class _M:  # what the attention function reads of a module
@@ -131,8 +132,8 @@ def fa_kernel_check(device: str, dtype: torch.dtype, tiny: bool, layout: str, to
     cfg = LlamaConfig(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv, num_hidden_layers=2,
                       intermediate_size=256, vocab_size=128, max_position_embeddings=ctx)
     cb = ContinuousBatchingConfig(max_batch_tokens=256)
-    cache = vt.VmemCBCache(cfg, cb, device, dtype=dtype, max_requests=8, max_context=ctx, memory="256M",
-                           page_size=page, layout=layout, kernel="fa")
+    cache = vt.VmemCBCache(cfg, cb, device, dtype=dtype, options=vt.Options(
+        max_requests=8, max_context=ctx, memory="256M", page_size=page, layout=layout, kernel="fa"))
     ids = [f"r{i}" for i in range(len(shapes))]
     held = {}
     for rid, (past, q) in zip(ids, shapes):
@@ -142,7 +143,7 @@ def fa_kernel_check(device: str, dtype: torch.dtype, tiny: bool, layout: str, to
         held[rid] = blocks * cache.block_size
     cache.flush()
     torch.manual_seed(0)
-    base = {rid: cache._row[rid] * cache.max_context for rid in ids}
+    base = {rid: cache.table.get(rid).index * cache.max_context for rid in ids}
     for rid, (past, q) in zip(ids, shapes):
         b = base[rid]
         for kc in cache.key_cache + cache.value_cache:
@@ -284,7 +285,7 @@ def main() -> int:
         check("vmem-token-major", vt.VMEM_ATTENTION, base, dict(layout="token-major"))
         check("vmem-per-layer-flex", vt.VMEM_ATTENTION, base, dict(layout="per-layer", kernel="flex"))
         check("paged-sdpa-256", "paged|sdpa", dict(base, block_size=256, num_blocks=nblocks // 16), {})
-        check("paged-blockflex-256", vt.BLOCKFLEX_ATTENTION, dict(base, block_size=256, num_blocks=nblocks // 16), {})
+        check("paged-blockflex-256", BLOCKFLEX_ATTENTION, dict(base, block_size=256, num_blocks=nblocks // 16), {})
         c = model.config
         hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         page_b = vt.parse_bytes(page)
