@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 pytest.importorskip("transformers", reason="transformers is not installed")
 
-from vmem.transformers.flex import blockwise_reference  # noqa: E402
+from vmem.transformers.flex import blockwise_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

@@ -16,9 +16,10 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 if not transformers.__version__.startswith("5.17."):
     pytest.skip(f"vmem.transformers supports transformers 5.17.x, not {transformers.__version__}", allow_module_level=True)
 
-import cb_harness as h  # noqa: E402  (python/benches, on pytest's pythonpath)
-import vmem  # noqa: E402
-import vmem.transformers as vt  # noqa: E402
+import cb_harness as h
+import vmem.transformers as vt
+
+import vmem
 
 BENCHES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benches")
 

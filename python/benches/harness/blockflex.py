@@ -12,10 +12,9 @@ async batching are refused.
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any
 
 import torch
-
 import vmem.transformers as vt
 from vmem.transformers.cache import refuse_graphs
 from vmem.transformers.flex import FlexReader
@@ -24,7 +23,7 @@ from vmem.transformers.rounds import Rounds
 #: The attention name that selects the engine's paged cache read by the Flex core.
 BLOCKFLEX_ATTENTION = "paged|blockflex"
 
-_classes: List[Any] = []
+_classes: list[Any] = []
 
 
 def recording_cache_class(engine_cache: Any) -> Any:
@@ -57,7 +56,7 @@ def recording_cache_class(engine_cache: Any) -> Any:
             kv = [b * per + j for b in blocks for j in range(per)][:n_kv]
             self.rounds.record(0, past_length, query_length, (kv, blocks))
 
-        def kv_layer(self, layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        def kv_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
             _, j = self.layer_index_to_group_indices[layer_idx]
             return self.key_cache[j], self.value_cache[j]
 

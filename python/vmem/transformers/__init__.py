@@ -42,10 +42,32 @@ from .patch import (
 from .sizing import KV_BLOCK, Q_BLOCK, VMEM_ATTENTION, block_tokens
 
 __all__ = [
-    "install", "uninstall", "serving", "options", "Options", "register_cache", "unregister_cache", "CacheRequest",
-    "VmemCBCache", "VmemCache", "VMEM_ATTENTION", "paged_attention", "flex_paged_attention", "FaVarlenIndex",
-    "fa_varlen_indices", "fa_varlen_reference", "block_tokens", "KERNELS", "LAYOUTS", "PAGE_SIZES",
-    "SUPPORTED_TRANSFORMERS", "KV_BLOCK", "Q_BLOCK", "InvalidArgument", "VmemError", "parse_bytes",
+    "KERNELS",
+    "KV_BLOCK",
+    "LAYOUTS",
+    "PAGE_SIZES",
+    "Q_BLOCK",
+    "SUPPORTED_TRANSFORMERS",
+    "VMEM_ATTENTION",
+    "CacheRequest",
+    "FaVarlenIndex",
+    "InvalidArgument",
+    "Options",
+    "VmemCBCache",
+    "VmemCache",
+    "VmemError",
+    "block_tokens",
+    "fa_varlen_indices",
+    "fa_varlen_reference",
+    "flex_paged_attention",
+    "install",
+    "options",
+    "paged_attention",
+    "parse_bytes",
+    "register_cache",
+    "serving",
+    "uninstall",
+    "unregister_cache",
 ]
 
 

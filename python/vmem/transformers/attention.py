@@ -15,7 +15,7 @@ records into) and ``read(layer, round, query, K, V, scaling, gqa) -> [1, T, Hq, 
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import torch
 
@@ -23,11 +23,11 @@ from .._vmem import VmemError
 
 
 def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: Any = None, scaling: Optional[float] = None, dropout: float = 0.0,
-                    **kwargs: Any) -> Tuple[torch.Tensor, None]:
+                    attention_mask: Any = None, scaling: float | None = None, dropout: float = 0.0,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Writes the new K/V in place and reads every request's K/V in place with the cache's
     reader; returns ``([1, T, Hq, D], None)``."""
-    cache = kwargs.get("cache")
+    cache: Any = kwargs.get("cache")
     read = getattr(cache, "read", None)
     if read is None:
         raise VmemError(

@@ -22,7 +22,7 @@ rounds (:mod:`.rounds`) and the kernels (:mod:`.fa`, :mod:`.flex`) are version-f
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 
@@ -36,6 +36,7 @@ from .rows import RowTable
 from .sizing import VMEM_ATTENTION, Geometry
 
 _log = logging.getLogger(__name__)
+_DEFAULT_OPTIONS = Options()
 
 
 def refuse_graphs(cb: Any, name: str) -> None:
@@ -53,10 +54,14 @@ def refuse_graphs(cb: Any, name: str) -> None:
         raise InvalidArgument(f"{name}: async batching is not supported in this version")
 
 
-def engine_budget(config: Any, cb: Any, dtype: torch.dtype, layers: int, token_bytes: int) -> Tuple[int, int]:
+def engine_budget(config: Any, cb: Any, dtype: torch.dtype, layers: int, token_bytes: int) -> tuple[int, int]:
     """``(bytes, max_batch_tokens)`` the engine would give its own paged cache."""
-    from transformers.generation.continuous_batching.cache import PagedAttentionMemoryHandler
-    from transformers.generation.continuous_batching.initialization import resolve_max_memory_percent
+    from transformers.generation.continuous_batching.cache import (
+        PagedAttentionMemoryHandler,
+    )
+    from transformers.generation.continuous_batching.initialization import (
+        resolve_max_memory_percent,
+    )
 
     if cb.max_memory_percent is None:
         resolve_max_memory_percent(cb_config=cb, has_logit_processors=True)
@@ -71,7 +76,7 @@ class _GroupStub:
     request is soft-reset)."""
 
     def __init__(self) -> None:
-        self.block_table: Dict[str, List[int]] = {}
+        self.block_table: dict[str, list[int]] = {}
         self.uses_block_sharing = False
 
 
@@ -97,7 +102,7 @@ class VmemCBCache:
     flat_kv = True
 
     def __init__(self, config: Any, continuous_batching_config: Any, device: Any, *, dtype: torch.dtype,
-                 options: Options = Options(), tp_size: int = 1) -> None:
+                 options: Options | None = None, tp_size: int = 1) -> None:
         cb = continuous_batching_config
         refuse_graphs(cb, VMEM_ATTENTION)
         layer_types = getattr(config, "layer_types", None)
@@ -105,6 +110,7 @@ class VmemCBCache:
             raise InvalidArgument(f"{VMEM_ATTENTION} supports full-attention models only, not {set(layer_types)}")
         if tp_size != 1:
             raise InvalidArgument(f"{VMEM_ATTENTION}: tensor parallelism is not supported yet (issue #24)")
+        options = _DEFAULT_OPTIONS if options is None else options
         self.options, self.config, self.dtype = options, config, dtype
         self.device = torch.device(device)
         self.kernel, self.layout, self.compile = options.kernel, options.layout, options.compile
@@ -152,10 +158,10 @@ class VmemCBCache:
         self.num_pages = g.rows * g.max_context
         self.write_trash_index = self.read_trash_index = self.trash_row * g.max_context
         self._engine_attributes(layers)
-        self._k4: List[torch.Tensor] = []
-        self._v4: List[torch.Tensor] = []
-        self.key_cache: List[torch.Tensor] = []  # the engine sees flat [rows * max_context, Hkv, D] views
-        self.value_cache: List[torch.Tensor] = []
+        self._k4: list[torch.Tensor] = []
+        self._v4: list[torch.Tensor] = []
+        self.key_cache: list[torch.Tensor] = []  # the engine sees flat [rows * max_context, Hkv, D] views
+        self.value_cache: list[torch.Tensor] = []
         for k, v in self.kv.torch_layers():
             self._k4.append(k)
             self._v4.append(v)
@@ -208,7 +214,7 @@ class VmemCBCache:
         row = self.table.get(request_id)
         return 0 if row is None else row.blocks
 
-    def allocate_blocks(self, n_blocks: int, request_id: str, allocated_blocks: int) -> Optional[int]:
+    def allocate_blocks(self, n_blocks: int, request_id: str, allocated_blocks: int) -> int | None:
         """Reserves ``n_blocks`` more blocks for ``request_id`` (a row on its first call), mapped at
         this round's step. ``None`` (never an exception) when no row or memory is left, or the
         request would pass ``max_context``."""
@@ -257,7 +263,7 @@ class VmemCBCache:
 
     # -- indices and the kernel's view -----------------------------------------------------------
     def extend_read_and_write_indices(self, request_id: str, past_length: int, query_length: int,
-                                      read_index: Any, write_index: List[List[int]]) -> None:
+                                      read_index: Any, write_index: list[list[int]]) -> None:
         row = self.table.get(request_id)
         if row is None:
             raise VmemError(f"request {request_id!r} holds no row")
@@ -269,19 +275,19 @@ class VmemCBCache:
     def fill_block_table(self, *args: Any, **kwargs: Any) -> None:
         raise VmemError(f"{VMEM_ATTENTION} has no block table (max_blocks_per_request is 0)")
 
-    def get_seqlens_k(self, past_length: int, query_length: int) -> Dict[str, int]:
+    def get_seqlens_k(self, past_length: int, query_length: int) -> dict[str, int]:
         return {"full_attention": past_length + query_length}
 
-    def kv_layer(self, layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def kv_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The flat ``[rows * max_context, Hkv, D]`` K and V views of a layer."""
         return self.key_cache[layer_idx], self.value_cache[layer_idx]
 
-    def kv_rows(self, layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def kv_rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``[rows, max_context, Hkv, D]`` K and V of a layer."""
         return self._k4[layer_idx], self._v4[layer_idx]
 
     # -- prefix sharing (vmem's pages); forks: off in this version --------------------------------
-    def search_prefix_match(self, request_id: str, prompt_ids: List[int]) -> int:
+    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
         """Gives a pending request a row that starts with the cached pages of the longest prefix
         of ``prompt_ids`` the cache holds (:meth:`vmem.KVCache.adopt_prefix`: mapped, not copied,
         at least the last token left to compute); returns the tokens adopted, a multiple of
@@ -299,7 +305,7 @@ class VmemCBCache:
                 got = 0
         except VmemError:
             got = 0
-        if got == 0:
+        if index is None or got == 0:
             if index is not None:
                 self.kv.free(index)
             return 0
@@ -311,24 +317,24 @@ class VmemCBCache:
         """Publishes the full blocks the request has computed (its tokens so far, up to what this
         round's forward wrote) to vmem's prefix cache (:meth:`vmem.KVCache.publish_prefix`)."""
         if not self.sharing or num_complete_blocks == 0:
-            return None
+            return
         row = self.table.get(state.request_id)
         if row is None or getattr(state.status, "name", "") == "FINISHED" or row.computed < self.block_size:
-            return None
+            return
         tokens = (list(state.initial_tokens) + list(state.generated_tokens))[:row.computed]
         try:
             self.kv.publish_prefix(row.index, tokens)
         except VmemError as e:  # nothing published; the request goes on unshared, and says why
             _log.warning("vmem: request %s's blocks were not published for sharing: %s", state.request_id, e)
-        return None
+        return
 
     def compute_max_num_forks(self, source_request_id: str) -> int:
         return 0  # children become fresh requests
 
-    def fork_request(self, source_request_id: str, destination_request_ids: List[str]) -> Tuple[list, list]:
+    def fork_request(self, source_request_id: str, destination_request_ids: list[str]) -> tuple[list, list]:
         raise VmemError(f"{VMEM_ATTENTION} does not fork requests")
 
-    def copy_cache(self, list_source_blocks: List[int], list_forked_blocks: List[int]) -> None:
+    def copy_cache(self, list_source_blocks: list[int], list_forked_blocks: list[int]) -> None:
         raise VmemError(f"{VMEM_ATTENTION} does not copy blocks")
 
     def get_block_table_key(self, fn: Any) -> str:
@@ -344,7 +350,7 @@ class VmemCBCache:
         mapped = int(self.kv.usage()["mapped_bytes"])
         return mapped - int(self.kv.prefix_stats()["shared_savings_bytes"]) if self.sharing else mapped
 
-    def usage(self) -> Dict[str, int]:
+    def usage(self) -> dict[str, int]:
         """vmem's counters (bytes mapped, physical, ...), plus rows and blocks in use (a shared
         block once per row), and the prefix cache's (``prefix_*``; zeros when sharing is off)."""
         u = dict(self.kv.usage())

@@ -14,7 +14,7 @@ Version-free.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 import torch
 
@@ -30,13 +30,13 @@ class FaVarlenIndex:
     ``cu_q``, ``cu_k``, ``used`` are views of its device copy (after :meth:`to`); ``max_q``,
     ``max_k`` are Python ints; ``total_q`` the round's query tokens."""
 
-    __slots__ = ("host", "n", "max_q", "max_k", "total_q", "cu_q", "cu_k", "used")
+    __slots__ = ("cu_k", "cu_q", "host", "max_k", "max_q", "n", "total_q", "used")
 
     def __init__(self, host: torch.Tensor, n: int, max_q: int, max_k: int, total_q: int) -> None:
         self.host, self.n, self.max_q, self.max_k, self.total_q = host, n, max_q, max_k, total_q
         self.cu_q = self.cu_k = self.used = None  # type: Any
 
-    def to(self, device: Any) -> "FaVarlenIndex":
+    def to(self, device: Any) -> FaVarlenIndex:
         """Copies the packed indices to ``device`` (one copy) and sets the views."""
         d = self.host.to(device, non_blocking=True)
         n = self.n
@@ -44,7 +44,7 @@ class FaVarlenIndex:
         return self
 
 
-def fa_varlen_indices(entries: List[Tuple[int, int, int]], max_context: int) -> FaVarlenIndex:
+def fa_varlen_indices(entries: list[tuple[int, int, int]], max_context: int) -> FaVarlenIndex:
     """The varlen indices of one round over the flat ``[rows * max_context, Hkv, D]`` view.
 
     ``entries``: per request, in the engine's query order, ``(row, past, q)``. Queries are packed
@@ -72,7 +72,7 @@ def fa_varlen_indices(entries: List[Tuple[int, int, int]], max_context: int) -> 
 
 
 def fa_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: FaVarlenIndex,
-                        scale: Optional[float] = None) -> torch.Tensor:
+                        scale: float | None = None) -> torch.Tensor:
     """What ``aten._flash_attention_forward`` computes for ``index`` (varlen, causal, with
     ``seqused_k``), in plain tensor ops, from the host indices: per request ``b``, its queries
     ``q[cu_q[b]:cu_q[b+1]]`` attend ``k[cu_k[b] : cu_k[b] + used[b]]``, bottom-right causal;
@@ -103,7 +103,7 @@ class FaReader:
         self.max_context = max_context
 
     def __call__(self, layer: int, rnd: Round, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 scaling: Optional[float], gqa: bool) -> torch.Tensor:
+                 scaling: float | None, gqa: bool) -> torch.Tensor:
         """Returns ``[1, T, Hq, D]`` for ``query`` ``[1, Hq, T, D]``."""
         index = rnd.index
         if index is None:  # the first layer of this round's forward: build once, every layer reuses it

@@ -22,18 +22,18 @@ in the engine's thread on the second engine run of a process, torch 2.11). Versi
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 import torch
 
 from .rounds import Round
 from .sizing import KV_BLOCK, Q_BLOCK
 
-_compiled_flex: List[Any] = []
+_compiled_flex: list[Any] = []
 
 
 def blockwise_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any = None,
-                        scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
+                        scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
     """What Flex computes for ``block_mask``, in plain tensor ops: for each batch entry and Q
     block, the KV blocks it lists are gathered, ``mask_mod`` is evaluated on those positions
     only, and SDPA runs over them. Q blocks listing nothing give zeros. ``query`` ``[B, Hq, T,
@@ -80,13 +80,13 @@ class _Part:
     (block-table decode: Q ``[B, Hq, 1, D]`` against the flat KV) or "packed"; ``tok`` the
     round's query tokens it computes (None: all), ``rows`` the rows of a "rows" part."""
 
-    __slots__ = ("kind", "mask", "tok", "rows")
+    __slots__ = ("kind", "mask", "rows", "tok")
 
-    def __init__(self, kind: str, mask: Any, tok: Optional[torch.Tensor], rows: Optional[torch.Tensor] = None):
+    def __init__(self, kind: str, mask: Any, tok: torch.Tensor | None, rows: torch.Tensor | None = None):
         self.kind, self.mask, self.tok, self.rows = kind, mask, tok, rows
 
 
-def _build_mask(src: "FlexReader", rnd: Round, t_total: int, device: torch.device) -> List[_Part]:
+def _build_mask(src: FlexReader, rnd: Round, t_total: int, device: torch.device) -> list[_Part]:
     """The round's Flex calls: decodes (one query token) in one call, other requests (prefill
     chunks) packed in another; a round of one kind is one call."""
     entries = rnd.entries
@@ -97,9 +97,9 @@ def _build_mask(src: "FlexReader", rnd: Round, t_total: int, device: torch.devic
     dec = [i for i, e in enumerate(entries) if e[2] == 1]
     pre = [i for i, e in enumerate(entries) if e[2] != 1]
     mixed = bool(dec) and bool(pre)
-    parts: List[_Part] = []
+    parts: list[_Part] = []
 
-    def tok_of(idx: List[int]) -> Optional[torch.Tensor]:
+    def tok_of(idx: list[int]) -> torch.Tensor | None:
         if not mixed:
             return None
         t = [p for i in idx for p in range(starts[i], starts[i] + entries[i][2])]
@@ -118,7 +118,7 @@ def _build_mask(src: "FlexReader", rnd: Round, t_total: int, device: torch.devic
     return parts
 
 
-def _rows_decode_mask(src: "FlexReader", entries: List[Any], device: torch.device) -> Tuple[Any, torch.Tensor]:
+def _rows_decode_mask(src: FlexReader, entries: list[Any], device: torch.device) -> tuple[Any, torch.Tensor]:
     """vmem decode: row r lists ceil(len_r / KV_BLOCK) blocks of its own ``max_context`` row."""
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -146,7 +146,7 @@ def _rows_decode_mask(src: "FlexReader", entries: List[Any], device: torch.devic
     return mask, qrows.to(device, non_blocking=True)
 
 
-def _block_owners(src: "FlexReader", entries: List[Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+def _block_owners(src: FlexReader, entries: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-table caches: each physical block's owner (index in ``entries``) and first position."""
     n_phys = src.kv_len // src.block_size
     blk_owner = torch.full((n_phys,), -2, dtype=torch.int32)
@@ -158,7 +158,7 @@ def _block_owners(src: "FlexReader", entries: List[Any]) -> Tuple[torch.Tensor, 
     return blk_owner, blk_base
 
 
-def _bcast_decode_mask(src: "FlexReader", entries: List[Any], device: torch.device) -> Any:
+def _bcast_decode_mask(src: FlexReader, entries: list[Any], device: torch.device) -> Any:
     """Block-table decode: entry b lists the KV blocks of its physical blocks up to its length."""
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -187,7 +187,7 @@ def _bcast_decode_mask(src: "FlexReader", entries: List[Any], device: torch.devi
     )
 
 
-def _packed_mask(src: "FlexReader", entries: List[Any], t_total: int, device: torch.device) -> Any:
+def _packed_mask(src: FlexReader, entries: list[Any], t_total: int, device: torch.device) -> Any:
     """Packed Q ``[1, Hq, T, D]`` against the flat KV: each Q block lists the KV blocks of the
     requests whose tokens it holds, up to their causal limit. The KV's owner and position come
     from its index (vmem: row = kv // max_context; block table: the physical block's owner and
@@ -198,7 +198,7 @@ def _packed_mask(src: "FlexReader", entries: List[Any], t_total: int, device: to
     tq = n_qb * Q_BLOCK
     q_owner = torch.full((tq,), -1, dtype=torch.int32)
     q_pos = torch.zeros(tq, dtype=torch.int32)
-    lists: List[List[Any]] = [[] for _ in range(n_qb)]
+    lists: list[list[Any]] = [[] for _ in range(n_qb)]
     start = 0
     paged = not src.flat_kv
     for i, (owner, past, q, kv) in enumerate(entries):
@@ -259,11 +259,11 @@ class FlexReader:
         self.kv_len = cache.key_cache[0].shape[0]
         self.rows = getattr(cache, "rows", 0)
         self.max_context = getattr(cache, "max_context", 0)
-        self.decode_indices: Optional[torch.Tensor] = None
+        self.decode_indices: torch.Tensor | None = None
         self.flex = compiled_flex() if compiled else blockwise_reference
 
     def __call__(self, layer: int, rnd: Round, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 scaling: Optional[float], gqa: bool) -> torch.Tensor:
+                 scaling: float | None, gqa: bool) -> torch.Tensor:
         """Returns ``[1, T, Hq, D]`` for ``query`` ``[1, Hq, T, D]``."""
         t = query.shape[2]
         if rnd.index is None:  # the first layer of this round's forward: build once, every layer reuses it
@@ -278,7 +278,7 @@ class FlexReader:
         return out
 
     def _run_part(self, part: _Part, layer: int, query: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, scaling: Optional[float], gqa: bool) -> torch.Tensor:
+                  v_cache: torch.Tensor, scaling: float | None, gqa: bool) -> torch.Tensor:
         """One Flex call over this part's queries ``[1, Hq, t, D]``; returns ``[1, t, Hq, D]``."""
         hq, d = query.shape[1], query.shape[3]
         if part.kind == "rows":

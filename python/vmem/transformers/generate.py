@@ -31,7 +31,7 @@ Two modes:
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -50,7 +50,7 @@ class VmemLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(
-        self, owner: "VmemCache", index: int, keys: torch.Tensor, values: torch.Tensor, static: bool = False
+        self, owner: VmemCache, index: int, keys: torch.Tensor, values: torch.Tensor, static: bool = False
     ):
         super().__init__()
         self._owner = owner
@@ -66,7 +66,7 @@ class VmemLayer(CacheLayerMixin):
         self.is_compileable = static
         if static:
             # A tensor, as StaticLayer's: a Python int would be baked into the compiled step.
-            self.cumulative_length = torch.zeros((), dtype=torch.long, device=keys.device)
+            self.cumulative_length = torch.zeros((), dtype=torch.long, device=keys.device)  # type: ignore[assignment]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -98,7 +98,7 @@ class VmemLayer(CacheLayerMixin):
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self._static:
@@ -113,7 +113,7 @@ class VmemLayer(CacheLayerMixin):
 
     def _update_static(
         self, key_states: torch.Tensor, value_states: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n = key_states.shape[-2]
         if not torch.compiler.is_compiling():
             # Eager (a prefill, or no compilation): this layer's own count is exact.
@@ -122,12 +122,12 @@ class VmemLayer(CacheLayerMixin):
             if self._index == 0:
                 self._owner._wrote(self.length)
         position = torch.arange(n, device=self.device) + self.cumulative_length
-        self.cumulative_length.add_(n)
+        cast(torch.Tensor, self.cumulative_length).add_(n)
         self._k.index_copy_(1, position, key_states.transpose(1, 2))
         self._v.index_copy_(1, position, value_states.transpose(1, 2))
         return self._k.transpose(1, 2), self._v.transpose(1, 2)
 
-    def get_mask_sizes(self, query_length: int, *args: Any, **kwargs: Any) -> Tuple[int, int]:
+    def get_mask_sizes(self, query_length: int, *args: Any, **kwargs: Any) -> tuple[int, int]:
         if self._static:
             return self.max_cache_len, 0
         return self.length + query_length, 0
@@ -143,7 +143,7 @@ class VmemLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.length = 0
         if self._static:
-            self.cumulative_length.zero_()
+            cast(torch.Tensor, self.cumulative_length).zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("VmemCache does not support beam search (reorder_cache)")
@@ -166,7 +166,7 @@ class VmemCache(Cache):
         max_cache_len: int,
         *,
         device: Any = "cuda",
-        dtype: Optional[torch.dtype] = None,
+        dtype: torch.dtype | None = None,
         page_size: Any = "2M",
         layout: str = "per-layer",
         backend: str = "auto",
@@ -186,23 +186,11 @@ class VmemCache(Cache):
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-        self.kv = KVCache(
-            layers=cfg.num_hidden_layers,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-            dtype=str(dtype),
-            max_batch=max_batch_size,
-            max_context=max_cache_len,
-            page_size=page_size,
-            layout=layout,
-            backend=backend,
-            device=dev,
-            memory_cap=memory_cap,
-            overlap=False,
-            deferred_reclaim=False,
-            eager_tokens=0,
-            zero_page=bool(static),
-        )
+        # One request shape for the whole batch; no background mapper (generate() maps between steps).
+        self.kv = KVCache(layers=cfg.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim, dtype=str(dtype),
+                          max_batch=max_batch_size, max_context=max_cache_len, page_size=page_size, layout=layout,
+                          backend=backend, device=dev, memory_cap=memory_cap, overlap=False, deferred_reclaim=False,
+                          eager_tokens=0, zero_page=bool(static))
         self._static = bool(static)
         self._ids = [self.kv.alloc() for _ in range(max_batch_size)]
         self._max_len = max_cache_len
@@ -210,7 +198,7 @@ class VmemCache(Cache):
         self._mapped = 0  # tokens every row has pages for (whole pages)
         self._written = 0  # static mode: tokens the forwards so far wrote (see get_mask_sizes)
         self._step_pending = False  # a one-token step was announced, not yet seen eagerly
-        layers = [VmemLayer(self, i, k, v, self._static) for i, (k, v) in enumerate(vmem_torch.layers(self.kv))]
+        layers: list[Any] = [VmemLayer(self, i, k, v, self._static) for i, (k, v) in enumerate(vmem_torch.layers(self.kv))]
         super().__init__(layers=layers)
 
     def _ensure(self, length: int) -> None:
@@ -236,7 +224,7 @@ class VmemCache(Cache):
             raise InvalidArgument(f"length must be an int in 0..{self._max_len}, got {length!r}")
         self._ensure(length)
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> Tuple[int, int]:
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         # Called eagerly before every forward by generate's mask preparation (and again by an
         # eager forward's own mask creation when the prepared mask is None): in static mode,
         # the moment to map what that forward writes, outside any compiled graph.

@@ -9,14 +9,14 @@ an option a second time.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 from .._args import (
+    check_bool,
     check_choice,
     check_optional_bool,
     check_optional_size,
     check_positive_int,
-    check_bool,
     check_size,
 )
 from .._vmem import InvalidArgument
@@ -59,10 +59,10 @@ class Options:
     layout: str = "per-layer"
     page_size: Any = "2M"
     max_requests: int = 256
-    max_context: Optional[int] = None
+    max_context: int | None = None
     memory: Any = None
     prealloc: bool = True
-    compile: Optional[bool] = None
+    compile: bool | None = None
     kernel: str = "fa"
     prefix_cache: Any = None
 
@@ -88,7 +88,7 @@ class Options:
         """The option names, as :func:`install` takes them."""
         return tuple(f.name for f in dataclasses.fields(cls))
 
-    def replace(self, **changes: Any) -> "Options":
+    def replace(self, **changes: Any) -> Options:
         """A new, validated :class:`Options` with ``changes``; unknown names are refused."""
         unknown = set(changes) - set(self.names())
         if unknown:

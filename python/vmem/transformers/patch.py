@@ -25,7 +25,8 @@ import contextlib
 import contextvars
 import dataclasses
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ class CacheRequest:
     options: Options
     tp_size: int
     engine_cache: Any
-    engine_kwargs: Dict[str, Any]
+    engine_kwargs: dict[str, Any]
 
     def build_engine_cache(self, cls: Any = None) -> Any:
         """The engine's own cache (or ``cls``, a subclass of it) built with the engine's arguments."""
@@ -63,11 +64,11 @@ class CacheRequest:
 CacheFactory = Callable[[CacheRequest], Any]
 
 _lock = threading.RLock()
-_registry: Dict[str, Tuple[CacheFactory, Callable[..., Any]]] = {}
+_registry: dict[str, tuple[CacheFactory, Callable[..., Any]]] = {}
 _base = Options()
-_serving: contextvars.ContextVar[Optional[Options]] = contextvars.ContextVar("vmem_serving", default=None)
+_serving: contextvars.ContextVar[Options | None] = contextvars.ContextVar("vmem_serving", default=None)
 _bound = threading.local()  # .options: those of the manager whose engine thread builds its cache
-_engine: List[Any] = []  # the applied engine patch, while installed
+_engine: list[Any] = []  # the applied engine patch, while installed
 
 
 def register_cache(attention_name: str, factory: CacheFactory, *, attention: Callable[..., Any] = paged_attention
@@ -169,10 +170,11 @@ def serving(**opts: Any) -> Iterator[Options]:
         _serving.reset(token)
 
 
-def _build(engine_cache: Any, engine_kwargs: Dict[str, Any]) -> Any:
+def _build(engine_cache: Any, engine_kwargs: dict[str, Any]) -> Any:
     """The factory's body: the registered cache for the model's attention name, else the engine's."""
     config = engine_kwargs["config"]
-    entry = _registry.get(getattr(config, "_attn_implementation", None))
+    name = getattr(config, "_attn_implementation", None)
+    entry = _registry.get(name) if isinstance(name, str) else None
     if entry is None:
         return engine_cache(**engine_kwargs)
     bound = getattr(_bound, "options", None)
@@ -186,7 +188,7 @@ def _build(engine_cache: Any, engine_kwargs: Dict[str, Any]) -> Any:
     return entry[0](request)
 
 
-def check_results(name: str, results: Dict[str, Any], expected: int) -> None:
+def check_results(name: str, results: dict[str, Any], expected: int) -> None:
     """Raises :class:`VmemError` when a ``generate_batch`` run under ``name`` returned failed or
     missing requests (the engine logs its thread's error and returns them as if done; the partial
     results are the exception's ``results``)."""
@@ -208,19 +210,19 @@ class _Engine517:
     ``continuous_api.PagedAttentionCache``), options bound at the manager's construction and read
     in its ``_create_batch_processor``, and ``generate_batch`` raising on failed requests."""
 
-    def __init__(self, build: Callable[[Any, Dict[str, Any]], Any]) -> None:
+    def __init__(self, build: Callable[[Any, dict[str, Any]], Any]) -> None:
         from transformers.generation.continuous_batching import continuous_api as api
 
-        self._saved: List[Tuple[Any, str, Any]] = []
+        self._saved: list[tuple[Any, str, Any]] = []
         original_cache = api.PagedAttentionCache
         manager = api.ContinuousBatchingManager
         init, create, generate = manager.__init__, manager._create_batch_processor, api.ContinuousMixin.generate_batch
 
         def PagedAttentionCache(config: Any, continuous_batching_config: Any, device: Any, distributed_helper: Any,
                                 tp_plan: Any, dtype: torch.dtype = torch.float16) -> Any:
-            return build(original_cache, dict(config=config, continuous_batching_config=continuous_batching_config,
-                                              device=device, distributed_helper=distributed_helper, tp_plan=tp_plan,
-                                              dtype=dtype))
+            return build(original_cache, {"config": config, "continuous_batching_config": continuous_batching_config,
+                                          "device": device, "distributed_helper": distributed_helper,
+                                          "tp_plan": tp_plan, "dtype": dtype})
 
         def manager_init(self: Any, *args: Any, **kwargs: Any) -> None:
             self._vmem_options = options()  # in the caller's thread: the options in force now
@@ -238,7 +240,7 @@ class _Engine517:
             name = getattr(self.config, "_attn_implementation", None)
             if inputs and registered(name):
                 gen = generation_config if generation_config is not None else self.generation_config
-                check_results(name, results, len(inputs) * (getattr(gen, "num_return_sequences", None) or 1))
+                check_results(str(name), results, len(inputs) * (getattr(gen, "num_return_sequences", None) or 1))
             return results
 
         PagedAttentionCache.__vmem_factory__ = True  # type: ignore[attr-defined]
@@ -259,4 +261,4 @@ class _Engine517:
 
 
 #: The engine patch for each supported transformers version (prefix).
-_ENGINES: Dict[str, Any] = {"5.17.": _Engine517}
+_ENGINES: dict[str, Any] = {"5.17.": _Engine517}

@@ -8,13 +8,14 @@ Version-free.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 from .._vmem import VmemError
 
 #: One request of a round: ``(owner, past, q, kv_blocks)``; owner is the vmem row (or, for a
 #: block-table cache, the request's place in the round), kv_blocks what a block-table cache lists.
-Entry = Tuple[int, int, int, Any]
+Entry = tuple[int, int, int, Any]
 
 
 class Round:
@@ -23,7 +24,7 @@ class Round:
     __slots__ = ("entries", "index")
 
     def __init__(self) -> None:
-        self.entries: List[Entry] = []
+        self.entries: list[Entry] = []
         self.index: Any = None
 
 
@@ -31,9 +32,9 @@ class Rounds:
     """The round being prepared or run. ``on_open`` runs when a round opens (before its first
     request is recorded): the vmem cache maps the pages the previous allocations asked for."""
 
-    def __init__(self, on_open: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, on_open: Callable[[], None] | None = None) -> None:
         self._on_open = on_open
-        self._current: Optional[Round] = None
+        self._current: Round | None = None
         self._open = False
 
     def record(self, owner: int, past: int, q: int, kv_blocks: Any = None) -> None:

@@ -4,7 +4,7 @@ is mapped and how far computed. Version-free bookkeeping; the cache maps and unm
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from collections.abc import Iterator
 
 
 class Row:
@@ -12,12 +12,12 @@ class Row:
     (the length mapped before this round's growth, ``None`` when it did not grow) and
     ``computed`` (tokens computed once this round's forward ran)."""
 
-    __slots__ = ("index", "blocks", "unmapped_from", "computed")
+    __slots__ = ("blocks", "computed", "index", "unmapped_from")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.blocks = 0
-        self.unmapped_from: Optional[int] = None
+        self.unmapped_from: int | None = None
         self.computed = 0
 
 
@@ -30,9 +30,9 @@ class RowTable:
 
     def __init__(self, rows: int, block_size: int) -> None:
         self.block_size = block_size
-        self.lengths: List[int] = [0] * rows
-        self._rows: Dict[str, Row] = {}
-        self._seen: Set[str] = set()
+        self.lengths: list[int] = [0] * rows
+        self._rows: dict[str, Row] = {}
+        self._seen: set[str] = set()
         self.used_blocks = 0
         self.pending_blocks = 0
         self.readmissions = 0
@@ -44,11 +44,11 @@ class RowTable:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._rows
 
-    def get(self, request_id: str) -> Optional[Row]:
+    def get(self, request_id: str) -> Row | None:
         """The request's row, or ``None``."""
         return self._rows.get(request_id)
 
-    def request_ids(self) -> List[str]:
+    def request_ids(self) -> list[str]:
         """The requests holding a row."""
         return list(self._rows)
 
@@ -78,7 +78,7 @@ class RowTable:
         self.used_blocks += blocks
         self.lengths[row.index] = tokens
 
-    def release(self, request_id: str) -> Optional[int]:
+    def release(self, request_id: str) -> int | None:
         """Forgets the request; returns its vmem row (``None`` if it held none)."""
         row = self._rows.pop(request_id, None)
         if row is None:
@@ -89,7 +89,7 @@ class RowTable:
         self.lengths[row.index] = 0
         return row.index
 
-    def mapped(self) -> Iterator[Tuple[int, int, int]]:
+    def mapped(self) -> Iterator[tuple[int, int, int]]:
         """After a step: ``(index, old, new)`` of each row that grew this round; clears the growth."""
         self.dirty = False
         self.pending_blocks = 0

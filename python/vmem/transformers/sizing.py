@@ -7,7 +7,7 @@ Version-free: the engine-specific parts (the default budget, the engine's config
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import torch
 
@@ -21,7 +21,7 @@ KV_BLOCK = 128
 Q_BLOCK = 128
 
 
-def find_dims(config: Any) -> Tuple[int, int, int]:
+def find_dims(config: Any) -> tuple[int, int, int]:
     """``(layers, kv_heads, head_dim)`` of a transformers model config."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -109,7 +109,7 @@ class Geometry:
                 "or use kernel='fa'"
             )
 
-    def prefix_cap(self, sharing: bool, prefix_cache: Optional[int]) -> Optional[int]:
+    def prefix_cap(self, sharing: bool, prefix_cache: int | None) -> int | None:
         """vmem's ``prefix_cache`` bytes: ``None`` (off) without sharing, else the option or the
         whole budget."""
         if not sharing:
