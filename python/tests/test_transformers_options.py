@@ -52,6 +52,64 @@ def test_install_refuses_a_bad_option_in_the_callers_thread(bad):
     assert vt.options() == vt.Options(memory="64M")  # nothing of the refused calls stays
 
 
+def test_rows_times_context_past_int32_is_refused_at_install():
+    """install(max_requests=300000, max_context=8192) was accepted; FlashAttention's int32 row
+    starts overflow, and the error came in the engine's thread."""
+    with pytest.raises(vmem.InvalidArgument, match="int32"):
+        vt.install(max_requests=300000, max_context=8192)
+    vt.install(max_requests=300000, max_context=8192, kernel="flex")  # Flex's limit depends on the model
+    vt.install(max_requests=2**31 // 8192 - 2, max_context=8192, kernel="fa")  # just below
+
+
+def test_serving_blocks_nest_and_stay_in_their_thread():
+    import threading
+
+    vt.install(memory="64M")
+    seen = {}
+    with vt.serving(layout="token-major") as outer:
+        with vt.serving(max_requests=5) as inner:
+            t = threading.Thread(target=lambda: seen.setdefault("other", vt.options()))
+            t.start()
+            t.join()
+            assert vt.options() is inner
+        assert vt.options() is outer
+    assert (inner.layout, inner.max_requests, inner.memory) == ("token-major", 5, 64 << 20)
+    assert seen["other"] == vt.Options(memory="64M")  # another thread sees install()'s options
+    assert vt.options() == vt.Options(memory="64M")
+
+
+@pytest.mark.parametrize("name, factory", [("vmem", len), ("paged|", len), (3, len), ("paged|x", "not callable")])
+def test_register_cache_refuses_what_the_engine_could_not_use(name, factory):
+    with pytest.raises(vmem.InvalidArgument):
+        vt.register_cache(name, factory)
+
+
+def test_a_registered_cache_gets_the_engines_request_and_serves():
+    """register_cache plugs a cache in: here a factory that records its CacheRequest and builds a
+    VmemCBCache with the bound options (max_requests=2)."""
+    requests = []
+
+    def factory(request):
+        requests.append(request)
+        return vt.VmemCBCache(request.config, request.continuous_batching_config, request.device,
+                              dtype=request.dtype, options=request.options, tp_size=request.tp_size)
+
+    vt.install(memory="8M", page_size="64K", max_context=512)
+    vt.register_cache("paged|mine", factory)
+    try:
+        model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+        prompts = h.make_prompts(3, [9, 140, 30], model.config.vocab_size)
+        with vt.serving(max_requests=2):
+            run = h.run_engine(model, "paged|mine", prompts, 3, cb_kwargs=dict(max_batch_tokens=64))
+    finally:
+        vt.unregister_cache("paged|mine")
+    (req,) = requests
+    assert req.options.max_requests == 2 and req.tp_size == 1 and req.dtype == torch.float32
+    assert req.engine_cache.__name__ == "PagedAttentionCache" and run["cache"].max_requests == 2
+    cmp = h.compare(run, model, 3)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < 1e-4, cmp
+
+
 def test_options_are_canonical_and_frozen():
     o = vt.Options(page_size="64K", memory="8M", prefix_cache="1M", max_requests=4)
     assert (o.page_size, o.memory, o.prefix_cache) == (65536, 8 << 20, 1 << 20)

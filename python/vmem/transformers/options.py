@@ -82,6 +82,13 @@ class Options:
         set_(self, "compile", check_optional_bool("compile", self.compile))
         set_(self, "kernel", check_choice("kernel", self.kernel, KERNELS))
         set_(self, "prefix_cache", check_optional_size("prefix_cache", self.prefix_cache))
+        if self.kernel == "fa" and self.max_context is not None and (self.max_requests + 1) * self.max_context >= 2**31:
+            # FlashAttention's cu_seqlens_k are int32 row starts (sizing.Geometry checks the same
+            # once max_context is rounded to whole blocks, or taken from the model).
+            raise InvalidArgument(
+                f"kernel='fa': (max_requests + 1) x max_context = {self.max_requests + 1} x {self.max_context} "
+                "tokens does not fit FlashAttention's int32 cu_seqlens_k; lower max_requests or max_context"
+            )
 
     @classmethod
     def names(cls) -> tuple:
