@@ -254,3 +254,18 @@ def test_generate_batch_raises_when_the_engines_thread_failed():
     finally:
         handle.remove()
     assert len(e.value.results) == 3 and all(r.error is not None for r in e.value.results.values())
+
+
+def test_generate_batch_with_several_return_sequences_is_not_a_failure():
+    """The engine returns one result per prompt whatever num_return_sequences is (vmem does not
+    fork: the children run as fresh requests): the failure check counted prompts x sequences
+    and raised 'never came back' for a run that went well."""
+    vt.install(memory="8M", page_size="64K", max_requests=8, max_context=512)
+    model = h.make_model("llama-gqa", torch.float32, "cpu")
+    model.set_attn_implementation(vt.VMEM_ATTENTION)
+    prompts = h.make_prompts(2, [9, 30], model.config.vocab_size)
+    gen = transformers.GenerationConfig(max_new_tokens=3, do_sample=True, num_return_sequences=2, eos_token_id=None,
+                                        pad_token_id=0)
+    out = model.generate_batch(prompts, generation_config=gen,
+                               continuous_batching_config=transformers.ContinuousBatchingConfig(max_batch_tokens=64))
+    assert len(out) == 2 and all(len(r.generated_tokens) == 3 and r.error is None for r in out.values())
