@@ -17,7 +17,7 @@ DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "doc
 @pytest.mark.parametrize(
     "name,needs",
     [("vmem", None), ("vmem._device", None), ("vmem.vattention", None), ("vmem.torch", "torch"),
-     ("vmem.hf", "transformers")],
+     ("vmem.transformers.generate", "transformers")],
 )
 def test_docstring_examples(name, needs):
     if needs:

@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (CI has no torch); scripts/python-gpu.sh run runs this on the GPU machine")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
-from vmem.hf import VmemCache  # noqa: E402
+from vmem.transformers import VmemCache  # noqa: E402
 
 
 def tiny_llama():
@@ -72,3 +72,12 @@ def test_static_mode_generate_matches_static_cache_on_cpu():
         vm = model.generate(**kw, past_key_values=VmemCache(model.config, 2, 64, device="cpu",
                                                             dtype=torch.float32, page_size="64K", static=True))
     assert torch.equal(ref, vm)
+
+
+def test_vmem_hf_stays_importable_as_a_re_export():
+    # VmemCache moved to vmem.transformers.generate; users' `from vmem.hf import VmemCache` keeps working.
+    import vmem.hf
+    import vmem.transformers as vt
+
+    assert vmem.hf.VmemCache is VmemCache is vt.VmemCache
+    assert vmem.hf.VmemLayer is vt.VmemLayer

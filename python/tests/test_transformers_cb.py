@@ -6,7 +6,6 @@ request, teacher-forced on the engine's own tokens, are compared with a plain ``
 forward, and with the engine's own ``paged|sdpa`` path."""
 
 import os
-import sys
 
 import pytest
 
@@ -15,11 +14,12 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 if not transformers.__version__.startswith("5.17."):
     pytest.skip(f"vmem.transformers supports transformers 5.17.x, not {transformers.__version__}", allow_module_level=True)
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benches"))
-
-from harness import check as h  # noqa: E402
+from harness import check as h  # noqa: E402  (python/benches, on pytest's pythonpath)
+import harness.blockflex as blockflex  # noqa: E402
 import vmem  # noqa: E402
 import vmem.transformers as vt  # noqa: E402
+from vmem.transformers import fa as vt_fa  # noqa: E402
+from vmem.transformers import patch as vt_patch  # noqa: E402
 
 TOL = 1e-4  # fp32 on the CPU, relative to the largest logit
 NEW = 4
@@ -73,8 +73,8 @@ def test_logits_match_paged_and_dynamic_cache(arch):
 @pytest.mark.parametrize("kernel", vt.KERNELS)
 def test_token_major_layout(kernel, monkeypatch):
     calls = []
-    real = vt.fa_varlen_reference
-    monkeypatch.setattr(vt, "fa_varlen_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = vt_fa.fa_varlen_reference
+    monkeypatch.setattr(vt_fa, "fa_varlen_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
     with vt.serving(layout="token-major", kernel=kernel):
         model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
         prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
@@ -133,7 +133,7 @@ def test_blockflex_contender_matches():
     """The engine's own paged cache read by the same Flex core through its block table."""
     model = h.make_model("qwen2-bias", torch.float32, "cpu", logit_scale=20.0)
     prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
-    run = h.run_engine(model, vt.BLOCKFLEX_ATTENTION, prompts, NEW,
+    run = h.run_engine(model, blockflex.BLOCKFLEX_ATTENTION, prompts, NEW,
                        cb_kwargs=dict(max_batch_tokens=48, block_size=128, num_blocks=48), stagger=[0, 0, 2, 2, 4, 4])
     assert type(run["cache"]).__name__ == "RecordingPagedCache"
     _check_run(run, model, "blockflex")
@@ -156,8 +156,8 @@ def test_generate_batch():
 def _cache(sharing=True, **kw):
     cfg = h.make_config("llama-gqa")
     cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64, allow_block_sharing=sharing)
-    opts = dict(OPTS, **kw)
-    return vt.VmemCBCache(cfg, cb, "cpu", dtype=torch.float32, **opts), cb
+    opts = vt.Options(**dict(OPTS, **kw))
+    return vt.VmemCBCache(cfg, cb, "cpu", dtype=torch.float32, options=opts), cb
 
 
 @pytest.mark.parametrize("sharing", [True, False])
@@ -199,9 +199,9 @@ def test_refuses_graphs_and_unknown_version(monkeypatch):
     cfg = h.make_config("llama-gqa")
     cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64, use_cuda_graph=True)
     with pytest.raises(vmem.InvalidArgument, match="CUDA graphs"):
-        vt.VmemCBCache(cfg, cb, "cpu", dtype=torch.float32, **OPTS)
+        vt.VmemCBCache(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**OPTS))
     vt.uninstall()
-    monkeypatch.setattr(vt, "_transformers_version", lambda: "5.18.0")
+    monkeypatch.setattr(vt_patch, "_transformers_version", lambda: "5.18.0")
     with pytest.raises(vmem.VmemError, match="5.18.0"):
         vt.install()
 
@@ -291,8 +291,8 @@ def test_compiled_flex_refuses_a_cache_past_32_bit_offsets():
     too_many = rows_fit  # rows_fit + 1 rows: one past what 32-bit offsets reach
     cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64)
     with pytest.raises(vmem.InvalidArgument, match="32-bit offsets"):
-        vt.VmemCBCache(cfg, cb, "cpu", dtype=torch.float32, **dict(OPTS, kernel="flex", compile=True,
-                       max_requests=too_many, max_context=ctx, memory="64M"))
+        vt.VmemCBCache(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**dict(
+            OPTS, kernel="flex", compile=True, max_requests=too_many, max_context=ctx, memory="64M")))
 
 
 @pytest.mark.parametrize("bad", [dict(compile="no"), dict(compile="yes"), dict(compile=1),
@@ -410,7 +410,7 @@ def test_adopting_cached_blocks_never_overcommits_this_rounds_allocations():
     assert cache.search_prefix_match("a", prompt) == 0
     assert cache.allocate_blocks(3, "a", 0) == 3
     cache.flush()
-    assert cache.kv.publish_prefix(cache._row["a"], prompt) == 2
+    assert cache.kv.publish_prefix(cache.table.get("a").index, prompt) == 2
     cache.free_blocks("a")  # its 2 full blocks stay cached, counted as free
     assert cache.get_num_free_blocks() == 4
     assert cache.allocate_blocks(2, "b", 0) == 2
@@ -418,7 +418,7 @@ def test_adopting_cached_blocks_never_overcommits_this_rounds_allocations():
     assert cache.allocate_blocks(2, "b", 2) == 2  # the cached blocks' memory, evicted at the flush
     assert cache.get_num_free_blocks() == 0
     assert cache.search_prefix_match("c", prompt) == 0  # would take the cached blocks back
-    assert "c" not in cache._row and cache.get_num_free_blocks() == 0
+    assert "c" not in cache.table and cache.get_num_free_blocks() == 0
     cache.flush()  # raised OutOfMemory
     assert cache.usage()["rows_in_use"] == 1
     cache.free_blocks("b")
@@ -497,6 +497,6 @@ def test_a_bad_prefix_cache_option_is_refused_at_install_and_with_sharing_off(ba
     # (in its own thread); with the engine's sharing off the value was not looked at.
     with pytest.raises(vmem.InvalidArgument):
         vt.install(prefix_cache=bad)
-    assert vt._options["prefix_cache"] is None  # nothing of the refused call stays
+    assert vt.options().prefix_cache is None  # nothing of the refused call stays
     with pytest.raises(vmem.InvalidArgument):
         _cache(False, prefix_cache=bad)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from vmem.transformers import (
     KERNELS,
+    Options,
     VmemCBCache,
     block_tokens,
     flex_paged_attention,
@@ -57,9 +58,9 @@ def padding_cost(device: str, dtype: torch.dtype, tiny: bool, kernel: str) -> di
                           intermediate_size=256, vocab_size=128, max_position_embeddings=16384)
         rows, long, short, page, reps = 64, 16384, 512, "2M", 20
     cb = ContinuousBatchingConfig(max_batch_tokens=rows)
-    cache = VmemCBCache(cfg, cb, device, dtype=dtype, max_requests=rows, max_context=long,
-                           memory=str(2 * (rows + 2) * long * 8 * 128 * dtype.itemsize), page_size=page,
-                           kernel=kernel)
+    cache = VmemCBCache(cfg, cb, device, dtype=dtype, options=Options(
+        max_requests=rows, max_context=long, memory=str(2 * (rows + 2) * long * 8 * 128 * dtype.itemsize),
+        page_size=page, kernel=kernel))
     hq, d = cfg.num_attention_heads, 128 if not tiny else 32
 
     class _M:  # what the attention function reads of a module
@@ -128,8 +129,8 @@ def fa_kernel_check(device: str, dtype: torch.dtype, tiny: bool, layout: str, to
     cfg = LlamaConfig(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv, num_hidden_layers=2,
                       intermediate_size=256, vocab_size=128, max_position_embeddings=ctx)
     cb = ContinuousBatchingConfig(max_batch_tokens=256)
-    cache = VmemCBCache(cfg, cb, device, dtype=dtype, max_requests=8, max_context=ctx, memory="256M",
-                           page_size=page, layout=layout, kernel="fa")
+    cache = VmemCBCache(cfg, cb, device, dtype=dtype, options=Options(
+        max_requests=8, max_context=ctx, memory="256M", page_size=page, layout=layout, kernel="fa"))
     ids = [f"r{i}" for i in range(len(shapes))]
     held = {}
     for rid, (past, q) in zip(ids, shapes):
@@ -139,7 +140,7 @@ def fa_kernel_check(device: str, dtype: torch.dtype, tiny: bool, layout: str, to
         held[rid] = blocks * cache.block_size
     cache.flush()
     torch.manual_seed(0)
-    base = {rid: cache._row[rid] * cache.max_context for rid in ids}
+    base = {rid: cache.table.get(rid).index * cache.max_context for rid in ids}
     for rid, (past, q) in zip(ids, shapes):
         b = base[rid]
         for kc in cache.key_cache + cache.value_cache:

@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import vmem.transformers as vt
-from vmem.transformers import BLOCKFLEX_ATTENTION, VMEM_ATTENTION
+from vmem.transformers import VMEM_ATTENTION
+
+from harness.blockflex import BLOCKFLEX_ATTENTION
 
 Spec = dict[str, Any]
 

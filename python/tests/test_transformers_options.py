@@ -1,0 +1,271 @@
+"""vmem.transformers' options: validated at install()/serving() (issue #30 item 7), bound to the
+engine's manager when it is created (issue #31), the Flex CPU reference bounded by the tokens in
+flight, and generate_batch failures raised, not returned as results (issue #30 item 11).
+
+CPU, fp32, tiny models; needs torch and transformers 5.17 (skipped otherwise, saying why)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+if not transformers.__version__.startswith("5.17."):
+    pytest.skip(f"vmem.transformers supports transformers 5.17.x, not {transformers.__version__}", allow_module_level=True)
+
+import cb_harness as h
+import vmem.transformers as vt
+
+import vmem
+
+BENCHES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benches")
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    h.fake_cpu_memory()
+    yield
+    vt.uninstall()
+
+
+# -- item 7: every option checked where it is given --------------------------------------------------
+BAD = [dict(memory="lots"), dict(max_requests=0), dict(page_size="3M"), dict(compile="no"), dict(prealloc="no"),
+       dict(max_context="8"), dict(max_context=0), dict(max_requests=True), dict(max_requests=2.0),
+       dict(page_size="4K"), dict(page_size=3 << 20), dict(page_size=True), dict(memory=-1), dict(memory=0),
+       dict(memory=1.5), dict(layout="rows"), dict(kernel="sdpa"), dict(kernel=None), dict(prefix_cache="x"),
+       dict(compile=1), dict(prealloc=None), dict(colour="blue")]
+
+
+@pytest.mark.parametrize("bad", BAD, ids=[repr(b) for b in BAD])
+def test_install_refuses_a_bad_option_in_the_callers_thread(bad):
+    """install(memory="lots"), max_requests=0, page_size="3M", compile="no", prealloc="no",
+    max_context="8" were accepted; the error came later, in the engine's thread."""
+    vt.install(memory="64M")
+    with pytest.raises(vmem.InvalidArgument, match=next(iter(bad))):
+        vt.install(**bad)
+    with pytest.raises(vmem.InvalidArgument, match=next(iter(bad))):
+        with vt.serving(**bad):
+            pass
+    assert vt.options() == vt.Options(memory="64M")  # nothing of the refused calls stays
+
+
+def test_rows_times_context_past_int32_is_refused_at_install():
+    """install(max_requests=300000, max_context=8192) was accepted; FlashAttention's int32 row
+    starts overflow, and the error came in the engine's thread."""
+    with pytest.raises(vmem.InvalidArgument, match="int32"):
+        vt.install(max_requests=300000, max_context=8192)
+    vt.install(max_requests=300000, max_context=8192, kernel="flex")  # Flex's limit depends on the model
+    vt.install(max_requests=2**31 // 8192 - 2, max_context=8192, kernel="fa")  # just below
+
+
+def test_serving_blocks_nest_and_stay_in_their_thread():
+    import threading
+
+    vt.install(memory="64M")
+    seen = {}
+    with vt.serving(layout="token-major") as outer:
+        with vt.serving(max_requests=5) as inner:
+            t = threading.Thread(target=lambda: seen.setdefault("other", vt.options()))
+            t.start()
+            t.join()
+            assert vt.options() is inner
+        assert vt.options() is outer
+    assert (inner.layout, inner.max_requests, inner.memory) == ("token-major", 5, 64 << 20)
+    assert seen["other"] == vt.Options(memory="64M")  # another thread sees install()'s options
+    assert vt.options() == vt.Options(memory="64M")
+
+
+@pytest.mark.parametrize("name, factory", [("vmem", len), ("paged|", len), (3, len), ("paged|x", "not callable")])
+def test_register_cache_refuses_what_the_engine_could_not_use(name, factory):
+    with pytest.raises(vmem.InvalidArgument):
+        vt.register_cache(name, factory)
+
+
+def test_a_registered_cache_gets_the_engines_request_and_serves():
+    """register_cache plugs a cache in: here a factory that records its CacheRequest and builds a
+    VmemCBCache with the bound options (max_requests=2)."""
+    requests = []
+
+    def factory(request):
+        requests.append(request)
+        return vt.VmemCBCache(request.config, request.continuous_batching_config, request.device,
+                              dtype=request.dtype, options=request.options, tp_size=request.tp_size)
+
+    vt.install(memory="8M", page_size="64K", max_context=512)
+    vt.register_cache("paged|mine", factory)
+    try:
+        model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+        prompts = h.make_prompts(3, [9, 140, 30], model.config.vocab_size)
+        with vt.serving(max_requests=2):
+            run = h.run_engine(model, "paged|mine", prompts, 3, cb_kwargs=dict(max_batch_tokens=64))
+    finally:
+        vt.unregister_cache("paged|mine")
+    (req,) = requests
+    assert req.options.max_requests == 2 and req.tp_size == 1 and req.dtype == torch.float32
+    assert req.engine_cache.__name__ == "PagedAttentionCache" and run["cache"].max_requests == 2
+    cmp = h.compare(run, model, 3)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < 1e-4, cmp
+
+
+def test_options_are_canonical_and_frozen():
+    o = vt.Options(page_size="64K", memory="8M", prefix_cache="1M", max_requests=4)
+    assert (o.page_size, o.memory, o.prefix_cache) == (65536, 8 << 20, 1 << 20)
+    with pytest.raises(Exception):
+        o.memory = 1  # type: ignore[misc]
+    assert o.replace(kernel="flex").kernel == "flex" and o.kernel == "fa"
+
+
+# -- issue #31: options bound to the manager --------------------------------------------------------
+OPTS = dict(layout="token-major", memory="8M", max_requests=3, page_size="64K", max_context=512)
+
+
+def _wait_for_cache(manager, timeout=60.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        bp = getattr(manager, "batch_processor", None)
+        if bp is not None:
+            return bp.cache
+        if not manager.is_running():
+            break
+        time.sleep(0.01)
+    raise AssertionError("the engine built no cache")
+
+
+def _manager(model):
+    gen = transformers.GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64)
+    return model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+
+
+def _check_bound(cache):
+    assert isinstance(cache, vt.VmemCBCache)
+    assert (cache.layout, cache.max_requests, cache.rows, cache.page_bytes) == ("token-major", 3, 4, 65536)
+    assert cache.max_context == 512 and cache.kv.config()["memory_cap"] <= 8 << 20
+
+
+@pytest.mark.parametrize("start_inside", [False, True])
+def test_serving_options_reach_the_cache_the_engine_builds_later(start_inside):
+    """vt.install(); with vt.serving(...): m = model.init_continuous_batching(gc); then m.start()
+    after the block built a cache of 256 rows at the default size: the options were lost."""
+    vt.install()
+    model = h.make_model("llama-gqa", torch.float32, "cpu")
+    model.set_attn_implementation(vt.VMEM_ATTENTION)
+    with vt.serving(**OPTS):
+        m = _manager(model)
+        if start_inside:
+            m.start()
+    if not start_inside:
+        m.start()
+    try:
+        _check_bound(_wait_for_cache(m))
+    finally:
+        m.stop(block=True, timeout=30)
+
+
+def test_start_inside_the_block_never_races_the_engines_thread():
+    """m.start() inside the block, the block left at once: the engine's thread builds the cache
+    after the block; 7 of 8 runs lost the options."""
+    vt.install()
+    model = h.make_model("llama-gqa", torch.float32, "cpu")
+    model.set_attn_implementation(vt.VMEM_ATTENTION)
+    lost = []
+    for run in range(12):
+        with vt.serving(**OPTS):
+            m = _manager(model)
+            m.start()
+        try:
+            cache = _wait_for_cache(m)
+            if (cache.layout, cache.max_requests) != ("token-major", 3):
+                lost.append(run)
+        finally:
+            m.stop(block=True, timeout=30)
+    assert not lost, f"runs {lost} of 12 lost the options"
+
+
+def test_the_options_in_force_when_the_manager_is_created_are_the_ones_used():
+    """A manager created outside any block keeps install()'s options, even when it starts inside
+    a serving block (the options travel with the manager, not with the moment of start)."""
+    vt.install(**dict(OPTS, layout="per-layer", max_requests=2))
+    model = h.make_model("llama-gqa", torch.float32, "cpu")
+    model.set_attn_implementation(vt.VMEM_ATTENTION)
+    m = _manager(model)
+    with vt.serving(**OPTS):
+        m.start()
+        try:
+            cache = _wait_for_cache(m)
+        finally:
+            m.stop(block=True, timeout=30)
+    assert (cache.layout, cache.max_requests) == ("per-layer", 2)
+
+
+# -- item 11: kernel="flex" on the CPU, bounded; failures raised ----------------------------------
+FLEX_RUN = """
+import cb_harness as h, torch, transformers, vmem.transformers as vt
+h.fake_cpu_memory()
+vt.install(kernel="flex", page_size="64K")
+model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+model.set_attn_implementation(vt.VMEM_ATTENTION)
+prompts = h.make_prompts(9, [400, 390, 410, 405, 395, 400, 420, 380, 400], model.config.vocab_size)
+gen = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+out = model.generate_batch(prompts, generation_config=gen)
+print("TOKENS", sorted(len(r.generated_tokens) for r in out.values()))
+"""
+
+
+def test_flex_on_the_cpu_fits_in_memory_bounded_by_the_tokens_in_flight():
+    """9 requests of ~400 tokens, kernel="flex" on the CPU, default options (256 rows of 1,024
+    tokens), in a process limited to 3 GiB of address space beyond what importing torch takes:
+    the dense reference spanned every row's max_context (5 GB RSS, 38 s), and every request
+    came back empty while generate_batch returned normally."""
+    probe = subprocess.run([sys.executable, "-c", "import cb_harness, torch, transformers, vmem.transformers\n"
+                            "print(open('/proc/self/status').read().split('VmPeak:')[1].split()[0])"],
+                           env=dict(os.environ, PYTHONPATH=BENCHES), capture_output=True, text=True, check=True)
+    limit = int(probe.stdout.strip()) * 1024 + (3 << 30)
+    t0 = time.monotonic()
+    r = subprocess.run(["prlimit", f"--as={limit}", sys.executable, "-c", FLEX_RUN],
+                       env=dict(os.environ, PYTHONPATH=BENCHES), capture_output=True, text=True, timeout=600)
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "TOKENS [4, 4, 4, 4, 4, 4, 4, 4, 4]" in r.stdout, (r.stdout[-500:], r.stderr[-3000:])
+    assert took < 120, took
+
+
+def test_generate_batch_raises_when_the_engines_thread_failed():
+    """An error in the engine's thread (here: a layer that raises) failed every request, and
+    generate_batch logged it and returned them as results; now it raises, naming the error, with
+    the partial results attached."""
+    vt.install(memory="8M", page_size="64K", max_requests=4)
+    model = h.make_model("llama-gqa", torch.float32, "cpu")
+    model.set_attn_implementation(vt.VMEM_ATTENTION)
+
+    def boom(module, args):
+        raise RuntimeError("layer exploded")
+
+    handle = model.model.layers[1].register_forward_pre_hook(boom)
+    prompts = h.make_prompts(3, [9, 50, 20], model.config.vocab_size)
+    gen = transformers.GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    try:
+        with pytest.raises(vmem.VmemError, match="layer exploded") as e:
+            model.generate_batch(prompts, generation_config=gen,
+                                 continuous_batching_config=transformers.ContinuousBatchingConfig(max_batch_tokens=64))
+    finally:
+        handle.remove()
+    assert len(e.value.results) == 3 and all(r.error is not None for r in e.value.results.values())
+
+
+def test_generate_batch_with_several_return_sequences_is_not_a_failure():
+    """The engine returns one result per prompt whatever num_return_sequences is (vmem does not
+    fork: the children run as fresh requests): the failure check counted prompts x sequences
+    and raised 'never came back' for a run that went well."""
+    vt.install(memory="8M", page_size="64K", max_requests=8, max_context=512)
+    model = h.make_model("llama-gqa", torch.float32, "cpu")
+    model.set_attn_implementation(vt.VMEM_ATTENTION)
+    prompts = h.make_prompts(2, [9, 30], model.config.vocab_size)
+    gen = transformers.GenerationConfig(max_new_tokens=3, do_sample=True, num_return_sequences=2, eos_token_id=None,
+                                        pad_token_id=0)
+    out = model.generate_batch(prompts, generation_config=gen,
+                               continuous_batching_config=transformers.ContinuousBatchingConfig(max_batch_tokens=64))
+    assert len(out) == 2 and all(len(r.generated_tokens) == 3 and r.error is None for r in out.values())

@@ -1,0 +1,87 @@
+"""vmem memory under transformers' continuous-batching engine (transformers 5.17.x), and a
+``generate()`` cache.
+
+Three lines serve with vmem::
+
+    import vmem.transformers
+    vmem.transformers.install()                                   # once, before loading the model
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="paged|vmem")
+    outputs = model.generate_batch(prompts, generation_config)    # or init_continuous_batching()
+
+or, scoped (the options are bound to the engine's manager created inside the block)::
+
+    with vmem.transformers.serving(layout="token-major", memory="20GiB"):
+        manager = model.init_continuous_batching(generation_config)
+    manager.start()
+
+Modules: :mod:`.patch` (version gate, cache factory, :func:`register_cache`), :mod:`.options`,
+:mod:`.sizing`, :mod:`.cache` (:class:`VmemCBCache`), :mod:`.rows`, :mod:`.rounds`,
+:mod:`.attention`, :mod:`.fa`, :mod:`.flex`, :mod:`.generate` (:class:`VmemCache`);
+docs/serving.md says how they work together.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import InvalidArgument, VmemError, parse_bytes
+from .attention import flex_paged_attention, paged_attention
+from .cache import VmemCBCache
+from .fa import FaVarlenIndex, fa_varlen_indices, fa_varlen_reference
+from .options import KERNELS, LAYOUTS, PAGE_SIZES, Options
+from .patch import (
+    SUPPORTED_TRANSFORMERS,
+    CacheRequest,
+    install,
+    options,
+    register_cache,
+    serving,
+    uninstall,
+    unregister_cache,
+)
+from .sizing import KV_BLOCK, Q_BLOCK, VMEM_ATTENTION, block_tokens
+
+__all__ = [
+    "KERNELS",
+    "KV_BLOCK",
+    "LAYOUTS",
+    "PAGE_SIZES",
+    "Q_BLOCK",
+    "SUPPORTED_TRANSFORMERS",
+    "VMEM_ATTENTION",
+    "CacheRequest",
+    "FaVarlenIndex",
+    "InvalidArgument",
+    "Options",
+    "VmemCBCache",
+    "VmemCache",
+    "VmemError",
+    "block_tokens",
+    "fa_varlen_indices",
+    "fa_varlen_reference",
+    "flex_paged_attention",
+    "install",
+    "options",
+    "paged_attention",
+    "parse_bytes",
+    "register_cache",
+    "serving",
+    "uninstall",
+    "unregister_cache",
+]
+
+
+def _vmem_cache(request: CacheRequest) -> VmemCBCache:
+    return VmemCBCache(request.config, request.continuous_batching_config, request.device, dtype=request.dtype,
+                       options=request.options, tp_size=request.tp_size)
+
+
+register_cache(VMEM_ATTENTION, _vmem_cache)
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("VmemCache", "VmemLayer"):  # imports transformers' cache classes: only when asked for
+        from . import generate
+
+        return getattr(generate, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,367 @@
+""":class:`VmemCBCache`: the allocation surface transformers 5.17's continuous-batching engine calls,
+over one :class:`vmem.KVCache`. It duck-types the part of ``PagedAttentionCache`` the engine uses
+(it never calls its ``__init__``); the geometry (:mod:`.sizing`), the rows (:mod:`.rows`), the
+rounds (:mod:`.rounds`) and the kernels (:mod:`.fa`, :mod:`.flex`) are version-free.
+
+* One :class:`vmem.KVCache` with ``max_batch = max_requests + 1``; the last row is the trash row
+  where padded tokens write (kept mapped for one block). A request gets a row on its first
+  allocation, mapped as far as the engine's blocks for it reach.
+* ``allocate_blocks`` never raises (an exception would kill the engine's loop): ``None`` when no
+  row or memory is left, so the engine queues the request or preempts one (soft reset). Pages are
+  mapped by one batched ``KVCache.step`` per round, on the host, before the forward (when the
+  round's first request is prepared); ``get_num_free_blocks`` is exact.
+* ``free_blocks`` gives the row back and unmaps its pages; vmem orders every unmap after the GPU
+  work queued before it, so a batch in flight never reads an unmapped page.
+* Prefix sharing with vmem's pages in place of the engine's block sharing (``kernel="fa"``,
+  following the engine's ``allow_block_sharing``): ``search_prefix_match`` maps the cached pages
+  of a prompt's longest cached prefix into the new row (no copy), and
+  ``mark_shareable_blocks_as_complete`` publishes a request's full blocks. No forks, no CPU
+  offload pool, no CUDA graphs, compile of the forward or async batching in this version.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from .. import KVCache
+from .._vmem import InvalidArgument, VmemError
+from .fa import FaReader
+from .flex import FlexReader
+from .options import Options
+from .rounds import Rounds
+from .rows import RowTable
+from .sizing import VMEM_ATTENTION, Geometry
+
+_log = logging.getLogger(__name__)
+_DEFAULT_OPTIONS = Options()
+
+
+def refuse_graphs(cb: Any, name: str) -> None:
+    """Refuses an engine config with CUDA graphs, a compiled forward or async batching for ``name``
+    (the kernels' indices are rebuilt on the host every round)."""
+    graphs = any(cb.cuda_graph_booleans) if hasattr(cb, "cuda_graph_booleans") else bool(cb.use_cuda_graph)
+    if graphs:
+        raise InvalidArgument(
+            f"{name}: CUDA graphs are not supported in this version (the kernel's indices are rebuilt on the host "
+            "every round); leave use_cuda_graph unset or False"
+        )
+    if cb.varlen_compile_config is not None or cb.decode_compile_config is not None:
+        raise InvalidArgument(f"{name}: compiling the engine's forward is not supported in this version")
+    if cb.use_async_batching:
+        raise InvalidArgument(f"{name}: async batching is not supported in this version")
+
+
+def engine_budget(config: Any, cb: Any, dtype: torch.dtype, layers: int, token_bytes: int) -> tuple[int, int]:
+    """``(bytes, max_batch_tokens)`` the engine would give its own paged cache."""
+    from transformers.generation.continuous_batching.cache import (
+        PagedAttentionMemoryHandler,
+    )
+    from transformers.generation.continuous_batching.initialization import (
+        resolve_max_memory_percent,
+    )
+
+    if cb.max_memory_percent is None:
+        resolve_max_memory_percent(cb_config=cb, has_logit_processors=True)
+    mbt, nb = PagedAttentionMemoryHandler(
+        config=config, continuous_batching_config=cb, dtype=dtype, group_types=["full_attention"], group_size=layers,
+    ).infer_max_batch_tokens_and_num_blocks()
+    return nb * cb.block_size * token_bytes, cb.max_batch_tokens or mbt
+
+
+class _GroupStub:
+    """What the offloader reads of a group allocator: an empty block table (every preempted
+    request is soft-reset)."""
+
+    def __init__(self) -> None:
+        self.block_table: dict[str, list[int]] = {}
+        self.uses_block_sharing = False
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``[rows, L, H, D]`` → ``[rows * L, H, D]`` without a copy (a row's stride is L token
+    strides, in both layouts)."""
+    rows, length, heads, dim = t.shape
+    s = t.stride()
+    if s[0] != length * s[1]:
+        raise VmemError(f"unexpected strides {s} for shape {tuple(t.shape)}")
+    return t.as_strided((rows * length, heads, dim), (s[1], s[2], s[3]))
+
+
+class VmemCBCache:
+    """A KV cache for transformers' continuous batching over one :class:`vmem.KVCache`.
+
+    Built by the engine (through the factory :func:`~vmem.transformers.install` puts in place)
+    for models loaded with ``attn_implementation="paged|vmem"``, with the :class:`Options` bound
+    to the engine's manager when it was created; they are not checked again here. ``kv`` is the
+    :class:`vmem.KVCache`, ``usage()`` its counters, ``read`` the kernel the attention calls.
+    """
+
+    flat_kv = True
+
+    def __init__(self, config: Any, continuous_batching_config: Any, device: Any, *, dtype: torch.dtype,
+                 options: Options | None = None, tp_size: int = 1) -> None:
+        cb = continuous_batching_config
+        refuse_graphs(cb, VMEM_ATTENTION)
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            raise InvalidArgument(f"{VMEM_ATTENTION} supports full-attention models only, not {set(layer_types)}")
+        if tp_size != 1:
+            raise InvalidArgument(f"{VMEM_ATTENTION}: tensor parallelism is not supported yet (issue #24)")
+        options = _DEFAULT_OPTIONS if options is None else options
+        self.options, self.config, self.dtype = options, config, dtype
+        self.device = torch.device(device)
+        self.kernel, self.layout, self.compile = options.kernel, options.layout, options.compile
+        layers = config.num_hidden_layers
+        token_bytes = Geometry.token_bytes_of(config, dtype)
+        if options.memory is None:
+            memory_bytes, max_batch_tokens = engine_budget(config, cb, dtype, layers, token_bytes)
+        else:
+            memory_bytes, max_batch_tokens = options.memory, cb.max_batch_tokens or 2048
+        self.max_batch_tokens = int(max_batch_tokens)
+        g = Geometry(config, dtype, self.device, options, memory_bytes)
+        self.geometry = g
+        self.num_key_value_heads, self.head_dim = g.kv_heads, g.head_dim
+        self.compiled = g.compiled
+        self.tokens_per_page, self.block_size, self.pages_per_block = g.tokens_per_page, g.block_size, g.pages_per_block
+        self.page_bytes, self.max_context, self.rows = g.page_bytes, g.max_context, g.rows
+        self.max_requests = options.max_requests
+        # Prefix sharing: vmem maps a cached prefix's pages into a new row in place of the engine's
+        # block sharing, where a block is whole pages (kernel="fa": one page's tokens). Flex blocks
+        # span several pages' tokens (lcm with its KV block): no sharing there.
+        self.sharing = bool(cb.allow_block_sharing) and self.kernel == "fa"
+        on_cpu = self.device.type == "cpu"
+        self.kv = KVCache(
+            layers=layers, kv_heads=g.kv_heads, head_dim=g.head_dim, dtype=str(dtype), max_batch=g.rows,
+            max_context=g.max_context, page_size=g.page_bytes, layout=self.layout,
+            backend="host" if on_cpu else "cuda", device=0 if on_cpu else (self.device.index or 0),
+            memory_cap=g.cap, prealloc=g.cap if options.prealloc else 0, overlap=False, deferred_reclaim=False,
+            eager_tokens=0, zero_page=on_cpu or (self.kernel == "flex" and not g.compiled),
+            prefix_cache=g.prefix_cap(self.sharing, options.prefix_cache),
+        )
+        if int(self.kv.config()["tokens_per_page"]) != g.tokens_per_page:
+            raise VmemError(f"vmem reports {self.kv.config()['tokens_per_page']} tokens per page, "
+                            f"expected {g.tokens_per_page}")
+        if self.sharing and self.kv.prefix_stats()["block_tokens"] != g.block_size:
+            raise VmemError(f"vmem shares blocks of {self.kv.prefix_stats()['block_tokens']} tokens, "
+                            f"the engine's are {g.block_size}")
+        # The trash row: padded tokens write at its first position; one block, always mapped.
+        self.table = RowTable(g.rows, g.block_size)
+        self.trash_row = self.kv.alloc()
+        self.table.lengths[self.trash_row] = g.block_size
+        self.kv.step(self.table.lengths)
+        self.num_blocks = g.blocks - 1  # what requests can hold
+        # The engine's per-round KV-read budget: the kernels read rows in place, so a round may read
+        # every token of every row (shared pages once per reader); it does not size memory.
+        self.num_pages = g.rows * g.max_context
+        self.write_trash_index = self.read_trash_index = self.trash_row * g.max_context
+        self._engine_attributes(layers)
+        self._k4: list[torch.Tensor] = []
+        self._v4: list[torch.Tensor] = []
+        self.key_cache: list[torch.Tensor] = []  # the engine sees flat [rows * max_context, Hkv, D] views
+        self.value_cache: list[torch.Tensor] = []
+        for k, v in self.kv.torch_layers():
+            self._k4.append(k)
+            self._v4.append(v)
+            self.key_cache.append(_flat(k))
+            self.value_cache.append(_flat(v))
+        self.rounds = Rounds(on_open=self.flush)
+        self.read: Any = FaReader(g.max_context) if self.kernel == "fa" else FlexReader(self, g.compiled)
+        self.peak_mapped_bytes = 0
+        self.steps = 0
+        # The engine's config: what this cache does not do (block sharing: vmem's instead).
+        cb.allow_block_sharing = self.sharing
+        cb.max_blocks_per_request = 0
+        cb.cpu_offload_space = 0.0
+        cb.max_requests_per_batch = min(cb.max_requests_per_batch or self.max_requests, self.max_requests)
+
+    def _engine_attributes(self, layers: int) -> None:
+        """The attributes the engine reads of a single full-attention group."""
+        self.num_groups = 1
+        self.num_full_attention_groups = 1
+        self.num_sliding_attention_groups = 0
+        self.max_sliding_window_blocks_per_request = 0
+        self.max_blocks_per_request = 0
+        self.use_prefix_sharing = self.allow_block_sharing = self.sharing
+        self.sliding_windows = {i: 1 for i in range(layers)}
+        self.layer_index_to_group_indices = {i: (0, i) for i in range(layers)}
+        self.group_cache_managers = [_GroupStub()]
+        self._total_prefix_length = 0
+
+    @property
+    def readmissions(self) -> int:
+        """Requests admitted again after a preemption (soft reset)."""
+        return self.table.readmissions
+
+    # -- the engine's allocation surface ---------------------------------------------------------
+    def get_num_free_blocks(self) -> int:
+        """Blocks not held by any request (exact). With sharing, a block several requests map
+        counts once, and cached blocks no request maps count as free (a step evicts them)."""
+        if not self.sharing:
+            return self.num_blocks - self.table.used_blocks
+        mapped_blocks = self.distinct_mapped_bytes() // (self.pages_per_block * self.page_bytes)
+        return self.num_blocks - (mapped_blocks - 1) - self.table.pending_blocks  # less the trash row's block
+
+    def blocks_needed(self, num_requested_blocks: int, allocated_blocks: int) -> int:
+        return num_requested_blocks
+
+    def will_allocation_be_successful(self, num_requested_blocks: int, allocated_blocks: int) -> bool:
+        return num_requested_blocks <= self.get_num_free_blocks()
+
+    def blocks_in_use(self, request_id: str) -> int:
+        row = self.table.get(request_id)
+        return 0 if row is None else row.blocks
+
+    def allocate_blocks(self, n_blocks: int, request_id: str, allocated_blocks: int) -> int | None:
+        """Reserves ``n_blocks`` more blocks for ``request_id`` (a row on its first call), mapped at
+        this round's step. ``None`` (never an exception) when no row or memory is left, or the
+        request would pass ``max_context``."""
+        try:
+            if n_blocks <= 0:
+                return 0
+            if n_blocks > self.get_num_free_blocks():
+                return None
+            row = self.table.get(request_id)
+            held = 0 if row is None else row.blocks
+            n_blocks = min(n_blocks, self.max_context // self.block_size - held)  # not past the row
+            if n_blocks <= 0:
+                return None
+            if row is None:
+                try:
+                    row = self.table.admit(request_id, self.kv.alloc())
+                except VmemError:
+                    return None
+            self.table.grow(row, n_blocks)
+            return n_blocks
+        except Exception:  # noqa: BLE001 - an exception here would kill the engine's loop
+            return None
+
+    def free_blocks(self, request_id: str) -> None:
+        """Gives the request's row back and unmaps its pages (after the queued GPU work)."""
+        index = self.table.release(request_id)
+        if index is not None:
+            self.kv.free(index)
+
+    def free_all_requests(self) -> None:
+        for request_id in self.table.request_ids():
+            self.free_blocks(request_id)
+
+    def flush(self) -> None:
+        """Maps what this round's allocations need (one ``step`` for every row), then zeroes the
+        newly mapped blocks (fresh pages hold anything, NaN bit patterns included)."""
+        if not self.table.dirty:
+            return
+        self.kv.step(self.table.lengths)
+        for index, old, new in self.table.mapped():
+            for k, v in zip(self._k4, self._v4):
+                k[index, old:new].zero_()
+                v[index, old:new].zero_()
+        self.steps += 1
+        self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.distinct_mapped_bytes())
+
+    # -- indices and the kernel's view -----------------------------------------------------------
+    def extend_read_and_write_indices(self, request_id: str, past_length: int, query_length: int,
+                                      read_index: Any, write_index: list[list[int]]) -> None:
+        row = self.table.get(request_id)
+        if row is None:
+            raise VmemError(f"request {request_id!r} holds no row")
+        base = row.index * self.max_context + past_length
+        self.rounds.record(row.index, past_length, query_length)  # opens a round: maps its pages first
+        write_index[0].extend(range(base, base + query_length))
+        row.computed = past_length + query_length
+
+    def fill_block_table(self, *args: Any, **kwargs: Any) -> None:
+        raise VmemError(f"{VMEM_ATTENTION} has no block table (max_blocks_per_request is 0)")
+
+    def get_seqlens_k(self, past_length: int, query_length: int) -> dict[str, int]:
+        return {"full_attention": past_length + query_length}
+
+    def kv_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flat ``[rows * max_context, Hkv, D]`` K and V views of a layer."""
+        return self.key_cache[layer_idx], self.value_cache[layer_idx]
+
+    def kv_rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``[rows, max_context, Hkv, D]`` K and V of a layer."""
+        return self._k4[layer_idx], self._v4[layer_idx]
+
+    # -- prefix sharing (vmem's pages); forks: off in this version --------------------------------
+    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
+        """Gives a pending request a row that starts with the cached pages of the longest prefix
+        of ``prompt_ids`` the cache holds (:meth:`vmem.KVCache.adopt_prefix`: mapped, not copied,
+        at least the last token left to compute); returns the tokens adopted, a multiple of
+        ``block_size`` (0, holding nothing, when none, when no row is free, or when the cached
+        blocks it would map are the memory this round's allocations counted on)."""
+        if not self.sharing or request_id in self.table:
+            return 0  # a pending request holds no row; one that does keeps what it has
+        index = None
+        try:
+            index = self.kv.alloc()
+            got = self.kv.adopt_prefix(index, prompt_ids)
+            # Adopting maps cached blocks get_num_free_blocks counted as free: when this round's
+            # allocations counted on them, the request waits (else the step would run short).
+            if got and self.get_num_free_blocks() < 0:
+                got = 0
+        except VmemError:
+            got = 0
+        if index is None or got == 0:
+            if index is not None:
+                self.kv.free(index)
+            return 0
+        self.table.adopt(self.table.admit(request_id, index), got)
+        self._total_prefix_length += got
+        return got
+
+    def mark_shareable_blocks_as_complete(self, state: Any, num_complete_blocks: int) -> None:
+        """Publishes the full blocks the request has computed (its tokens so far, up to what this
+        round's forward wrote) to vmem's prefix cache (:meth:`vmem.KVCache.publish_prefix`)."""
+        if not self.sharing or num_complete_blocks == 0:
+            return
+        row = self.table.get(state.request_id)
+        if row is None or getattr(state.status, "name", "") == "FINISHED" or row.computed < self.block_size:
+            return
+        tokens = (list(state.initial_tokens) + list(state.generated_tokens))[:row.computed]
+        try:
+            self.kv.publish_prefix(row.index, tokens)
+        except VmemError as e:  # nothing published; the request goes on unshared, and says why
+            _log.warning("vmem: request %s's blocks were not published for sharing: %s", state.request_id, e)
+        return
+
+    def compute_max_num_forks(self, source_request_id: str) -> int:
+        return 0  # children become fresh requests
+
+    def fork_request(self, source_request_id: str, destination_request_ids: list[str]) -> tuple[list, list]:
+        raise VmemError(f"{VMEM_ATTENTION} does not fork requests")
+
+    def copy_cache(self, list_source_blocks: list[int], list_forked_blocks: list[int]) -> None:
+        raise VmemError(f"{VMEM_ATTENTION} does not copy blocks")
+
+    def get_block_table_key(self, fn: Any) -> str:
+        raise VmemError(f"{VMEM_ATTENTION} has no block table")
+
+    def update(self, *args: Any, **kwargs: Any) -> Any:
+        raise VmemError(f"{VMEM_ATTENTION}: the cache is read in place by its attention function, not through update()")
+
+    # -- state -----------------------------------------------------------------------------------
+    def distinct_mapped_bytes(self) -> int:
+        """Bytes of pages mapped, each page once however many rows share it (the trash row's
+        included)."""
+        mapped = int(self.kv.usage()["mapped_bytes"])
+        return mapped - int(self.kv.prefix_stats()["shared_savings_bytes"]) if self.sharing else mapped
+
+    def usage(self) -> dict[str, int]:
+        """vmem's counters (bytes mapped, physical, ...), plus rows and blocks in use (a shared
+        block once per row), and the prefix cache's (``prefix_*``; zeros when sharing is off)."""
+        u = dict(self.kv.usage())
+        stats = self.kv.prefix_stats()
+        u["rows_in_use"] = len(self.table)
+        u["blocks_in_use"] = self.table.used_blocks
+        u["distinct_mapped_bytes"] = int(u["mapped_bytes"] - stats["shared_savings_bytes"])
+        for k, v in stats.items():
+            u[f"prefix_{k}"] = v
+        return u
+
+    def trash_bytes(self) -> int:
+        """Bytes the always-mapped trash row holds."""
+        return self.pages_per_block * self.page_bytes

@@ -1,0 +1,263 @@
+"""How vmem gets into transformers' continuous-batching engine: the version gate, the cache factory,
+the registry of caches by attention name (:func:`register_cache`), and the options in force.
+
+The engine constructs its cache by the module global ``continuous_api.PagedAttentionCache`` (there
+is no hook). :func:`install` replaces it with a factory that builds the cache registered for the
+model's attention name (``paged|vmem``: :class:`~vmem.transformers.VmemCBCache`) and the engine's
+own class for any other name, and registers each name's attention function with transformers'
+``AttentionInterface``. Neither ``paged|vmem`` nor a name a bench registers should contain
+``flash``, ``sdpa`` or ``flex_attention``: then the engine builds no O(M·N) attention mask, does no
+gather, and keeps CUDA graphs and async batching off.
+
+Options travel as an object: the :class:`Options` in force when the engine's manager is created
+(``init_continuous_batching``, ``generate_batch``; in the caller's thread, inside or outside a
+:func:`serving` block) are bound to that manager, and the factory, which runs later in the
+engine's own thread, builds the cache with them. A manager the engine reuses
+(``persistent_manager``) keeps the options it was created with.
+
+Everything that touches the engine's internals is in :class:`_Engine517`, picked by the version
+gate from :data:`_ENGINES`; the rest is version-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .._vmem import InvalidArgument, VmemError
+from .attention import paged_attention
+from .options import Options
+
+#: transformers versions whose continuous-batching internals this package was checked against.
+SUPPORTED_TRANSFORMERS = ("5.17.",)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheRequest:
+    """What a cache factory gets when the engine builds its cache for a registered name:
+    the model's text ``config``, the engine's ``continuous_batching_config`` (the manager's own
+    copy: a factory may adjust it), ``device``, ``dtype``, the :class:`Options` bound to the
+    manager, ``tp_size``, and ``build_engine_cache()`` to get the engine's own cache for the
+    same call (a contender that records what the engine's cache does)."""
+
+    config: Any
+    continuous_batching_config: Any
+    device: Any
+    dtype: torch.dtype
+    options: Options
+    tp_size: int
+    engine_cache: Any
+    engine_kwargs: dict[str, Any]
+
+    def build_engine_cache(self, cls: Any = None) -> Any:
+        """The engine's own cache (or ``cls``, a subclass of it) built with the engine's arguments."""
+        return (cls or self.engine_cache)(**self.engine_kwargs)
+
+
+#: ``factory(request: CacheRequest) -> cache``.
+CacheFactory = Callable[[CacheRequest], Any]
+
+_lock = threading.RLock()
+_registry: dict[str, tuple[CacheFactory, Callable[..., Any]]] = {}
+_base = Options()
+_serving: contextvars.ContextVar[Options | None] = contextvars.ContextVar("vmem_serving", default=None)
+_bound = threading.local()  # .options: those of the manager whose engine thread builds its cache
+_engine: list[Any] = []  # the applied engine patch, while installed
+
+
+def register_cache(attention_name: str, factory: CacheFactory, *, attention: Callable[..., Any] = paged_attention
+                   ) -> None:
+    """Serves ``attention_name`` with the cache ``factory`` builds (from a :class:`CacheRequest`)
+    and the attention function ``attention`` (default: :func:`paged_attention`, which writes new
+    K/V through the cache's ``kv_layer`` and reads with its ``read``; see
+    :mod:`vmem.transformers.attention`). Takes effect for engines built afterwards; registering a
+    name again replaces it. The name must start with ``paged|`` (the engine's prefix for its
+    continuous-batching attention) and should not contain ``flash``, ``sdpa`` or ``flex_attention``
+    (the engine keys behaviour on those substrings)."""
+    if not isinstance(attention_name, str) or not attention_name.startswith("paged|") or attention_name == "paged|":
+        raise InvalidArgument(f"attention_name must be a string 'paged|<name>', got {attention_name!r}")
+    if not callable(factory) or not callable(attention):
+        raise InvalidArgument("register_cache: factory and attention must be callable")
+    with _lock:
+        _registry[attention_name] = (factory, attention)
+        if _engine:
+            _register_attention(attention_name, attention)
+
+
+def unregister_cache(attention_name: str) -> None:
+    """Forgets a name :func:`register_cache` registered (the engine builds its own cache for it)."""
+    with _lock:
+        _registry.pop(attention_name, None)
+
+
+def registered(attention_name: Any) -> bool:
+    """Whether a cache is registered for ``attention_name``."""
+    return attention_name in _registry
+
+
+def options() -> Options:
+    """The :class:`Options` in force in this thread: the innermost :func:`serving` block's, else
+    :func:`install`'s."""
+    return _serving.get() or _base
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+def _engine_for_version() -> Any:
+    v = _transformers_version()
+    for prefix, engine in _ENGINES.items():
+        if v.startswith(prefix):
+            return engine
+    raise VmemError(
+        f"vmem.transformers patches transformers' continuous-batching internals and was checked against "
+        f"transformers {', '.join(p + 'x' for p in SUPPORTED_TRANSFORMERS)}; this is transformers {v}. "
+        "Install transformers 5.17 or update vmem."
+    )
+
+
+def _register_attention(name: str, fn: Callable[..., Any]) -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, fn)
+
+
+def install(**opts: Any) -> None:
+    """Registers every registered attention name with transformers and installs the cache factory;
+    ``opts`` (validated here, :class:`Options`) become the options in force for engines created
+    afterwards, on top of those of earlier calls. Idempotent; refuses transformers versions other
+    than 5.17.x."""
+    global _base
+    engine = _engine_for_version()
+    with _lock:
+        new = _base.replace(**opts)
+        if not _engine:
+            for name, (_, fn) in _registry.items():
+                _register_attention(name, fn)
+            _engine.append(engine(_build))
+        _base = new
+
+
+def uninstall() -> None:
+    """Restores the engine's cache construction and the default options (the attention names stay
+    registered with transformers)."""
+    global _base
+    with _lock:
+        if _engine:
+            _engine.pop().restore()
+        _base = Options()
+
+
+@contextlib.contextmanager
+def serving(**opts: Any) -> Iterator[Options]:
+    """``install()``, and ``opts`` on top of the options in force, for engines created in this
+    thread inside the ``with`` block (validated here); yields the :class:`Options`. An engine
+    created inside keeps them when it builds its cache later, after the block."""
+    install()
+    token = _serving.set(options().replace(**opts))
+    try:
+        yield options()
+    finally:
+        _serving.reset(token)
+
+
+def _build(engine_cache: Any, engine_kwargs: dict[str, Any]) -> Any:
+    """The factory's body: the registered cache for the model's attention name, else the engine's."""
+    config = engine_kwargs["config"]
+    name = getattr(config, "_attn_implementation", None)
+    entry = _registry.get(name) if isinstance(name, str) else None
+    if entry is None:
+        return engine_cache(**engine_kwargs)
+    bound = getattr(_bound, "options", None)
+    helper = engine_kwargs.get("distributed_helper")
+    request = CacheRequest(
+        config=config, continuous_batching_config=engine_kwargs["continuous_batching_config"],
+        device=engine_kwargs["device"], dtype=engine_kwargs.get("dtype", torch.float16),
+        options=bound if bound is not None else options(), tp_size=int(getattr(helper, "tp_size", 1) or 1),
+        engine_cache=engine_cache, engine_kwargs=engine_kwargs,
+    )
+    return entry[0](request)
+
+
+def check_results(name: str, results: dict[str, Any], expected: int) -> None:
+    """Raises :class:`VmemError` when a ``generate_batch`` run under ``name`` returned failed or
+    missing requests (the engine logs its thread's error and returns them as if done; the partial
+    results are the exception's ``results``)."""
+    failed = {rid: r.error for rid, r in results.items() if getattr(r, "error", None) is not None}
+    missing = expected - len(results)
+    if not failed and missing <= 0:
+        return
+    first = next(iter(failed.values()), None)
+    err = VmemError(
+        f"generate_batch with {name}: {len(failed)} of {expected} requests failed and {max(missing, 0)} never came "
+        f"back" + (f"; the engine's error: {first}" if first is not None else " (the engine's thread stopped)")
+    )
+    err.results = results  # type: ignore[attr-defined]
+    raise err
+
+
+class _Engine517:
+    """The patch of transformers 5.17's engine: the cache factory (the module global
+    ``continuous_api.PagedAttentionCache``), options bound at the manager's construction and read
+    in its ``_create_batch_processor``, and ``generate_batch`` raising on failed requests."""
+
+    def __init__(self, build: Callable[[Any, dict[str, Any]], Any]) -> None:
+        from transformers.generation.continuous_batching import continuous_api as api
+
+        self._saved: list[tuple[Any, str, Any]] = []
+        original_cache = api.PagedAttentionCache
+        manager = api.ContinuousBatchingManager
+        init, create, generate = manager.__init__, manager._create_batch_processor, api.ContinuousMixin.generate_batch
+
+        def PagedAttentionCache(config: Any, continuous_batching_config: Any, device: Any, distributed_helper: Any,
+                                tp_plan: Any, dtype: torch.dtype = torch.float16) -> Any:
+            return build(original_cache, {"config": config, "continuous_batching_config": continuous_batching_config,
+                                          "device": device, "distributed_helper": distributed_helper,
+                                          "tp_plan": tp_plan, "dtype": dtype})
+
+        def manager_init(self: Any, *args: Any, **kwargs: Any) -> None:
+            self._vmem_options = options()  # in the caller's thread: the options in force now
+            init(self, *args, **kwargs)
+
+        def create_batch_processor(self: Any) -> Any:
+            _bound.options = getattr(self, "_vmem_options", None)
+            try:
+                return create(self)
+            finally:
+                _bound.options = None
+
+        def generate_batch(self: Any, inputs: Any, generation_config: Any = None, *args: Any, **kwargs: Any) -> Any:
+            results = generate(self, inputs, generation_config, *args, **kwargs)
+            name = getattr(self.config, "_attn_implementation", None)
+            if inputs and registered(name):  # one result per prompt (forks' children are not returned)
+                check_results(str(name), results, len(inputs))
+            return results
+
+        PagedAttentionCache.__vmem_factory__ = True  # type: ignore[attr-defined]
+        self._set(api, "PagedAttentionCache", PagedAttentionCache)
+        self._set(manager, "__init__", manager_init)
+        self._set(manager, "_create_batch_processor", create_batch_processor)
+        self._set(api.ContinuousMixin, "generate_batch", generate_batch)
+
+    def _set(self, owner: Any, name: str, value: Any) -> None:
+        self._saved.append((owner, name, owner.__dict__[name]))
+        setattr(owner, name, value)
+
+    def restore(self) -> None:
+        """Puts back everything the patch replaced."""
+        for owner, name, value in reversed(self._saved):
+            setattr(owner, name, value)
+        self._saved.clear()
+
+
+#: The engine patch for each supported transformers version (prefix).
+_ENGINES: dict[str, Any] = {"5.17.": _Engine517}

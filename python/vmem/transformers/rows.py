@@ -1,0 +1,99 @@
+"""The cache's one table of rows: which request holds which vmem row, how many blocks, how far it
+is mapped and how far computed. Version-free bookkeeping; the cache maps and unmaps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+
+class Row:
+    """One request's row: ``index`` (the vmem request id), ``blocks`` held, ``unmapped_from``
+    (the length mapped before this round's growth, ``None`` when it did not grow) and
+    ``computed`` (tokens computed once this round's forward ran)."""
+
+    __slots__ = ("blocks", "computed", "index", "unmapped_from")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.blocks = 0
+        self.unmapped_from: int | None = None
+        self.computed = 0
+
+
+class RowTable:
+    """Requests' rows, and the lengths vmem's ``step`` maps (one per row, the trash row's too).
+
+    ``used_blocks`` counts blocks held (a shared block once per row); ``pending_blocks`` those
+    granted this round and not yet mapped; ``readmissions`` requests admitted again after a
+    preemption (soft reset)."""
+
+    def __init__(self, rows: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.lengths: list[int] = [0] * rows
+        self._rows: dict[str, Row] = {}
+        self._seen: set[str] = set()
+        self.used_blocks = 0
+        self.pending_blocks = 0
+        self.readmissions = 0
+        self.dirty = False  # lengths changed since the last step
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._rows
+
+    def get(self, request_id: str) -> Row | None:
+        """The request's row, or ``None``."""
+        return self._rows.get(request_id)
+
+    def request_ids(self) -> list[str]:
+        """The requests holding a row."""
+        return list(self._rows)
+
+    def admit(self, request_id: str, index: int) -> Row:
+        """Gives ``request_id`` the vmem row ``index``."""
+        row = Row(index)
+        self._rows[request_id] = row
+        if request_id in self._seen:
+            self.readmissions += 1
+        self._seen.add(request_id)
+        return row
+
+    def grow(self, row: Row, blocks: int) -> None:
+        """``blocks`` more for ``row``, mapped at this round's step."""
+        if row.unmapped_from is None:
+            row.unmapped_from = self.lengths[row.index]
+        row.blocks += blocks
+        self.used_blocks += blocks
+        self.pending_blocks += blocks
+        self.lengths[row.index] = row.blocks * self.block_size
+        self.dirty = True
+
+    def adopt(self, row: Row, tokens: int) -> None:
+        """``tokens`` (whole blocks) already mapped into ``row`` (a shared prefix)."""
+        blocks = tokens // self.block_size
+        row.blocks += blocks
+        self.used_blocks += blocks
+        self.lengths[row.index] = tokens
+
+    def release(self, request_id: str) -> int | None:
+        """Forgets the request; returns its vmem row (``None`` if it held none)."""
+        row = self._rows.pop(request_id, None)
+        if row is None:
+            return None
+        self.used_blocks -= row.blocks
+        if row.unmapped_from is not None:  # granted this round, never mapped
+            self.pending_blocks -= (self.lengths[row.index] - row.unmapped_from) // self.block_size
+        self.lengths[row.index] = 0
+        return row.index
+
+    def mapped(self) -> Iterator[tuple[int, int, int]]:
+        """After a step: ``(index, old, new)`` of each row that grew this round; clears the growth."""
+        self.dirty = False
+        self.pending_blocks = 0
+        for row in self._rows.values():
+            if row.unmapped_from is not None:
+                old, row.unmapped_from = row.unmapped_from, None
+                yield row.index, old, self.lengths[row.index]

@@ -1,0 +1,117 @@
+"""From a memory budget and a model's KV shape to the cache's geometry: tokens per page, the
+engine's block (tokens), rows, blocks the budget holds, and the int32 limits the kernels have.
+
+Version-free: the engine-specific parts (the default budget, the engine's config) are passed in.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .._vmem import InvalidArgument
+from .options import Options
+
+#: The attention name that selects the vmem cache.
+VMEM_ATTENTION = "paged|vmem"
+#: FlexAttention's KV block and Q block (tokens).
+KV_BLOCK = 128
+Q_BLOCK = 128
+
+
+def find_dims(config: Any) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of a transformers model config."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+def block_tokens(tokens_per_page: int, kernel: str) -> int:
+    """The engine's block (tokens) for ``paged|vmem``: one page's tokens for ``kernel="fa"``
+    (FlashAttention reads a request's exact length, nothing past it); for ``"flex"``,
+    ``lcm(tokens per page, KV_BLOCK)`` so that every KV block Flex lists is mapped."""
+    if kernel == "fa":
+        return tokens_per_page
+    return tokens_per_page * KV_BLOCK // math.gcd(tokens_per_page, KV_BLOCK)
+
+
+class Geometry:
+    """The cache's shape, computed once from the model, the dtype, the device and the options.
+
+    ``tokens_per_page`` (of one buffer per-layer; of every layer token-major), ``block_size``
+    (tokens of one engine block), ``pages_per_block``, ``page_bytes``, ``rows``
+    (``max_requests + 1``: the last is the trash row), ``max_context`` (rounded up to whole
+    blocks), ``blocks`` (what the budget holds, the trash row's block included), ``cap`` (bytes
+    of those blocks), ``compiled`` (the Flex kernel is compiled)."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device, options: Options,
+                 memory_bytes: int) -> None:
+        layers, kv_heads, head_dim = find_dims(config)
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        kernel = options.kernel
+        self.compiled = options.compile if options.compile is not None else device.type == "cuda"
+        if kernel == "fa" and device.type == "cuda":
+            if dtype not in (torch.float16, torch.bfloat16):
+                raise InvalidArgument(f"{VMEM_ATTENTION} kernel='fa': FlashAttention needs float16 or bfloat16, "
+                                      f"not {dtype}; use kernel='flex'")
+            if head_dim % 8 or head_dim > 256:
+                raise InvalidArgument(f"{VMEM_ATTENTION} kernel='fa': head_dim {head_dim} is not a multiple of 8 "
+                                      "up to 256; use kernel='flex'")
+        self.token_bytes = self.token_bytes_of(config, dtype)
+        page = options.page_size
+        per_token = kv_heads * head_dim * dtype.itemsize * (1 if options.layout == "per-layer" else 2 * layers)
+        if page % per_token:
+            raise InvalidArgument(f"page size {page} is not a multiple of a token's {per_token} bytes")
+        self.tokens_per_page = page // per_token
+        self.block_size = block_tokens(self.tokens_per_page, kernel)
+        self.pages_per_block = (2 * layers if options.layout == "per-layer" else 1) * (
+            self.block_size // self.tokens_per_page)
+        self.page_bytes = page
+        max_context = options.max_context
+        if max_context is None:
+            max_context = int(getattr(config, "max_position_embeddings", 8192) or 8192)
+        self.max_context = -(-max_context // self.block_size) * self.block_size
+        self.rows = options.max_requests + 1
+        self.block_bytes = self.pages_per_block * page
+        self.blocks = memory_bytes // self.block_bytes
+        if self.blocks < 2:
+            raise InvalidArgument(
+                f"{VMEM_ATTENTION}: {memory_bytes} bytes hold {self.blocks} blocks of {self.block_size} tokens "
+                f"({self.pages_per_block} pages of {page} bytes each); need at least 2 (one is the trash row's)"
+            )
+        self.cap = self.blocks * self.block_bytes
+        self._check_int32(kernel)
+
+    @staticmethod
+    def token_bytes_of(config: Any, dtype: torch.dtype) -> int:
+        """Bytes of one token's K and V in every layer."""
+        layers, kv_heads, head_dim = find_dims(config)
+        return 2 * layers * kv_heads * head_dim * dtype.itemsize
+
+    def _check_int32(self, kernel: str) -> None:
+        if kernel == "fa" and self.rows * self.max_context >= 2**31:
+            raise InvalidArgument(
+                f"{VMEM_ATTENTION} kernel='fa': rows x max_context = {self.rows} x {self.max_context} tokens "
+                "does not fit FlashAttention's int32 cu_seqlens_k; lower max_requests or max_context"
+            )
+        elems = self.rows * self.max_context * self.kv_heads * self.head_dim
+        if kernel == "flex" and self.compiled and elems >= 2**31:
+            # Compiled Flex addresses a [rows, Hkv, max_context, D] view with 32-bit element
+            # offsets: past 2^31 elements they wrap, and the kernel reads outside the cache (on the
+            # H100: an illegal address at 256 rows x 8192 tokens x 8 heads x 128, not at 64 rows).
+            raise InvalidArgument(
+                f"{VMEM_ATTENTION} kernel='flex': rows x max_context x kv_heads x head_dim = {self.rows} x "
+                f"{self.max_context} x {self.kv_heads} x {self.head_dim} = {elems} elements; compiled "
+                "FlexAttention indexes them with 32-bit offsets (< 2^31): lower max_requests or max_context, "
+                "or use kernel='fa'"
+            )
+
+    def prefix_cap(self, sharing: bool, prefix_cache: int | None) -> int | None:
+        """vmem's ``prefix_cache`` bytes: ``None`` (off) without sharing, else the option or the
+        whole budget."""
+        if not sharing:
+            return None
+        return self.cap if prefix_cache is None else prefix_cache
