@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 if not transformers.__version__.startswith("5.17."):
     pytest.skip(f"vmem.transformers supports transformers 5.17.x, not {transformers.__version__}", allow_module_level=True)
 
-import cb_harness as h
+from harness import check as h
 import vmem.transformers as vt
 
 import vmem
@@ -203,7 +203,8 @@ def test_the_options_in_force_when_the_manager_is_created_are_the_ones_used():
 
 # -- item 11: kernel="flex" on the CPU, bounded; failures raised ----------------------------------
 FLEX_RUN = """
-import cb_harness as h, torch, transformers, vmem.transformers as vt
+import torch, transformers, vmem.transformers as vt
+from harness import check as h
 h.fake_cpu_memory()
 vt.install(kernel="flex", page_size="64K")
 model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
@@ -220,7 +221,7 @@ def test_flex_on_the_cpu_fits_in_memory_bounded_by_the_tokens_in_flight():
     tokens), in a process limited to 3 GiB of address space beyond what importing torch takes:
     the dense reference spanned every row's max_context (5 GB RSS, 38 s), and every request
     came back empty while generate_batch returned normally."""
-    probe = subprocess.run([sys.executable, "-c", "import cb_harness, torch, transformers, vmem.transformers\n"
+    probe = subprocess.run([sys.executable, "-c", "import harness.check, torch, transformers, vmem.transformers\n"
                             "print(open('/proc/self/status').read().split('VmPeak:')[1].split()[0])"],
                            env=dict(os.environ, PYTHONPATH=BENCHES), capture_output=True, text=True, check=True)
     limit = int(probe.stdout.strip()) * 1024 + (3 << 30)
