@@ -13,6 +13,7 @@
 //! [`KvConfig::reclaim_threshold`], or when a step cannot be served otherwise.
 
 mod config;
+mod defaults;
 mod lockstep;
 mod map_ahead;
 mod mapper;
@@ -21,6 +22,10 @@ mod prefix;
 mod state;
 
 pub use config::{Geometry, KvConfig, KvConfigBuilder, LayerView, Layout, TensorView, MAX_BATCH};
+pub use defaults::{
+    default_reclaim_threshold, default_zero_page, max_map_count, whole_virtual_size,
+    PolicyDefaults, DEFAULT_MAX_MAP_COUNT,
+};
 pub use lockstep::DecisionDigest;
 pub use prefix::{block_hashes, BlockHash, PrefixStats};
 
