@@ -5,10 +5,15 @@ use crate::InvalidArgument;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyInt, PyList};
 
+/// Whether `v` is a Python int and not a bool.
+pub(crate) fn is_int(v: &Bound<'_, PyAny>) -> bool {
+    v.is_instance_of::<PyInt>() && !v.is_instance_of::<PyBool>()
+}
+
 /// A Python int as a `u64`: anything else (a bool, a float, a negative int, an int past 64
 /// bits) is `InvalidArgument` naming the argument, never `TypeError` or `OverflowError`.
 pub(crate) fn to_u64(v: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
-    if v.is_instance_of::<PyBool>() || !v.is_instance_of::<PyInt>() {
+    if !is_int(v) {
         let shown = v.repr().map(|r| r.to_string()).unwrap_or_default();
         return Err(InvalidArgument::new_err(format!(
             "{name} must be an int, got {shown}"

@@ -2,7 +2,7 @@
 //! out, so a view keeps the memory it points at alive: dropping or closing the cache while
 //! tensors exist never leaves a dangling pointer.
 
-use crate::args::{to_u64, to_usize, token_ids};
+use crate::args::{is_int, to_u64, to_usize, token_ids};
 use crate::dlpack::{DType, KVTensor};
 use crate::{py_err, Closed, InvalidArgument};
 use dlpark::ffi::{DLDevice, DLDeviceType};
@@ -258,12 +258,17 @@ impl KVCache {
     fn layer(&self, i: &Bound<'_, PyAny>) -> PyResult<(KVTensor, KVTensor)> {
         let inner = self.get()?;
         let views = inner.kv.layer_views();
-        let idx = to_usize(i, "layer")
-            .ok()
-            .filter(|&i| i < views.len())
-            .ok_or_else(|| {
-                InvalidArgument::new_err(format!("layer {i} out of range (0..{})", views.len()))
-            })?;
+        let idx = match to_usize(i, "layer") {
+            Ok(idx) if idx < views.len() => idx,
+            // Not an int at all: say so, not "out of range" (`layer("0")` read as layer 0).
+            Err(e) if !is_int(i) => return Err(e),
+            _ => {
+                return Err(InvalidArgument::new_err(format!(
+                    "layer {i} out of range (0..{})",
+                    views.len()
+                )))
+            }
+        };
         let v = views[idx];
         Ok((KVTensor::new(&inner, v.k), KVTensor::new(&inner, v.v)))
     }
