@@ -21,10 +21,11 @@ strided tensor.
 KVTensor(shape=[4, 1024, 2, 64], strides=[131072, 128, 64, 1], dtype=float16, device=cpu)
 >>> kv.close()
 
-Rust does the work (the ``vmem`` crate); the package only checks and converts arguments
-(``vmem._args``), holds the cache class (``vmem._cache``) and imports neither torch nor NumPy. ``vmem.torch`` hands the views out as torch tensors (the only
-module that imports torch), ``vmem.vattention`` offers vAttention's function-level API (torch
-tensors), ``vmem.hf`` a transformers cache.
+Rust does the work (the ``vmem`` crate); the package checks and converts arguments
+(``vmem._args``) in the cache class (``vmem._cache``) and imports neither torch nor NumPy.
+``vmem.torch`` hands the views out as torch tensors (the only module that imports torch),
+``vmem.vattention`` offers vAttention's function-level API (torch tensors), ``vmem.hf`` a
+transformers cache.
 """
 
 from __future__ import annotations

@@ -127,7 +127,8 @@ class KVCache:
                 raise InvalidArgument(f"{model}: {spec['kv_heads']} KV heads cannot be split over TP-{tp}")
             layers, kv_heads, head_dim = spec["layers"], spec["kv_heads"] // tp, spec["head_dim"]
         elif tp != 1:
-            raise InvalidArgument(f"tp={tp} splits a model's KV heads: give a model name, or the heads per worker as kv_heads")
+            raise InvalidArgument(
+                f"tp={tp} splits a model's KV heads: give a model name, or the heads per worker as kv_heads")
         if layers is None or kv_heads is None or head_dim is None:
             raise InvalidArgument("give a model name, or all of layers, kv_heads and head_dim")
         dtype = dtype_name(dtype)
@@ -140,24 +141,26 @@ class KVCache:
         cap = check_optional_size("memory_cap", memory_cap)
         if cap == 0:
             raise InvalidArgument("memory_cap must be more than 0 bytes")
-        eager = min(1024, max_context) if eager_tokens is None else check_int("eager_tokens", eager_tokens, min=0)
-        options = dict(
-            prealloc=check_size("prealloc", prealloc),
-            overlap=check_bool("overlap", overlap),
-            deferred_reclaim=check_bool("deferred_reclaim", deferred_reclaim),
-            # None: a sixteenth of the cap (the library resolves it once the cap is known).
-            reclaim_threshold=check_optional_size("reclaim_threshold", reclaim_threshold),
-            pad_rows=check_bool("pad_rows", pad_rows),
-            zero_page=check_optional_bool("zero_page", zero_page),
-            prefix_cache=check_optional_size("prefix_cache", prefix_cache),
-        )
+        eager = (min(1024, max_context) if eager_tokens is None
+                 else check_int("eager_tokens", eager_tokens, min=0))
+        prealloc_bytes = check_size("prealloc", prealloc)
+        overlap = check_bool("overlap", overlap)
+        deferred_reclaim = check_bool("deferred_reclaim", deferred_reclaim)
+        # None: a sixteenth of the cap (the library resolves it once the cap is known).
+        threshold = check_optional_size("reclaim_threshold", reclaim_threshold)
+        pad_rows = check_bool("pad_rows", pad_rows)
+        zero_page = check_optional_bool("zero_page", zero_page)
+        prefix_bytes = check_optional_size("prefix_cache", prefix_cache)
         backend, ordinal, gpu_required = placement(device, backend)
         self._max_batch = max_batch
         self._layers = layers
         self._rs = _vmem.KVCache(
             layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
             max_batch=max_batch, max_context=max_context, page_size=page, layout=layout,
-            backend=backend, device=ordinal, memory_cap=cap or 0, eager_tokens=eager, **options,
+            backend=backend, device=ordinal, memory_cap=cap or 0, prealloc=prealloc_bytes,
+            overlap=overlap, deferred_reclaim=deferred_reclaim, eager_tokens=eager,
+            reclaim_threshold=threshold, pad_rows=pad_rows, zero_page=zero_page,
+            prefix_cache=prefix_bytes,
         )
         if gpu_required and self._rs.config()["backend"] not in ("cuda", "uvm"):
             reason = self._rs.config()["backend_reason"]
