@@ -1,13 +1,13 @@
 //! `vmem._vmem`: the Python extension over the `vmem` crate. Thin on purpose: the Rust API is
-//! the single source of truth; `vmem/__init__.py` adds argument handling and docs.
+//! the single source of truth; `vmem/_args.py` and `vmem/_cache.py` add argument handling and
+//! docs.
 //!
-//! * `KVCache` owns a [`KvCacheManager`] behind an `Arc` shared with every tensor view it
+//! * `KVCache` owns a [`vmem::KvCacheManager`] behind an `Arc` shared with every tensor view it
 //!   hands out, so a view keeps the memory it points at alive: dropping or closing the cache
 //!   while tensors exist never leaves a dangling pointer.
 //! * `KVTensor` is one layer's K or V as a DLPack producer (`__dlpack__`,
 //!   `__dlpack_device__`) through dlpark: `torch.from_dlpack`, `numpy.from_dlpack` and CuPy
 //!   read it with no copy.
-
 //!
 //! Modules: `cache` (the `KVCache` class), `dlpack` (element types and `KVTensor`), `args`
 //! (Python values to Rust ones, checked); this file holds the module and its exceptions.
