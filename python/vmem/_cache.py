@@ -33,7 +33,8 @@ class KVCache:
 
     Shape, from a model name or explicitly:
 
-    * ``model``: a name from :func:`models` (e.g. ``"llama-3-8b"``), split over ``tp`` workers;
+    * ``model``: a name from :func:`models` (e.g. ``"llama-3-8b"``), its KV heads split over
+      ``tp`` workers (an int >= 1);
     * or ``layers``, ``kv_heads``, ``head_dim``.
 
     Sizes: ``max_batch`` request ids, ``max_context`` tokens each; ``dtype`` one of ``bf16``,
@@ -46,6 +47,10 @@ class KVCache:
     With ``device=None`` (the default) ``"auto"`` may fall back to host memory
     (``config()["backend_reason"]`` says why); with a GPU device it must find a GPU
     (:class:`BackendUnavailable` otherwise); ``device="cpu"`` means the host backend.
+
+    Every argument is checked, and none is coerced: flags take ``True`` or ``False`` only,
+    counts take ints, sizes an int or a string such as ``"2M"``; anything else is
+    :class:`InvalidArgument` naming the argument.
 
     Memory and policy: ``memory_cap`` bytes of physical pages at most (default: the whole
     virtual size), ``prealloc`` bytes created up front; ``overlap`` maps the next step's
