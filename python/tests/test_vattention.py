@@ -1,7 +1,7 @@
 """vmem.vattention: vAttention's API, on host memory.
 
-``init_kvcache`` returns torch tensors; where torch is not installed (CI) the test puts a
-stand-in module named ``torch`` whose ``from_dlpack`` is NumPy's, so every function of the
+``init_kvcache`` returns torch tensors; where torch is not installed (scripts/test.sh python)
+the test puts a stand-in module named ``torch`` whose ``from_dlpack`` is NumPy's, so every function of the
 compatibility layer still runs for real. test_gpu.py runs it with torch on the GPU.
 """
 
