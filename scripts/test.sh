@@ -1,22 +1,77 @@
 #!/usr/bin/env bash
 # Every test, Rust and Python: the README's test command, and what CI runs.
-#   1. cargo test --workspace (GPU tests are listed as ignored: they need a GPU)
-#   2. the Python package, built and installed into a fresh venv under target/ with mypy, then
-#      pytest: the stubs checked against the built module (mypy.stubtest), the docstring
-#      examples and the docs' first steps included (tests that need torch, transformers or a
-#      GPU say they are skipped, and why)
+#
+#   scripts/test.sh                 # all three parts, in order
+#   scripts/test.sh python serving  # some of them
+#
+#   rust     cargo test --workspace (GPU tests are listed as ignored: they need a GPU)
+#   python   the Python package, built and installed into a fresh venv under target/ with
+#            NumPy, pytest and mypy (no torch), then pytest: the stubs checked against the
+#            built module (mypy.stubtest), the docstring examples and the docs' first steps
+#            included (tests that need torch, transformers or a GPU say they are skipped, and why)
+#   serving  for each transformers version below, a fresh venv with torch (the GPU machine's
+#            build, run on CPU) and that transformers, then the whole Python suite but the GPU
+#            tests; here no test may skip. pip's cache (~/.cache/pip) makes the installs quick
+#            after the first run.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
-echo "== Rust: cargo test --workspace"
-cargo test --workspace
+TORCH_VERSION=2.11.0
+# The transformers versions vmem.transformers supports: one venv and one run each.
+TRANSFORMERS_VERSIONS=(
+  5.17.0
+)
 
-echo "== Python: pip install ./python into target/py-test-venv, then pytest (stubtest included)"
-venv=target/py-test-venv
-rm -rf "$venv"
-python3 -m venv "$venv"
-"$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q ./python numpy pytest mypy
-# Run from outside the source tree so `import vmem` finds the installed package.
-(cd "$venv" && bin/python -m pytest -rs -p no:cacheprovider "$root/python/tests")
+part_rust() {
+  echo "== Rust: cargo test --workspace"
+  cargo test --workspace
+}
+
+# A fresh venv at $1 with the package and the packages named after it.
+make_venv() {
+  local venv=$1
+  shift
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q ./python "$@"
+}
+
+part_python() {
+  echo "== Python: pip install ./python into target/py-test-venv, then pytest (stubtest included)"
+  local venv=target/py-test-venv
+  make_venv "$venv" numpy pytest mypy
+  # Run from outside the source tree so `import vmem` finds the installed package.
+  (cd "$venv" && bin/python -m pytest -rs -p no:cacheprovider "$root/python/tests")
+}
+
+part_serving() {
+  local v venv log t0
+  for v in "${TRANSFORMERS_VERSIONS[@]}"; do
+    echo "== Python serving: torch $TORCH_VERSION (CPU) and transformers $v, no test may skip"
+    t0=$(date +%s)
+    venv=target/py-serving-$v
+    make_venv "$venv" "torch==$TORCH_VERSION" "transformers==$v" numpy pytest mypy
+    echo "   venv ready in $(( $(date +%s) - t0 ))s"
+    log=$venv/pytest.log
+    (cd "$venv" && CUDA_VISIBLE_DEVICES= bin/python -m pytest -rs -p no:cacheprovider \
+      --ignore="$root/python/tests/test_gpu.py" "$root/python/tests") 2>&1 | tee "$log"
+    if grep -q '^SKIPPED' "$log"; then
+      echo "serving with transformers $v: tests skipped where torch and transformers are installed:" >&2
+      grep '^SKIPPED' "$log" >&2
+      exit 1
+    fi
+    echo "   transformers $v: done in $(( $(date +%s) - t0 ))s"
+  done
+}
+
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(rust python serving)
+for p in "${parts[@]}"; do
+  case "$p" in
+    rust|python|serving) ;;
+    *) echo "$0: unknown part '$p' (rust, python, serving)" >&2; exit 2 ;;
+  esac
+done
+for p in "${parts[@]}"; do "part_$p"; done

@@ -84,3 +84,32 @@ def test_the_readme_host_example_runs_as_written():
     k0, r = scope["k0"], scope["r"]
     assert k0.shape == (4, 4096, 8, 128) and str(k0.dtype) == "float16"
     assert (k0[r, 1200:] == 0).all(), "rows past the request's length must read as zeros"
+
+
+def test_the_readme_install_line_brings_what_its_example_imports():
+    # Issue #30 item 15: `pip install ./python`, then the example's `import numpy` failed in a
+    # fresh venv. Every module the host example imports must come from the install line: vmem
+    # itself, a package it names, or an extra of ./python it asks for.
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    with open(README) as fh:
+        text = fh.read()
+    section = text[text.index("## Python"):]
+    line = re.search(r"^(?:#\s*)?pip install ([^:#\n]+)", section, re.M)
+    assert line, "README.md's Python section lost its `pip install` line"
+    words = line.group(1).split()
+    pyproject = os.path.join(os.path.dirname(README), "python", "pyproject.toml")
+    with open(pyproject, "rb") as fh:
+        extras = tomllib.load(fh)["project"]["optional-dependencies"]
+    brought = {"vmem"}
+    for w in (w.strip("\"'") for w in words):
+        m = re.fullmatch(r"\./python(?:\[(.*)\])?", w)
+        if m:
+            for extra in filter(None, (m.group(1) or "").split(",")):
+                brought |= {re.split(r"[<>=\[ ;]", req)[0].lower() for req in extras[extra.strip()]}
+        else:
+            brought.add(re.split(r"[<>=\[ ;]", w)[0].lower())
+    host = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if 'device="cpu"' in b)
+    imported = {name.split()[0].split(".")[0] for stmt in re.findall(r"^import (.+)$", host, re.M)
+                for name in stmt.split(",")}
+    assert imported and imported <= brought, f"the example imports {sorted(imported - brought)}, " \
+        f"which `pip install {line.group(1).strip()}` does not install"

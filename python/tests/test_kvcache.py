@@ -79,7 +79,7 @@ def test_step_takes_lists_arrays_dicts_and_cpu_tensors_alike():
     kv.step(np.array([256 if i == r else 0 for i in range(4)], dtype=np.int64))
     kv.step({r: 512})
     assert kv.request_pages(r) == [2] * 6
-    torch = pytest.importorskip("torch", reason="torch is not installed here (CI); the GPU script checks tensors")
+    torch = pytest.importorskip("torch", reason="no torch here; scripts/test.sh serving runs this with torch")
     kv.step(torch.tensor([512 if i == r else 0 for i in range(4)]))
 
 
@@ -409,7 +409,7 @@ def test_the_package_imports_without_torch_and_only_vmem_torch_needs_it():
 
 
 def test_vmem_torch_hands_out_tensors_over_the_cache():
-    torch = pytest.importorskip("torch", reason="torch is not installed here (CI); the GPU script runs this")
+    torch = pytest.importorskip("torch", reason="no torch here; scripts/test.sh serving runs this with torch")
     import vmem.torch as vt
 
     kv = cache(dtype="bf16")

@@ -1,7 +1,7 @@
 """vmem.vattention: vAttention's API, on host memory.
 
-``init_kvcache`` returns torch tensors; where torch is not installed (CI) the test puts a
-stand-in module named ``torch`` whose ``from_dlpack`` is NumPy's, so every function of the
+``init_kvcache`` returns torch tensors; where torch is not installed (scripts/test.sh python)
+the test puts a stand-in module named ``torch`` whose ``from_dlpack`` is NumPy's, so every function of the
 compatibility layer still runs for real. test_gpu.py runs it with torch on the GPU.
 """
 
@@ -108,3 +108,47 @@ def test_reserving_the_gpus_free_memory_stops_at_the_virtual_size(torch_or_numpy
     # Through vmem.KVCache the same amount is refused: it could never be mapped.
     with pytest.raises(vmem.InvalidArgument, match="virtual size"):
         va._get().reserve_physical(1 << 40)
+
+
+ARGS = dict(num_layers=2, num_kv_heads=2, head_size=64, max_batch_size=4, max_context_length=2048,
+            device="cpu", dtype="float16", page_size=65536)
+
+
+@pytest.mark.parametrize("name", ["num_layers", "num_kv_heads", "head_size", "max_batch_size",
+                                  "max_context_length"])
+@pytest.mark.parametrize("value", [2.0, "2", True, 0, -1])
+def test_init_kvcache_refuses_a_shape_that_is_not_a_positive_int_naming_its_argument(
+        torch_or_numpy, name, value):
+    with pytest.raises(vmem.InvalidArgument, match=name):
+        va.init_kvcache(**{**ARGS, name: value})
+    with pytest.raises(vmem.Closed):  # nothing was configured
+        va.num_free_kvblocks()
+
+
+@pytest.mark.parametrize("value", [True, 65536.0, "lots", 0])
+def test_init_kvcache_refuses_a_page_size_that_is_not_bytes(torch_or_numpy, value):
+    with pytest.raises(vmem.InvalidArgument, match="page_size"):
+        va.init_kvcache(**{**ARGS, "page_size": value})
+
+
+@pytest.mark.parametrize("value", ["no", 0, 1, None])
+def test_the_flags_of_the_vattention_api_take_bools_only(torch_or_numpy, value):
+    va.init_kvcache(**ARGS)
+    with pytest.raises(vmem.InvalidArgument, match="eager_reclaim"):
+        va.step([0, 0, 0, 0], eager_reclaim=value)
+    with pytest.raises(vmem.InvalidArgument, match="flag"):
+        va.set_deferred_reclamation(value)
+    with pytest.raises(vmem.InvalidArgument, match="flag"):
+        va.set_verbose(value)
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda: va.alloc_new_batch_idx(True), "seqlen"), (lambda: va.alloc_new_batch_idx(1.0), "seqlen"),
+    (lambda: va.free_batch_idx("0"), "batch_idx"), (lambda: va.free_batch_idx(-1), "batch_idx"),
+    (lambda: va.reserve_physical_pages(True), "free_memory"),
+    (lambda: va.reserve_physical_pages(1.5e9), "free_memory"),
+])
+def test_the_vattention_calls_name_the_argument_they_refuse(torch_or_numpy, call, name):
+    va.init_kvcache(**ARGS)
+    with pytest.raises(vmem.InvalidArgument, match=name):
+        call()

@@ -1,5 +1,9 @@
 """Argument checkers shared by every public constructor and option of the package.
 
+The converters below them turn what a call takes into what the Rust module takes: byte sizes
+(:func:`parse_bytes`), a step's lengths (:func:`lengths`), a prompt's token ids
+(:func:`token_ids`) and a dtype's name (:func:`dtype_name`).
+
 Each checker takes the argument's public name (as the user spells it, e.g. ``"max_batch"`` or
 ``"install(memory=...)"``) and its value, and returns the value in its canonical form or raises
 :class:`vmem.InvalidArgument` naming the argument and what it accepts. None of them coerces: a
@@ -8,7 +12,9 @@ string is never a bool, a float never an int, a bool never a number.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, TypeVar, Union
+import operator
+from collections.abc import Set as AbstractSet
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, TypeVar, Union
 
 from . import _vmem
 from ._vmem import InvalidArgument
@@ -86,3 +92,130 @@ def check_size(name: str, value: Any, *, min: int = 0) -> int:
 def check_optional_size(name: str, value: Any, *, min: int = 0) -> Optional[int]:
     """``None`` or a byte size (:func:`check_size`)."""
     return None if value is None else check_size(name, value, min=min)
+
+
+def parse_bytes(size: Size) -> int:
+    """A byte size: an int, or a string such as ``"64K"``, ``"2M"``, ``"40GiB"``."""
+    if isinstance(size, bool):
+        raise InvalidArgument(f"not a size: {size!r}")
+    if isinstance(size, int):
+        if size < 0:
+            raise InvalidArgument(f"a size must be >= 0, got {size}")
+        return size
+    if isinstance(size, str):
+        return _vmem.parse_bytes(size)
+    raise InvalidArgument(f"not a size: {size!r} (an int, or a string like '2M')")
+
+
+# Lengths travel to Rust as 64-bit signed ints; anything larger is refused here, clearly.
+_MAX_LENGTH = 1 << 63
+
+
+def lengths(lengths: Any, max_batch: int) -> List[int]:
+    """One length per request id from a list, a dict {id: length}, a NumPy array or a CPU
+    tensor."""
+    if isinstance(lengths, Mapping):
+        out = [0] * max_batch
+        for r, n in lengths.items():
+            if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < max_batch:
+                raise InvalidArgument(f"request id {r!r} out of range (0..{max_batch})")
+            out[r] = n
+        lengths = out
+    elif hasattr(lengths, "tolist"):  # NumPy arrays, torch tensors
+        device = getattr(lengths, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            raise InvalidArgument("lengths must be on the CPU (a device tensor would sync)")
+        lengths = lengths.tolist()
+    elif isinstance(lengths, (str, bytes, bytearray)):
+        raise InvalidArgument(f"lengths must be a list, a dict {{id: length}} or an array, got {short(lengths)}")
+    elif not isinstance(lengths, (list, tuple)):
+        try:
+            lengths = list(lengths)
+        except TypeError:
+            raise InvalidArgument(
+                f"lengths must be a list, a dict {{id: length}} or an array, got {short(lengths)}") from None
+    # The common case, a list of plain non-negative ints, checked by C loops (a step of a
+    # batch of 256 spent 14 µs in the loop below).
+    if (
+        len(lengths) == max_batch
+        and set(map(type, lengths)) <= {int}
+        and min(lengths, default=0) >= 0
+        and max(lengths, default=0) < _MAX_LENGTH
+    ):
+        return list(lengths)
+    out = []
+    for i, n in enumerate(lengths):
+        if isinstance(n, bool) or not isinstance(n, int):
+            if isinstance(n, float) and n.is_integer():
+                n = int(n)
+            else:
+                raise InvalidArgument(f"lengths[{i}] = {n!r} is not a whole number of tokens")
+        if n < 0:
+            raise InvalidArgument(f"lengths[{i}] = {n} is negative")
+        if n >= _MAX_LENGTH:
+            raise InvalidArgument(f"lengths[{i}] = {n} is too large")
+        out.append(n)
+    if len(out) != max_batch:
+        raise InvalidArgument(f"step expects {max_batch} lengths (max batch), got {len(out)}")
+    return out
+
+
+def token_ids(tokens: Any) -> List[int]:
+    """Token ids as a list of ints from a list, a tuple, a NumPy array or a CPU tensor (1-D),
+    or any ordered iterable of ints, NumPy integers or 0-d integer CPU tensors (the Rust side
+    checks each is an int in ``0..2**32``)."""
+    if hasattr(tokens, "tolist") and not isinstance(tokens, (list, tuple)):  # arrays, tensors
+        device = getattr(tokens, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            raise InvalidArgument("tokens must be on the CPU (a device tensor would sync)")
+        shape = getattr(tokens, "shape", None)
+        if shape is not None and len(shape) != 1:
+            raise InvalidArgument(f"tokens must be a 1-D sequence of token ids, got an array of shape {tuple(shape)}")
+        if "bool" in str(getattr(tokens, "dtype", "")):
+            raise InvalidArgument("tokens must be token ids, not booleans")
+        out = tokens.tolist()
+        if not isinstance(out, list):
+            raise InvalidArgument(f"tokens must be a 1-D sequence of token ids, got {short(tokens)}")
+        return out
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Iterable):
+        raise InvalidArgument(f"tokens must be a sequence of token ids, got {short(tokens)}")
+    if isinstance(tokens, (Mapping, AbstractSet)):
+        raise InvalidArgument(f"tokens must be an ordered sequence of token ids, not a {type(tokens).__name__}")
+    out = tokens if isinstance(tokens, list) else list(tokens)
+    # The common case, plain ints, goes to Rust as it is (a C loop over the types).
+    if set(map(type, out)) <= {int}:
+        return out
+    return [token_id(i, t) for i, t in enumerate(out)]
+
+
+def token_id(i: int, t: Any) -> Any:
+    """Element ``i`` of a prompt as an int where it is an integer scalar (a NumPy integer, a 0-d
+    integer CPU tensor); anything else is refused here, naming it in one short line (ints go on
+    to Rust's range check)."""
+    if isinstance(t, int) and not isinstance(t, bool):
+        if t >= 2**32:  # Rust would say "at most 2**64 - 1" past 64 bits
+            raise InvalidArgument(f"tokens[{i}] = {short(t)} is not a token id (< 2**32)")
+        return t
+    if not isinstance(t, (bool, float)) and getattr(t, "ndim", 0) == 0 and hasattr(t, "__index__") \
+            and "bool" not in str(getattr(t, "dtype", "")):
+        device = getattr(t, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            raise InvalidArgument("tokens must be on the CPU (a device tensor would sync)")
+        try:
+            return token_id(i, operator.index(t))
+        except TypeError:
+            pass
+    raise InvalidArgument(f"tokens[{i}] must be an int, got {short(t)}")
+
+
+def dtype_name(dtype: Any) -> str:
+    """A dtype's name from a string, a torch dtype (``torch.float16``), a NumPy dtype or a NumPy
+    scalar type (``numpy.float16``), without importing either."""
+    if isinstance(dtype, str):
+        return dtype
+    if isinstance(dtype, type):  # numpy.float16
+        return dtype.__name__
+    name = getattr(dtype, "name", None)  # numpy.dtype("float16")
+    if isinstance(name, str):
+        return name
+    return str(dtype).replace("torch.", "")

@@ -14,30 +14,34 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Tuple
+from typing import List, Tuple
 
 import torch
 
-if TYPE_CHECKING:
-    from . import KVCache
+from ._cache import KVCache
+from ._vmem import InvalidArgument
 
 __all__ = ["layer", "layers", "tensors"]
 
 
-def layer(kv: "KVCache", i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def layer(kv: KVCache, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Layer ``i``'s K and V as torch tensors over vmem memory (``torch.from_dlpack``, no copy):
     ``[max_batch, max_context, kv_heads, head_dim]``, on ``cuda:N`` or ``cpu``. Each keeps the
     cache's memory alive until it is dropped."""
+    if not isinstance(kv, KVCache):
+        raise InvalidArgument(f"vmem.torch.layer takes a vmem.KVCache, got {type(kv).__name__}")
     k, v = kv.layer(i)
     return torch.from_dlpack(k), torch.from_dlpack(v)
 
 
-def layers(kv: "KVCache") -> List[Tuple[torch.Tensor, torch.Tensor]]:
+def layers(kv: KVCache) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """Every layer's K and V (:func:`layer` of each)."""
+    if not isinstance(kv, KVCache):
+        raise InvalidArgument(f"vmem.torch.layers takes a vmem.KVCache, got {type(kv).__name__}")
     return [layer(kv, i) for i in range(kv.num_layers)]
 
 
-def tensors(kv: "KVCache") -> List[torch.Tensor]:
+def tensors(kv: KVCache) -> List[torch.Tensor]:
     """Every layer's K, then every layer's V: vAttention's ``init_kvcache`` order."""
     pairs = layers(kv)
     return [k for k, _ in pairs] + [v for _, v in pairs]

@@ -26,7 +26,8 @@ from __future__ import annotations
 import logging
 from typing import Any, List, Optional
 
-from . import Closed, InvalidArgument, KVCache, OutOfMemory, parse_bytes
+from . import Closed, InvalidArgument, KVCache, OutOfMemory
+from ._args import check_bool, check_int, check_positive_int, check_size, dtype_name
 
 __all__ = [
     "init_kvcache",
@@ -70,16 +71,21 @@ def init_kvcache(
     global _cache, _tensors
     if _cache is not None:
         raise InvalidArgument("vattention: init_kvcache called twice; call cleanup first")
+    # Checked under this API's names (KVCache would name its own: layers, kv_heads, ...).
+    shape = {name: check_positive_int(name, value) for name, value in (
+        ("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_size", head_size),
+        ("max_batch_size", max_batch_size), ("max_context_length", max_context_length))}
+    page = check_size("page_size", page_size, min=1)
     from . import torch as vmem_torch  # vAttention's API hands out torch tensors
 
     cache = KVCache(
-        layers=num_layers,
-        kv_heads=num_kv_heads,
-        head_dim=head_size,
-        dtype=str(dtype),
-        max_batch=max_batch_size,
-        max_context=max_context_length,
-        page_size=page_size,
+        layers=shape["num_layers"],
+        kv_heads=shape["num_kv_heads"],
+        head_dim=shape["head_size"],
+        dtype=dtype_name(dtype),
+        max_batch=shape["max_batch_size"],
+        max_context=shape["max_context_length"],
+        page_size=page,
         device=device,
         overlap=True,
         deferred_reclaim=True,
@@ -95,15 +101,14 @@ def reserve_physical_pages(free_memory: int) -> None:
     above the cache's virtual size (all it can ever map) is lowered to it; more than the
     device has free raises :class:`vmem.OutOfMemory` before any page is created."""
     cache = _get()
-    cache.reserve_physical(min(parse_bytes(free_memory), cache.config()["memory_cap"]))
+    cache.reserve_physical(min(check_size("free_memory", free_memory), cache.config()["memory_cap"]))
 
 
 def alloc_new_batch_idx(seqlen: int) -> int:
     """An inactive request id that best fits ``seqlen`` tokens (one already holding enough
     mapped pages, else the first inactive one), marked active; -1 when none is free."""
     cache = _get()
-    if isinstance(seqlen, bool) or not isinstance(seqlen, int) or seqlen < 0:
-        raise InvalidArgument(f"seqlen must be a non-negative int, got {seqlen!r}")
+    seqlen = check_int("seqlen", seqlen, min=0)
     try:
         return cache.alloc_for(seqlen)
     except InvalidArgument as e:
@@ -114,7 +119,7 @@ def alloc_new_batch_idx(seqlen: int) -> int:
 
 def free_batch_idx(batch_idx: int) -> None:
     """Marks the id inactive; with deferred reclamation its pages stay mapped."""
-    _get().free(batch_idx)
+    _get().free(check_int("batch_idx", batch_idx, min=0))
 
 
 def _step(seq_lens: Any) -> None:
@@ -127,7 +132,7 @@ def _step(seq_lens: Any) -> None:
 def step(seq_lens: Any, eager_reclaim: bool = False) -> None:
     """Maps what each active id (``seq_lens[i] > 0``) needs now; with ``eager_reclaim``,
     first unmaps every page of inactive ids."""
-    if eager_reclaim:
+    if check_bool("eager_reclaim", eager_reclaim):
         _get().reclaim_inactive()
     _step(seq_lens)
     _get().wait_idle()
@@ -147,12 +152,12 @@ def num_free_kvblocks() -> int:
 
 def set_deferred_reclamation(flag: bool) -> None:
     """Turns deferred reclamation on or off."""
-    _get().set_deferred_reclaim(bool(flag))
+    _get().set_deferred_reclaim(check_bool("flag", flag))
 
 
 def set_verbose(flag: bool) -> None:
     """Logs each call's effect at INFO (``logging.getLogger('vmem.vattention')``)."""
-    _log.setLevel(logging.INFO if flag else logging.WARNING)
+    _log.setLevel(logging.INFO if check_bool("flag", flag) else logging.WARNING)
 
 
 def show_kvcache_config() -> None:

@@ -109,7 +109,7 @@ impl ExperimentConfig {
             .kv_config_builder(dep.tp, self.max_batch, self.max_context, page)?
             .layout(layout)
             .memory_cap(self.budget)
-            .reclaim_threshold(self.budget / 16)
+            .reclaim_threshold(vmem::kvcache::default_reclaim_threshold(self.budget))
             .deferred_reclaim(self.deferred_reclaim)
             .eager_tokens(if self.eager {
                 1024.min(self.max_context)

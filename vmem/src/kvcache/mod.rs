@@ -14,6 +14,7 @@
 
 mod blocks;
 mod config;
+mod defaults;
 mod digest;
 mod lockstep;
 mod map_ahead;
@@ -24,6 +25,10 @@ mod state;
 
 pub use blocks::{block_hashes, BlockHash, PrefixStats};
 pub use config::{Geometry, KvConfig, KvConfigBuilder, LayerView, Layout, TensorView, MAX_BATCH};
+pub use defaults::{
+    default_reclaim_threshold, default_zero_page, max_map_count, whole_virtual_size,
+    PolicyDefaults, DEFAULT_MAX_MAP_COUNT,
+};
 pub use digest::DecisionDigest;
 
 use crate::backend::Backend;

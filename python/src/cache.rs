@@ -1,0 +1,380 @@
+//! The `KVCache` class: one [`KvCacheManager`] behind an `Arc` shared with every view it hands
+//! out, so a view keeps the memory it points at alive: dropping or closing the cache while
+//! tensors exist never leaves a dangling pointer.
+
+use crate::args::{is_int, to_u64, to_usize, token_ids};
+use crate::dlpack::{DType, KVTensor};
+use crate::{py_err, Closed, InvalidArgument};
+use dlpark::ffi::{DLDevice, DLDeviceType};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::sync::{Arc, Mutex};
+use vmem::backend::{open_backend, Backend, BackendChoice, BackendKind};
+use vmem::kvcache::PolicyDefaults;
+use vmem::{KvCacheManager, KvConfig, Layout, VmemError as CoreError};
+
+/// What every view shares with the cache: the manager, alive as long as any of them.
+pub(crate) struct Inner {
+    /// The manager.
+    pub(crate) kv: KvCacheManager,
+    /// The element type its views export.
+    pub(crate) dtype: DType,
+    /// Where its memory is, as DLPack names it.
+    pub(crate) device: DLDevice,
+}
+
+/// A KV cache: one `KvCacheManager` and its per-layer K and V views.
+#[pyclass(module = "vmem._vmem", frozen)]
+pub(crate) struct KVCache {
+    inner: Mutex<Option<Arc<Inner>>>,
+    backend_name: &'static str,
+    backend_reason: String,
+}
+
+impl KVCache {
+    fn get(&self) -> PyResult<Arc<Inner>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| Closed::new_err("the cache is closed"))
+    }
+
+    /// A prefix call (`adopt_prefix`, `publish_prefix`) on request `req` with prompt `tokens`,
+    /// both checked first, with the GIL released.
+    fn with_prefix(
+        &self,
+        py: Python<'_>,
+        req: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+        call: fn(&KvCacheManager, usize, &[u32]) -> vmem::Result<u64>,
+    ) -> PyResult<u64> {
+        let inner = self.get()?;
+        let r = to_usize(req, "request id")?;
+        let t = token_ids(tokens)?;
+        py.detach(|| call(&inner.kv, r, &t)).map_err(py_err)
+    }
+}
+
+#[pymethods]
+impl KVCache {
+    /// Low-level constructor; use `vmem.KVCache`, which documents every argument.
+    #[new]
+    #[pyo3(signature = (*, layers, kv_heads, head_dim, dtype, max_batch, max_context, page_size,
+        layout, backend, device, memory_cap, prealloc, overlap, deferred_reclaim, eager_tokens,
+        reclaim_threshold=None, pad_rows=false, zero_page=None, prefix_cache=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        layers: &Bound<'_, PyAny>,
+        kv_heads: &Bound<'_, PyAny>,
+        head_dim: &Bound<'_, PyAny>,
+        dtype: &str,
+        max_batch: &Bound<'_, PyAny>,
+        max_context: &Bound<'_, PyAny>,
+        page_size: &Bound<'_, PyAny>,
+        layout: &str,
+        backend: &str,
+        device: &Bound<'_, PyAny>,
+        memory_cap: &Bound<'_, PyAny>,
+        prealloc: &Bound<'_, PyAny>,
+        overlap: bool,
+        deferred_reclaim: bool,
+        eager_tokens: &Bound<'_, PyAny>,
+        reclaim_threshold: Option<&Bound<'_, PyAny>>,
+        pad_rows: bool,
+        zero_page: Option<bool>,
+        prefix_cache: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let dtype = DType::parse(dtype)?;
+        let layout: Layout = layout.parse().map_err(py_err)?;
+        let choice: BackendChoice = backend.parse().map_err(py_err)?;
+        let ordinal = to_usize(device, "device")?;
+        let memory_cap = to_u64(memory_cap, "memory_cap")?;
+        let cfg = KvConfig::builder()
+            .layers(to_usize(layers, "layers")?)
+            .kv_heads(to_usize(kv_heads, "kv_heads")?)
+            .head_dim(to_usize(head_dim, "head_dim")?)
+            .elem_bytes(dtype.bytes())
+            .max_batch(to_usize(max_batch, "max_batch")?)
+            .max_context(to_usize(max_context, "max_context")?)
+            .page_size(to_u64(page_size, "page_size")?)
+            .layout(layout)
+            .memory_cap(memory_cap)
+            .prealloc(to_u64(prealloc, "prealloc")?)
+            .overlap(overlap)
+            .deferred_reclaim(deferred_reclaim)
+            .eager_tokens(to_usize(eager_tokens, "eager_tokens")?)
+            .pad_rows(pad_rows)
+            .prefix_cache(
+                prefix_cache
+                    .map(|b| to_u64(b, "prefix_cache"))
+                    .transpose()?,
+            );
+        // The shape is checked before a backend is opened: a bad shape is InvalidArgument
+        // whatever the machine has.
+        let shape = cfg.build();
+        shape.validate().map_err(py_err)?;
+        // The defaults left to vmem (0 asks for the whole virtual size), resolved by the
+        // library once the backend is known (docs/python.md).
+        let policies = PolicyDefaults {
+            memory_cap: (memory_cap != 0).then_some(memory_cap),
+            reclaim_threshold: reclaim_threshold
+                .map(|t| to_u64(t, "reclaim_threshold"))
+                .transpose()?,
+            zero_page,
+        };
+        let (kv, name, reason, dev) = py
+            .detach(|| -> Result<_, CoreError> {
+                let selected = open_backend(choice, ordinal)?;
+                let b: Arc<dyn Backend> = selected.backend;
+                let cfg = policies.resolve(shape, b.kind())?;
+                let dev = match b.kind() {
+                    BackendKind::Cuda | BackendKind::Uvm => DLDevice {
+                        device_type: DLDeviceType::CUDA,
+                        device_id: ordinal as i32,
+                    },
+                    _ => DLDevice {
+                        device_type: DLDeviceType::CPU,
+                        device_id: 0,
+                    },
+                };
+                let name = b.name();
+                Ok((KvCacheManager::init(b, cfg)?, name, selected.reason, dev))
+            })
+            .map_err(py_err)?;
+        Ok(KVCache {
+            inner: Mutex::new(Some(Arc::new(Inner {
+                kv,
+                dtype,
+                device: dev,
+            }))),
+            backend_name: name,
+            backend_reason: reason,
+        })
+    }
+
+    /// Hands out a request id (0 <= id < max_batch).
+    fn alloc(&self, py: Python<'_>) -> PyResult<usize> {
+        let inner = self.get()?;
+        py.detach(|| inner.kv.alloc_reqid()).map_err(py_err)
+    }
+
+    /// Hands out the inactive id that best fits a request of `tokens` tokens.
+    fn alloc_for(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let inner = self.get()?;
+        let t = to_u64(tokens, "tokens")?;
+        py.detach(|| inner.kv.alloc_reqid_for(t)).map_err(py_err)
+    }
+
+    /// Maps pages for `tokens` tokens of active request `req` outside the manager's lock
+    /// (GIL released): other threads' steps for other requests go on meanwhile.
+    fn map_ahead(
+        &self,
+        py: Python<'_>,
+        req: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        let inner = self.get()?;
+        let r = to_usize(req, "request id")?;
+        let t = to_u64(tokens, "tokens")?;
+        py.detach(|| inner.kv.map_ahead(r, t)).map_err(py_err)
+    }
+
+    /// Returns a request id.
+    fn free(&self, py: Python<'_>, req: &Bound<'_, PyAny>) -> PyResult<()> {
+        let inner = self.get()?;
+        let r = to_usize(req, "request id")?;
+        py.detach(|| inner.kv.free_reqid(r)).map_err(py_err)
+    }
+
+    /// Maps what every active request needs for `lengths` (one per id, 0 = inactive); the GIL
+    /// is released. Returns (sync_pages, background_pages, reclaimed_pages).
+    fn step(&self, py: Python<'_>, lengths: Vec<i64>) -> PyResult<(u64, u64, u64)> {
+        let inner = self.get()?;
+        // The message is built only for a bad length: a step of a large batch would otherwise
+        // format one string per request.
+        let lens = lengths
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| {
+                u64::try_from(l).map_err(|_| {
+                    InvalidArgument::new_err(format!("lengths[{i}] must be >= 0, got {l}"))
+                })
+            })
+            .collect::<PyResult<Vec<u64>>>()?;
+        let r = py.detach(|| inner.kv.step(&lens)).map_err(py_err)?;
+        Ok((r.sync_pages, r.background_pages, r.reclaimed_pages))
+    }
+
+    /// Waits (GIL released) until the background thread finished its work.
+    fn wait_idle(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = self.get()?;
+        py.detach(|| inner.kv.wait_idle());
+        Ok(())
+    }
+
+    /// Sets the pool to `bytes` of physical memory, creating the pages now.
+    fn reserve_physical(&self, py: Python<'_>, bytes: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let inner = self.get()?;
+        let b = to_u64(bytes, "bytes")?;
+        py.detach(|| inner.kv.reserve_physical(b)).map_err(py_err)
+    }
+
+    /// Unmaps every page of every inactive request.
+    fn reclaim_inactive(&self, py: Python<'_>) -> PyResult<u64> {
+        let inner = self.get()?;
+        py.detach(|| inner.kv.reclaim_inactive()).map_err(py_err)
+    }
+
+    /// Free KV blocks (one page in every buffer), counting inactive requests' spare pages.
+    fn free_blocks(&self) -> PyResult<u64> {
+        Ok(self.get()?.kv.free_blocks())
+    }
+
+    /// Turns deferred reclamation on or off.
+    fn set_deferred_reclaim(&self, on: bool) -> PyResult<()> {
+        self.get()?.kv.set_deferred_reclaim(on);
+        Ok(())
+    }
+
+    /// Whether request `req` is handed out.
+    fn is_active(&self, req: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.get()?
+            .kv
+            .is_active(to_usize(req, "request id")?)
+            .map_err(py_err)
+    }
+
+    /// Pages request `req` holds in each buffer.
+    fn request_pages(&self, req: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        self.get()?
+            .kv
+            .request_pages(to_usize(req, "request id")?)
+            .map_err(py_err)
+    }
+
+    /// The K and V views of layer `i`.
+    fn layer(&self, i: &Bound<'_, PyAny>) -> PyResult<(KVTensor, KVTensor)> {
+        let inner = self.get()?;
+        let views = inner.kv.layer_views();
+        let idx = match to_usize(i, "layer") {
+            Ok(idx) if idx < views.len() => idx,
+            // Not an int at all: say so, not "out of range" (`layer("0")` read as layer 0).
+            Err(e) if !is_int(i) => return Err(e),
+            _ => {
+                return Err(InvalidArgument::new_err(format!(
+                    "layer {i} out of range (0..{})",
+                    views.len()
+                )))
+            }
+        };
+        let v = views[idx];
+        Ok((KVTensor::new(&inner, v.k), KVTensor::new(&inner, v.v)))
+    }
+
+    /// Starts active request `req`, before its first step, from the longest cached prefix of
+    /// its prompt `tokens` (token ids); returns the tokens served from the cache.
+    fn adopt_prefix(
+        &self,
+        py: Python<'_>,
+        req: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        self.with_prefix(py, req, tokens, KvCacheManager::adopt_prefix)
+    }
+
+    /// Publishes active request `req`'s computed full blocks of `tokens` to the prefix cache;
+    /// returns the blocks newly cached.
+    fn publish_prefix(
+        &self,
+        py: Python<'_>,
+        req: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        self.with_prefix(py, req, tokens, KvCacheManager::publish_prefix)
+    }
+
+    /// What the prefix cache holds and has served.
+    fn prefix_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.get()?.kv.prefix_stats();
+        let d = PyDict::new(py);
+        d.set_item("block_tokens", s.block_tokens)?;
+        d.set_item("blocks", s.blocks)?;
+        d.set_item("unmapped_bytes", s.unmapped_bytes)?;
+        d.set_item("shared_savings_bytes", s.shared_savings_bytes)?;
+        d.set_item("hit_tokens", s.hit_tokens)?;
+        d.set_item("evicted_blocks", s.evicted_blocks)?;
+        Ok(d)
+    }
+
+    /// The running digest of the manager's decisions, `(value, steps, calls)`: tensor-parallel
+    /// ranks making the same calls hold equal ones (docs/architecture.md, "Lockstep").
+    fn decision_digest(&self) -> PyResult<(u64, u64, u64)> {
+        let d = self.get()?.kv.decision_digest();
+        Ok((d.value, d.steps, d.calls))
+    }
+
+    /// Memory held now, in bytes, and request counts.
+    fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let inner = self.get()?;
+        let u = inner.kv.usage();
+        let (created, free, cap) = inner.kv.pool_pages();
+        let d = PyDict::new(py);
+        d.set_item("kv_bytes", u.kv_bytes)?;
+        d.set_item("active_mapped_bytes", u.active_mapped_bytes)?;
+        d.set_item("mapped_bytes", u.mapped_bytes)?;
+        d.set_item("physical_bytes", u.physical_bytes)?;
+        d.set_item("cap_bytes", u.cap_bytes)?;
+        d.set_item("active_requests", u.active_requests)?;
+        d.set_item("pool_created_pages", created)?;
+        d.set_item("pool_free_pages", free)?;
+        d.set_item("pool_cap_pages", cap)?;
+        Ok(d)
+    }
+
+    /// The configuration and derived sizes.
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let inner = self.get()?;
+        let c = inner.kv.config();
+        let g = inner.kv.geometry();
+        let d = PyDict::new(py);
+        d.set_item("layers", c.layers)?;
+        d.set_item("kv_heads", c.kv_heads)?;
+        d.set_item("head_dim", c.head_dim)?;
+        d.set_item("dtype", inner.dtype.name())?;
+        d.set_item("max_batch", c.max_batch)?;
+        d.set_item("max_context", c.max_context)?;
+        d.set_item("page_size", c.page_size)?;
+        d.set_item("layout", c.layout.name())?;
+        d.set_item("memory_cap", c.memory_cap)?;
+        d.set_item("overlap", c.overlap)?;
+        d.set_item("deferred_reclaim", inner.kv.deferred_reclaim())?;
+        d.set_item("eager_tokens", c.eager_tokens)?;
+        d.set_item("pad_rows", c.pad_rows)?;
+        d.set_item("zero_page", c.zero_page)?;
+        d.set_item("prefix_cache", c.prefix_cache)?;
+        d.set_item("buffers", g.buffers)?;
+        d.set_item("token_bytes", g.token_bytes)?;
+        d.set_item("tokens_per_page", g.tokens_per_page())?;
+        d.set_item("backend", self.backend_name)?;
+        d.set_item("backend_reason", &self.backend_reason)?;
+        Ok(d)
+    }
+
+    /// Closes the cache: no call works afterwards. The memory goes when the last view
+    /// handed out is dropped too (GIL released while it is freed).
+    fn close(&self, py: Python<'_>) {
+        let taken = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+        py.detach(move || drop(taken));
+    }
+
+    /// Whether `close` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+    }
+}

@@ -1,0 +1,219 @@
+"""Every constructor argument and option of vmem.KVCache, checked as a user gets them wrong
+(issue #30 items 6, 9 and 12, and the adversarial pass in docs/hardening.md): anything but
+the type an argument takes is InvalidArgument naming it, and nothing is coerced."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import vmem
+
+GEOM = dict(layers=2, kv_heads=2, head_dim=64, max_batch=2, max_context=4096, dtype="fp16",
+            page_size="64K", device="cpu", overlap=False, eager_tokens=0)
+
+
+def cache(**kw):
+    return vmem.KVCache(**{**GEOM, **kw})
+
+
+BOOLS = ["overlap", "deferred_reclaim", "pad_rows", "zero_page"]
+
+
+@pytest.mark.parametrize("name", BOOLS)
+@pytest.mark.parametrize("value", ["no", "False", "", 0, 1, 1.0, [], b"yes"])
+def test_a_boolean_option_given_anything_but_a_bool_is_refused_naming_it(name, value):
+    # Item 6: zero_page="no" was True (bool() of a non-empty string).
+    with pytest.raises(vmem.InvalidArgument, match=name):
+        cache(**{name: value})
+
+
+@pytest.mark.parametrize("name", BOOLS)
+def test_a_boolean_option_takes_true_and_false(name):
+    for value in (True, False):
+        kv = cache(**{name: value})
+        if name in ("zero_page", "overlap", "pad_rows"):
+            assert kv.config()[name] is value
+        kv.close()
+
+
+@pytest.mark.parametrize("value", [True, False, 2.0, "2", None, 0, -1])
+def test_tp_must_be_an_int_of_one_or_more(value):
+    # Item 12: tp=True was TP-1 (True % 8 == 1 passed the split check).
+    with pytest.raises(vmem.InvalidArgument, match="tp"):
+        vmem.KVCache("llama-3-8b", tp=value, max_batch=1, max_context=16, device="cpu")
+
+
+def test_tp_splits_a_models_heads_and_is_refused_with_an_explicit_shape():
+    kv = vmem.KVCache("llama-3-8b", tp=2, max_batch=1, max_context=16, device="cpu")
+    assert kv.config()["kv_heads"] == 4
+    kv.close()
+    with pytest.raises(vmem.InvalidArgument, match="tp=2"):
+        cache(tp=2)
+
+
+@pytest.mark.parametrize("name", ["layers", "kv_heads", "head_dim", "max_batch", "max_context"])
+@pytest.mark.parametrize("value", [2.0, "2", True, None, 0, -3])
+def test_a_shape_argument_must_be_a_positive_int(name, value):
+    with pytest.raises(vmem.InvalidArgument, match=name):
+        cache(**{name: value})
+
+
+@pytest.mark.parametrize("value", [1.0, "0", True, -1, [0]])
+def test_eager_tokens_must_be_an_int_of_zero_or_more(value):
+    with pytest.raises(vmem.InvalidArgument, match="eager_tokens"):
+        cache(eager_tokens=value)
+
+
+@pytest.mark.parametrize("name", ["page_size", "memory_cap", "prealloc", "reclaim_threshold",
+                                  "prefix_cache"])
+@pytest.mark.parametrize("value", [True, 65536.0, "lots", -1, [1]])
+def test_a_size_must_be_bytes_as_an_int_or_a_string(name, value):
+    with pytest.raises(vmem.InvalidArgument, match=name):
+        cache(**{name: value})
+
+
+def test_sizes_take_ints_and_strings():
+    kv = cache(page_size=65536, memory_cap="1M", prealloc="128K", reclaim_threshold=0,
+               prefix_cache="256K")
+    c = kv.config()
+    assert (c["page_size"], c["memory_cap"], c["prefix_cache"]) == (65536, 1 << 20, 256 << 10)
+    kv.close()
+
+
+@pytest.mark.parametrize("kw", [dict(layout=None), dict(backend=1), dict(model=b"llama-3-8b")])
+def test_names_must_be_strings(kw):
+    with pytest.raises(vmem.InvalidArgument, match=next(iter(kw))):
+        cache(**kw) if "model" not in kw else vmem.KVCache(kw["model"], max_batch=1,
+                                                           max_context=16, device="cpu")
+
+
+@pytest.mark.parametrize("value", ["no", 0, None, 1.0])
+def test_set_deferred_reclaim_takes_a_bool_only(value):
+    kv = cache()
+    with pytest.raises(vmem.InvalidArgument, match="True or False"):
+        kv.set_deferred_reclaim(value)
+    kv.close()
+
+
+@pytest.mark.parametrize("value", ["ab", b"\x01\x02"])
+def test_step_of_a_string_is_refused_as_a_whole(value):
+    kv = cache()
+    with pytest.raises(vmem.InvalidArgument, match="lengths must be"):
+        kv.step(value)
+    kv.close()
+
+
+@pytest.mark.parametrize("value", ["0", 1.0, True, None])
+def test_a_layer_index_that_is_not_an_int_is_refused_as_such(value):
+    kv = cache()
+    with pytest.raises(vmem.InvalidArgument, match="layer must be an int"):
+        kv.layer(value)
+    kv.close()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [lambda kv, r: kv.adopt_prefix(r, list(range(64))),
+     lambda kv, r: kv.publish_prefix(r, list(range(64))),
+     lambda kv, r: kv.step({r: 5}),
+     lambda kv, r: kv.map_ahead(r, 5)],
+    ids=["adopt_prefix", "publish_prefix", "step", "map_ahead"],
+)
+def test_a_call_on_a_freed_request_names_the_python_method_to_call(call):
+    # Item 9: the message said "allocate it with alloc_reqid first", a Rust method.
+    kv = cache(prefix_cache="1M")
+    r = kv.alloc()
+    kv.step({r: 100})
+    kv.free(r)
+    with pytest.raises(vmem.InvalidArgument, match=r"alloc\(\) first") as e:
+        call(kv, r)
+    assert "alloc_reqid" not in str(e.value)
+    kv.close()
+
+
+def test_freeing_an_id_never_handed_out_names_the_python_methods():
+    kv = cache()
+    with pytest.raises(vmem.InvalidArgument, match=r"free\(\) takes an id alloc\(\) returned") as e:
+        kv.free(1)
+    assert "_reqid" not in str(e.value)
+    kv.close()
+
+
+def run(code, *, limit_bytes=None, timeout=120):
+    """Runs ``code`` in a fresh interpreter (under an address-space limit), returning it."""
+    pre = ""
+    if limit_bytes:
+        pre = f"import resource\nresource.setrlimit(resource.RLIMIT_AS, ({limit_bytes}, {limit_bytes}))\n"
+    return subprocess.run([sys.executable, "-c", pre + textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_threads_racing_close_get_closed_never_a_crash():
+    # Eight threads allocate, step, map ahead, publish, take views and read counters while the
+    # main thread closes the cache; every call after close must raise vmem.Closed. In a child
+    # process: a crash is a signal there, not here.
+    r = run("""
+        import threading, time, vmem
+        bad = []
+        for it in range(60):
+            kv = vmem.KVCache(layers=2, kv_heads=2, head_dim=64, max_batch=4, max_context=4096,
+                              dtype="fp16", page_size="64K", device="cpu", prefix_cache="1M")
+            def work(kind):
+                while True:
+                    try:
+                        if kind == 0:
+                            r = kv.alloc(); kv.step({r: 100}); kv.free(r)
+                        elif kind == 1:
+                            kv.layer(1); kv.usage(); kv.config(); kv.prefix_stats(); repr(kv)
+                        else:
+                            r = kv.alloc(); kv.map_ahead(r, 300); kv.step({r: 64})
+                            kv.publish_prefix(r, list(range(64))); kv.free(r)
+                    except vmem.Closed:
+                        return
+                    except vmem.InvalidArgument as e:  # ids all in use, or one freed by close
+                        if "in use" not in str(e) and "not active" not in str(e):
+                            bad.append(repr(e)); return
+                    except BaseException as e:
+                        bad.append(repr(e)); return
+            ts = [threading.Thread(target=work, args=(i % 3,)) for i in range(8)]
+            for t in ts: t.start()
+            time.sleep(0.001 * (it % 4))
+            kv.close()
+            for t in ts: t.join(30)
+            assert not any(t.is_alive() for t in ts), "a thread is stuck after close"
+        print("bad", bad)
+    """)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.strip() == "bad []", r.stdout
+
+
+def test_under_an_address_space_limit_a_cache_too_large_to_reserve_is_a_clean_error():
+    # ulimit -v / prlimit --as: 1 GiB of address space, a cache of 8 GiB of virtual memory.
+    r = run("""
+        import vmem
+        try:
+            vmem.KVCache(layers=32, kv_heads=8, head_dim=128, max_batch=8, max_context=8192,
+                         dtype="fp16", page_size="64K", device="cpu")
+        except vmem.VmemError as e:
+            print(type(e).__name__, e)
+        else:
+            print("accepted")
+        kv = vmem.KVCache(layers=2, kv_heads=2, head_dim=64, max_batch=2, max_context=4096,
+                          dtype="fp16", page_size="64K", device="cpu")
+        r = kv.alloc(); kv.step({r: 100}); kv.close()
+        print("a small cache works")
+    """, limit_bytes=1 << 30)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    first, second = r.stdout.strip().splitlines()
+    assert first.startswith(("VmemError", "OutOfMemory", "InvalidArgument")), first
+    assert "Cannot allocate memory" in first or "memory" in first.lower(), first
+    assert second == "a small cache works"
+
+
+def test_vmem_torch_takes_a_kvcache_only():
+    vt = pytest.importorskip("vmem.torch", reason="vmem.torch needs torch")
+    for call in (lambda: vt.layer("kv", 0), lambda: vt.layers(None), lambda: vt.tensors(3)):
+        with pytest.raises(vmem.InvalidArgument, match="vmem.KVCache"):
+            call()
