@@ -185,7 +185,7 @@ class VmemCBCache:
         self.max_sliding_window_blocks_per_request = 0
         self.max_blocks_per_request = 0
         self.use_prefix_sharing = self.allow_block_sharing = self.sharing
-        self.sliding_windows = {i: 1 for i in range(layers)}
+        self.sliding_windows = dict.fromkeys(range(layers), 1)
         self.layer_index_to_group_indices = {i: (0, i) for i in range(layers)}
         self.group_cache_managers = [_GroupStub()]
         self._total_prefix_length = 0

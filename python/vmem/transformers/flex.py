@@ -286,7 +286,8 @@ class FlexReader:
             k4, v4 = self.cache.kv_rows(layer)
             q = query.new_zeros((k4.shape[0], hq, 1, d))
             q[rows] = query[0].transpose(0, 1).unsqueeze(2)  # [t, Hq, 1, D]
-            out = self.flex(q, k4.transpose(1, 2), v4.transpose(1, 2), block_mask=part.mask, scale=scaling, enable_gqa=gqa)
+            out = self.flex(q, k4.transpose(1, 2), v4.transpose(1, 2), block_mask=part.mask, scale=scaling,
+                            enable_gqa=gqa)
             return out[rows].squeeze(2).unsqueeze(0)
         kf = k_cache.transpose(0, 1).unsqueeze(0)  # [1, Hkv, N, D]
         vf = v_cache.transpose(0, 1).unsqueeze(0)

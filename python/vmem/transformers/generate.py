@@ -198,7 +198,8 @@ class VmemCache(Cache):
         self._mapped = 0  # tokens every row has pages for (whole pages)
         self._written = 0  # static mode: tokens the forwards so far wrote (see get_mask_sizes)
         self._step_pending = False  # a one-token step was announced, not yet seen eagerly
-        layers: list[Any] = [VmemLayer(self, i, k, v, self._static) for i, (k, v) in enumerate(vmem_torch.layers(self.kv))]
+        layers: list[Any] = [VmemLayer(self, i, k, v, self._static)
+                             for i, (k, v) in enumerate(vmem_torch.layers(self.kv))]
         super().__init__(layers=layers)
 
     def _ensure(self, length: int) -> None:
