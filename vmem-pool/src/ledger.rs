@@ -1,0 +1,580 @@
+//! The ledger: one file, mapped by every process of the pool, that holds the pool's total and
+//! each tenant's limit and usage. See [`crate::layout`] for the format.
+//!
+//! Who is in the pool changes only under the header's lock (join, leave, limit, reap); a
+//! charge or a credit changes only the tenant's own usage word (see [`crate::Tenant`]).
+
+use crate::access;
+use crate::config::{Limit, PoolConfig};
+use crate::error::{PoolError, Result};
+use crate::layout::{self, h, s, FREE, HEADER_WORDS, LIVE, SLOT_WORDS};
+use crate::status::{LimitChange, PoolStatus, Reaped, TenantStatus};
+use crate::sys::{self, LockOp, Mapping};
+use crate::tenant::Tenant;
+use std::fs::File;
+use std::io;
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileExt, FileTypeExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// An open pool ledger. Cheap to share (`Arc`); each [`Tenant`] keeps the one it joined
+/// through alive.
+///
+/// A process that forks while it holds a tenant passes the tenant's liveness lock to the
+/// child (the lock belongs to the open file, which the child shares): the tenant then counts
+/// as alive until both have exited. The file is opened close-on-exec, so an `exec`ed child
+/// does not hold it.
+#[derive(Debug)]
+pub struct Ledger {
+    path: PathBuf,
+    map: Mapping,
+    file: File,
+    slots: usize,
+    total: u64,
+    default_limit: u64,
+    /// Slots whose tenants joined through this ledger object (their locks are on this open
+    /// file, which `F_OFD_GETLK` does not report as held by someone else). The mutex also
+    /// serializes this process's threads in the sections under the header's lock, which
+    /// the file lock, per open file, does not.
+    held: Mutex<Vec<bool>>,
+}
+
+/// The header's lock, held: the guard of the operations that change who is in the pool.
+struct Admin<'a> {
+    ledger: &'a Ledger,
+    held: MutexGuard<'a, Vec<bool>>,
+}
+
+impl Drop for Admin<'_> {
+    fn drop(&mut self) {
+        // Nothing to do about a failed unlock but leave it to the close of the file.
+        let _ = sys::ofd_lock(
+            self.ledger.file.as_fd(),
+            layout::ADMIN_LOCK_BYTE,
+            LockOp::Release,
+        );
+    }
+}
+
+fn os<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> PoolError + 'a {
+    move |source| PoolError::Os {
+        op,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// What a path that is not a regular file is, in words.
+fn describe(ft: std::fs::FileType) -> &'static str {
+    if ft.is_dir() {
+        "a directory"
+    } else if ft.is_symlink() {
+        "a symbolic link (give the ledger's own path)"
+    } else if ft.is_fifo() {
+        "a FIFO"
+    } else if ft.is_socket() {
+        "a socket"
+    } else if ft.is_char_device() || ft.is_block_device() {
+        "a device"
+    } else if ft.is_file() {
+        "a file"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// Removes the temporary file a ledger is built in, whatever happens.
+struct Unlink<'a>(&'a Path);
+
+impl Drop for Unlink<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.0);
+    }
+}
+
+impl Ledger {
+    /// Creates a ledger at `path`, which must not exist: owner-only (mode 0600), or 0660 and
+    /// given to the configured group. The file is written in full under a temporary name in
+    /// the same directory and then linked into place, so no process ever opens half a
+    /// ledger, and nothing at `path` is ever replaced.
+    pub fn create(path: impl AsRef<Path>, config: &PoolConfig) -> Result<Ledger> {
+        let path = path.as_ref();
+        if let Ok(meta) = std::fs::symlink_metadata(path) {
+            return Err(PoolError::AlreadyExists {
+                path: path.into(),
+                what: describe(meta.file_type()).into(),
+            });
+        }
+        let name = path.file_name().ok_or_else(|| {
+            PoolError::InvalidSetting(format!("{} names no file", path.display()))
+        })?;
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let tmp = dir.join(format!(
+            ".{}.{}.{nanos}.tmp",
+            name.to_string_lossy(),
+            std::process::id()
+        ));
+        let fd = sys::open(&tmp, Some(0o600)).map_err(os("create", &tmp))?;
+        let _cleanup = Unlink(&tmp);
+        let mode = match config.group {
+            Some(gid) => {
+                sys::fchgrp(fd.as_fd(), gid).map_err(os("chgrp", &tmp))?;
+                0o660
+            }
+            None => 0o600,
+        };
+        sys::fchmod(fd.as_fd(), mode).map_err(os("chmod", &tmp))?;
+        let len = layout::file_len(config.slots);
+        sys::set_len(fd.as_fd(), len).map_err(os("ftruncate", &tmp))?;
+        {
+            let map = Mapping::new(fd.as_fd(), len as usize).map_err(os("mmap", &tmp))?;
+            let w = map.words();
+            let header = [
+                layout::MAGIC,
+                layout::VERSION,
+                config.slots,
+                SLOT_WORDS as u64,
+                config.total,
+                config.default_limit,
+                now_secs(),
+            ];
+            for (i, v) in header.into_iter().enumerate() {
+                w[i].store(v, SeqCst);
+            }
+            w[h::SEAL].store(layout::header_seal(w), SeqCst);
+            for i in 0..config.slots as usize {
+                let slot = &w[HEADER_WORDS + i * SLOT_WORDS..][..SLOT_WORDS];
+                slot[s::SEAL].store(layout::slot_seal(slot), SeqCst);
+            }
+        }
+        match sys::link(&tmp, path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                return Err(PoolError::AlreadyExists {
+                    path: path.into(),
+                    what: "made by another process meanwhile".into(),
+                })
+            }
+            Err(e) => return Err(os("link", path)(e)),
+        }
+        Self::from_file(path, File::from(fd))
+    }
+
+    /// Opens the ledger at `path`, checking that it is a regular file this user may use
+    /// (its owner, or a member of the group it is granted to) and that it is consistent.
+    /// Nothing is written.
+    pub fn open(path: impl AsRef<Path>) -> Result<Ledger> {
+        let path = path.as_ref();
+        let meta = match std::fs::symlink_metadata(path) {
+            Ok(m) => m,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(PoolError::NotFound { path: path.into() })
+            }
+            Err(e) => return Err(os("stat", path)(e)),
+        };
+        if !meta.file_type().is_file() {
+            return Err(PoolError::NotALedger {
+                path: path.into(),
+                why: format!("it is {}", describe(meta.file_type())),
+            });
+        }
+        let fd = match sys::open(path, None) {
+            Ok(fd) => fd,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES) | Some(libc::EPERM)) => {
+                use std::os::unix::fs::MetadataExt;
+                let why = access::check(
+                    meta.uid(),
+                    meta.gid(),
+                    meta.mode(),
+                    sys::euid(),
+                    &sys::groups(),
+                )
+                .err()
+                .unwrap_or_else(|| {
+                    format!(
+                        "the file's mode {:04o} does not let this user open it",
+                        meta.mode() & 0o777
+                    )
+                });
+                return Err(PoolError::PermissionDenied {
+                    path: path.into(),
+                    why,
+                });
+            }
+            Err(e) => return Err(os("open", path)(e)),
+        };
+        Self::from_file(path, File::from(fd))
+    }
+
+    fn corrupt(&self, why: String) -> PoolError {
+        PoolError::Corrupt {
+            path: self.path.clone(),
+            why,
+        }
+    }
+
+    /// Checks an open file and maps it.
+    fn from_file(path: &Path, file: File) -> Result<Ledger> {
+        let not = |why: String| PoolError::NotALedger {
+            path: path.into(),
+            why,
+        };
+        let corrupt = |why: String| PoolError::Corrupt {
+            path: path.into(),
+            why,
+        };
+        let info = sys::fstat(file.as_fd()).map_err(os("fstat", path))?;
+        if !info.is_regular() {
+            return Err(not("it is not a regular file".into()));
+        }
+        access::check(info.uid, info.gid, info.mode, sys::euid(), &sys::groups()).map_err(
+            |why| PoolError::PermissionDenied {
+                path: path.into(),
+                why,
+            },
+        )?;
+        let header_len = HEADER_WORDS * 8;
+        if info.len < header_len as u64 {
+            return Err(not(format!(
+                "{} bytes, shorter than a ledger's {header_len}-byte header",
+                info.len
+            )));
+        }
+        let mut raw = vec![0u8; header_len];
+        file.read_exact_at(&mut raw, 0).map_err(os("read", path))?;
+        let word = |i: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&raw[i * 8..i * 8 + 8]);
+            u64::from_le_bytes(b)
+        };
+        if word(h::MAGIC) != layout::MAGIC {
+            return Err(not(
+                "it does not start with the ledger's magic \"VMEMPOOL\"".into(),
+            ));
+        }
+        if word(h::VERSION) != layout::VERSION {
+            return Err(PoolError::UnsupportedVersion {
+                path: path.into(),
+                found: word(h::VERSION),
+                supported: layout::VERSION,
+            });
+        }
+        let seal = layout::seal((0..h::SEAL).map(word));
+        if seal != word(h::SEAL) {
+            return Err(corrupt(
+                "the header's seal does not match its contents".into(),
+            ));
+        }
+        let slots = word(h::SLOTS);
+        if slots == 0 || slots > layout::MAX_SLOTS || word(h::SLOT_WORDS) != SLOT_WORDS as u64 {
+            return Err(corrupt(format!(
+                "{slots} slots of {} words",
+                word(h::SLOT_WORDS)
+            )));
+        }
+        if info.len != layout::file_len(slots) {
+            return Err(corrupt(format!(
+                "{} bytes long, a ledger of {slots} slots has {}",
+                info.len,
+                layout::file_len(slots)
+            )));
+        }
+        let (total, default_limit) = (word(h::TOTAL), word(h::DEFAULT_LIMIT));
+        if total == 0 || default_limit == 0 || default_limit > total {
+            return Err(corrupt(format!(
+                "total {total} bytes, default limit {default_limit}"
+            )));
+        }
+        let map = Mapping::new(file.as_fd(), info.len as usize).map_err(os("mmap", path))?;
+        let ledger = Ledger {
+            path: path.into(),
+            map,
+            file,
+            slots: slots as usize,
+            total,
+            default_limit,
+            held: Mutex::new(vec![false; slots as usize]),
+        };
+        let admin = ledger.admin()?;
+        ledger.check(&admin)?;
+        drop(admin);
+        Ok(ledger)
+    }
+
+    /// The path it was opened at.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The pool's total, bytes.
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// The limit of a tenant that joins without one, bytes.
+    pub fn default_limit(&self) -> u64 {
+        self.default_limit
+    }
+
+    /// Tenant slots.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    pub(crate) fn slot(&self, i: usize) -> &[AtomicU64] {
+        &self.map.words()[HEADER_WORDS + i * SLOT_WORDS..][..SLOT_WORDS]
+    }
+
+    /// Bytes charged to every tenant together, dead ones not yet reaped included.
+    pub fn used(&self) -> u64 {
+        (0..self.slots)
+            .map(|i| self.slot(i)[s::USAGE].load(SeqCst))
+            .fold(0u64, u64::saturating_add)
+    }
+
+    fn admin(&self) -> Result<Admin<'_>> {
+        let held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        sys::ofd_lock(self.file.as_fd(), layout::ADMIN_LOCK_BYTE, LockOp::Wait)
+            .map_err(os("lock", &self.path))?;
+        Ok(Admin { ledger: self, held })
+    }
+
+    /// The consistency checks: header seal, and every slot's state, seal and fields.
+    fn check(&self, _admin: &Admin<'_>) -> Result<()> {
+        let w = self.map.words();
+        if layout::header_seal(w) != w[h::SEAL].load(SeqCst)
+            || w[h::TOTAL].load(SeqCst) != self.total
+            || w[h::SLOTS].load(SeqCst) != self.slots as u64
+        {
+            return Err(self.corrupt("the header changed under the open ledger".into()));
+        }
+        for i in 0..self.slots {
+            let slot = self.slot(i);
+            let get = |k: usize| slot[k].load(SeqCst);
+            if layout::slot_seal(slot) != get(s::SEAL) {
+                return Err(self.corrupt(format!("slot {i}: its seal does not match")));
+            }
+            match get(s::STATE) {
+                FREE => {
+                    if (0..SLOT_WORDS).any(|k| k != s::SEAL && get(k) != 0) {
+                        return Err(self.corrupt(format!("slot {i}: free but not empty")));
+                    }
+                }
+                LIVE => {
+                    let name = [0, 1, 2, 3].map(|k| get(s::NAME + k));
+                    if layout::unpack_name(name).is_none() {
+                        return Err(self.corrupt(format!("slot {i}: not a valid tenant name")));
+                    }
+                    let limit = get(s::LIMIT);
+                    if limit == 0 || limit > self.total {
+                        return Err(self.corrupt(format!(
+                            "slot {i}: limit {limit} outside 1..={}",
+                            self.total
+                        )));
+                    }
+                }
+                other => return Err(self.corrupt(format!("slot {i}: state {other}"))),
+            }
+        }
+        Ok(())
+    }
+
+    fn name_of(&self, i: usize) -> String {
+        let slot = self.slot(i);
+        layout::unpack_name([0, 1, 2, 3].map(|k| slot[s::NAME + k].load(SeqCst)))
+            .unwrap_or_default()
+    }
+
+    fn reseal(&self, i: usize) {
+        let slot = self.slot(i);
+        slot[s::SEAL].store(layout::slot_seal(slot), SeqCst);
+    }
+
+    fn clear(&self, i: usize) {
+        let slot = self.slot(i);
+        for (k, w) in slot.iter().enumerate() {
+            if k != s::SEAL {
+                w.store(0, SeqCst);
+            }
+        }
+        self.reseal(i);
+    }
+
+    /// Takes out the slots of tenants whose process is gone (nobody holds their lock).
+    fn reap_locked(&self, admin: &Admin<'_>) -> Result<Vec<Reaped>> {
+        let mut reaped = Vec::new();
+        for i in 0..self.slots {
+            let slot = self.slot(i);
+            if slot[s::STATE].load(SeqCst) != LIVE || admin.held[i] {
+                continue;
+            }
+            let alive = sys::ofd_locked_elsewhere(self.file.as_fd(), layout::slot_lock_byte(i))
+                .map_err(os("lock test", &self.path))?;
+            if !alive {
+                reaped.push(Reaped {
+                    name: self.name_of(i),
+                    pid: slot[s::PID].load(SeqCst),
+                    usage: slot[s::USAGE].load(SeqCst),
+                });
+                self.clear(i);
+            }
+        }
+        Ok(reaped)
+    }
+
+    /// Checks the ledger and takes out the tenants whose processes died, giving their usage
+    /// back to the pool; returns them.
+    pub fn reap(&self) -> Result<Vec<Reaped>> {
+        let admin = self.admin()?;
+        self.check(&admin)?;
+        self.reap_locked(&admin)
+    }
+
+    fn live(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.slots).filter(|&i| self.slot(i)[s::STATE].load(SeqCst) == LIVE)
+    }
+
+    fn find(&self, name: &str) -> Result<usize> {
+        self.live()
+            .find(|&i| self.name_of(i) == name)
+            .ok_or_else(|| PoolError::UnknownTenant {
+                name: name.into(),
+                known: self.live().map(|i| self.name_of(i)).collect(),
+            })
+    }
+
+    /// The pool now: its total, what is used, and each live tenant (dead ones are reaped
+    /// first and listed apart).
+    pub fn status(&self) -> Result<PoolStatus> {
+        let admin = self.admin()?;
+        self.check(&admin)?;
+        let reaped = self.reap_locked(&admin)?;
+        let tenants = self
+            .live()
+            .map(|i| {
+                let slot = self.slot(i);
+                let get = |k: usize| slot[k].load(SeqCst);
+                TenantStatus {
+                    slot: i,
+                    name: self.name_of(i),
+                    pid: get(s::PID),
+                    limit: get(s::LIMIT),
+                    usage: get(s::USAGE),
+                    peak: get(s::PEAK),
+                    revision: get(s::REVISION),
+                    joined: get(s::JOINED),
+                }
+            })
+            .collect();
+        Ok(PoolStatus {
+            path: self.path.clone(),
+            total: self.total,
+            default_limit: self.default_limit,
+            slots: self.slots,
+            used: self.used(),
+            tenants,
+            reaped,
+        })
+    }
+
+    /// Sets a live tenant's limit. The tenant sees it at its next charge: a lower limit
+    /// refuses its new pages until its usage is under it (it learns so from
+    /// [`Tenant::over_limit`]), a higher one lets it grow at once.
+    pub fn set_limit(&self, tenant: &str, limit: Limit) -> Result<LimitChange> {
+        layout::check_name(tenant).map_err(PoolError::InvalidSetting)?;
+        let bytes = limit.resolve(self.total)?;
+        let admin = self.admin()?;
+        self.check(&admin)?;
+        self.reap_locked(&admin)?;
+        let i = self.find(tenant)?;
+        let slot = self.slot(i);
+        let old = slot[s::LIMIT].swap(bytes, SeqCst);
+        let revision = slot[s::REVISION].fetch_add(1, SeqCst) + 1;
+        self.reseal(i);
+        Ok(LimitChange {
+            name: tenant.into(),
+            old,
+            new: bytes,
+            usage: slot[s::USAGE].load(SeqCst),
+            revision,
+        })
+    }
+
+    /// Joins the pool as tenant `name` with `limit` (the ledger's default limit when `None`).
+    /// The tenant is in the pool until the [`Tenant`] is dropped or its process dies.
+    pub fn join(self: &Arc<Self>, name: &str, limit: Option<Limit>) -> Result<Tenant> {
+        layout::check_name(name).map_err(PoolError::InvalidSetting)?;
+        let bytes = match limit {
+            Some(l) => l.resolve(self.total)?,
+            None => self.default_limit,
+        };
+        let mut admin = self.admin()?;
+        self.check(&admin)?;
+        self.reap_locked(&admin)?;
+        if let Ok(i) = self.find(name) {
+            return Err(PoolError::TenantExists {
+                name: name.into(),
+                pid: self.slot(i)[s::PID].load(SeqCst),
+            });
+        }
+        let fd = self.file.as_fd();
+        let mut chosen = None;
+        for i in 0..self.slots {
+            if self.slot(i)[s::STATE].load(SeqCst) == FREE
+                && sys::ofd_lock(fd, layout::slot_lock_byte(i), LockOp::Try)
+                    .map_err(os("lock", &self.path))?
+            {
+                chosen = Some(i);
+                break;
+            }
+        }
+        let i = chosen.ok_or(PoolError::NoFreeSlot {
+            slots: self.slots as u64,
+        })?;
+        let slot = self.slot(i);
+        slot[s::PID].store(u64::from(std::process::id()), SeqCst);
+        slot[s::LIMIT].store(bytes, SeqCst);
+        slot[s::REVISION].store(1, SeqCst);
+        for (k, w) in layout::pack_name(name).into_iter().enumerate() {
+            slot[s::NAME + k].store(w, SeqCst);
+        }
+        slot[s::JOINED].store(now_secs(), SeqCst);
+        slot[s::STATE].store(LIVE, SeqCst);
+        self.reseal(i);
+        admin.held[i] = true;
+        drop(admin);
+        Ok(Tenant::new(Arc::clone(self), i, name.into()))
+    }
+
+    /// Takes tenant slot `i`, joined through this ledger, out of the pool.
+    pub(crate) fn leave(&self, i: usize) {
+        let Ok(mut admin) = self.admin() else {
+            // The lock cannot be had: leave the slot to be reaped once this process exits.
+            return;
+        };
+        self.clear(i);
+        admin.held[i] = false;
+        let _ = sys::ofd_lock(
+            self.file.as_fd(),
+            layout::slot_lock_byte(i),
+            LockOp::Release,
+        );
+    }
+}
