@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+mod pool;
 mod prefix;
 mod report;
 
@@ -58,6 +59,8 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         device: usize,
     },
+    /// A KV pool shared by several processes on one GPU: create, status, limit, top.
+    Pool(pool::PoolArgs),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -245,6 +248,7 @@ fn main() {
     let result = match cli.command {
         Some(Command::Detect { device }) => detect(&mut out, device),
         Some(Command::Replay(args)) => run_replay(&mut out, &args),
+        Some(Command::Pool(args)) => pool::run(&mut out, &args),
         None => run_replay(&mut out, &cli.replay),
     }
     .and_then(|()| out.flush().map_err(CliError::Output));
@@ -283,6 +287,8 @@ enum CliError {
     Replay(ReplayError),
     /// Standard output could not be written (a full disk, a closed pipe).
     Output(io::Error),
+    /// A pool's ledger or setting (`vmem pool`).
+    Pool(vmem_pool::PoolError),
 }
 
 impl std::fmt::Display for CliError {
@@ -290,6 +296,7 @@ impl std::fmt::Display for CliError {
         match self {
             CliError::Replay(e) => e.fmt(f),
             CliError::Output(e) => write!(f, "writing the output: {e}"),
+            CliError::Pool(e) => e.fmt(f),
         }
     }
 }
