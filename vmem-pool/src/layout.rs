@@ -52,6 +52,9 @@ pub mod h {
     pub const CREATED: usize = 6;
     /// Seal of the words before it.
     pub const SEAL: usize = 7;
+    /// Slots in use (not sealed: raised by joins, under the header's lock): every live slot
+    /// is below it, so a charge sums only those.
+    pub const IN_USE: usize = 8;
 }
 
 /// Slot word offsets.

@@ -344,7 +344,8 @@ impl Ledger {
 
     /// Bytes charged to every tenant together, dead ones not yet reaped included.
     pub fn used(&self) -> u64 {
-        (0..self.slots)
+        let in_use = self.map.words()[h::IN_USE].load(SeqCst) as usize;
+        (0..in_use.min(self.slots))
             .map(|i| self.slot(i)[s::USAGE].load(SeqCst))
             .fold(0u64, u64::saturating_add)
     }
@@ -365,6 +366,10 @@ impl Ledger {
         {
             return Err(self.corrupt("the header changed under the open ledger".into()));
         }
+        let in_use = w[h::IN_USE].load(SeqCst);
+        if in_use > self.slots as u64 {
+            return Err(self.corrupt(format!("{in_use} slots in use of {}", self.slots)));
+        }
         for i in 0..self.slots {
             let slot = self.slot(i);
             let get = |k: usize| slot[k].load(SeqCst);
@@ -378,6 +383,9 @@ impl Ledger {
                     }
                 }
                 LIVE => {
+                    if i as u64 >= in_use {
+                        return Err(self.corrupt(format!("slot {i}: live but not in use")));
+                    }
                     let name = [0, 1, 2, 3].map(|k| get(s::NAME + k));
                     if layout::unpack_name(name).is_none() {
                         return Err(self.corrupt(format!("slot {i}: not a valid tenant name")));
@@ -556,6 +564,8 @@ impl Ledger {
             slot[s::NAME + k].store(w, SeqCst);
         }
         slot[s::JOINED].store(now_secs(), SeqCst);
+        // Before the tenant can charge: every charge's sum must see its slot.
+        self.map.words()[h::IN_USE].fetch_max(i as u64 + 1, SeqCst);
         slot[s::STATE].store(LIVE, SeqCst);
         self.reseal(i);
         admin.held[i] = true;
