@@ -1,6 +1,8 @@
 //! `vmem pool` as an operator runs it: create, status (table and JSON), limit, top, and bad
 //! input refused with exit status 1, nothing on stdout, and the ledger unchanged.
 
+// Not every helper of the shared test module is used here.
+#[allow(dead_code)]
 mod common;
 
 use common::{text, vmem};

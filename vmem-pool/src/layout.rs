@@ -15,7 +15,7 @@
 //! ```
 //!
 //! Liveness is not in the file: a live tenant holds a write lock on its slot's first byte
-//! (see [`crate::sys::ofd_lock`]), which the kernel drops when the tenant's process dies. The
+//! (an `F_OFD_SETLK` lock on one byte), which the kernel drops when the tenant's process dies. The
 //! header's first byte is the lock of the operations that change who is in the pool (join,
 //! leave, limit, reap).
 

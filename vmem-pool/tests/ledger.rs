@@ -225,7 +225,7 @@ fn racing_charges_never_pass_the_pool_total() {
                     x ^= x << 13;
                     x ^= x >> 7;
                     x ^= x << 17;
-                    if x % 3 != 0 {
+                    if !x.is_multiple_of(3) {
                         if t.charge(4096).is_ok() {
                             mine += 4096;
                             let now = committed.fetch_add(4096, Ordering::SeqCst) + 4096;

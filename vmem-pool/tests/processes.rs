@@ -100,13 +100,13 @@ fn tenants_killed_in_a_loop_give_everything_back() {
     for cycle in 0..cycles {
         let mut t = spawn(&path, &format!("t{}", cycle % 3), None, "churn");
         let r = xorshift(&mut seed);
-        if r % 4 != 0 {
+        if !r.is_multiple_of(4) {
             // Three times in four, kill it while it churns; else whenever it is.
             assert_eq!(t.line(), "ready");
         }
         std::thread::sleep(Duration::from_micros(r % 3000));
         // The steady tenant works meanwhile and must never be refused: 32 pages fit.
-        if held.len() < 32 && r % 2 == 0 {
+        if held.len() < 32 && r.is_multiple_of(2) {
             held.push(backend.create_page(PAGE).unwrap());
         } else if let Some(p) = held.pop() {
             backend.release_page(p).unwrap();

@@ -181,7 +181,6 @@ fn measure(dir: &std::path::Path) -> Result<(), Box<dyn std::error::Error>> {
             black_box(ask(-(KIB64 as i64)).unwrap());
         }
     });
-    drop(ask);
     drop(client);
     daemon.join().map_err(|_| "the daemon panicked")?;
 
