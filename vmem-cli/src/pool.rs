@@ -56,7 +56,8 @@ enum PoolCommand {
         /// Limit of a tenant that joins without one: a size or a share (25%) [default: 100%]
         #[arg(long, value_name = "LIMIT", allow_hyphen_values = true)]
         default_limit: Option<String>,
-        /// Grant this group access (mode 0660): its members may join and change limits.
+        /// Grant this group (a name or a number) access (mode 0660): its members may join and
+        /// change limits.
         #[arg(long, value_name = "NAME")]
         group: Option<String>,
     },

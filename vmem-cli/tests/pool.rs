@@ -264,3 +264,48 @@ fn bad_input_is_refused_and_changes_nothing() {
     assert_eq!(std::fs::read(&corrupt).unwrap(), bytes);
     assert!(!dir.0.join("z").exists());
 }
+
+/// `vmem pool` run as another user (uid and gid 65534): refused, and told why and how access
+/// is granted, on an owner-only ledger; let in on one created with `--group` for its group.
+/// Needs root, to run a process as another user.
+#[test]
+#[ignore = "needs root (runs vmem as uid 65534); run by hand with --ignored"]
+fn another_user_can_neither_join_nor_change_limits_unless_granted() {
+    use std::os::unix::process::CommandExt;
+    let as_nobody = |ledger: &Path, args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_vmem"))
+            .args(["pool", "--ledger", ledger.to_str().unwrap()])
+            .args(args)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap()
+    };
+    let dir = Dir::new("user");
+    let p = dir.0.join("pool");
+    ok(&pool(&p, &["create", "--size", "1G"]));
+    let _t = Arc::new(Ledger::open(&p).unwrap()).join("a", None).unwrap();
+    let before = std::fs::read(&p).unwrap();
+    for args in [
+        &["status"][..],
+        &["limit", "a", "1M"],
+        &["top", "--iterations", "1"],
+    ] {
+        let out = as_nobody(&p, args);
+        assert_refused(&out, &format!("{args:?}"), "permission denied");
+        assert!(
+            text(&out.stderr).contains("--group"),
+            "{}",
+            text(&out.stderr)
+        );
+    }
+    assert_eq!(std::fs::read(&p).unwrap(), before);
+    // Granted to the group 65534 (by number): its member joins and changes limits.
+    let g = dir.0.join("granted");
+    let o = ok(&pool(&g, &["create", "--size", "1G", "--group", "65534"]));
+    assert!(o.contains("mode 0660"), "{o}");
+    let _t = Arc::new(Ledger::open(&g).unwrap()).join("a", None).unwrap();
+    let o = ok(&as_nobody(&g, &["limit", "a", "1M"]));
+    assert!(o.contains("-> 1M"), "{o}");
+    assert!(ok(&as_nobody(&g, &["status"])).contains("1 of 64 tenant slots"));
+}

@@ -143,13 +143,20 @@ impl PoolConfig {
         self
     }
 
-    /// [`PoolConfig::group`] by the group's name.
+    /// [`PoolConfig::group`] by the group's name, or its number where no group has that
+    /// name.
     pub fn group_named(self, name: &str) -> Result<Self> {
         match crate::sys::group_id(name) {
             Ok(Some(gid)) => Ok(self.group(gid)),
-            Ok(None) => Err(PoolError::InvalidSetting(format!(
-                "no group named {name:?}"
-            ))),
+            // A number where no group has that name: the group of that id.
+            Ok(None) => match name.parse::<u32>() {
+                Ok(gid) if name.bytes().all(|b| b.is_ascii_digit()) && gid != u32::MAX => {
+                    Ok(self.group(gid))
+                }
+                _ => Err(PoolError::InvalidSetting(format!(
+                    "no group named {name:?}"
+                ))),
+            },
             Err(e) => Err(PoolError::InvalidSetting(format!(
                 "cannot look up group {name:?}: {e}"
             ))),

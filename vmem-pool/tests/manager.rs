@@ -44,9 +44,16 @@ fn the_manager_meets_the_tenant_limit_as_out_of_memory_and_grows_when_raised() {
         Err(VmemError::OutOfMemory { .. }) => {}
         other => panic!("{other:?}"),
     }
-    assert_eq!(m.request_pages(a).unwrap(), mapped_before, "a's pages intact");
+    assert_eq!(
+        m.request_pages(a).unwrap(),
+        mapped_before,
+        "a's pages intact"
+    );
     assert!(backend.tenant().usage() <= 10 * KIB64);
-    assert_eq!(backend.tenant().usage(), backend.live_pages() as u64 * KIB64);
+    assert_eq!(
+        backend.tenant().usage(),
+        backend.live_pages() as u64 * KIB64
+    );
     // The operator raises the limit: the same step goes through.
     ledger.set_limit("m", Limit::Bytes(16 * KIB64)).unwrap();
     m.step(&lens).unwrap();
@@ -58,7 +65,10 @@ fn the_manager_meets_the_tenant_limit_as_out_of_memory_and_grows_when_raised() {
     lens[b] = 0;
     m.release_free_pages().unwrap();
     assert_eq!(backend.tenant().over_limit(), None);
-    assert_eq!(backend.tenant().usage(), backend.live_pages() as u64 * KIB64);
+    assert_eq!(
+        backend.tenant().usage(),
+        backend.live_pages() as u64 * KIB64
+    );
     drop(m);
     assert_eq!(ledger.status().unwrap().used, 0);
 }
