@@ -234,6 +234,11 @@ fn bad_input_is_refused_and_changes_nothing() {
             ),
             "no group",
         ),
+        (
+            "no such directory",
+            pool(&dir.0.join("none/pool"), &["create", "--size", "1G"]),
+            "is not a directory",
+        ),
         ("fifo", pool(&fifo, &["status"]), "FIFO"),
         ("directory", pool(&dir.0, &["status"]), "directory"),
         (

@@ -122,6 +122,12 @@ impl Ledger {
             Some(d) if !d.as_os_str().is_empty() => d,
             _ => Path::new("."),
         };
+        if !dir.is_dir() {
+            return Err(PoolError::InvalidSetting(format!(
+                "{} is not a directory: a ledger is created in an existing one",
+                dir.display()
+            )));
+        }
         let nanos = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.subsec_nanos())
