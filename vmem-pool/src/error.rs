@@ -129,6 +129,16 @@ pub enum PoolError {
         usage: u64,
     },
 
+    /// Another process has held the ledger's lock for too long (it is stopped, or hung);
+    /// nothing was changed.
+    #[error("{path}: another process has held the ledger's lock for {waited:?} (stopped or hung?); nothing was changed")]
+    Busy {
+        /// The path.
+        path: PathBuf,
+        /// How long this call waited.
+        waited: std::time::Duration,
+    },
+
     /// An operating-system call failed.
     #[error("{op} {path}: {source}")]
     Os {

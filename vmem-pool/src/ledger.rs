@@ -18,7 +18,10 @@ use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Longest wait for the header's lock (see [`Ledger`]'s joins, limits, status and reaping).
+pub const ADMIN_WAIT: Duration = Duration::from_secs(2);
 
 /// An open pool ledger. Cheap to share (`Arc`); each [`Tenant`] keeps the one it joined
 /// through alive.
@@ -356,10 +359,29 @@ impl Ledger {
             .fold(0u64, u64::saturating_add)
     }
 
+    /// Takes the header's lock, waiting at most [`ADMIN_WAIT`]: a process stopped while it
+    /// holds it (SIGSTOP, a debugger) makes the others fail with [`PoolError::Busy`] rather
+    /// than hang. The lock is held for microseconds otherwise.
     fn admin(&self) -> Result<Admin<'_>> {
         let held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        sys::ofd_lock(self.file.as_fd(), layout::ADMIN_LOCK_BYTE, LockOp::Wait)
-            .map_err(os("lock", &self.path))?;
+        let start = Instant::now();
+        let mut tries = 0u32;
+        while !sys::ofd_lock(self.file.as_fd(), layout::ADMIN_LOCK_BYTE, LockOp::Try)
+            .map_err(os("lock", &self.path))?
+        {
+            if start.elapsed() >= ADMIN_WAIT {
+                return Err(PoolError::Busy {
+                    path: self.path.clone(),
+                    waited: ADMIN_WAIT,
+                });
+            }
+            tries += 1;
+            if tries < 100 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
         Ok(Admin { ledger: self, held })
     }
 

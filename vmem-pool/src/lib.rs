@@ -48,6 +48,6 @@ mod tenant;
 pub use backend::PoolBackend;
 pub use config::{Limit, PoolConfig, DEFAULT_SLOTS};
 pub use error::{PoolError, Refusal, Result};
-pub use ledger::Ledger;
+pub use ledger::{Ledger, ADMIN_WAIT};
 pub use status::{LimitChange, PoolStatus, Reaped, TenantStatus};
 pub use tenant::Tenant;

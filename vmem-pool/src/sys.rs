@@ -110,8 +110,6 @@ pub fn link(from: &Path, to: &Path) -> io::Result<()> {
 /// How an open-file-description lock is asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LockOp {
-    /// Take a write lock, waiting for it.
-    Wait,
     /// Take a write lock if free; `Ok(false)` if another open file holds it.
     Try,
     /// Release it.
@@ -133,7 +131,6 @@ fn flock_at(byte: u64, kind: libc::c_int) -> libc::flock {
 /// closes, which is at the latest when the process dies, SIGKILL included.
 pub fn ofd_lock(fd: BorrowedFd<'_>, byte: u64, op: LockOp) -> io::Result<bool> {
     let (cmd, kind) = match op {
-        LockOp::Wait => (libc::F_OFD_SETLKW, libc::F_WRLCK),
         LockOp::Try => (libc::F_OFD_SETLK, libc::F_WRLCK),
         LockOp::Release => (libc::F_OFD_SETLK, libc::F_UNLCK),
     };

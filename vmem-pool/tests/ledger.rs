@@ -260,6 +260,45 @@ fn racing_charges_never_pass_the_pool_total() {
     assert_eq!(l.status().unwrap().used, 0);
 }
 
+/// A process that holds the ledger's lock and does not let go (stopped by SIGSTOP or a
+/// debugger; here another open file of this process): status, limit changes and joins fail
+/// with `Busy` after `ADMIN_WAIT` instead of hanging, and change nothing.
+#[test]
+fn a_lock_held_too_long_fails_busy_rather_than_hanging() {
+    use std::os::fd::AsRawFd;
+    let dir = Scratch::new("busy");
+    let (path, l) = pool(&dir, MIB);
+    let l = Arc::new(l);
+    let _a = l.join("a", None).unwrap();
+    let holder = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    // SAFETY: flock is plain data; all-zero is valid.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = libc::F_WRLCK as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    fl.l_len = 1;
+    // SAFETY: a valid flock for an fd open for the call: the ledger's lock byte 0.
+    assert_eq!(
+        unsafe { libc::fcntl(holder.as_raw_fd(), libc::F_OFD_SETLK, &fl) },
+        0
+    );
+    let before = bytes(&path);
+    let t = std::time::Instant::now();
+    assert!(matches!(l.status(), Err(PoolError::Busy { .. })));
+    assert!(t.elapsed() >= vmem_pool::ADMIN_WAIT);
+    assert!(t.elapsed() < vmem_pool::ADMIN_WAIT * 3, "{:?}", t.elapsed());
+    assert!(matches!(
+        l.set_limit("a", Limit::Bytes(1)),
+        Err(PoolError::Busy { .. })
+    ));
+    assert_eq!(bytes(&path), before);
+    drop(holder);
+    assert_eq!(l.status().unwrap().tenants.len(), 1);
+}
+
 /// Another user's ledger: refused for joining and for limit changes, with who owns it and
 /// how to be granted; granted to a group this process is in, it opens. Needs root, to give
 /// the file to another user.
