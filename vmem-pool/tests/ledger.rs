@@ -281,10 +281,8 @@ fn a_lock_held_too_long_fails_busy_rather_than_hanging() {
     fl.l_whence = libc::SEEK_SET as libc::c_short;
     fl.l_len = 1;
     // SAFETY: a valid flock for an fd open for the call: the ledger's lock byte 0.
-    assert_eq!(
-        unsafe { libc::fcntl(holder.as_raw_fd(), libc::F_OFD_SETLK, &fl) },
-        0
-    );
+    let rc = unsafe { libc::fcntl(holder.as_raw_fd(), libc::F_OFD_SETLK, &fl) };
+    assert_eq!(rc, 0);
     let before = bytes(&path);
     let t = std::time::Instant::now();
     assert!(matches!(l.status(), Err(PoolError::Busy { .. })));
