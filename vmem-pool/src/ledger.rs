@@ -518,13 +518,14 @@ impl Ledger {
                     joined: get(s::JOINED),
                 }
             })
-            .collect();
+            .collect::<Vec<TenantStatus>>();
         Ok(PoolStatus {
             path: self.path.clone(),
             total: self.total,
             default_limit: self.default_limit,
             slots: self.slots,
-            used: self.used(),
+            // From the same reading as the tenants', so that the two agree.
+            used: tenants.iter().map(|t| t.usage).fold(0, u64::saturating_add),
             tenants,
             reaped,
         })

@@ -75,8 +75,10 @@ fn xorshift(x: &mut u64) -> u64 {
 }
 
 /// Tenants killed with SIGKILL at random moments (before they joined, while joining, while
-/// charging and crediting): each time, the next status takes out all they held, and a
-/// tenant of this process that charges throughout never sees an error nor a wrong count.
+/// charging and crediting), under load: each time, the next status takes out all they held;
+/// a tenant of this process that charges throughout never sees an error nor a wrong count,
+/// and two tenant processes that churn pages throughout never see an error either (one
+/// would end their process).
 /// `VMEM_POOL_KILL_CYCLES` sets the cycles (200 by default).
 #[test]
 fn tenants_killed_in_a_loop_give_everything_back() {
@@ -97,6 +99,15 @@ fn tenants_killed_in_a_loop_give_everything_back() {
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
     let mut slowest = Duration::ZERO;
     let mut reaped_bytes = 0u64;
+    // Load: two processes creating and releasing up to 8 pages each, all along. With the
+    // steady tenant's 32 and the killed one's 8, the pool (64) never refuses anyone.
+    let mut load = Vec::new();
+    for name in ["bg0", "bg1"] {
+        // One after the other, so that they take slots 1 and 2 in this order.
+        let mut l = spawn(&path, name, None, "load");
+        assert_eq!(l.line(), "ready");
+        load.push(l);
+    }
     for cycle in 0..cycles {
         let mut t = spawn(&path, &format!("t{}", cycle % 3), None, "churn");
         let r = xorshift(&mut seed);
@@ -116,9 +127,17 @@ fn tenants_killed_in_a_loop_give_everything_back() {
         let st = ledger.status().unwrap();
         slowest = slowest.max(killed.elapsed());
         reaped_bytes += st.reaped.iter().map(|r| r.usage).sum::<u64>();
-        assert_eq!(st.tenants.len(), 1, "cycle {cycle}: {st:?}");
-        assert_eq!(st.tenants[0].name, "steady");
-        assert_eq!(st.used, held.len() as u64 * PAGE, "cycle {cycle}: {st:?}");
+        let names: Vec<&str> = st.tenants.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["steady", "bg0", "bg1"], "cycle {cycle}: {st:?}");
+        assert_eq!(
+            st.tenants[0].usage,
+            held.len() as u64 * PAGE,
+            "cycle {cycle}: {st:?}"
+        );
+        assert!(
+            st.tenants[1..].iter().all(|t| t.usage <= 8 * PAGE),
+            "{st:?}"
+        );
         assert_eq!(backend.tenant().usage(), held.len() as u64 * PAGE);
         assert_eq!(backend.live_pages(), held.len());
     }
@@ -126,6 +145,10 @@ fn tenants_killed_in_a_loop_give_everything_back() {
         "{cycles} kill cycles: slowest kill-to-reaped {slowest:?}, {reaped_bytes} bytes reaped"
     );
     assert!(slowest < Duration::from_secs(1), "{slowest:?}");
+    for mut l in load {
+        assert!(l.running(), "a loaded tenant process failed");
+        l.kill();
+    }
     for p in held.drain(..) {
         backend.release_page(p).unwrap();
     }

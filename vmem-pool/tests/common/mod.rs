@@ -42,7 +42,8 @@ pub struct TenantProc {
 }
 
 /// Starts `tenant_process` of the test binary `exe` as tenant `name` of `ledger`, in `mode`
-/// (`commands`: answers commands; `churn`: creates and releases pages until killed).
+/// (`commands`: answers commands; `churn`: creates and releases pages until killed; `load`:
+/// the same with a pause between rounds).
 pub fn spawn(ledger: &Path, name: &str, limit: Option<&str>, mode: &str) -> TenantProc {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args([
@@ -104,6 +105,11 @@ impl TenantProc {
         self.ask(&format!("free {pages}")).parse().unwrap()
     }
 
+    /// Whether it is still running.
+    pub fn running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
     /// Ends it with SIGKILL and waits for it.
     pub fn kill(mut self) {
         self.child.kill().unwrap();
@@ -115,6 +121,17 @@ impl TenantProc {
         let _ = writeln!(self.stdin, "exit");
         let st = self.child.wait().unwrap();
         assert!(st.success(), "{st}");
+    }
+}
+
+impl Drop for TenantProc {
+    /// A test that fails leaves no tenant process behind (a clean `exit` or `kill` has
+    /// already reaped it: then this does nothing).
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 }
 
@@ -137,12 +154,18 @@ pub fn tenant_main() {
     let out = std::io::stdout();
     println!("@ready");
     match mode.as_str() {
-        "churn" => loop {
+        "churn" | "load" => loop {
+            if mode == "load" {
+                // Load beside the tests' work, leaving them CPU on a 2-core machine.
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
             // Never stops on its own: the test kills it at a random moment.
             while pages.len() < 8 {
                 match backend.create_page(PAGE) {
                     Ok(p) => pages.push(p),
-                    Err(_) => break,
+                    Err(vmem::VmemError::OutOfMemory { .. }) => break,
+                    // Any other error ends the process, which the tests see.
+                    Err(e) => panic!("{e}"),
                 }
             }
             while let Some(p) = pages.pop() {
