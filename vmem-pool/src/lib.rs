@@ -39,6 +39,7 @@ mod access;
 mod backend;
 mod config;
 mod error;
+mod file;
 pub mod layout;
 mod ledger;
 mod status;
