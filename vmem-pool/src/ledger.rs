@@ -16,7 +16,7 @@ use std::io;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Longest wait for the header's lock (see [`Ledger`]'s joins, limits, status and reaping).
@@ -162,6 +162,19 @@ impl Ledger {
         Ok(Admin { ledger: self, held })
     }
 
+    /// The header's lock if it is free now, without waiting (`None` when another thread or
+    /// process holds it).
+    fn try_admin(&self) -> Result<Option<Admin<'_>>> {
+        let held = match self.held.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return Ok(None),
+        };
+        let got = sys::ofd_lock(self.file.as_fd(), layout::ADMIN_LOCK_BYTE, LockOp::Try)
+            .map_err(os("lock", &self.path))?;
+        Ok(got.then_some(Admin { ledger: self, held }))
+    }
+
     /// The consistency checks: header seal, and every slot's state, seal and fields.
     pub(crate) fn check(&self, _admin: &Admin<'_>) -> Result<()> {
         let w = self.map.words();
@@ -258,6 +271,16 @@ impl Ledger {
         let admin = self.admin()?;
         self.check(&admin)?;
         self.reap_locked(&admin)
+    }
+
+    /// [`Ledger::reap`] if the header's lock is free now; else nothing (whoever holds it may
+    /// be reaping, and a charge must not wait). What a charge the pool refuses does.
+    pub(crate) fn reap_if_free(&self) -> Result<()> {
+        if let Some(admin) = self.try_admin()? {
+            self.check(&admin)?;
+            self.reap_locked(&admin)?;
+        }
+        Ok(())
     }
 
     fn live(&self) -> impl Iterator<Item = usize> + '_ {

@@ -103,8 +103,8 @@ impl Tenant {
             }
             usage.fetch_sub(bytes, SeqCst);
             if attempt == 0 {
-                // A dead tenant's usage may be what is in the way.
-                self.ledger.reap()?;
+                // A dead tenant's usage may be what is in the way. Never waits for the lock.
+                self.ledger.reap_if_free()?;
             } else {
                 std::thread::yield_now();
             }

@@ -269,7 +269,9 @@ fn a_lock_held_too_long_fails_busy_rather_than_hanging() {
     let dir = Scratch::new("busy");
     let (path, l) = pool(&dir, MIB);
     let l = Arc::new(l);
-    let _a = l.join("a", None).unwrap();
+    let a = l.join("a", None).unwrap();
+    let b = l.join("b", None).unwrap();
+    b.charge(MIB).unwrap();
     let holder = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -292,9 +294,20 @@ fn a_lock_held_too_long_fails_busy_rather_than_hanging() {
         l.set_limit("a", Limit::Bytes(1)),
         Err(PoolError::Busy { .. })
     ));
+    // A charge never waits for the lock: one the pool refuses (b holds it all) is refused
+    // at once, without the reaping that would have to wait.
+    let t = std::time::Instant::now();
+    assert!(matches!(
+        a.charge(4096),
+        Err(PoolError::Refused {
+            why: Refusal::PoolFull,
+            ..
+        })
+    ));
+    assert!(t.elapsed() < vmem_pool::ADMIN_WAIT / 2, "{:?}", t.elapsed());
     assert_eq!(bytes(&path), before);
     drop(holder);
-    assert_eq!(l.status().unwrap().tenants.len(), 1);
+    assert_eq!(l.status().unwrap().tenants.len(), 2);
 }
 
 /// Another user's ledger: refused for joining and for limit changes, with who owns it and
