@@ -38,6 +38,8 @@ pub(crate) enum Command {
         #[arg(long, default_value_t = 0)]
         device: usize,
     },
+    /// A KV pool shared by several processes on one GPU: create, status, limit, top.
+    Pool(crate::pool::PoolArgs),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -2,6 +2,7 @@
 
 mod args;
 mod plan;
+mod pool;
 mod prefix;
 mod report;
 
@@ -44,6 +45,7 @@ fn main() {
     let result = match cli.command {
         Some(Command::Detect { device }) => detect(&mut out, device),
         Some(Command::Replay(args)) => run_replay(&mut out, &args),
+        Some(Command::Pool(args)) => pool::run(&mut out, &args),
         None => run_replay(&mut out, &cli.replay),
     }
     .and_then(|()| out.flush().map_err(CliError::Output));
@@ -82,6 +84,8 @@ enum CliError {
     Replay(ReplayError),
     /// Standard output could not be written (a full disk, a closed pipe).
     Output(io::Error),
+    /// A pool's ledger or setting (`vmem pool`).
+    Pool(vmem_pool::PoolError),
 }
 
 impl std::fmt::Display for CliError {
@@ -89,6 +93,7 @@ impl std::fmt::Display for CliError {
         match self {
             CliError::Replay(e) => e.fmt(f),
             CliError::Output(e) => write!(f, "writing the output: {e}"),
+            CliError::Pool(e) => e.fmt(f),
         }
     }
 }

@@ -1,0 +1,211 @@
+//! What a pool is made with, and tenant limits as operators write them: validated values.
+
+use crate::error::{PoolError, Result};
+use crate::layout::MAX_SLOTS;
+use std::str::FromStr;
+use vmem::units::{format_bytes, parse_bytes};
+
+/// A tenant's limit: bytes, or a share of the pool's total.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    /// At most this many bytes (at least 1).
+    Bytes(u64),
+    /// At most this percentage of the pool's total (1 to 100).
+    Percent(u32),
+}
+
+impl Limit {
+    /// The limit in bytes in a pool of `total` bytes; a limit of zero bytes, or one above the
+    /// pool's total, is refused.
+    pub fn resolve(self, total: u64) -> Result<u64> {
+        let bytes = match self {
+            Limit::Bytes(b) => b,
+            Limit::Percent(p) => ((u128::from(total) * u128::from(p)) / 100) as u64,
+        };
+        if bytes == 0 {
+            return Err(PoolError::InvalidSetting(format!(
+                "a limit of {self} is zero bytes: a tenant needs room for at least one page \
+                 (to stop one, stop its process)"
+            )));
+        }
+        if bytes > total {
+            return Err(PoolError::InvalidSetting(format!(
+                "limit {self} exceeds the pool's total {} ({total} bytes)",
+                format_bytes(total)
+            )));
+        }
+        Ok(bytes)
+    }
+}
+
+impl std::fmt::Display for Limit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Limit::Bytes(b) => write!(f, "{}", format_bytes(*b)),
+            Limit::Percent(p) => write!(f, "{p}%"),
+        }
+    }
+}
+
+impl FromStr for Limit {
+    type Err = PoolError;
+
+    /// `4G`, `512M`, `1073741824` (bytes) or `25%` (of the pool).
+    fn from_str(s: &str) -> Result<Self> {
+        let t = s.trim();
+        let bad = |why: String| PoolError::InvalidSetting(format!("limit {s:?}: {why}"));
+        if let Some(p) = t.strip_suffix('%') {
+            let p: u32 = p
+                .trim()
+                .parse()
+                .map_err(|_| bad("a share is a whole percentage, e.g. 25%".into()))?;
+            if p == 0 || p > 100 {
+                return Err(bad("a share is 1% to 100%".into()));
+            }
+            return Ok(Limit::Percent(p));
+        }
+        if t.starts_with('-') {
+            return Err(bad("a limit cannot be negative".into()));
+        }
+        let b = parse_bytes(t).map_err(|e| bad(e.to_string()))?;
+        if b == 0 {
+            return Err(bad("a limit of 0 bytes lets the tenant hold nothing".into()));
+        }
+        Ok(Limit::Bytes(b))
+    }
+}
+
+/// Default tenant slots of a new ledger.
+pub const DEFAULT_SLOTS: u64 = 64;
+
+/// How a pool is created: its total, tenant slots, the limit of tenants that join without
+/// one, and the group granted access. Made by [`PoolConfig::new`] and its setters, each of
+/// which validates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolConfig {
+    pub(crate) total: u64,
+    pub(crate) slots: u64,
+    pub(crate) default_limit: u64,
+    pub(crate) group: Option<u32>,
+}
+
+impl PoolConfig {
+    /// A pool of `total` bytes (at least 1), 64 slots, tenants limited to the whole pool by
+    /// default, owner-only.
+    pub fn new(total: u64) -> Result<Self> {
+        if total == 0 {
+            return Err(PoolError::InvalidSetting(
+                "a pool of 0 bytes holds nothing".into(),
+            ));
+        }
+        Ok(PoolConfig {
+            total,
+            slots: DEFAULT_SLOTS,
+            default_limit: total,
+            group: None,
+        })
+    }
+
+    /// A pool of the device's free memory `free` less `reserve` (what the GPU keeps for
+    /// activations, the CUDA context and other processes).
+    pub fn free_less_reserve(free: u64, reserve: u64) -> Result<Self> {
+        match free.checked_sub(reserve) {
+            Some(t) if t > 0 => Self::new(t),
+            _ => Err(PoolError::InvalidSetting(format!(
+                "the reserve {} is not below the device's free memory {}",
+                format_bytes(reserve),
+                format_bytes(free)
+            ))),
+        }
+    }
+
+    /// Tenant slots: how many tenants may be in the pool at once (1 to 1024).
+    pub fn slots(mut self, slots: u64) -> Result<Self> {
+        if slots == 0 || slots > MAX_SLOTS {
+            return Err(PoolError::InvalidSetting(format!(
+                "{slots} tenant slots: a pool has 1 to {MAX_SLOTS}"
+            )));
+        }
+        self.slots = slots;
+        Ok(self)
+    }
+
+    /// The limit of a tenant that joins without one.
+    pub fn default_limit(mut self, limit: Limit) -> Result<Self> {
+        self.default_limit = limit.resolve(self.total)?;
+        Ok(self)
+    }
+
+    /// Grants group `gid` access (file mode 0660 instead of 0600): its members may join and
+    /// change limits.
+    pub fn group(mut self, gid: u32) -> Self {
+        self.group = Some(gid);
+        self
+    }
+
+    /// [`PoolConfig::group`] by the group's name, or its number where no group has that
+    /// name.
+    pub fn group_named(self, name: &str) -> Result<Self> {
+        match crate::sys::group_id(name) {
+            Ok(Some(gid)) => Ok(self.group(gid)),
+            // A number where no group has that name: the group of that id.
+            Ok(None) => match name.parse::<u32>() {
+                Ok(gid) if name.bytes().all(|b| b.is_ascii_digit()) && gid != u32::MAX => {
+                    Ok(self.group(gid))
+                }
+                _ => Err(PoolError::InvalidSetting(format!(
+                    "no group named {name:?}"
+                ))),
+            },
+            Err(e) => Err(PoolError::InvalidSetting(format!(
+                "cannot look up group {name:?}: {e}"
+            ))),
+        }
+    }
+
+    /// The pool's total, bytes.
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_parse_and_bad_ones_are_refused() {
+        assert_eq!("4G".parse::<Limit>().unwrap(), Limit::Bytes(4 << 30));
+        assert_eq!(" 25% ".parse::<Limit>().unwrap(), Limit::Percent(25));
+        for bad in [
+            "0",
+            "0%",
+            "-1G",
+            "-5%",
+            "101%",
+            "1.5%",
+            "abc",
+            "",
+            "99999999999T",
+            "%",
+        ] {
+            assert!(bad.parse::<Limit>().is_err(), "{bad:?}");
+        }
+        assert_eq!(Limit::Percent(50).resolve(1000).unwrap(), 500);
+        assert!(Limit::Percent(1).resolve(50).is_err(), "rounds to 0 bytes");
+        assert!(Limit::Bytes(1001).resolve(1000).is_err());
+    }
+
+    #[test]
+    fn configs_validate() {
+        assert!(PoolConfig::new(0).is_err());
+        assert!(PoolConfig::new(1).unwrap().slots(0).is_err());
+        assert!(PoolConfig::new(1).unwrap().slots(MAX_SLOTS + 1).is_err());
+        assert!(PoolConfig::free_less_reserve(10, 10).is_err());
+        assert_eq!(PoolConfig::free_less_reserve(10, 4).unwrap().total(), 6);
+        assert!(PoolConfig::new(1)
+            .unwrap()
+            .group_named("no-such-group-xyz")
+            .is_err());
+    }
+}

@@ -1,0 +1,253 @@
+//! The ledger file: created in full under a temporary name and linked into place, opened
+//! without following links, and checked (type, owner and mode, header, size, slots) before
+//! it is used.
+
+use crate::access;
+use crate::config::PoolConfig;
+use crate::error::{PoolError, Result};
+use crate::layout::{self, h, s, HEADER_WORDS, SLOT_WORDS};
+use crate::ledger::{now_secs, os, Ledger};
+use crate::sys::{self, Mapping};
+use std::fs::File;
+use std::io;
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileExt, FileTypeExt};
+use std::path::Path;
+use std::sync::atomic::Ordering::SeqCst;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// What a path that is not a regular file is, in words.
+fn describe(ft: std::fs::FileType) -> &'static str {
+    if ft.is_dir() {
+        "a directory"
+    } else if ft.is_symlink() {
+        "a symbolic link (give the ledger's own path)"
+    } else if ft.is_fifo() {
+        "a FIFO"
+    } else if ft.is_socket() {
+        "a socket"
+    } else if ft.is_char_device() || ft.is_block_device() {
+        "a device"
+    } else if ft.is_file() {
+        "a file"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// Removes the temporary file a ledger is built in, whatever happens.
+struct Unlink<'a>(&'a Path);
+
+impl Drop for Unlink<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.0);
+    }
+}
+
+impl Ledger {
+    /// Creates a ledger at `path`, which must not exist: owner-only (mode 0600), or 0660 and
+    /// given to the configured group. The file is written in full under a temporary name in
+    /// the same directory and then linked into place, so no process ever opens half a
+    /// ledger, and nothing at `path` is ever replaced.
+    pub fn create(path: impl AsRef<Path>, config: &PoolConfig) -> Result<Ledger> {
+        let path = path.as_ref();
+        if let Ok(meta) = std::fs::symlink_metadata(path) {
+            return Err(PoolError::AlreadyExists {
+                path: path.into(),
+                what: describe(meta.file_type()).into(),
+            });
+        }
+        let name = path.file_name().ok_or_else(|| {
+            PoolError::InvalidSetting(format!("{} names no file", path.display()))
+        })?;
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        if !dir.is_dir() {
+            return Err(PoolError::InvalidSetting(format!(
+                "{} is not a directory: a ledger is created in an existing one",
+                dir.display()
+            )));
+        }
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let tmp = dir.join(format!(
+            ".{}.{}.{nanos}.tmp",
+            name.to_string_lossy(),
+            std::process::id()
+        ));
+        let fd = sys::open(&tmp, Some(0o600)).map_err(os("create", &tmp))?;
+        let _cleanup = Unlink(&tmp);
+        let mode = match config.group {
+            Some(gid) => {
+                sys::fchgrp(fd.as_fd(), gid).map_err(os("chgrp", &tmp))?;
+                0o660
+            }
+            None => 0o600,
+        };
+        sys::fchmod(fd.as_fd(), mode).map_err(os("chmod", &tmp))?;
+        let len = layout::file_len(config.slots);
+        sys::set_len(fd.as_fd(), len).map_err(os("ftruncate", &tmp))?;
+        {
+            let map = Mapping::new(fd.as_fd(), len as usize).map_err(os("mmap", &tmp))?;
+            let w = map.words();
+            let header = [
+                layout::MAGIC,
+                layout::VERSION,
+                config.slots,
+                SLOT_WORDS as u64,
+                config.total,
+                config.default_limit,
+                now_secs(),
+            ];
+            for (i, v) in header.into_iter().enumerate() {
+                w[i].store(v, SeqCst);
+            }
+            w[h::SEAL].store(layout::header_seal(w), SeqCst);
+            for i in 0..config.slots as usize {
+                let slot = &w[HEADER_WORDS + i * SLOT_WORDS..][..SLOT_WORDS];
+                slot[s::SEAL].store(layout::slot_seal(slot), SeqCst);
+            }
+        }
+        match sys::link(&tmp, path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                return Err(PoolError::AlreadyExists {
+                    path: path.into(),
+                    what: "made by another process meanwhile".into(),
+                })
+            }
+            Err(e) => return Err(os("link", path)(e)),
+        }
+        Self::from_file(path, File::from(fd))
+    }
+
+    /// Opens the ledger at `path`, checking that it is a regular file this user may use
+    /// (its owner, or a member of the group it is granted to) and that it is consistent.
+    /// Nothing is written.
+    pub fn open(path: impl AsRef<Path>) -> Result<Ledger> {
+        let path = path.as_ref();
+        let meta = match std::fs::symlink_metadata(path) {
+            Ok(m) => m,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(PoolError::NotFound { path: path.into() })
+            }
+            Err(e) => return Err(os("stat", path)(e)),
+        };
+        if !meta.file_type().is_file() {
+            return Err(PoolError::NotALedger {
+                path: path.into(),
+                why: format!("it is {}", describe(meta.file_type())),
+            });
+        }
+        let fd = match sys::open(path, None) {
+            Ok(fd) => fd,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES) | Some(libc::EPERM)) => {
+                use std::os::unix::fs::MetadataExt;
+                let why = access::check(
+                    meta.uid(),
+                    meta.gid(),
+                    meta.mode(),
+                    sys::euid(),
+                    &sys::groups(),
+                )
+                .err()
+                .unwrap_or_else(|| {
+                    format!(
+                        "the file's mode {:04o} does not let this user open it",
+                        meta.mode() & 0o777
+                    )
+                });
+                return Err(PoolError::PermissionDenied {
+                    path: path.into(),
+                    why,
+                });
+            }
+            Err(e) => return Err(os("open", path)(e)),
+        };
+        Self::from_file(path, File::from(fd))
+    }
+
+    /// Checks an open file and maps it.
+    fn from_file(path: &Path, file: File) -> Result<Ledger> {
+        let not = |why: String| PoolError::NotALedger {
+            path: path.into(),
+            why,
+        };
+        let corrupt = |why: String| PoolError::Corrupt {
+            path: path.into(),
+            why,
+        };
+        let info = sys::fstat(file.as_fd()).map_err(os("fstat", path))?;
+        if !info.is_regular() {
+            return Err(not("it is not a regular file".into()));
+        }
+        access::check(info.uid, info.gid, info.mode, sys::euid(), &sys::groups()).map_err(
+            |why| PoolError::PermissionDenied {
+                path: path.into(),
+                why,
+            },
+        )?;
+        let header_len = HEADER_WORDS * 8;
+        if info.len < header_len as u64 {
+            return Err(not(format!(
+                "{} bytes, shorter than a ledger's {header_len}-byte header",
+                info.len
+            )));
+        }
+        let mut raw = vec![0u8; header_len];
+        file.read_exact_at(&mut raw, 0).map_err(os("read", path))?;
+        let word = |i: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&raw[i * 8..i * 8 + 8]);
+            u64::from_le_bytes(b)
+        };
+        if word(h::MAGIC) != layout::MAGIC {
+            return Err(not(
+                "it does not start with the ledger's magic \"VMEMPOOL\"".into(),
+            ));
+        }
+        if word(h::VERSION) != layout::VERSION {
+            return Err(PoolError::UnsupportedVersion {
+                path: path.into(),
+                found: word(h::VERSION),
+                supported: layout::VERSION,
+            });
+        }
+        let seal = layout::seal((0..h::SEAL).map(word));
+        if seal != word(h::SEAL) {
+            return Err(corrupt(
+                "the header's seal does not match its contents".into(),
+            ));
+        }
+        let slots = word(h::SLOTS);
+        if slots == 0 || slots > layout::MAX_SLOTS || word(h::SLOT_WORDS) != SLOT_WORDS as u64 {
+            return Err(corrupt(format!(
+                "{slots} slots of {} words",
+                word(h::SLOT_WORDS)
+            )));
+        }
+        if info.len != layout::file_len(slots) {
+            return Err(corrupt(format!(
+                "{} bytes long, a ledger of {slots} slots has {}",
+                info.len,
+                layout::file_len(slots)
+            )));
+        }
+        let (total, default_limit) = (word(h::TOTAL), word(h::DEFAULT_LIMIT));
+        if total == 0 || default_limit == 0 || default_limit > total {
+            return Err(corrupt(format!(
+                "total {total} bytes, default limit {default_limit}"
+            )));
+        }
+        let map = Mapping::new(file.as_fd(), info.len as usize).map_err(os("mmap", path))?;
+        let ledger = Ledger::from_parts(path, map, file, slots as usize, total, default_limit);
+        let admin = ledger.admin()?;
+        ledger.check(&admin)?;
+        drop(admin);
+        Ok(ledger)
+    }
+}

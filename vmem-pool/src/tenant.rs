@@ -1,0 +1,134 @@
+//! A process's membership of the pool: its slot, and the charge and credit of its pages.
+
+use crate::error::{PoolError, Refusal, Result};
+use crate::layout::s;
+use crate::ledger::Ledger;
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::Arc;
+
+/// How many times a charge the pool's total refused is tried again: once after reaping dead
+/// tenants, once more for a race with another tenant's charge that then gave way.
+const POOL_FULL_TRIES: usize = 3;
+
+/// A tenant of the pool: made by [`Ledger::join`], out of the pool when dropped (or when its
+/// process dies: the kernel drops its lock, and the next process to touch the ledger takes
+/// its usage out).
+///
+/// A charge is lock-free: it adds to the tenant's own usage word, checks the tenant's limit,
+/// then sums every tenant's usage and takes the charge back if the sum passes the pool's
+/// total. Of charges that race, the last to sum sees the others' additions, so the usage of
+/// the charges that succeed never passes the total together; a race may refuse both, and
+/// the charge then tries again. All of a tenant's state is its slot, so a tenant that dies
+/// mid-charge leaves nothing behind once its slot is reaped.
+#[derive(Debug)]
+pub struct Tenant {
+    ledger: Arc<Ledger>,
+    slot: usize,
+    name: String,
+}
+
+impl Tenant {
+    pub(crate) fn new(ledger: Arc<Ledger>, slot: usize, name: String) -> Self {
+        Tenant { ledger, slot, name }
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The ledger it joined.
+    pub fn ledger(&self) -> &Arc<Ledger> {
+        &self.ledger
+    }
+
+    fn word(&self, k: usize) -> &std::sync::atomic::AtomicU64 {
+        &self.ledger.slot(self.slot)[k]
+    }
+
+    /// Its limit now, bytes (an operator may change it at any time).
+    pub fn limit(&self) -> u64 {
+        self.word(s::LIMIT).load(SeqCst)
+    }
+
+    /// The revision of its limit: bumped by every change, 1 at join. A tenant that polls
+    /// it learns of a change without comparing limits.
+    pub fn limit_revision(&self) -> u64 {
+        self.word(s::REVISION).load(SeqCst)
+    }
+
+    /// Bytes charged to it now.
+    pub fn usage(&self) -> u64 {
+        self.word(s::USAGE).load(SeqCst)
+    }
+
+    /// Bytes it holds above its limit, `None` when within it. A limit lowered below its usage
+    /// shows here at once: the tenant must shrink (evict its prefix cache, then preempt), as
+    /// its charges are refused until it is under the limit.
+    pub fn over_limit(&self) -> Option<u64> {
+        let over = self.usage().saturating_sub(self.limit());
+        (over > 0).then_some(over)
+    }
+
+    fn refused(&self, why: Refusal, needed: u64, usage: u64, limit: u64) -> PoolError {
+        PoolError::Refused {
+            tenant: self.name.clone(),
+            why,
+            needed,
+            usage,
+            limit,
+            pool_used: self.ledger.used(),
+            pool_total: self.ledger.total(),
+        }
+    }
+
+    /// Charges `bytes` to it, if its limit and the pool's total allow; otherwise changes
+    /// nothing and says which refused ([`PoolError::Refused`]).
+    pub fn charge(&self, bytes: u64) -> Result<()> {
+        let usage = self.word(s::USAGE);
+        let total = self.ledger.total();
+        for attempt in 0..POOL_FULL_TRIES {
+            let limit = self.word(s::LIMIT).load(SeqCst);
+            let before = usage.fetch_add(bytes, SeqCst);
+            match before.checked_add(bytes) {
+                Some(after) if after <= limit => {}
+                _ => {
+                    usage.fetch_sub(bytes, SeqCst);
+                    return Err(self.refused(Refusal::TenantLimit, bytes, before, limit));
+                }
+            }
+            if self.ledger.used() <= total {
+                self.word(s::PEAK).fetch_max(before + bytes, SeqCst);
+                return Ok(());
+            }
+            usage.fetch_sub(bytes, SeqCst);
+            if attempt == 0 {
+                // A dead tenant's usage may be what is in the way. Never waits for the lock.
+                self.ledger.reap_if_free()?;
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        let (before, limit) = (usage.load(SeqCst), self.limit());
+        Err(self.refused(Refusal::PoolFull, bytes, before, limit))
+    }
+
+    /// Gives `bytes` back. More than it holds is refused, changing nothing.
+    pub fn credit(&self, bytes: u64) -> Result<()> {
+        let usage = self.word(s::USAGE);
+        usage
+            .fetch_update(SeqCst, SeqCst, |u| u.checked_sub(bytes))
+            .map(|_| ())
+            .map_err(|u| PoolError::OverCredit {
+                tenant: self.name.clone(),
+                bytes,
+                usage: u,
+            })
+    }
+}
+
+impl Drop for Tenant {
+    fn drop(&mut self) {
+        self.ledger.leave(self.slot);
+    }
+}

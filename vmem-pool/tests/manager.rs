@@ -1,0 +1,74 @@
+//! A KV-cache manager over `PoolBackend`, unchanged: a step the tenant's limit does not allow
+//! fails with vmem's `OutOfMemory` (what the engine preempts on) and leaves earlier mappings
+//! intact; a raised limit lets the same step through; the ledger's count is the pages the
+//! backend holds, at every point.
+
+mod common;
+
+use common::Scratch;
+use std::sync::Arc;
+use vmem::backend::{Backend, SimBackend, KIB64};
+use vmem::{KvCacheManager, KvConfig, VmemError};
+use vmem_pool::{Ledger, Limit, PoolBackend, PoolConfig};
+
+#[test]
+fn the_manager_meets_the_tenant_limit_as_out_of_memory_and_grows_when_raised() {
+    let dir = Scratch::new("manager");
+    let path = dir.path("pool");
+    let ledger = Arc::new(Ledger::create(&path, &PoolConfig::new(64 * KIB64).unwrap()).unwrap());
+    let tenant = ledger.join("m", Some(Limit::Bytes(10 * KIB64))).unwrap();
+    let backend = Arc::new(PoolBackend::new(Arc::new(SimBackend::new()), tenant));
+    // 2 layers x K and V = 4 buffers; a 64 KB page holds 512 tokens of 1 head x 64 x 2 bytes.
+    let cfg = KvConfig::builder()
+        .layers(2)
+        .max_batch(4)
+        .max_context(2048)
+        .kv_heads(1)
+        .head_dim(64)
+        .elem_bytes(2)
+        .page_size(KIB64)
+        .memory_cap(64 * KIB64)
+        .overlap(false)
+        .deferred_reclaim(false)
+        .eager_tokens(0)
+        .build();
+    let m = KvCacheManager::init(backend.clone() as Arc<dyn Backend>, cfg).unwrap();
+    let (a, b) = (m.alloc_reqid().unwrap(), m.alloc_reqid().unwrap());
+    let mut lens = vec![0u64; 4];
+    lens[a] = 1024; // 2 pages in each of 4 buffers: 8 pages, within the limit of 10
+    m.step(&lens).unwrap();
+    assert_eq!(backend.tenant().usage(), 8 * KIB64);
+    let mapped_before = m.request_pages(a).unwrap();
+    lens[b] = 1024; // 8 more: over the limit
+    match m.step(&lens) {
+        Err(VmemError::OutOfMemory { .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        m.request_pages(a).unwrap(),
+        mapped_before,
+        "a's pages intact"
+    );
+    assert!(backend.tenant().usage() <= 10 * KIB64);
+    assert_eq!(
+        backend.tenant().usage(),
+        backend.live_pages() as u64 * KIB64
+    );
+    // The operator raises the limit: the same step goes through.
+    ledger.set_limit("m", Limit::Bytes(16 * KIB64)).unwrap();
+    m.step(&lens).unwrap();
+    assert_eq!(backend.tenant().usage(), 16 * KIB64);
+    // Lowered under its usage: the tenant learns it must shrink, and does.
+    ledger.set_limit("m", Limit::Bytes(8 * KIB64)).unwrap();
+    assert_eq!(backend.tenant().over_limit(), Some(8 * KIB64));
+    m.free_reqid(b).unwrap();
+    lens[b] = 0;
+    m.release_free_pages().unwrap();
+    assert_eq!(backend.tenant().over_limit(), None);
+    assert_eq!(
+        backend.tenant().usage(),
+        backend.live_pages() as u64 * KIB64
+    );
+    drop(m);
+    assert_eq!(ledger.status().unwrap().used, 0);
+}
