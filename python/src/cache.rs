@@ -3,7 +3,10 @@
 //! tensors exist never leaves a dangling pointer.
 
 use crate::args::{is_int, to_u64, to_usize, token_ids};
-use crate::dlpack::{DType, KVTensor};
+use crate::dict::{fields_dict, set_fields};
+use crate::dlpack::KVTensor;
+use crate::dtype::DType;
+use crate::shared::Inner;
 use crate::{py_err, Closed, InvalidArgument};
 use dlpark::ffi::{DLDevice, DLDeviceType};
 use pyo3::prelude::*;
@@ -12,16 +15,6 @@ use std::sync::{Arc, Mutex};
 use vmem::backend::{open_backend, Backend, BackendChoice, BackendKind};
 use vmem::kvcache::PolicyDefaults;
 use vmem::{KvCacheManager, KvConfig, Layout, VmemError as CoreError};
-
-/// What every view shares with the cache: the manager, alive as long as any of them.
-pub(crate) struct Inner {
-    /// The manager.
-    pub(crate) kv: KvCacheManager,
-    /// The element type its views export.
-    pub(crate) dtype: DType,
-    /// Where its memory is, as DLPack names it.
-    pub(crate) device: DLDevice,
-}
 
 /// A KV cache: one `KvCacheManager` and its per-layer K and V views.
 #[pyclass(module = "vmem._vmem", frozen)]
@@ -38,21 +31,6 @@ impl KVCache {
             .unwrap_or_else(|e| e.into_inner())
             .clone()
             .ok_or_else(|| Closed::new_err("the cache is closed"))
-    }
-
-    /// A prefix call (`adopt_prefix`, `publish_prefix`) on request `req` with prompt `tokens`,
-    /// both checked first, with the GIL released.
-    fn with_prefix(
-        &self,
-        py: Python<'_>,
-        req: &Bound<'_, PyAny>,
-        tokens: &Bound<'_, PyAny>,
-        call: fn(&KvCacheManager, usize, &[u32]) -> vmem::Result<u64>,
-    ) -> PyResult<u64> {
-        let inner = self.get()?;
-        let r = to_usize(req, "request id")?;
-        let t = token_ids(tokens)?;
-        py.detach(|| call(&inner.kv, r, &t)).map_err(py_err)
     }
 }
 
@@ -273,39 +251,37 @@ impl KVCache {
         Ok((KVTensor::new(&inner, v.k), KVTensor::new(&inner, v.v)))
     }
 
-    /// Starts active request `req`, before its first step, from the longest cached prefix of
-    /// its prompt `tokens` (token ids); returns the tokens served from the cache.
-    fn adopt_prefix(
+    /// A prefix call on active request `req` with its prompt `tokens` (token ids), both
+    /// checked first, with the GIL released. `publish` false: `KVCache.adopt_prefix`, before
+    /// the request's first step, starts it from the longest cached prefix and returns the
+    /// tokens served from the cache. True: `KVCache.publish_prefix` publishes its computed
+    /// full blocks and returns the blocks newly cached.
+    #[pyo3(signature = (req, tokens, *, publish))]
+    fn prefix(
         &self,
         py: Python<'_>,
         req: &Bound<'_, PyAny>,
         tokens: &Bound<'_, PyAny>,
+        publish: bool,
     ) -> PyResult<u64> {
-        self.with_prefix(py, req, tokens, KvCacheManager::adopt_prefix)
-    }
-
-    /// Publishes active request `req`'s computed full blocks of `tokens` to the prefix cache;
-    /// returns the blocks newly cached.
-    fn publish_prefix(
-        &self,
-        py: Python<'_>,
-        req: &Bound<'_, PyAny>,
-        tokens: &Bound<'_, PyAny>,
-    ) -> PyResult<u64> {
-        self.with_prefix(py, req, tokens, KvCacheManager::publish_prefix)
+        let inner = self.get()?;
+        let r = to_usize(req, "request id")?;
+        let t = token_ids(tokens)?;
+        let call = if publish {
+            KvCacheManager::publish_prefix
+        } else {
+            KvCacheManager::adopt_prefix
+        };
+        py.detach(|| call(&inner.kv, r, &t)).map_err(py_err)
     }
 
     /// What the prefix cache holds and has served.
     fn prefix_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.get()?.kv.prefix_stats();
-        let d = PyDict::new(py);
-        d.set_item("block_tokens", s.block_tokens)?;
-        d.set_item("blocks", s.blocks)?;
-        d.set_item("unmapped_bytes", s.unmapped_bytes)?;
-        d.set_item("shared_savings_bytes", s.shared_savings_bytes)?;
-        d.set_item("hit_tokens", s.hit_tokens)?;
-        d.set_item("evicted_blocks", s.evicted_blocks)?;
-        Ok(d)
+        Ok(
+            fields_dict!(py, s; block_tokens, blocks, unmapped_bytes, shared_savings_bytes,
+            hit_tokens, evicted_blocks),
+        )
     }
 
     /// The running digest of the manager's decisions, `(value, steps, calls)`: tensor-parallel
@@ -320,13 +296,8 @@ impl KVCache {
         let inner = self.get()?;
         let u = inner.kv.usage();
         let (created, free, cap) = inner.kv.pool_pages();
-        let d = PyDict::new(py);
-        d.set_item("kv_bytes", u.kv_bytes)?;
-        d.set_item("active_mapped_bytes", u.active_mapped_bytes)?;
-        d.set_item("mapped_bytes", u.mapped_bytes)?;
-        d.set_item("physical_bytes", u.physical_bytes)?;
-        d.set_item("cap_bytes", u.cap_bytes)?;
-        d.set_item("active_requests", u.active_requests)?;
+        let d = fields_dict!(py, u; kv_bytes, active_mapped_bytes, mapped_bytes, physical_bytes,
+            cap_bytes, active_requests);
         d.set_item("pool_created_pages", created)?;
         d.set_item("pool_free_pages", free)?;
         d.set_item("pool_cap_pages", cap)?;
@@ -338,24 +309,14 @@ impl KVCache {
         let inner = self.get()?;
         let c = inner.kv.config();
         let g = inner.kv.geometry();
-        let d = PyDict::new(py);
-        d.set_item("layers", c.layers)?;
-        d.set_item("kv_heads", c.kv_heads)?;
-        d.set_item("head_dim", c.head_dim)?;
+        let d = fields_dict!(py, c; layers, kv_heads, head_dim);
         d.set_item("dtype", inner.dtype.name())?;
-        d.set_item("max_batch", c.max_batch)?;
-        d.set_item("max_context", c.max_context)?;
-        d.set_item("page_size", c.page_size)?;
+        set_fields!(d, c; max_batch, max_context, page_size);
         d.set_item("layout", c.layout.name())?;
-        d.set_item("memory_cap", c.memory_cap)?;
-        d.set_item("overlap", c.overlap)?;
+        set_fields!(d, c; memory_cap, overlap);
         d.set_item("deferred_reclaim", inner.kv.deferred_reclaim())?;
-        d.set_item("eager_tokens", c.eager_tokens)?;
-        d.set_item("pad_rows", c.pad_rows)?;
-        d.set_item("zero_page", c.zero_page)?;
-        d.set_item("prefix_cache", c.prefix_cache)?;
-        d.set_item("buffers", g.buffers)?;
-        d.set_item("token_bytes", g.token_bytes)?;
+        set_fields!(d, c; eager_tokens, pad_rows, zero_page, prefix_cache);
+        set_fields!(d, g; buffers, token_bytes);
         d.set_item("tokens_per_page", g.tokens_per_page())?;
         d.set_item("backend", self.backend_name)?;
         d.set_item("backend_reason", &self.backend_reason)?;

@@ -9,12 +9,16 @@
 //!   `__dlpack_device__`) through dlpark: `torch.from_dlpack`, `numpy.from_dlpack` and CuPy
 //!   read it with no copy.
 //!
-//! Modules: `cache` (the `KVCache` class), `dlpack` (element types and `KVTensor`), `args`
-//! (Python values to Rust ones, checked); this file holds the module and its exceptions.
+//! Modules: `cache` (the `KVCache` class), `shared` (what the cache and its views share),
+//! `dlpack` (`KVTensor`), `dtype` (element types), `args` (Python values to Rust ones,
+//! checked), `dict` (structs' fields as dicts); this file holds the module and its exceptions.
 
 mod args;
 mod cache;
+mod dict;
 mod dlpack;
+mod dtype;
+mod shared;
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyRuntimeError;
@@ -22,6 +26,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use vmem::VmemError as CoreError;
 
+use crate::dict::fields_dict;
 use crate::{cache::KVCache, dlpack::KVTensor};
 
 // Module `vmem`: the classes print and pickle as `vmem.VmemError`, where users import them.
@@ -96,15 +101,7 @@ fn models<'py>(py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
     vmem::models::MODELS
         .iter()
         .map(|m| {
-            let d = PyDict::new(py);
-            d.set_item("name", m.name)?;
-            d.set_item("layers", m.layers)?;
-            d.set_item("kv_heads", m.kv_heads)?;
-            d.set_item("head_dim", m.head_dim)?;
-            d.set_item("q_heads", m.q_heads)?;
-            d.set_item("hidden", m.hidden)?;
-            d.set_item("intermediate", m.intermediate)?;
-            Ok(d)
+            Ok(fields_dict!(py, m; name, layers, kv_heads, head_dim, q_heads, hidden, intermediate))
         })
         .collect()
 }

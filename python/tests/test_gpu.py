@@ -130,6 +130,13 @@ def lifetime():
     check("the last tensor's drop returns the memory", free1 > free0, f"{(free1 - free0) >> 20} MB back")
 
 
+def close_with_live_context(kv, after):
+    """Checks that the CUDA context still runs a kernel after `after`, then closes `kv`."""
+    y = torch.ones(1024, device="cuda").sum()
+    check(f"context alive after the {after}", float(y) == 1024.0)
+    kv.close()
+
+
 def unmap_after_queued_kernel():
     kv = vmem.KVCache(layers=1, kv_heads=8, head_dim=128, dtype="fp32", max_batch=2,
                       max_context=65536, backend="cuda", deferred_reclaim=False, overlap=False,
@@ -150,10 +157,8 @@ def unmap_after_queued_kernel():
     torch.cuda.synchronize()
     want = 20.0 * 65536 * 8 * 128
     check("queued kernel over freed pages: right result", float(total) == want, f"{float(total)} vs {want}; free waited {waited:.2f} s")
-    y = torch.ones(1024, device="cuda").sum()
-    check("context alive after the unmap", float(y) == 1024.0)
     del K, x
-    kv.close()
+    close_with_live_context(kv, "unmap")
 
 
 def vattention_api():
@@ -347,10 +352,8 @@ def zero_slots_under_queued_reads():
         want += 4 * n * 128
     torch.cuda.synchronize()
     check("reads of zero slots around steps: exact sums", float(acc) == want, f"{float(acc)} vs {want}")
-    y = torch.ones(1024, device="cuda").sum()
-    check("context alive after the swaps", float(y) == 1024.0)
     del K, row
-    kv.close()
+    close_with_live_context(kv, "swaps")
 
 
 def test_zero_slots_under_queued_reads():

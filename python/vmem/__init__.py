@@ -23,7 +23,7 @@ KVTensor(shape=[4, 1024, 2, 64], strides=[131072, 128, 64, 1], dtype=float16, de
 
 Rust does the work (the ``vmem`` crate); the package checks and converts arguments
 (``vmem._args``) in the cache class (``vmem._cache``) and imports neither torch nor NumPy.
-``vmem.torch`` hands the views out as torch tensors (the only module that imports torch),
+``vmem.torch`` hands the views out as torch tensors (``vmem._torch`` converts them),
 ``vmem.vattention`` offers vAttention's function-level API (torch tensors), ``vmem.hf`` a
 transformers cache.
 """

@@ -235,7 +235,7 @@ class KVCache:
         tokens served from the cache (a multiple of ``prefix_stats()["block_tokens"]``);
         compute the prompt from there. Raises :class:`InvalidArgument` when ``prefix_cache`` is
         off."""
-        return self._rs.adopt_prefix(req, token_ids(tokens))
+        return self._rs.prefix(req, token_ids(tokens), publish=False)
 
     def publish_prefix(self, req: int, tokens: Any) -> int:
         """Offers active request ``req``'s full blocks of ``tokens`` (its token ids so far;
@@ -245,7 +245,7 @@ class KVCache:
         back before any running request runs short. Tokens that disagree with the blocks
         ``req`` holds already (adopted or published) are refused (:class:`InvalidArgument`,
         nothing cached): its blocks were computed after those, not after these."""
-        return self._rs.publish_prefix(req, token_ids(tokens))
+        return self._rs.prefix(req, token_ids(tokens), publish=True)
 
     def prefix_stats(self) -> Dict[str, int]:
         """The prefix cache: ``block_tokens`` (0: sharing off), ``blocks`` cached,
@@ -269,9 +269,9 @@ class KVCache:
 
     def torch_layers(self) -> List[Tuple[Any, Any]]:
         """Every layer's K and V as torch tensors: :func:`vmem.torch.layers` (imports torch)."""
-        from . import torch as vmem_torch
+        from . import _torch
 
-        return vmem_torch.layers(self)
+        return [_torch.pair(self.layer(i)) for i in range(self._layers)]
 
     # -- state ------------------------------------------------------------------------------
     def decision_digest(self) -> Tuple[int, int, int]:

@@ -1,4 +1,5 @@
-"""vmem caches as torch tensors: the one module of the package that imports torch.
+"""vmem caches as torch tensors: the public face of the conversion in ``vmem._torch``, which
+:meth:`vmem.KVCache.torch_layers` shares; importing either imports torch.
 
 >>> import torch, vmem, vmem.torch
 >>> kv = vmem.KVCache(layers=2, kv_heads=2, head_dim=64, dtype="bf16", max_batch=4,
@@ -18,6 +19,7 @@ from typing import List, Tuple
 
 import torch
 
+from . import _torch
 from ._cache import KVCache
 from ._vmem import InvalidArgument
 
@@ -30,8 +32,7 @@ def layer(kv: KVCache, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
     cache's memory alive until it is dropped."""
     if not isinstance(kv, KVCache):
         raise InvalidArgument(f"vmem.torch.layer takes a vmem.KVCache, got {type(kv).__name__}")
-    k, v = kv.layer(i)
-    return torch.from_dlpack(k), torch.from_dlpack(v)
+    return _torch.pair(kv.layer(i))
 
 
 def layers(kv: KVCache) -> List[Tuple[torch.Tensor, torch.Tensor]]:

@@ -10,20 +10,19 @@ use crate::error::{PoolError, Result};
 use crate::layout::{self, h, s, FREE, HEADER_WORDS, LIVE, SLOT_WORDS};
 use crate::status::{LimitChange, PoolStatus, Reaped, TenantStatus};
 use crate::sys::{self, LockOp, Mapping};
-use crate::tenant::Tenant;
 use std::fs::File;
 use std::io;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Longest wait for the header's lock (see [`Ledger`]'s joins, limits, status and reaping).
 pub const ADMIN_WAIT: Duration = Duration::from_secs(2);
 
-/// An open pool ledger. Cheap to share (`Arc`); each [`Tenant`] keeps the one it joined
-/// through alive.
+/// An open pool ledger. Cheap to share (`Arc`); each [`Tenant`](crate::Tenant) keeps the one
+/// it joined through alive.
 ///
 /// A process that forks while it holds a tenant passes the tenant's liveness lock to the
 /// child (the lock belongs to the open file, which the child shares): the tenant then counts
@@ -333,7 +332,7 @@ impl Ledger {
 
     /// Sets a live tenant's limit. The tenant sees it at its next charge: a lower limit
     /// refuses its new pages until its usage is under it (it learns so from
-    /// [`Tenant::over_limit`]), a higher one lets it grow at once.
+    /// [`Tenant::over_limit`](crate::Tenant::over_limit)), a higher one lets it grow at once.
     pub fn set_limit(&self, tenant: &str, limit: Limit) -> Result<LimitChange> {
         layout::check_name(tenant).map_err(PoolError::InvalidSetting)?;
         let bytes = limit.resolve(self.total)?;
@@ -354,9 +353,10 @@ impl Ledger {
         })
     }
 
-    /// Joins the pool as tenant `name` with `limit` (the ledger's default limit when `None`).
-    /// The tenant is in the pool until the [`Tenant`] is dropped or its process dies.
-    pub fn join(self: &Arc<Self>, name: &str, limit: Option<Limit>) -> Result<Tenant> {
+    /// Takes a free slot for tenant `name` with `limit` (the ledger's default limit when
+    /// `None`) and locks it as this process's: the part of [`Ledger::join`] under the
+    /// header's lock. Returns the slot.
+    pub(crate) fn claim(&self, name: &str, limit: Option<Limit>) -> Result<usize> {
         layout::check_name(name).map_err(PoolError::InvalidSetting)?;
         let bytes = match limit {
             Some(l) => l.resolve(self.total)?,
@@ -398,8 +398,7 @@ impl Ledger {
         slot[s::STATE].store(LIVE, SeqCst);
         self.reseal(i);
         admin.held[i] = true;
-        drop(admin);
-        Ok(Tenant::new(Arc::clone(self), i, name.into()))
+        Ok(i)
     }
 
     /// Takes tenant slot `i`, joined through this ledger, out of the pool.

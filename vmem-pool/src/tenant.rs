@@ -1,5 +1,7 @@
-//! A process's membership of the pool: its slot, and the charge and credit of its pages.
+//! A process's membership of the pool: joining it, its slot, and the charge and credit of its
+//! pages.
 
+use crate::config::Limit;
 use crate::error::{PoolError, Refusal, Result};
 use crate::layout::s;
 use crate::ledger::Ledger;
@@ -9,6 +11,19 @@ use std::sync::Arc;
 /// How many times a charge the pool's total refused is tried again: once after reaping dead
 /// tenants, once more for a race with another tenant's charge that then gave way.
 const POOL_FULL_TRIES: usize = 3;
+
+impl Ledger {
+    /// Joins the pool as tenant `name` with `limit` (the ledger's default limit when `None`).
+    /// The tenant is in the pool until the [`Tenant`] is dropped or its process dies.
+    pub fn join(self: &Arc<Self>, name: &str, limit: Option<Limit>) -> Result<Tenant> {
+        let slot = self.claim(name, limit)?;
+        Ok(Tenant {
+            ledger: Arc::clone(self),
+            slot,
+            name: name.into(),
+        })
+    }
+}
 
 /// A tenant of the pool: made by [`Ledger::join`], out of the pool when dropped (or when its
 /// process dies: the kernel drops its lock, and the next process to touch the ledger takes
@@ -28,10 +43,6 @@ pub struct Tenant {
 }
 
 impl Tenant {
-    pub(crate) fn new(ledger: Arc<Ledger>, slot: usize, name: String) -> Self {
-        Tenant { ledger, slot, name }
-    }
-
     /// Its name.
     pub fn name(&self) -> &str {
         &self.name

@@ -1,0 +1,91 @@
+"""The package's modules and the extension's Rust files import one another one way only: no
+import circle (issue #31). Read from the source, so nothing is built or imported."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import Dict, List, Set
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _circle(graph: Dict[str, Set[str]]) -> List[str]:
+    """One circle of `graph` as the names along it (empty when there is none)."""
+    state: Dict[str, int] = {}
+    path: List[str] = []
+
+    def visit(n: str) -> List[str]:
+        state[n] = 1
+        path.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return path[path.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        state[n] = 2
+        path.pop()
+        return []
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return []
+
+
+def _python_graph() -> Dict[str, Set[str]]:
+    pkg = ROOT / "vmem"
+    graph: Dict[str, Set[str]] = {}
+    for f in pkg.rglob("*.py"):
+        mod = ".".join(("vmem",) + f.relative_to(pkg).with_suffix("").parts)
+        if mod.endswith(".__init__"):
+            continue  # a package's face hands names on
+        base = mod.rsplit(".", 1)[0].split(".")
+        deps: Set[str] = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                parent = ".".join(base[: len(base) - node.level + 1])
+                target = parent + ("." + node.module if node.module else "")
+                if node.module:
+                    deps.add(target)
+                else:  # `from . import torch`: each name is a module of the parent
+                    deps.update(f"{parent}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("vmem."))
+        graph[mod] = {d for d in deps if d != mod}
+    return graph
+
+
+def _rust_graph(src: Path) -> Dict[str, Set[str]]:
+    mods = {f.stem for f in src.glob("*.rs")} - {"lib"}
+    graph: Dict[str, Set[str]] = {}
+    for m in mods:
+        text = (src / f"{m}.rs").read_text()
+        used = set(re.findall(r"crate::(\w+)", text))
+        # `use crate::{a::X, b::Y}`
+        for group in re.findall(r"use crate::\{([^}]*)\}", text):
+            used.update(re.findall(r"(\w+)::", group))
+        graph[m] = (used & mods) - {m}
+    return graph
+
+
+def test_circle_finder_finds_a_circle():
+    assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _circle({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_python_package_has_no_import_circle():
+    assert _circle(_python_graph()) == []
+
+
+def test_the_extension_has_no_import_circle():
+    assert _circle(_rust_graph(ROOT / "src")) == []
+
+
+def test_vmem_pool_has_no_import_circle():
+    assert _circle(_rust_graph(ROOT.parent / "vmem-pool" / "src")) == []
