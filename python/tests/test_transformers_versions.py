@@ -230,3 +230,32 @@ def test_prefix_blocks_complete_in_two_steps():
 
     cache.mark_complete_blocks(Req("a", len(prompt)), done)
     assert cache.search_prefix_match("b", prompt + [7]) == 2 * bs
+
+
+def test_vmem_is_never_switched_to_flash(tiny, monkeypatch):
+    """With FlashAttention installed, the engine's switch_to_cb_friendly_attn switches a name that
+    is neither paged nor flash to flash_attention_3 (5.17 and 5.19+), and 5.19+ refuses any other
+    name: `vmem` stays vmem's (5.17 runs it as paged|vmem), and the model gets it back at stop."""
+    import torch
+    import transformers
+    from transformers.generation.continuous_batching import continuous_api
+
+    import vmem.transformers as vt
+
+    eng = _engine()
+    monkeypatch.setattr(continuous_api, "is_flash_attn_3_available", lambda *a, **k: True)
+    vt.install(**OPTS)
+    model = tiny.make_model("llama-gqa", torch.float32, "cpu")
+    model.set_attn_implementation("vmem")
+    gen = transformers.GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    m = model.init_continuous_batching(generation_config=gen)
+    assert model.config._attn_implementation == ("paged|vmem" if eng.IS_517 else "vmem")
+    m.start()
+    try:
+        m.add_request([5, 6, 7], request_id="r", max_new_tokens=2)
+        r = m.get_result(request_id="r", timeout=60)
+        assert r is not None and r.error is None
+        assert type(m.batch_processor.cache) is vt.cache_class()
+    finally:
+        m.stop(block=True, timeout=30)
+    assert model.config._attn_implementation == "vmem"
