@@ -12,16 +12,17 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (CI has no torch); benches/serving_check.py runs these on the GPU")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-import tf_engine as eng  # noqa: E402  (the engine's version: its reference path, its block)
+import tf_engine as eng
 
 eng.skip_unless_served()
 
-from harness import check as h  # noqa: E402  (python/benches, on pytest's pythonpath)
-import harness.blockflex as blockflex  # noqa: E402
-import vmem  # noqa: E402
-import vmem.transformers as vt  # noqa: E402
-from vmem.transformers import fa as vt_fa  # noqa: E402
-from vmem.transformers import patch as vt_patch  # noqa: E402
+from harness import blockflex
+from harness import check as h
+
+import vmem
+import vmem.transformers as vt
+from vmem.transformers import fa as vt_fa
+from vmem.transformers import patch as vt_patch
 
 TOL = 1e-4  # fp32 on the CPU, relative to the largest logit
 NEW = 4
@@ -133,12 +134,15 @@ def test_preemption_under_memory_pressure():
     _check_clean(cache)
 
 
-@pytest.mark.skipif(not eng.IS_517, reason="the paged|blockflex bench contender subclasses transformers 5.17's "
-                    "PagedAttentionCache (5.18 rewrote it)")
 def test_blockflex_contender_matches():
-    """The engine's own paged cache read by the same Flex core through its block table."""
+    """The engine's own paged cache read by the same Flex core through its block table (the bench
+    contender subclasses transformers 5.17's cache: on 5.19+ it is refused, naming 5.17)."""
     model = h.make_model("qwen2-bias", torch.float32, "cpu", logit_scale=20.0)
     prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
+    if not eng.IS_517:
+        with pytest.raises(RuntimeError, match="reads transformers 5.17's paged cache"):
+            h.run_engine(model, blockflex.BLOCKFLEX_ATTENTION, prompts[:1], NEW, cb_kwargs=dict(max_batch_tokens=48))
+        return
     run = h.run_engine(model, blockflex.BLOCKFLEX_ATTENTION, prompts, NEW,
                        cb_kwargs=dict(max_batch_tokens=48, block_size=128, num_blocks=48), stagger=[0, 0, 2, 2, 4, 4])
     assert type(run["cache"]).__name__ == "RecordingPagedCache"

@@ -17,7 +17,7 @@ import tf_engine as eng  # noqa: E402
 
 eng.skip_unless_served()
 
-from harness import check as h  # noqa: E402  (python/benches, on pytest's pythonpath)
+from harness import check as h
 import vmem.transformers as vt
 
 import vmem
@@ -204,8 +204,8 @@ def test_the_options_in_force_when_the_manager_is_created_are_the_ones_used():
 
 # -- item 11: kernel="flex" on the CPU, bounded; failures raised ----------------------------------
 FLEX_RUN = """
-from harness import check as h
 import torch, transformers, vmem.transformers as vt
+from harness import check as h
 h.fake_cpu_memory()
 vt.install(kernel="flex", page_size="64K")
 model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)

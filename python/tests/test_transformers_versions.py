@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("torch", reason="torch is not installed (vmem.transformers needs it)")
 
-import vmem  # noqa: E402
-from vmem.transformers import patch  # noqa: E402
+import vmem
+from vmem.transformers import patch
 
 PYPROJECT = os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")
 SERVED = ["5.17.0", "5.17.3", "5.19.0", "5.20.2", "5.21.1", "5.22.2", "5.23.0", "5.23.1"]
@@ -164,18 +164,18 @@ class _State:
 
 
 def _cache_519(**kw):
-    eng = _engine()
-    if eng.IS_517:
-        pytest.skip("the token-based allocation surface is transformers 5.19-5.23's")
+    """A 5.19-5.23 cache (its allocation surface is plain Python: it runs under 5.17 too)."""
+    _engine()
     import torch
     import transformers
     from harness import check as h
 
     import vmem.transformers as vt
+    from vmem.transformers.engine519 import VmemCBCache519
 
     cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64, allow_block_sharing=True)
-    return vt.cache_class()(h.make_config("llama-gqa"), cb, "cpu", dtype=torch.float32,
-                            options=vt.Options(**dict(OPTS, **kw)))
+    return VmemCBCache519(h.make_config("llama-gqa"), cb, "cpu", dtype=torch.float32,
+                          options=vt.Options(**dict(OPTS, **kw)))
 
 
 def test_token_allocation_is_exact_all_or_nothing_and_never_raises(caplog):
