@@ -12,8 +12,8 @@ import pytest
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
-import vmem
-from vmem.transformers import patch as _patch
+import vmem  # noqa: E402
+from vmem.transformers import patch as _patch  # noqa: E402
 
 VERSION = transformers.__version__
 try:

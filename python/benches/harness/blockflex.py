@@ -70,8 +70,9 @@ def blockflex_cache(request: vt.CacheRequest) -> Any:
     import transformers
 
     if not transformers.__version__.startswith("5.17."):  # it subclasses 5.17's cache; 5.18 rewrote it
-        raise vt.InvalidArgument(f"{BLOCKFLEX_ATTENTION} reads transformers 5.17's paged cache (key_cache, block "
-                                 f"tables); transformers {transformers.__version__} rewrote that cache: run it under 5.17")
+        raise vt.InvalidArgument(f"{BLOCKFLEX_ATTENTION} reads transformers 5.17's paged cache (key_cache, "
+                                 f"block tables); transformers {transformers.__version__} rewrote that cache: "
+                                 "run it under 5.17")
     cb = request.continuous_batching_config
     refuse_graphs(cb, BLOCKFLEX_ATTENTION)
     if cb.block_size % vt.KV_BLOCK:

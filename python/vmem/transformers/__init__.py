@@ -5,7 +5,7 @@ Three lines serve with vmem::
 
     import vmem.transformers
     vmem.transformers.install()                                   # once, before loading the model
-    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="vmem")     
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="vmem")
     outputs = model.generate_batch(prompts, generation_config)    # or init_continuous_batching()
 
 or, scoped (the options are bound to the engine's manager created inside the block)::

@@ -186,12 +186,12 @@ class VmemCBCache519(VmemCBCache):
         evicting them would free nothing the engine can count on."""
         return False
 
-    def free_blocks(self, request_id: str, no_cache: bool = False) -> None:  # type: ignore[override]
+    def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         """Gives the row back (``no_cache``: the published blocks stay cached all the same; they
         count as free)."""
         super().free_blocks(request_id)
 
-    def free_all_requests(self, clear_ledgers: bool = False) -> None:  # type: ignore[override]
+    def free_all_requests(self, clear_ledgers: bool = False) -> None:
         super().free_all_requests()
 
     def reset(self) -> None:
