@@ -1,6 +1,6 @@
-"""vmem.transformers across transformers versions: the version gate (5.17.x and 5.19-5.23 served,
-5.18 and anything newer refused, naming the range), the ``vmem[transformers]`` install extra
-agreeing with it, one attention name (``vmem``) on every served version, the 5.19-5.23 allocation
+"""vmem.transformers across transformers versions: the version gate (5.17.x and 5.19-5.24 served,
+5.18 and anything newer than 5.24 refused, naming the range), the ``vmem[transformers]`` install extra
+agreeing with it, one attention name (``vmem``) on every served version, the 5.19-5.24 allocation
 surface, and the default budget on a host whose memory transformers cannot measure (no psutil).
 
 The gate and extra tests need torch but not transformers; the others run on the CPU under
@@ -20,12 +20,12 @@ import vmem
 from vmem.transformers import patch
 
 PYPROJECT = os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")
-SERVED = ["5.17.0", "5.17.3", "5.19.0", "5.20.2", "5.21.1", "5.22.2", "5.23.0", "5.23.1"]
-REFUSED = ["4.57.3", "5.0.0", "5.1.17", "5.16.2", "5.18.0", "5.18.1", "5.24.0", "5.25.0", "6.0.0", "5.170.0"]
+SERVED = ["5.17.0", "5.17.3", "5.19.0", "5.20.2", "5.21.1", "5.22.2", "5.23.0", "5.23.1", "5.24.0"]
+REFUSED = ["4.57.3", "5.0.0", "5.1.17", "5.16.2", "5.18.0", "5.18.1", "5.25.0", "5.26.1", "6.0.0", "5.170.0"]
 
 
 @pytest.mark.parametrize("version", SERVED)
-def test_the_gate_serves_5_17_and_5_19_to_5_23(version):
+def test_the_gate_serves_5_17_and_5_19_to_5_24(version):
     adapter = patch.adapter_for(version)
     assert adapter.__name__.endswith("engine517" if version.startswith("5.17.") else "engine519")
 
@@ -49,7 +49,7 @@ def _extra_requirement():
 
 def test_the_install_extra_pins_what_the_gate_serves():
     """``pip install "vmem[transformers]"`` may only pick a transformers the gate serves, and
-    takes every line it serves (the newest: 5.23)."""
+    takes every line it serves (the newest: 5.24)."""
     tf = _extra_requirement()["transformers"]
     for v in SERVED:
         assert tf.specifier.contains(v), v
@@ -84,7 +84,7 @@ OPTS = {"page_size": "64K", "max_requests": 4, "max_context": 1024, "memory": "8
 
 @pytest.mark.parametrize("name", ["vmem", "paged|vmem"])
 def test_one_attention_name_serves_on_every_version(name, tiny):
-    """``attn_implementation="vmem"`` on 5.17 and 5.19-5.23 alike (5.23's engine refused any name
+    """``attn_implementation="vmem"`` on 5.17 and 5.19-5.24 alike (5.23's engine refused any name
     but paged|eager, sdpa or a flash one; 5.17 knew only paged|vmem), and ``paged|vmem`` still
     works; greedy tokens equal the engine's own path's, and the model keeps the name it had."""
     import torch
@@ -164,7 +164,7 @@ class _State:
 
 
 def _cache_519(**kw):
-    """A 5.19-5.23 cache (its allocation surface is plain Python: it runs under 5.17 too)."""
+    """A 5.19-5.24 cache (its allocation surface is plain Python: it runs under 5.17 too)."""
     _engine()
     import torch
     import transformers

@@ -1,5 +1,5 @@
 """What the serving tests need to know of the transformers engine they run under (5.17.x or
-5.19-5.23): whether vmem serves it, its own paged reference path, how to size its block, and how
+5.19-5.24): whether vmem serves it, its own paged reference path, how to size its block, and how
 many prompt tokens its own prefix sharing served. Imported by the tests (not a test module)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ except vmem.VmemError:
     ADAPTER = None
 #: Whether vmem.transformers serves the installed transformers.
 SERVED = ADAPTER is not None
-#: The engine's 5.17 surface (allocate_blocks, paged| names) rather than 5.19-5.23's.
+#: The engine's 5.17 surface (allocate_blocks, paged| names) rather than 5.19-5.24's.
 IS_517 = VERSION.startswith("5.17.")
 #: The engine's own paged path, the reference vmem is compared with.
 ENGINE_SDPA = "paged|sdpa" if IS_517 else "sdpa"

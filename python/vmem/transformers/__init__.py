@@ -1,4 +1,4 @@
-"""vmem memory under transformers' continuous-batching engine (transformers 5.17.x and 5.19-5.23),
+"""vmem memory under transformers' continuous-batching engine (transformers 5.17.x and 5.19-5.24),
 and a ``generate()`` cache.
 
 Three lines serve with vmem::
@@ -82,7 +82,7 @@ def _vmem_cache(request: CacheRequest) -> VmemCBCache:
 
 
 def cache_class() -> type:
-    """vmem's cache class for the installed transformers (:class:`VmemCBCache` on 5.17, its 5.19-5.23
+    """vmem's cache class for the installed transformers (:class:`VmemCBCache` on 5.17, its 5.19-5.24
     subclass there); :class:`VmemError` on a version vmem does not serve."""
     return patch.adapter_for(patch._transformers_version()).cache_class()
 

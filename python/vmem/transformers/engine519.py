@@ -1,10 +1,10 @@
-"""The adapter for transformers 5.19-5.23's continuous-batching engine: the patch (cache factory,
+"""The adapter for transformers 5.19-5.24's continuous-batching engine: the patch (cache factory,
 attention name, options bound to the manager, ``generate_batch`` raising on failed requests) and
 :class:`VmemCBCache519`, the allocation surface those versions call, over the version-free
 :class:`~vmem.transformers.cache.VmemCBCache`.
 
-What changed from 5.17 (checked against the 5.19.0, 5.20.2, 5.21.1, 5.22.2 and 5.23.0 wheels;
-``docs/serving.md``):
+What changed from 5.17 (checked against the 5.19.0, 5.20.2, 5.21.1, 5.22.2, 5.23.0 and 5.24.0
+wheels; ``docs/serving.md``):
 
 * the engine builds its cache with keywords ``(config, continuous_batching_config, device,
   distributed_helper, dtype, model_supports_logits_to_keep)``;
@@ -20,7 +20,10 @@ What changed from 5.17 (checked against the 5.19.0, 5.20.2, 5.21.1, 5.22.2 and 5
   ``get_seqlen_k``, ``needs_new_blocks``, ``block_table``), ``pool.try_to_free_sectors()``,
   ``max_tokens_read`` (the round's KV-read budget; it also sizes an int64 index buffer of that
   many entries on the device), ``max_decode_fast_path_length``, ``read_cache_limit`` and
-  ``bytes_per_sector``.
+  ``bytes_per_sector``;
+* 5.24 moved the cache update into the models: they call ``cache.update(k, v, layer_idx,
+  kwargs=kwargs)`` before the attention function, which no longer gets the cache; vmem's
+  ``update`` hands the cache on through those kwargs and leaves the writing to the attention.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from typing import Any
 
 import torch
 
+from .._vmem import VmemError
 from .cache import VmemCBCache
-from .sizing import measured_memory
+from .sizing import VMEM_ATTENTION, measured_memory
 
 FULL_ATTENTION = "full_attention"
 _log = logging.getLogger(__name__)
@@ -99,7 +103,7 @@ class _Pool:
 
 
 class VmemCBCache519(VmemCBCache):
-    """:class:`VmemCBCache` with the allocation surface of transformers 5.19-5.23's engine."""
+    """:class:`VmemCBCache` with the allocation surface of transformers 5.19-5.24's engine."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -208,6 +212,17 @@ class VmemCBCache519(VmemCBCache):
     def mark_complete_blocks(self, state: Any, complete_blocks: dict[str, int]) -> None:
         """Publishes the request's full blocks to vmem's prefix cache."""
         self.mark_shareable_blocks_as_complete(state, (complete_blocks or {}).get(FULL_ATTENTION, 0))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """5.24: the model calls this before its attention function (which then gets no cache):
+        hands the cache to the attention through ``kwargs`` (the model passes them on), which
+        writes the new K/V and reads every request's in place, as on 5.19-5.23; returns the new
+        K/V unchanged."""
+        if kwargs is None:
+            raise VmemError(f"{VMEM_ATTENTION}: update() needs the attention's kwargs (transformers 5.24's call)")
+        kwargs["cache"] = self
+        return key_states, value_states
 
     def prepare_fork_request(self, src_state: Any, dst_req_ids: list[str], copy_src_and_dst: Any) -> list[str]:
         """No forks: the engine makes the children fresh requests."""

@@ -10,7 +10,7 @@ class for any other name, and registers each name's attention function with tran
 CUDA graphs and async batching off.
 
 One name on every served version: a cache registered as ``name`` (or ``paged|name``, the same)
-is selected by ``attn_implementation="name"`` on transformers 5.17 and 5.19-5.23, and by
+is selected by ``attn_implementation="name"`` on transformers 5.17 and 5.19-5.24, and by
 ``"paged|name"`` too (5.17 uses it as it is; 5.19+ drops the prefix with a FutureWarning).
 
 Options travel as an object: the :class:`Options` in force when the engine's manager is created
@@ -20,7 +20,7 @@ engine's own thread, builds the cache with them. A manager the engine reuses
 (``persistent_manager``) keeps the options it was created with.
 
 What differs between transformers versions lives in one adapter per range, picked by the version
-gate (:func:`adapter_for`): :mod:`.engine517` (5.17.x) and :mod:`.engine519` (5.19-5.23). Each
+gate (:func:`adapter_for`): :mod:`.engine517` (5.17.x) and :mod:`.engine519` (5.19-5.24). Each
 gives the engine's cache signature, its attention-name check and the cache class; the patch
 mechanics here and everything else is version-free.
 """
@@ -42,11 +42,11 @@ from .attention import paged_attention
 from .options import Options
 
 #: transformers versions whose continuous-batching internals this package was checked against
-#: (5.17.0; 5.19.0, 5.20.2, 5.21.1, 5.22.2, 5.23.0). 5.18 (a cache rewritten, the attention names
-#: not yet) and anything newer than 5.23 (5.24 moves the cache update into the models) are refused.
-SUPPORTED_TRANSFORMERS = ("5.17.", "5.19.", "5.20.", "5.21.", "5.22.", "5.23.")
+#: (5.17.0; 5.19.0, 5.20.2, 5.21.1, 5.22.2, 5.23.0, 5.24.0). 5.18 (a cache rewritten, the attention
+#: names not yet) and anything newer than 5.24 are refused.
+SUPPORTED_TRANSFORMERS = ("5.17.", "5.19.", "5.20.", "5.21.", "5.22.", "5.23.", "5.24.")
 #: The same, in words, for messages and docs.
-SUPPORTED_RANGE = "5.17.x or 5.19-5.23"
+SUPPORTED_RANGE = "5.17.x or 5.19-5.24"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +137,7 @@ def _transformers_version() -> str:
 
 def adapter_for(version: str) -> ModuleType:
     """The adapter module for transformers ``version``: :mod:`.engine517` for 5.17.x,
-    :mod:`.engine519` for 5.19-5.23; :class:`VmemError` naming the supported range otherwise."""
+    :mod:`.engine519` for 5.19-5.24; :class:`VmemError` naming the supported range otherwise."""
     if version.startswith("5.17."):
         from . import engine517
 
@@ -165,7 +165,7 @@ def install(**opts: Any) -> None:
     """Registers every registered attention name with transformers and installs the cache factory;
     ``opts`` (validated here, :class:`Options`) become the options in force for engines created
     afterwards, on top of those of earlier calls. Idempotent; refuses transformers versions other
-    than 5.17.x and 5.19-5.23."""
+    than 5.17.x and 5.19-5.24."""
     global _base
     adapter = adapter_for(_transformers_version())
     with _lock:
