@@ -1,9 +1,10 @@
 """vmem.transformers under transformers' continuous batching, on the CPU (fp32, host backend).
 
-Needs torch and transformers 5.17 (CI installs neither: the tests are skipped there, and
-``python/benches/serving_check.py`` runs the same checks on the GPU in bf16). Logits of every
-request, teacher-forced on the engine's own tokens, are compared with a plain ``DynamicCache``
-forward, and with the engine's own ``paged|sdpa`` path."""
+Needs torch and a transformers vmem serves (5.17.x or 5.19-5.23; CI runs these under 5.17 and
+5.23; without torch they are skipped, and ``python/benches/serving_check.py`` runs the same checks
+on the GPU in bf16). Logits of every request, teacher-forced on the engine's own tokens, are
+compared with a plain ``DynamicCache`` forward, and with the engine's own paged path
+(``paged|sdpa`` on 5.17, ``sdpa`` on 5.19+), whose greedy tokens vmem's must equal."""
 
 import os
 
@@ -11,15 +12,17 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (CI has no torch); benches/serving_check.py runs these on the GPU")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-if not transformers.__version__.startswith("5.17."):
-    pytest.skip(f"vmem.transformers supports transformers 5.17.x, not {transformers.__version__}", allow_module_level=True)
+import tf_engine as eng
 
-from harness import check as h  # noqa: E402  (python/benches, on pytest's pythonpath)
-import harness.blockflex as blockflex  # noqa: E402
-import vmem  # noqa: E402
-import vmem.transformers as vt  # noqa: E402
-from vmem.transformers import fa as vt_fa  # noqa: E402
-from vmem.transformers import patch as vt_patch  # noqa: E402
+eng.skip_unless_served()
+
+from harness import blockflex
+from harness import check as h
+
+import vmem
+import vmem.transformers as vt
+from vmem.transformers import fa as vt_fa
+from vmem.transformers import patch as vt_patch
 
 TOL = 1e-4  # fp32 on the CPU, relative to the largest logit
 NEW = 4
@@ -64,9 +67,11 @@ def test_logits_match_paged_and_dynamic_cache(arch):
     _check_run(ours, model, "vmem")
     assert all(n == NEW for n in ours["streamed"].values()), ours["streamed"]
     _check_clean(ours["cache"])
-    theirs = h.run_engine(model, "paged|sdpa", prompts, NEW, cb_kwargs=dict(cbk, block_size=32, num_blocks=256),
+    theirs = h.run_engine(model, eng.ENGINE_SDPA, prompts, NEW, cb_kwargs=dict(cbk, **eng.engine_block(32), num_blocks=256),
                           stagger=stagger)
-    _check_run(theirs, model, "paged|sdpa")
+    _check_run(theirs, model, eng.ENGINE_SDPA)
+    for rid in ours["ids"]:  # greedy: the same tokens as the engine's own path
+        assert list(ours["results"][rid].generated_tokens) == list(theirs["results"][rid].generated_tokens)
     assert h.cross_compare(ours, theirs) < TOL
 
 
@@ -130,9 +135,14 @@ def test_preemption_under_memory_pressure():
 
 
 def test_blockflex_contender_matches():
-    """The engine's own paged cache read by the same Flex core through its block table."""
+    """The engine's own paged cache read by the same Flex core through its block table (the bench
+    contender subclasses transformers 5.17's cache: on 5.19+ it is refused, naming 5.17)."""
     model = h.make_model("qwen2-bias", torch.float32, "cpu", logit_scale=20.0)
     prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
+    if not eng.IS_517:
+        with pytest.raises(RuntimeError, match="reads transformers 5.17's paged cache"):
+            h.run_engine(model, blockflex.BLOCKFLEX_ATTENTION, prompts[:1], NEW, cb_kwargs=dict(max_batch_tokens=48))
+        return
     run = h.run_engine(model, blockflex.BLOCKFLEX_ATTENTION, prompts, NEW,
                        cb_kwargs=dict(max_batch_tokens=48, block_size=128, num_blocks=48), stagger=[0, 0, 2, 2, 4, 4])
     assert type(run["cache"]).__name__ == "RecordingPagedCache"
@@ -157,7 +167,7 @@ def _cache(sharing=True, **kw):
     cfg = h.make_config("llama-gqa")
     cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64, allow_block_sharing=sharing)
     opts = vt.Options(**dict(OPTS, **kw))
-    return vt.VmemCBCache(cfg, cb, "cpu", dtype=torch.float32, options=opts), cb
+    return vt.cache_class()(cfg, cb, "cpu", dtype=torch.float32, options=opts), cb
 
 
 @pytest.mark.parametrize("sharing", [True, False])
@@ -199,7 +209,7 @@ def test_refuses_graphs_and_unknown_version(monkeypatch):
     cfg = h.make_config("llama-gqa")
     cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64, use_cuda_graph=True)
     with pytest.raises(vmem.InvalidArgument, match="CUDA graphs"):
-        vt.VmemCBCache(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**OPTS))
+        vt.cache_class()(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**OPTS))
     vt.uninstall()
     monkeypatch.setattr(vt_patch, "_transformers_version", lambda: "5.18.0")
     with pytest.raises(vmem.VmemError, match="5.18.0"):
@@ -291,7 +301,7 @@ def test_compiled_flex_refuses_a_cache_past_32_bit_offsets():
     too_many = rows_fit  # rows_fit + 1 rows: one past what 32-bit offsets reach
     cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64)
     with pytest.raises(vmem.InvalidArgument, match="32-bit offsets"):
-        vt.VmemCBCache(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**dict(
+        vt.cache_class()(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**dict(
             OPTS, kernel="flex", compile=True, max_requests=too_many, max_context=ctx, memory="64M")))
 
 
@@ -368,9 +378,10 @@ def test_vmem_sharing_hits_what_the_engines_block_sharing_hits():
     the same prefix tokens from cache as vmem does."""
     with vt.serving(layout="token-major"):
         _, ours = _run_shared(vt.VMEM_ATTENTION, True)
-        model, theirs = _run_shared("paged|sdpa", True, block_size=64, num_blocks=64)
-    assert theirs["cache"]._total_prefix_length == ours["cache"]._total_prefix_length > 0
-    _check_run(theirs, model, "paged|sdpa shared")
+        with eng.engine_prefix_hits() as hits:
+            model, theirs = _run_shared(eng.ENGINE_SDPA, True, **eng.engine_block(64), num_blocks=64)
+    assert sum(hits) == ours["cache"]._total_prefix_length > 0
+    _check_run(theirs, model, "the engine's own, shared")
     assert h.cross_compare(ours, theirs) < TOL
 
 

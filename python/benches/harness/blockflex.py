@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 import vmem.transformers as vt
 from vmem.transformers.cache import refuse_graphs
 from vmem.transformers.flex import FlexReader
@@ -66,6 +67,12 @@ def recording_cache_class(engine_cache: Any) -> Any:
 
 def blockflex_cache(request: vt.CacheRequest) -> Any:
     """The cache factory of ``paged|blockflex`` (:func:`vmem.transformers.register_cache`)."""
+    import transformers
+
+    if not transformers.__version__.startswith("5.17."):  # it subclasses 5.17's cache; 5.18 rewrote it
+        raise vt.InvalidArgument(f"{BLOCKFLEX_ATTENTION} reads transformers 5.17's paged cache (key_cache, "
+                                 f"block tables); transformers {transformers.__version__} rewrote that cache: "
+                                 "run it under 5.17")
     cb = request.continuous_batching_config
     refuse_graphs(cb, BLOCKFLEX_ATTENTION)
     if cb.block_size % vt.KV_BLOCK:

@@ -27,6 +27,14 @@ def fake_cpu_memory(total: int = 8 << 30) -> None:
     cb_cache.get_device_and_memory_breakdown = breakdown
 
 
+def blocks_in_use(cache: Any) -> int:
+    """KV blocks in use: ``num_blocks - get_num_free_blocks()`` (vmem's caches; the engine's on
+    transformers 5.17), else from the free fraction (the engine's own cache on 5.19-5.23)."""
+    if hasattr(cache, "get_num_free_blocks"):
+        return int(cache.num_blocks - cache.get_num_free_blocks())
+    return round(cache.num_blocks * (1.0 - cache.compute_free_capacity()))
+
+
 class Observer:
     """A forward hook on the model: the rounds run, the most requests running at once, the most
     KV blocks in use after a round's allocations (``num_blocks - get_num_free_blocks()``: a block
@@ -50,7 +58,7 @@ class Observer:
         self.rounds += 1
         self.max_running = max(self.max_running, len(bp.scheduler.active_requests))
         cache = bp.cache
-        self.peak_blocks = max(self.peak_blocks, cache.num_blocks - cache.get_num_free_blocks())
+        self.peak_blocks = max(self.peak_blocks, blocks_in_use(cache))
         if self.capture_logits:
             states = [fs for fs in bp.inputs_and_outputs.requests_in_batch if fs.has_new_token]
             logits = output.logits[0].float().cpu()

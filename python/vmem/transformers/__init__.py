@@ -1,11 +1,11 @@
-"""vmem memory under transformers' continuous-batching engine (transformers 5.17.x), and a
-``generate()`` cache.
+"""vmem memory under transformers' continuous-batching engine (transformers 5.17.x and 5.19-5.24),
+and a ``generate()`` cache.
 
 Three lines serve with vmem::
 
     import vmem.transformers
     vmem.transformers.install()                                   # once, before loading the model
-    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="paged|vmem")
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="vmem")
     outputs = model.generate_batch(prompts, generation_config)    # or init_continuous_batching()
 
 or, scoped (the options are bound to the engine's manager created inside the block)::
@@ -14,7 +14,8 @@ or, scoped (the options are bound to the engine's manager created inside the blo
         manager = model.init_continuous_batching(generation_config)
     manager.start()
 
-Modules: :mod:`.patch` (version gate, cache factory, :func:`register_cache`), :mod:`.options`,
+Modules: :mod:`.patch` (version gate, cache factory, :func:`register_cache`), the adapters
+:mod:`.engine517` and :mod:`.engine519` (what differs between transformers versions), :mod:`.options`,
 :mod:`.sizing`, :mod:`.cache` (:class:`VmemCBCache`), :mod:`.rows`, :mod:`.rounds`,
 :mod:`.attention`, :mod:`.fa`, :mod:`.flex`, :mod:`.generate` (:class:`VmemCache`);
 docs/serving.md says how they work together.
@@ -25,11 +26,13 @@ from __future__ import annotations
 from typing import Any
 
 from .. import InvalidArgument, VmemError, parse_bytes
+from . import patch
 from .attention import flex_paged_attention, paged_attention
 from .cache import VmemCBCache
 from .fa import FaVarlenIndex, fa_varlen_indices, fa_varlen_reference
 from .options import KERNELS, LAYOUTS, PAGE_SIZES, Options
 from .patch import (
+    SUPPORTED_RANGE,
     SUPPORTED_TRANSFORMERS,
     CacheRequest,
     install,
@@ -47,6 +50,7 @@ __all__ = [
     "LAYOUTS",
     "PAGE_SIZES",
     "Q_BLOCK",
+    "SUPPORTED_RANGE",
     "SUPPORTED_TRANSFORMERS",
     "VMEM_ATTENTION",
     "CacheRequest",
@@ -57,6 +61,7 @@ __all__ = [
     "VmemCache",
     "VmemError",
     "block_tokens",
+    "cache_class",
     "fa_varlen_indices",
     "fa_varlen_reference",
     "flex_paged_attention",
@@ -72,8 +77,14 @@ __all__ = [
 
 
 def _vmem_cache(request: CacheRequest) -> VmemCBCache:
-    return VmemCBCache(request.config, request.continuous_batching_config, request.device, dtype=request.dtype,
-                       options=request.options, tp_size=request.tp_size)
+    return request.cache_class(request.config, request.continuous_batching_config, request.device,
+                               dtype=request.dtype, options=request.options, tp_size=request.tp_size)
+
+
+def cache_class() -> type:
+    """vmem's cache class for the installed transformers (:class:`VmemCBCache` on 5.17, its 5.19-5.24
+    subclass there); :class:`VmemError` on a version vmem does not serve."""
+    return patch.adapter_for(patch._transformers_version()).cache_class()
 
 
 register_cache(VMEM_ATTENTION, _vmem_cache)

@@ -21,6 +21,7 @@ rounds (:mod:`.rounds`) and the kernels (:mod:`.fa`, :mod:`.flex`) are version-f
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any
 
@@ -33,7 +34,7 @@ from .flex import FlexReader
 from .options import Options
 from .rounds import Rounds
 from .rows import RowTable
-from .sizing import VMEM_ATTENTION, Geometry
+from .sizing import VMEM_ATTENTION, Geometry, measured_memory
 
 _log = logging.getLogger(__name__)
 _DEFAULT_OPTIONS = Options()
@@ -52,23 +53,6 @@ def refuse_graphs(cb: Any, name: str) -> None:
         raise InvalidArgument(f"{name}: compiling the engine's forward is not supported in this version")
     if cb.use_async_batching:
         raise InvalidArgument(f"{name}: async batching is not supported in this version")
-
-
-def engine_budget(config: Any, cb: Any, dtype: torch.dtype, layers: int, token_bytes: int) -> tuple[int, int]:
-    """``(bytes, max_batch_tokens)`` the engine would give its own paged cache."""
-    from transformers.generation.continuous_batching.cache import (
-        PagedAttentionMemoryHandler,
-    )
-    from transformers.generation.continuous_batching.initialization import (
-        resolve_max_memory_percent,
-    )
-
-    if cb.max_memory_percent is None:
-        resolve_max_memory_percent(cb_config=cb, has_logit_processors=True)
-    mbt, nb = PagedAttentionMemoryHandler(
-        config=config, continuous_batching_config=cb, dtype=dtype, group_types=["full_attention"], group_size=layers,
-    ).infer_max_batch_tokens_and_num_blocks()
-    return nb * cb.block_size * token_bytes, cb.max_batch_tokens or mbt
 
 
 class _GroupStub:
@@ -117,7 +101,7 @@ class VmemCBCache:
         layers = config.num_hidden_layers
         token_bytes = Geometry.token_bytes_of(config, dtype)
         if options.memory is None:
-            memory_bytes, max_batch_tokens = engine_budget(config, cb, dtype, layers, token_bytes)
+            memory_bytes, max_batch_tokens = self.default_budget(config, cb, dtype, self.device, token_bytes)
         else:
             memory_bytes, max_batch_tokens = options.memory, cb.max_batch_tokens or 2048
         self.max_batch_tokens = int(max_batch_tokens)
@@ -189,6 +173,24 @@ class VmemCBCache:
         self.layer_index_to_group_indices = {i: (0, i) for i in range(layers)}
         self.group_cache_managers = [_GroupStub()]
         self._total_prefix_length = 0
+
+    @staticmethod
+    def default_budget(config: Any, cb: Any, dtype: torch.dtype, device: torch.device, token_bytes: int
+                       ) -> tuple[int, int]:
+        """``(bytes, max_batch_tokens)`` the engine (5.17) would give its own paged cache."""
+        # Typed Any: the engine's memory handler and its helpers differ between transformers versions.
+        engine: Any = importlib.import_module("transformers.generation.continuous_batching.cache")
+        init: Any = importlib.import_module("transformers.generation.continuous_batching.initialization")
+        resolve_max_memory_percent = init.resolve_max_memory_percent
+
+        measured_memory(engine.get_device_and_memory_breakdown, device)
+        if cb.max_memory_percent is None:
+            resolve_max_memory_percent(cb_config=cb, has_logit_processors=True)
+        mbt, nb = engine.PagedAttentionMemoryHandler(
+            config=config, continuous_batching_config=cb, dtype=dtype, group_types=["full_attention"],
+            group_size=config.num_hidden_layers,
+        ).infer_max_batch_tokens_and_num_blocks()
+        return nb * cb.block_size * token_bytes, cb.max_batch_tokens or mbt
 
     @property
     def readmissions(self) -> int:

@@ -3,11 +3,15 @@ the registry of caches by attention name (:func:`register_cache`), and the optio
 
 The engine constructs its cache by the module global ``continuous_api.PagedAttentionCache`` (there
 is no hook). :func:`install` replaces it with a factory that builds the cache registered for the
-model's attention name (``paged|vmem``: :class:`~vmem.transformers.VmemCBCache`) and the engine's
-own class for any other name, and registers each name's attention function with transformers'
-``AttentionInterface``. Neither ``paged|vmem`` nor a name a bench registers should contain
-``flash``, ``sdpa`` or ``flex_attention``: then the engine builds no O(M·N) attention mask, does no
-gather, and keeps CUDA graphs and async batching off.
+model's attention name (``vmem``: :class:`~vmem.transformers.VmemCBCache`) and the engine's own
+class for any other name, and registers each name's attention function with transformers'
+``AttentionInterface``. No registered name should contain ``flash``, ``sdpa`` or
+``flex_attention``: then the engine builds no O(M·N) attention mask, does no gather, and keeps
+CUDA graphs and async batching off.
+
+One name on every served version: a cache registered as ``name`` (or ``paged|name``, the same)
+is selected by ``attn_implementation="name"`` on transformers 5.17 and 5.19-5.24, and by
+``"paged|name"`` too (5.17 uses it as it is; 5.19+ drops the prefix with a FutureWarning).
 
 Options travel as an object: the :class:`Options` in force when the engine's manager is created
 (``init_continuous_batching``, ``generate_batch``; in the caller's thread, inside or outside a
@@ -15,8 +19,10 @@ Options travel as an object: the :class:`Options` in force when the engine's man
 engine's own thread, builds the cache with them. A manager the engine reuses
 (``persistent_manager``) keeps the options it was created with.
 
-Everything that touches the engine's internals is in :class:`_Engine517`, picked by the version
-gate from :data:`_ENGINES`; the rest is version-free.
+What differs between transformers versions lives in one adapter per range, picked by the version
+gate (:func:`adapter_for`): :mod:`.engine517` (5.17.x) and :mod:`.engine519` (5.19-5.24). Each
+gives the engine's cache signature, its attention-name check and the cache class; the patch
+mechanics here and everything else is version-free.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import contextvars
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -34,8 +41,12 @@ from .._vmem import InvalidArgument, VmemError
 from .attention import paged_attention
 from .options import Options
 
-#: transformers versions whose continuous-batching internals this package was checked against.
-SUPPORTED_TRANSFORMERS = ("5.17.",)
+#: transformers versions whose continuous-batching internals this package was checked against
+#: (5.17.0; 5.19.0, 5.20.2, 5.21.1, 5.22.2, 5.23.0, 5.24.0). 5.18 (a cache rewritten, the attention
+#: names not yet) and anything newer than 5.24 are refused.
+SUPPORTED_TRANSFORMERS = ("5.17.", "5.19.", "5.20.", "5.21.", "5.22.", "5.23.", "5.24.")
+#: The same, in words, for messages and docs.
+SUPPORTED_RANGE = "5.17.x or 5.19-5.24"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +54,9 @@ class CacheRequest:
     """What a cache factory gets when the engine builds its cache for a registered name:
     the model's text ``config``, the engine's ``continuous_batching_config`` (the manager's own
     copy: a factory may adjust it), ``device``, ``dtype``, the :class:`Options` bound to the
-    manager, ``tp_size``, and ``build_engine_cache()`` to get the engine's own cache for the
-    same call (a contender that records what the engine's cache does)."""
+    manager, ``tp_size``, ``cache_class`` (vmem's cache class for the running transformers
+    version) and ``build_engine_cache()`` to get the engine's own cache for the same call (a
+    contender that records what the engine's cache does)."""
 
     config: Any
     continuous_batching_config: Any
@@ -54,6 +66,7 @@ class CacheRequest:
     tp_size: int
     engine_cache: Any
     engine_kwargs: dict[str, Any]
+    cache_class: Any = None
 
     def build_engine_cache(self, cls: Any = None) -> Any:
         """The engine's own cache (or ``cls``, a subclass of it) built with the engine's arguments."""
@@ -71,34 +84,43 @@ _bound = threading.local()  # .options: those of the manager whose engine thread
 _engine: list[Any] = []  # the applied engine patch, while installed
 
 
+def attention_key(name: Any) -> str | None:
+    """The registry's key for an attention name: without the ``paged|`` prefix (``paged|vmem`` and
+    ``vmem`` are the same name); ``None`` for anything that is not a non-empty string."""
+    if not isinstance(name, str):
+        return None
+    key = name.removeprefix("paged|")
+    return key or None
+
+
 def register_cache(attention_name: str, factory: CacheFactory, *, attention: Callable[..., Any] = paged_attention
                    ) -> None:
-    """Serves ``attention_name`` with the cache ``factory`` builds (from a :class:`CacheRequest`)
-    and the attention function ``attention`` (default: :func:`paged_attention`, which writes new
-    K/V through the cache's ``kv_layer`` and reads with its ``read``; see
-    :mod:`vmem.transformers.attention`). Takes effect for engines built afterwards; registering a
-    name again replaces it. The name must start with ``paged|`` (the engine's prefix for its
-    continuous-batching attention) and should not contain ``flash``, ``sdpa`` or ``flex_attention``
-    (the engine keys behaviour on those substrings)."""
-    if not isinstance(attention_name, str) or not attention_name.startswith("paged|") or attention_name == "paged|":
-        raise InvalidArgument(f"attention_name must be a string 'paged|<name>', got {attention_name!r}")
+    """Serves ``attention_name`` (``name`` or ``paged|name``, the same) with the cache ``factory``
+    builds (from a :class:`CacheRequest`) and the attention function ``attention`` (default:
+    :func:`paged_attention`, which writes new K/V through the cache's ``kv_layer`` and reads with
+    its ``read``; see :mod:`vmem.transformers.attention`). Takes effect for engines built
+    afterwards; registering a name again replaces it. The name should not contain ``flash``,
+    ``sdpa`` or ``flex_attention`` (the engine keys behaviour on those substrings)."""
+    key = attention_key(attention_name)
+    if key is None or "|" in key or key == "eager":
+        raise InvalidArgument(f"attention_name must be a string 'name' or 'paged|name', got {attention_name!r}")
     if not callable(factory) or not callable(attention):
         raise InvalidArgument("register_cache: factory and attention must be callable")
     with _lock:
-        _registry[attention_name] = (factory, attention)
+        _registry[key] = (factory, attention)
         if _engine:
-            _register_attention(attention_name, attention)
+            _register_attention(key, attention)
 
 
 def unregister_cache(attention_name: str) -> None:
     """Forgets a name :func:`register_cache` registered (the engine builds its own cache for it)."""
     with _lock:
-        _registry.pop(attention_name, None)
+        _registry.pop(attention_key(attention_name) or "", None)
 
 
 def registered(attention_name: Any) -> bool:
-    """Whether a cache is registered for ``attention_name``."""
-    return attention_name in _registry
+    """Whether a cache is registered for ``attention_name`` (with or without ``paged|``)."""
+    return attention_key(attention_name) in _registry
 
 
 def options() -> Options:
@@ -113,37 +135,45 @@ def _transformers_version() -> str:
     return str(transformers.__version__)
 
 
-def _engine_for_version() -> Any:
-    v = _transformers_version()
-    for prefix, engine in _ENGINES.items():
-        if v.startswith(prefix):
-            return engine
+def adapter_for(version: str) -> ModuleType:
+    """The adapter module for transformers ``version``: :mod:`.engine517` for 5.17.x,
+    :mod:`.engine519` for 5.19-5.24; :class:`VmemError` naming the supported range otherwise."""
+    if version.startswith("5.17."):
+        from . import engine517
+
+        return engine517
+    if any(version.startswith(p) for p in SUPPORTED_TRANSFORMERS):
+        from . import engine519
+
+        return engine519
     raise VmemError(
-        f"vmem.transformers patches transformers' continuous-batching internals and was checked against "
-        f"transformers {', '.join(p + 'x' for p in SUPPORTED_TRANSFORMERS)}; this is transformers {v}. "
-        "Install transformers 5.17 or update vmem."
+        f"vmem.transformers patches transformers' continuous-batching internals and supports transformers "
+        f"{SUPPORTED_RANGE}; this is transformers {version}. Install a supported version "
+        f"(pip install \"vmem[transformers]\" picks one) or update vmem."
     )
 
 
-def _register_attention(name: str, fn: Callable[..., Any]) -> None:
+def _register_attention(key: str, fn: Callable[..., Any]) -> None:
     from transformers import AttentionInterface
 
-    AttentionInterface.register(name, fn)
+    # Both spellings: 5.17 runs the paged| one; 5.19+ looks the bare one up (it drops the prefix).
+    AttentionInterface.register(key, fn)
+    AttentionInterface.register(f"paged|{key}", fn)
 
 
 def install(**opts: Any) -> None:
     """Registers every registered attention name with transformers and installs the cache factory;
     ``opts`` (validated here, :class:`Options`) become the options in force for engines created
     afterwards, on top of those of earlier calls. Idempotent; refuses transformers versions other
-    than 5.17.x."""
+    than 5.17.x and 5.19-5.24."""
     global _base
-    engine = _engine_for_version()
+    adapter = adapter_for(_transformers_version())
     with _lock:
         new = _base.replace(**opts)
         if not _engine:
-            for name, (_, fn) in _registry.items():
-                _register_attention(name, fn)
-            _engine.append(engine(_build))
+            for key, (_, fn) in _registry.items():
+                _register_attention(key, fn)
+            _engine.append(EnginePatch(adapter))
         _base = new
 
 
@@ -170,11 +200,10 @@ def serving(**opts: Any) -> Iterator[Options]:
         _serving.reset(token)
 
 
-def _build(engine_cache: Any, engine_kwargs: dict[str, Any]) -> Any:
+def _build(adapter: ModuleType, engine_cache: Any, engine_kwargs: dict[str, Any]) -> Any:
     """The factory's body: the registered cache for the model's attention name, else the engine's."""
     config = engine_kwargs["config"]
-    name = getattr(config, "_attn_implementation", None)
-    entry = _registry.get(name) if isinstance(name, str) else None
+    entry = _registry.get(attention_key(getattr(config, "_attn_implementation", None)) or "")
     if entry is None:
         return engine_cache(**engine_kwargs)
     bound = getattr(_bound, "options", None)
@@ -183,7 +212,7 @@ def _build(engine_cache: Any, engine_kwargs: dict[str, Any]) -> Any:
         config=config, continuous_batching_config=engine_kwargs["continuous_batching_config"],
         device=engine_kwargs["device"], dtype=engine_kwargs.get("dtype", torch.float16),
         options=bound if bound is not None else options(), tp_size=int(getattr(helper, "tp_size", 1) or 1),
-        engine_cache=engine_cache, engine_kwargs=engine_kwargs,
+        engine_cache=engine_cache, engine_kwargs=engine_kwargs, cache_class=adapter.cache_class(),
     )
     return entry[0](request)
 
@@ -205,24 +234,21 @@ def check_results(name: str, results: dict[str, Any], expected: int) -> None:
     raise err
 
 
-class _Engine517:
-    """The patch of transformers 5.17's engine: the cache factory (the module global
-    ``continuous_api.PagedAttentionCache``), options bound at the manager's construction and read
-    in its ``_create_batch_processor``, and ``generate_batch`` raising on failed requests."""
+class EnginePatch:
+    """The patch of the engine ``adapter`` serves: its cache factory (the module global
+    ``continuous_api.PagedAttentionCache``), its attention-name check letting registered names
+    through, options bound at the manager's construction and read in its
+    ``_create_batch_processor``, and ``generate_batch`` raising on failed requests."""
 
-    def __init__(self, build: Callable[[Any, dict[str, Any]], Any]) -> None:
+    def __init__(self, adapter: ModuleType) -> None:
         from transformers.generation.continuous_batching import continuous_api as api
 
         self._saved: list[tuple[Any, str, Any]] = []
-        original_cache = api.PagedAttentionCache
         manager = api.ContinuousBatchingManager
         init, create, generate = manager.__init__, manager._create_batch_processor, api.ContinuousMixin.generate_batch
 
-        def PagedAttentionCache(config: Any, continuous_batching_config: Any, device: Any, distributed_helper: Any,
-                                tp_plan: Any, dtype: torch.dtype = torch.float16) -> Any:
-            return build(original_cache, {"config": config, "continuous_batching_config": continuous_batching_config,
-                                          "device": device, "distributed_helper": distributed_helper,
-                                          "tp_plan": tp_plan, "dtype": dtype})
+        def build(engine_cache: Any, engine_kwargs: dict[str, Any]) -> Any:
+            return _build(adapter, engine_cache, engine_kwargs)
 
         def manager_init(self: Any, *args: Any, **kwargs: Any) -> None:
             self._vmem_options = options()  # in the caller's thread: the options in force now
@@ -238,14 +264,18 @@ class _Engine517:
         def generate_batch(self: Any, inputs: Any, generation_config: Any = None, *args: Any, **kwargs: Any) -> Any:
             results = generate(self, inputs, generation_config, *args, **kwargs)
             name = getattr(self.config, "_attn_implementation", None)
-            if inputs and registered(name):  # one result per prompt (forks' children are not returned)
-                check_results(str(name), results, len(inputs))
+            if inputs and registered(name):
+                gen = generation_config if generation_config is not None else self.generation_config
+                check_results(str(name), results, adapter.expected_results(len(inputs), gen))
             return results
 
-        PagedAttentionCache.__vmem_factory__ = True  # type: ignore[attr-defined]
-        self._set(api, "PagedAttentionCache", PagedAttentionCache)
+        factory = adapter.cache_factory(api.PagedAttentionCache, build)
+        factory.__vmem_factory__ = True
+        self._set(api, "PagedAttentionCache", factory)
         self._set(manager, "__init__", manager_init)
         self._set(manager, "_create_batch_processor", create_batch_processor)
+        self._set(manager, "switch_to_cb_friendly_attn", adapter.attention_check(manager.switch_to_cb_friendly_attn,
+                                                                                   registered))
         self._set(api.ContinuousMixin, "generate_batch", generate_batch)
 
     def _set(self, owner: Any, name: str, value: Any) -> None:
@@ -257,7 +287,3 @@ class _Engine517:
         for owner, name, value in reversed(self._saved):
             setattr(owner, name, value)
         self._saved.clear()
-
-
-#: The engine patch for each supported transformers version (prefix).
-_ENGINES: dict[str, Any] = {"5.17.": _Engine517}

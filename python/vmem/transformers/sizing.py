@@ -15,7 +15,7 @@ from .._vmem import InvalidArgument
 from .options import Options
 
 #: The attention name that selects the vmem cache.
-VMEM_ATTENTION = "paged|vmem"
+VMEM_ATTENTION = "vmem"
 #: FlexAttention's KV block and Q block (tokens).
 KV_BLOCK = 128
 Q_BLOCK = 128
@@ -115,3 +115,18 @@ class Geometry:
         if not sharing:
             return None
         return self.cap if prefix_cache is None else prefix_cache
+
+
+def measured_memory(breakdown: Any, device: torch.device) -> int:
+    """The memory the engine sees on its device (``breakdown``: transformers'
+    ``get_device_and_memory_breakdown``), for the default budget; :class:`InvalidArgument` saying
+    what to pass when it cannot measure it (the host without psutil: transformers reports 0 bytes,
+    and its own sizing fails with ``num_blocks = -N``)."""
+    _, total, _, _ = breakdown()
+    if total and total > 0:
+        return int(total)
+    raise InvalidArgument(
+        f"{VMEM_ATTENTION}: transformers cannot measure the memory of {device.type} (on the host it needs "
+        "psutil), so there is no default KV budget: pass one, e.g. vmem.transformers.install(memory=\"4GiB\") "
+        "or serving(memory=\"4GiB\"), or install psutil"
+    )

@@ -1,0 +1,61 @@
+"""What the serving tests need to know of the transformers engine they run under (5.17.x or
+5.19-5.24): whether vmem serves it, its own paged reference path, how to size its block, and how
+many prompt tokens its own prefix sharing served. Imported by the tests (not a test module)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+import vmem  # noqa: E402
+from vmem.transformers import patch as _patch  # noqa: E402
+
+VERSION = transformers.__version__
+try:
+    ADAPTER = _patch.adapter_for(VERSION)
+except vmem.VmemError:
+    ADAPTER = None
+#: Whether vmem.transformers serves the installed transformers.
+SERVED = ADAPTER is not None
+#: The engine's 5.17 surface (allocate_blocks, paged| names) rather than 5.19-5.24's.
+IS_517 = VERSION.startswith("5.17.")
+#: The engine's own paged path, the reference vmem is compared with.
+ENGINE_SDPA = "paged|sdpa" if IS_517 else "sdpa"
+
+
+def skip_unless_served() -> None:
+    """Skips the calling test module when vmem does not serve this transformers, saying why."""
+    if not SERVED:
+        pytest.skip(f"vmem.transformers serves transformers {_patch.SUPPORTED_RANGE}, not {VERSION}",
+                    allow_module_level=True)
+
+
+def engine_block(tokens: int) -> dict[str, int]:
+    """The engine's continuous-batching config for its own blocks of ``tokens`` tokens."""
+    return {"block_size": tokens} if IS_517 else {"page_size": tokens}
+
+
+@contextlib.contextmanager
+def engine_prefix_hits() -> Iterator[list[int]]:
+    """Within the block, collects what the engine's own ``search_prefix_match`` returns (the prompt
+    tokens its block sharing served), in a list."""
+    from transformers.generation.continuous_batching import cache as engine
+
+    hits: list[int] = []
+    real = engine.PagedAttentionCache.search_prefix_match
+
+    def search(self: Any, request_id: str, prompt_ids: Any) -> int:
+        got = real(self, request_id, prompt_ids)
+        hits.append(int(got))
+        return got
+
+    engine.PagedAttentionCache.search_prefix_match = search
+    try:
+        yield hits
+    finally:
+        engine.PagedAttentionCache.search_prefix_match = real
