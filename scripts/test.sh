@@ -18,9 +18,12 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
 TORCH_VERSION=2.11.0
-# The transformers versions vmem.transformers supports: one venv and one run each.
+# The transformers versions vmem.transformers is tested on: one venv and one run each (the
+# oldest and newest of each adapter's range: 5.17.x; 5.19-5.24).
 TRANSFORMERS_VERSIONS=(
   5.17.0
+  5.23.0
+  5.24.0
 )
 
 part_rust() {

@@ -66,7 +66,7 @@ class VmemLayer(CacheLayerMixin):
         self.is_compileable = static
         if static:
             # A tensor, as StaticLayer's: a Python int would be baked into the compiled step.
-            self.cumulative_length = torch.zeros((), dtype=torch.long, device=keys.device)  # type: ignore[assignment]
+            self.cumulative_length = cast(Any, torch.zeros((), dtype=torch.long, device=keys.device))
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
