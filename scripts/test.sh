@@ -60,9 +60,11 @@ part_serving() {
     log=$venv/pytest.log
     (cd "$venv" && CUDA_VISIBLE_DEVICES= bin/python -m pytest -rs -p no:cacheprovider \
       --ignore="$root/python/tests/test_gpu.py" "$root/python/tests") 2>&1 | tee "$log"
-    if grep -q '^SKIPPED' "$log"; then
+    # No test may skip for want of torch or transformers. The one that reads the full Azure
+    # trace from ../shared/traces (beside the checkout in CI, not in a bare clone) may skip.
+    if grep '^SKIPPED' "$log" | grep -qv 'shared traces'; then
       echo "serving with transformers $v: tests skipped where torch and transformers are installed:" >&2
-      grep '^SKIPPED' "$log" >&2
+      grep '^SKIPPED' "$log" | grep -v 'shared traces' >&2
       exit 1
     fi
     echo "   transformers $v: done in $(( $(date +%s) - t0 ))s"

@@ -476,7 +476,11 @@ def test_in_the_engine_an_adoption_never_leaves_free_blocks_negative(monkeypatch
     requests). Its adoption took the cached blocks the running request's new block counted on:
     free blocks -1, and the engine soft-reset the adopter before the flush. Now the adoption is
     refused (vmem's cache counts it served, the engine's counter not), free blocks stay >= 0 after
-    every search, and logits match."""
+    every search, and logits match.
+
+    When the third request joins depends on the engine's thread (it is added after a number of
+    streamed results), so the refused adoption happens in most runs, not all (1 in ~30 missed it):
+    every run must keep free blocks >= 0 and match, and the refusal must happen in one of five."""
     seen = []
     real = vt.VmemCBCache.search_prefix_match
 
@@ -486,20 +490,25 @@ def test_in_the_engine_an_adoption_never_leaves_free_blocks_negative(monkeypatch
         return got
 
     monkeypatch.setattr(vt.VmemCBCache, "search_prefix_match", search)
-    with vt.serving(layout="token-major", memory=str(8 * 65536)):
-        model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
-        vocab = model.config.vocab_size
-        system = h.make_prompts(1, [192], vocab, seed=7)[0]
-        prompts = [system + h.make_prompts(1, [10], vocab, seed=8)[0], h.make_prompts(1, [250], vocab, seed=9)[0],
-                   system + h.make_prompts(1, [5], vocab, seed=10)[0]]
-        run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 20, cb_kwargs=dict(max_batch_tokens=64),
-                           stagger=[0, 20, 26], streaming=True)
-    cache = run["cache"]
-    assert seen and min(seen) >= 0, seen
-    assert cache.usage()["prefix_hit_tokens"] > cache._total_prefix_length, "the refused adoption did not happen"
-    cmp = h.compare(run, model, 20)
-    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL and cmp["top1_agree"] == cmp["decisive"] > 0, cmp
-    _check_clean(cache)
+    refused = False
+    for _ in range(5):
+        with vt.serving(layout="token-major", memory=str(8 * 65536)):
+            model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+            vocab = model.config.vocab_size
+            system = h.make_prompts(1, [192], vocab, seed=7)[0]
+            prompts = [system + h.make_prompts(1, [10], vocab, seed=8)[0], h.make_prompts(1, [250], vocab, seed=9)[0],
+                       system + h.make_prompts(1, [5], vocab, seed=10)[0]]
+            run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 20, cb_kwargs=dict(max_batch_tokens=64),
+                               stagger=[0, 20, 26], streaming=True)
+        cache = run["cache"]
+        assert seen and min(seen) >= 0, seen
+        cmp = h.compare(run, model, 20)
+        assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL and cmp["top1_agree"] == cmp["decisive"] > 0, cmp
+        _check_clean(cache)
+        if cache.usage()["prefix_hit_tokens"] > cache._total_prefix_length:
+            refused = True
+            break
+    assert refused, "the refused adoption did not happen in five runs"
 
 
 @pytest.mark.parametrize("bad", ["lots", -1, 1.5, True])
