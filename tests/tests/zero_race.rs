@@ -18,6 +18,28 @@ const CHILD: &str = "VMEM_ZERO_RACE_CHILD";
 /// Slots the writer maps over, one page each, while the reader spins on the slot being mapped.
 const SLOTS: u64 = 3000;
 
+/// A thread that reads the slot `target` names, as fast as it can, until `done`; every read must
+/// return 0 (the zero page, or a fresh page). Returns how many reads it made.
+///
+/// The caller keeps every slot `target` names reserved, and mapped (a page or the zero page)
+/// unless the code under test leaves a moment with neither: what these tests look for (the read
+/// then faults, and the child process running the test dies).
+fn spawn_reader(target: &Arc<AtomicU64>, done: &Arc<AtomicBool>) -> std::thread::JoinHandle<u64> {
+    let (target, done) = (target.clone(), done.clone());
+    std::thread::spawn(move || {
+        let mut reads = 0u64;
+        while !done.load(SeqCst) {
+            let at = target.load(SeqCst);
+            // SAFETY: see above: `at` stays reserved and mapped while this thread runs, except
+            // in the gap a failing fix would leave.
+            let v = unsafe { std::ptr::read_volatile(at as *const u64) };
+            assert_eq!(v, 0, "slot {at:#x} read {v}");
+            reads += 1;
+        }
+        reads
+    })
+}
+
 /// Maps a page over each zero slot of a range in turn while another thread reads the slot being
 /// replaced as fast as it can; every read must return 0 (the zero page, or the fresh page).
 fn race() -> u64 {
@@ -26,22 +48,7 @@ fn race() -> u64 {
     host.map_zero(range, SLOTS * KIB64, KIB64).unwrap();
     let target = Arc::new(AtomicU64::new(range));
     let done = Arc::new(AtomicBool::new(false));
-    let reader = {
-        let (target, done) = (target.clone(), done.clone());
-        std::thread::spawn(move || {
-            let mut reads = 0u64;
-            while !done.load(SeqCst) {
-                let at = target.load(SeqCst);
-                // SAFETY: `at` is a slot of the range, which stays reserved, and zero-backed
-                // or mapped, until this thread is joined; a read of it faults only if `map`
-                // leaves the slot unmapped for a moment, which is what this test looks for.
-                let v = unsafe { std::ptr::read_volatile(at as *const u64) };
-                assert_eq!(v, 0, "slot {at:#x} read {v}");
-                reads += 1;
-            }
-            reads
-        })
-    };
+    let reader = spawn_reader(&target, &done);
     let mut pages = Vec::new();
     for i in 0..SLOTS {
         let at = range + i * KIB64;
@@ -117,22 +124,7 @@ fn shrink_race() -> u64 {
     let base = buf.slice_addr(0);
     let target = Arc::new(AtomicU64::new(base + (SLOTS - 1) * KIB64));
     let done = Arc::new(AtomicBool::new(false));
-    let reader = {
-        let (target, done) = (target.clone(), done.clone());
-        std::thread::spawn(move || {
-            let mut reads = 0u64;
-            while !done.load(SeqCst) {
-                let at = target.load(SeqCst);
-                // SAFETY: `at` is a slot of the buffer, which lives until this thread is
-                // joined, mapped (a page or the zero page) unless giving it back leaves a
-                // moment with neither: what this test looks for.
-                let v = unsafe { std::ptr::read_volatile(at as *const u64) };
-                assert_eq!(v, 0, "slot {at:#x} read {v}");
-                reads += 1;
-            }
-            reads
-        })
-    };
+    let reader = spawn_reader(&target, &done);
     for i in (0..SLOTS).rev() {
         target.store(base + i * KIB64, SeqCst);
         std::thread::yield_now();
