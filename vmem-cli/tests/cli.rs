@@ -2,28 +2,12 @@
 
 mod common;
 
-use common::{text, trace, vmem, Scratch};
-use std::process::{Command, Output};
+use common::{assert_refused, text, trace, vmem, Scratch};
+use std::process::Command;
 
 /// `vmem replay --quiet --backend sim`, then `extra`.
 fn quiet_sim<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     [&["replay", "--quiet", "--backend", "sim"][..], extra].concat()
-}
-
-/// Asserts that `vmem` refused `case` as bad input: exit status 1, nothing on stdout, and on
-/// stderr an error naming each of `wants`, not a panic.
-fn assert_refused(out: &Output, case: &str, wants: &[&str]) {
-    let err = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{case}: {err}");
-    assert!(
-        out.stdout.is_empty(),
-        "{case} printed {}",
-        text(&out.stdout)
-    );
-    for want in wants {
-        assert!(err.contains(want), "{case}: no {want:?} in {err}");
-    }
-    assert!(!err.contains("panicked"), "{case}: {err}");
 }
 
 const QUICK: [&str; 6] = [

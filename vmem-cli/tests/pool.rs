@@ -6,6 +6,12 @@
 mod common;
 
 use common::{text, vmem};
+
+/// `common::assert_refused` for one wanted text.
+fn assert_refused(out: &Output, case: &str, want: &str) {
+    common::assert_refused(out, case, &[want]);
+}
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -38,21 +44,6 @@ fn pool(ledger: &Path, args: &[&str]) -> Output {
 fn ok(out: &Output) -> String {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     text(&out.stdout)
-}
-
-fn assert_refused(out: &Output, case: &str, want: &str) {
-    let err = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{case}: {err}");
-    assert!(
-        out.stdout.is_empty(),
-        "{case} printed {}",
-        text(&out.stdout)
-    );
-    assert!(
-        err.starts_with("error: ") && err.contains(want),
-        "{case}: no {want:?} in {err}"
-    );
-    assert!(!err.contains("panicked"), "{case}: {err}");
 }
 
 /// A tenant process (run by `status_reaps_a_killed_tenant` only): joins, says so, sleeps.

@@ -48,3 +48,21 @@ impl Drop for Scratch {
         let _ = std::fs::remove_file(&self.0);
     }
 }
+
+/// Asserts that `vmem` refused `case` as bad input: exit status 1, nothing on stdout, and on
+/// stderr an error naming each of `wants`, not a panic.
+#[allow(dead_code)] // prefix.rs refuses nothing
+pub fn assert_refused(out: &Output, case: &str, wants: &[&str]) {
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{case}: {err}");
+    assert!(
+        out.stdout.is_empty(),
+        "{case} printed {}",
+        text(&out.stdout)
+    );
+    assert!(err.starts_with("error: "), "{case}: {err}");
+    for want in wants {
+        assert!(err.contains(want), "{case}: no {want:?} in {err}");
+    }
+    assert!(!err.contains("panicked"), "{case}: {err}");
+}
