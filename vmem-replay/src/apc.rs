@@ -1,7 +1,7 @@
 //! The baseline prefix sharing is measured against: vLLM's automatic prefix caching (APC)
 //! over PagedAttention blocks ([`PrefixBlocks`]), reduced to memory.
 
-use crate::baseline::{check_lens, give_back_id, take_id};
+use crate::baseline::{check_lens, give_back_id, span_bytes, take_id};
 use crate::sched::KvMemory;
 use std::collections::{BTreeMap, HashMap};
 use vmem::kvcache::{MemoryUsage, StepReport};
@@ -71,10 +71,7 @@ impl PrefixBlocks {
         caching: bool,
         cache_cap: u64,
     ) -> vmem::Result<Self> {
-        let block_bytes = block_tokens
-            .checked_mul(token_bytes)
-            .filter(|&b| b > 0)
-            .ok_or(VmemError::SizeOverflow("block bytes"))?;
+        let block_bytes = span_bytes(block_tokens, token_bytes, "block bytes")?;
         if max_batch == 0 || max_context == 0 {
             return Err(VmemError::InvalidConfig(
                 "baseline: batch and context must be non-zero".into(),

@@ -125,7 +125,7 @@ impl<P> Baseline<P> {
 
 /// The bytes of `tokens` tokens of `token_bytes` each; zero or past `u64` is an error naming
 /// `what`.
-fn span_bytes(tokens: u64, token_bytes: u64, what: &'static str) -> Result<u64> {
+pub(crate) fn span_bytes(tokens: u64, token_bytes: u64, what: &'static str) -> Result<u64> {
     let bytes = tokens.checked_mul(token_bytes).filter(|&b| b > 0);
     bytes.ok_or(VmemError::SizeOverflow(what))
 }
