@@ -305,3 +305,20 @@ fn another_user_can_neither_join_nor_change_limits_unless_granted() {
     assert!(o.contains("-> 1M"), "{o}");
     assert!(ok(&as_nobody(&g, &["status"])).contains("1 of 64 tenant slots"));
 }
+
+/// The command a missing ledger's error suggests is one the CLI takes (it named the ledger as a
+/// positional argument, which `vmem pool create` refuses).
+#[test]
+fn a_missing_ledger_names_a_create_command_that_works() {
+    let dir = Dir::new("suggest");
+    let p = dir.0.join("ledger");
+    let err = text(&pool(&p, &["status"]).stderr);
+    let suggested = err
+        .split('`')
+        .nth(1)
+        .unwrap_or_else(|| panic!("no command in {err}"));
+    let words: Vec<&str> = suggested.split_whitespace().collect();
+    assert_eq!(words[..3], ["vmem", "pool", "create"], "{err}");
+    ok(&vmem(&[&words[1..], &["--size", "64M"][..]].concat()));
+    ok(&pool(&p, &["status"]));
+}

@@ -20,7 +20,7 @@ pub enum PoolError {
     InvalidSetting(String),
 
     /// Nothing is at the ledger's path.
-    #[error("no pool ledger at {path}: create one with `vmem pool create {path}`")]
+    #[error("no pool ledger at {path}: create one with `vmem pool create --ledger {path}`")]
     NotFound {
         /// The path.
         path: PathBuf,
