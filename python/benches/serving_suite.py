@@ -102,15 +102,16 @@ def main(argv: list[str] | None = None) -> int:
         cli.names(ap, "--profile", args.profile, known["contender"])
     names = only.get("contender", known["contender"])
     cli.place(ap, args)
-    import vmem.transformers as vt
-
     from harness import roofline
+
+    import vmem.transformers as vt
 
     vt.install()
     if args.profile:
         return profile(args, only)
     t = time.perf_counter()
-    peaks = roofline.measure_peaks(args.device, args.dtype, **({"n": 256, "copy_mib": 16, "reps": 3} if args.tiny else {}))
+    small = {"n": 256, "copy_mib": 16, "reps": 3} if args.tiny else {}
+    peaks = roofline.measure_peaks(args.device, args.dtype, **small)
     print(f"peaks: matmul {peaks.matmul_flops / 1e12:.1f} TFLOP/s, copy {peaks.copy_bytes / 1e9:.0f} GB/s "
           f"({time.perf_counter() - t:.1f} s)", flush=True)
     part = {**run_meta(args), "peaks": {"matmul_flops": peaks.matmul_flops, "copy_bytes": peaks.copy_bytes},
@@ -128,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def profile(args: argparse.Namespace, only: dict[str, list[str]]) -> int:
     """``--profile``: the contender on the first selected model, trace and budget."""
-    from harness import stepprofile, suite
     from harness import roofline as rf
+    from harness import stepprofile, suite
     from harness.models import random_model
     from harness.trace import load_trace, random_prompts
 

@@ -168,7 +168,6 @@ def measure_peaks(device: str, dtype: Any, n: int = 8192, copy_mib: int = 2048, 
     dst = torch.empty_like(src)
     mm = _best(lambda: torch.mm(a, b, out=out), device, reps)
     cp = _best(lambda: dst.copy_(src), device, reps)
-    del a, b, out, src, dst
     return Peaks(matmul_flops=2 * n**3 / mm, copy_bytes=2 * (copy_mib << 20) / cp)
 
 

@@ -97,7 +97,8 @@ def report(name: str, run: dict[str, Any], steps: list[dict[str, float | None]],
              f"GPU span {sum(gpu) / n if gpu else float('nan'):.2f} ms, kernels {kernel_ms / n:.2f} ms"]
     if gpu:
         lines += [f"share of step wall time: kernels {kernel_ms / wall:.1%}, GPU idle inside forwards "
-                  f"{(sum(gpu) - kernel_ms) / wall:.1%}, host between forwards (GPU waits) {(wall - sum(gpu)) / wall:.1%}"]
+                  f"{(sum(gpu) - kernel_ms) / wall:.1%}, "
+                  f"host between forwards (GPU waits) {(wall - sum(gpu)) / wall:.1%}"]
     else:
         lines += [f"share of step wall time: host in forward {host_fwd / wall:.1%} (CPU run: no device times)"
                   if wall else "no steps"]

@@ -141,7 +141,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         cells.setdefault((r["trace"], r["model"], r["budget"], r.get("round", 0)), []).append(r)
     for cell in cells.values():
         ok = [r for r in cell if r.get("tok_s")]
-        native = [r["tok_s"] for r in ok if r["contender"] in reg and is_engine_native(r["contender"], reg[r["contender"]])]
+        native = [r["tok_s"] for r in ok
+                  if r["contender"] in reg and is_engine_native(r["contender"], reg[r["contender"]])]
         best = max(native, default=None)
         fi = next((r["tok_s"] for r in ok if r["contender"] == FI_PAGED), None)
         for r in cell:
