@@ -181,6 +181,9 @@ def test_merge_combines_parts_and_a_later_run_replaces_an_earlier(tmp_path) -> N
     (["--tenth", "nan"], "--tenth must be a fraction"),
     (["--check-requests", "-1"], "--check-requests must be at least 0"),
     (["--requests", "2001"], "2000 requests, 2001 asked"),
+    (["--page-size", "bogus"], "--page-size"), (["--timeout", "0"], "--timeout must be more than 0"),
+    (["--max-batch-tokens", "0"], "--max-batch-tokens must be at least 1"),
+    (["--out", "/proc/version/x"], "--out '/proc/version/x' cannot be created"),
 ])
 def test_suite_refuses_bad_flags_with_one_usage_line(flags, match, tmp_path, capsys) -> None:
     pytest.importorskip("transformers", reason="serving_suite.py imports the contenders")
