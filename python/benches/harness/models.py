@@ -31,6 +31,20 @@ def llama3_8b_config(layers: int = 8, vocab: int = 128256, max_position_embeddin
                        bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
 
 
+def llama32_1b_config(layers: int = 16, vocab: int = 128256, max_position_embeddings: int = 131072,
+                      tokens: tuple[int | None, int | None, int | None] = NO_TOKENS) -> Any:
+    """Llama-3.2-1B shapes (hidden 2,048, 32 query heads, 8 KV heads of 64, MLP 8,192, tied
+    embeddings, rope theta 500,000) with ``layers`` layers (16: its full depth)."""
+    from transformers import LlamaConfig
+
+    bos, eos, pad = tokens
+    return LlamaConfig(hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                       intermediate_size=8192, vocab_size=vocab, num_hidden_layers=layers,
+                       rope_theta=500000.0, max_position_embeddings=max_position_embeddings,
+                       rms_norm_eps=1e-5, tie_word_embeddings=True,
+                       bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+
+
 def tiny_llama_config(tokens: tuple[int | None, int | None, int | None] = SERVING_TOKENS) -> Any:
     """A 2-layer Llama (hidden 128, 4 query heads, 2 KV heads of 32, vocab 256): CPU smoke tests."""
     from transformers import LlamaConfig

@@ -1,0 +1,227 @@
+"""The serving suite's workloads and runs (issue #32 items 5 and 6): two traces, two models, two
+KV budgets, every contender of the registry asked for, interleaved per workload in one process;
+each row with its device memory, its roofline bound and its ratios to the engine's best and to
+``fi-paged``. serving_suite.py parses the flags and calls :func:`run_suite`."""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from harness import contenders as ct
+from harness import roofline as rf
+from harness.blockflex import BLOCKFLEX_ATTENTION
+from harness.trace import default_trace, repo_root
+
+#: the suite's traces, by name (they travel with the repository)
+TRACES = {"conv": default_trace(),
+          "code": f"{repo_root()}/vmem-cli/data/traces/azure-code-2023-first2000.csv"}
+#: the suite's models: Llama-3-8B shapes x 8 layers, and a smaller model at its full depth
+MODELS = ("llama3-8b-x8", "llama3.2-1b")
+#: the KV budgets: every request's KV at once, and about a tenth of that (memory-bound)
+BUDGETS = ("fits", "tenth")
+#: the FlashInfer paged peer the ratios are taken against
+FI_PAGED = "fi-paged"
+#: the largest token granule a contender allocates in, besides vmem's page: the engine's block
+ENGINE_BLOCK = 256
+
+
+def registry() -> dict[str, ct.Spec]:
+    """The serving contenders the running transformers version offers, by name."""
+    return ct.SERVING
+
+
+def is_engine_native(name: str, spec: ct.Spec) -> bool:
+    """Whether ``spec`` is one of the engine's own attentions over its own cache: not vmem, not
+    an attention the harness registers (``paged|blockflex``, FlashInfer's ``fi-*``)."""
+    return not ct.is_vmem(spec) and spec["attn"] != BLOCKFLEX_ATTENTION and not name.startswith("fi-")
+
+
+def model_config(name: str, tiny: bool) -> Any:
+    """The config of model ``name`` (context 8,192); ``tiny``: a 2-layer (8B stand-in) or 4-layer
+    (1B stand-in) tiny Llama for the CPU."""
+    from harness.models import SERVING_TOKENS, llama3_8b_config, llama32_1b_config, tiny_llama_config
+
+    if tiny:
+        cfg = tiny_llama_config()
+        cfg.num_hidden_layers = 2 if name == MODELS[0] else 4
+        return cfg
+    if name == MODELS[0]:
+        return llama3_8b_config(8, max_position_embeddings=8192, tokens=SERVING_TOKENS)
+    return llama32_1b_config(16, max_position_embeddings=8192, tokens=SERVING_TOKENS)
+
+
+def granule_tokens(shape: rf.ModelShape, page_bytes: int) -> int:
+    """The largest token granule of any contender: the engine's 256-token block, or vmem's
+    per-layer page (``page_bytes`` over one layer's K of one token), whichever is larger."""
+    return max(ENGINE_BLOCK, page_bytes // (shape.kv_heads * shape.head_dim * shape.itemsize))
+
+
+def budget_tokens(kind: str, prompt_lens: Sequence[int], new_tokens: int, granule: int, fraction: float) -> int:
+    """KV tokens of budget ``kind``. ``fits``: every request's prompt and new tokens, each
+    rounded up to ``granule``, plus one granule (vmem's trash row): no contender waits for
+    memory. ``tenth``: ``fraction`` of the working set (exact tokens), but at least the
+    largest request rounded up plus one granule (else no contender could serve it)."""
+    if kind not in BUDGETS:
+        raise ValueError(f"unknown budget {kind!r} (known: {list(BUDGETS)})")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    rounded = [-(-(n + new_tokens) // granule) * granule for n in prompt_lens]
+    if kind == "fits":
+        return sum(rounded) + granule
+    working = sum(n + new_tokens for n in prompt_lens)
+    return max(int(working * fraction), max(rounded) + granule)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One cell of the suite: trace, model, budget name, the prompts and the KV budget."""
+
+    trace: str
+    model: str
+    budget: str
+    prompts: list[list[int]]
+    kv: dict[str, int]
+    bound: rf.Workload
+
+
+def workload(trace: str, model_name: str, budget: str, prompts: list[list[int]], shape: rf.ModelShape,
+             args: Any, page_bytes: int) -> Workload:
+    """The workload of ``trace`` x ``model_name`` x ``budget`` over ``prompts``."""
+    lens = [len(p) for p in prompts]
+    tokens = budget_tokens(budget, lens, args.new_tokens, granule_tokens(shape, page_bytes), args.tenth)
+    kv = {"kv_bytes": tokens * shape.token_kv_bytes, "max_batch_tokens": args.max_batch_tokens,
+          "token_bytes": shape.token_kv_bytes}
+    return Workload(trace, model_name, budget, prompts, kv,
+                    rf.Workload(tuple(lens), args.new_tokens, tokens, args.max_batch_tokens))
+
+
+def run_one(model: Any, w: Workload, name: str, args: Any, shape: rf.ModelShape, peaks: rf.Peaks,
+            rnd: int) -> dict[str, Any]:
+    """Contender ``name`` on ``w``, timed, its device memory watched: one result row. A run that
+    fails is a row with ``error`` and 0 requests completed (the suite goes on)."""
+    from harness import serving
+    from harness.memwatch import MemWatch, used_bytes
+
+    gc.collect()
+    _empty_cache()
+    idle = used_bytes()
+    row: dict[str, Any] = {"contender": name, "trace": w.trace, "model": w.model, "budget": w.budget, "round": rnd,
+                           "kv_budget_mb": w.kv["kv_bytes"] / 2**20, "requests": len(w.prompts)}
+    t = time.perf_counter()
+    try:
+        with MemWatch() as mw:
+            r = serving.run_contender(model, name, w.prompts, args, w.kv, registry())
+    except Exception as e:  # one contender's failure is a row, not the end of the suite
+        row.update(error=f"{type(e).__name__}: {e}"[:500], completed=0)
+        print(f"{name} {w.trace}/{w.model}/{w.budget}: FAILED {row['error']}", flush=True)
+        return row
+    row.update({k: r.get(k) for k in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tbt_p50_ms", "tbt_p99_ms", "completed",
+                                      "generated_tokens", "wall_s", "preemptions", "kv_reserved_mb",
+                                      "kv_peak_mapped_mb", "max_running", "rounds")})
+    row["device_mb"] = (mw.peak - idle) / 2**20 if mw.peak is not None and idle is not None else None
+    bound = rf.lower_bound(shape, w.bound, peaks)
+    row.update(bound_s=bound["bound_s"], bound_prefill_s=bound["prefill_s"], bound_decode_s=bound["decode_s"],
+               roofline=bound["bound_s"] / r["wall_s"] if r["wall_s"] > 0 else None)
+    print(f"{name} {w.trace}/{w.model}/{w.budget} round {rnd}: {time.perf_counter() - t:.1f} s, "
+          f"{row['tok_s']:.0f} tok/s, roofline {row['roofline']:.3f}", flush=True)
+    return row
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Per workload (trace, model, budget) and round: each row's tok/s over the best engine-native
+    contender's (``vs_engine_best``) and over ``fi-paged``'s (``vs_fi_paged``); ``None`` where
+    that contender did not run or failed."""
+    reg = registry()
+    cells: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        cells.setdefault((r["trace"], r["model"], r["budget"], r.get("round", 0)), []).append(r)
+    for cell in cells.values():
+        ok = [r for r in cell if r.get("tok_s")]
+        native = [r["tok_s"] for r in ok
+                  if r["contender"] in reg and is_engine_native(r["contender"], reg[r["contender"]])]
+        best = max(native, default=None)
+        fi = next((r["tok_s"] for r in ok if r["contender"] == FI_PAGED), None)
+        for r in cell:
+            tok = r.get("tok_s")
+            r["vs_engine_best"] = tok / best if tok and best else None
+            r["vs_fi_paged"] = tok / fi if tok and fi else None
+
+
+def agreement(model: Any, name: str, args: Any, kv: dict[str, int], n: int, new_tokens: int) -> dict[str, Any]:
+    """Top-1 agreement of contender ``name`` with a plain forward (teacher-forced,
+    :func:`harness.check.compare`) over the first ``n`` prompts, ``new_tokens`` each, each
+    capped at 512 tokens."""
+    from harness import check
+    from harness.trace import random_prompts
+
+    spec = registry()[name]
+    prompts = random_prompts([min(512, 16 + 37 * i) for i in range(n)], model.config.vocab_size, seed=7)
+    kw: dict[str, Any] = {"max_batch_tokens": kv["max_batch_tokens"], "use_cuda_graph": False}
+    extra, opts = ct.contender_config(model, spec, args, kv)
+    kw.update(extra)
+    try:
+        run = check.run_engine(model, spec["attn"], prompts, new_tokens, cb_kwargs=kw, serving=opts,
+                               timeout=args.timeout, name=name)
+        c = check.compare(run, model, new_tokens)
+    except Exception as e:
+        return {"contender": name, "error": f"{type(e).__name__}: {e}"[:300]}
+    return {"contender": name, "top1_agree": c["top1_agree"], "decisive": c["decisive"],
+            "max_rel_err": c["max_rel_err"], "counts_ok": c["counts_ok"]}
+
+
+def run_suite(args: Any, names: list[str], only: dict[str, list[str]], peaks: rf.Peaks,
+              on_row: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """Every selected model, trace and budget, contenders interleaved per workload (order
+    reversed every other round); ``on_row(rows, checks)`` after each run (to save them)."""
+    from harness import serving
+    from harness.models import random_model
+    from harness.trace import load_trace, random_prompts
+
+    rows: list[dict[str, Any]] = []
+    checks: list[dict[str, Any]] = []
+    page_bytes = _page_bytes(args.page_size)
+    for model_name in only.get("model", list(MODELS)):
+        config = model_config(model_name, args.tiny)
+        model = random_model(config, args.dtype, args.device)
+        shape = rf.ModelShape.from_config(config, model.dtype.itemsize)
+        warmed = False
+        for trace in only.get("trace", list(TRACES)):
+            lens = [r.prompt_len for r in load_trace(TRACES[trace], args.requests, args.max_prompt)]
+            prompts = random_prompts(lens, config.vocab_size, args.seed)
+            for budget in only.get("budget", list(BUDGETS)):
+                w = workload(trace, model_name, budget, prompts, shape, args, page_bytes)
+                print(f"== {trace}/{model_name}/{budget}: KV budget {w.kv['kv_bytes'] / 2**20:.0f} MiB "
+                      f"({w.bound.budget_tokens} tokens), {len(prompts)} requests", flush=True)
+                if not warmed:
+                    serving.warm_up(model, names, prompts, args, w.kv, registry(), times=args.warmup)
+                    for name in names if args.check_requests else []:
+                        checks.append({"model": model_name, **agreement(model, name, args, w.kv,
+                                                                        args.check_requests, args.check_tokens)})
+                        print(f"check {name}: {checks[-1]}", flush=True)
+                    warmed = True
+                for rnd in range(args.rounds):
+                    for name in names if rnd % 2 == 0 else names[::-1]:
+                        rows.append(run_one(model, w, name, args, shape, peaks, rnd))
+                        add_ratios(rows)
+                        on_row(rows, checks)
+        del model
+        gc.collect()
+        _empty_cache()
+    return rows
+
+
+def _page_bytes(text: str) -> int:
+    import vmem
+
+    return int(vmem.parse_bytes(text))
+
+
+def _empty_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

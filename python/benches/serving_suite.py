@@ -1,0 +1,164 @@
+"""The serving suite (issue #32 items 5 and 6): one command runs every workload and writes the
+table and the plot.
+
+Workloads: two traces (the bundled Azure conversation and code traces, first ``--requests``,
+prompts capped at ``--max-prompt``, random token ids of those lengths), two models (Llama-3-8B
+shapes x 8 layers; Llama-3.2-1B shapes at its full 16 layers; random bf16 weights), two KV
+budgets (``fits``: every request at once; ``tenth``: ``--tenth`` of the working set, memory
+bound), and the contenders of harness/contenders.py the running transformers version offers
+(all by default), interleaved per workload in one process. Before any run the bf16 matmul peak
+and the copy bandwidth are measured; each row carries its roofline lower bound
+(harness/roofline.py) and the fraction of it reached, its device memory as ``cudaMemGetInfo``
+sees it (the peak sampled during the run minus the idle level before it), and its tok/s over
+the engine's best native contender's and over ``fi-paged``'s. A few requests per contender are
+first checked against a plain forward (top-1 agreement, ``--check-requests``).
+
+Writes suite.json, suite.txt and suite.svg to ``--out``. ``--only KEY=A,B`` (KEY: trace, model,
+budget, contender; repeatable) runs a part, ``--merge OUT1 OUT2 ...`` combines parts into
+``--out``. ``--profile CONTENDER`` profiles that contender on the first selected workload
+instead (profile.txt). ``--tiny`` runs tiny fp32 models on the CPU (a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+DEFAULT_OUT = os.path.join("docs", "results", "serving2-h100")
+ONLY_KEYS = ("trace", "model", "budget", "contender")
+
+
+def parse_only(ap: argparse.ArgumentParser, specs: list[str], known: dict[str, list[str]]) -> dict[str, list[str]]:
+    """``--only KEY=A,B`` flags as ``{KEY: [A, B]}`` (in the suite's order); an unknown key or
+    name, or none named, is a usage error."""
+    from harness import cli
+
+    only: dict[str, list[str]] = {}
+    for spec in specs:
+        key, sep, names = spec.partition("=")
+        if not sep or key not in ONLY_KEYS:
+            ap.error(f"--only {spec!r}: expected KEY=NAME[,NAME...] with KEY one of {list(ONLY_KEYS)}")
+        picked = cli.names(ap, f"--only {key}", names, known[key])
+        only[key] = [n for n in known[key] if n in picked or n in only.get(key, [])]
+    return only
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", action="append", default=[], metavar="KEY=A,B",
+                    help=f"run a part: KEY one of {list(ONLY_KEYS)} (repeatable)")
+    ap.add_argument("--merge", nargs="+", metavar="OUT", help="combine these outputs' suite.json into --out")
+    ap.add_argument("--profile", metavar="CONTENDER", help="profile one contender on the first selected workload")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--max-prompt", type=int, default=4000)
+    ap.add_argument("--tenth", type=float, default=0.1, help="the memory-bound budget's share of the working set")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--max-batch-tokens", type=int, default=8192)
+    ap.add_argument("--max-requests", type=int, default=256, help="vmem rows (requests holding KV at once)")
+    ap.add_argument("--max-context", type=int, default=8192)
+    ap.add_argument("--page-size", default="2M")
+    ap.add_argument("--memory-percent", type=float, default=0.9, help="the engine's activation headroom check")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs per contender and model")
+    ap.add_argument("--check-requests", type=int, default=4, help="requests of the top-1 check per contender (0: off)")
+    ap.add_argument("--check-tokens", type=int, default=8)
+    ap.add_argument("--timeout", type=float, default=540.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="tiny fp32 models on the CPU (smoke test)")
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    args = ap.parse_args(argv)
+
+    from harness import cli, suite_report
+
+    if args.merge:
+        try:
+            os.makedirs(args.out, exist_ok=True)
+            parts, rows, checks = suite_report.merge(args.merge)
+        except (OSError, ValueError) as e:
+            ap.error(f"--merge: {e}")
+        from harness.suite import add_ratios
+
+        add_ratios(rows)
+        suite_report.save(args.out, parts, rows, checks)
+        print(suite_report.table(rows, checks))
+        return 0
+
+    from harness import suite
+
+    args.trace = suite.TRACES["conv"]  # what cli.check_flags looks at; every trace is checked below
+    reg = suite.registry()
+    known = {"trace": list(suite.TRACES), "model": list(suite.MODELS), "budget": list(suite.BUDGETS),
+             "contender": list(reg)}
+    only = parse_only(ap, args.only, known)
+    cli.check_flags(ap, args, ["--requests", "--new-tokens", "--rounds", "--max-prompt", "--max-batch-tokens",
+                               "--max-requests", "--max-context", "--check-tokens"],
+                    ["--warmup", "--check-requests"])
+    cli.check_fraction(ap, "--tenth", args.tenth)
+    for t in only.get("trace", known["trace"]):
+        cli.trace_lengths(ap, suite.TRACES[t], args.requests, args.max_prompt)
+    if args.profile is not None:
+        cli.names(ap, "--profile", args.profile, known["contender"])
+    names = only.get("contender", known["contender"])
+    cli.place(ap, args)
+    from harness import roofline
+
+    import vmem.transformers as vt
+
+    vt.install()
+    if args.profile:
+        return profile(args, only)
+    t = time.perf_counter()
+    small = {"n": 256, "copy_mib": 16, "reps": 3} if args.tiny else {}
+    peaks = roofline.measure_peaks(args.device, args.dtype, **small)
+    print(f"peaks: matmul {peaks.matmul_flops / 1e12:.1f} TFLOP/s, copy {peaks.copy_bytes / 1e9:.0f} GB/s "
+          f"({time.perf_counter() - t:.1f} s)", flush=True)
+    part = {**run_meta(args), "peaks": {"matmul_flops": peaks.matmul_flops, "copy_bytes": peaks.copy_bytes},
+            "only": only, "contenders": names}
+
+    def save(rows: list, checks: list) -> None:
+        suite_report.save(args.out, [part], rows, checks)
+
+    rows = suite.run_suite(args, names, only, peaks, save)
+    text = suite_report.table(rows, [])
+    print(text)
+    failed = [r for r in rows if r.get("error")]
+    return 1 if failed or not rows else 0
+
+
+def profile(args: argparse.Namespace, only: dict[str, list[str]]) -> int:
+    """``--profile``: the contender on the first selected model, trace and budget."""
+    from harness import roofline as rf
+    from harness import stepprofile, suite
+    from harness.models import random_model
+    from harness.trace import load_trace, random_prompts
+
+    model_name, trace = only.get("model", list(suite.MODELS))[0], only.get("trace", list(suite.TRACES))[0]
+    budget = only.get("budget", list(suite.BUDGETS))[0]
+    config = suite.model_config(model_name, args.tiny)
+    model = random_model(config, args.dtype, args.device)
+    shape = rf.ModelShape.from_config(config, model.dtype.itemsize)
+    lens = [r.prompt_len for r in load_trace(suite.TRACES[trace], args.requests, args.max_prompt)]
+    prompts = random_prompts(lens, config.vocab_size, args.seed)
+    w = suite.workload(trace, model_name, budget, prompts, shape, args, suite._page_bytes(args.page_size))
+    text = f"{trace}/{model_name}/{budget}\n" + stepprofile.profile(model, args.profile, prompts, args, w.kv,
+                                                                     suite.registry())
+    with open(os.path.join(args.out, "profile.txt"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 0
+
+
+def run_meta(args: argparse.Namespace) -> dict:
+    """The part's arguments, device and versions."""
+    import torch
+    import transformers
+
+    return {"args": {k: str(v) for k, v in vars(args).items()},
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

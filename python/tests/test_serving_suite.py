@@ -1,0 +1,248 @@
+"""The serving suite (python/benches/serving_suite.py, issue #32 items 5 and 6): the roofline's
+formula on numbers checked by hand, the budgets, the ratios, the merge, the registry lookup
+and a ``--tiny`` run on the CPU end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+from harness import roofline as rf
+
+# A shape small enough to add up by hand: qkv 4 x (2 + 2) x 2 = 32, o 2 x 2 x 4 = 16,
+# MLP 3 x 4 x 8 = 96 -> 144 per layer; head 4 x 10 = 40.
+SHAPE = rf.ModelShape(layers=2, hidden=4, intermediate=8, heads=2, kv_heads=1, head_dim=2, vocab=10, itemsize=2)
+
+
+def test_shape_sums_its_matmuls_and_kv_by_hand() -> None:
+    assert SHAPE.layer_matmul_params == 144
+    assert SHAPE.head_params == 40
+    assert SHAPE.decode_weight_bytes == (2 * 144 + 40) * 2 == 656
+    assert SHAPE.token_kv_bytes == 2 * 2 * 1 * 2 * 2 == 16
+
+
+def test_shape_of_llama3_8b_config() -> None:
+    pytest.importorskip("transformers")
+    from harness.models import llama3_8b_config
+
+    s = rf.ModelShape.from_config(llama3_8b_config(8), itemsize=2)
+    # q 4096x4096, k and v 4096x1024 each, o 4096x4096, MLP 3 x 4096x14336: Llama-3-8B's 218M a layer
+    assert s.layer_matmul_params == 218_103_808
+    assert s.token_kv_bytes == 32_768  # 2 x 8 layers x 8 heads x 128 x 2 bytes: the engine's token_bytes
+    assert s.head_params == 4096 * 128256
+
+
+def test_prefill_flops_by_hand() -> None:
+    # n = 3: matmuls 2 x 3 x 2 x 144 = 1728, logits 2 x 40 = 80, attention 2 x 2 x 2 x 2 x 3 x 4 = 192
+    assert rf.prefill_flops(SHAPE, [3]) == 2000
+    # n = 1: 576 + 80 + 2 x 2 x 2 x 2 x 1 x 2 = 32
+    assert rf.prefill_flops(SHAPE, [1, 3]) == 688 + 2000
+
+
+def test_decode_reads_and_steps_by_hand() -> None:
+    w = rf.Workload(prompt_lens=(3, 5), new_tokens=4, budget_tokens=100, max_batch_tokens=100)
+    assert rf.decode_tokens(w) == 6
+    assert rf.kv_token_reads(w) == (4 + 5 + 6) + (6 + 7 + 8) == 36
+    assert rf.decode_steps(w) == 3  # the longest request's 3 decode tokens
+    # max_batch_tokens binds: 6 decode tokens, 1 a step
+    assert rf.decode_steps(rf.Workload((3, 5), 4, 100, 1)) == 6
+    # the budget binds: 36 token-steps of KV, 5 tokens held a step -> 8 steps
+    assert rf.decode_steps(rf.Workload((3, 5), 4, 5, 100)) == 8
+    assert rf.decode_steps(rf.Workload((3, 5), 1, 5, 100)) == 0  # the prefill makes the only token
+    assert rf.kv_token_reads(rf.Workload((3, 5), 1, 5, 100)) == 0
+
+
+def test_lower_bound_by_hand() -> None:
+    w = rf.Workload(prompt_lens=(3, 5), new_tokens=4, budget_tokens=100, max_batch_tokens=100)
+    b = rf.lower_bound(SHAPE, w, rf.Peaks(matmul_flops=1000.0, copy_bytes=100.0))
+    # prefill: 2000 + (2880 + 80 + 480) = 5440 FLOPs at 1000/s; decode: 3 x 656 + 36 x 16 = 2544 B at 100/s
+    assert b["prefill_flops"] == 5440
+    assert b["weight_bytes"] == 1968 and b["kv_read_bytes"] == 576
+    assert b["prefill_s"] == pytest.approx(5.44)
+    assert b["decode_s"] == pytest.approx(25.44)
+    assert b["bound_s"] == pytest.approx(30.88)
+    # a smaller budget only adds steps (weight reads), never KV bytes
+    tight = rf.lower_bound(SHAPE, rf.Workload((3, 5), 4, 5, 100), rf.Peaks(1000.0, 100.0))
+    assert tight["kv_read_bytes"] == 576 and tight["weight_bytes"] == 8 * 656
+
+
+@pytest.mark.parametrize("kw", [{"layers": 0}, {"vocab": -1}, {"heads": True}, {"hidden": 4.0}])
+def test_shape_refuses_what_is_no_count(kw) -> None:
+    args = {**vars(SHAPE), **kw}
+    with pytest.raises(ValueError, match=f"ModelShape.{next(iter(kw))}"):
+        rf.ModelShape(**args)
+
+
+@pytest.mark.parametrize("args, match", [
+    (((), 4, 10, 10), "prompts of at least 1"), (((3, 0), 4, 10, 10), "prompts of at least 1"),
+    (((3,), 0, 10, 10), "new_tokens"), (((3,), 4, 0, 10), "budget_tokens"), (((3,), 4, 10, "8"), "max_batch_tokens"),
+])
+def test_workload_refuses_what_cannot_be_served(args, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        rf.Workload(*args)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf, "1e12"])
+def test_peaks_refuse_what_is_no_rate(bad) -> None:
+    with pytest.raises(ValueError, match="Peaks.matmul_flops"):
+        rf.Peaks(matmul_flops=bad, copy_bytes=1.0)
+
+
+def test_measure_peaks_on_the_cpu_gives_rates() -> None:
+    torch = pytest.importorskip("torch")
+    p = rf.measure_peaks("cpu", torch.float32, n=64, copy_mib=1, reps=2)
+    assert math.isfinite(p.matmul_flops) and p.matmul_flops > 0
+    assert math.isfinite(p.copy_bytes) and p.copy_bytes > 0
+
+
+def test_budgets_fit_everyone_or_a_tenth() -> None:
+    pytest.importorskip("transformers", reason="harness.suite imports the contenders (torch, transformers)")
+    from harness import suite
+
+    # requests of 100 + 10 and 600 + 10 tokens, granule 256: 256 + 768 rounded, + one granule
+    assert suite.budget_tokens("fits", [100, 600], 10, 256, 0.1) == 256 + 768 + 256
+    # a tenth of 720 tokens is 72, below the largest request rounded up plus a granule
+    assert suite.budget_tokens("tenth", [100, 600], 10, 256, 0.1) == 768 + 256
+    lens = [1000] * 100  # 101,000 tokens of working set: a tenth is 10,100
+    assert suite.budget_tokens("tenth", lens, 10, 256, 0.1) == 10_100
+    with pytest.raises(ValueError, match="unknown budget"):
+        suite.budget_tokens("half", lens, 10, 256, 0.1)
+    with pytest.raises(ValueError, match="fraction"):
+        suite.budget_tokens("tenth", lens, 10, 256, 0.0)
+    # vmem's per-layer 2 MB page holds 1,024 tokens of Llama-3-8B's one layer (8 x 128 x 2 bytes)
+    assert suite.granule_tokens(rf.ModelShape(8, 4096, 14336, 32, 8, 128, 128256, 2), 2 << 20) == 1024
+    assert suite.granule_tokens(SHAPE, 64) == 256  # the engine's block when vmem's page is smaller
+
+
+def test_ratios_take_the_engine_best_native_and_fi_paged_per_workload(monkeypatch) -> None:
+    pytest.importorskip("transformers")
+    from harness import suite
+
+    reg = {"paged-sdpa-256": {"attn": "paged|sdpa"}, "paged-sdpa-16": {"attn": "paged|sdpa"},
+           "paged-flex-256": {"attn": suite.BLOCKFLEX_ATTENTION}, "fi-paged": {"attn": "paged|fi"},
+           "vmem-token-major": {"attn": "vmem"}}
+    monkeypatch.setattr(suite, "registry", lambda: reg)
+
+    def row(name: str, tok: float | None, budget: str = "fits") -> dict:
+        return {"contender": name, "trace": "conv", "model": "m", "budget": budget, "round": 0, "tok_s": tok}
+
+    rows = [row("paged-sdpa-256", 100.0), row("paged-sdpa-16", 50.0), row("paged-flex-256", 400.0),
+            row("fi-paged", 500.0), row("vmem-token-major", 1000.0),
+            row("paged-sdpa-256", 10.0, "tenth"), row("vmem-token-major", 60.0, "tenth"),
+            row("fi-paged", None, "tenth")]
+    suite.add_ratios(rows)
+    # the engine's best is paged-sdpa-256 (100): blockflex and fi-paged are the harness's, not the engine's
+    assert rows[4]["vs_engine_best"] == 10.0 and rows[4]["vs_fi_paged"] == 2.0
+    assert rows[1]["vs_engine_best"] == 0.5 and rows[2]["vs_engine_best"] == 4.0
+    # per budget: 60 / 10; fi-paged failed there (no tok/s), so no ratio
+    assert rows[6]["vs_engine_best"] == 6.0 and rows[6]["vs_fi_paged"] is None
+    assert rows[7]["vs_engine_best"] is None
+
+
+def fake_rows(contenders: list[str], budget: str) -> list[dict]:
+    return [{"contender": c, "trace": "conv", "model": "m", "budget": budget, "round": 0, "tok_s": 10.0 * (i + 1),
+             "roofline": 0.1 * (i + 1)} for i, c in enumerate(contenders)]
+
+
+def test_merge_combines_parts_and_a_later_run_replaces_an_earlier(tmp_path) -> None:
+    from harness import suite_report
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+    suite_report.save(str(a), [{"device": "A"}], fake_rows(["x", "y"], "fits"), [{"model": "m", "contender": "x"}])
+    rows_b = fake_rows(["y"], "fits") + fake_rows(["x"], "tenth")
+    rows_b[0]["tok_s"] = 99.0
+    suite_report.save(str(b), [{"device": "B"}], rows_b, [])
+    parts, rows, checks = suite_report.merge([str(a), str(b)])
+    assert [p["device"] for p in parts] == ["A", "B"]
+    got = {(r["contender"], r["budget"]): (r["tok_s"], r["part"]) for r in rows}
+    assert got == {("x", "fits"): (10.0, 0), ("y", "fits"): (99.0, 1), ("x", "tenth"): (10.0, 1)}
+    assert checks == [{"model": "m", "contender": "x"}]
+    svg = (a / "suite.svg").read_text()
+    assert svg.startswith("<svg") and svg.count("<rect") == 2 * 2 + 2  # 2 bars x 2 panels + 2 legend keys
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "suite.json").write_text('{"rows": 3}')
+    with pytest.raises(ValueError, match="not a suite result"):
+        suite_report.merge([str(a), str(tmp_path / "c")])
+    with pytest.raises(ValueError, match="suite.json"):
+        suite_report.merge([str(tmp_path / "nowhere")])
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--only", "contender=nope"], "--only contender: unknown 'nope'"),
+    (["--only", "color=red"], "expected KEY=NAME"),
+    (["--only", "trace="], "--only trace names none"),
+    (["--profile", "nope"], "--profile: unknown 'nope'"),
+    (["--requests", "0"], "--requests must be at least 1"),
+    (["--tenth", "0"], "--tenth must be a fraction"),
+    (["--tenth", "nan"], "--tenth must be a fraction"),
+    (["--check-requests", "-1"], "--check-requests must be at least 0"),
+    (["--requests", "2001"], "2000 requests, 2001 asked"),
+    (["--page-size", "bogus"], "--page-size"), (["--timeout", "0"], "--timeout must be more than 0"),
+    (["--max-batch-tokens", "0"], "--max-batch-tokens must be at least 1"),
+    (["--out", "/proc/version/x"], "--out '/proc/version/x' cannot be created"),
+])
+def test_suite_refuses_bad_flags_with_one_usage_line(flags, match, tmp_path, capsys) -> None:
+    pytest.importorskip("transformers", reason="serving_suite.py imports the contenders")
+    import serving_suite
+
+    with pytest.raises(SystemExit) as e:
+        serving_suite.main(["--tiny", "--out", str(tmp_path / "o"), *flags])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2, last
+    assert match in last, last
+
+
+def test_suite_merge_refuses_what_is_no_result(tmp_path, capsys) -> None:
+    import serving_suite
+
+    with pytest.raises(SystemExit) as e:
+        serving_suite.main(["--merge", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")])
+    assert e.value.code == 2
+    assert "--merge: " in capsys.readouterr().err
+
+
+def read(d: str, name: str) -> str:
+    with open(os.path.join(d, name)) as f:
+        return f.read()
+
+
+def test_tiny_suite_runs_end_to_end_and_merges(tmp_path) -> None:
+    """The CI smoke test: the whole pipeline on the CPU, one trace and model, both budgets, two
+    contenders; then --profile and --merge of two parts."""
+    pytest.importorskip("transformers")
+    import serving_suite
+
+    common = ["--tiny", "--requests", "4", "--new-tokens", "3", "--max-prompt", "100", "--check-requests", "2",
+              "--check-tokens", "3", "--only", "model=llama3-8b-x8",
+              "--only", "contender=paged-sdpa-256,vmem-per-layer"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert serving_suite.main([*common, "--only", "trace=conv", "--out", a]) == 0
+    data = json.loads(read(a, "suite.json"))
+    rows = data["rows"]
+    assert [(r["contender"], r["budget"]) for r in rows] == [
+        ("paged-sdpa-256", "fits"), ("vmem-per-layer", "fits"),
+        ("paged-sdpa-256", "tenth"), ("vmem-per-layer", "tenth")]
+    for r in rows:
+        assert r["completed"] == 4 and r["requests"] == 4 and r["tok_s"] > 0, r
+        assert r["bound_s"] > 0 and r["roofline"] == pytest.approx(r["bound_s"] / r["wall_s"])
+        assert r["vs_engine_best"] == pytest.approx(r["tok_s"] / rows[0 if r["budget"] == "fits" else 2]["tok_s"])
+        assert r["vs_fi_paged"] is None and r["device_mb"] is None  # no fi-paged here; no CUDA
+    assert rows[0]["kv_budget_mb"] > rows[2]["kv_budget_mb"]
+    assert {c["contender"]: c["top1_agree"] == c["decisive"] > 0 for c in data["checks"]} == {
+        "paged-sdpa-256": True, "vmem-per-layer": True}
+    assert data["parts"][0]["peaks"]["matmul_flops"] > 0
+    for name in ("suite.txt", "suite.svg"):
+        assert os.path.getsize(os.path.join(a, name)) > 0
+    assert serving_suite.main([*common, "--only", "trace=code", "--only", "budget=tenth", "--check-requests", "0",
+                               "--out", b]) == 0
+    assert serving_suite.main([*common, "--only", "trace=code", "--profile", "vmem-per-layer", "--out", b]) == 0
+    assert "host in forward" in read(b, "profile.txt")
+    m = str(tmp_path / "m")
+    assert serving_suite.main(["--merge", a, b, "--out", m]) == 0
+    merged = json.loads(read(m, "suite.json"))
+    assert len(merged["rows"]) == 6 and len(merged["parts"]) == 2
+    assert "code" in read(m, "suite.txt")
