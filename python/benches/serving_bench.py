@@ -39,8 +39,7 @@ import sys
 
 import vmem.transformers as vt
 from harness import cli, serving
-from harness.contenders import SERVING as CONTENDERS
-from harness.contenders import defaults
+from harness.contenders import SERVING as CONTENDERS, defaults
 from harness.table import format_table
 from harness.trace import default_trace, random_prompts
 
@@ -48,7 +47,7 @@ from harness.trace import default_trace, random_prompts
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contenders", default=",".join(defaults(CONTENDERS)),
-                    help=f"comma-separated, of {list(CONTENDERS)} (default: all but the -fi ones, which need FlashInfer)")
+                    help=f"comma-separated, of {list(CONTENDERS)} (default: all but the -fi ones: FlashInfer)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=1)
