@@ -39,7 +39,8 @@ import sys
 
 import vmem.transformers as vt
 from harness import cli, serving
-from harness.contenders import SERVING as CONTENDERS, defaults
+from harness.contenders import SERVING as CONTENDERS
+from harness.contenders import defaults
 from harness.table import format_table
 from harness.trace import default_trace, random_prompts
 
