@@ -404,8 +404,13 @@ def flashinfer_rows():
                     vf = v4.as_strided((v4.shape[0] * ctx, hkv, d), v4.stride()[1:])
                     got = fi(layer, a, query, kf, vf, 0.1, True)[0]
                     want = fa(layer, b, query, kf, vf, 0.1, True)[0]
-                    ref = paged_reference(query[0].transpose(0, 1).float(), k4.float(), v4.float(),
-                                          paged_plan(entries, ctx), 0.1)
+                    # The reference reads whole pages (rows): give it host copies of what is mapped
+                    # (on the GPU the rows' unmapped tails would fault).
+                    kc, vc = (torch.zeros(t.shape, dtype=torch.float32) for t in (k4, v4))
+                    for r, n in now.items():
+                        kc[r, :n], vc[r, :n] = k4[r, :n].float().cpu(), v4[r, :n].float().cpu()
+                    ref = paged_reference(query[0].transpose(0, 1).float().cpu(), kc, vc,
+                                          paged_plan(entries, ctx), 0.1).cuda()
                     label = f"flashinfer {name} {layout} {dtype} hd{d} layer {layer}"
                     check(f"{label} finite", bool(torch.isfinite(got).all()))
                     e_fa = float((got.float() - want.float()).abs().max())
