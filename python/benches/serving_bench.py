@@ -13,7 +13,9 @@ every other round):
 * ``vmem-per-layer``, ``vmem-token-major``: ``paged|vmem``, 2 MB pages, read in place by
   torch's FlashAttention-2 varlen op (``kernel="fa"``, the default);
 * ``vmem-per-layer-flex``: ``paged|vmem`` per-layer read by compiled FlexAttention
-  (``kernel="flex"``, the first version's kernel): the kernel's effect inside the engine.
+  (``kernel="flex"``, the first version's kernel): the kernel's effect inside the engine;
+* ``vmem-per-layer-fi``, ``vmem-token-major-fi``: ``paged|vmem`` read by FlashInfer's paged
+  wrappers (``kernel="flashinfer"``; optional: run only when named in ``--contenders``).
 
 The KV budget: what the engine gives ``PagedAttentionCache`` at ``max_memory_percent`` (0.5)
 with ``paged|sdpa`` and 256-token blocks, computed once before any contender runs; every
@@ -38,13 +40,15 @@ import sys
 import vmem.transformers as vt
 from harness import cli, serving
 from harness.contenders import SERVING as CONTENDERS
+from harness.contenders import defaults
 from harness.table import format_table
 from harness.trace import default_trace, random_prompts
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma-separated, of {list(CONTENDERS)}")
+    ap.add_argument("--contenders", default=",".join(defaults(CONTENDERS)),
+                    help=f"comma-separated, of {list(CONTENDERS)} (default: all but the -fi ones: FlashInfer)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=1)

@@ -25,6 +25,11 @@ pytest says why. Benchmarks are in python/benches (gpu_bench.py).
     whole max_context row queued behind a long kernel, then steps that replace the row's zero
     slots, give exact sums and leave the context alive. Were the background mapper allowed,
     the same loop would run with it and fault.
+  flashinfer_rows: kernel="flashinfer" (skipped without FlashInfer): its reader over vmem rows of
+    both layouts (bf16 head dim 128, fp16 head dim 64; GQA), a decode round (the tensor-core
+    decode wrapper) and a mixed round (the prefill wrapper), rows out of order, NaN in every
+    mapped slot past a request's length: equals kernel="fa"'s reader within bf16/fp16
+    tolerance, and the float32 paged reference of the same plan.
   fp8_consumer: vmem views are torch.float8_e4m3fn tensors on the GPU; torch kernels write and
     read them (bytes round-trip), and dequantized SDPA on the views equals the same on
     contiguous copies, bit-exact, in both layouts.
@@ -354,6 +359,73 @@ def zero_slots_under_queued_reads():
     check("reads of zero slots around steps: exact sums", float(acc) == want, f"{float(acc)} vs {want}")
     del K, row
     close_with_live_context(kv, "swaps")
+
+
+def flashinfer_rows():
+    from vmem.transformers.fa import FaReader
+    from vmem.transformers.flashinfer import FlashInferReader, paged_plan, paged_reference
+    from vmem.transformers.rounds import Round
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rounds = {"decode": [(5, 3000, 1), (0, 17, 1), (3, 1023, 1), (1, 4000, 1)],
+              "mixed": [(5, 2000, 1), (2, 0, 300), (0, 700, 1), (4, 100, 64), (1, 3999, 1)]}
+    lens = {r: max(p + q for rr, p, q in sum(rounds.values(), []) if rr == r) for r in range(6)}
+    # (dtype, query heads, KV heads, head dim, max_context: a row is whole 2 MB pages in both layouts)
+    for dtype, hq, hkv, d, ctx in [(torch.bfloat16, 32, 8, 128, 4096), (torch.float16, 8, 2, 64, 8192)]:
+        for layout in ["per-layer", "token-major"]:
+            kv = vmem.KVCache(layers=2, kv_heads=hkv, head_dim=d, dtype="bf16" if dtype == torch.bfloat16 else "fp16",
+                              max_batch=6, max_context=ctx, layout=layout, backend="cuda", overlap=False)
+            rows = [kv.alloc() for _ in range(6)]
+            check("flashinfer test rows are 0..5", rows == list(range(6)), str(rows))
+            kv.step(lens)
+            tpp = int(kv.config()["tokens_per_page"])
+            layers = [tuple(torch.from_dlpack(t) for t in kv.layer(i)) for i in range(2)]
+            k0 = layers[0][0]
+            check(f"flashinfer {layout} rows are max_context tokens apart", k0.stride(0) == ctx * k0.stride(1))
+            fi = FlashInferReader(ctx, lambda i, layers=layers: layers[i], torch.device("cuda"), hq)
+            fa = FaReader(ctx)
+            for name, entries in rounds.items():
+                now = {r: p + q for r, p, q in entries}
+                for k4, v4 in layers:
+                    for r, n in lens.items():
+                        mapped = -(-n // tpp) * tpp
+                        k4[r, :mapped] = float("nan")  # NaN past this round's length: never read
+                        v4[r, :mapped] = float("nan")
+                        m = now.get(r, 0)
+                        k4[r, :m] = torch.randn(m, hkv, d, device="cuda", dtype=dtype, generator=g)
+                        v4[r, :m] = torch.randn(m, hkv, d, device="cuda", dtype=dtype, generator=g)
+                total = sum(e[2] for e in entries)
+                a, b = Round(), Round()
+                a.entries = [(r, p, q, None) for r, p, q in entries]
+                b.entries = list(a.entries)
+                for layer, (k4, v4) in enumerate(layers):
+                    query = torch.randn(1, hq, total, d, device="cuda", dtype=dtype, generator=g)
+                    kf = k4.as_strided((k4.shape[0] * ctx, hkv, d), k4.stride()[1:])
+                    vf = v4.as_strided((v4.shape[0] * ctx, hkv, d), v4.stride()[1:])
+                    got = fi(layer, a, query, kf, vf, 0.1, True)[0]
+                    want = fa(layer, b, query, kf, vf, 0.1, True)[0]
+                    # The reference reads whole pages (rows): give it host copies of what is mapped
+                    # (on the GPU the rows' unmapped tails would fault).
+                    kc, vc = (torch.zeros(t.shape, dtype=torch.float32) for t in (k4, v4))
+                    for r, n in now.items():
+                        kc[r, :n], vc[r, :n] = k4[r, :n].float().cpu(), v4[r, :n].float().cpu()
+                    ref = paged_reference(query[0].transpose(0, 1).float().cpu(), kc, vc,
+                                          paged_plan(entries, ctx), 0.1).cuda()
+                    label = f"flashinfer {name} {layout} {dtype} hd{d} layer {layer}"
+                    check(f"{label} finite", bool(torch.isfinite(got).all()))
+                    e_fa = float((got.float() - want.float()).abs().max())
+                    e_ref = float((got.float() - ref).abs().max())
+                    check(f"{label} vs fa", e_fa < 2e-2, f"max diff {e_fa:.3g}")
+                    check(f"{label} vs fp32 reference", e_ref < 2e-2, f"max diff {e_ref:.3g}")
+                check(f"flashinfer {name} round planned for the {'decode' if name == 'decode' else 'prefill'} "
+                      "wrapper", a.index.decode == (name == "decode"))
+            del layers, fi, k0
+            kv.close()
+
+
+def test_flashinfer_rows():
+    pytest.importorskip("flashinfer", reason="FlashInfer is not installed (pip install \"vmem[flashinfer]\")")
+    flashinfer_rows()
 
 
 def test_zero_slots_under_queued_reads():

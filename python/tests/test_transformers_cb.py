@@ -75,7 +75,7 @@ def test_logits_match_paged_and_dynamic_cache(arch):
     assert h.cross_compare(ours, theirs) < TOL
 
 
-@pytest.mark.parametrize("kernel", vt.KERNELS)
+@pytest.mark.parametrize("kernel", ["fa", "flex"])  # "flashinfer": test_transformers_flashinfer.py
 def test_token_major_layout(kernel, monkeypatch):
     calls = []
     real = vt_fa.fa_varlen_reference

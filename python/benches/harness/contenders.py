@@ -21,6 +21,9 @@ SERVING: dict[str, Spec] = {
     "vmem-per-layer": {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "fa"},
     "vmem-token-major": {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa"},
     "vmem-per-layer-flex": {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flex"},
+    # FlashInfer is optional (vmem[flashinfer]): run only when named (--contenders), see defaults().
+    "vmem-per-layer-fi": {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flashinfer", "optional": True},
+    "vmem-token-major-fi": {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "flashinfer", "optional": True},
 }
 
 #: prefix_serving.py: block sharing on and off, the engine's and vmem's
@@ -41,6 +44,12 @@ CHECK: dict[str, Spec] = {
     "paged-sdpa-256": {"attn": "paged|sdpa", "block_size": 256},
     "paged-blockflex-256": {"attn": BLOCKFLEX_ATTENTION, "block_size": 256},
 }
+
+
+def defaults(specs: dict[str, Spec]) -> list[str]:
+    """The contenders a bench runs when none are named: all but the optional ones (those needing
+    an optional dependency, FlashInfer)."""
+    return [name for name, spec in specs.items() if not spec.get("optional")]
 
 
 def is_vmem(spec: Spec) -> bool:

@@ -17,7 +17,8 @@ or, scoped (the options are bound to the engine's manager created inside the blo
 Modules: :mod:`.patch` (version gate, cache factory, :func:`register_cache`), the adapters
 :mod:`.engine517` and :mod:`.engine519` (what differs between transformers versions), :mod:`.options`,
 :mod:`.sizing`, :mod:`.cache` (:class:`VmemCBCache`), :mod:`.rows`, :mod:`.rounds`,
-:mod:`.attention`, :mod:`.fa`, :mod:`.flex`, :mod:`.generate` (:class:`VmemCache`);
+:mod:`.attention`, :mod:`.fa`, :mod:`.flex`, :mod:`.flashinfer` (``kernel="flashinfer"``: FlashInfer
+imported only when chosen), :mod:`.generate` (:class:`VmemCache`);
 docs/serving.md says how they work together.
 """
 

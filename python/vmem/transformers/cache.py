@@ -1,7 +1,8 @@
 """:class:`VmemCBCache`: the allocation surface transformers 5.17's continuous-batching engine calls,
 over one :class:`vmem.KVCache`. It duck-types the part of ``PagedAttentionCache`` the engine uses
 (it never calls its ``__init__``); the geometry (:mod:`.sizing`), the rows (:mod:`.rows`), the
-rounds (:mod:`.rounds`) and the kernels (:mod:`.fa`, :mod:`.flex`) are version-free.
+rounds (:mod:`.rounds`) and the kernels (:mod:`.fa`, :mod:`.flex`, :mod:`.flashinfer`) are
+version-free.
 
 * One :class:`vmem.KVCache` with ``max_batch = max_requests + 1``; the last row is the trash row
   where padded tokens write (kept mapped for one block). A request gets a row on its first
@@ -12,9 +13,9 @@ rounds (:mod:`.rounds`) and the kernels (:mod:`.fa`, :mod:`.flex`) are version-f
   round's first request is prepared); ``get_num_free_blocks`` is exact.
 * ``free_blocks`` gives the row back and unmaps its pages; vmem orders every unmap after the GPU
   work queued before it, so a batch in flight never reads an unmapped page.
-* Prefix sharing with vmem's pages in place of the engine's block sharing (``kernel="fa"``,
-  following the engine's ``allow_block_sharing``): ``search_prefix_match`` maps the cached pages
-  of a prompt's longest cached prefix into the new row (no copy), and
+* Prefix sharing with vmem's pages in place of the engine's block sharing (``kernel="fa"`` or
+  ``"flashinfer"``, following the engine's ``allow_block_sharing``): ``search_prefix_match`` maps
+  the cached pages of a prompt's longest cached prefix into the new row (no copy), and
   ``mark_shareable_blocks_as_complete`` publishes a request's full blocks. No forks, no CPU
   offload pool, no CUDA graphs, compile of the forward or async batching in this version.
 """
@@ -30,6 +31,7 @@ import torch
 from .. import KVCache
 from .._vmem import InvalidArgument, VmemError
 from .fa import FaReader
+from .flashinfer import FlashInferReader, check_strides
 from .flex import FlexReader
 from .options import Options
 from .rounds import Rounds
@@ -113,9 +115,9 @@ class VmemCBCache:
         self.page_bytes, self.max_context, self.rows = g.page_bytes, g.max_context, g.rows
         self.max_requests = options.max_requests
         # Prefix sharing: vmem maps a cached prefix's pages into a new row in place of the engine's
-        # block sharing, where a block is whole pages (kernel="fa": one page's tokens). Flex blocks
-        # span several pages' tokens (lcm with its KV block): no sharing there.
-        self.sharing = bool(cb.allow_block_sharing) and self.kernel == "fa"
+        # block sharing, where a block is whole pages (kernel="fa" or "flashinfer": one page's tokens).
+        # Flex blocks span several pages' tokens (lcm with its KV block): no sharing there.
+        self.sharing = bool(cb.allow_block_sharing) and self.kernel != "flex"
         on_cpu = self.device.type == "cpu"
         self.kv = KVCache(
             layers=layers, kv_heads=g.kv_heads, head_dim=g.head_dim, dtype=str(dtype), max_batch=g.rows,
@@ -152,7 +154,7 @@ class VmemCBCache:
             self.key_cache.append(_flat(k))
             self.value_cache.append(_flat(v))
         self.rounds = Rounds(on_open=self.flush)
-        self.read: Any = FaReader(g.max_context) if self.kernel == "fa" else FlexReader(self, g.compiled)
+        self.read: Any = self._reader(config)
         self.peak_mapped_bytes = 0
         self.steps = 0
         # The engine's config: what this cache does not do (block sharing: vmem's instead).
@@ -160,6 +162,16 @@ class VmemCBCache:
         cb.max_blocks_per_request = 0
         cb.cpu_offload_space = 0.0
         cb.max_requests_per_batch = min(cb.max_requests_per_batch or self.max_requests, self.max_requests)
+
+    def _reader(self, config: Any) -> Any:
+        """The kernel that reads the rows (``options.kernel``)."""
+        g = self.geometry
+        if self.kernel == "fa":
+            return FaReader(g.max_context)
+        if self.kernel == "flex":
+            return FlexReader(self, g.compiled)
+        check_strides(self._k4[0])  # every layer's view has the same strides
+        return FlashInferReader(g.max_context, self.kv_rows, self.device, config.num_attention_heads)
 
     def _engine_attributes(self, layers: int) -> None:
         """The attributes the engine reads of a single full-attention group."""

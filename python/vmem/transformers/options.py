@@ -22,8 +22,9 @@ from .._args import (
 from .._vmem import InvalidArgument
 
 #: The kernels ``paged|vmem`` can read its rows with: ``"fa"`` (torch's FlashAttention-2 varlen
-#: op, the default) or ``"flex"`` (FlexAttention with a BlockMask).
-KERNELS = ("fa", "flex")
+#: op, the default), ``"flex"`` (FlexAttention with a BlockMask) or ``"flashinfer"`` (FlashInfer's
+#: paged wrappers, each row one page; an optional dependency, checked at install()/serving()).
+KERNELS = ("fa", "flex", "flashinfer")
 #: vmem's two memory layouts (``docs/python.md``).
 LAYOUTS = ("per-layer", "token-major")
 #: The page sizes vmem knows (its ``PAGE_SIZES``: the driver patch's three small pages and
@@ -47,7 +48,7 @@ class Options:
     * ``memory``: bytes of KV pages; ``None`` (default): what the engine would give its own
       paged cache (``max_memory_percent`` of free memory less its activation estimate);
     * ``prealloc``: create the pages up front (default True);
-    * ``kernel``: ``"fa"`` (default) or ``"flex"`` (:data:`KERNELS`);
+    * ``kernel``: ``"fa"`` (default), ``"flex"`` or ``"flashinfer"`` (:data:`KERNELS`);
     * ``compile``: compile the Flex kernel; ``None`` (default): on CUDA;
     * ``prefix_cache``: bytes of cached prefix pages no request maps; ``None`` (default): the
       whole budget.

@@ -39,6 +39,7 @@ import torch
 
 from .._vmem import InvalidArgument, VmemError
 from .attention import paged_attention
+from .flashinfer import load_flashinfer
 from .options import Options
 
 #: transformers versions whose continuous-batching internals this package was checked against
@@ -165,16 +166,24 @@ def install(**opts: Any) -> None:
     """Registers every registered attention name with transformers and installs the cache factory;
     ``opts`` (validated here, :class:`Options`) become the options in force for engines created
     afterwards, on top of those of earlier calls. Idempotent; refuses transformers versions other
-    than 5.17.x and 5.19-5.24."""
+    than 5.17.x and 5.19-5.24, and ``kernel="flashinfer"`` without FlashInfer installed."""
     global _base
     adapter = adapter_for(_transformers_version())
     with _lock:
-        new = _base.replace(**opts)
+        new = _checked(_base.replace(**opts))
         if not _engine:
             for key, (_, fn) in _registry.items():
                 _register_attention(key, fn)
             _engine.append(EnginePatch(adapter))
         _base = new
+
+
+def _checked(opts: Options) -> Options:
+    """``opts``, once the optional kernel they choose is importable (:class:`InvalidArgument`
+    naming the install command otherwise)."""
+    if opts.kernel == "flashinfer":
+        load_flashinfer()
+    return opts
 
 
 def uninstall() -> None:
@@ -193,7 +202,7 @@ def serving(**opts: Any) -> Iterator[Options]:
     thread inside the ``with`` block (validated here); yields the :class:`Options`. An engine
     created inside keeps them when it builds its cache later, after the block."""
     install()
-    token = _serving.set(options().replace(**opts))
+    token = _serving.set(_checked(options().replace(**opts)))
     try:
         yield options()
     finally:

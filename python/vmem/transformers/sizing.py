@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .._vmem import InvalidArgument
+from .flashinfer import check_model
 from .options import Options
 
 #: The attention name that selects the vmem cache.
@@ -31,9 +32,9 @@ def find_dims(config: Any) -> tuple[int, int, int]:
 
 def block_tokens(tokens_per_page: int, kernel: str) -> int:
     """The engine's block (tokens) for ``paged|vmem``: one page's tokens for ``kernel="fa"``
-    (FlashAttention reads a request's exact length, nothing past it); for ``"flex"``,
+    and ``"flashinfer"`` (both read a request's exact length, nothing past it); for ``"flex"``,
     ``lcm(tokens per page, KV_BLOCK)`` so that every KV block Flex lists is mapped."""
-    if kernel == "fa":
+    if kernel in ("fa", "flashinfer"):
         return tokens_per_page
     return tokens_per_page * KV_BLOCK // math.gcd(tokens_per_page, KV_BLOCK)
 
@@ -60,6 +61,8 @@ class Geometry:
             if head_dim % 8 or head_dim > 256:
                 raise InvalidArgument(f"{VMEM_ATTENTION} kernel='fa': head_dim {head_dim} is not a multiple of 8 "
                                       "up to 256; use kernel='flex'")
+        if kernel == "flashinfer" and device.type == "cuda":  # on the CPU its reference runs any model
+            check_model(dtype, head_dim)
         self.token_bytes = self.token_bytes_of(config, dtype)
         page = options.page_size
         per_token = kv_heads * head_dim * dtype.itemsize * (1 if options.layout == "per-layer" else 2 * layers)
