@@ -40,7 +40,9 @@ from harness.fi_plan import PagedRound, plan_round, reference_paged_attention
 
 #: The attention name of ``fi-paged`` (no ``flash``/``sdpa``/``flex_attention`` in it).
 FI_PAGED_ATTENTION = "fipaged"
-WORKSPACE_BYTES = 128 << 20
+#: FlashInfer's float workspace (split-KV partials); graph mode sizes them for the round's padded
+#: tokens (335 MB seen for 1,024 tokens, 32 heads of 128 on 5.23's graphs: 128 MB overflowed)
+WORKSPACE_BYTES = 1 << 30
 _classes: dict[Any, Any] = {}
 _hooks: list[Any] = []
 
@@ -81,7 +83,8 @@ class _FlashInfer:
         kw: dict[str, Any] = {}
         if graph:  # fixed buffers: the batch size is the key's; indices sized for every page of the pool
             i32 = dict(dtype=torch.int32, device=self.device)
-            pages = torch.empty(self.max_pages, **i32)
+            # every page of the pool, plus the trash pages of the padding requests
+            pages = torch.empty(self.max_pages + rnd.batch + int(rnd.qo_indptr[-1]) // self.page_size + 1, **i32)
             if rnd.decode:
                 kw = dict(use_cuda_graph=True, paged_kv_indptr_buffer=torch.empty(rnd.batch + 1, **i32),
                           paged_kv_indices_buffer=pages, paged_kv_last_page_len_buffer=torch.empty(rnd.batch, **i32))
