@@ -25,11 +25,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import vmem.transformers as vt  # noqa: E402
 from harness import contenders as ct  # noqa: E402
 from harness.engine import run_engine  # noqa: E402
 from harness.models import llama3_8b_config, random_model  # noqa: E402
 from harness.trace import random_prompts  # noqa: E402
+
+import vmem.transformers as vt  # noqa: E402
 
 
 def cb_kwargs(name: str, blocks: int, mbt: int) -> dict:

@@ -14,10 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 import vmem.transformers as vt
-from vmem.transformers import VMEM_ATTENTION
-
 from harness.blockflex import BLOCKFLEX_ATTENTION
 from harness.fipaged import FI_PAGED_ATTENTION
+from vmem.transformers import VMEM_ATTENTION
 
 Spec = dict[str, Any]
 

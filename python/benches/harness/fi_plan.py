@@ -73,10 +73,9 @@ def plan_round(requests: Sequence[Request], page_size: int, trash_page: int, num
         qo.append(qo[-1] + query)
         kv_lens.append(kv)
         pages_of.append(list(pages[:math.ceil(kv / page_size)]))
-    if decode:
-        extra = [(1, 1)] * pad  # one request per padding token, each reading one trash token
-    else:
-        extra = [(0, 1)] * (seqs - len(requests)) + [(pad, max(pad, 1))]
+    # decode: one request per padding token, each reading one trash token; else empty sequences
+    # and one request holding the padding tokens
+    extra = [(1, 1)] * pad if decode else [(0, 1)] * (seqs - len(requests)) + [(pad, max(pad, 1))]
     for q, kv in extra:
         qo.append(qo[-1] + q)
         kv_lens.append(kv)

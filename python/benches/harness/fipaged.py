@@ -82,16 +82,17 @@ class _FlashInfer:
             return w
         kw: dict[str, Any] = {}
         if graph:  # fixed buffers: the batch size is the key's; indices sized for every page of the pool
-            i32 = dict(dtype=torch.int32, device=self.device)
+            i32: dict[str, Any] = {"dtype": torch.int32, "device": self.device}
             # every page of the pool, plus the trash pages of the padding requests
             pages = torch.empty(self.max_pages + rnd.batch + int(rnd.qo_indptr[-1]) // self.page_size + 1, **i32)
             if rnd.decode:
-                kw = dict(use_cuda_graph=True, paged_kv_indptr_buffer=torch.empty(rnd.batch + 1, **i32),
-                          paged_kv_indices_buffer=pages, paged_kv_last_page_len_buffer=torch.empty(rnd.batch, **i32))
+                kw = {"use_cuda_graph": True, "paged_kv_indptr_buffer": torch.empty(rnd.batch + 1, **i32),
+                      "paged_kv_indices_buffer": pages,
+                      "paged_kv_last_page_len_buffer": torch.empty(rnd.batch, **i32)}
             else:
-                kw = dict(use_cuda_graph=True, qo_indptr_buf=torch.empty(rnd.batch + 1, **i32),
-                          paged_kv_indptr_buf=torch.empty(rnd.batch + 1, **i32), paged_kv_indices_buf=pages,
-                          paged_kv_last_page_len_buf=torch.empty(rnd.batch, **i32))
+                kw = {"use_cuda_graph": True, "qo_indptr_buf": torch.empty(rnd.batch + 1, **i32),
+                      "paged_kv_indptr_buf": torch.empty(rnd.batch + 1, **i32), "paged_kv_indices_buf": pages,
+                      "paged_kv_last_page_len_buf": torch.empty(rnd.batch, **i32)}
         if rnd.decode:
             w = self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True, **kw)
         else:
