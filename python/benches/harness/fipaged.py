@@ -24,9 +24,9 @@ gather, with the engine's CUDA graphs: what vLLM and SGLang do, in the same engi
   ones; vmem's installed engine patch (:mod:`vmem.transformers.engine519`) lets registered names
   through unchanged, which is the way a harness registers a contender there.
 
-Without CUDA or FlashInfer (CPU tests) the same plan runs through
-:func:`harness.fi_plan.reference_paged_attention`. 5.24 (the models call ``cache.update`` before
-the attention) is refused: not checked.
+On the CPU (tests) the same plan runs through :func:`harness.fi_plan.reference_paged_attention`;
+on CUDA without FlashInfer the contender is refused (never silently the slow reference). 5.24
+(the models call ``cache.update`` before the attention) is refused: not checked.
 """
 
 from __future__ import annotations
@@ -304,7 +304,11 @@ def fi_paged_cache(request: vt.CacheRequest) -> Any:
     if cls is None:
         cls = _classes[request.engine_cache] = make(request.engine_cache)
     cache = request.build_engine_cache(cls)
-    backend = "flashinfer" if flashinfer_available(request.device) else "reference"
+    on_cuda = torch.device(request.device).type == "cuda"
+    if on_cuda and not flashinfer_available(request.device):
+        raise vt.InvalidArgument(f"{FI_PAGED_ATTENTION} on CUDA needs FlashInfer (flashinfer-python 0.6.13, "
+                                 "docs/serving.md says how to carry it); the pure-torch reference is for CPU tests")
+    backend = "flashinfer" if on_cuda else "reference"
     cache.fi_setup(request.config, request.dtype, request.device, backend)
     _install_hooks()
     return cache
