@@ -157,3 +157,22 @@ def test_contenders_offer_only_what_this_version_serves():
     with pytest.raises(ValueError, match="unknown contender"):
         contenders.spec("no-such-contender")
     assert contenders.serving() == {n: contenders.spec(n) for n in names if n in contenders.serving()}
+
+
+def test_graph_key_names_the_round_kind():
+    """A decode round and a mixed round of the same engine key must not share a captured graph
+    (their FlashInfer kernels differ): the patched key adds the round's kind, for fi-paged only."""
+    import types
+
+    from transformers.generation.continuous_batching import input_outputs as io
+
+    fipaged._install_hooks()
+    ks = {"full_attention": 1024}
+    state = dict(use_block_table=False, num_q_tokens=64, max_kv_read=0, max_seqlen_k=ks, max_length_k=ks)
+    keys = {}
+    for kind in ("decode", "prefill"):
+        cache = types.SimpleNamespace(fi_kind=kind)
+        keys[kind] = io.ContinuousBatchingIOs._get_graph_key(types.SimpleNamespace(cache=cache, **state))
+    engine = io.ContinuousBatchingIOs._get_graph_key(types.SimpleNamespace(cache=object(), **state))
+    assert keys["decode"] != keys["prefill"]
+    assert keys["decode"][:-1] == keys["prefill"][:-1] == engine
