@@ -8,7 +8,8 @@ gather, with the engine's CUDA graphs: what vLLM and SGLang do, in the same engi
   ``page_size`` tokens every ``2 * layers`` pages) with page id = block id x that stride.
 * **Planned once per round, outside any graph.** The cache records each request's
   ``(past, query, blocks)`` as the engine prepares the round; a wrapper of
-  ``ModelRunner.compute_batch`` turns them into FlashInfer's arguments (:mod:`harness.fi_plan`)
+  ``ModelRunner.compute_batch`` turns them into FlashInfer's arguments (:mod:`harness.fi_plan`;
+  the kernels: :mod:`harness.fi_kernels`)
   and plans, on the compute stream, before the forward runs, is captured or is replayed.
   Decode rounds: ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)``; prefill and
   mixed rounds: ``BatchPrefillWithPagedKVCacheWrapper`` (causal).
@@ -36,94 +37,13 @@ from typing import Any
 import torch
 
 import vmem.transformers as vt
-from harness.fi_plan import PagedRound, plan_round, reference_paged_attention
+from harness.fi_kernels import FlashInferKernel, ReferenceKernel, flashinfer_available
+from harness.fi_plan import plan_round
 
 #: The attention name of ``fi-paged`` (no ``flash``/``sdpa``/``flex_attention`` in it).
 FI_PAGED_ATTENTION = "fipaged"
-#: FlashInfer's float workspace (split-KV partials); graph mode sizes them for the round's padded
-#: tokens (335 MB seen for 1,024 tokens, 32 heads of 128 on 5.23's graphs: 128 MB overflowed)
-WORKSPACE_BYTES = 1 << 30
 _classes: dict[Any, Any] = {}
 _hooks: list[Any] = []
-
-
-class _Reference:
-    """The CPU stand-in for FlashInfer: the same plan, run by the pure-torch reference."""
-
-    def __init__(self, heads: tuple[int, int, int], page_size: int, dtype: torch.dtype, device: Any) -> None:
-        self.rnd: PagedRound | None = None
-
-    def plan(self, rnd: PagedRound, graph: bool, scale: float) -> None:
-        self.rnd, self.scale = rnd, scale
-
-    def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
-        assert self.rnd is not None
-        return reference_paged_attention(self.rnd, q, k_pages, v_pages, self.scale)
-
-
-class _FlashInfer:
-    """FlashInfer's paged wrappers: one eager pair, and one wrapper per graph shape in
-    ``use_cuda_graph`` mode (fixed batch size and buffers), all over one workspace."""
-
-    def __init__(self, heads: tuple[int, int, int], page_size: int, dtype: torch.dtype, device: Any) -> None:
-        import flashinfer
-
-        self.fi = flashinfer
-        self.heads, self.page_size, self.dtype, self.device = heads, page_size, dtype, device
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.wrappers: dict[Any, Any] = {}
-        self.max_pages = 0
-        self.current: Any = None
-
-    def _wrapper(self, rnd: PagedRound, graph: bool) -> Any:
-        key = (rnd.decode, rnd.batch if graph else 0, int(rnd.qo_indptr[-1]) if graph else 0)
-        w = self.wrappers.get(key)
-        if w is not None:
-            return w
-        kw: dict[str, Any] = {}
-        if graph:  # fixed buffers: the batch size is the key's; indices sized for every page of the pool
-            i32: dict[str, Any] = {"dtype": torch.int32, "device": self.device}
-            # every page of the pool, plus the trash pages of the padding requests
-            pages = torch.empty(self.max_pages + rnd.batch + int(rnd.qo_indptr[-1]) // self.page_size + 1, **i32)
-            if rnd.decode:
-                kw = {"use_cuda_graph": True, "paged_kv_indptr_buffer": torch.empty(rnd.batch + 1, **i32),
-                      "paged_kv_indices_buffer": pages,
-                      "paged_kv_last_page_len_buffer": torch.empty(rnd.batch, **i32)}
-            else:
-                kw = {"use_cuda_graph": True, "qo_indptr_buf": torch.empty(rnd.batch + 1, **i32),
-                      "paged_kv_indptr_buf": torch.empty(rnd.batch + 1, **i32), "paged_kv_indices_buf": pages,
-                      "paged_kv_last_page_len_buf": torch.empty(rnd.batch, **i32)}
-        if rnd.decode:
-            w = self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True, **kw)
-        else:
-            w = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2", **kw)
-        self.wrappers[key] = w
-        return w
-
-    def plan(self, rnd: PagedRound, graph: bool, scale: float) -> None:
-        hq, hkv, d = self.heads
-        w = self._wrapper(rnd, graph)
-        if rnd.decode:
-            w.plan(rnd.kv_indptr, rnd.kv_indices, rnd.last_page_len, hq, hkv, d, self.page_size,
-                   q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=scale)
-        else:
-            w.plan(rnd.qo_indptr, rnd.kv_indptr, rnd.kv_indices, rnd.last_page_len, hq, hkv, d, self.page_size,
-                   causal=True, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=scale)
-        self.current = w
-
-    def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
-        return self.current.run(q, (k_pages, v_pages))
-
-
-def flashinfer_available(device: Any) -> bool:
-    """Whether FlashInfer's kernels can run on ``device`` (CUDA and the package importable)."""
-    if torch.device(device).type != "cuda":
-        return False
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class FiPagedMixin:
@@ -138,9 +58,9 @@ class FiPagedMixin:
         heads = (config.num_attention_heads, self._kv_heads(), head_dim)
         self.fi_round: list[tuple[int, int, list[int]]] = []
         self.fi_scale = getattr(config, "attention_multiplier", None) or head_dim ** -0.5
-        cls = _FlashInfer if backend == "flashinfer" else _Reference
+        cls = FlashInferKernel if backend == "flashinfer" else ReferenceKernel
         self.fi_backend = cls(heads, self.page_size, dtype, device)
-        self.fi_backend.max_pages = self.total_pages()  # type: ignore[attr-defined]
+        self.fi_backend.max_pages = self.total_pages()
         self.fi_backend_name = backend
 
     def fi_record(self, request_id: str, past_length: int, query_length: int) -> None:
