@@ -176,3 +176,21 @@ def test_graph_key_names_the_round_kind():
     engine = io.ContinuousBatchingIOs._get_graph_key(types.SimpleNamespace(cache=object(), **state))
     assert keys["decode"] != keys["prefill"]
     assert keys["decode"][:-1] == keys["prefill"][:-1] == engine
+
+
+def test_fi_paged_reads_shared_prefix_blocks():
+    """The engine's block sharing stays on under fi-paged: requests adopting another's full prompt
+    blocks read them through their block table (the plan lists the shared blocks) and their
+    logits still match the reference."""
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    system = h.make_prompts(1, [70], model.config.vocab_size, seed=5)[0]
+    tails = h.make_prompts(4, [9, 30, 3, 17], model.config.vocab_size, seed=6)
+    prompts = [system + t for t in tails]
+    with eng.engine_prefix_hits() as hits:
+        run = h.run_engine(model, fipaged.FI_PAGED_ATTENTION, prompts, NEW, stagger=[0, 1, 2, 3],
+                           cb_kwargs=dict(max_batch_tokens=64, num_blocks=64, allow_block_sharing=True,
+                                          **eng.engine_block(32)))
+    assert sum(hits) >= 3 * 64, hits  # two full 32-token blocks of the system prompt, for each later request
+    cmp = h.compare(run, model, NEW)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
+    assert cmp["decisive"] > 0 and cmp["top1_agree"] == cmp["decisive"], cmp
