@@ -1,7 +1,8 @@
 """fi-paged on the GPU: correctness against the engine's own path, then a throughput smoke run
 against the engine's best native configuration, on the installed transformers (5.17 or 5.19+).
 
-    python3 benches/fipaged_check.py --out DIR [--requests 32 --new 64 --rounds 2]
+    python3 benches/fipaged_check.py --out DIR [--requests 32 --new 64 --rounds 2] [--decisive 20]
+    python3 benches/fipaged_check.py --out DIR --device cpu --tiny --decisive 20   # the script's CPU test
 
 Model: Llama-3-8B shapes, 8 layers, bf16, random weights. Correctness: greedy tokens of every
 request under ``fi-paged`` (eager) and ``fi-paged-graphs`` against the engine's own eager path
@@ -11,6 +12,13 @@ logit, and the top-1 agreement of those logits. Throughput: the contenders inter
 process, ``--rounds`` times, the same prompts and KV blocks; tok/s = generated tokens / wall time.
 FlashInfer JIT-compiles each kernel variant on first use: a warm-up run of every contender
 comes first. Writes ``fipaged_<version>.json`` into ``--out``.
+
+``--decisive SCALE`` multiplies the output head by SCALE (decisive logits) and adds, for the eager
+runs, the teacher-forced check of python/benches/serving_check.py (every request's logits against
+a plain ``DynamicCache`` forward over prompt + its own tokens: largest error relative to the
+largest logit, top-1 agreement where the reference's top-2 margin is decisive). ``--device cpu
+--tiny`` (a 2-layer fp32 model, short prompts, no graph contenders, fi-paged through its pure-torch
+reference) runs the script where there is no GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from harness import check as h  # noqa: E402
 from harness import contenders as ct  # noqa: E402
 from harness.engine import run_engine  # noqa: E402
 from harness.models import llama3_8b_config, random_model  # noqa: E402
@@ -42,7 +51,8 @@ def cb_kwargs(name: str, blocks: int, mbt: int) -> dict:
 
 
 def serve(model, name, prompts, new, blocks, mbt, capture=False):
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     run = run_engine(model, ct.spec(name)["attn"], prompts, new, cb_kwargs=cb_kwargs(name, blocks, mbt),
                      capture_logits=capture, record_timestamps=True, timeout=240, name=name, id_prefix="r")
     gen = {rid: list(run["results"][rid].generated_tokens) for rid in run["ids"]}
@@ -66,7 +76,14 @@ def logit_diff(a, b):
     return worst, agree, n
 
 
-def main() -> None:
+def teacher_forced(run, model, new):
+    """serving_check.py's check of one eager run (:func:`harness.check.compare`), in short."""
+    c = h.compare(run, model, new)
+    return {"max_rel_err": c["max_rel_err"], "decisive": c["decisive"], "top1_agree": c["top1_agree"],
+            "counts_ok": c["counts_ok"]}
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--requests", type=int, default=32)
@@ -74,21 +91,37 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--max-batch-tokens", type=int, default=1024)
-    args = ap.parse_args()
+    ap.add_argument("--decisive", type=float, default=0.0, help="output head scale; 0: off (as measured)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="2-layer fp32 model, prompts of 20-200 tokens")
+    args = ap.parse_args(argv)
     import transformers
 
     vt.install()
     version = transformers.__version__
     native = "paged-sdpa-256" if ct.family() == ct.V517 else "sdpa-256"
-    model = random_model(llama3_8b_config(8, vocab=32000), torch.bfloat16, "cuda")
-    lengths = [int(x) for x in torch.randint(100, 900, (args.requests,), generator=torch.Generator().manual_seed(3))]
+    if args.tiny:
+        h.fake_cpu_memory()
+        model = h.make_model("llama-gqa", torch.float32, args.device, logit_scale=args.decisive or 1.0)
+        low, high = 20, 200
+    else:
+        model = random_model(llama3_8b_config(8, vocab=32000), torch.bfloat16, args.device)
+        if args.decisive:
+            with torch.no_grad():
+                model.lm_head.weight.mul_(args.decisive)
+        low, high = 100, 900
+    graphs = torch.device(args.device).type == "cuda"
+    lengths = [int(x) for x in torch.randint(low, high, (args.requests,), generator=torch.Generator().manual_seed(3))]
     prompts = random_prompts(lengths, model.config.vocab_size, 7)
-    out: dict = {"transformers": version, "device": torch.cuda.get_device_name(), "args": vars(args),
+    device = torch.cuda.get_device_name() if graphs else args.device
+    out: dict = {"transformers": version, "device": device, "args": vars(args),
                  "lengths": lengths}
     t = time.perf_counter()
     failed: dict = {}
     out["failed"] = failed
-    for name in (native, "fi-paged", "fi-paged-graphs", native + "-graphs"):  # JIT and graph warm-up
+    contenders = [n for n in (native, "fi-paged", "fi-paged-graphs", native + "-graphs")
+                  if graphs or not ct.spec(n).get("graphs")]
+    for name in contenders:  # JIT and graph warm-up
         try:
             serve(model, name, prompts[:4], 8, args.blocks, args.max_batch_tokens)
         except Exception as e:  # noqa: BLE001 - recorded, the others still run
@@ -101,7 +134,9 @@ def main() -> None:
     checks: dict = {}
     out["correctness_vs"] = native
     out["correctness"] = checks
-    for name in ("fi-paged", "fi-paged-graphs", native + "-graphs"):
+    if args.decisive:
+        checks[native] = {"teacher_forced": teacher_forced(ref, model, args.new)}
+    for name in contenders[1:]:
         if name in failed:
             continue
         try:
@@ -117,12 +152,15 @@ def main() -> None:
              "first_divergence": [f for f in first if f is not None]}
         if not ct.spec(name).get("graphs"):
             c["max_rel_logit_err"], c["top1_agree"], c["compared"] = logit_diff(run, ref)
+            if args.decisive:
+                c["teacher_forced"] = teacher_forced(run, model, args.new)
         checks[name] = c
         print(name, c, flush=True)
         dump(args.out, version, out)
     out["throughput"] = rows = []
 
-    names = [n for n in (native + "-graphs", "fi-paged-graphs", native, "fi-paged") if n not in failed]
+    names = [n for n in (native + "-graphs", "fi-paged-graphs", native, "fi-paged")
+             if n in contenders and n not in failed]
     for r in range(args.rounds):
         for name in names:
             try:
@@ -137,8 +175,9 @@ def main() -> None:
     best = {n: max(x["tok_s"] for x in rows if x["contender"] == n) for n in names
             if any(x["contender"] == n for x in rows)}
     out["best_tok_s"] = best
-    out["ratios_vs_native_graphs"] = {n: v / best.get(names[0], float("nan")) for n, v in best.items()}
-    print(json.dumps({"best": best, "ratios": out["ratios_vs_native_graphs"]}), flush=True)
+    ratios = {n: v / best.get(names[0], float("nan")) for n, v in best.items()}
+    out["ratios_vs_native_graphs" if graphs else "ratios_vs_native"] = ratios
+    print(json.dumps({"best": best, "ratios": ratios}), flush=True)
     dump(args.out, version, out)
 
 

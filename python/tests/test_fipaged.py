@@ -194,3 +194,21 @@ def test_fi_paged_reads_shared_prefix_blocks():
     cmp = h.compare(run, model, NEW)
     assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
     assert cmp["decisive"] > 0 and cmp["top1_agree"] == cmp["decisive"], cmp
+
+
+def test_gpu_check_script_runs_on_the_cpu(tmp_path):
+    """benches/fipaged_check.py (the H100 script) end to end on the CPU: tiny fp32 model, no graph
+    contenders, fi-paged through the reference; its teacher-forced check must hold."""
+    import json
+
+    import fipaged_check
+
+    fipaged_check.main(["--out", str(tmp_path), "--device", "cpu", "--tiny", "--decisive", "20", "--requests", "4",
+                        "--new", "4", "--rounds", "1", "--blocks", "64", "--max-batch-tokens", "64"])
+    out = json.loads((tmp_path / f"fipaged_{transformers.__version__}.json").read_text())
+    assert not out["failed"], out["failed"]
+    fi = out["correctness"]["fi-paged"]
+    assert fi["backend"] == "reference" and fi["identical_requests"] == fi["requests"] == 4
+    tf = fi["teacher_forced"]
+    assert tf["counts_ok"] and tf["max_rel_err"] < TOL and tf["decisive"] > 0 and tf["top1_agree"] == tf["decisive"]
+    assert {r["contender"] for r in out["throughput"]} == {"fi-paged", "paged-sdpa-256" if eng.IS_517 else "sdpa-256"}
