@@ -39,15 +39,18 @@ import sys
 
 import vmem.transformers as vt
 from harness import cli, serving
-from harness.contenders import SERVING as CONTENDERS
-from harness.contenders import defaults
+from harness import contenders as ct
 from harness.table import format_table
 from harness.trace import default_trace, random_prompts
+
+#: the contenders this transformers serves (harness.contenders.serving); by default those of SERVING
+CONTENDERS = ct.serving()
+DEFAULT = [n for n in ct.defaults(CONTENDERS) if n in ct.SERVING]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--contenders", default=",".join(defaults(CONTENDERS)),
+    ap.add_argument("--contenders", default=",".join(DEFAULT),
                     help=f"comma-separated, of {list(CONTENDERS)} (default: all but the -fi ones: FlashInfer)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=256)

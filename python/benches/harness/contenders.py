@@ -1,17 +1,85 @@
 """Every serving contender of the benches, by name, and how each is configured to hold one KV
 budget. The only place a bench names an attention implementation: the engine's own
-``paged|sdpa``, vmem's ``paged|vmem`` and the ``paged|blockflex`` contender."""
+``paged|sdpa`` (5.17) / ``sdpa`` (5.19+), vmem's ``paged|vmem``, the ``paged|blockflex`` contender
+(5.17 only) and ``fipaged`` (FlashInfer over the engine's own pool, :mod:`harness.fipaged`).
+
+Which names a transformers version serves: :data:`CATALOG` lists every contender with the
+version families it runs on; :func:`offered` and :func:`spec` answer for the running version
+(``ValueError`` naming the version for one it does not serve). A spec's keys: ``attn`` (the
+attention name), ``block_size`` (the engine's block / page tokens, engine caches), ``graphs``
+(the engine's CUDA graphs on, async batching off), ``layout``/``kernel`` (vmem), ``sharing``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import vmem.transformers as vt
+from harness.blockflex import BLOCKFLEX_ATTENTION
+from harness.fipaged import FI_PAGED_ATTENTION
 from vmem.transformers import VMEM_ATTENTION
 
-from harness.blockflex import BLOCKFLEX_ATTENTION
-
 Spec = dict[str, Any]
+
+#: The engine's families: 5.17 (per-layer pool, ``paged|`` names) and 5.19-5.23 (cross-layer pool,
+#: ``paged|`` names gone: its own path is plain ``sdpa``).
+V517, V519 = "5.17", "5.19+"
+BOTH = (V517, V519)
+
+#: Every contender: ``(families it runs on, spec)``. On 5.19+ ``paged|sdpa`` no longer exists and
+#: ``paged|blockflex`` subclasses 5.17's cache (refused there); ``sdpa-*`` is 5.19+'s own path.
+CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
+    "paged-sdpa-16": ((V517,), {"attn": "paged|sdpa", "block_size": 16}),
+    "paged-sdpa-256": ((V517,), {"attn": "paged|sdpa", "block_size": 256}),
+    "paged-sdpa-256-graphs": ((V517,), {"attn": "paged|sdpa", "block_size": 256, "graphs": True}),
+    "paged-flex-256": ((V517,), {"attn": BLOCKFLEX_ATTENTION, "block_size": 256}),
+    "sdpa-256": ((V519,), {"attn": "sdpa", "block_size": 256}),
+    "sdpa-256-graphs": ((V519,), {"attn": "sdpa", "block_size": 256, "graphs": True}),
+    "fi-paged": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256}),
+    "fi-paged-graphs": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256, "graphs": True}),
+    "vmem-per-layer": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "fa"}),
+    "vmem-token-major": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa"}),
+    "vmem-per-layer-flex": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flex"}),
+    # FlashInfer is optional (vmem[flashinfer]): run only when named (--contenders), see defaults().
+    "vmem-per-layer-fi": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flashinfer",
+                                 "optional": True}),
+    "vmem-token-major-fi": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "flashinfer",
+                                   "optional": True}),
+}
+
+
+def family(version: str | None = None) -> str:
+    """The engine family of transformers ``version`` (default: the installed one)."""
+    if version is None:
+        import transformers
+
+        version = str(transformers.__version__)
+    return V517 if version.startswith("5.17.") else V519
+
+
+def offered(version: str | None = None) -> list[str]:
+    """The contenders transformers ``version`` (default: the installed one) serves, in order."""
+    fam = family(version)
+    return [name for name, (families, _) in CATALOG.items() if fam in families]
+
+
+def spec(name: str, version: str | None = None) -> Spec:
+    """Contender ``name``'s spec; ``ValueError`` for an unknown name or one this transformers
+    version does not serve (saying which versions do)."""
+    if name not in CATALOG:
+        raise ValueError(f"unknown contender {name!r}; known: {', '.join(CATALOG)}")
+    families, sp = CATALOG[name]
+    if family(version) not in families:
+        import transformers
+
+        raise ValueError(f"contender {name} runs on transformers {' and '.join(families)}, not on transformers "
+                         f"{version or transformers.__version__}; this version serves: {', '.join(offered(version))}")
+    return dict(sp)
+
+
+def serving(version: str | None = None) -> dict[str, Spec]:
+    """serving_bench.py's contenders that transformers ``version`` serves (:data:`SERVING`'s
+    names on 5.17; 5.19+'s own ``sdpa`` in place of ``paged|sdpa``; fi-paged on both)."""
+    return {name: spec(name, version) for name in offered(version) if name in SERVING or name in SERVING_519}
 
 #: serving_bench.py: the engine's cache (gather + SDPA, or read in place by Flex) against vmem
 SERVING: dict[str, Spec] = {
@@ -25,6 +93,11 @@ SERVING: dict[str, Spec] = {
     "vmem-per-layer-fi": {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flashinfer", "optional": True},
     "vmem-token-major-fi": {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "flashinfer", "optional": True},
 }
+
+#: serving_bench.py on 5.19+ (and the fi-paged pair on either): the same comparison, by 5.19+'s names
+SERVING_519 = ("sdpa-256", "sdpa-256-graphs", "fi-paged", "fi-paged-graphs", "paged-sdpa-256-graphs",
+               "vmem-per-layer", "vmem-token-major", "vmem-per-layer-flex", "vmem-per-layer-fi",
+               "vmem-token-major-fi")
 
 #: prefix_serving.py: block sharing on and off, the engine's and vmem's
 PREFIX: dict[str, Spec] = {
@@ -81,13 +154,15 @@ def contender_config(model: Any, spec: Spec, args: Any, budget: dict[str, int],
         opts = {"layout": spec["layout"], "kernel": spec.get("kernel", "fa"), "memory": budget["kv_bytes"],
                     "page_size": args.page_size, "max_requests": rows, "max_context": args.max_context}
         return kw, opts
+    if spec.get("graphs"):  # the engine's CUDA graphs; async off (fi-paged re-plans before each replay)
+        kw.update(use_cuda_graph=True, use_async_batching=False)
     bs = spec["block_size"]
     # The budget is fixed by num_blocks; the engine still checks its footprint against
     # max_memory_percent of the memory free *now*, which the run before may have moved by a
     # few hundred MB (seen on the H100: 39.37 GB asked, 39.28 GB allowed). Let the check
     # pass; the blocks, not the percentage, set what the cache holds.
-    kw.update(block_size=bs, num_blocks=budget["kv_bytes"] // (bs * budget["token_bytes"]),
-              max_memory_percent=0.95)
+    kw.update({"block_size" if family() == V517 else "page_size": bs,
+               "num_blocks": budget["kv_bytes"] // (bs * budget["token_bytes"]), "max_memory_percent": 0.95})
     return kw, {}
 
 

@@ -1,0 +1,102 @@
+"""The kernels behind ``fi-paged`` (:mod:`harness.fipaged`): FlashInfer's paged wrappers, and the
+pure-torch reference that stands in for them on the CPU. Both take a round's plan
+(:class:`harness.fi_plan.PagedRound`) once per round, then run every layer over it.
+
+:class:`FlashInferKernel` keeps one eager wrapper per kind (decode: ``BatchDecodeWithPagedKVCacheWrapper``
+with tensor cores; prefill/mixed: ``BatchPrefillWithPagedKVCacheWrapper``, fa2) and, with CUDA
+graphs, one wrapper per graph shape in ``use_cuda_graph`` mode (fixed batch size and buffers), all
+over one float workspace.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from harness.fi_plan import PagedRound, reference_paged_attention
+
+#: FlashInfer's float workspace (split-KV partials); graph mode sizes them for the round's padded
+#: tokens (335 MB seen for 1,024 tokens, 32 heads of 128 on 5.23's graphs: 128 MB overflowed)
+WORKSPACE_BYTES = 1 << 30
+
+
+class ReferenceKernel:
+    """The CPU stand-in for FlashInfer: the same plan, run by the pure-torch reference."""
+
+    max_pages = 0  # FlashInferKernel's graph-mode index buffers only
+
+    def __init__(self, heads: tuple[int, int, int], page_size: int, dtype: torch.dtype, device: Any) -> None:
+        self.rnd: PagedRound | None = None
+
+    def plan(self, rnd: PagedRound, graph: bool, scale: float) -> None:
+        self.rnd, self.scale = rnd, scale
+
+    def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
+        assert self.rnd is not None
+        return reference_paged_attention(self.rnd, q, k_pages, v_pages, self.scale)
+
+
+class FlashInferKernel:
+    """FlashInfer's paged wrappers: one eager pair, and one wrapper per graph shape in
+    ``use_cuda_graph`` mode (fixed batch size and buffers), all over one workspace."""
+
+    def __init__(self, heads: tuple[int, int, int], page_size: int, dtype: torch.dtype, device: Any) -> None:
+        import flashinfer
+
+        self.fi = flashinfer
+        self.heads, self.page_size, self.dtype, self.device = heads, page_size, dtype, device
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.wrappers: dict[Any, Any] = {}
+        self.max_pages = 0
+        self.current: Any = None
+
+    def _wrapper(self, rnd: PagedRound, graph: bool) -> Any:
+        key = (rnd.decode, rnd.batch if graph else 0, int(rnd.qo_indptr[-1]) if graph else 0)
+        w = self.wrappers.get(key)
+        if w is not None:
+            return w
+        kw: dict[str, Any] = {}
+        if graph:  # fixed buffers: the batch size is the key's; indices sized for every page of the pool
+            i32: dict[str, Any] = {"dtype": torch.int32, "device": self.device}
+            # every page of the pool, plus the trash pages of the padding requests
+            pages = torch.empty(self.max_pages + rnd.batch + int(rnd.qo_indptr[-1]) // self.page_size + 1, **i32)
+            if rnd.decode:
+                kw = {"use_cuda_graph": True, "paged_kv_indptr_buffer": torch.empty(rnd.batch + 1, **i32),
+                      "paged_kv_indices_buffer": pages,
+                      "paged_kv_last_page_len_buffer": torch.empty(rnd.batch, **i32)}
+            else:
+                kw = {"use_cuda_graph": True, "qo_indptr_buf": torch.empty(rnd.batch + 1, **i32),
+                      "paged_kv_indptr_buf": torch.empty(rnd.batch + 1, **i32), "paged_kv_indices_buf": pages,
+                      "paged_kv_last_page_len_buf": torch.empty(rnd.batch, **i32)}
+        if rnd.decode:
+            w = self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True, **kw)
+        else:
+            w = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2", **kw)
+        self.wrappers[key] = w
+        return w
+
+    def plan(self, rnd: PagedRound, graph: bool, scale: float) -> None:
+        hq, hkv, d = self.heads
+        w = self._wrapper(rnd, graph)
+        if rnd.decode:
+            w.plan(rnd.kv_indptr, rnd.kv_indices, rnd.last_page_len, hq, hkv, d, self.page_size,
+                   q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=scale)
+        else:
+            w.plan(rnd.qo_indptr, rnd.kv_indptr, rnd.kv_indices, rnd.last_page_len, hq, hkv, d, self.page_size,
+                   causal=True, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=scale)
+        self.current = w
+
+    def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
+        return self.current.run(q, (k_pages, v_pages))
+
+
+def flashinfer_available(device: Any) -> bool:
+    """Whether FlashInfer's kernels can run on ``device`` (CUDA and the package importable)."""
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,214 @@
+"""The ``fi-paged`` bench contender (python/benches/harness/fipaged.py) on the CPU: the block
+table -> FlashInfer arguments conversion, checked by a pure-torch reference of FlashInfer's paged
+attention over the engine's own pool (5.17's per-layer pool, 5.19+'s cross-layer block-major
+one), end to end against the engine's own sdpa path; and the version-aware contender registry.
+FlashInfer's kernels themselves need a GPU: python/benches/fipaged_check.py runs them there."""
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (CI has no torch)")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+import tf_engine as eng
+
+eng.skip_unless_served()
+
+from harness import check as h
+from harness import contenders, fi_plan, fipaged
+
+import vmem.transformers as vt
+
+TOL = 1e-4
+NEW = 4
+LENGTHS = [5, 140, 270, 17, 33, 64]
+
+
+@pytest.fixture(autouse=True)
+def _installed():
+    h.fake_cpu_memory()
+    vt.install()
+    yield
+    vt.uninstall()
+
+
+def _dense(q, k, v, scale):
+    """Causal attention of one request, bottom-right aligned: q [n, Hq, D], k/v [m, Hkv, D]."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    n, m = q.shape[0], k.shape[0]
+    mask = torch.ones(n, m, dtype=torch.bool).tril(m - n)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale).transpose(0, 1)
+
+
+def test_plan_decode_pads_one_request_per_token():
+    rnd = fi_plan.plan_round([(5, 1, [3]), (16, 1, [1, 7])], page_size=16, trash_page=9, num_q_tokens=4, num_seqs=4)
+    assert rnd.decode and rnd.batch == 4
+    assert rnd.qo_indptr.tolist() == [0, 1, 2, 3, 4]
+    assert rnd.kv_indptr.tolist() == [0, 1, 3, 4, 5]
+    assert rnd.kv_indices.tolist() == [3, 1, 7, 9, 9]
+    assert rnd.last_page_len.tolist() == [6, 1, 1, 1]
+
+
+def test_plan_prefill_pads_sequences_and_tokens():
+    # 2 real requests (20 + 3 tokens), the engine padded to 32 tokens and 4 sequences
+    rnd = fi_plan.plan_round([(0, 20, [4, 2, 8]), (30, 3, [1, 5, 6])], page_size=16, trash_page=0,
+                             num_q_tokens=32, num_seqs=4)
+    assert not rnd.decode and rnd.batch == 5
+    assert rnd.qo_indptr.tolist() == [0, 20, 23, 23, 23, 32]
+    assert rnd.kv_indptr.tolist() == [0, 2, 5, 6, 7, 8]  # 20 tokens need 2 of the 3 pages listed
+    assert rnd.kv_indices.tolist() == [4, 2, 1, 5, 6, 0, 0, 0]
+    assert rnd.last_page_len.tolist() == [4, 1, 1, 1, 9]
+
+
+@pytest.mark.parametrize("bad", [
+    dict(requests=[(0, 20, [1])], num_q_tokens=20),  # pages do not hold the tokens
+    dict(requests=[(0, 20, [1, 2])], num_q_tokens=10),  # more tokens than the round
+    dict(requests=[(0, 4, [1]), (0, 4, [2])], num_q_tokens=8, num_seqs=1),  # fewer sequences than requests
+    dict(requests=[(0, 0, [1])], num_q_tokens=0),  # an empty query
+])
+def test_plan_refuses_what_it_cannot_express(bad):
+    with pytest.raises(fi_plan.PlanError):
+        fi_plan.plan_round(page_size=16, trash_page=0, **bad)
+
+
+def test_reference_matches_dense_attention_over_scattered_pages():
+    """The reference reads pages through the plan exactly as contiguous K/V would be read."""
+    g = torch.Generator().manual_seed(0)
+    page, hq, hkv, d = 8, 4, 2, 16
+    pool_k, pool_v = torch.randn(40, page, hkv, d, generator=g), torch.randn(40, page, hkv, d, generator=g)
+    perm = torch.randperm(39, generator=g).tolist()
+    reqs, cursor = [], 0
+    for past, query in [(0, 13), (21, 1), (7, 9), (40, 1)]:
+        n = -(-(past + query) // page)
+        reqs.append((past, query, perm[cursor:cursor + n]))
+        cursor += n
+    total = sum(q for _, q, _ in reqs)
+    q = torch.randn(total + 5, hq, d, generator=g)
+    rnd = fi_plan.plan_round(reqs, page, 39, total + 5, num_seqs=6)
+    out = fi_plan.reference_paged_attention(rnd, q, pool_k, pool_v, 0.25)
+    start = 0
+    for past, query, pages in reqs:
+        k = pool_k[pages].reshape(-1, hkv, d)[:past + query]
+        v = pool_v[pages].reshape(-1, hkv, d)[:past + query]
+        want = _dense(q[start:start + query], k, v, 0.25)
+        assert torch.allclose(out[start:start + query], want, atol=1e-5)
+        start += query
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-bias"])
+def test_fi_paged_matches_engine_sdpa(arch):
+    """Chunked prefill (48-token budget), requests joining mid-run, blocks of 32 tokens: the
+    engine's own pool, read through the converted block table, gives the engine's sdpa logits."""
+    model = h.make_model(arch, torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
+    cbk = dict(max_batch_tokens=48, num_blocks=128, **eng.engine_block(32))
+    stagger = [0, 0, 2, 2, 4, 4]
+    ours = h.run_engine(model, fipaged.FI_PAGED_ATTENTION, prompts, NEW, cb_kwargs=cbk, stagger=stagger)
+    cache = ours["cache"]
+    assert isinstance(cache, fipaged.FiPagedMixin) and cache.fi_backend_name == "reference"
+    assert cache.page_size == 32
+    cmp = h.compare(ours, model, NEW)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
+    assert cmp["decisive"] > 0 and cmp["top1_agree"] == cmp["decisive"], cmp
+    theirs = h.run_engine(model, eng.ENGINE_SDPA, prompts, NEW, cb_kwargs=cbk, stagger=stagger)
+    for rid in ours["ids"]:
+        assert list(ours["results"][rid].generated_tokens) == list(theirs["results"][rid].generated_tokens)
+    assert h.cross_compare(ours, theirs) < TOL
+
+
+def test_fi_paged_reads_in_place_without_the_engines_gather(monkeypatch):
+    """No read indices are built and the engine's gathering ``update`` never runs."""
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(2, [40, 9], model.config.vocab_size)
+    calls = []
+    from transformers.generation.continuous_batching import cache as cb_cache
+
+    monkeypatch.setattr(cb_cache.PagedAttentionCache, "update", lambda *a, **k: calls.append(1))
+    run = h.run_engine(model, fipaged.FI_PAGED_ATTENTION, prompts, NEW,
+                       cb_kwargs=dict(max_batch_tokens=64, num_blocks=64, **eng.engine_block(32)))
+    assert h.compare(run, model, NEW)["counts_ok"]
+    assert not calls
+
+
+def test_fi_paged_refuses_async_batching():
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(1, [9], model.config.vocab_size)
+    with pytest.raises(RuntimeError, match="async batching"):
+        h.run_engine(model, fipaged.FI_PAGED_ATTENTION, prompts, NEW,
+                     cb_kwargs=dict(max_batch_tokens=64, num_blocks=64, use_async_batching=True,
+                                    **eng.engine_block(32)))
+
+
+def test_contenders_offer_only_what_this_version_serves():
+    names = contenders.offered()
+    assert "fi-paged" in names and "fi-paged-graphs" in names
+    if eng.IS_517:
+        assert {"paged-sdpa-256", "paged-sdpa-256-graphs", "paged-flex-256"} <= set(names)
+        assert "sdpa-256-graphs" not in names
+    else:
+        assert {"sdpa-256", "sdpa-256-graphs"} <= set(names)
+        assert not any(n.startswith("paged-") for n in names)
+    for name in names:
+        assert contenders.spec(name)["attn"]
+    refused = "sdpa-256-graphs" if eng.IS_517 else "paged-flex-256"
+    with pytest.raises(ValueError, match=f"{refused}.*transformers {transformers.__version__}"):
+        contenders.spec(refused)
+    with pytest.raises(ValueError, match="unknown contender"):
+        contenders.spec("no-such-contender")
+    assert contenders.serving() == {n: contenders.spec(n) for n in names if n in contenders.serving()}
+
+
+def test_graph_key_names_the_round_kind():
+    """A decode round and a mixed round of the same engine key must not share a captured graph
+    (their FlashInfer kernels differ): the patched key adds the round's kind, for fi-paged only."""
+    import types
+
+    from transformers.generation.continuous_batching import input_outputs as io
+
+    fipaged._install_hooks()
+    ks = {"full_attention": 1024}
+    state = dict(use_block_table=False, num_q_tokens=64, max_kv_read=0, max_seqlen_k=ks, max_length_k=ks)
+    keys = {}
+    for kind in ("decode", "prefill"):
+        cache = types.SimpleNamespace(fi_kind=kind)
+        keys[kind] = io.ContinuousBatchingIOs._get_graph_key(types.SimpleNamespace(cache=cache, **state))
+    engine = io.ContinuousBatchingIOs._get_graph_key(types.SimpleNamespace(cache=object(), **state))
+    assert keys["decode"] != keys["prefill"]
+    assert keys["decode"][:-1] == keys["prefill"][:-1] == engine
+
+
+def test_fi_paged_reads_shared_prefix_blocks():
+    """The engine's block sharing stays on under fi-paged: requests adopting another's full prompt
+    blocks read them through their block table (the plan lists the shared blocks) and their
+    logits still match the reference."""
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    system = h.make_prompts(1, [70], model.config.vocab_size, seed=5)[0]
+    tails = h.make_prompts(4, [9, 30, 3, 17], model.config.vocab_size, seed=6)
+    prompts = [system + t for t in tails]
+    with eng.engine_prefix_hits() as hits:
+        run = h.run_engine(model, fipaged.FI_PAGED_ATTENTION, prompts, NEW, stagger=[0, 1, 2, 3],
+                           cb_kwargs=dict(max_batch_tokens=64, num_blocks=64, allow_block_sharing=True,
+                                          **eng.engine_block(32)))
+    assert sum(hits) >= 3 * 64, hits  # two full 32-token blocks of the system prompt, for each later request
+    cmp = h.compare(run, model, NEW)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
+    assert cmp["decisive"] > 0 and cmp["top1_agree"] == cmp["decisive"], cmp
+
+
+def test_gpu_check_script_runs_on_the_cpu(tmp_path):
+    """benches/fipaged_check.py (the H100 script) end to end on the CPU: tiny fp32 model, no graph
+    contenders, fi-paged through the reference; its teacher-forced check must hold."""
+    import json
+
+    import fipaged_check
+
+    fipaged_check.main(["--out", str(tmp_path), "--device", "cpu", "--tiny", "--decisive", "20", "--requests", "4",
+                        "--new", "4", "--rounds", "1", "--blocks", "64", "--max-batch-tokens", "64"])
+    out = json.loads((tmp_path / f"fipaged_{transformers.__version__}.json").read_text())
+    assert not out["failed"], out["failed"]
+    fi = out["correctness"]["fi-paged"]
+    assert fi["backend"] == "reference" and fi["identical_requests"] == fi["requests"] == 4
+    tf = fi["teacher_forced"]
+    assert tf["counts_ok"] and tf["max_rel_err"] < TOL and tf["decisive"] > 0 and tf["top1_agree"] == tf["decisive"]
+    assert {r["contender"] for r in out["throughput"]} == {"fi-paged", "paged-sdpa-256" if eng.IS_517 else "sdpa-256"}
