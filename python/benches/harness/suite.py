@@ -30,8 +30,9 @@ ENGINE_BLOCK = 256
 
 
 def registry() -> dict[str, ct.Spec]:
-    """The serving contenders the running transformers version offers, by name."""
-    return ct.SERVING
+    """The serving contenders the running transformers version offers, by name (the catalog's
+    entries for this version: the engine's own, vmem's, fi-paged's)."""
+    return {name: ct.spec(name) for name in ct.offered()}
 
 
 def is_engine_native(name: str, spec: ct.Spec) -> bool:
@@ -133,7 +134,7 @@ def run_one(model: Any, w: Workload, name: str, args: Any, shape: rf.ModelShape,
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """Per workload (trace, model, budget) and round: each row's tok/s over the best engine-native
-    contender's (``vs_engine_best``) and over ``fi-paged``'s (``vs_fi_paged``); ``None`` where
+    contender's (``vs_engine_best``) and over the best ``fi-paged*``'s (``vs_fi_paged``); ``None`` where
     that contender did not run or failed."""
     reg = registry()
     cells: dict[tuple, list[dict[str, Any]]] = {}
@@ -144,7 +145,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         native = [r["tok_s"] for r in ok
                   if r["contender"] in reg and is_engine_native(r["contender"], reg[r["contender"]])]
         best = max(native, default=None)
-        fi = next((r["tok_s"] for r in ok if r["contender"] == FI_PAGED), None)
+        fi = max((r["tok_s"] for r in ok if r["contender"].startswith(FI_PAGED)), default=None)
         for r in cell:
             tok = r.get("tok_s")
             r["vs_engine_best"] = tok / best if tok and best else None
