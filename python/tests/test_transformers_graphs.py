@@ -298,3 +298,18 @@ def test_graphs_and_async_with_flex_and_compile_are_refused_saying_why():
 def test_a_bad_graph_seqlen_k_is_refused(bad):
     with pytest.raises(vmem.InvalidArgument, match="graph_seqlen_k"):
         vt.Options(graph_seqlen_k=bad)
+
+
+def test_the_bench_graph_contenders_pass_the_engines_graph_switch():
+    import types
+
+    from harness import contenders as ct
+
+    args = types.SimpleNamespace(max_requests=8, max_context=1024, page_size="2M")
+    budget = {"kv_bytes": 1 << 30, "token_bytes": 4096}
+    for name in ("vmem-per-layer-graphs", "vmem-token-major-graphs", "paged-sdpa-256-graphs"):
+        kw, opts = ct.contender_config(None, ct.SERVING[name], args, budget)
+        assert kw["use_cuda_graph"] is True, name
+        assert opts.get("kernel", "fa") == "fa"
+    kw, _ = ct.contender_config(None, ct.SERVING["vmem-per-layer"], args, budget)
+    assert "use_cuda_graph" not in kw  # the harness's default (off) stays

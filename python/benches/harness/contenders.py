@@ -21,6 +21,10 @@ SERVING: dict[str, Spec] = {
     "vmem-per-layer": {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "fa"},
     "vmem-token-major": {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa"},
     "vmem-per-layer-flex": {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flex"},
+    # The engine's CUDA graph switch on (use_cuda_graph=True; its padding defaults).
+    "paged-sdpa-256-graphs": {"attn": "paged|sdpa", "block_size": 256, "graphs": True},
+    "vmem-per-layer-graphs": {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "fa", "graphs": True},
+    "vmem-token-major-graphs": {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa", "graphs": True},
 }
 
 #: prefix_serving.py: block sharing on and off, the engine's and vmem's
@@ -58,8 +62,11 @@ def contender_config(model: Any, spec: Spec, args: Any, budget: dict[str, int],
     """What contender ``spec`` needs to hold exactly ``budget["kv_bytes"]`` of KV: the engine's
     config entries (block sharing per the spec's ``sharing``, default on as in the engine; for
     the engine's own cache its block size and block count) and the ``vmem.transformers.serving``
-    options (vmem: layout, kernel, memory, rows — ``max_requests``, default ``args.max_requests``)."""
+    options (vmem: layout, kernel, memory, rows — ``max_requests``, default ``args.max_requests``);
+    a spec with ``graphs`` turns the engine's CUDA graphs on (``use_cuda_graph=True``)."""
     kw: dict[str, Any] = {"allow_block_sharing": spec.get("sharing", True)}
+    if spec.get("graphs"):
+        kw["use_cuda_graph"] = True
     if is_vmem(spec):
         rows = args.max_requests if max_requests is None else max_requests
         if spec.get("kernel", "fa") == "flex":
