@@ -8,7 +8,8 @@ Checks (``kernel="fa"``, bf16 — FlashAttention has no fp32):
   ``graph_seqlen_k="context"``) and graphs + async batching; each run's tokens teacher-forced
   against a plain ``DynamicCache`` forward: top-1 agreement where the reference is decisive, and
   the largest error of the engine's logprob of its token (``return_logprobs``; the forward hook
-  that captures logits does not run on a replay); tokens identical to the graphs-off run;
+  that captures logits does not run on a replay); tokens compared with the graphs-off run
+  (reported; in bf16 they may part at near-ties, the top-1 check is what fails the run);
   ``CUDAGraph.replay`` counted (graphs were replayed, not just captured).
 * throughput: decode-heavy requests on the 8-layer model, each contender ``--repeats`` times,
   interleaved; tok/s and the ratio to graphs-off.
@@ -146,12 +147,12 @@ def main() -> int:
                                                                              big.config.vocab_size))
     out["bench"] = bench(big, args)
     print("JSON", json.dumps(out))
-    bad = []
+    bad = []  # bf16: greedy tokens may part at near-ties (padded shapes pick other GEMM kernels), so the
+    # check is top-1 where the reference is decisive; tests/test_gpu.py::test_cb_graphs asserts identical tokens
     for label in ("small", "llama3-8b-8layers"):
         for name, r in out.get(label, {}).items():
-            if "error" in r or r["rows_left"] != 0 or (name != "off" and r["replays"] == 0):
-                bad.append(f"{label}/{name}")
-            elif label == "small" and (r["top1"][0] != r["top1"][1] or r["same_tokens_as_off"][0] != len(LENGTHS)):
+            if ("error" in r or r["rows_left"] != 0 or (name != "off" and r["replays"] == 0)
+                    or r["top1"][0] != r["top1"][1]):
                 bad.append(f"{label}/{name}")
     print("FAIL " + ", ".join(bad) if bad else "PASS")
     return 1 if bad else 0
