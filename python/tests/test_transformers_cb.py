@@ -205,11 +205,11 @@ def test_allocation_capped_at_max_context():
     assert cache.allocate_blocks(1, "a", 4) is None
 
 
-def test_refuses_graphs_and_unknown_version(monkeypatch):
+def test_refuses_flex_graphs_and_unknown_version(monkeypatch):
     cfg = h.make_config("llama-gqa")
     cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64, use_cuda_graph=True)
-    with pytest.raises(vmem.InvalidArgument, match="CUDA graphs"):
-        vt.cache_class()(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**OPTS))
+    with pytest.raises(vmem.InvalidArgument, match="CUDA graphs with kernel='flex'"):
+        vt.cache_class()(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**dict(OPTS, kernel="flex")))
     vt.uninstall()
     monkeypatch.setattr(vt_patch, "_transformers_version", lambda: "5.18.0")
     with pytest.raises(vmem.VmemError, match="5.18.0"):

@@ -202,6 +202,8 @@ def test_token_allocation_is_exact_all_or_nothing_and_never_raises(caplog):
     with caplog.at_level("WARNING", logger="vmem.transformers.engine519"):
         for _ in range(2):  # the engine retries a request it cannot schedule: said once
             assert not cache.can_store_request_tokens(_State("c", 1000), 25)  # past max_context (1024)
+        # The warmup's probes (dry runs of growing lengths, 5.19+) are refused silently.
+        assert not cache.can_store_request_tokens(_State("e", 1000), 25, dry_run=True)
     assert [r.getMessage() for r in caplog.records if "max_context" in r.getMessage()] == [
         "vmem: request c needs 1025 tokens, more than max_context (1024): it cannot be scheduled; raise max_context"]
     assert not cache.can_store_request_tokens(None, 1)  # never an exception (it would kill the engine's loop)

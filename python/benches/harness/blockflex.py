@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 import vmem.transformers as vt
-from vmem.transformers.cache import refuse_graphs
+from vmem.transformers.graphs import refuse_graphs
 from vmem.transformers.flex import FlexReader
 from vmem.transformers.rounds import Rounds
 

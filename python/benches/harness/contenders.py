@@ -39,6 +39,9 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     "vmem-per-layer": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "fa"}),
     "vmem-token-major": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa"}),
     "vmem-per-layer-flex": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flex"}),
+    "vmem-per-layer-graphs": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "fa", "graphs": True}),
+    "vmem-token-major-graphs": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
+                                       "graphs": True}),
     # FlashInfer is optional (vmem[flashinfer]): run only when named (--contenders), see defaults().
     "vmem-per-layer-fi": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flashinfer",
                                  "optional": True}),
@@ -92,12 +95,16 @@ SERVING: dict[str, Spec] = {
     # FlashInfer is optional (vmem[flashinfer]): run only when named (--contenders), see defaults().
     "vmem-per-layer-fi": {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flashinfer", "optional": True},
     "vmem-token-major-fi": {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "flashinfer", "optional": True},
+    # The engine's CUDA graph switch on (use_cuda_graph=True; its padding defaults).
+    "paged-sdpa-256-graphs": {"attn": "paged|sdpa", "block_size": 256, "graphs": True},
+    "vmem-per-layer-graphs": {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "fa", "graphs": True},
+    "vmem-token-major-graphs": {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa", "graphs": True},
 }
 
 #: serving_bench.py on 5.19+ (and the fi-paged pair on either): the same comparison, by 5.19+'s names
 SERVING_519 = ("sdpa-256", "sdpa-256-graphs", "fi-paged", "fi-paged-graphs", "paged-sdpa-256-graphs",
                "vmem-per-layer", "vmem-token-major", "vmem-per-layer-flex", "vmem-per-layer-fi",
-               "vmem-token-major-fi")
+               "vmem-token-major-fi", "vmem-per-layer-graphs", "vmem-token-major-graphs")
 
 #: prefix_serving.py: block sharing on and off, the engine's and vmem's
 PREFIX: dict[str, Spec] = {
@@ -140,8 +147,11 @@ def contender_config(model: Any, spec: Spec, args: Any, budget: dict[str, int],
     """What contender ``spec`` needs to hold exactly ``budget["kv_bytes"]`` of KV: the engine's
     config entries (block sharing per the spec's ``sharing``, default on as in the engine; for
     the engine's own cache its block size and block count) and the ``vmem.transformers.serving``
-    options (vmem: layout, kernel, memory, rows — ``max_requests``, default ``args.max_requests``)."""
+    options (vmem: layout, kernel, memory, rows — ``max_requests``, default ``args.max_requests``);
+    a spec with ``graphs`` turns the engine's CUDA graphs on (``use_cuda_graph=True``)."""
     kw: dict[str, Any] = {"allow_block_sharing": spec.get("sharing", True)}
+    if spec.get("graphs"):
+        kw["use_cuda_graph"] = True
     if is_vmem(spec):
         rows = args.max_requests if max_requests is None else max_requests
         if spec.get("kernel", "fa") == "flex":

@@ -17,7 +17,10 @@ version-free.
   ``"flashinfer"``, following the engine's ``allow_block_sharing``): ``search_prefix_match`` maps
   the cached pages of a prompt's longest cached prefix into the new row (no copy), and
   ``mark_shareable_blocks_as_complete`` publishes a request's full blocks. No forks, no CPU
-  offload pool, no CUDA graphs, compile of the forward or async batching in this version.
+  offload pool, no compile of the forward.
+* CUDA graphs and async batching (``kernel="fa"``): the round's metadata is written into static
+  device buffers before each forward (:mod:`.graphs`); padded tokens write to the trash row,
+  padded sequences read nothing; pages are mapped when the round opens, never in the forward.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from .._vmem import InvalidArgument, VmemError
 from .fa import FaReader
 from .flashinfer import FlashInferReader, check_strides
 from .flex import FlexReader
+from .graphs import RoundBuffers, check_engine_config
 from .options import Options
 from .rounds import Rounds
 from .rows import RowTable
@@ -40,21 +44,6 @@ from .sizing import VMEM_ATTENTION, Geometry, measured_memory
 
 _log = logging.getLogger(__name__)
 _DEFAULT_OPTIONS = Options()
-
-
-def refuse_graphs(cb: Any, name: str) -> None:
-    """Refuses an engine config with CUDA graphs, a compiled forward or async batching for ``name``
-    (the kernels' indices are rebuilt on the host every round)."""
-    graphs = any(cb.cuda_graph_booleans) if hasattr(cb, "cuda_graph_booleans") else bool(cb.use_cuda_graph)
-    if graphs:
-        raise InvalidArgument(
-            f"{name}: CUDA graphs are not supported in this version (the kernel's indices are rebuilt on the host "
-            "every round); leave use_cuda_graph unset or False"
-        )
-    if cb.varlen_compile_config is not None or cb.decode_compile_config is not None:
-        raise InvalidArgument(f"{name}: compiling the engine's forward is not supported in this version")
-    if cb.use_async_batching:
-        raise InvalidArgument(f"{name}: async batching is not supported in this version")
 
 
 class _GroupStub:
@@ -90,7 +79,7 @@ class VmemCBCache:
     def __init__(self, config: Any, continuous_batching_config: Any, device: Any, *, dtype: torch.dtype,
                  options: Options | None = None, tp_size: int = 1) -> None:
         cb = continuous_batching_config
-        refuse_graphs(cb, VMEM_ATTENTION)
+        check_engine_config(cb, VMEM_ATTENTION, options.kernel if options is not None else _DEFAULT_OPTIONS.kernel)
         layer_types = getattr(config, "layer_types", None)
         if layer_types and any(t != "full_attention" for t in layer_types):
             raise InvalidArgument(f"{VMEM_ATTENTION} supports full-attention models only, not {set(layer_types)}")
@@ -162,6 +151,9 @@ class VmemCBCache:
         cb.max_blocks_per_request = 0
         cb.cpu_offload_space = 0.0
         cb.max_requests_per_batch = min(cb.max_requests_per_batch or self.max_requests, self.max_requests)
+        # What the attention reads per round, in static device buffers sized to the engine's largest
+        # padded batch (written before each forward; a CUDA graph captures their addresses).
+        self.round_buffers = RoundBuffers(cb.max_requests_per_batch, g.max_context, self.trash_row, self.device)
 
     def _reader(self, config: Any) -> Any:
         """The kernel that reads the rows (``options.kernel``)."""

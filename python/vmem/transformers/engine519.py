@@ -154,7 +154,9 @@ class VmemCBCache519(VmemCBCache):
         try:
             tokens = state.current_len() + request_len
             if tokens > self.max_context:
-                if state.request_id not in self._past_context:  # say it once: the engine retries it
+                # Said once per request (the engine retries it); never for a dry run (the engine's
+                # warmup probes how long one request can be with dry runs of growing lengths).
+                if not dry_run and state.request_id not in self._past_context:
                     self._past_context.add(state.request_id)
                     _log.warning("vmem: request %s needs %d tokens, more than max_context (%d): it cannot be "
                                  "scheduled; raise max_context", state.request_id, tokens, self.max_context)

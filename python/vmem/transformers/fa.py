@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .._vmem import VmemError
+from .graphs import capturing
 from .rounds import Round
 
 
@@ -71,20 +72,24 @@ def fa_varlen_indices(entries: list[tuple[int, int, int]], max_context: int) -> 
     return FaVarlenIndex(host, n, max(e[2] for e in entries), max(used), cu_q[-1])
 
 
-def fa_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: FaVarlenIndex,
+def fa_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: Any,
                         scale: float | None = None) -> torch.Tensor:
     """What ``aten._flash_attention_forward`` computes for ``index`` (varlen, causal, with
     ``seqused_k``), in plain tensor ops, from the host indices: per request ``b``, its queries
     ``q[cu_q[b]:cu_q[b+1]]`` attend ``k[cu_k[b] : cu_k[b] + used[b]]``, bottom-right causal;
     GQA by head groups. ``q`` ``[T, Hq, D]``, ``k``/``v`` ``[N, Hkv, D]``; returns ``[T, Hq, D]``.
+    ``index``: a :class:`FaVarlenIndex` or a :class:`~vmem.transformers.graphs.RoundMeta`; a
+    padded sequence (no queries) reads nothing, and a padded token (past ``cu_q[n]``) gets zeros.
     The CPU path of ``kernel="fa"`` (FlashAttention is CUDA-only)."""
     n = index.n
     h = index.host.tolist()
     cu_q, cu_k, used = h[: n + 1], h[n + 1: 2 * n + 2], h[2 * n + 2:]
-    out = q.new_empty(q.shape)
+    out = q.new_zeros(q.shape)
     for b in range(n):
         q0, q1, k0, nk = cu_q[b], cu_q[b + 1], cu_k[b], used[b]
         sq = q1 - q0
+        if sq == 0:
+            continue
         qs = q[q0:q1].transpose(0, 1)  # [Hq, sq, D]
         ks = k[k0:k0 + nk].transpose(0, 1)
         vs = v[k0:k0 + nk].transpose(0, 1)
@@ -96,8 +101,10 @@ def fa_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
 
 
 class FaReader:
-    """The ``kernel="fa"`` reader of a vmem cache: builds the round's :class:`FaVarlenIndex` at
-    the first layer and runs one varlen call per layer (the reference on the CPU)."""
+    """The ``kernel="fa"`` reader of a vmem cache: one varlen call per layer (the reference on the
+    CPU) over the round's :class:`~vmem.transformers.graphs.RoundMeta` (the static buffers the
+    engine hook wrote before the forward: what a CUDA graph captures), or, for a round run
+    outside the hook (never while capturing), a :class:`FaVarlenIndex` built at the first layer."""
 
     def __init__(self, max_context: int) -> None:
         self.max_context = max_context
@@ -105,14 +112,16 @@ class FaReader:
     def __call__(self, layer: int, rnd: Round, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  scaling: float | None, gqa: bool) -> torch.Tensor:
         """Returns ``[1, T, Hq, D]`` for ``query`` ``[1, Hq, T, D]``."""
-        index = rnd.index
+        index = rnd.meta if rnd.meta is not None else rnd.index
         if index is None:  # the first layer of this round's forward: build once, every layer reuses it
+            if capturing():
+                raise VmemError("kernel='fa': a CUDA graph is being captured over a round whose metadata was not "
+                                "written before the forward (the engine's compute_batch is not vmem's)")
             index = fa_varlen_indices([(row, past, q) for row, past, q, _ in rnd.entries], self.max_context)
             rnd.index = index.to(query.device)
         t = query.shape[2]
         if t != index.total_q:
-            raise VmemError(f"the engine passed {t} query tokens for a round of {index.total_q} "
-                            "(padding is not supported)")
+            raise VmemError(f"the engine passed {t} query tokens for a round of {index.total_q}")
         q = query[0].transpose(0, 1)  # [T, Hq, D]
         if query.device.type != "cuda":
             return fa_varlen_reference(q, k_cache, v_cache, index, scaling).unsqueeze(0)

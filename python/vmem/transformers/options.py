@@ -25,6 +25,9 @@ from .._vmem import InvalidArgument
 #: op, the default), ``"flex"`` (FlexAttention with a BlockMask) or ``"flashinfer"`` (FlashInfer's
 #: paged wrappers, each row one page; an optional dependency, checked at install()/serving()).
 KERNELS = ("fa", "flex", "flashinfer")
+#: Where a padded (CUDA-graph) round's ``max_seqlen_k`` comes from: the engine's padded bucket or
+#: the row length (``max_context``).
+SEQLEN_K_SOURCES = ("bucket", "context")
 #: vmem's two memory layouts (``docs/python.md``).
 LAYOUTS = ("per-layer", "token-major")
 #: The page sizes vmem knows (its ``PAGE_SIZES``: the driver patch's three small pages and
@@ -51,7 +54,10 @@ class Options:
     * ``kernel``: ``"fa"`` (default), ``"flex"`` or ``"flashinfer"`` (:data:`KERNELS`);
     * ``compile``: compile the Flex kernel; ``None`` (default): on CUDA;
     * ``prefix_cache``: bytes of cached prefix pages no request maps; ``None`` (default): the
-      whole budget.
+      whole budget;
+    * ``graph_seqlen_k``: the ``max_seqlen_k`` a padded (CUDA-graph) round passes the kernel:
+      ``"bucket"`` (default; the engine's padded bucket, part of its graph key) or
+      ``"context"`` (the row length, the same for every graph).
 
     Made once (``Options(**kw)`` validates and canonicalizes: sizes become ints); frozen.
     Strings are never bools and floats never ints (:mod:`vmem._args`).
@@ -66,6 +72,7 @@ class Options:
     compile: bool | None = None
     kernel: str = "fa"
     prefix_cache: Any = None
+    graph_seqlen_k: str = "bucket"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: the canonical values are set once, here
@@ -83,6 +90,7 @@ class Options:
         set_(self, "compile", check_optional_bool("compile", self.compile))
         set_(self, "kernel", check_choice("kernel", self.kernel, KERNELS))
         set_(self, "prefix_cache", check_optional_size("prefix_cache", self.prefix_cache))
+        set_(self, "graph_seqlen_k", check_choice("graph_seqlen_k", self.graph_seqlen_k, SEQLEN_K_SOURCES))
         if self.kernel == "fa" and self.max_context is not None and (self.max_requests + 1) * self.max_context >= 2**31:
             # FlashAttention's cu_seqlens_k are int32 row starts (sizing.Geometry checks the same
             # once max_context is rounded to whole blocks, or taken from the model).

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import importlib
 import threading
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -40,6 +41,7 @@ import torch
 from .._vmem import InvalidArgument, VmemError
 from .attention import paged_attention
 from .flashinfer import load_flashinfer
+from .graphs import forward_hook
 from .options import Options
 
 #: transformers versions whose continuous-batching internals this package was checked against
@@ -286,6 +288,8 @@ class EnginePatch:
         self._set(manager, "switch_to_cb_friendly_attn", adapter.attention_check(manager.switch_to_cb_friendly_attn,
                                                                                    registered))
         self._set(api.ContinuousMixin, "generate_batch", generate_batch)
+        runner = importlib.import_module("transformers.generation.continuous_batching.model_runner").ModelRunner
+        self._set(runner, "compute_batch", forward_hook(runner.compute_batch))  # a round's metadata, before its forward
 
     def _set(self, owner: Any, name: str, value: Any) -> None:
         self._saved.append((owner, name, owner.__dict__[name]))

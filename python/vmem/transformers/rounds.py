@@ -19,13 +19,16 @@ Entry = tuple[int, int, int, Any]
 
 
 class Round:
-    """One round's ``entries`` and ``index`` (the kernel's indices; ``None`` until built)."""
+    """One round's ``entries``, ``index`` (a kernel's own indices; ``None`` until built) and
+    ``meta`` (the round in the cache's static buffers, :class:`~vmem.transformers.graphs.RoundMeta`,
+    written before the forward by the engine hook; ``None`` outside it)."""
 
-    __slots__ = ("entries", "index")
+    __slots__ = ("entries", "index", "meta")
 
     def __init__(self) -> None:
         self.entries: list[Entry] = []
         self.index: Any = None
+        self.meta: Any = None
 
 
 class Rounds:

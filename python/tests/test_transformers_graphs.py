@@ -1,0 +1,330 @@
+"""vmem under the engine's CUDA-graph path, on the CPU (fp32, host backend): graphs cannot be
+captured here, so the engine's padding path (what graphs and compile turn on) is forced, and
+what a graph would bake in is checked: the static round buffers keep their address, padded
+rounds give the same greedy tokens (and logits) as unpadded ones and as the engine's own paged
+path, padded tokens write only to the trash row, no page is mapped or unmapped inside the
+forward, and what is refused says why. Runs under 5.17 and 5.19-5.24. The capture and replay
+themselves: ``test_gpu.py::test_cb_graphs`` and ``benches/graphs_check.py`` on a GPU."""
+
+import contextlib
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (CI has no torch)")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+import tf_engine as eng
+
+eng.skip_unless_served()
+
+from harness import check as h
+from transformers.generation.continuous_batching import input_outputs as cb_io
+from transformers.generation.continuous_batching import model_runner as cb_runner
+
+import vmem
+import vmem.transformers as vt
+from vmem.transformers import attention as vt_attention
+from vmem.transformers import graphs as vt_graphs
+from vmem.transformers.cache import VmemCBCache
+
+TOL = 1e-4
+NEW = 5
+LENGTHS = [5, 140, 70, 17, 33, 3]
+OPTS = dict(page_size="64K", max_requests=8, max_context=1024, memory="16M")
+# Small padding intervals so rounds are padded with tokens and sequences.
+PAD = dict(max_batch_tokens=64, q_padding_interval_size=16, kv_padding_interval_size=256)
+
+
+@pytest.fixture(autouse=True)
+def _installed():
+    h.fake_cpu_memory()
+    vt.install(**OPTS)
+    yield
+    vt.uninstall()
+
+
+@contextlib.contextmanager
+def forced_padding():
+    """The engine's padding path on the CPU (graphs are off without CUDA): the runner pads every
+    round (``pad_inputs``) and the IOs bucket ``max_seqlen_k`` as for a varlen graph."""
+    runner_init, io_init = cb_runner.ModelRunner.__init__, cb_io.ContinuousBatchingIOs.__init__
+
+    def init_runner(self, *a, **k):
+        runner_init(self, *a, **k)
+        self.pad_inputs = True
+
+    def init_io(self, *a, **k):
+        io_init(self, *a, **k)
+        self.use_cuda_graph_varlen = True
+
+    cb_runner.ModelRunner.__init__, cb_io.ContinuousBatchingIOs.__init__ = init_runner, init_io
+    try:
+        yield
+    finally:
+        cb_runner.ModelRunner.__init__, cb_io.ContinuousBatchingIOs.__init__ = runner_init, io_init
+
+
+@contextlib.contextmanager
+def recorded_rounds():
+    """Every round vmem's engine hook prepared: ``(cache, batch_data, meta)``."""
+    seen = []
+    real = vt_graphs.prepare_round
+
+    def prepare(cache, batch_data, padded, stream):
+        rnd = real(cache, batch_data, padded, stream)
+        data = {"tokens": int(batch_data["input_ids"].shape[-1]),  # copies: the engine reuses its buffers
+                "write_index": batch_data["write_index"][0].clone()}
+        seen.append((cache, data, rnd.meta, padded))
+        return rnd
+
+    vt_graphs.prepare_round = prepare
+    try:
+        yield seen
+    finally:
+        vt_graphs.prepare_round = real
+
+
+def _tokens(run):
+    return [list(run["results"][rid].generated_tokens) for rid in run["ids"]]
+
+
+def _serve(model, attn, prompts, serving=None, **cb):
+    return h.run_engine(model, attn, prompts, NEW, cb_kwargs=dict(PAD, **cb), serving=serving)
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "token-major"])
+def test_padded_rounds_match_unpadded_ones_and_the_engines_own_path(layout):
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
+    plain = _serve(model, vt.VMEM_ATTENTION, prompts, serving=dict(layout=layout))
+    with forced_padding(), recorded_rounds() as rounds:
+        padded = _serve(model, vt.VMEM_ATTENTION, prompts, serving=dict(layout=layout))
+    with forced_padding():
+        engine = h.run_engine(model, eng.ENGINE_SDPA, prompts, NEW, cb_kwargs=dict(PAD))
+    # The padding path was taken: rounds with padded tokens and with padded sequences.
+    assert all(r[3] for r in rounds)
+    assert any(m.total_q > int(m.host[m.real]) for _, _, m, _ in rounds), "no round had padded tokens"
+    assert any(m.n > m.real for _, _, m, _ in rounds), "no round had padded sequences"
+    assert _tokens(padded) == _tokens(plain) == _tokens(engine)
+    # Teacher-forced logits of the padded run against a plain forward.
+    cmp = h.compare(padded, model, NEW)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
+    assert cmp["decisive"] > 0 and cmp["top1_agree"] == cmp["decisive"], cmp
+
+
+def test_round_buffers_keep_their_address_across_rounds():
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
+    with forced_padding(), recorded_rounds() as rounds:
+        _serve(model, vt.VMEM_ATTENTION, prompts)
+    assert len(rounds) > NEW
+    caches = {id(c) for c, _, _, _ in rounds}
+    assert len(caches) == 1
+    cache = rounds[0][0]
+    base = cache.round_buffers.buffer.data_ptr()
+    by_size = {}
+    for _, _, meta, _ in rounds:
+        ptrs = (meta.cu_q.data_ptr(), meta.cu_k.data_ptr(), meta.used.data_ptr())
+        assert ptrs[0] == base  # views of the one buffer, at fixed offsets
+        assert by_size.setdefault(meta.n, ptrs) == ptrs  # the same views for the same padded size
+    assert cache.round_buffers.buffer.data_ptr() == base
+    assert cache.round_buffers.fills == len(rounds)
+
+
+def test_padded_tokens_write_only_to_the_trash_row():
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
+    with forced_padding(), recorded_rounds() as rounds:
+        _serve(model, vt.VMEM_ATTENTION, prompts)
+    cache = rounds[0][0]
+    mc, trash = cache.max_context, cache.trash_row
+    padded_writes = 0
+    for _, data, meta, _ in rounds:
+        t = data["tokens"]
+        real = int(meta.host[meta.real])  # cu_q at the last real request
+        write = data["write_index"][:t].tolist()
+        assert all(w // mc != trash for w in write[:real]), "a real token wrote to the trash row"
+        assert all(w == trash * mc for w in write[real:]), "a padded token wrote outside the trash row"
+        padded_writes += t - real
+        used = meta.host[2 * meta.n + 2:].tolist()
+        assert used[meta.real:] == [0] * (meta.n - meta.real)  # padded sequences read nothing
+        rows = [int(k) // mc for k in meta.host[meta.n + 1: meta.n + 1 + meta.real].tolist()]
+        assert trash not in rows and len(set(rows)) == len(rows)
+    assert padded_writes > 0
+
+
+class _Layer:
+    layer_idx = 0
+
+
+def _direct_cache():
+    cfg = h.make_config("llama-gqa")
+    cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64)
+    return vt.cache_class()(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**OPTS))
+
+
+def test_the_trash_row_absorbs_padded_writes_and_no_real_row_changes():
+    cache = _direct_cache()
+    for rid in ("a", "b"):
+        assert cache.allocate_blocks(1, rid, 0) == 1
+    entries = {"a": (3, 2), "b": (0, 4)}  # (past, q)
+    write = [[]]
+    for rid, (past, q) in entries.items():
+        cache.extend_read_and_write_indices(rid, past, q, None, write)
+    k4, v4 = cache.kv_rows(0)
+    bs, mc, trash = cache.block_size, cache.max_context, cache.trash_row
+    rows = {rid: cache.table.get(rid).index for rid in entries}
+    mapped = [rows["a"], rows["b"], trash]  # one block each (the round's step mapped a and b); the rest is unmapped
+    torch.manual_seed(0)
+    for r in mapped:
+        k4[r, :bs].normal_()
+        v4[r, :bs].normal_()
+    before_k = [k4[r, :bs].clone() for r in mapped]
+    before_v = [v4[r, :bs].clone() for r in mapped]
+    real_t, pad_t, seqs = 6, 16, 4  # 10 padded tokens, 2 padded sequences
+    write_index = torch.tensor(write[0] + [trash * mc] * (pad_t - real_t))
+    cu_q = torch.tensor([0, 2, 6, 6, 6], dtype=torch.int32)
+    batch = {"input_ids": torch.zeros(1, pad_t, dtype=torch.long), "cu_seq_lens_q": cu_q, "max_seqlen_k": 1024}
+    rnd = vt_graphs.prepare_round(cache, batch, True, None)
+    assert rnd.meta.n == seqs and rnd.meta.real == 2 and rnd.meta.max_q == pad_t and rnd.meta.max_k == 1024
+    hq, hkv, d = cache.config.num_attention_heads, cache.num_key_value_heads, cache.head_dim
+    q = torch.randn(1, hq, pad_t, d)
+    key, value = torch.randn(1, hkv, pad_t, d), torch.randn(1, hkv, pad_t, d)
+    out, _ = vt_attention.paged_attention(_Layer(), q, key, value, scaling=d ** -0.5, cache=cache,
+                                          write_index=[write_index])
+    # Real tokens landed at their rows' positions; padded ones at the trash row's first slot only.
+    pos = 0
+    for i, (rid, (past, qn)) in enumerate(entries.items()):
+        expect_k, expect_v = before_k[i].clone(), before_v[i].clone()
+        expect_k[past:past + qn] = key[0, :, pos:pos + qn].transpose(0, 1)
+        expect_v[past:past + qn] = value[0, :, pos:pos + qn].transpose(0, 1)
+        assert torch.equal(k4[rows[rid], :bs], expect_k) and torch.equal(v4[rows[rid], :bs], expect_v)
+        pos += qn
+    changed = (k4[trash, :bs] != before_k[2]).any(-1).any(-1)
+    assert changed[0] and not changed[1:].any()
+    assert torch.equal(v4[trash, 1:bs], before_v[2][1:])
+    # The padded tokens' outputs are zeros (they belong to no sequence); the real ones equal an
+    # unpadded round's.
+    assert torch.equal(out[0, real_t:], torch.zeros_like(out[0, real_t:]))
+    for rid, (past, qn) in entries.items():
+        cache.extend_read_and_write_indices(rid, past, qn, None, [[]])
+    plain = vt_graphs.prepare_round(cache, {"input_ids": torch.zeros(1, real_t, dtype=torch.long),
+                                            "cu_seq_lens_q": cu_q[:3]}, False, None)
+    assert plain.meta.n == 2 and plain.meta.max_q == 4 and plain.meta.max_k == 5
+    out2, _ = vt_attention.paged_attention(_Layer(), q[:, :, :real_t], key[:, :, :real_t], value[:, :, :real_t],
+                                           scaling=d ** -0.5, cache=cache, write_index=[write_index[:real_t]])
+    assert torch.allclose(out2[0], out[0, :real_t], atol=1e-6)
+
+
+def test_a_round_naming_the_trash_row_or_too_many_sequences_is_refused():
+    cache = _direct_cache()
+    buffers = cache.round_buffers
+    real = cache.trash_row + 1  # a row a request could hold
+    with pytest.raises(vmem.VmemError, match="bad round entry"):
+        buffers.fill([(cache.trash_row, 0, 1)], sequences=1, tokens=1, padded=False)
+    with pytest.raises(vmem.VmemError, match="sequences"):
+        buffers.fill([(real, 0, 1)], sequences=buffers.slots + 1, tokens=buffers.slots + 1, padded=True)
+    with pytest.raises(vmem.VmemError, match="query tokens"):
+        buffers.fill([(real, 0, 3)], sequences=1, tokens=2, padded=True)
+    with pytest.raises(vmem.VmemError, match="max_seqlen_k"):
+        buffers.fill([(real, 0, 300)], sequences=1, tokens=300, padded=True, bucket_k=256)
+    meta = buffers.fill([(real, 0, 3)], sequences=2, tokens=8, padded=True, bucket_k=1024, seqlen_k="context")
+    assert meta.max_k == cache.max_context and meta.max_q == 8
+    assert buffers.fills == 1  # refused rounds wrote nothing
+
+
+def test_no_page_is_mapped_or_unmapped_inside_the_forward(monkeypatch):
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
+    inside = []
+    events = {"steps": 0, "frees": 0, "forwards": 0}
+    real_flush, real_free = VmemCBCache.flush, VmemCBCache.free_blocks
+
+    def flush(self):
+        assert not inside, "pages mapped inside the forward"
+        if self.table.dirty:
+            events["steps"] += 1
+        real_flush(self)
+
+    def free_blocks(self, *a, **k):
+        assert not inside, "pages unmapped inside the forward"
+        events["frees"] += 1
+        return real_free(self, *a, **k)
+
+    monkeypatch.setattr(VmemCBCache, "flush", flush)
+    monkeypatch.setattr(vt.cache_class(), "free_blocks", free_blocks)
+
+    def pre(*_):
+        events["forwards"] += 1
+        inside.append(1)
+
+    def post(*_):
+        inside.pop()  # returns None: the output stays the model's
+
+    hooks = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
+    try:
+        with forced_padding():
+            # Requests join mid-run: rounds map pages for newcomers and growth while others decode.
+            run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, NEW, cb_kwargs=dict(PAD),
+                               stagger=[0, 0, 2, 3, 5, 6])
+    finally:
+        for hk in hooks:
+            hk.remove()
+    assert events["forwards"] > NEW and events["steps"] >= 3 and events["frees"] >= len(prompts), events
+    assert all(len(t) == NEW for t in _tokens(run))
+
+
+def _cb(**kw):
+    return transformers.ContinuousBatchingConfig(max_batch_tokens=64, **kw)
+
+
+def test_graphs_and_async_with_flex_and_compile_are_refused_saying_why():
+    cfg = h.make_config("llama-gqa")
+    build = vt.cache_class()
+    flex = vt.Options(**dict(OPTS, kernel="flex"))
+    for cb in (_cb(use_cuda_graph=True), _cb(use_cuda_graph=(True, False)), _cb(use_async_batching=True)):
+        with pytest.raises(vmem.InvalidArgument, match="kernel='flex'.*BlockMask"):
+            build(cfg, cb, "cpu", dtype=torch.float32, options=flex)
+    compile_config = transformers.CompileConfig()
+    for cb in (_cb(varlen_compile_config=compile_config), _cb(decode_compile_config=compile_config)):
+        with pytest.raises(vmem.InvalidArgument, match="compiling the engine's forward.*use_cuda_graph"):
+            build(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**OPTS))
+    # kernel="fa" takes graphs (both forms) and async batching, with its static buffers in place.
+    for cb in (_cb(use_cuda_graph=True), _cb(use_cuda_graph=(True, True)), _cb(use_async_batching=True)):
+        cache = build(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**OPTS))
+        assert cache.round_buffers.slots == cb.max_requests_per_batch == OPTS["max_requests"]
+
+
+def test_graphs_and_async_with_flashinfer_are_refused_saying_why(monkeypatch):
+    # FlashInfer's plan() runs on the host inside the forward: a replay would read the captured
+    # round's plan. A stub module stands in for FlashInfer (the refusal comes before any kernel).
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    cfg = h.make_config("llama-gqa")
+    build = vt.cache_class()
+    fi = vt.Options(**dict(OPTS, kernel="flashinfer"))
+    for cb in (_cb(use_cuda_graph=True), _cb(use_cuda_graph=(True, False)), _cb(use_async_batching=True)):
+        with pytest.raises(vmem.InvalidArgument, match="kernel='flashinfer'.*plan"):
+            build(cfg, cb, "cpu", dtype=torch.float32, options=fi)
+
+
+@pytest.mark.parametrize("bad", ["Bucket", "", 1, None, True])
+def test_a_bad_graph_seqlen_k_is_refused(bad):
+    with pytest.raises(vmem.InvalidArgument, match="graph_seqlen_k"):
+        vt.Options(graph_seqlen_k=bad)
+
+
+def test_the_bench_graph_contenders_pass_the_engines_graph_switch():
+    import types
+
+    from harness import contenders as ct
+
+    args = types.SimpleNamespace(max_requests=8, max_context=1024, page_size="2M")
+    budget = {"kv_bytes": 1 << 30, "token_bytes": 4096}
+    for name in ("vmem-per-layer-graphs", "vmem-token-major-graphs", "paged-sdpa-256-graphs"):
+        kw, opts = ct.contender_config(None, ct.SERVING[name], args, budget)
+        assert kw["use_cuda_graph"] is True, name
+        assert opts.get("kernel", "fa") == "fa"
+    kw, _ = ct.contender_config(None, ct.SERVING["vmem-per-layer"], args, budget)
+    assert "use_cuda_graph" not in kw  # the harness's default (off) stays

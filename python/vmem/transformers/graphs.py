@@ -1,0 +1,224 @@
+"""What vmem's attention reads per round, in static device buffers, so the engine's CUDA graphs can
+capture the forward and replay it on later rounds. Version-free.
+
+vmem's rows never move: a graph captured over a row's K/V stays valid while pages are mapped
+and unmapped under it. What changes between rounds is which rows a round reads and how far, and
+that reaches a graph only as the contents of buffers whose addresses it baked in:
+
+* :class:`RoundBuffers` (one per cache, allocated once, sized to the engine's largest padded
+  batch, ``max_requests_per_batch`` sequences) holds ``cu_seqlens_q``, each sequence's row start
+  (``cu_seqlens_k``) and its length (``seqused_k``), at fixed offsets. :meth:`RoundBuffers.fill`
+  writes them in place (``copy_``) on the engine's compute stream, before the forward: nothing
+  inside the captured region builds a tensor on the host, calls ``.item()`` or maps a page.
+* The engine pads a round to a graph's size with fake sequences and tokens: a padded sequence
+  reads nothing (length 0, its start the trash row's), a padded token belongs to no sequence
+  and writes at the trash row (the engine's ``write_trash_index``, this cache's
+  ``trash_row * max_context``).
+* :class:`RoundMeta` is what a kernel reads (views of the buffers and the round's ints); the ints
+  are fixed by the engine's graph key when the round is padded (``max_q`` = the padded token
+  count, ``max_k`` = the engine's padded ``max_seqlen_k`` bucket, or the row length
+  ``max_context``), so a replay never runs a graph captured for other ones.
+* :func:`forward_hook` wraps the engine's ``ModelRunner.compute_batch``: the round's metadata is
+  written before every forward, graphed or not (one path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._vmem import InvalidArgument, VmemError
+from .rounds import Round
+
+
+class RoundMeta:
+    """One round as a varlen kernel reads it: ``cu_q`` ``[P+1]``, ``cu_k`` ``[P+1]``, ``used``
+    ``[P]`` (int32 views of the cache's static device buffer, ``P`` the round's sequences padding
+    included), ``n`` = ``P``, ``real`` the round's requests, ``max_q``, ``max_k``, ``total_q``
+    (query tokens padding included) and ``host`` (the same ``[cu_q | cu_k | used]`` on the CPU,
+    for the CPU reference and the tests)."""
+
+    __slots__ = ("cu_k", "cu_q", "host", "max_k", "max_q", "n", "real", "total_q", "used")
+
+    def __init__(self, cu_q: torch.Tensor, cu_k: torch.Tensor, used: torch.Tensor, host: torch.Tensor, *,
+                 real: int, max_q: int, max_k: int, total_q: int) -> None:
+        self.cu_q, self.cu_k, self.used, self.host = cu_q, cu_k, used, host
+        self.n = int(used.numel())
+        self.real, self.max_q, self.max_k, self.total_q = real, max_q, max_k, total_q
+
+
+class RoundBuffers:
+    """The static per-round metadata of one cache: one int32 device tensor of ``3 * slots + 2``
+    entries (``cu_q`` at 0, ``cu_k`` at ``slots + 1``, ``used`` at ``2 * slots + 2``), allocated
+    once and only ever written in place, so its address is the one every graph captured."""
+
+    def __init__(self, slots: int, max_context: int, trash_row: int, device: torch.device) -> None:
+        if slots < 1:
+            raise VmemError(f"a round needs at least one sequence slot, got {slots}")
+        self.slots, self.max_context, self.trash_row = int(slots), int(max_context), int(trash_row)
+        self.buffer = torch.zeros(3 * self.slots + 2, dtype=torch.int32, device=device)
+        self.fills = 0
+
+    def fill(self, entries: list[tuple[int, int, int]], *, sequences: int, tokens: int, padded: bool,
+             bucket_k: int | None = None, seqlen_k: str = "bucket", stream: Any = None) -> RoundMeta:
+        """Writes one round into the buffers and returns its :class:`RoundMeta`.
+
+        ``entries``: ``(row, past, q)`` per request, in the engine's query order; ``sequences``
+        and ``tokens``: what the engine passes the forward (``len(cu_seq_lens_q) - 1`` and the
+        input's length, padding included); ``padded``: the engine pads (graphs): ``max_q`` is
+        ``tokens`` and ``max_k`` the engine's ``bucket_k`` (``seqlen_k="bucket"``) or
+        ``max_context``, else both are the round's own maxima. ``stream``: the engine's compute
+        stream (the copy is queued there, after the work queued on the current stream)."""
+        n = len(entries)
+        s, mc = self.slots, self.max_context
+        if n == 0:
+            raise VmemError("an attention round without requests")
+        if sequences < n or sequences > s:
+            raise VmemError(f"a round of {n} requests passed as {sequences} sequences; "
+                            f"the cache's buffers hold 1 to {s}")
+        cu_q, cu_k, used = [0], [], []
+        for row, past, q in entries:
+            if q < 1 or past < 0 or past + q > mc or row == self.trash_row:
+                raise VmemError(f"bad round entry (row {row}, past {past}, q {q}) for max_context {mc}")
+            cu_q.append(cu_q[-1] + q)
+            cu_k.append(row * mc)
+            used.append(past + q)
+        real_tokens = cu_q[-1]
+        if tokens < real_tokens:
+            raise VmemError(f"the engine passed {tokens} query tokens for a round of {real_tokens}")
+        pad = sequences - n  # padded sequences: no queries, the trash row's start, nothing read
+        cu_q += [real_tokens] * pad
+        cu_k += [self.trash_row * mc] * pad + [self.trash_row * mc]  # cu_k[P]: not read with seqused_k
+        used += [0] * pad
+        p = sequences
+        compact = torch.tensor(cu_q + cu_k + used, dtype=torch.int32)  # [cu_q (P+1) | cu_k (P+1) | used (P)]
+        host = torch.zeros(3 * s + 2, dtype=torch.int32)
+        host[: p + 1] = compact[: p + 1]
+        host[s + 1: s + 2 + p] = compact[p + 1: 2 * p + 2]
+        host[2 * s + 2: 2 * s + 2 + p] = compact[2 * p + 2:]
+        if padded:
+            max_q = tokens
+            max_k = mc if seqlen_k == "context" or bucket_k is None else int(bucket_k)
+            if max_k < max(used):
+                raise VmemError(f"the engine's max_seqlen_k {max_k} is shorter than the round's {max(used)}")
+        else:
+            max_q, max_k = max(e[2] for e in entries), max(used)
+        self._copy(host, stream)
+        self.fills += 1
+        b = self.buffer
+        return RoundMeta(b[: p + 1], b[s + 1: s + 2 + p], b[2 * s + 2: 2 * s + 2 + p], compact, real=n,
+                         max_q=max_q, max_k=max_k, total_q=tokens)
+
+    def _copy(self, host: torch.Tensor, stream: Any) -> None:
+        """``buffer.copy_(host)``, on ``stream`` after the current stream's work (the engine's
+        inputs and the zeroing of fresh blocks), from pageable memory (staged at once: ``host``
+        may go as soon as this returns)."""
+        if self.buffer.device.type != "cuda":
+            self.buffer.copy_(host)
+            return
+        if stream is None:
+            self.buffer.copy_(host, non_blocking=True)
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.buffer.device))
+        with torch.cuda.stream(stream):
+            self.buffer.copy_(host, non_blocking=True)
+
+
+def graphs_requested(cb: Any) -> bool:
+    """Whether the engine's config turns CUDA graphs on (5.17-5.24: ``cuda_graph_booleans`` once
+    resolved; before that ``use_cuda_graph``, a bool or a ``(varlen, decode)`` pair)."""
+    if hasattr(cb, "cuda_graph_booleans"):
+        try:
+            return any(cb.cuda_graph_booleans)
+        except (TypeError, AttributeError):
+            pass
+    value = getattr(cb, "use_cuda_graph", None)
+    return any(value) if isinstance(value, tuple | list) else bool(value)
+
+
+def refuse_graphs(cb: Any, name: str) -> None:
+    """Refuses an engine config with CUDA graphs, a compiled forward or async batching for ``name``
+    (a cache whose kernel indices are rebuilt on the host every round, e.g. a bench contender)."""
+    if graphs_requested(cb):
+        raise InvalidArgument(
+            f"{name}: CUDA graphs are not supported (the kernel's indices are rebuilt on the host every round); "
+            "leave use_cuda_graph unset or False"
+        )
+    refuse_compile(cb, name)
+    if cb.use_async_batching:
+        raise InvalidArgument(f"{name}: async batching is not supported")
+
+
+def refuse_compile(cb: Any, name: str) -> None:
+    """Refuses a compiled forward: vmem's attention reads its round from Python state the cache
+    keeps (the requests the engine prepared), which ``torch.compile`` would trace as constants
+    of the first round; CUDA graphs (``use_cuda_graph``) replay the forward without compiling."""
+    if cb.varlen_compile_config is not None or cb.decode_compile_config is not None:
+        raise InvalidArgument(
+            f"{name}: compiling the engine's forward (varlen_compile_config / decode_compile_config) is not "
+            "supported: the attention reads each round from state the cache keeps on the host, which torch.compile "
+            "would bake in as constants of the first round; use use_cuda_graph=True (graphs without compile)"
+        )
+
+
+def check_engine_config(cb: Any, name: str, kernel: str) -> None:
+    """What vmem's cache supports of the engine's graph switches: CUDA graphs and async batching
+    with ``kernel="fa"`` (its metadata is in :class:`RoundBuffers`); with ``kernel="flashinfer"``
+    neither (its plan runs on the host inside the forward); with ``kernel="flex"``
+    neither (its BlockMask is rebuilt on the host from the round's lengths inside the forward, so
+    a replay would reuse the captured round's mask); a compiled forward with neither kernel."""
+    if kernel == "flashinfer" and (graphs_requested(cb) or cb.use_async_batching):
+        what = "CUDA graphs" if graphs_requested(cb) else "async batching"
+        raise InvalidArgument(
+            f"{name}: {what} with kernel='flashinfer' is not supported yet: FlashInfer's plan() runs on the host "
+            "inside the forward (at the first layer), so a replayed graph would read the captured round's plan; "
+            "use kernel='fa' (its round metadata lives in static device buffers) or leave use_cuda_graph unset"
+        )
+    if kernel == "flex" and (graphs_requested(cb) or cb.use_async_batching):
+        what = "CUDA graphs" if graphs_requested(cb) else "async batching"
+        raise InvalidArgument(
+            f"{name}: {what} with kernel='flex' is not supported: Flex's BlockMask is rebuilt on the host from "
+            "each round's lengths inside the forward, so a replayed graph would read the captured round's mask; "
+            "use kernel='fa' (its round metadata lives in static device buffers) or leave use_cuda_graph unset"
+        )
+    refuse_compile(cb, name)
+
+
+def _bucket_k(batch_data: dict[str, Any]) -> int | None:
+    """The engine's ``max_seqlen_k`` (5.17) or ``max_length_k`` (5.19+) for full attention."""
+    value = batch_data.get("max_length_k", batch_data.get("max_seqlen_k"))
+    if isinstance(value, dict):
+        value = value.get("full_attention")
+    return None if value is None else int(value)
+
+
+def prepare_round(cache: Any, batch_data: dict[str, Any], padded: bool, stream: Any) -> Round:
+    """Closes the round the engine prepared and writes its metadata into the cache's buffers
+    (``cache.round_buffers``), before the forward; returns the round with ``meta`` set."""
+    rnd: Round = cache.rounds.close()  # closed first: a refused round never leaks into the next
+    entries = [(row, past, q) for row, past, q, _ in rnd.entries]
+    rnd.meta = cache.round_buffers.fill(
+        entries, sequences=int(batch_data["cu_seq_lens_q"].numel()) - 1, tokens=int(batch_data["input_ids"].shape[-1]),
+        padded=padded, bucket_k=_bucket_k(batch_data), seqlen_k=cache.options.graph_seqlen_k, stream=stream,
+    )
+    return rnd
+
+
+def forward_hook(compute_batch: Callable[..., Any]) -> Callable[..., Any]:
+    """The engine's ``ModelRunner.compute_batch``, writing a vmem cache's round metadata first
+    (for any other cache, the engine's own)."""
+
+    def vmem_compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> Any:
+        cache = self.cache
+        if getattr(cache, "round_buffers", None) is not None:
+            prepare_round(cache, batch_data, bool(self.pad_inputs), self.inputs_and_outputs.compute_stream)
+        return compute_batch(self, model, batch_data)
+
+    return vmem_compute_batch
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
