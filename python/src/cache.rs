@@ -103,7 +103,9 @@ impl KVCache {
                 .transpose()?,
             zero_page,
         };
-        let selected = py.detach(|| open_backend(choice, ordinal)).map_err(py_err)?;
+        let selected = py
+            .detach(|| open_backend(choice, ordinal))
+            .map_err(py_err)?;
         // A tenant of a shared pool: every page is charged to it (refused: OutOfMemory).
         let tenant = pool
             .map(|(name, limit, ledger)| {
@@ -322,6 +324,13 @@ impl KVCache {
         let b = to_u64(bytes, "bytes")?;
         let r = py.detach(|| inner.kv.shrink(b)).map_err(py_err)?;
         Ok((r.prefix_pages, r.idle_pages, r.request_pages))
+    }
+
+    /// Sets the cap on physical memory without creating pages; returns the pages released.
+    fn set_memory_cap(&self, py: Python<'_>, bytes: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let inner = self.get()?;
+        let b = to_u64(bytes, "bytes")?;
+        py.detach(|| inner.kv.set_memory_cap(b)).map_err(py_err)
     }
 
     /// Releases every physical page (rows and addresses kept); returns the pages released.

@@ -191,5 +191,7 @@ pub(crate) fn tenant_dict<'py>(py: Python<'py>, b: &PoolBackend) -> PyResult<Bou
     d.set_item("usage", t.usage())?;
     d.set_item("revision", t.limit_revision())?;
     d.set_item("over_limit", t.over_limit().unwrap_or(0))?;
+    d.set_item("pool_used", t.ledger().used())?;
+    d.set_item("pool_total", t.ledger().total())?;
     Ok(d)
 }

@@ -179,6 +179,9 @@ class KVCache(MemoryControl):
             reclaim_threshold=threshold, pad_rows=pad_rows, zero_page=zero_page,
             prefix_cache=prefix_bytes, pool=None if join is None else join.args(),
         )
+        self._configured_cap = int(self._rs.config()["memory_cap"])
+        if join is not None:
+            self.shrink_to_limit()  # the cap follows the limit from the start
         if gpu_required and self._rs.config()["backend"] not in ("cuda", "uvm"):
             reason = self._rs.config()["backend_reason"]
             self._rs.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Optional
 
-from ._args import check_bool, check_optional_size
+from ._args import check_bool, check_optional_size, check_size
 
 __all__ = ["MemoryControl", "TenantSelf"]
 
@@ -16,7 +16,8 @@ __all__ = ["MemoryControl", "TenantSelf"]
 class TenantSelf:
     """A joined cache's own tenant slot, read with atomic loads (no lock, no system call):
     ``limit``, ``usage`` and ``over_limit`` (bytes above the limit, 0 within it), ``revision``
-    (bumped by every limit change: poll it to learn of one cheaply)."""
+    (bumped by every limit change: poll it to learn of one cheaply), and the pool's
+    ``pool_used`` and ``pool_total`` bytes (every tenant's usage summed, no lock)."""
 
     name: str
     ledger: str
@@ -25,12 +26,18 @@ class TenantSelf:
     usage: int
     revision: int
     over_limit: int
+    pool_used: int
+    pool_total: int
 
 
 class MemoryControl:
     """Shrink, sleep and wake; the pool tenant's own state."""
 
     _rs: Any
+    #: The cap the cache was made with, bytes (``KVCache.__init__`` sets it), and the limit
+    #: revision the cap last followed.
+    _configured_cap: int = 0
+    _followed_revision: int = 0
 
     # -- the pool ----------------------------------------------------------------------------
     def tenant(self) -> Optional[TenantSelf]:
@@ -58,13 +65,31 @@ class MemoryControl:
         out["total"] = sum(out.values())
         return out
 
+    def set_memory_cap(self, size: Any) -> int:
+        """Sets the cap on physical memory to ``size`` bytes (whole pages, at least one)
+        without creating pages; a lower cap releases idle pages down to it (mapped pages stay:
+        :meth:`shrink` gives back more). Returns the pages released."""
+        return self._rs.set_memory_cap(check_size("size", size, min=1))
+
     def shrink_to_limit(self) -> int:
-        """When the cache holds more than its pool limit (an operator lowered it), gives back
-        what it can without touching a live request (:meth:`shrink`) until it is within the
-        limit. Returns the bytes it still holds above the limit: 0, or what the owner must
-        free by ending or preempting requests (then call it again). Cheap when within the
-        limit (one atomic read); 0 when not in a pool."""
-        over = self.over_limit()
+        """Follows the cache's pool limit, which an operator may change at any time: call it
+        between steps (an engine: once a round). When the limit changed, the cache's cap
+        becomes the smaller of the limit and the cap it was made with (a raised limit lets it
+        grow at once; a step short of pages evicts cached prefix blocks before it fails).
+        When the cache holds more than its limit, it gives back what no live request needs
+        (:meth:`shrink`: prefix blocks first, then idle pages, then freed requests' pages).
+        Returns the bytes it still holds above the limit: 0, or what the owner must free by
+        ending or preempting requests (then call it again). Cheap when nothing changed: two
+        atomic reads. 0 when not in a pool."""
+        t = self._rs.tenant()
+        if t is None:
+            return 0
+        if t["revision"] != self._followed_revision:
+            page = int(self._rs.config()["page_size"])
+            cap = min(self._configured_cap or t["limit"], t["limit"])
+            self._rs.set_memory_cap(max(cap, page))
+            self._followed_revision = t["revision"]
+        over = int(t["over_limit"])
         if over == 0:
             return 0
         self.shrink(over)

@@ -90,6 +90,25 @@ impl KvCacheManager {
         Ok(report)
     }
 
+    /// Sets the cap on physical memory to `bytes` (whole pages, at least one) without creating
+    /// pages: they are created on demand up to it, and a step short of pages reclaims (prefix
+    /// blocks, freed requests) before it fails. A lower cap releases idle pages down to it;
+    /// pages mapped stay (call [`KvCacheManager::shrink`] first to give back more). A pool
+    /// tenant sets it to its limit. Returns the pages released.
+    pub fn set_memory_cap(&self, bytes: u64) -> Result<u64> {
+        let pages = bytes / self.geo.page_size;
+        if pages == 0 {
+            return Err(VmemError::InvalidConfig(format!(
+                "a memory cap of {bytes} bytes holds no {}-byte page",
+                self.geo.page_size
+            )));
+        }
+        let mut st = self.shared.lock();
+        let released = st.pool.set_cap_lazy(pages)?;
+        self.kick(st);
+        Ok(released)
+    }
+
     /// Releases every physical page of the cache: the KV contents of every request are gone,
     /// the virtual rows stay reserved, so every view keeps its address (tensors and captured
     /// CUDA graphs stay valid). Until [`KvCacheManager::wake`], a call that maps or hands out
@@ -240,5 +259,34 @@ mod tests {
         );
         // Only what the live request needs is left.
         assert_eq!(after.physical_bytes, after.active_mapped_bytes);
+    }
+
+    #[test]
+    fn a_lazy_cap_creates_nothing_and_a_step_past_it_reclaims_cached_blocks_first() {
+        let kv = manager(Some(64 << 20));
+        let tokens: Vec<u32> = (0..1024).collect();
+        let a = kv.alloc_reqid().unwrap();
+        kv.step(&[1024, 0, 0, 0]).unwrap(); // 4 pages a buffer, 16 in all
+        kv.publish_prefix(a, &tokens).unwrap();
+        kv.free_reqid(a).unwrap();
+        let created = kv.pool_pages().0;
+        assert_eq!(kv.set_memory_cap(16 * KIB64).unwrap(), created - 16);
+        assert_eq!(
+            kv.pool_pages(),
+            (16, 0, 16),
+            "only the cached blocks' pages left"
+        );
+        assert!(kv.set_memory_cap(KIB64 - 1).is_err());
+        let b = kv.alloc_reqid().unwrap();
+        let mut lens = [0; 4];
+        lens[b] = 600;
+        // 12 pages needed, none free or creatable: cached blocks are evicted for them.
+        kv.step(&lens).unwrap();
+        assert!(kv.prefix_stats().evicted_blocks > 0);
+        assert_eq!(kv.pool_pages().0, 16, "nothing created past the cap");
+        // Another 8 pages: 4 are left (the last cached block's), so the step is refused.
+        let c = kv.alloc_reqid().unwrap();
+        lens[c] = 300;
+        assert!(matches!(kv.step(&lens), Err(VmemError::OutOfMemory { .. })));
     }
 }
