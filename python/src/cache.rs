@@ -350,6 +350,15 @@ impl KVCache {
         Ok(self.get()?.kv.is_asleep())
     }
 
+    /// `(limit revision, limit, bytes over the limit)` of the pool tenant, or `None`: three
+    /// atomic loads, for a check every step.
+    fn pool_poll(&self) -> PyResult<Option<(u64, u64, u64)>> {
+        Ok(self.get()?.pool.as_deref().map(|b| {
+            let t = b.tenant();
+            (t.limit_revision(), t.limit(), t.over_limit().unwrap_or(0))
+        }))
+    }
+
     /// The pool tenant's own slot (name, limit, usage, revision, over_limit), or `None`.
     fn tenant<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let inner = self.get()?;

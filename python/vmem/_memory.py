@@ -79,17 +79,17 @@ class MemoryControl:
         When the cache holds more than its limit, it gives back what no live request needs
         (:meth:`shrink`: prefix blocks first, then idle pages, then freed requests' pages).
         Returns the bytes it still holds above the limit: 0, or what the owner must free by
-        ending or preempting requests (then call it again). Cheap when nothing changed: two
-        atomic reads. 0 when not in a pool."""
-        t = self._rs.tenant()
-        if t is None:
+        ending or preempting requests (then call it again). Cheap when nothing changed (three
+        atomic reads); :meth:`step` calls it first. 0 when not in a pool."""
+        poll = self._rs.pool_poll()
+        if poll is None:
             return 0
-        if t["revision"] != self._followed_revision:
+        revision, limit, over = poll
+        if revision != self._followed_revision:
             page = int(self._rs.config()["page_size"])
-            cap = min(self._configured_cap or t["limit"], t["limit"])
+            cap = min(self._configured_cap or limit, limit)
             self._rs.set_memory_cap(max(cap, page))
-            self._followed_revision = t["revision"]
-        over = int(t["over_limit"])
+            self._followed_revision = revision
         if over == 0:
             return 0
         self.shrink(over)
