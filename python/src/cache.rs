@@ -326,6 +326,12 @@ impl KVCache {
         Ok((r.prefix_pages, r.idle_pages, r.request_pages))
     }
 
+    /// Gives every idle page back to the backend; returns the pages released.
+    fn release_idle(&self, py: Python<'_>) -> PyResult<u64> {
+        let inner = self.get()?;
+        py.detach(|| inner.kv.release_free_pages()).map_err(py_err)
+    }
+
     /// Sets the cap on physical memory without creating pages; returns the pages released.
     fn set_memory_cap(&self, py: Python<'_>, bytes: &Bound<'_, PyAny>) -> PyResult<u64> {
         let inner = self.get()?;
