@@ -219,3 +219,17 @@ def test_sleep_and_wake_racing_steps_and_map_ahead_on_other_threads_never_fault(
     kv.sleep(discard=True)
     assert p.status().used == 0
     kv.close()
+
+
+def test_a_cache_that_fails_to_start_leaves_the_pool_and_a_bad_join_changes_nothing(p, path):
+    with pytest.raises(vmem.OutOfMemory):
+        _cache(path, "big", limit="1M", prealloc="2M")  # prealloc past the limit
+    with pytest.raises(vmem.PoolError, match="exceeds the pool's total"):
+        _cache(path, "huge", limit="1T")
+    with pytest.raises(vmem.PoolError, match="no pool ledger"):
+        _cache(path + "-missing", "x")
+    with pytest.raises(vmem.InvalidArgument):
+        _cache(path, "shape", layers=0)  # a bad shape is refused before joining
+    assert p.status().tenants == () and p.status().used == 0
+    kv = _cache(path, "big", limit="1M")  # the name is free again
+    kv.close()
