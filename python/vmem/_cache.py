@@ -19,7 +19,9 @@ from ._args import (
     token_ids,
 )
 from ._device import placement
+from ._memory import MemoryControl
 from ._vmem import BackendUnavailable, InvalidArgument, KVTensor
+from .pool import Join
 
 __all__ = ["KVCache", "models"]
 
@@ -28,7 +30,7 @@ def models() -> Dict[str, Dict[str, int]]:
     return {m["name"]: m for m in _vmem.models()}
 
 
-class KVCache:
+class KVCache(MemoryControl):
     """A KV cache of virtually contiguous per-layer tensors, mapped on demand.
 
     Shape, from a model name or explicitly:
@@ -82,6 +84,14 @@ class KVCache:
     refused with :class:`InvalidArgument`: free it to start it over). Needs a backend that
     maps a page at several addresses (all but ``sim`` with views; docs/prefix-sharing.md).
 
+    Shared pool: ``pool`` (a :class:`vmem.pool.Join`, or a tenant name) joins the pool ledger
+    that ``vmem pool create`` (or :func:`vmem.pool.create`) made, as a tenant whose pages are
+    charged to it: a page over the tenant's limit or the pool's total is refused with
+    :class:`OutOfMemory`, as a full cache's. The cache leaves the pool when it is closed and
+    its last view is dropped (or when the process dies). An operator may lower the limit
+    while it runs: :meth:`shrink_to_limit` gives back what no request needs, and says how much
+    the owner must still free. :meth:`sleep` releases every page, :meth:`wake` maps again.
+
     Unmapping waits for the GPU work queued before it (the CUDA backend synchronizes the
     context first), so no queued kernel reads memory that goes away. A view reaches only the
     memory its request has mapped: read rows ``r`` up to the length given to :meth:`step`
@@ -113,6 +123,7 @@ class KVCache:
         pad_rows: bool = False,
         zero_page: Optional[bool] = None,
         prefix_cache: Optional[Size] = None,
+        pool: Any = None,
     ) -> None:
         if model is not None and not isinstance(model, str):
             raise InvalidArgument(f"model must be a name such as 'llama-3-8b', got {model!r}")
@@ -156,6 +167,7 @@ class KVCache:
         pad_rows = check_bool("pad_rows", pad_rows)
         zero_page = check_optional_bool("zero_page", zero_page)
         prefix_bytes = check_optional_size("prefix_cache", prefix_cache)
+        join = Join.of(pool)
         backend, ordinal, gpu_required = placement(device, backend)
         self._max_batch = max_batch
         self._layers = layers
@@ -165,14 +177,20 @@ class KVCache:
             backend=backend, device=ordinal, memory_cap=cap or 0, prealloc=prealloc_bytes,
             overlap=overlap, deferred_reclaim=deferred_reclaim, eager_tokens=eager,
             reclaim_threshold=threshold, pad_rows=pad_rows, zero_page=zero_page,
-            prefix_cache=prefix_bytes,
+            prefix_cache=prefix_bytes, pool=None if join is None else join.args(),
         )
+        self._configured_cap = int(self._rs.config()["memory_cap"])
+        self._pooled = join is not None
+        if join is not None:
+            self.shrink_to_limit()  # the cap follows the limit from the start
         if gpu_required and self._rs.config()["backend"] not in ("cuda", "uvm"):
             reason = self._rs.config()["backend_reason"]
             self._rs.close()
             raise BackendUnavailable(f"no GPU backend for device {str(device)!r}: {reason}")
 
     # -- requests ---------------------------------------------------------------------------
+    _pooled = False
+
     def alloc(self) -> int:
         """Hands out a request id (0 <= id < max_batch), preferring a pre-mapped one."""
         return self._rs.alloc()
@@ -195,8 +213,12 @@ class KVCache:
         """Maps what every active request needs for its length: a list (or NumPy array, or
         CPU tensor) with one length per id, 0 for inactive ids, or a dict ``{id: length}``.
         Releases the GIL. Raises :class:`OutOfMemory` having mapped nothing when the pool
-        cannot cover it. Returns ``(sync_pages, background_pages, reclaimed_pages)``."""
-        return self._rs.step(_args.lengths(lengths, self._max_batch))
+        cannot cover it. Returns ``(sync_pages, background_pages, reclaimed_pages)``. In a pool,
+        it first follows the tenant's limit (:meth:`shrink_to_limit`)."""
+        lens = _args.lengths(lengths, self._max_batch)
+        if self._pooled:
+            self.shrink_to_limit()  # a limit changed by the operator: the cap follows it
+        return self._rs.step(lens)
 
     def wait_idle(self) -> None:
         """Waits (GIL released) until the background thread finished its work."""

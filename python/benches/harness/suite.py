@@ -198,7 +198,11 @@ def run_suite(args: Any, names: list[str], only: dict[str, list[str]], peaks: rf
                 print(f"== {trace}/{model_name}/{budget}: KV budget {w.kv['kv_bytes'] / 2**20:.0f} MiB "
                       f"({w.bound.budget_tokens} tokens), {len(prompts)} requests", flush=True)
                 if not warmed:
-                    serving.warm_up(model, names, prompts, args, w.kv, registry(), times=args.warmup)
+                    for name in names:  # one contender failing its warm-up must not stop the others
+                        try:
+                            serving.warm_up(model, [name], prompts, args, w.kv, registry(), times=args.warmup)
+                        except Exception as e:  # its timed runs then record the error in their rows
+                            print(f"warm-up {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
                     for name in names if args.check_requests else []:
                         checks.append({"model": model_name, **agreement(model, name, args, w.kv,
                                                                         args.check_requests, args.check_tokens)})

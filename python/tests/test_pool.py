@@ -1,0 +1,235 @@
+"""vmem.pool from Python on the host backend (no torch): the ledger's API, a KVCache joining a
+pool, shrinking to a lowered limit, sleeping and waking."""
+
+import os
+
+import numpy as np
+import pytest
+
+import vmem
+from vmem import pool
+
+PAGE = 64 << 10
+SHAPE = dict(layers=2, kv_heads=2, head_dim=64, dtype="fp16", max_batch=4, max_context=1024, page_size="64K",
+             device="cpu", overlap=False, eager_tokens=0)
+FULL = 16 * PAGE  # one request at 1,024 tokens: 4 pages in each of 4 buffers
+
+
+@pytest.fixture
+def path(tmp_path):
+    return str(tmp_path / "pool")
+
+
+@pytest.fixture
+def p(path):
+    return pool.create(path, size="64M", slots=8)
+
+
+def _cache(path, name, limit=None, **kw):
+    return vmem.KVCache(**dict(SHAPE, **kw), pool=pool.Join(name, limit=limit, ledger=path))
+
+
+# -- the ledger ------------------------------------------------------------------------------------
+def test_create_open_status_and_set_limit_return_typed_values(p, path):
+    assert (p.total, p.slots, p.default_limit, p.path) == (64 << 20, 8, 64 << 20, path)
+    st = p.status()
+    assert isinstance(st, pool.PoolStatus) and st.used == 0 and st.free == 64 << 20 and st.tenants == ()
+    kv = _cache(path, "llama", limit="1M")
+    t = pool.open(path).status().tenant("llama")
+    assert isinstance(t, pool.TenantStatus)
+    assert (t.pid, t.limit, t.usage, t.over_limit, t.revision) == (os.getpid(), 1 << 20, 0, 0, 1)
+    ch = p.set_limit("llama", "50%")
+    assert ch == pool.LimitChange(name="llama", old=1 << 20, new=32 << 20, usage=0, revision=2)
+    assert p.set_limit("llama", 3 << 20).new == 3 << 20
+    kv.close()
+    assert p.status().tenants == ()
+
+
+def test_refusals_are_pool_errors_with_the_clis_messages(p, path):
+    with pytest.raises(vmem.PoolError, match=f"no pool ledger at {path}x: create one with `vmem pool create --ledger {path}x`"):
+        pool.open(path + "x")
+    with pytest.raises(vmem.PoolError, match="already exists"):
+        pool.create(path, size="1G")
+    with pytest.raises(vmem.PoolError, match=r"unknown tenant \"nobody\" \(live tenants: none\)"):
+        p.set_limit("nobody", "1M")
+    for bad in ("0", "0%", "101%", "-1G", "lots", 0, -5, True, 1.5, None):
+        with pytest.raises(vmem.PoolError):
+            p.set_limit("x", bad)
+    for kw in (dict(size="0"), dict(size=-1), dict(size=True), dict(size="1G", slots=0), dict(size="1G", slots=2000),
+               dict(size="1G", slots="4"), dict(size="1G", default_limit="200%"), dict(size="1G", group="no-such-group-xyz"),
+               dict(size="1G", device=-1), dict(reserve="1P", backend="host")):
+        with pytest.raises(vmem.PoolError):
+            pool.create(path + "-new", **kw)
+    assert not os.path.exists(path + "-new")
+    with pytest.raises(vmem.PoolError, match="tenant must be a name"):
+        pool.Join("")
+    with pytest.raises(vmem.PoolError):
+        pool.Join("a", limit=False)
+    assert issubclass(vmem.PoolError, vmem.VmemError)
+
+
+def test_a_second_tenant_of_the_same_name_is_refused_and_the_default_ledger_is_vmem_pool(p, path, monkeypatch):
+    kv = _cache(path, "a")
+    with pytest.raises(vmem.PoolError, match=r"tenant \"a\" is already in the pool"):
+        _cache(path, "a")
+    monkeypatch.setenv("VMEM_POOL", path)
+    assert pool.default_ledger() == path and pool.Join("b").ledger == path
+    kv2 = vmem.KVCache(**SHAPE, pool="b")
+    assert {t.name for t in pool.open().status().tenants} == {"a", "b"}
+    kv.close()
+    kv2.close()
+
+
+# -- a cache in the pool ---------------------------------------------------------------------------
+def test_pages_are_charged_and_a_page_over_the_limit_is_out_of_memory(p, path):
+    kv = _cache(path, "a", limit=2 * FULL)  # 2 requests at full length
+    rs = [kv.alloc() for _ in range(3)]
+    kv.step({rs[0]: 1024, rs[1]: 1024})
+    assert p.status().used == 2 * FULL == kv.tenant().usage
+    with pytest.raises(vmem.OutOfMemory):
+        kv.step({rs[0]: 1024, rs[1]: 1024, rs[2]: 1})
+    assert kv.tenant().usage == 2 * FULL, "a refused step charges nothing"
+    p.set_limit("a", 3 * FULL)  # raised: it grows at once
+    kv.step({rs[0]: 1024, rs[1]: 1024, rs[2]: 1024})
+    kv.close()
+    assert p.status().used == 0
+
+
+def test_shrink_to_limit_gives_back_prefix_blocks_then_idle_pages_and_says_what_is_left(p, path):
+    kv = _cache(path, "a", prefix_cache="4M")
+    tokens = list(range(1024))
+    a = kv.alloc()
+    kv.step({a: 1024})
+    kv.publish_prefix(a, tokens)
+    kv.free(a)  # its blocks stay cached (4 buffers x 4 pages)
+    b = kv.alloc()
+    kv.step({b: 512})  # 2 pages a buffer, from the pool (idle pages or new ones)
+    held = kv.tenant().usage
+    assert kv.prefix_stats()["unmapped_bytes"] > 0
+    assert kv.shrink_to_limit() == 0, "within its limit: nothing to do"
+    assert kv.tenant().usage == held
+    p.set_limit("a", held - PAGE)  # one page less
+    assert kv.over_limit() == PAGE
+    assert kv.shrink_to_limit() == 0
+    u = kv.tenant()
+    assert u.usage <= u.limit and kv.prefix_stats()["evicted_blocks"] > 0
+    assert kv.request_pages(b) == [2] * 4, "the live request keeps its pages"
+    p.set_limit("a", 4 * PAGE)  # below what b needs (8 pages): the owner must free it
+    assert kv.shrink_to_limit() == 4 * PAGE
+    assert kv.request_pages(b) == [2] * 4
+    kv.free(b)
+    assert kv.shrink_to_limit() == 0 and kv.tenant().usage <= 4 * PAGE
+    kv.close()
+
+
+def test_shrink_without_a_pool_releases_what_no_request_needs():
+    kv = vmem.KVCache(**SHAPE)
+    r = kv.alloc()
+    kv.step({r: 1024})
+    kv.free(r)  # deferred: its pages stay mapped
+    assert kv.over_limit() == 0 and kv.tenant() is None and kv.shrink_to_limit() == 0
+    got = kv.shrink()
+    assert got == {"prefix": 0, "idle": 0, "requests": 16 * PAGE, "total": 16 * PAGE}
+    assert kv.usage()["physical_bytes"] == 0
+    for bad in (-1, True, "x", 1.5):
+        with pytest.raises(vmem.InvalidArgument):
+            kv.shrink(bad)
+    kv.close()
+
+
+# -- sleep and wake --------------------------------------------------------------------------------
+def test_sleep_releases_every_page_to_the_pool_keeps_addresses_and_wake_serves_the_same(p, path):
+    kv = _cache(path, "a", prefix_cache="1M")
+    k0, _ = kv.layer(0)
+    addr = k0.data_ptr
+    r = kv.alloc()
+    kv.step({r: 300})
+    K = np.from_dlpack(k0)
+    K[r, :300] = 1.5
+    first = float(K[r, :300].sum())
+    with pytest.raises(vmem.InvalidArgument, match="1 request"):
+        kv.sleep()
+    assert kv.tenant().usage > 0 and not kv.asleep
+    with pytest.raises(vmem.InvalidArgument):
+        kv.sleep(discard="yes")
+    released = kv.sleep(discard=True)
+    assert released > 0 and kv.asleep
+    assert kv.usage()["physical_bytes"] == 0 and kv.usage()["mapped_bytes"] == 0
+    assert kv.tenant().usage == 0 and p.status().used == 0
+    assert float(K[r, :300].sum()) == 0.0  # the zero page: zeros, never a fault
+    for call in (lambda: kv.step({r: 10}), kv.alloc, lambda: kv.reserve_physical("1M"),
+                 lambda: kv.adopt_prefix(r, [1, 2])):
+        with pytest.raises(vmem.Asleep, match="call wake"):
+            call()
+    assert kv.sleep() == 0  # asleep already
+    kv.wake()
+    assert not kv.asleep and kv.layer(0)[0].data_ptr == addr
+    kv.step({r: 300})  # the discarded request, at length 0, maps again
+    K[r, :300] = 1.5
+    assert float(K[r, :300].sum()) == first
+    kv.free(r)
+    kv.close()
+
+
+def test_sleep_and_wake_racing_steps_and_map_ahead_on_other_threads_never_fault(p, path):
+    """A thread steps and maps ahead (background mapping on) while another sleeps and wakes the
+    cache: every call either works or is refused with Asleep (or OutOfMemory), nothing faults,
+    and at the end the ledger charges exactly the pages the cache holds."""
+    import threading
+
+    kv = _cache(path, "racer", overlap=True, eager_tokens=256, zero_page=True)
+    errors, stop, calls = [], threading.Event(), {"ok": 0, "asleep": 0}
+
+    def worker():
+        rng = np.random.default_rng(0)
+        while not stop.is_set():
+            r = None
+            try:
+                r = kv.alloc()
+                kv.map_ahead(r, int(rng.integers(1, 1024)))
+                kv.step({r: int(rng.integers(1, 1024))})
+                calls["ok"] += 1
+            except (vmem.Asleep, vmem.OutOfMemory):
+                calls["asleep"] += 1
+            except vmem.VmemError as e:
+                errors.append(e)
+            if r is not None:
+                kv.free(r)  # works asleep too (a discarded request keeps its id)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    try:
+        import time
+
+        deadline = time.monotonic() + 20
+        n = 0
+        while (n < 200 or calls["ok"] < 20 or calls["asleep"] < 20) and time.monotonic() < deadline:
+            kv.sleep(discard=True)
+            assert kv.usage()["physical_bytes"] == 0
+            time.sleep(0.0002)  # the worker runs into the sleeping cache
+            kv.wake()
+            time.sleep(0.0005)
+            n += 1
+    finally:
+        stop.set()
+        t.join()
+    assert errors == [] and calls["ok"] > 0 and calls["asleep"] > 0, (errors, calls)
+    kv.wait_idle()
+    assert kv.tenant().usage == kv.usage()["physical_bytes"]
+    kv.sleep(discard=True)
+    assert p.status().used == 0
+    kv.close()
+
+
+def test_a_cache_that_fails_to_start_leaves_the_pool_and_a_bad_join_changes_nothing(p, path):
+    with pytest.raises(vmem.OutOfMemory):
+        _cache(path, "big", limit="1M", prealloc="2M")  # prealloc past the limit
+    with pytest.raises(vmem.PoolError, match="exceeds the pool's total"):
+        _cache(path, "huge", limit="1T")
+    with pytest.raises(vmem.PoolError, match="no pool ledger"):
+        _cache(path + "-missing", "x")
+    with pytest.raises(vmem.InvalidArgument):
+        _cache(path, "shape", layers=0)  # a bad shape is refused before joining
+    assert p.status().tenants == () and p.status().used == 0
+    kv = _cache(path, "big", limit="1M")  # the name is free again
+    kv.close()
