@@ -48,7 +48,9 @@ def kv_budget(model: Any, args: Any) -> dict[str, int]:
 
 def cache_info(cache: Any) -> dict[str, Any]:
     """Memory, preemptions and prefix hits (tokens served from cache) of a finished run's cache."""
-    common = {"block_size": cache.block_size, "num_blocks": cache.num_blocks,
+    # 5.19+'s cache names its block a sector (``tokens_per_sector``) and has no ``block_size``
+    block = getattr(cache, "block_size", None) or getattr(cache, "tokens_per_sector", None)
+    common = {"block_size": block, "num_blocks": cache.num_blocks,
               "prefix_hit_tokens": getattr(cache, "_total_prefix_length", 0),
               "sharing": bool(getattr(cache, "use_prefix_sharing", False))}
     if ct.is_vmem_cache(cache):
@@ -60,7 +62,11 @@ def cache_info(cache: Any) -> dict[str, Any]:
 
 
 def cache_bytes(cache: Any) -> int:
-    """Bytes of the engine's own KV cache tensors (all layers, K and V)."""
+    """Bytes of the engine's own KV cache tensors (all layers, K and V): 5.17's per-layer
+    ``key_cache``/``value_cache`` lists, 5.19+'s one cross-layer ``cache_tensor``."""
+    pool = getattr(cache, "cache_tensor", None)
+    if pool is not None:
+        return int(pool.numel() * pool.element_size())
     return sum(t.numel() * t.element_size() for t in list(cache.key_cache) + list(cache.value_cache))
 
 
