@@ -43,7 +43,6 @@ from harness.fi_plan import plan_round
 #: The attention name of ``fi-paged`` (no ``flash``/``sdpa``/``flex_attention`` in it).
 FI_PAGED_ATTENTION = "fipaged"
 _classes: dict[Any, Any] = {}
-_hooks: list[Any] = []
 
 
 class FiPagedMixin:
@@ -171,12 +170,14 @@ def fi_paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, valu
 
 
 def _install_hooks() -> None:
-    """Plan before every forward (eager, capture or replay), and the round's kind in the graph key."""
-    if _hooks:
-        return
+    """Plan before every forward (eager, capture or replay), and the round's kind in the graph key.
+    Checked on every cache made, not once: ``vmem.transformers``'s patch wraps the same method and
+    its ``restore()`` puts back what it found, which can drop a wrapper installed after it."""
     from transformers.generation.continuous_batching import input_outputs as io
     from transformers.generation.continuous_batching import model_runner as mr
 
+    if getattr(mr.ModelRunner.compute_batch, "__fi_paged__", False):
+        return
     compute, key_of = mr.ModelRunner.compute_batch, io.ContinuousBatchingIOs._get_graph_key
 
     def compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> None:
@@ -196,10 +197,11 @@ def _install_hooks() -> None:
         kind = getattr(self.cache, "fi_kind", None)
         return key if kind is None else (*key, kind)
 
+    compute_batch.__fi_paged__ = True  # type: ignore[attr-defined]
     mr.ModelRunner.compute_batch = compute_batch
-    io.ContinuousBatchingIOs._get_graph_key = get_graph_key
-    _hooks.append((mr.ModelRunner, "compute_batch", compute))
-    _hooks.append((io.ContinuousBatchingIOs, "_get_graph_key", key_of))
+    if not getattr(key_of, "__fi_paged__", False):
+        get_graph_key.__fi_paged__ = True  # type: ignore[attr-defined]
+        io.ContinuousBatchingIOs._get_graph_key = get_graph_key
 
 
 def fi_paged_cache(request: vt.CacheRequest) -> Any:
