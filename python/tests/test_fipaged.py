@@ -212,3 +212,13 @@ def test_gpu_check_script_runs_on_the_cpu(tmp_path):
     tf = fi["teacher_forced"]
     assert tf["counts_ok"] and tf["max_rel_err"] < TOL and tf["decisive"] > 0 and tf["top1_agree"] == tf["decisive"]
     assert {r["contender"] for r in out["throughput"]} == {"fi-paged", "paged-sdpa-256" if eng.IS_517 else "sdpa-256"}
+
+
+def test_flashinfer_workspace_holds_the_padded_rounds_partials():
+    """Graph mode's prefill partials for 8,192 tokens of 32 x 128 heads took 2,684,354,560 bytes on
+    the H100 and overflowed a fixed 1 GiB workspace; the size now follows the engine's round."""
+    from harness.fi_kernels import WORKSPACE_BYTES, workspace_bytes
+
+    assert workspace_bytes(8192, 32, 128) >= 2_684_354_560 + 20 * 8192 * 32 * 4
+    assert workspace_bytes(1, 32, 128) == WORKSPACE_BYTES
+    assert workspace_bytes(16384, 32, 128) > workspace_bytes(8192, 32, 128)

@@ -16,9 +16,18 @@ import torch
 
 from harness.fi_plan import PagedRound, reference_paged_attention
 
-#: FlashInfer's float workspace (split-KV partials); graph mode sizes them for the round's padded
-#: tokens (335 MB seen for 1,024 tokens, 32 heads of 128 on 5.23's graphs: 128 MB overflowed)
+#: The least float workspace (split-KV partials) FlashInfer's wrappers get.
 WORKSPACE_BYTES = 1 << 30
+
+
+def workspace_bytes(max_tokens: int, q_heads: int, head_dim: int) -> int:
+    """FlashInfer's float workspace for rounds of up to ``max_tokens`` query tokens: graph mode
+    sizes the prefill's split-KV partials for the padded round, ``tokens x heads x head_dim`` fp32
+    values 20 times over (seen on the H100: 2,684,354,560 bytes of ``batch_prefill_tmp_v`` for
+    8,192 tokens of 32 heads of 128, which overflowed 1 GiB; 335 MB for 1,024 tokens), plus
+    their log-sum-exps and 256 MiB for the rest; never less than :data:`WORKSPACE_BYTES`."""
+    partials = 20 * max_tokens * q_heads * (head_dim + 1) * 4
+    return max(WORKSPACE_BYTES, partials + (256 << 20))
 
 
 class ReferenceKernel:
@@ -26,7 +35,8 @@ class ReferenceKernel:
 
     max_pages = 0  # FlashInferKernel's graph-mode index buffers only
 
-    def __init__(self, heads: tuple[int, int, int], page_size: int, dtype: torch.dtype, device: Any) -> None:
+    def __init__(self, heads: tuple[int, int, int], page_size: int, dtype: torch.dtype, device: Any,
+                 max_tokens: int = 0) -> None:
         self.rnd: PagedRound | None = None
 
     def plan(self, rnd: PagedRound, graph: bool, scale: float) -> None:
@@ -41,12 +51,14 @@ class FlashInferKernel:
     """FlashInfer's paged wrappers: one eager pair, and one wrapper per graph shape in
     ``use_cuda_graph`` mode (fixed batch size and buffers), all over one workspace."""
 
-    def __init__(self, heads: tuple[int, int, int], page_size: int, dtype: torch.dtype, device: Any) -> None:
+    def __init__(self, heads: tuple[int, int, int], page_size: int, dtype: torch.dtype, device: Any,
+                 max_tokens: int = 0) -> None:
         import flashinfer
 
         self.fi = flashinfer
         self.heads, self.page_size, self.dtype, self.device = heads, page_size, dtype, device
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        size = workspace_bytes(max_tokens, heads[0], heads[2])
+        self.workspace = torch.zeros(size, dtype=torch.uint8, device=device)
         self.wrappers: dict[Any, Any] = {}
         self.max_pages = 0
         self.current: Any = None

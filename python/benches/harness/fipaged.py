@@ -58,7 +58,8 @@ class FiPagedMixin:
         self.fi_round: list[tuple[int, int, list[int]]] = []
         self.fi_scale = getattr(config, "attention_multiplier", None) or head_dim ** -0.5
         cls = FlashInferKernel if backend == "flashinfer" else ReferenceKernel
-        self.fi_backend = cls(heads, self.page_size, dtype, device)
+        max_tokens = int(getattr(self, "max_batch_tokens", 0) or 0)  # the engine's round size (graph padding)
+        self.fi_backend = cls(heads, self.page_size, dtype, device, max_tokens)
         self.fi_backend.max_pages = self.total_pages()
         self.fi_backend_name = backend
 
