@@ -1,0 +1,122 @@
+"""What the multi-tenant bench writes: the table of every (scenario, mode, tenant), the
+static-vs-pool ratios, and the memory-over-time SVG (no plotting library)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from harness.stats import percentile
+from harness.table import format_table
+
+#: the per-tenant table's columns, in order
+COLUMNS = ["scenario", "mode", "tenant", "requests", "completed", "ttft_p50_ms", "ttft_p99_ms", "tok_s",
+           "preemptions", "peak_held_mib", "peak_mapped_mib", "idle_pages"]
+#: the comparison's columns
+RATIO_COLUMNS = ["scenario", "tenant", "ttft_p99_static_ms", "ttft_p99_pool_ms", "ttft_p99 static/pool",
+                 "tok_s_static", "tok_s_pool", "tok_s pool/static"]
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
+
+
+def tenant_row(res: dict[str, Any], samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One table row of tenant result ``res``; its peak held bytes from ``samples``."""
+    i = res["index"]
+    held = [s["held"][i] for s in samples]
+    return {"scenario": res["scenario"], "mode": res["mode"], "tenant": res["tenant"], "requests": res["requests"],
+            "completed": res["completed"], "ttft_p50_ms": res["ttft_p50_ms"], "ttft_p99_ms": res["ttft_p99_ms"],
+            "tok_s": res["tok_s"], "preemptions": res["preemptions"],
+            "peak_held_mib": max(held, default=0.0) / 2**20, "peak_mapped_mib": res["peak_mapped_bytes"] / 2**20,
+            "idle_pages": res["idle_held_bytes"] // res["page_bytes"]}
+
+
+def all_row(scenario: str, mode: str, results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The ``all`` row of one run: TTFTs of every tenant pooled, throughputs summed."""
+    ttft = [t for r in results for t in r["ttft_s"]]
+    return {"scenario": scenario, "mode": mode, "tenant": "all", "requests": sum(r["requests"] for r in results),
+            "completed": sum(r["completed"] for r in results),
+            "ttft_p50_ms": percentile(ttft, 50) * 1e3 if ttft else None,
+            "ttft_p99_ms": percentile(ttft, 99) * 1e3 if ttft else None,
+            "tok_s": sum(r["tok_s"] for r in results), "preemptions": sum(r["preemptions"] for r in results)}
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    """``a / b`` as ``"1.23x"``, ``"n/a"`` when either is missing or ``b`` is 0."""
+    return f"{a / b:.2f}x" if a is not None and b else "n/a"
+
+
+def ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per scenario and tenant (``all`` included) with both modes: TTFT p99 static/pool (above 1:
+    the pool is faster) and throughput pool/static."""
+    by = {(r["scenario"], r["mode"], r["tenant"]): r for r in rows}
+    out = []
+    for (scenario, mode, tenant), s in by.items():
+        p = by.get((scenario, "pool", tenant))
+        if mode != "static" or p is None:
+            continue
+        out.append({"scenario": scenario, "tenant": tenant, "ttft_p99_static_ms": s["ttft_p99_ms"],
+                    "ttft_p99_pool_ms": p["ttft_p99_ms"], "ttft_p99 static/pool": ratio(s["ttft_p99_ms"],
+                                                                                        p["ttft_p99_ms"]),
+                    "tok_s_static": s["tok_s"], "tok_s_pool": p["tok_s"],
+                    "tok_s pool/static": ratio(p["tok_s"], s["tok_s"])})
+    return out
+
+
+def text_report(rows: Sequence[dict[str, Any]], kill: dict[str, Any] | None, header: str) -> str:
+    """The text file: ``header``, the per-tenant table, the ratios, the kill check."""
+    parts = [header, format_table(rows, COLUMNS), "",
+             format_table(ratios(rows), RATIO_COLUMNS, title="static partitions vs the pool (same total)")]
+    if kill:
+        parts += ["", f"kill check: SIGKILL {kill['victim']} at {kill['at_s']:.1f} s holding "
+                      f"{kill['held_bytes'] / 2**20:.1f} MiB; ledger back in {fmt_s(kill['ledger_back_s'])}, "
+                      f"GPU memory back in {fmt_s(kill['gpu_back_s'])} (target {kill['target_s']} s); "
+                      f"others completed {kill['others_completed']} of {kill['others_requests']} requests, "
+                      f"errors: {kill['others_errors'] or 'none'}"]
+    return "\n".join(parts)
+
+
+def fmt_s(v: float | None) -> str:
+    """Seconds as ``12.3 ms``, or ``not seen`` for ``None``."""
+    return "not seen" if v is None else f"{v * 1e3:.1f} ms"
+
+
+def svg(runs: Sequence[dict[str, Any]], names: Sequence[str], total: int, title: str) -> str:
+    """Memory over time: one panel per run (scenario x mode), each tenant's KV held as a line,
+    the pool's total dashed, the GPU's used memory (relative to the run's first sample) grey."""
+    w, ph, left, top, gap = 900, 170, 70, 40, 50
+    h = top + len(runs) * (ph + gap) + 30
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
+           'font-size="11">', f'<text x="{w / 2}" y="18" text-anchor="middle" font-size="13">{title}</text>']
+    vmax = max(total, 1) * 1.15
+    for k, run in enumerate(runs):
+        y0 = top + k * (ph + gap)
+        samples = run["samples"]
+        tmax = max([s["t"] for s in samples] + [1.0])
+
+        def xy(t: float, v: float, y0: float = y0, tmax: float = tmax) -> str:
+            return f"{left + (w - left - 20) * max(t, 0) / tmax:.1f},{y0 + ph * (1 - min(v, vmax) / vmax):.1f}"
+
+        out.append(f'<text x="{left}" y="{y0 - 6}" font-size="12">{run["scenario"]} / {run["mode"]}</text>')
+        out.append(f'<rect x="{left}" y="{y0}" width="{w - left - 20}" height="{ph}" fill="none" stroke="#ccc"/>')
+        for frac in (0, 0.5, 1):
+            v = total * frac
+            out.append(f'<text x="{left - 6}" y="{y0 + ph * (1 - v / vmax) + 4:.1f}" text-anchor="end">'
+                       f'{v / 2**30:.1f} GiB</text>')
+        out.append(f'<polyline fill="none" stroke="#000" stroke-dasharray="4,3" points="{xy(0, total)} '
+                   f'{xy(tmax, total)}"/>')
+        free = [(s["t"], s["gpu_free"]) for s in samples if s.get("gpu_free") is not None]
+        if free:
+            pts = " ".join(xy(t, free[0][1] - f) for t, f in free)
+            out.append(f'<polyline fill="none" stroke="#999" points="{pts}"><title>GPU used since the run '
+                       'started</title></polyline>')
+        for i, name in enumerate(names):
+            pts = " ".join(xy(s["t"], s["held"][i]) for s in samples)
+            out.append(f'<polyline fill="none" stroke="{COLORS[i % len(COLORS)]}" stroke-width="1.5" '
+                       f'points="{pts}"><title>{name}</title></polyline>')
+        out.append(f'<text x="{w - 20}" y="{y0 + ph + 14}" text-anchor="end">{tmax:.0f} s</text>')
+    legend = [*names, "pool total", "GPU used (delta)"]
+    colors = [COLORS[i % len(COLORS)] for i in range(len(names))] + ["#000", "#999"]
+    for i, (name, color) in enumerate(zip(legend, colors)):
+        out.append(f'<rect x="{left + i * 170}" y="{h - 22}" width="12" height="12" fill="{color}"/>'
+                   f'<text x="{left + i * 170 + 16}" y="{h - 12}">{name}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
