@@ -103,6 +103,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, f"{flag}_bytes", vmem.parse_bytes(getattr(args, flag)))
         except (vmem.VmemError, TypeError) as e:
             ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)!r}: {e}")
+    from vmem.transformers import PAGE_SIZES
+
+    if args.page_size_bytes not in PAGE_SIZES:
+        ap.error(f"--page-size {args.page_size!r} is not one of vmem's page sizes "
+                 f"({', '.join(f'{p >> 10}K' for p in PAGE_SIZES)})")
     if args.max_context < args.max_prompt + args.new_tokens:
         ap.error(f"--max-context {args.max_context} must hold --max-prompt + --new-tokens "
                  f"= {args.max_prompt + args.new_tokens} tokens")

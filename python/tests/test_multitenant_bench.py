@@ -1,0 +1,174 @@
+"""The multi-tenant bench (python/benches/multitenant_bench.py, issue #33 item 5): its arrivals
+from the traces' timestamps, the engine runner's timed arrivals, its flag checks, and a real
+``--tiny`` run (three tenant processes, host backend): the outputs' structure, the pool never
+above its total, the kill check, no process or ledger left behind, a run that cannot finish
+ending with exit 1 instead of hanging."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+import pytest
+from harness import tenant_plan, trace
+from harness.engine import Pace
+
+BENCHES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "benches"))
+SCRIPT = os.path.join(BENCHES, "multitenant_bench.py")
+
+
+def test_trace_timestamps_are_seconds_and_refused_when_malformed(tmp_path) -> None:
+    rows = trace.load_trace(trace.default_trace(), n=3, timestamps=True)
+    assert rows[0].timestamp == trace.parse_timestamp("2023-11-16 18:15:46.6805900")
+    assert round(rows[1].timestamp - rows[0].timestamp, 6) == round(50.9951690 - 46.6805900, 6)
+    assert trace.load_trace(trace.default_trace(), n=1)[0].timestamp is None  # not asked: not parsed
+    bad = tmp_path / "t.csv"
+    for text, match in (("TIMESTAMP,ContextTokens,GeneratedTokens\nx,1,2\n", "row 2"),
+                        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:01,1,2\n"
+                         "2023-11-16 18:00:00.5,1,2\n", "before the row above"),
+                        ("ContextTokens,GeneratedTokens\n1,2\n", "missing columns")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            trace.load_trace(str(bad), n=2 if "before" in match else 1, timestamps=True)
+
+
+def test_arrivals_replay_the_window_scaled_split_and_staggered() -> None:
+    window = tenant_plan.Window(start_s=289, window_s=30, time_scale=2, max_prompt=512)
+    bursty = tenant_plan.arrivals(tenant_plan.TENANTS, window, "bursty")
+    staggered = tenant_plan.arrivals(tenant_plan.TENANTS, window, "staggered")
+    for i, (b, s) in enumerate(zip(bursty, staggered)):
+        assert b and all(0 <= a.at_s < 15 for a in b)  # 30 trace seconds at 2x
+        assert [a.at_s for a in b] == sorted(a.at_s for a in b)
+        assert max(a.prompt_len for a in b) <= 512
+        assert [round(x.at_s - y.at_s, 9) for x, y in zip(s, b)] == [round(i * 15.0, 9)] * len(b)
+        assert [(x.prompt_len, x.row) for x in s] == [(y.prompt_len, y.row) for y in b]
+    # the two code tenants split the code trace's rows of the window: no request twice
+    code = [set(a.row for a in bursty[i]) for i, t in enumerate(tenant_plan.TENANTS) if t.trace == "code"]
+    assert len(code) == 2 and not code[0] & code[1] and {r % 2 for r in code[0]} == {0}
+    # the traces' shared clock: the code tenants' first request is the same row of the code file
+    capped = tenant_plan.arrivals(tenant_plan.TENANTS, tenant_plan.Window(289, 30, 2, 512, max_requests=4), "bursty")
+    assert [len(a) for a in capped] == [4, 4, 4] and capped[1] == bursty[1][:4]
+    with pytest.raises(ValueError, match="no request"):
+        tenant_plan.arrivals(tenant_plan.TENANTS, tenant_plan.Window(5000, 10, 1, 512), "bursty")
+    with pytest.raises(ValueError, match="scenario"):
+        tenant_plan.arrivals(tenant_plan.TENANTS, window, "both")
+    for bad in ({"window_s": 0}, {"time_scale": float("nan")}, {"start_s": -1}, {"max_prompt": 0},
+                {"stagger_s": -2.0}):
+        with pytest.raises(ValueError):
+            tenant_plan.Window(**{"start_s": 0, "window_s": 1, "time_scale": 1, "max_prompt": 1, **bad})
+
+
+def test_pace_adds_a_request_when_its_arrival_time_passed() -> None:
+    calls = []
+    pace = Pace(None, [0.0, 0.5, 2.0], lambda: calls.append(1))
+    assert [pace.due(i, 0, 0.4, timed=True) for i in range(3)] == [True, False, False]
+    assert [pace.due(i, 0, 0.5, timed=True) for i in range(3)] == [True, True, False]
+    assert all(pace.due(i, 0, 0.0, timed=False) for i in range(3))  # primers: at once
+    assert pace.wait_s(2, 1.9, timed=True) == pytest.approx(0.1)
+    assert pace.wait_s(None, 1.9, timed=True) == 1.0
+    assert Pace([0, 3], None, None).due(1, 2, 99.0, timed=True) is False  # stagger counts results
+    with pytest.raises(ValueError, match="exclude"):
+        Pace([0], [0.0], None)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--total", "0"], ["--total", "lots"], ["--total", "64K"], ["--window", "0"], ["--time-scale", "nan"],
+    ["--window-start", "-1"], ["--stagger", "inf"], ["--kill-tenant", "3"], ["--scenarios", "calm"],
+    ["--modes", "static,shared"], ["--max-context", "16"], ["--new-tokens", "0"], ["--requests", "0"],
+    ["--interval", "0"], ["--kill", "--modes", "static"], ["--page-size", "3K"],
+])
+def test_bad_flags_are_one_usage_line_before_any_process(flags, tmp_path, capsys) -> None:
+    pytest.importorskip("transformers", reason="the bench imports transformers' configs")
+    import multitenant_bench
+
+    with pytest.raises(SystemExit) as e:
+        multitenant_bench.main(["--tiny", "--out", str(tmp_path), *flags])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2, last
+    assert ": error: " in last and flags[0] in last, last
+
+
+def run_bench(tmp_path, *flags: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, set[int]]:
+    """Runs the bench (``--tiny``) with ``TMPDIR`` in ``tmp_path``; returns the finished process
+    and every descendant pid seen while it ran."""
+    psutil = pytest.importorskip("psutil")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--tiny", "--out", str(tmp_path / "out"), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=BENCHES)
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout
+    me = psutil.Process(proc.pid)
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            seen |= {c.pid for c in me.children(recursive=True)}
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.2)
+    out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), seen
+
+
+def assert_nothing_left(tmp_path, pids: set[int]) -> None:
+    import psutil
+
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"tenant processes left running: {alive}"
+    assert os.listdir(tmp_path / "tmp") == [], "the pool's ledger directory was left behind"
+
+
+def test_tiny_run_serves_three_tenant_processes_in_both_modes_and_the_kill_check(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    from vmem import pool  # noqa: F401  (the bench's pool mode)
+
+    done, pids = run_bench(tmp_path, "--kill")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(pids) >= 3  # three tenants (plus multiprocessing's resource tracker)
+    assert_nothing_left(tmp_path, pids)
+    out = tmp_path / "out"
+    res = json.loads((out / "multitenant.json").read_text())
+    names = [t["name"] for t in res["tenants"]]
+    assert len(names) == 3
+    keys = [(r["scenario"], r["mode"], r["tenant"]) for r in res["rows"]]
+    assert keys == [(s, m, t) for s in ("bursty", "staggered") for m in ("static", "pool") for t in [*names, "all"]]
+    total = res["pool_total"]
+    for row in res["rows"]:
+        assert row["completed"] == row["requests"] > 0, row
+        assert row["tok_s"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0, row
+    for run in res["runs"]:
+        assert run["samples"], run["key"]
+        if run["mode"] == "pool":
+            # the pool's own sum and the tenants' usage never above the total, and really used
+            assert 0 < run["pool_max_used"] <= total, run["key"]
+            assert 0 < run["held_sum_max"] <= total, run["key"]
+        else:
+            # static: each tenant holds its third, made up front
+            assert all(t["idle_held_bytes"] >= 0 for t in run["tenants"])
+            assert run["held_sum_max"] <= total
+    assert [(r["scenario"], r["tenant"]) for r in res["ratios"]] == \
+        [(s, t) for s in ("bursty", "staggered") for t in [*names, "all"]]
+    kill = res["kill"]
+    assert kill["victim"] == names[2] and kill["held_bytes"] > 0
+    assert kill["ledger_back_s"] is not None and kill["ledger_back_s"] < 1.0, kill
+    assert kill["others_completed"] == kill["others_requests"] > 0 and kill["others_errors"] == []
+    text = (out / "multitenant.txt").read_text()
+    assert "ttft_p99 static/pool" in text and "kill check: SIGKILL" in text
+    assert text.strip().splitlines()[-1] in done.stdout
+    root = ET.fromstring((out / "multitenant.svg").read_text())
+    lines = root.findall("{http://www.w3.org/2000/svg}polyline")
+    assert len(lines) >= 5 * (3 + 1)  # 5 runs: 3 tenants + the pool's total each
+
+
+def test_a_run_that_cannot_finish_exits_1_and_leaves_nothing(tmp_path) -> None:
+    """Tenants cannot build their models within --timeout 0.5 s: the bench says which run
+    failed and exits 1 instead of waiting, with every tenant ended and the ledger removed."""
+    pytest.importorskip("transformers")
+    done, pids = run_bench(tmp_path, "--timeout", "0.5", timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "error: run bursty-static: tenants not ready after" in done.stderr
+    assert_nothing_left(tmp_path, pids)
