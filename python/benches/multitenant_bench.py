@@ -27,7 +27,9 @@ bytes and ``torch.cuda.mem_get_info``. Writes ``multitenant.json``, ``multitenan
 ratios TTFT p99 static/pool and tok/s pool/static) and ``multitenant.svg`` (memory over time).
 
 A tenant that fails, dies or misses ``--timeout`` ends the bench with exit 1 and its reason;
-no tenant outlives the parent. ``--tiny``: tiny fp32 models on the CPU, the host backend, a few
+no tenant outlives the parent. Runs can be split over several commands (``--scenarios``,
+``--modes``, ``--kill``, each its own ``--out``) and joined with ``--merge A.json B.json --out
+DIR``. ``--tiny``: tiny fp32 models on the CPU, the host backend, a few
 requests (a smoke test of the whole path, not a measurement).
 """
 
@@ -76,8 +78,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--interval", type=float, default=0.1, help="memory sampling period, seconds")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a run (or the first start) may take")
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 models on the CPU (smoke test)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                    help="only merge these parts' multitenant.json into --out (no run)")
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
+    if args.merge is not None:
+        try:
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--out {args.out!r} cannot be created: {e.strerror}")
+        return args
     tiny = args.tiny
     for flag, gpu, cpu in (("total", "3G", "24M"), ("max_prompt", 2048, 48), ("new_tokens", 32, 4),
                            ("page_size", "2M", "64K"), ("max_context", 4096, 128), ("max_batch_tokens", 2048, 64),
@@ -157,8 +167,25 @@ def plan_runs(args: argparse.Namespace) -> list[list[tn.RunPlan]]:
     return per_tenant
 
 
+def merge_parts(paths: list[str], out: str) -> int:
+    """``--merge``: one report of several parts' JSON files."""
+    docs = []
+    try:
+        for path in paths:
+            with open(path) as f:
+                docs.append(json.load(f))
+        text = tenant_report.write_outputs(out, tenant_report.summarize(tenant_report.merge(docs)))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"error: --merge: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.merge is not None:
+        return merge_parts(args.merge, args.out)
     try:
         per_tenant = plan_runs(args)
     except ValueError as e:
@@ -197,11 +224,15 @@ def main(argv: list[str] | None = None) -> int:
 def serve_all(args: argparse.Namespace, fl: fleet.Fleet, pool: Any, runs: list[tn.RunPlan]) -> str:
     """Serves every run, saves the JSON after each, writes the text and SVG; returns the text."""
     names = [j.spec.name for j in fl.jobs]
-    done: list[dict[str, Any]] = []
-    rows: list[dict[str, Any]] = []
-    kill: dict[str, Any] | None = None
-    meta = {"args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))},
-            "tenants": [vars(j.spec) for j in fl.jobs], "pool_total": args.total_bytes, "device": device_name()}
+    device = device_name()
+    doc: dict[str, Any] = {
+        "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))},
+        "tenants": [vars(j.spec) for j in fl.jobs], "pool_total": args.total_bytes, "device": device,
+        "header": (f"{len(names)} tenants, pool {args.total_bytes / 2**30:.2f} GiB ({args.total}), static "
+                   f"{args.total_bytes / 3 / 2**30:.2f} GiB each; window {args.window_start:g}+{args.window:g} "
+                   f"trace s at {args.time_scale:g}x, prompts <= {args.max_prompt}, {args.new_tokens} new tokens; "
+                   f"{device}"),
+        "runs": []}
     for n, run in enumerate(runs):
         epoch = fl.wait_start(run.key, args.timeout)
         log(f"run {run.key}: started")
@@ -213,37 +244,15 @@ def serve_all(args: argparse.Namespace, fl: fleet.Fleet, pool: Any, runs: list[t
         t = time.perf_counter()
         results = fl.wait_results(run.key, args.timeout, sampler, args.interval, check)
         log(f"run {run.key}: done in {time.perf_counter() - t:.1f} s")
-        ordered = [results[i] for i in sorted(results)]
-        entry = {"key": run.key, "scenario": run.scenario, "mode": run.mode, "tenants": ordered,
-                 "samples": sampler.rows,
-                 "pool_max_used": max((s.get("pool_used", 0) for s in sampler.rows), default=0),
-                 "held_sum_max": max((sum(s["held"]) for s in sampler.rows), default=0.0)}
+        entry = {"key": run.key, "scenario": run.scenario, "mode": run.mode,
+                 "tenants": [results[i] for i in sorted(results)], "samples": sampler.rows}
         if check is not None:
-            kill = dict(check.report or {"victim": names[args.kill_tenant], "at_s": None, "held_bytes": 0,
-                                         "ledger_back_s": None, "gpu_back_s": None, "target_s": 1.0})
-            kill.update(others_requests=sum(r["requests"] for r in ordered),
-                        others_completed=sum(r["completed"] for r in ordered),
-                        others_errors=[r["tenant"] for r in ordered if r.get("error")])
-            entry["kill"] = kill
-        else:
-            rows += [tenant_report.tenant_row(r, sampler.rows) for r in ordered]
-            rows.append(tenant_report.all_row(run.scenario, run.mode, ordered))
-        done.append(entry)
-        with open(os.path.join(args.out, "multitenant.json"), "w") as f:
-            json.dump({**meta, "rows": rows, "ratios": tenant_report.ratios(rows), "kill": kill, "runs": done}, f,
-                      indent=1)
+            entry["kill"] = check.report or {"victim": names[args.kill_tenant], "at_s": None, "held_bytes": 0,
+                                             "ledger_back_s": None, "gpu_back_s": None, "target_s": 1.0}
+        doc["runs"].append(entry)
+        tenant_report.save_json(args.out, tenant_report.summarize(doc))
         log(f"run {run.key}: saved ({n + 1}/{len(runs)})")
-    header = (f"{len(fl.jobs)} tenants, pool {args.total_bytes / 2**30:.2f} GiB ({args.total}), static "
-              f"{args.total_bytes / 3 / 2**30:.2f} GiB each; window {args.window_start:g}+{args.window:g} trace s at "
-              f"{args.time_scale:g}x, prompts <= {args.max_prompt}, {args.new_tokens} new tokens; {meta['device']}")
-    text = tenant_report.text_report(rows, kill, header)
-    with open(os.path.join(args.out, "multitenant.txt"), "w") as f:
-        f.write(text + "\n")
-    plotted = [d for d in done if d["key"] != "kill"] + [d for d in done if d["key"] == "kill"]
-    with open(os.path.join(args.out, "multitenant.svg"), "w") as f:
-        f.write(tenant_report.svg(plotted, names, args.total_bytes,
-                                  f"KV held per tenant over time, pool {args.total} ({meta['device']})"))
-    return text
+    return tenant_report.write_outputs(args.out, tenant_report.summarize(doc))
 
 
 def device_name() -> str:

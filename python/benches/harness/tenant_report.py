@@ -3,6 +3,8 @@ static-vs-pool ratios, and the memory-over-time SVG (no plotting library)."""
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +63,65 @@ def ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def summarize(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` (the bench's meta and ``runs``) with each run's pool peak and tenants' summed peak,
+    the table ``rows`` (the kill run left out), the ``ratios`` and the ``kill`` check (with how
+    many requests the other tenants completed)."""
+    rows: list[dict[str, Any]] = []
+    kill = None
+    for run in doc["runs"]:
+        samples, tenants = run["samples"], run["tenants"]
+        run["pool_max_used"] = max((s.get("pool_used", 0) for s in samples), default=0)
+        run["held_sum_max"] = max((sum(s["held"]) for s in samples), default=0.0)
+        if "kill" in run:
+            kill = dict(run["kill"], others_requests=sum(r["requests"] for r in tenants),
+                        others_completed=sum(r["completed"] for r in tenants),
+                        others_errors=[r["tenant"] for r in tenants if r.get("error")])
+            continue
+        rows += [tenant_row(r, samples) for r in tenants]
+        rows.append(all_row(run["scenario"], run["mode"], tenants))
+    return {**doc, "rows": rows, "ratios": ratios(rows), "kill": kill}
+
+
+def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One document of several parts' ``multitenant.json`` (runs split over device calls): the
+    first part's meta, every part's runs. Parts of other tenants or pool totals, or one run in
+    two parts, are a ValueError."""
+    if not docs:
+        raise ValueError("nothing to merge")
+    first = docs[0]
+    runs: list[dict[str, Any]] = []
+    for d in docs:
+        if d["tenants"] != first["tenants"] or d["pool_total"] != first["pool_total"]:
+            raise ValueError("the parts differ in their tenants or pool total")
+        for run in d["runs"]:
+            if any(r["key"] == run["key"] for r in runs):
+                raise ValueError(f"run {run['key']!r} is in two parts")
+            runs.append(run)
+    headers = list(dict.fromkeys(d["header"] for d in docs))
+    return {**first, "header": " / ".join(headers), "runs": runs}
+
+
+def save_json(out_dir: str, doc: dict[str, Any]) -> None:
+    """Writes ``doc`` to ``out_dir/multitenant.json``."""
+    with open(os.path.join(out_dir, "multitenant.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def write_outputs(out_dir: str, doc: dict[str, Any]) -> str:
+    """Writes ``multitenant.json``, ``.txt`` and ``.svg`` of summarized ``doc`` to ``out_dir``;
+    returns the text."""
+    save_json(out_dir, doc)
+    text = text_report(doc["rows"], doc["kill"], doc["header"])
+    with open(os.path.join(out_dir, "multitenant.txt"), "w") as f:
+        f.write(text + "\n")
+    names = [t["name"] for t in doc["tenants"]]
+    runs = [r for r in doc["runs"] if "kill" not in r] + [r for r in doc["runs"] if "kill" in r]
+    with open(os.path.join(out_dir, "multitenant.svg"), "w") as f:
+        f.write(svg(runs, names, doc["pool_total"], f"KV held per tenant over time ({doc['device']})"))
+    return text
+
+
 def text_report(rows: Sequence[dict[str, Any]], kill: dict[str, Any] | None, header: str) -> str:
     """The text file: ``header``, the per-tenant table, the ratios, the kill check."""
     parts = [header, format_table(rows, COLUMNS), "",
@@ -95,7 +156,8 @@ def svg(runs: Sequence[dict[str, Any]], names: Sequence[str], total: int, title:
         def xy(t: float, v: float, y0: float = y0, tmax: float = tmax) -> str:
             return f"{left + (w - left - 20) * max(t, 0) / tmax:.1f},{y0 + ph * (1 - min(v, vmax) / vmax):.1f}"
 
-        out.append(f'<text x="{left}" y="{y0 - 6}" font-size="12">{run["scenario"]} / {run["mode"]}</text>')
+        label = f'{run["scenario"]} / {run["mode"]}' + (" / kill check" if "kill" in run else "")
+        out.append(f'<text x="{left}" y="{y0 - 6}" font-size="12">{label}</text>')
         out.append(f'<rect x="{left}" y="{y0}" width="{w - left - 20}" height="{ph}" fill="none" stroke="#ccc"/>')
         for frac in (0, 0.5, 1):
             v = total * frac
