@@ -211,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     except fleet.FleetError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("error: interrupted; every tenant ended", file=sys.stderr)
+        return 130
     finally:
         if fl is not None:
             fl.close()
-        if pool is not None:
-            pool.close()
         shutil.rmtree(work, ignore_errors=True)
     print(out)
     return 0
