@@ -46,10 +46,11 @@ import tempfile
 import time
 from typing import Any
 
-import vmem
 from harness import cli, fleet, tenant_plan, tenant_report
 from harness import tenant as tn
 from harness.log import log
+
+import vmem
 
 DEFAULT_OUT = os.path.join("docs", "results", "multitenant-h100")
 

@@ -47,7 +47,7 @@ def test_arrivals_replay_the_window_scaled_split_and_staggered() -> None:
         assert [round(x.at_s - y.at_s, 9) for x, y in zip(s, b)] == [round(i * 15.0, 9)] * len(b)
         assert [(x.prompt_len, x.row) for x in s] == [(y.prompt_len, y.row) for y in b]
     # the two code tenants split the code trace's rows of the window: no request twice
-    code = [set(a.row for a in bursty[i]) for i, t in enumerate(tenant_plan.TENANTS) if t.trace == "code"]
+    code = [{a.row for a in bursty[i]} for i, t in enumerate(tenant_plan.TENANTS) if t.trace == "code"]
     assert len(code) == 2 and not code[0] & code[1] and {r % 2 for r in code[0]} == {0}
     # the traces' shared clock: the code tenants' first request is the same row of the code file
     capped = tenant_plan.arrivals(tenant_plan.TENANTS, tenant_plan.Window(289, 30, 2, 512, max_requests=4), "bursty")
