@@ -75,7 +75,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-batch-tokens", type=int, default=None, help="default 2048, --tiny 64")
     ap.add_argument("--kill", action="store_true", help="add a pool run that SIGKILLs one tenant mid-run")
     ap.add_argument("--kill-tenant", type=int, default=2, help="index (0-2) of the tenant --kill kills")
-    ap.add_argument("--kill-at", type=float, default=None, help="run seconds (default: half the window)")
+    ap.add_argument("--kill-at", type=float, default=None,
+                    help="run seconds (default: half way through the arrivals; --tiny 0: its requests take ms)")
     ap.add_argument("--interval", type=float, default=0.1, help="memory sampling period, seconds")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a run (or the first start) may take")
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 models on the CPU (smoke test)")
@@ -92,7 +93,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     tiny = args.tiny
     for flag, gpu, cpu in (("total", "3G", "24M"), ("max_prompt", 2048, 48), ("new_tokens", 32, 4),
                            ("page_size", "2M", "64K"), ("max_context", 4096, 128), ("max_batch_tokens", 2048, 64),
-                           ("requests", None, 3), ("time_scale", 1.0, 10.0)):
+                           ("requests", None, 3), ("time_scale", 1.0, 10.0), ("kill_at", None, 0.0)):
         if getattr(args, flag) is None:
             setattr(args, flag, cpu if tiny else gpu)
     args.scenario_list = cli.names(ap, "--scenarios", args.scenarios, tenant_plan.SCENARIOS)
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 for i, t in enumerate(tenant_plan.TENANTS)]
         fl = fleet.Fleet(jobs)
         fl.start()
-        out = serve_all(args, fl, pool, per_tenant[0])
+        out = serve_all(args, fl, pool, per_tenant)
     except fleet.FleetError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -223,8 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def serve_all(args: argparse.Namespace, fl: fleet.Fleet, pool: Any, runs: list[tn.RunPlan]) -> str:
+def serve_all(args: argparse.Namespace, fl: fleet.Fleet, pool: Any, per_tenant: list[list[tn.RunPlan]]) -> str:
     """Serves every run, saves the JSON after each, writes the text and SVG; returns the text."""
+    runs = per_tenant[0]
     names = [j.spec.name for j in fl.jobs]
     device = device_name()
     doc: dict[str, Any] = {
@@ -241,8 +243,9 @@ def serve_all(args: argparse.Namespace, fl: fleet.Fleet, pool: Any, runs: list[t
         sampler = fleet.Sampler(fl, epoch, pool if run.mode == "pool" else None)
         check = None
         if run.key == "kill":
-            span = max(a.at_s for a in run.arrivals)
-            check = fleet.KillCheck(fl, pool, args.kill_tenant, span / 2 if args.kill_at is None else args.kill_at)
+            victim = per_tenant[args.kill_tenant][n].arrivals
+            at = (victim[0].at_s + victim[-1].at_s) / 2 if args.kill_at is None else args.kill_at
+            check = fleet.KillCheck(fl, pool, args.kill_tenant, at)
         t = time.perf_counter()
         results = fl.wait_results(run.key, args.timeout, sampler, args.interval, check)
         log(f"run {run.key}: done in {time.perf_counter() - t:.1f} s")

@@ -187,6 +187,12 @@ class KillCheck:
         if self.report or elapsed_s < self.at_s:
             return
         name = self.fleet.jobs[self.victim].spec.name
+        if self.fleet.result("kill", self.victim) is not None:
+            # It finished its run (and left the pool) before the kill: nothing to measure.
+            self.report = {"victim": name, "at_s": elapsed_s, "held_bytes": 0, "ledger_back_s": None,
+                           "gpu_back_s": None, "target_s": 1.0, "finished_before_kill": True}
+            self.fleet.killed.add(self.victim)
+            return
         before = {t.name: t.usage for t in self.pool.status().tenants}
         held, free0 = int(before.get(name, 0)), gpu_free()
         t_kill = time.perf_counter()
@@ -204,4 +210,4 @@ class KillCheck:
                 break
             time.sleep(0.005)
         self.report = {"victim": name, "at_s": elapsed_s, "held_bytes": held, "ledger_back_s": ledger_back,
-                       "gpu_back_s": gpu_back, "target_s": 1.0}
+                       "gpu_back_s": gpu_back, "target_s": 1.0, "finished_before_kill": False}

@@ -126,7 +126,10 @@ def text_report(rows: Sequence[dict[str, Any]], kill: dict[str, Any] | None, hea
     """The text file: ``header``, the per-tenant table, the ratios, the kill check."""
     parts = [header, format_table(rows, COLUMNS), "",
              format_table(ratios(rows), RATIO_COLUMNS, title="static partitions vs the pool (same total)")]
-    if kill:
+    if kill and kill.get("finished_before_kill"):
+        parts += ["", f"kill check: not made, {kill['victim']} had finished its requests at {kill['at_s']:.1f} s "
+                      "(lower --kill-at)"]
+    elif kill:
         parts += ["", f"kill check: SIGKILL {kill['victim']} at {kill['at_s']:.1f} s holding "
                       f"{kill['held_bytes'] / 2**20:.1f} MiB; ledger back in {fmt_s(kill['ledger_back_s'])}, "
                       f"GPU memory back in {fmt_s(kill['gpu_back_s'])} (target {kill['target_s']} s); "
