@@ -40,7 +40,7 @@ impl KVCache {
     #[new]
     #[pyo3(signature = (*, layers, kv_heads, head_dim, dtype, max_batch, max_context, page_size,
         layout, backend, device, memory_cap, prealloc, overlap, deferred_reclaim, eager_tokens,
-        reclaim_threshold=None, pad_rows=false, zero_page=None, prefix_cache=None))]
+        reclaim_threshold=None, pad_rows=false, zero_page=None, prefix_cache=None, pool=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -63,6 +63,7 @@ impl KVCache {
         pad_rows: bool,
         zero_page: Option<bool>,
         prefix_cache: Option<&Bound<'_, PyAny>>,
+        pool: Option<(String, Option<String>, String)>,
     ) -> PyResult<Self> {
         let dtype = DType::parse(dtype)?;
         let layout: Layout = layout.parse().map_err(py_err)?;
@@ -102,10 +103,21 @@ impl KVCache {
                 .transpose()?,
             zero_page,
         };
+        let selected = py
+            .detach(|| open_backend(choice, ordinal))
+            .map_err(py_err)?;
+        // A tenant of a shared pool: every page is charged to it (refused: OutOfMemory).
+        let tenant = pool
+            .map(|(name, limit, ledger)| {
+                crate::pool::join(selected.backend.clone(), &name, limit.as_deref(), &ledger)
+            })
+            .transpose()?;
         let (kv, name, reason, dev) = py
             .detach(|| -> Result<_, CoreError> {
-                let selected = open_backend(choice, ordinal)?;
-                let b: Arc<dyn Backend> = selected.backend;
+                let b: Arc<dyn Backend> = match &tenant {
+                    Some(t) => t.clone(),
+                    None => selected.backend,
+                };
                 let cfg = policies.resolve(shape, b.kind())?;
                 let dev = match b.kind() {
                     BackendKind::Cuda | BackendKind::Uvm => DLDevice {
@@ -126,6 +138,7 @@ impl KVCache {
                 kv,
                 dtype,
                 device: dev,
+                pool: tenant,
             }))),
             backend_name: name,
             backend_reason: reason,
@@ -302,6 +315,49 @@ impl KVCache {
         d.set_item("pool_free_pages", free)?;
         d.set_item("pool_cap_pages", cap)?;
         Ok(d)
+    }
+
+    /// Gives back at least `bytes` of physical memory no request needs, if it can:
+    /// `(prefix_pages, idle_pages, request_pages)` released (GIL released).
+    fn shrink(&self, py: Python<'_>, bytes: &Bound<'_, PyAny>) -> PyResult<(u64, u64, u64)> {
+        let inner = self.get()?;
+        let b = to_u64(bytes, "bytes")?;
+        let r = py.detach(|| inner.kv.shrink(b)).map_err(py_err)?;
+        Ok((r.prefix_pages, r.idle_pages, r.request_pages))
+    }
+
+    /// Sets the cap on physical memory without creating pages; returns the pages released.
+    fn set_memory_cap(&self, py: Python<'_>, bytes: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let inner = self.get()?;
+        let b = to_u64(bytes, "bytes")?;
+        py.detach(|| inner.kv.set_memory_cap(b)).map_err(py_err)
+    }
+
+    /// Releases every physical page (rows and addresses kept); returns the pages released.
+    fn sleep(&self, py: Python<'_>, discard: bool) -> PyResult<u64> {
+        let inner = self.get()?;
+        py.detach(|| inner.kv.sleep(discard)).map_err(py_err)
+    }
+
+    /// Maps on demand again after `sleep`.
+    fn wake(&self) -> PyResult<()> {
+        self.get()?.kv.wake();
+        Ok(())
+    }
+
+    /// Whether the cache is asleep.
+    fn is_asleep(&self) -> PyResult<bool> {
+        Ok(self.get()?.kv.is_asleep())
+    }
+
+    /// The pool tenant's own slot (name, limit, usage, revision, over_limit), or `None`.
+    fn tenant<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let inner = self.get()?;
+        inner
+            .pool
+            .as_deref()
+            .map(|b| crate::pool::tenant_dict(py, b))
+            .transpose()
     }
 
     /// The configuration and derived sizes.

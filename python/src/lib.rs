@@ -11,13 +11,14 @@
 //!
 //! Modules: `cache` (the `KVCache` class), `shared` (what the cache and its views share),
 //! `dlpack` (`KVTensor`), `dtype` (element types), `args` (Python values to Rust ones,
-//! checked), `dict` (structs' fields as dicts); this file holds the module and its exceptions.
+//! checked), `dict` (structs' fields as dicts), `pool` (the shared pool: `Pool`, joining one); this file holds the module and its exceptions.
 
 mod args;
 mod cache;
 mod dict;
 mod dlpack;
 mod dtype;
+mod pool;
 mod shared;
 
 use pyo3::create_exception;
@@ -56,6 +57,18 @@ create_exception!(
 );
 create_exception!(
     vmem,
+    Asleep,
+    VmemError,
+    "The cache is asleep (sleep() released its pages): call wake() before mapping; nothing changed."
+);
+create_exception!(
+    vmem,
+    PoolError,
+    VmemError,
+    "A shared pool's ledger or setting (vmem.pool): the message is the one `vmem pool` prints; nothing changed."
+);
+create_exception!(
+    vmem,
     Closed,
     VmemError,
     "The cache was closed; views handed out before stay valid until dropped."
@@ -76,6 +89,7 @@ pub(crate) fn py_err(e: CoreError) -> PyErr {
     };
     match e {
         CoreError::OutOfMemory { .. } => OutOfMemory::new_err(msg),
+        CoreError::Asleep => Asleep::new_err(msg),
         CoreError::BackendUnavailable { .. } => BackendUnavailable::new_err(msg),
         CoreError::InvalidConfig(_)
         | CoreError::SizeOverflow(_)
@@ -89,6 +103,7 @@ pub(crate) fn py_err(e: CoreError) -> PyErr {
         | CoreError::ContextTooLong { .. }
         | CoreError::TooManyRequests(_)
         | CoreError::PrefixMisuse { .. }
+        | CoreError::LiveRequests { .. }
         | CoreError::Unsupported { .. } => InvalidArgument::new_err(msg),
         _ => VmemError::new_err(msg),
     }
@@ -119,11 +134,14 @@ fn _vmem(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<KVCache>()?;
     m.add_class::<KVTensor>()?;
+    m.add_class::<pool::Pool>()?;
     m.add("VmemError", py.get_type::<VmemError>())?;
     m.add("OutOfMemory", py.get_type::<OutOfMemory>())?;
     m.add("InvalidArgument", py.get_type::<InvalidArgument>())?;
     m.add("BackendUnavailable", py.get_type::<BackendUnavailable>())?;
     m.add("Closed", py.get_type::<Closed>())?;
+    m.add("Asleep", py.get_type::<Asleep>())?;
+    m.add("PoolError", py.get_type::<PoolError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -23,6 +23,7 @@ KVTensor(shape=[4, 1024, 2, 64], strides=[131072, 128, 64, 1], dtype=float16, de
 
 Rust does the work (the ``vmem`` crate); the package checks and converts arguments
 (``vmem._args``) in the cache class (``vmem._cache``) and imports neither torch nor NumPy.
+``vmem.pool`` is the shared KV pool of several processes on one GPU (docs/multitenant.md).
 ``vmem.torch`` hands the views out as torch tensors (``vmem._torch`` converts them),
 ``vmem.vattention`` offers vAttention's function-level API (torch tensors), ``vmem.hf`` a
 transformers cache.
@@ -33,14 +34,17 @@ from __future__ import annotations
 from ._args import parse_bytes
 from ._cache import KVCache, models
 from ._vmem import (
+    Asleep,
     BackendUnavailable,
     Closed,
     InvalidArgument,
     KVTensor,
     OutOfMemory,
+    PoolError,
     VmemError,
     __version__,
 )
+from . import pool
 
 __all__ = [
     "KVCache",
@@ -50,6 +54,9 @@ __all__ = [
     "InvalidArgument",
     "BackendUnavailable",
     "Closed",
+    "Asleep",
+    "PoolError",
+    "pool",
     "models",
     "parse_bytes",
     "__version__",

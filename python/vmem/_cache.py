@@ -19,7 +19,9 @@ from ._args import (
     token_ids,
 )
 from ._device import placement
+from ._memory import MemoryControl
 from ._vmem import BackendUnavailable, InvalidArgument, KVTensor
+from .pool import Join
 
 __all__ = ["KVCache", "models"]
 
@@ -28,7 +30,7 @@ def models() -> Dict[str, Dict[str, int]]:
     return {m["name"]: m for m in _vmem.models()}
 
 
-class KVCache:
+class KVCache(MemoryControl):
     """A KV cache of virtually contiguous per-layer tensors, mapped on demand.
 
     Shape, from a model name or explicitly:
@@ -82,6 +84,14 @@ class KVCache:
     refused with :class:`InvalidArgument`: free it to start it over). Needs a backend that
     maps a page at several addresses (all but ``sim`` with views; docs/prefix-sharing.md).
 
+    Shared pool: ``pool`` (a :class:`vmem.pool.Join`, or a tenant name) joins the pool ledger
+    that ``vmem pool create`` (or :func:`vmem.pool.create`) made, as a tenant whose pages are
+    charged to it: a page over the tenant's limit or the pool's total is refused with
+    :class:`OutOfMemory`, as a full cache's. The cache leaves the pool when it is closed and
+    its last view is dropped (or when the process dies). An operator may lower the limit
+    while it runs: :meth:`shrink_to_limit` gives back what no request needs, and says how much
+    the owner must still free. :meth:`sleep` releases every page, :meth:`wake` maps again.
+
     Unmapping waits for the GPU work queued before it (the CUDA backend synchronizes the
     context first), so no queued kernel reads memory that goes away. A view reaches only the
     memory its request has mapped: read rows ``r`` up to the length given to :meth:`step`
@@ -113,6 +123,7 @@ class KVCache:
         pad_rows: bool = False,
         zero_page: Optional[bool] = None,
         prefix_cache: Optional[Size] = None,
+        pool: Any = None,
     ) -> None:
         if model is not None and not isinstance(model, str):
             raise InvalidArgument(f"model must be a name such as 'llama-3-8b', got {model!r}")
@@ -156,6 +167,7 @@ class KVCache:
         pad_rows = check_bool("pad_rows", pad_rows)
         zero_page = check_optional_bool("zero_page", zero_page)
         prefix_bytes = check_optional_size("prefix_cache", prefix_cache)
+        join = Join.of(pool)
         backend, ordinal, gpu_required = placement(device, backend)
         self._max_batch = max_batch
         self._layers = layers
@@ -165,8 +177,11 @@ class KVCache:
             backend=backend, device=ordinal, memory_cap=cap or 0, prealloc=prealloc_bytes,
             overlap=overlap, deferred_reclaim=deferred_reclaim, eager_tokens=eager,
             reclaim_threshold=threshold, pad_rows=pad_rows, zero_page=zero_page,
-            prefix_cache=prefix_bytes,
+            prefix_cache=prefix_bytes, pool=None if join is None else join.args(),
         )
+        self._configured_cap = int(self._rs.config()["memory_cap"])
+        if join is not None:
+            self.shrink_to_limit()  # the cap follows the limit from the start
         if gpu_required and self._rs.config()["backend"] not in ("cuda", "uvm"):
             reason = self._rs.config()["backend_reason"]
             self._rs.close()

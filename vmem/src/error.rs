@@ -204,6 +204,22 @@ pub enum VmemError {
         what: &'static str,
     },
 
+    /// A call that maps, or hands out a request, while the cache is asleep
+    /// (`KvCacheManager::sleep`): nothing changed; wake it first.
+    #[error("the KV cache is asleep (its pages were released by sleep()): call wake() first")]
+    Asleep,
+
+    /// `KvCacheManager::sleep` without `discard` while requests are live: their contents
+    /// would be lost. Nothing changed.
+    #[error(
+        "sleep refused: {active} request(s) are live and would lose their KV contents; \
+         free them first, or sleep with discard=True"
+    )]
+    LiveRequests {
+        /// Requests handed out and not freed.
+        active: usize,
+    },
+
     /// A fault injected by `vmem::testing::FaultyBackend` (tests only).
     #[error("injected fault in {0}")]
     InjectedFault(&'static str),

@@ -176,6 +176,21 @@ impl PagePool {
         }
     }
 
+    /// Sets the cap to `pages` (at least 1) without creating any page: pages are created on
+    /// demand up to it. A cap below what is created releases free pages down to it; pages
+    /// lent stay (the cap is then what is created, until they come back). Returns the pages
+    /// released.
+    pub fn set_cap_lazy(&mut self, pages: u64) -> Result<u64> {
+        if pages == 0 {
+            return Err(VmemError::InvalidConfig("a pool cap of 0 pages".into()));
+        }
+        let over = self.created.saturating_sub(pages);
+        let keep = (self.free.len() as u64).saturating_sub(over);
+        let released = self.trim(keep)?;
+        self.cap_pages = pages.max(self.created);
+        Ok(released)
+    }
+
     /// Takes up to `n` pages from the free list and reserves the rest to be created by the
     /// caller (outside whatever lock guards the pool), counting them as created so the cap
     /// holds meanwhile. Returns the free pages and how many to create; all or nothing, as

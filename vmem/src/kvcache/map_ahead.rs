@@ -33,6 +33,7 @@ impl KvCacheManager {
         let (plan, to_create, mut pages, claim) = {
             let mut st = self.shared.lock();
             st.check_id(req)?;
+            st.check_awake()?;
             if !st.requests.active[req] {
                 return Err(VmemError::InactiveRequest(req));
             }

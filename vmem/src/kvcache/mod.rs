@@ -21,6 +21,7 @@ mod map_ahead;
 mod mapper;
 mod policy;
 mod prefix;
+mod sleep;
 mod state;
 
 pub use blocks::{block_hashes, BlockHash, PrefixStats};
@@ -30,6 +31,7 @@ pub use defaults::{
     PolicyDefaults, DEFAULT_MAX_MAP_COUNT,
 };
 pub use digest::DecisionDigest;
+pub use sleep::ShrinkReport;
 
 use crate::backend::Backend;
 use crate::buffer::VirtualBuffer;
@@ -197,6 +199,7 @@ impl KvCacheManager {
 
     fn alloc_reqid_unrecorded(&self) -> Result<usize> {
         let mut st = self.shared.lock();
+        st.check_awake()?;
         let id = match st.requests.next_id.filter(|&r| !st.requests.active[r]) {
             Some(r) => r,
             None => st
@@ -224,6 +227,7 @@ impl KvCacheManager {
 
     fn alloc_reqid_for_unrecorded(&self, tokens: u64) -> Result<usize> {
         let mut st = self.shared.lock();
+        st.check_awake()?;
         if tokens > self.cfg.max_context as u64 {
             return Err(VmemError::ContextTooLong {
                 tokens,
@@ -253,6 +257,7 @@ impl KvCacheManager {
     pub fn reserve_physical(&self, bytes: u64) -> Result<u64> {
         self.geo.check_reservation(self.cfg.max_batch, bytes)?;
         let mut st = self.shared.lock();
+        st.check_awake()?;
         let pages = bytes / self.geo.page_size;
         if pages == 0 {
             return Err(VmemError::InvalidConfig(format!(

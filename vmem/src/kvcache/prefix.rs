@@ -276,6 +276,7 @@ impl KvCacheManager {
     fn lock_for_prefix(&self, req: usize) -> Result<std::sync::MutexGuard<'_, State>> {
         let st = self.shared.lock();
         st.check_id(req)?;
+        st.check_awake()?;
         if !st.prefix.on() {
             return Err(VmemError::Unsupported {
                 backend: self.backend.name(),

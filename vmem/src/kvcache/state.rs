@@ -78,6 +78,8 @@ pub(super) struct Signals {
     pub(super) busy: bool,
     /// The manager is being dropped.
     pub(super) shutdown: bool,
+    /// Every page was released by `sleep` (kvcache/sleep.rs): nothing maps until `wake`.
+    pub(super) asleep: bool,
 }
 
 /// Work done off the critical path since the last step.
@@ -204,7 +206,7 @@ impl State {
     }
 
     /// Unmaps request `r`'s pages beyond `keep` pages per buffer into the pool.
-    fn trim_request(&mut self, r: usize, keep: u64) -> Result<u64> {
+    pub(super) fn trim_request(&mut self, r: usize, keep: u64) -> Result<u64> {
         if self.buffers.iter().all(|b| b.mapped(r) <= keep) {
             self.refresh_floor(r);
             return Ok(0);
@@ -279,6 +281,9 @@ impl State {
     /// deferred requests' pages when available memory is below the threshold. Returns the
     /// pages mapped.
     pub(super) fn maintain(&mut self) -> u64 {
+        if self.signals.asleep {
+            return 0; // asleep: nothing is pre-mapped until `wake`
+        }
         self.release_under_pressure();
         let page = self.geo.page_size;
         let threshold_pages = self.cfg.reclaim_threshold.div_ceil(page);
@@ -334,6 +339,7 @@ impl State {
 
     /// Validates a step's lengths without changing anything.
     pub(super) fn check_step(&self, seq_lens: &[u64]) -> Result<()> {
+        self.check_awake()?;
         if seq_lens.len() != self.cfg.max_batch {
             return Err(VmemError::BatchLenMismatch {
                 expected: self.cfg.max_batch,
