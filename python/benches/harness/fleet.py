@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from harness import tenant as tn
@@ -48,7 +48,7 @@ class Fleet:
         for p in self.procs:
             p.start()
 
-    def check_alive(self, run: str, done: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    def check_alive(self, run: str, done: Collection[int] = ()) -> None:
         """Raises :class:`FleetError` for a tenant (not killed on purpose, not done with ``run``)
         that exited, with its error file's message when it wrote one."""
         for i, p in enumerate(self.procs):
