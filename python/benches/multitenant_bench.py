@@ -249,7 +249,7 @@ def serve_all(args: argparse.Namespace, fl: fleet.Fleet, pool: Any, per_tenant: 
         t = time.perf_counter()
         results = fl.wait_results(run.key, args.timeout, sampler, args.interval, check)
         log(f"run {run.key}: done in {time.perf_counter() - t:.1f} s")
-        entry = {"key": run.key, "scenario": run.scenario, "mode": run.mode,
+        entry: dict[str, Any] = {"key": run.key, "scenario": run.scenario, "mode": run.mode,
                  "tenants": [results[i] for i in sorted(results)], "samples": sampler.rows}
         if check is not None:
             entry["kill"] = check.report or {"victim": names[args.kill_tenant], "at_s": None, "held_bytes": 0,
