@@ -31,6 +31,7 @@ transformers cache.
 
 from __future__ import annotations
 
+from . import pool
 from ._args import parse_bytes
 from ._cache import KVCache, models
 from ._vmem import (
@@ -44,7 +45,6 @@ from ._vmem import (
     VmemError,
     __version__,
 )
-from . import pool
 
 __all__ = [
     "KVCache",

@@ -17,7 +17,8 @@ or, scoped (the options are bound to the engine's manager created inside the blo
 Modules: :mod:`.patch` (version gate, cache factory, :func:`register_cache`), the adapters
 :mod:`.engine517` and :mod:`.engine519` (what differs between transformers versions), :mod:`.options`,
 :mod:`.sizing`, :mod:`.cache` (:class:`VmemCBCache`), :mod:`.rows`, :mod:`.rounds`,
-:mod:`.attention`, :mod:`.fa`, :mod:`.flex`, :mod:`.generate` (:class:`VmemCache`);
+:mod:`.attention`, :mod:`.fa`, :mod:`.flex`, :mod:`.generate` (:class:`VmemCache`), :mod:`.tenancy`
+(a shared pool's tenant: ``Options.pool``; :func:`sleep` and :func:`wake`);
 docs/serving.md says how they work together.
 """
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import InvalidArgument, VmemError, parse_bytes
-from . import patch
+from . import patch, tenancy
 from .attention import flex_paged_attention, paged_attention
 from .cache import VmemCBCache
 from .fa import FaVarlenIndex, fa_varlen_indices, fa_varlen_reference
@@ -71,9 +72,26 @@ __all__ = [
     "parse_bytes",
     "register_cache",
     "serving",
+    "sleep",
     "uninstall",
     "unregister_cache",
+    "wake",
 ]
+
+
+def sleep(manager: Any) -> int:
+    """Releases every page of the vmem cache under ``manager`` (a started continuous-batching
+    manager, or its :class:`VmemCBCache`) while no request runs, as vLLM's sleep level 1:
+    in a pool, the memory is credited to the ledger at once. The engine, its rows and tensor
+    addresses stay; the next request wakes it (its first round maps again), or :func:`wake`.
+    Returns the bytes released. Refused (:class:`InvalidArgument`, nothing released) while
+    requests hold KV: let them finish first."""
+    return tenancy.sleep(tenancy.engine_cache(manager))
+
+
+def wake(manager: Any) -> None:
+    """Wakes the vmem cache under ``manager`` (see :func:`sleep`); nothing when awake."""
+    tenancy.wake(tenancy.engine_cache(manager))
 
 
 def _vmem_cache(request: CacheRequest) -> VmemCBCache:

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 from typing import Any
 
 import torch
 
 from .. import KVCache
 from .._vmem import InvalidArgument, VmemError
+from . import tenancy
 from .fa import FaReader
 from .flex import FlexReader
 from .options import Options
@@ -121,10 +123,11 @@ class VmemCBCache:
             layers=layers, kv_heads=g.kv_heads, head_dim=g.head_dim, dtype=str(dtype), max_batch=g.rows,
             max_context=g.max_context, page_size=g.page_bytes, layout=self.layout,
             backend="host" if on_cpu else "cuda", device=0 if on_cpu else (self.device.index or 0),
-            memory_cap=g.cap, prealloc=g.cap if options.prealloc else 0, overlap=False, deferred_reclaim=False,
-            eager_tokens=0, zero_page=on_cpu or (self.kernel == "flex" and not g.compiled),
-            prefix_cache=g.prefix_cap(self.sharing, options.prefix_cache),
+            memory_cap=g.cap, prealloc=g.cap if options.prealloc and options.pool is None else 0, overlap=False,
+            deferred_reclaim=False, eager_tokens=0, zero_page=on_cpu or (self.kernel == "flex" and not g.compiled),
+            prefix_cache=g.prefix_cap(self.sharing, options.prefix_cache), pool=options.pool,
         )
+        self.lock = threading.Lock()  # a round's mapping against sleep (tenancy.py)
         if int(self.kv.config()["tokens_per_page"]) != g.tokens_per_page:
             raise VmemError(f"vmem reports {self.kv.config()['tokens_per_page']} tokens per page, "
                             f"expected {g.tokens_per_page}")
@@ -201,10 +204,11 @@ class VmemCBCache:
     def get_num_free_blocks(self) -> int:
         """Blocks not held by any request (exact). With sharing, a block several requests map
         counts once, and cached blocks no request maps count as free (a step evicts them)."""
+        budget = tenancy.budget_blocks(self)  # num_blocks, or fewer in a pool (its limit, its room)
         if not self.sharing:
-            return self.num_blocks - self.table.used_blocks
+            return budget - self.table.used_blocks
         mapped_blocks = self.distinct_mapped_bytes() // (self.pages_per_block * self.page_bytes)
-        return self.num_blocks - (mapped_blocks - 1) - self.table.pending_blocks  # less the trash row's block
+        return budget - (mapped_blocks - 1) - self.table.pending_blocks  # less the trash row's block
 
     def blocks_needed(self, num_requested_blocks: int, allocated_blocks: int) -> int:
         return num_requested_blocks
@@ -223,6 +227,8 @@ class VmemCBCache:
         try:
             if n_blocks <= 0:
                 return 0
+            if self.kv.asleep:
+                tenancy.wake(self)  # a request after sleep(): the cache wakes for it
             if n_blocks > self.get_num_free_blocks():
                 return None
             row = self.table.get(request_id)
@@ -253,9 +259,11 @@ class VmemCBCache:
     def flush(self) -> None:
         """Maps what this round's allocations need (one ``step`` for every row), then zeroes the
         newly mapped blocks (fresh pages hold anything, NaN bit patterns included)."""
-        if not self.table.dirty:
-            return
-        self.kv.step(self.table.lengths)
+        with self.lock:
+            tenancy.on_round(self)  # wakes a sleeping cache; in a pool, follows its limit
+            if not self.table.dirty:
+                return
+            tenancy.step(self)
         for index, old, new in self.table.mapped():
             for k, v in zip(self._k4, self._v4):
                 k[index, old:new].zero_()
@@ -297,6 +305,8 @@ class VmemCBCache:
         blocks it would map are the memory this round's allocations counted on)."""
         if not self.sharing or request_id in self.table:
             return 0  # a pending request holds no row; one that does keeps what it has
+        if self.kv.asleep:
+            tenancy.wake(self)
         index = None
         try:
             index = self.kv.alloc()

@@ -20,6 +20,7 @@ from .._args import (
     check_size,
 )
 from .._vmem import InvalidArgument
+from ..pool import Join
 
 #: The kernels ``paged|vmem`` can read its rows with: ``"fa"`` (torch's FlashAttention-2 varlen
 #: op, the default) or ``"flex"`` (FlexAttention with a BlockMask).
@@ -51,6 +52,12 @@ class Options:
     * ``compile``: compile the Flex kernel; ``None`` (default): on CUDA;
     * ``prefix_cache``: bytes of cached prefix pages no request maps; ``None`` (default): the
       whole budget.
+    * ``pool``: join a shared pool (docs/multitenant.md): a :class:`vmem.pool.Join` (tenant
+      name, optional limit, optional ledger path) or a tenant name (default limit, ledger
+      ``$VMEM_POOL`` or ``/dev/shm/vmem-pool``); ``None`` (default): no pool. In a pool, pages
+      are created as they are mapped (``prealloc`` is ignored), requests get blocks within the
+      tenant's limit, and a limit lowered while it serves makes the cache shrink (prefix cache,
+      idle pages, then the engine preempts requests) rather than fail.
 
     Made once (``Options(**kw)`` validates and canonicalizes: sizes become ints); frozen.
     Strings are never bools and floats never ints (:mod:`vmem._args`).
@@ -65,6 +72,7 @@ class Options:
     compile: bool | None = None
     kernel: str = "fa"
     prefix_cache: Any = None
+    pool: Any = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: the canonical values are set once, here
@@ -82,6 +90,7 @@ class Options:
         set_(self, "compile", check_optional_bool("compile", self.compile))
         set_(self, "kernel", check_choice("kernel", self.kernel, KERNELS))
         set_(self, "prefix_cache", check_optional_size("prefix_cache", self.prefix_cache))
+        set_(self, "pool", Join.of(self.pool))
         if self.kernel == "fa" and self.max_context is not None and (self.max_requests + 1) * self.max_context >= 2**31:
             # FlashAttention's cu_seqlens_k are int32 row starts (sizing.Geometry checks the same
             # once max_context is rounded to whole blocks, or taken from the model).

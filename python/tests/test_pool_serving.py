@@ -1,0 +1,175 @@
+"""The transformers engine's cache as a tenant of a shared pool, on the CPU (host backend, fp32):
+a limit lowered while it serves makes it shrink (prefix cache first, then the engine preempts)
+and the greedy outputs stay those of an unconstrained run; sleep and wake between batches.
+
+Needs torch and a transformers vmem serves (as test_transformers_cb.py)."""
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (CI has no torch)")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+import tf_engine as eng
+
+eng.skip_unless_served()
+
+from harness import check as h
+
+import vmem
+import vmem.transformers as vt
+from vmem import pool
+from vmem.transformers import tenancy
+
+NEW = 60
+LONG = 160  # every running request crosses a block boundary after the limit changes
+SYSTEM = 200  # a shared prompt: 3 full token-major blocks of 64 tokens
+SUFFIXES = [5, 40, 70, 17, 33, 50]
+OPTS = dict(page_size="64K", max_requests=4, max_context=1024, memory="8M", layout="token-major")
+
+
+@pytest.fixture(autouse=True)
+def _fake_memory():
+    h.fake_cpu_memory()
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    path = str(tmp_path / "pool")
+    return pool.create(path, size="64M")
+
+
+def _prompts(vocab):
+    system = h.make_prompts(1, [SYSTEM], vocab, seed=7)[0]
+    return [system + p for p in h.make_prompts(len(SUFFIXES), SUFFIXES, vocab, seed=8)]
+
+
+def _run(model, prompts, new=NEW, primers=0, **opts):
+    stagger = None if primers else [0] + [1] * (len(prompts) - 1)  # the first request's prompt is published first
+    with vt.serving(**dict(OPTS, **opts)):
+        return h.run_engine(model, vt.VMEM_ATTENTION, prompts, new, stagger=stagger, streaming=not primers,
+                            primers=primers,
+                            cb_kwargs=dict(max_batch_tokens=64, allow_block_sharing=True))
+
+
+def _tokens(run):
+    return {rid: list(run["results"][rid].generated_tokens) for rid in run["ids"]}
+
+
+def test_a_limit_lowered_mid_run_evicts_the_prefix_cache_then_preempts_and_outputs_stay_greedy(ledger, monkeypatch):
+    """An unconstrained run, then the same requests in a pool. The first request runs alone to
+    the end (its blocks stay cached, unmapped), then 4 of the others run together; 20 rounds
+    later the operator lowers the tenant's limit to 11 blocks, below what it holds: the cache
+    first gives back the prefix cache's unmapped blocks, then the engine preempts requests
+    (soft reset) until the rest fit; every request's greedy tokens equal the unconstrained
+    run's, and the tenant ends within its limit."""
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = _prompts(model.config.vocab_size)
+    free = _run(model, prompts, new=LONG, primers=1)
+    assert free["cache"].readmissions == 0
+
+    rounds = {"n": 0, "four": None, "changed_at": None, "first_preemption": None, "evicted_at_preemption": None}
+    real = tenancy.on_round
+
+    def on_round(cache):
+        real(cache)
+        rounds["n"] += 1
+        block = cache.geometry.block_bytes
+        unmapped = cache.kv.prefix_stats()["unmapped_bytes"]
+        if rounds["four"] is None and len(cache.table) == 4:
+            rounds["four"] = rounds["n"]
+        if rounds["changed_at"] is None and rounds["four"] and rounds["n"] == rounds["four"] + 20:
+            rounds["unmapped"] = unmapped // block
+            rounds["held"] = cache.kv.tenant().usage // block
+            ledger.set_limit("svc", 11 * block)  # 10 blocks for requests (one needs 7 at most), 1 for the trash row
+            rounds["changed_at"] = rounds["n"]
+        if rounds["first_preemption"] is None and cache.readmissions > 0:
+            rounds["first_preemption"] = rounds["n"]
+            rounds["evicted_at_preemption"] = cache.kv.prefix_stats()["evicted_blocks"]
+
+    monkeypatch.setattr(tenancy, "on_round", on_round)
+    run = _run(model, prompts, new=LONG, primers=1, pool=pool.Join("svc", ledger=ledger.path))
+    cache = run["cache"]
+    assert run["error"] is None, run["error"]
+    assert _tokens(run) == _tokens(free)
+    assert rounds["changed_at"] is not None and rounds["held"] > 11 and rounds["unmapped"] > 0, rounds
+    assert rounds["first_preemption"] is not None, rounds
+    assert rounds["first_preemption"] > rounds["changed_at"], rounds
+    # The prefix cache gave its blocks back before any request was preempted.
+    assert rounds["evicted_at_preemption"] > 0, rounds
+    t = cache.kv.tenant()
+    assert t.limit == 11 * cache.geometry.block_bytes and t.usage <= t.limit, t
+    assert ledger.status().tenant("svc").peak == rounds["held"] * cache.geometry.block_bytes
+
+
+def test_a_pool_limit_bounds_the_engines_blocks_and_a_raised_one_grows_at_once(ledger):
+    """A tenant limit of 8 blocks: the engine may hold 7 (one is the trash row's; a request
+    needs 6 at most) and serves everything, preempting; a raised limit shows in the free blocks
+    at once."""
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = _prompts(model.config.vocab_size)[:3]
+    block = 64 * 1024  # token-major, 64K pages: one page a block
+    run = _run(model, prompts, pool=pool.Join("small", limit=8 * block, ledger=ledger.path))
+    cache = run["cache"]
+    assert run["error"] is None and len(run["results"]) == 3
+    assert tenancy.budget_blocks(cache) == 7
+    assert ledger.status().tenant("small").peak <= 8 * block
+    ledger.set_limit("small", 20 * block)
+    assert tenancy.budget_blocks(cache) == 19
+
+
+def test_sleep_releases_every_page_to_the_pool_and_the_next_batch_wakes_it(ledger):
+    """After a batch: sleep leaves 0 bytes charged and 0 created, with every tensor at its
+    address; a second batch on the same engine wakes it and gives the same tokens as the first
+    (the same prompts). Sleep is refused while a request holds a row."""
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = _prompts(model.config.vocab_size)[:3]
+    gen = transformers.GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.set_attn_implementation(vt.VMEM_ATTENTION)
+    with vt.serving(**dict(OPTS, pool=pool.Join("sleeper", ledger=ledger.path))):
+        mgr = model.init_continuous_batching(generation_config=gen)
+        mgr.start()
+        try:
+            first = _collect(mgr, prompts, "a")
+            cache = tenancy.engine_cache(mgr)
+            ptrs = [t.data_ptr() for t in cache.key_cache + cache.value_cache]
+            assert ledger.status().tenant("sleeper").usage > 0
+            released = vt.sleep(mgr)
+            assert released > 0 and cache.kv.asleep
+            assert ledger.status().tenant("sleeper").usage == 0
+            u = cache.kv.usage()
+            assert u["physical_bytes"] == 0 and u["mapped_bytes"] == 0, u
+            assert vt.sleep(mgr) == 0  # asleep already
+            second = _collect(mgr, prompts, "b")
+            assert not cache.kv.asleep
+            assert [t.data_ptr() for t in cache.key_cache + cache.value_cache] == ptrs
+            assert second == first
+            cache.table.admit("held", cache.kv.alloc())  # a request holding a row
+            with pytest.raises(vmem.InvalidArgument, match="1 request"):
+                vt.sleep(cache)
+            assert not cache.kv.asleep
+            cache.free_blocks("held")
+            vt.sleep(cache)
+            vt.wake(mgr)
+            assert not cache.kv.asleep and cache.kv.usage()["mapped_bytes"] == cache.trash_bytes()
+        finally:
+            mgr.stop(block=True)
+    with pytest.raises(vmem.VmemError, match="neither a vmem engine cache"):
+        vt.sleep(object())
+
+
+def _collect(mgr, prompts, prefix):
+    ids = [f"{prefix}{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        mgr.add_request(p, request_id=rid)
+    out = {}
+    for _ in ids:
+        r = mgr.get_result(timeout=120)
+        assert r is not None, "the engine returned no result"
+        out[r.request_id[len(prefix):]] = list(r.generated_tokens)
+    return out
+
+
+@pytest.mark.parametrize("bad", [3, True, "", object()])
+def test_a_bad_pool_option_is_refused_when_the_options_are_made(bad):
+    with pytest.raises(vmem.PoolError):
+        vt.Options(pool=bad)
+    assert vt.Options(pool="name").pool == pool.Join("name")
