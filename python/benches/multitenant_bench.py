@@ -238,6 +238,8 @@ def serve_all(args: argparse.Namespace, fl: fleet.Fleet, pool: Any, per_tenant: 
                    f"{device}"),
         "runs": []}
     for n, run in enumerate(runs):
+        if n:
+            fl.wait_start(run.key, args.timeout)  # the tenants may build this run's engines now
         epoch = fl.wait_start(run.key, args.timeout)
         log(f"run {run.key}: started")
         sampler = fleet.Sampler(fl, epoch, pool if run.mode == "pool" else None)

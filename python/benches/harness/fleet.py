@@ -73,8 +73,9 @@ class Fleet:
         return out
 
     def wait_start(self, run: str, timeout_s: float) -> float:
-        """Waits until every live tenant is ready for ``run`` and releases them together; returns
-        the release time (``time.time()``). A tenant that dies first, or ``timeout_s``, raises."""
+        """Waits until every live tenant is at the barrier for ``run`` (ready to start its clock,
+        or done with the run before) and releases them together; returns the release time
+        (``time.time()``). A tenant that dies first, or ``timeout_s``, raises."""
         released: dict[str, Any] = {}
 
         def wait() -> None:
@@ -210,4 +211,5 @@ class KillCheck:
                 break
             time.sleep(0.005)
         self.report = {"victim": name, "at_s": elapsed_s, "held_bytes": held, "ledger_back_s": ledger_back,
-                       "gpu_back_s": gpu_back, "target_s": 1.0, "finished_before_kill": False}
+                       "gpu_back_s": gpu_back, "target_s": 1.0, "finished_before_kill": False,
+                       "gpu": free0 is not None}

@@ -2,8 +2,9 @@
 vmem, serving its arrivals run after run (static partition or pool), results to JSON files.
 
 Started by :mod:`harness.fleet` (multiprocessing, spawn) with a :class:`TenantJob`. The model
-is built once; every run builds a fresh engine (the run's vmem options), serves two short
-primers (kernels warm), waits at the shared barrier (every tenant starts its clock together),
+is built once; every run waits at the shared barrier until every tenant's result of the run
+before is in, builds a fresh engine (the run's vmem options), serves two short primers
+(kernels warm), waits at the barrier again (every tenant starts its clock together),
 adds each request at its arrival time, and writes ``<run>-<index>.json`` once the engine is
 gone (its memory given back). Any failure is written there as ``error`` and the process exits
 1; a parent that went away ends it (exit 3).
@@ -132,8 +133,12 @@ def main(job: TenantJob, barrier: Any, usage: Any) -> None:
         dtype = torch.float32 if job.serving.tiny else torch.bfloat16
         model = random_model(tenant_config(job.spec.shape, job.spec.layers, job.serving.tiny), dtype, device,
                              seed=job.spec.seed)
-        for run in job.runs:
+        for k, run in enumerate(job.runs):
             key = run.key
+            if k:
+                # Every tenant's result of the run before is in: no engine of this run holds
+                # memory while the parent still samples that one.
+                barrier.wait(timeout=job.serving.timeout_s)
             out = serve_run(job, run, model, barrier, usage)
             write_json(result_path(job.out_dir, run.key, job.index), out)
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent, then exit 1
