@@ -68,7 +68,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=None, help="at most this many requests per tenant")
     ap.add_argument("--max-prompt", type=int, default=None, help="prompt cap, tokens (default 2048, --tiny 48)")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 32, --tiny 4")
-    ap.add_argument("--layout", default="per-layer", choices=["per-layer", "token-major"])
+    ap.add_argument("--layout", default="token-major", choices=["per-layer", "token-major"],
+                    help="token-major (default): a 2 MiB page holds tokens of every layer, so a short request "
+                         "holds a few pages, not one per layer")
     ap.add_argument("--page-size", default=None, help="default 2M, --tiny 64K")
     ap.add_argument("--max-rows", type=int, default=128, help="vmem rows per tenant (requests holding KV)")
     ap.add_argument("--max-context", type=int, default=None, help="default 4096, --tiny 128")
@@ -138,15 +140,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def check_share(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses (usage error) a static third too small for one longest request plus the trash row
-    of the hungriest tenant, counted in whole pages per layer (K and V)."""
+    of the hungriest tenant, in whole pages: per layer and K/V (per-layer), or of every layer
+    (token-major); a page more for the trash row."""
     from harness.models import tenant_config
 
     item = 4 if args.tiny else 2
+    page = args.page_size_bytes
     for t in tenant_plan.TENANTS:
         cfg = tenant_config(t.shape, t.layers, args.tiny)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        row = (args.max_prompt + args.new_tokens) * cfg.num_key_value_heads * head_dim * item
-        need = 2 * cfg.num_hidden_layers * (math.ceil(row / args.page_size_bytes) + 1) * args.page_size_bytes
+        row = (args.max_prompt + args.new_tokens) * cfg.num_key_value_heads * head_dim * item  # one layer's K
+        if args.layout == "per-layer":
+            need = 2 * cfg.num_hidden_layers * (math.ceil(row / page) + 1) * page
+        else:
+            if page % (2 * cfg.num_hidden_layers * row // (args.max_prompt + args.new_tokens)):
+                ap.error(f"--page-size {args.page_size}: not a multiple of a token's K and V of every layer of "
+                         f"{t.name}, as --layout token-major needs")
+            need = (math.ceil(2 * cfg.num_hidden_layers * row / page) + 1) * page
         if args.total_bytes // 3 < need:
             ap.error(f"--total {args.total}: a third ({args.total_bytes // 3} bytes) cannot hold one request of "
                      f"{args.max_prompt + args.new_tokens} tokens of {t.name} ({need} bytes in "

@@ -60,8 +60,8 @@ def qwen25_7b_config(layers: int = 8, max_position_embeddings: int = 32768,
 
 
 def tiny_config(shape: str, tokens: tuple[int | None, int | None, int | None] = SERVING_TOKENS) -> Any:
-    """A tiny CPU stand-in of one of :data:`TENANT_SHAPES` (vocab 256, 2-3 layers, KV heads and
-    head dims that differ as the real shapes' do)."""
+    """A tiny CPU stand-in of one of :data:`TENANT_SHAPES` (vocab 256, 2-4 layers, KV heads and
+    head dims that differ as the real shapes' do; a token's K and V of every layer divide 64 KiB)."""
     from transformers import LlamaConfig, Qwen2Config
 
     bos, eos, pad = tokens
@@ -70,7 +70,7 @@ def tiny_config(shape: str, tokens: tuple[int | None, int | None, int | None] = 
     if shape == "llama3-8b":
         return tiny_llama_config(tokens)
     if shape == "llama3.2-1b":
-        return LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
+        return LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
                            num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, **common)
     if shape == "qwen2.5-7b":
         return Qwen2Config(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=3,
