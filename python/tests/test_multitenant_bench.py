@@ -172,3 +172,60 @@ def test_a_run_that_cannot_finish_exits_1_and_leaves_nothing(tmp_path) -> None:
     assert done.returncode == 1, done.stderr[-3000:]
     assert "error: run bursty-static: tenants not ready after" in done.stderr
     assert_nothing_left(tmp_path, pids)
+
+
+def fake_run(key: str, scenario: str, mode: str, ttft_s: list[list[float]], tok_s: list[float],
+             held: list[float]) -> dict:
+    tenants = [{"index": i, "tenant": f"t{i}", "scenario": scenario, "mode": mode, "requests": len(t),
+                "completed": len(t), "ttft_s": t, "ttft_p50_ms": 1e3 * sorted(t)[len(t) // 2],
+                "ttft_p99_ms": 1e3 * max(t), "tok_s": s, "preemptions": 0, "peak_mapped_bytes": 2**20,
+                "idle_held_bytes": 2 * 65536, "page_bytes": 65536} for i, (t, s) in enumerate(zip(ttft_s, tok_s))]
+    return {"key": key, "scenario": scenario, "mode": mode, "tenants": tenants,
+            "samples": [{"t": 0.0, "held": held, "pool_used": int(sum(held))}, {"t": 0.1, "held": [0.0] * 2}]}
+
+
+def test_report_ratios_merge_and_outputs(tmp_path) -> None:
+    from harness import tenant_report as rep
+
+    meta = {"tenants": [{"name": "t0"}, {"name": "t1"}], "pool_total": 2**30, "device": "cpu", "header": "h"}
+    static = fake_run("bursty-static", "bursty", "static", [[0.4, 0.8], [0.2]], [100.0, 50.0], [5.0, 7.0])
+    pool = fake_run("bursty-pool", "bursty", "pool", [[0.1, 0.2], [0.2]], [110.0, 50.0], [9.0, 3.0])
+    kill = dict(fake_run("kill", "bursty", "pool", [[0.1]], [10.0], [1.0, 0.0]),
+                kill={"victim": "t1", "at_s": 1.0, "held_bytes": 2**20, "ledger_back_s": 0.01, "gpu_back_s": None,
+                      "target_s": 1.0, "gpu": False})
+    doc = rep.summarize(rep.merge([{**meta, "runs": [static]}, {**meta, "runs": [pool, kill]}]))
+    assert [(r["mode"], r["tenant"]) for r in doc["rows"]] == [(m, t) for m in ("static", "pool")
+                                                               for t in ("t0", "t1", "all")]
+    by = {(r["tenant"]): r for r in doc["ratios"]}
+    assert by["t0"]["ttft_p99 static/pool"] == "4.00x" and by["t0"]["tok_s pool/static"] == "1.10x"
+    assert by["all"]["ttft_p99_static_ms"] == pytest.approx(800.0) and by["all"]["tok_s_pool"] == 160.0
+    assert doc["runs"][1]["pool_max_used"] == 12 and doc["runs"][0]["held_sum_max"] == 12.0
+    assert doc["kill"]["others_completed"] == 1 and doc["kill"]["others_errors"] == []
+    assert [r["peak_held_mib"] for r in doc["rows"] if r["tenant"] != "all"] == [5 / 2**20, 7 / 2**20,
+                                                                                  9 / 2**20, 3 / 2**20]
+    text = rep.write_outputs(str(tmp_path), doc)
+    assert "4.00x" in text and "ledger back in 10.0 ms" in text and "n/a (no GPU)" in text
+    assert json.loads((tmp_path / "multitenant.json").read_text())["ratios"] == doc["ratios"]
+    assert ET.fromstring((tmp_path / "multitenant.svg").read_text()).tag.endswith("svg")
+    with pytest.raises(ValueError, match="two parts"):
+        rep.merge([{**meta, "runs": [static]}, {**meta, "runs": [static]}])
+    with pytest.raises(ValueError, match="differ"):
+        rep.merge([{**meta, "runs": [static]}, {**meta, "pool_total": 1, "runs": [pool]}])
+
+
+def test_merge_flag_joins_parts_and_refuses_bad_files(tmp_path, capsys) -> None:
+    pytest.importorskip("transformers", reason="the bench imports transformers' configs")
+    import multitenant_bench
+
+    meta = {"tenants": [{"name": "t0"}, {"name": "t1"}], "pool_total": 2**30, "device": "cpu", "header": "h"}
+    parts = []
+    for k, run in enumerate((fake_run("bursty-static", "bursty", "static", [[0.4], [0.2]], [1.0, 2.0], [1.0, 1.0]),
+                             fake_run("bursty-pool", "bursty", "pool", [[0.1], [0.2]], [1.0, 2.0], [1.0, 1.0]))):
+        p = tmp_path / f"part{k}.json"
+        p.write_text(json.dumps({**meta, "runs": [run]}))
+        parts.append(str(p))
+    assert multitenant_bench.main(["--merge", *parts, "--out", str(tmp_path / "merged")]) == 0
+    assert "4.00x" in (tmp_path / "merged" / "multitenant.txt").read_text()
+    assert multitenant_bench.main(["--merge", parts[0], parts[0], "--out", str(tmp_path / "m2")]) == 1
+    assert "two parts" in capsys.readouterr().err
+    assert multitenant_bench.main(["--merge", str(tmp_path / "absent.json"), "--out", str(tmp_path / "m3")]) == 1
