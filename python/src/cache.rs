@@ -326,6 +326,12 @@ impl KVCache {
         Ok((r.prefix_pages, r.idle_pages, r.request_pages))
     }
 
+    /// Gives every idle page back to the backend; returns the pages released.
+    fn release_idle(&self, py: Python<'_>) -> PyResult<u64> {
+        let inner = self.get()?;
+        py.detach(|| inner.kv.release_free_pages()).map_err(py_err)
+    }
+
     /// Sets the cap on physical memory without creating pages; returns the pages released.
     fn set_memory_cap(&self, py: Python<'_>, bytes: &Bound<'_, PyAny>) -> PyResult<u64> {
         let inner = self.get()?;
@@ -348,6 +354,15 @@ impl KVCache {
     /// Whether the cache is asleep.
     fn is_asleep(&self) -> PyResult<bool> {
         Ok(self.get()?.kv.is_asleep())
+    }
+
+    /// `(limit revision, limit, bytes over the limit)` of the pool tenant, or `None`: three
+    /// atomic loads, for a check every step.
+    fn pool_poll(&self) -> PyResult<Option<(u64, u64, u64)>> {
+        Ok(self.get()?.pool.as_deref().map(|b| {
+            let t = b.tenant();
+            (t.limit_revision(), t.limit(), t.over_limit().unwrap_or(0))
+        }))
     }
 
     /// The pool tenant's own slot (name, limit, usage, revision, over_limit), or `None`.

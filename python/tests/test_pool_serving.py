@@ -111,6 +111,10 @@ def test_a_pool_limit_bounds_the_engines_blocks_and_a_raised_one_grows_at_once(l
     cache = run["cache"]
     assert run["error"] is None and len(run["results"]) == 3
     assert tenancy.budget_blocks(cache) == 7
+    # Idle: the trash row's block and the prefix cache's unmapped blocks, no idle reserve.
+    u = cache.kv.usage()
+    assert u["pool_free_pages"] == 0, u
+    assert cache.kv.tenant().usage == cache.trash_bytes() + cache.kv.prefix_stats()["unmapped_bytes"]
     assert ledger.status().tenant("small").peak <= 8 * block
     ledger.set_limit("small", 20 * block)
     assert tenancy.budget_blocks(cache) == 19

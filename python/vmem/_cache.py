@@ -180,6 +180,7 @@ class KVCache(MemoryControl):
             prefix_cache=prefix_bytes, pool=None if join is None else join.args(),
         )
         self._configured_cap = int(self._rs.config()["memory_cap"])
+        self._pooled = join is not None
         if join is not None:
             self.shrink_to_limit()  # the cap follows the limit from the start
         if gpu_required and self._rs.config()["backend"] not in ("cuda", "uvm"):
@@ -188,6 +189,8 @@ class KVCache(MemoryControl):
             raise BackendUnavailable(f"no GPU backend for device {str(device)!r}: {reason}")
 
     # -- requests ---------------------------------------------------------------------------
+    _pooled = False
+
     def alloc(self) -> int:
         """Hands out a request id (0 <= id < max_batch), preferring a pre-mapped one."""
         return self._rs.alloc()
@@ -210,8 +213,12 @@ class KVCache(MemoryControl):
         """Maps what every active request needs for its length: a list (or NumPy array, or
         CPU tensor) with one length per id, 0 for inactive ids, or a dict ``{id: length}``.
         Releases the GIL. Raises :class:`OutOfMemory` having mapped nothing when the pool
-        cannot cover it. Returns ``(sync_pages, background_pages, reclaimed_pages)``."""
-        return self._rs.step(_args.lengths(lengths, self._max_batch))
+        cannot cover it. Returns ``(sync_pages, background_pages, reclaimed_pages)``. In a pool,
+        it first follows the tenant's limit (:meth:`shrink_to_limit`)."""
+        lens = _args.lengths(lengths, self._max_batch)
+        if self._pooled:
+            self.shrink_to_limit()  # a limit changed by the operator: the cap follows it
+        return self._rs.step(lens)
 
     def wait_idle(self) -> None:
         """Waits (GIL released) until the background thread finished its work."""

@@ -65,6 +65,12 @@ class MemoryControl:
         out["total"] = sum(out.values())
         return out
 
+    def release_idle(self) -> int:
+        """Gives the idle pages (created, mapped nowhere: the reserve a freed request leaves
+        when ``deferred_reclaim`` is off) back to the backend now; in a pool, to the pool.
+        Returns the bytes released."""
+        return int(self._rs.release_idle()) * int(self._rs.config()["page_size"])
+
     def set_memory_cap(self, size: Any) -> int:
         """Sets the cap on physical memory to ``size`` bytes (whole pages, at least one)
         without creating pages; a lower cap releases idle pages down to it (mapped pages stay:
@@ -79,17 +85,17 @@ class MemoryControl:
         When the cache holds more than its limit, it gives back what no live request needs
         (:meth:`shrink`: prefix blocks first, then idle pages, then freed requests' pages).
         Returns the bytes it still holds above the limit: 0, or what the owner must free by
-        ending or preempting requests (then call it again). Cheap when nothing changed: two
-        atomic reads. 0 when not in a pool."""
-        t = self._rs.tenant()
-        if t is None:
+        ending or preempting requests (then call it again). Cheap when nothing changed (three
+        atomic reads); :meth:`step` calls it first. 0 when not in a pool."""
+        poll = self._rs.pool_poll()
+        if poll is None:
             return 0
-        if t["revision"] != self._followed_revision:
+        revision, limit, over = poll
+        if revision != self._followed_revision:
             page = int(self._rs.config()["page_size"])
-            cap = min(self._configured_cap or t["limit"], t["limit"])
+            cap = min(self._configured_cap or limit, limit)
             self._rs.set_memory_cap(max(cap, page))
-            self._followed_revision = t["revision"]
-        over = int(t["over_limit"])
+            self._followed_revision = revision
         if over == 0:
             return 0
         self.shrink(over)

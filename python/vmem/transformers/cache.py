@@ -251,6 +251,8 @@ class VmemCBCache:
         index = self.table.release(request_id)
         if index is not None:
             self.kv.free(index)
+            if self.options.pool is not None:
+                self.kv.release_idle()  # a pool tenant keeps no idle reserve: the others may use it
 
     def free_all_requests(self) -> None:
         for request_id in self.table.request_ids():

@@ -9,6 +9,8 @@
   (:meth:`vmem.KVCache.shrink_to_limit`): its cap becomes the limit, and when over it gives
   back first the prefix cache's unmapped blocks, then its idle pages, before any request is
   preempted.
+* **Idle**: a finished request's pages go back to the pool at once (the cache keeps no idle
+  reserve), so an idle tenant holds its trash row's block and its prefix cache only.
 * **Sleep** (:func:`sleep`): with no request running, every page is released (the trash row's
   too; credited to the pool at once); the rows, the tensors' addresses and the engine stay.
   The next request wakes the cache (its first allocation maps the trash row again), or
