@@ -153,8 +153,8 @@ class Fleet:
 
 class Sampler:
     """Memory over time, one row per call: seconds since ``epoch``, each tenant's KV bytes held
-    (the ledger's usage in pool mode, the tenant's own report otherwise), the pool's used bytes
-    and the GPU's free bytes."""
+    (the ledger's usage in pool mode, the tenant's own report otherwise), in pool mode the
+    ledger's peak per tenant and the pool's used bytes, and the GPU's free bytes."""
 
     def __init__(self, fleet: Fleet, epoch: float, pool: Any | None) -> None:
         self.fleet, self.epoch, self.pool = fleet, epoch, pool
@@ -168,8 +168,9 @@ class Sampler:
                                "gpu_free": gpu_free()}
         if self.pool is not None:
             st = self.pool.status()
-            by_name = {t.name: t.usage for t in st.tenants}
-            row["held"] = [float(by_name.get(n, 0)) for n in names]
+            by_name = {t.name: t for t in st.tenants}
+            row["held"] = [float(by_name[n].usage) if n in by_name else 0.0 for n in names]
+            row["peak"] = [float(by_name[n].peak) if n in by_name else 0.0 for n in names]  # between samples too
             row["pool_used"] = st.used
         self.rows.append(row)
 

@@ -21,9 +21,10 @@ COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
 
 
 def tenant_row(res: dict[str, Any], samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One table row of tenant result ``res``; its peak held bytes from ``samples``."""
+    """One table row of tenant result ``res``; its peak held bytes from ``samples`` (the most
+    held in a sample or, in pool mode, the ledger's own peak, which sees between samples)."""
     i = res["index"]
-    held = [s["held"][i] for s in samples]
+    held = [s["held"][i] for s in samples] + [s["peak"][i] for s in samples if "peak" in s]
     return {"scenario": res["scenario"], "mode": res["mode"], "tenant": res["tenant"], "requests": res["requests"],
             "completed": res["completed"], "ttft_p50_ms": res["ttft_p50_ms"], "ttft_p99_ms": res["ttft_p99_ms"],
             "tok_s": res["tok_s"], "preemptions": res["preemptions"],
