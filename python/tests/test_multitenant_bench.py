@@ -92,9 +92,11 @@ def test_bad_flags_are_one_usage_line_before_any_process(flags, tmp_path, capsys
     assert ": error: " in last and flags[0] in last, last
 
 
-def run_bench(tmp_path, *flags: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, set[int]]:
+def run_bench(tmp_path, *flags: str, timeout: float = 600,
+              kill_after_s: float | None = None) -> tuple[subprocess.CompletedProcess, set[int]]:
     """Runs the bench (``--tiny``) with ``TMPDIR`` in ``tmp_path``; returns the finished process
-    and every descendant pid seen while it ran."""
+    and every descendant pid seen while it ran. ``kill_after_s``: SIGKILL one tenant process
+    that long after all three were seen (from outside: the bench did not ask for it)."""
     psutil = pytest.importorskip("psutil")
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -104,11 +106,19 @@ def run_bench(tmp_path, *flags: str, timeout: float = 600) -> tuple[subprocess.C
     seen: set[int] = set()
     deadline = time.monotonic() + timeout
     me = psutil.Process(proc.pid)
+    all_seen = None
     while proc.poll() is None and time.monotonic() < deadline:
         try:
-            seen |= {c.pid for c in me.children(recursive=True)}
+            children = me.children(recursive=True)
+            seen |= {c.pid for c in children}
+            tenants = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
         except psutil.NoSuchProcess:
             break
+        if kill_after_s is not None and len(tenants) >= 3:
+            all_seen = all_seen or time.monotonic()
+            if time.monotonic() - all_seen > kill_after_s:
+                tenants[0].kill()
+                kill_after_s = None
         time.sleep(0.2)
     out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), seen
@@ -246,3 +256,14 @@ def test_merge_flag_joins_parts_and_refuses_bad_files(tmp_path, capsys) -> None:
     assert multitenant_bench.main(["--merge", parts[0], parts[0], "--out", str(tmp_path / "m2")]) == 1
     assert "two parts" in capsys.readouterr().err
     assert multitenant_bench.main(["--merge", str(tmp_path / "absent.json"), "--out", str(tmp_path / "m3")]) == 1
+
+
+def test_a_tenant_killed_from_outside_ends_the_bench_with_exit_1(tmp_path) -> None:
+    """A tenant that dies without the bench asking (here SIGKILL from outside, during its start
+    or a run) is reported by name and the bench exits 1, the other tenants ended."""
+    pytest.importorskip("transformers")
+    done, pids = run_bench(tmp_path, timeout=300, kill_after_s=3.0)
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: tenant ") and " exited with -9 in run " in last, last
+    assert_nothing_left(tmp_path, pids)
