@@ -131,9 +131,10 @@ def text_report(rows: Sequence[dict[str, Any]], kill: dict[str, Any] | None, hea
         parts += ["", f"kill check: not made, {kill['victim']} had finished its requests at {kill['at_s']:.1f} s "
                       "(lower --kill-at)"]
     elif kill:
+        gpu = fmt_s(kill["gpu_back_s"]) if kill.get("gpu") else "n/a (no GPU)"
         parts += ["", f"kill check: SIGKILL {kill['victim']} at {kill['at_s']:.1f} s holding "
                       f"{kill['held_bytes'] / 2**20:.1f} MiB; ledger back in {fmt_s(kill['ledger_back_s'])}, "
-                      f"GPU memory back in {fmt_s(kill['gpu_back_s']) if kill.get('gpu') else 'n/a (no GPU)'} (target {kill['target_s']} s); "
+                      f"GPU memory back in {gpu} (target {kill['target_s']} s); "
                       f"others completed {kill['others_completed']} of {kill['others_requests']} requests, "
                       f"errors: {kill['others_errors'] or 'none'}"]
     return "\n".join(parts)
