@@ -169,3 +169,67 @@ def test_sleep_releases_every_page_to_the_pool_keeps_addresses_and_wake_serves_t
     assert float(K[r, :300].sum()) == first
     kv.free(r)
     kv.close()
+
+
+def test_sleep_and_wake_racing_steps_and_map_ahead_on_other_threads_never_fault(p, path):
+    """A thread steps and maps ahead (background mapping on) while another sleeps and wakes the
+    cache: every call either works or is refused with Asleep (or OutOfMemory), nothing faults,
+    and at the end the ledger charges exactly the pages the cache holds."""
+    import threading
+
+    kv = _cache(path, "racer", overlap=True, eager_tokens=256, zero_page=True)
+    errors, stop, calls = [], threading.Event(), {"ok": 0, "asleep": 0}
+
+    def worker():
+        rng = np.random.default_rng(0)
+        while not stop.is_set():
+            r = None
+            try:
+                r = kv.alloc()
+                kv.map_ahead(r, int(rng.integers(1, 1024)))
+                kv.step({r: int(rng.integers(1, 1024))})
+                calls["ok"] += 1
+            except (vmem.Asleep, vmem.OutOfMemory):
+                calls["asleep"] += 1
+            except vmem.VmemError as e:
+                errors.append(e)
+            if r is not None:
+                kv.free(r)  # works asleep too (a discarded request keeps its id)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    try:
+        import time
+
+        deadline = time.monotonic() + 20
+        n = 0
+        while (n < 200 or calls["ok"] < 20 or calls["asleep"] < 20) and time.monotonic() < deadline:
+            kv.sleep(discard=True)
+            assert kv.usage()["physical_bytes"] == 0
+            time.sleep(0.0002)  # the worker runs into the sleeping cache
+            kv.wake()
+            time.sleep(0.0005)
+            n += 1
+    finally:
+        stop.set()
+        t.join()
+    assert errors == [] and calls["ok"] > 0 and calls["asleep"] > 0, (errors, calls)
+    kv.wait_idle()
+    assert kv.tenant().usage == kv.usage()["physical_bytes"]
+    kv.sleep(discard=True)
+    assert p.status().used == 0
+    kv.close()
+
+
+def test_a_cache_that_fails_to_start_leaves_the_pool_and_a_bad_join_changes_nothing(p, path):
+    with pytest.raises(vmem.OutOfMemory):
+        _cache(path, "big", limit="1M", prealloc="2M")  # prealloc past the limit
+    with pytest.raises(vmem.PoolError, match="exceeds the pool's total"):
+        _cache(path, "huge", limit="1T")
+    with pytest.raises(vmem.PoolError, match="no pool ledger"):
+        _cache(path + "-missing", "x")
+    with pytest.raises(vmem.InvalidArgument):
+        _cache(path, "shape", layers=0)  # a bad shape is refused before joining
+    assert p.status().tenants == () and p.status().used == 0
+    kv = _cache(path, "big", limit="1M")  # the name is free again
+    kv.close()

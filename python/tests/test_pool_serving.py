@@ -133,7 +133,7 @@ def test_sleep_releases_every_page_to_the_pool_and_the_next_batch_wakes_it(ledge
         mgr.start()
         try:
             first = _collect(mgr, prompts, "a")
-            cache = tenancy.engine_cache(mgr)
+            cache = mgr.batch_processor.cache
             ptrs = [t.data_ptr() for t in cache.key_cache + cache.value_cache]
             assert ledger.status().tenant("sleeper").usage > 0
             released = vt.sleep(mgr)

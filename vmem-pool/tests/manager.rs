@@ -72,3 +72,50 @@ fn the_manager_meets_the_tenant_limit_as_out_of_memory_and_grows_when_raised() {
     drop(m);
     assert_eq!(ledger.status().unwrap().used, 0);
 }
+
+#[test]
+fn sleep_credits_every_page_to_the_ledger_and_wake_maps_again() {
+    let dir = Scratch::new("manager-sleep");
+    let path = dir.path("pool");
+    let ledger = Arc::new(Ledger::create(&path, &PoolConfig::new(64 * KIB64).unwrap()).unwrap());
+    let tenant = ledger.join("s", Some(Limit::Bytes(12 * KIB64))).unwrap();
+    let backend = Arc::new(PoolBackend::new(Arc::new(SimBackend::new()), tenant));
+    let cfg = KvConfig::builder()
+        .layers(2)
+        .max_batch(4)
+        .max_context(2048)
+        .kv_heads(1)
+        .head_dim(64)
+        .elem_bytes(2)
+        .page_size(KIB64)
+        .memory_cap(64 * KIB64)
+        .overlap(true)
+        .prefix_cache(Some(64 * KIB64))
+        .build();
+    let m = KvCacheManager::init(backend.clone() as Arc<dyn Backend>, cfg).unwrap();
+    // The cap follows the limit (what KVCache.shrink_to_limit does): pages on demand up to it.
+    m.set_memory_cap(12 * KIB64).unwrap();
+    let a = m.alloc_reqid().unwrap();
+    let mut lens = vec![0u64; 4];
+    lens[a] = 1024;
+    m.step(&lens).unwrap();
+    m.wait_idle();
+    assert!(backend.tenant().usage() > 0);
+    assert!(matches!(
+        m.sleep(false),
+        Err(VmemError::LiveRequests { active: 1 })
+    ));
+    let pages = m.sleep(true).unwrap();
+    assert_eq!(ledger.status().unwrap().used, 0);
+    assert_eq!(backend.live_pages(), 0);
+    assert!(pages > 0);
+    assert!(matches!(m.step(&lens), Err(VmemError::Asleep)));
+    m.wake();
+    m.step(&lens).unwrap();
+    assert_eq!(
+        backend.tenant().usage(),
+        backend.live_pages() as u64 * KIB64
+    );
+    drop(m);
+    assert_eq!(ledger.status().unwrap().used, 0);
+}

@@ -86,12 +86,24 @@ def sleep(manager: Any) -> int:
     addresses stay; the next request wakes it (its first round maps again), or :func:`wake`.
     Returns the bytes released. Refused (:class:`InvalidArgument`, nothing released) while
     requests hold KV: let them finish first."""
-    return tenancy.sleep(tenancy.engine_cache(manager))
+    return tenancy.sleep(_engine_cache(manager))
 
 
 def wake(manager: Any) -> None:
     """Wakes the vmem cache under ``manager`` (see :func:`sleep`); nothing when awake."""
-    tenancy.wake(tenancy.engine_cache(manager))
+    tenancy.wake(_engine_cache(manager))
+
+
+def _engine_cache(target: Any) -> VmemCBCache:
+    """The vmem cache behind ``target``: a :class:`VmemCBCache`, or a continuous-batching manager
+    whose engine runs on one (started, with its cache built)."""
+    if isinstance(target, VmemCBCache):
+        return target
+    cache = getattr(getattr(target, "batch_processor", None), "cache", None)
+    if isinstance(cache, VmemCBCache):
+        return cache
+    raise VmemError(f"{target!r} is neither a vmem engine cache nor a manager running on one "
+                    "(start the manager, with attn_implementation='vmem', first)")
 
 
 def _vmem_cache(request: CacheRequest) -> VmemCBCache:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .._vmem import InvalidArgument, OutOfMemory, VmemError
+from .._vmem import InvalidArgument, OutOfMemory
 
 _log = logging.getLogger(__name__)
 
@@ -88,18 +88,3 @@ def wake(cache: Any) -> None:
     with cache.lock:
         if cache.kv.asleep:
             _wake(cache)
-
-
-def engine_cache(target: Any) -> Any:
-    """The vmem cache behind ``target``: a :class:`~vmem.transformers.VmemCBCache`, or a
-    continuous-batching manager whose engine runs on one (started, with its cache built)."""
-    from .cache import VmemCBCache
-
-    if isinstance(target, VmemCBCache):
-        return target
-    processor = getattr(target, "batch_processor", None)
-    cache = getattr(processor, "cache", None)
-    if isinstance(cache, VmemCBCache):
-        return cache
-    raise VmemError(f"{target!r} is neither a vmem engine cache nor a manager running on one "
-                    "(start the manager, with attn_implementation='vmem', first)")
