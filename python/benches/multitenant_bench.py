@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="vmem-multitenant-")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up on SIGTERM too (finally below)
     pool = fl = None
+    failure: tuple[int, str] | None = None
     try:
         if "pool" in args.mode_list:
             from vmem import pool as vpool
@@ -221,15 +222,17 @@ def main(argv: list[str] | None = None) -> int:
         fl.start()
         out = serve_all(args, fl, pool, per_tenant)
     except fleet.FleetError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        failure = (1, f"error: {e}")
     except KeyboardInterrupt:
-        print("error: interrupted; every tenant ended", file=sys.stderr)
-        return 130
+        failure = (130, "error: interrupted; every tenant ended")
     finally:
         if fl is not None:
             fl.close()
         shutil.rmtree(work, ignore_errors=True)
+    if failure is not None:
+        # After the tenants ended, so the reason is the last line (theirs come before it).
+        print(failure[1], file=sys.stderr)
+        return failure[0]
     print(out)
     return 0
 
