@@ -145,6 +145,11 @@ def fmt_s(v: float | None) -> str:
     return "not seen" if v is None else f"{v * 1e3:.1f} ms"
 
 
+def size_label(v: float) -> str:
+    """Bytes as ``1.5 GiB``, or ``12.0 MiB`` below 1 GiB."""
+    return f"{v / 2**30:.1f} GiB" if v >= 2**30 else f"{v / 2**20:.1f} MiB"
+
+
 def svg(runs: Sequence[dict[str, Any]], names: Sequence[str], total: int, title: str) -> str:
     """Memory over time: one panel per run (scenario x mode), each tenant's KV held as a line,
     the pool's total dashed, the GPU's used memory (relative to the run's first sample) grey."""
@@ -167,7 +172,7 @@ def svg(runs: Sequence[dict[str, Any]], names: Sequence[str], total: int, title:
         for frac in (0, 0.5, 1):
             v = total * frac
             out.append(f'<text x="{left - 6}" y="{y0 + ph * (1 - v / vmax) + 4:.1f}" text-anchor="end">'
-                       f'{v / 2**30:.1f} GiB</text>')
+                       f'{size_label(v)}</text>')
         out.append(f'<polyline fill="none" stroke="#000" stroke-dasharray="4,3" points="{xy(0, total)} '
                    f'{xy(tmax, total)}"/>')
         free = [(s["t"], s["gpu_free"]) for s in samples if s.get("gpu_free") is not None]
