@@ -267,3 +267,27 @@ def test_a_tenant_killed_from_outside_ends_the_bench_with_exit_1(tmp_path) -> No
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: tenant ") and " exited with -9 in run " in last, last
     assert_nothing_left(tmp_path, pids)
+
+
+def test_tenants_end_when_the_bench_is_killed(tmp_path) -> None:
+    """SIGKILL of the bench itself (no clean-up runs): its tenant processes notice their parent
+    is gone and exit within seconds instead of serving on as orphans."""
+    psutil = pytest.importorskip("psutil")
+    pytest.importorskip("transformers")
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--tiny", "--out", str(tmp_path / "out")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=BENCHES)
+    me = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 120
+    tenants: list = []
+    while len(tenants) < 3 and time.monotonic() < deadline:
+        tenants = [c for c in me.children() if "spawn_main" in " ".join(c.cmdline())]
+        time.sleep(0.2)
+    assert len(tenants) == 3, "the tenants did not start"
+    time.sleep(2.0)
+    proc.kill()
+    proc.wait()
+    gone, alive = psutil.wait_procs(tenants, timeout=10)
+    for p in alive:
+        p.kill()
+    assert not alive, f"tenants outlived the bench: {[p.pid for p in alive]}"
