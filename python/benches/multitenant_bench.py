@@ -26,7 +26,8 @@ requests completed, preemptions, peak KV held and mapped, pages held once idle. 
 bytes and ``torch.cuda.mem_get_info``. Writes ``multitenant.json``, ``multitenant.txt`` (table,
 ratios TTFT p99 static/pool and tok/s pool/static) and ``multitenant.svg`` (memory over time).
 
-A tenant that fails, dies or misses ``--timeout`` ends the bench with exit 1 and its reason;
+A tenant that fails, dies or misses ``--timeout`` ends the bench with exit 1 and its reason
+(with ``--keep-going`` a tenant's failed run is recorded, the next runs served, exit 1 at the end);
 no tenant outlives the parent. Runs can be split over several commands (``--scenarios``,
 ``--modes``, ``--kill``, each its own ``--out``) and joined with ``--merge A.json B.json --out
 DIR``. ``--tiny``: tiny fp32 models on the CPU, the host backend, a few
@@ -81,6 +82,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="run seconds (default: half way through the arrivals; --tiny 0: its requests take ms)")
     ap.add_argument("--interval", type=float, default=0.1, help="memory sampling period, seconds")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a run (or the first start) may take")
+    ap.add_argument("--keep-going", action="store_true",
+                    help="a tenant's failed run is recorded and the next run served; exit 1 at the end")
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 models on the CPU (smoke test)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                     help="only merge these parts' multitenant.json into --out (no run)")
@@ -215,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         serving = tn.Serving(total=args.total_bytes, ledger=pool.path if pool is not None else "", layout=args.layout,
                              page_size=args.page_size_bytes, max_requests=args.max_rows,
                              max_context=args.max_context, max_batch_tokens=args.max_batch_tokens,
-                             new_tokens=args.new_tokens, timeout_s=args.timeout, tiny=args.tiny)
+                             new_tokens=args.new_tokens, timeout_s=args.timeout, tiny=args.tiny,
+                             keep_going=args.keep_going)
         jobs = [tn.TenantJob(i, t, tuple(per_tenant[i]), serving, work)
                 for i, t in enumerate(tenant_plan.TENANTS)]
         fl = fleet.Fleet(jobs)
@@ -234,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         print(failure[1], file=sys.stderr)
         return failure[0]
     print(out)
+    failed = [line for line in out.splitlines() if line.startswith("FAILED: ")]
+    if failed:
+        print(f"error: {len(failed)} tenant run(s) failed (--keep-going): {failed[0][8:]}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -291,3 +291,21 @@ def test_tenants_end_when_the_bench_is_killed(tmp_path) -> None:
     for p in alive:
         p.kill()
     assert not alive, f"tenants outlived the bench: {[p.pid for p in alive]}"
+
+
+def test_report_of_a_failed_tenant_run_keeps_the_rest(tmp_path) -> None:
+    """--keep-going: a tenant's failed run is a row with its reason and no numbers, the run's
+    'all' row and its ratios are n/a, the other runs' ratios stand."""
+    from harness import tenant_report as rep
+
+    meta = {"tenants": [{"name": "t0"}, {"name": "t1"}], "pool_total": 2**30, "device": "cpu", "header": "h"}
+    static = fake_run("bursty-static", "bursty", "static", [[0.4], [0.2]], [100.0, 50.0], [5.0, 7.0])
+    pool = fake_run("bursty-pool", "bursty", "pool", [[0.1], [0.2]], [110.0, 50.0], [9.0, 3.0])
+    pool["tenants"][1] = {"tenant": "t1", "index": 1, "scenario": "bursty", "mode": "pool", "key": "bursty-pool",
+                          "requests": 1, "failed": "RuntimeError: no room"}
+    doc = rep.summarize({**meta, "runs": [static, pool]})
+    by = {r["tenant"]: r for r in doc["ratios"]}
+    assert by["t0"]["ttft_p99 static/pool"] == "4.00x"
+    assert by["t1"]["ttft_p99 static/pool"] == "n/a" and by["all"]["tok_s pool/static"] == "n/a"
+    text = rep.write_outputs(str(tmp_path), doc)
+    assert "FAILED: t1 in bursty/pool: RuntimeError: no room" in text

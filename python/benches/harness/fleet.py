@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from harness import tenant as tn
+from harness.log import log
 
 
 class FleetError(RuntimeError):
@@ -120,6 +121,8 @@ class Fleet:
                 if res is not None:
                     if res.get("error"):
                         raise FleetError(f"tenant {self.jobs[i].spec.name} failed in run {run}: {res['error']}")
+                    if res.get("failed"):
+                        log(f"tenant {self.jobs[i].spec.name} failed in run {run} (kept going): {res['failed']}")
                     results[i] = res
             if len(results) + len(self.killed) == len(self.jobs):
                 return results

@@ -44,7 +44,8 @@ class RunPlan:
 class Serving:
     """What every tenant's engine is given: the pool's total bytes (static: a third each) and
     ledger, vmem's layout, page size, rows and context, the engine's batch tokens, new tokens
-    per request, and the seconds a run may take."""
+    per request, the seconds a run may take, and whether a run that fails is recorded and the
+    next one served (``keep_going``) rather than ending the tenant."""
 
     total: int
     ledger: str
@@ -56,6 +57,7 @@ class Serving:
     new_tokens: int
     timeout_s: float
     tiny: bool
+    keep_going: bool = False
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,13 @@ def main(job: TenantJob, barrier: Any, usage: Any) -> None:
                 # Every tenant's result of the run before is in: no engine of this run holds
                 # memory while the parent still samples that one.
                 barrier.wait(timeout=job.serving.timeout_s)
-            out = serve_run(job, run, model, barrier, usage)
+            try:
+                out = serve_run(job, run, model, barrier, usage)
+            except (RuntimeError, TimeoutError, MemoryError, ValueError) as e:  # the engine's failures
+                if not job.serving.keep_going:
+                    raise
+                out = failed(job, run, e)
+                usage[2 * job.index] = usage[2 * job.index + 1] = 0.0
             write_json(result_path(job.out_dir, run.key, job.index), out)
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent, then exit 1
         write_json(result_path(job.out_dir, key, job.index),
@@ -148,6 +156,15 @@ def main(job: TenantJob, barrier: Any, usage: Any) -> None:
         sys.stderr.write(f"tenant {job.spec.name}: {type(e).__name__}: {e}\n")
         sys.stderr.flush()
         os._exit(1)
+
+
+def failed(job: TenantJob, run: RunPlan, e: BaseException) -> dict[str, Any]:
+    """The result of a run that failed with ``e`` (``keep_going``): the error, nothing served."""
+    import gc
+
+    gc.collect()  # the failed engine's cache leaves the pool before the next run joins it
+    return {"tenant": job.spec.name, "index": job.index, "scenario": run.scenario, "mode": run.mode,
+            "key": run.key, "failed": f"{type(e).__name__}: {e}", "requests": len(run.arrivals)}
 
 
 def serve_run(job: TenantJob, run: RunPlan, model: Any, barrier: Any, usage: Any) -> dict[str, Any]:

@@ -23,6 +23,9 @@ COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
 def tenant_row(res: dict[str, Any], samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One table row of tenant result ``res``; its peak held bytes from ``samples`` (the most
     held in a sample or, in pool mode, the ledger's own peak, which sees between samples)."""
+    if res.get("failed"):
+        return {"scenario": res["scenario"], "mode": res["mode"], "tenant": res["tenant"], "requests": res["requests"],
+                "completed": 0, "failed": res["failed"]}
     i = res["index"]
     held = [s["held"][i] for s in samples] + [s["peak"][i] for s in samples if "peak" in s]
     return {"scenario": res["scenario"], "mode": res["mode"], "tenant": res["tenant"], "requests": res["requests"],
@@ -33,7 +36,11 @@ def tenant_row(res: dict[str, Any], samples: Sequence[dict[str, Any]]) -> dict[s
 
 
 def all_row(scenario: str, mode: str, results: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The ``all`` row of one run: TTFTs of every tenant pooled, throughputs summed."""
+    """The ``all`` row of one run: TTFTs of every tenant pooled, throughputs summed (none when
+    a tenant's run failed)."""
+    if any(r.get("failed") for r in results):
+        return {"scenario": scenario, "mode": mode, "tenant": "all", "requests": sum(r["requests"] for r in results),
+                "completed": sum(r.get("completed", 0) for r in results), "failed": "a tenant failed"}
     ttft = [t for r in results for t in r["ttft_s"]]
     return {"scenario": scenario, "mode": mode, "tenant": "all", "requests": sum(r["requests"] for r in results),
             "completed": sum(r["completed"] for r in results),
@@ -56,11 +63,10 @@ def ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         p = by.get((scenario, "pool", tenant))
         if mode != "static" or p is None:
             continue
-        out.append({"scenario": scenario, "tenant": tenant, "ttft_p99_static_ms": s["ttft_p99_ms"],
-                    "ttft_p99_pool_ms": p["ttft_p99_ms"], "ttft_p99 static/pool": ratio(s["ttft_p99_ms"],
-                                                                                        p["ttft_p99_ms"]),
-                    "tok_s_static": s["tok_s"], "tok_s_pool": p["tok_s"],
-                    "tok_s pool/static": ratio(p["tok_s"], s["tok_s"])})
+        ts, tp, ss, sp = s.get("ttft_p99_ms"), p.get("ttft_p99_ms"), s.get("tok_s"), p.get("tok_s")
+        out.append({"scenario": scenario, "tenant": tenant, "ttft_p99_static_ms": ts, "ttft_p99_pool_ms": tp,
+                    "ttft_p99 static/pool": ratio(ts, tp), "tok_s_static": ss, "tok_s_pool": sp,
+                    "tok_s pool/static": ratio(sp, ss)})
     return out
 
 
@@ -76,8 +82,8 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         run["held_sum_max"] = max((sum(s["held"]) for s in samples), default=0.0)
         if "kill" in run:
             kill = dict(run["kill"], others_requests=sum(r["requests"] for r in tenants),
-                        others_completed=sum(r["completed"] for r in tenants),
-                        others_errors=[r["tenant"] for r in tenants if r.get("error")])
+                        others_completed=sum(r.get("completed", 0) for r in tenants),
+                        others_errors=[r["tenant"] for r in tenants if r.get("error") or r.get("failed")])
             continue
         rows += [tenant_row(r, samples) for r in tenants]
         rows.append(all_row(run["scenario"], run["mode"], tenants))
@@ -127,6 +133,8 @@ def text_report(rows: Sequence[dict[str, Any]], kill: dict[str, Any] | None, hea
     """The text file: ``header``, the per-tenant table, the ratios, the kill check."""
     parts = [header, format_table(rows, COLUMNS), "",
              format_table(ratios(rows), RATIO_COLUMNS, title="static partitions vs the pool (same total)")]
+    parts += [f"FAILED: {r['tenant']} in {r['scenario']}/{r['mode']}: {r['failed']}" for r in rows
+              if r.get("failed") and r["tenant"] != "all"]
     if kill and kill.get("finished_before_kill"):
         parts += ["", f"kill check: not made, {kill['victim']} had finished its requests at {kill['at_s']:.1f} s "
                       "(lower --kill-at)"]
