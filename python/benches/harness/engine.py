@@ -42,8 +42,10 @@ class Observer:
     under the request they belong to (the engine passes ``logits_to_keep = logits_indices``, so
     row ``i`` is the ``i``-th scheduled request with a new token)."""
 
-    def __init__(self, model: Any, capture_logits: bool = False) -> None:
+    def __init__(self, model: Any, capture_logits: bool = False,
+                 on_round: Callable[[Any], None] | None = None) -> None:
         self.manager: Any = None
+        self.on_round = on_round
         self.capture_logits = capture_logits
         self.logits: dict[str, list[torch.Tensor]] = {}
         self.rounds = 0
@@ -59,6 +61,8 @@ class Observer:
         self.max_running = max(self.max_running, len(bp.scheduler.active_requests))
         cache = bp.cache
         self.peak_blocks = max(self.peak_blocks, blocks_in_use(cache))
+        if self.on_round is not None:
+            self.on_round(cache)
         if self.capture_logits:
             states = [fs for fs in bp.inputs_and_outputs.requests_in_batch if fs.has_new_token]
             logits = output.logits[0].float().cpu()
@@ -71,7 +75,9 @@ class Observer:
 
 def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_tokens: int, *,
                cb_kwargs: dict[str, Any] | None = None, serving: dict[str, Any] | None = None,
-               stagger: Sequence[int] | None = None, primers: int = 0, streaming: bool = False,
+               stagger: Sequence[int] | None = None, arrivals: Sequence[float] | None = None,
+               before_clock: Callable[[], None] | None = None, on_round: Callable[[Any], None] | None = None,
+               primers: int = 0, streaming: bool = False,
                capture_logits: bool = False, record_timestamps: bool = False,
                request_kwargs: dict[str, Any] | None = None, pad_token_id: int | None = 0,
                warmup: bool = False, workload_hints: bool = False,
@@ -110,7 +116,7 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
     ids = [f"{id_prefix}{i}" for i in range(len(prompts))]
     run: dict[str, Any] = {"ids": ids, "prompts": prompts, "results": {}, "streamed": {}, "error": None,
                            "gpu_allocated_before_bytes": torch.cuda.memory_allocated() if torch.cuda.is_available() else 0}
-    observer = Observer(model, capture_logits)
+    observer = Observer(model, capture_logits, on_round)
     if serving is None:
         options: Any = contextlib.nullcontext()
     else:
@@ -127,7 +133,8 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
         observer.manager = mgr
         mgr.start()
         try:
-            _serve(mgr, run, primers, max_new_tokens, stagger, streaming,
+            pace = Pace(stagger, arrivals, before_clock)
+            _serve(mgr, run, primers, max_new_tokens, pace, streaming,
                    dict(request_kwargs or {}, record_timestamps=record_timestamps), fail_fast, timeout, name)
             run["cache"] = mgr.batch_processor.cache if mgr.batch_processor is not None else None
             if inspect is not None and run["cache"] is not None:
@@ -142,25 +149,59 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
     return run
 
 
-def _serve(mgr: Any, run: dict[str, Any], primers: int, max_new_tokens: int, stagger: Sequence[int] | None,
+class Pace:
+    """When the runner adds each request: after ``stagger[i]`` results, or ``arrivals[i]``
+    seconds after the clock started (``before_clock`` is called just before it starts)."""
+
+    def __init__(self, stagger: Sequence[int] | None, arrivals: Sequence[float] | None,
+                 before_clock: Callable[[], None] | None) -> None:
+        if stagger is not None and arrivals is not None:
+            raise ValueError("stagger and arrivals exclude each other")
+        self.stagger, self.arrivals, self.before_clock = stagger, arrivals, before_clock
+
+    def key(self, i: int) -> float:
+        """The sort key of request ``i``: its stagger count or arrival time (0 without either)."""
+        if self.arrivals is not None:
+            return self.arrivals[i]
+        return self.stagger[i] if self.stagger is not None else 0
+
+    def due(self, i: int, events: int, waited_s: float, timed: bool) -> bool:
+        """Whether request ``i`` may be added now (``events`` results so far, ``waited_s`` on the
+        clock; ``timed``: the phase after the primers)."""
+        if self.arrivals is not None:
+            return not timed or self.arrivals[i] <= waited_s
+        return self.key(i) <= events
+
+    def wait_s(self, i: int | None, waited_s: float, timed: bool) -> float:
+        """How long to wait for a result before request ``i`` (the next, or ``None``) is due."""
+        if self.arrivals is None or i is None or not timed:
+            return 1.0
+        return min(1.0, max(0.0005, self.arrivals[i] - waited_s))
+
+
+def _serve(mgr: Any, run: dict[str, Any], primers: int, max_new_tokens: int, pace: Pace,
            streaming: bool, request_kwargs: dict[str, Any], fail_fast: bool, timeout: float, name: str) -> None:
     """Serves the primers, then the rest with the clock (``run["t0"]``, ``run["wall_s"]``) reset."""
     n = len(run["prompts"])
-    for phase in ([range(primers), range(primers, n)] if primers else [range(n)]):
+    phases = [range(primers), range(primers, n)] if primers else [range(n)]
+    for k, phase in enumerate(phases):
+        timed = k == len(phases) - 1
+        if timed and pace.before_clock is not None:
+            pace.before_clock()
         run["t0"] = time.perf_counter()
-        _serve_phase(mgr, run, list(phase), max_new_tokens, stagger, streaming, request_kwargs,
+        _serve_phase(mgr, run, list(phase), max_new_tokens, pace, timed, streaming, request_kwargs,
                      fail_fast, timeout, name)
         if run["error"]:
             break
     run["wall_s"] = time.perf_counter() - run["t0"]
 
 
-def _serve_phase(mgr: Any, run: dict[str, Any], indices: list[int], max_new_tokens: int,
-                 stagger: Sequence[int] | None, streaming: bool, request_kwargs: dict[str, Any],
+def _serve_phase(mgr: Any, run: dict[str, Any], indices: list[int], max_new_tokens: int, pace: Pace,
+                 timed: bool, streaming: bool, request_kwargs: dict[str, Any],
                  fail_fast: bool, timeout: float, name: str) -> None:
-    """Adds the requests of ``indices`` (by ``stagger``) and collects their results into ``run``."""
+    """Adds the requests of ``indices`` (by ``pace``) and collects their results into ``run``."""
     ids, results, streamed = run["ids"], run["results"], run["streamed"]
-    order = sorted(indices, key=lambda i: stagger[i] if stagger else 0)
+    order = sorted(indices, key=pace.key)
     pos = events = done = 0
     t0 = run["t0"]
 
@@ -170,14 +211,17 @@ def _serve_phase(mgr: Any, run: dict[str, Any], indices: list[int], max_new_toke
         run["error"] = msg
 
     while done < len(order):
-        # Add a request once enough results came back, or when every request added so far has
-        # finished (without streaming, finished requests are the only results).
-        while pos < len(order) and ((stagger[order[pos]] if stagger else 0) <= events or done == pos):
+        # Add a request once it is due: enough results came back (or every request added so far
+        # has finished: without streaming, finished requests are the only results), or its
+        # arrival time passed.
+        waited = time.perf_counter() - t0
+        while pos < len(order) and (pace.due(order[pos], events, waited, timed)
+                                    or (pace.arrivals is None and done == pos)):
             i = order[pos]
             mgr.add_request(run["prompts"][i], request_id=ids[i], max_new_tokens=max_new_tokens,
                             streaming=streaming, **request_kwargs)
             pos += 1
-        r = mgr.get_result(timeout=1.0)
+        r = mgr.get_result(timeout=pace.wait_s(order[pos] if pos < len(order) else None, waited, timed))
         if r is None:
             if not mgr.is_running():
                 return fail(f"engine stopped: {mgr.background_thread_status.fatal_error!r}", RuntimeError)

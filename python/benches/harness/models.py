@@ -111,3 +111,55 @@ def check_model(arch: str, dtype: Any, device: Any, size: str = "tiny", seed: in
         if logit_scale != 1.0 and not config.tie_word_embeddings:
             model.lm_head.weight.mul_(logit_scale)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def qwen25_7b_config(layers: int = 8, max_position_embeddings: int = 32768,
+                     tokens: tuple[int | None, int | None, int | None] = SERVING_TOKENS) -> Any:
+    """Qwen2.5-7B shapes (hidden 3,584, 28 query heads, 4 KV heads of 128, qkv bias, MLP 18,944,
+    vocab 152,064) with ``layers`` layers."""
+    from transformers import Qwen2Config
+
+    bos, eos, pad = tokens
+    return Qwen2Config(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
+                       intermediate_size=18944, vocab_size=152064, num_hidden_layers=layers,
+                       rope_theta=1000000.0, max_position_embeddings=max_position_embeddings,
+                       rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
+                       bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+
+
+def tiny_config(shape: str, tokens: tuple[int | None, int | None, int | None] = SERVING_TOKENS) -> Any:
+    """A tiny CPU stand-in of one of :data:`TENANT_SHAPES` (vocab 256, 2-4 layers, KV heads and
+    head dims that differ as the real shapes' do; a token's K and V of every layer divide 64 KiB)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    bos, eos, pad = tokens
+    common = {"vocab_size": 256, "max_position_embeddings": 2048, "bos_token_id": bos, "eos_token_id": eos,
+              "pad_token_id": pad}
+    if shape == "llama3-8b":
+        return tiny_llama_config(tokens)
+    if shape == "llama3.2-1b":
+        return LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
+                           num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, **common)
+    if shape == "qwen2.5-7b":
+        return Qwen2Config(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=3,
+                           num_key_value_heads=1, use_sliding_window=False, **common)
+    raise ValueError(f"unknown shape {shape!r} (known: {TENANT_SHAPES})")
+
+
+#: the multi-tenant bench's model shapes (random weights, each with its own layer count)
+TENANT_SHAPES = ("llama3-8b", "llama3.2-1b", "qwen2.5-7b")
+
+
+def tenant_config(shape: str, layers: int, tiny: bool = False) -> Any:
+    """The config of tenant shape ``shape`` (:data:`TENANT_SHAPES`) with ``layers`` layers, or
+    with ``tiny`` its CPU stand-in (:func:`tiny_config`; ``layers`` ignored). Serving tokens
+    (BOS 1, EOS 2, PAD 0), context 8,192. An unknown shape is a ValueError."""
+    if tiny:
+        return tiny_config(shape)
+    if shape == "llama3-8b":
+        return llama3_8b_config(layers, max_position_embeddings=8192, tokens=SERVING_TOKENS)
+    if shape == "llama3.2-1b":
+        return llama32_1b_config(layers, max_position_embeddings=8192, tokens=SERVING_TOKENS)
+    if shape == "qwen2.5-7b":
+        return qwen25_7b_config(layers, max_position_embeddings=8192)
+    raise ValueError(f"unknown shape {shape!r} (known: {TENANT_SHAPES})")

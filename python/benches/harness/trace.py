@@ -4,6 +4,7 @@ ContextTokens, GeneratedTokens), and the random prompts drawn to their lengths."
 from __future__ import annotations
 
 import csv
+import datetime
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,18 +27,32 @@ def default_trace() -> str:
 @dataclass(frozen=True)
 class TraceRequest:
     """One trace row: its index, the prompt length a bench serves (the trace's context capped,
-    at least 1 token) and the trace's own context and generated lengths."""
+    at least 1 token), the trace's own context and generated lengths, and its ``TIMESTAMP`` as
+    seconds since the epoch (UTC; ``None`` unless :func:`load_trace` was asked for them)."""
 
     index: int
     prompt_len: int
     context: int
     generated: int
+    timestamp: float | None = None
 
 
-def load_trace(path: str | None = None, n: int = 256, cap: int = 4000) -> list[TraceRequest]:
+def parse_timestamp(text: str) -> float:
+    """An Azure trace ``TIMESTAMP`` (``2023-11-16 18:15:46.6805900``, UTC) as seconds since the
+    epoch; digits past microseconds are dropped. Anything else is a ValueError."""
+    head, dot, frac = text.strip().partition(".")
+    when = datetime.datetime.strptime(head, "%Y-%m-%d %H:%M:%S").replace(tzinfo=datetime.timezone.utc)
+    if dot and not frac.isdigit():
+        raise ValueError(f"not a timestamp: {text!r}")
+    return when.timestamp() + (int(frac[:6].ljust(6, "0")) / 1e6 if dot else 0.0)
+
+
+def load_trace(path: str | None = None, n: int = 256, cap: int = 4000,
+               timestamps: bool = False) -> list[TraceRequest]:
     """The first ``n`` requests of the trace at ``path`` (default :func:`default_trace`), prompt
-    lengths ``max(1, min(ContextTokens, cap))``. A missing column, a field that is not an
-    integer, a negative length, ``n`` or ``cap`` below 1, or fewer than ``n`` rows is a
+    lengths ``max(1, min(ContextTokens, cap))``; with ``timestamps``, each with its ``TIMESTAMP``
+    (then a required column). A missing column, a field that is not an integer, a negative length, a timestamp that
+    does not parse or goes back in time, ``n`` or ``cap`` below 1, or fewer than ``n`` rows is a
     ValueError naming the file (and row)."""
     path = path or default_trace()
     if n < 1 or cap < 1:
@@ -45,7 +60,8 @@ def load_trace(path: str | None = None, n: int = 256, cap: int = 4000) -> list[T
     out: list[TraceRequest] = []
     with open(path, newline="") as f:
         rows = csv.DictReader(f)
-        missing = {"ContextTokens", "GeneratedTokens"} - set(rows.fieldnames or [])
+        missing = {"ContextTokens", "GeneratedTokens", *(["TIMESTAMP"] if timestamps else [])} \
+            - set(rows.fieldnames or [])
         if missing:
             raise ValueError(f"{path}: missing columns {sorted(missing)} (has {rows.fieldnames})")
         for i, row in enumerate(rows):
@@ -57,7 +73,15 @@ def load_trace(path: str | None = None, n: int = 256, cap: int = 4000) -> list[T
                 raise ValueError(f"{path}: row {i + 2}: {e}") from e
             if ctx < 0 or gen < 0:
                 raise ValueError(f"{path}: row {i + 2}: negative length ({ctx}, {gen})")
-            out.append(TraceRequest(i, max(1, min(ctx, cap)), ctx, gen))
+            when = None
+            if timestamps:
+                try:
+                    when = parse_timestamp(row["TIMESTAMP"] or "")
+                except ValueError as e:
+                    raise ValueError(f"{path}: row {i + 2}: {e}") from e
+                if out and out[-1].timestamp is not None and when < out[-1].timestamp:
+                    raise ValueError(f"{path}: row {i + 2}: timestamp {row['TIMESTAMP']} is before the row above")
+            out.append(TraceRequest(i, max(1, min(ctx, cap)), ctx, gen, when))
     if len(out) < n:
         raise ValueError(f"{path}: {len(out)} requests, {n} asked")
     return out
