@@ -55,7 +55,7 @@ part_serving() {
     echo "== Python serving: torch $TORCH_VERSION (CPU) and transformers $v, no test may skip"
     t0=$(date +%s)
     venv=target/py-serving-$v
-    make_venv "$venv" "torch==$TORCH_VERSION" "transformers==$v" numpy pytest mypy
+    make_venv "$venv" "torch==$TORCH_VERSION" "transformers==$v" numpy pytest mypy psutil  # psutil: the multi-tenant bench watches its processes
     echo "   venv ready in $(( $(date +%s) - t0 ))s"
     log=$venv/pytest.log
     (cd "$venv" && CUDA_VISIBLE_DEVICES= bin/python -m pytest -rs -p no:cacheprovider \

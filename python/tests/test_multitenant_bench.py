@@ -309,3 +309,23 @@ def test_report_of_a_failed_tenant_run_keeps_the_rest(tmp_path) -> None:
     assert by["t1"]["ttft_p99 static/pool"] == "n/a" and by["all"]["tok_s pool/static"] == "n/a"
     text = rep.write_outputs(str(tmp_path), doc)
     assert "FAILED: t1 in bursty/pool: RuntimeError: no room" in text
+
+
+def test_a_pool_tenant_starved_by_its_neighbours_waits_instead_of_failing(tmp_path) -> None:
+    """Three tenants' bursts in a pool of 1 MiB: a tenant with no request running whose next
+    request finds the room held by the others used to stop its engine ("No requests can be
+    scheduled and no requests can be offloaded", exit 1); it now waits for their room and every
+    request of every tenant completes, the pool never above its total."""
+    pytest.importorskip("transformers")
+    from vmem import pool  # noqa: F401  (the bench's pool mode)
+
+    done, pids = run_bench(tmp_path, "--requests", "16", "--total", "1M", "--max-prompt", "200",
+                           "--max-context", "256", "--new-tokens", "8", "--scenarios", "bursty")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_nothing_left(tmp_path, pids)
+    res = json.loads((tmp_path / "out" / "multitenant.json").read_text())
+    for row in res["rows"]:
+        assert row["completed"] == row["requests"] == (48 if row["tenant"] == "all" else 16), row
+    for run in res["runs"]:
+        if run["mode"] == "pool":
+            assert 0 < run["pool_max_used"] <= res["pool_total"], run["key"]

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .._vmem import InvalidArgument, VmemError
+from . import tenancy
 from .attention import paged_attention
 from .flashinfer import load_flashinfer
 from .graphs import forward_hook
@@ -288,6 +289,8 @@ class EnginePatch:
         self._set(manager, "switch_to_cb_friendly_attn", adapter.attention_check(manager.switch_to_cb_friendly_attn,
                                                                                    registered))
         self._set(api.ContinuousMixin, "generate_batch", generate_batch)
+        processor = api.ContinuousBatchProcessor
+        self._set(processor, "prepare_next_batch", tenancy.round_or_wait(processor.prepare_next_batch))
         runner = importlib.import_module("transformers.generation.continuous_batching.model_runner").ModelRunner
         self._set(runner, "compute_batch", forward_hook(runner.compute_batch))  # a round's metadata, before its forward
 

@@ -11,6 +11,11 @@
   preempted.
 * **Idle**: a finished request's pages go back to the pool at once (the cache keeps no idle
   reserve), so an idle tenant holds its trash row's block and its prefix cache only.
+* **Waiting for room** (:func:`round_or_wait`): a tenant with no request running whose next
+  request finds no room because the pool's *other* tenants hold it waits for them (the engine's
+  loop asks again every 0.1 s) instead of stopping with the engine's "No requests can be
+  scheduled and no requests can be offloaded"; after :data:`ROOM_WAIT_S` without room it stops
+  with that error, as when the room is its own.
 * **Sleep** (:func:`sleep`): with no request running, every page is released (the trash row's
   too; credited to the pool at once); the rows, the tensors' addresses and the engine stay.
   The next request wakes the cache (its first allocation maps the trash row again), or
@@ -20,6 +25,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from .._vmem import InvalidArgument, OutOfMemory
@@ -37,6 +44,46 @@ def budget_blocks(cache: Any) -> int:
     block = int(cache.geometry.block_bytes)
     room = min(int(t["limit"]), int(t["pool_total"]) - int(t["pool_used"]) + int(t["usage"]))
     return min(int(cache.num_blocks), room // block - 1)
+
+
+#: The engine's error when a round can schedule nothing and has no request to offload.
+STUCK = "No requests can be scheduled and no requests can be offloaded"
+#: Seconds a pool tenant waits for its neighbours' room before that error stands.
+ROOM_WAIT_S = 60.0
+
+
+def others_hold_room(cache: Any) -> bool:
+    """Whether ``cache`` is a pool tenant and the pool's other tenants hold memory now (so room
+    may come back without anything this tenant does)."""
+    kv = getattr(cache, "kv", None)
+    t = kv._rs.tenant() if kv is not None else None
+    return t is not None and int(t["pool_used"]) - int(t["usage"]) > 0
+
+
+def round_or_wait(prepare: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """The engine's ``ContinuousBatchProcessor.prepare_next_batch``, for a pool tenant starved by
+    its neighbours: no round this time (the loop waits up to 0.1 s and asks again) rather than the
+    engine's fatal error, for up to :data:`ROOM_WAIT_S`. Any other cache, error or wait: unchanged."""
+
+    def vmem_prepare_next_batch(self: Any) -> bool:
+        cache = getattr(self, "cache", None)
+        try:
+            ready = prepare(self)
+        except RuntimeError as e:
+            if STUCK not in str(e) or not others_hold_room(cache):
+                raise
+            since = getattr(cache, "_room_wait_since", None) or time.monotonic()
+            if time.monotonic() - since > ROOM_WAIT_S:
+                raise
+            if since != getattr(cache, "_room_wait_since", None):
+                _log.info("pool tenant waits for room its neighbours hold (up to %.0f s)", ROOM_WAIT_S)
+            cache._room_wait_since = since
+            return False
+        if cache is not None and ready:
+            cache._room_wait_since = None
+        return ready
+
+    return vmem_prepare_next_batch
 
 
 def on_round(cache: Any) -> None:
