@@ -233,3 +233,37 @@ def test_a_cache_that_fails_to_start_leaves_the_pool_and_a_bad_join_changes_noth
     assert p.status().tenants == () and p.status().used == 0
     kv = _cache(path, "big", limit="1M")  # the name is free again
     kv.close()
+
+
+def test_a_tenant_gives_back_its_unmapped_pages_when_the_pool_runs_low(path):
+    """A tenant's prefix cache (blocks no request maps) would hold room another tenant needs:
+    once the pool's free room is below 1/LOW_WATER of its total, tenancy.yield_room gives back
+    what no request maps (the live request keeps its pages); with room enough it does nothing."""
+    import types
+
+    pytest.importorskip("torch")
+    from vmem.transformers import tenancy
+
+    pool.create(path, size=FULL * 2, slots=4)  # room for two full requests
+    kv = _cache(path, "a", prefix_cache="1M")
+    engine = types.SimpleNamespace(kv=kv)
+    a = kv.alloc()
+    kv.step({a: 1024})
+    kv.publish_prefix(a, list(range(1024)))
+    kv.free(a)  # its 16 pages stay cached as prefix blocks
+    b = kv.alloc()
+    kv.step({b: 256})  # 4 pages, live
+    assert kv.prefix_stats()["unmapped_bytes"] > 0
+    held = kv.tenant().usage
+    assert tenancy.yield_room(engine) == 0 and kv.tenant().usage == held, "room enough: nothing given"
+    other = _cache(path, "b")
+    c = other.alloc()
+    other.step({c: 600})  # 12 pages, the rest of the pool: its free room falls below 1/8 of its total
+    status = pool.open(path).status()
+    assert status.total - status.used < status.total // tenancy.LOW_WATER
+    given = tenancy.yield_room(engine)
+    assert given > 0 and kv.tenant().usage == held - given
+    assert kv.request_pages(b) == [1] * 4, "the live request keeps its pages"
+    assert tenancy.yield_room(engine) == 0, "nothing unmapped is left to give"
+    other.close()
+    kv.close()

@@ -16,6 +16,10 @@
   loop asks again every 0.1 s) instead of stopping with the engine's "No requests can be
   scheduled and no requests can be offloaded"; after :data:`ROOM_WAIT_S` without room it stops
   with that error, as when the room is its own.
+* **Yielding room** (:func:`yield_room`): when the pool's free room falls below
+  1/:data:`LOW_WATER` of its total, every tenant gives back, at its next loop turn (at most
+  0.1 s apart, idle or not), what no request of its own maps (its prefix cache, idle and
+  look-ahead pages), so cached memory of one model never starves another's requests.
 * **Sleep** (:func:`sleep`): with no request running, every page is released (the trash row's
   too; credited to the pool at once); the rows, the tensors' addresses and the engine stay.
   The next request wakes the cache (its first allocation maps the trash row again), or
@@ -60,13 +64,36 @@ def others_hold_room(cache: Any) -> bool:
     return t is not None and int(t["pool_used"]) - int(t["usage"]) > 0
 
 
+#: The pool's free room (1/LOW_WATER of its total) under which tenants give back what no request maps.
+LOW_WATER = 8
+
+
+def yield_room(cache: Any) -> int:
+    """When ``cache`` is an awake pool tenant and the pool's free room is below 1/:data:`LOW_WATER`
+    of its total, gives back what none of its requests maps (:meth:`vmem.KVCache.shrink`);
+    returns the bytes given back (0: not in a pool, room enough, or nothing unmapped held)."""
+    kv = getattr(cache, "kv", None)
+    t = kv._rs.tenant() if kv is not None and not kv.asleep else None
+    if t is None:
+        return 0
+    total = int(t["pool_total"])
+    if total - int(t["pool_used"]) >= total // LOW_WATER:
+        return 0
+    u = kv.usage()
+    if int(u["physical_bytes"]) <= int(u["active_mapped_bytes"]):
+        return 0
+    return int(kv.shrink()["total"])
+
+
 def round_or_wait(prepare: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    """The engine's ``ContinuousBatchProcessor.prepare_next_batch``, for a pool tenant starved by
+    """The engine's ``ContinuousBatchProcessor.prepare_next_batch``, giving room back first when
+    the pool runs low (:func:`yield_room`), and for a pool tenant starved by
     its neighbours: no round this time (the loop waits up to 0.1 s and asks again) rather than the
     engine's fatal error, for up to :data:`ROOM_WAIT_S`. Any other cache, error or wait: unchanged."""
 
     def vmem_prepare_next_batch(self: Any) -> bool:
         cache = getattr(self, "cache", None)
+        yield_room(cache)  # each loop turn, idle or not: room the pool's other tenants may need
         try:
             ready = prepare(self)
         except RuntimeError as e:
