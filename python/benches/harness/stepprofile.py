@@ -28,14 +28,16 @@ class StepClock:
 
     def _before(self, module: Any, args: Any) -> None:
         self.starts.append(time.perf_counter())
-        if self.cuda:
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            self.events.append((None, None))  # an event recorded into a graph has no time to read
+        elif self.cuda:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
             self.events.append((e, None))
 
     def _after(self, module: Any, args: Any, output: Any) -> None:
         self.ends.append(time.perf_counter())
-        if self.cuda:
+        if self.cuda and self.events[-1][0] is not None:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
             self.events[-1] = (self.events[-1][0], e)
@@ -51,7 +53,8 @@ class StepClock:
             torch.cuda.synchronize()
         out: list[dict[str, float | None]] = []
         for i in range(len(self.starts) - 1):
-            gpu = self.events[i][0].elapsed_time(self.events[i][1]) if self.cuda and self.events[i][1] else None
+            start, end = self.events[i] if self.cuda else (None, None)
+            gpu = start.elapsed_time(end) if start is not None and end is not None else None
             out.append({"wall_ms": (self.starts[i + 1] - self.starts[i]) * 1e3,
                         "host_fwd_ms": (self.ends[i] - self.starts[i]) * 1e3, "gpu_ms": gpu})
         return out

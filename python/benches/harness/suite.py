@@ -164,6 +164,10 @@ def agreement(model: Any, name: str, args: Any, kv: dict[str, int], n: int, new_
     kw: dict[str, Any] = {"max_batch_tokens": kv["max_batch_tokens"], "use_cuda_graph": False}
     extra, opts = ct.contender_config(model, spec, args, kv)
     kw.update(extra)
+    # The check reads each round's logits in a forward hook, which a captured graph neither runs
+    # nor allows (a device-to-host copy inside capture): graph contenders are checked with their
+    # graphs off (the same attention and cache; graphs_check.py compares graphs on and off).
+    kw["use_cuda_graph"] = False
     try:
         run = check.run_engine(model, spec["attn"], prompts, new_tokens, cb_kwargs=kw, serving=opts,
                                timeout=args.timeout, name=name)
