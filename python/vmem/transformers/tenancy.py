@@ -73,7 +73,9 @@ def yield_room(cache: Any) -> int:
     of its total, gives back what none of its requests maps (:meth:`vmem.KVCache.shrink`);
     returns the bytes given back (0: not in a pool, room enough, or nothing unmapped held)."""
     kv = getattr(cache, "kv", None)
-    t = kv._rs.tenant() if kv is not None and not kv.asleep else None
+    if kv is None or kv.asleep:
+        return 0
+    t = kv._rs.tenant()
     if t is None:
         return 0
     total = int(t["pool_total"])
@@ -97,7 +99,7 @@ def round_or_wait(prepare: Callable[[Any], bool]) -> Callable[[Any], bool]:
         try:
             ready = prepare(self)
         except RuntimeError as e:
-            if STUCK not in str(e) or not others_hold_room(cache):
+            if cache is None or STUCK not in str(e) or not others_hold_room(cache):
                 raise
             since = getattr(cache, "_room_wait_since", None) or time.monotonic()
             if time.monotonic() - since > ROOM_WAIT_S:
