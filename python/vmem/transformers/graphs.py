@@ -163,25 +163,26 @@ def refuse_compile(cb: Any, name: str) -> None:
         )
 
 
+#: Kernels whose per-round state is built on the host inside the forward: why a replay goes wrong.
+_NOT_REPLAYABLE = {
+    "flex": "Flex's BlockMask is rebuilt on the host from each round's lengths inside the forward",
+    "flashinfer": "FlashInfer's plan() runs on the host inside the forward (at the first layer)",
+}
+
+
 def check_engine_config(cb: Any, name: str, kernel: str) -> None:
     """What vmem's cache supports of the engine's graph switches: CUDA graphs and async batching
     with ``kernel="fa"`` (its metadata is in :class:`RoundBuffers`); with ``kernel="flashinfer"``
     neither (its plan runs on the host inside the forward); with ``kernel="flex"``
     neither (its BlockMask is rebuilt on the host from the round's lengths inside the forward, so
     a replay would reuse the captured round's mask); a compiled forward with neither kernel."""
-    if kernel == "flashinfer" and (graphs_requested(cb) or cb.use_async_batching):
+    reason = _NOT_REPLAYABLE.get(kernel)
+    if reason is not None and (graphs_requested(cb) or cb.use_async_batching):
         what = "CUDA graphs" if graphs_requested(cb) else "async batching"
         raise InvalidArgument(
-            f"{name}: {what} with kernel='flashinfer' is not supported yet: FlashInfer's plan() runs on the host "
-            "inside the forward (at the first layer), so a replayed graph would read the captured round's plan; "
-            "use kernel='fa' (its round metadata lives in static device buffers) or leave use_cuda_graph unset"
-        )
-    if kernel == "flex" and (graphs_requested(cb) or cb.use_async_batching):
-        what = "CUDA graphs" if graphs_requested(cb) else "async batching"
-        raise InvalidArgument(
-            f"{name}: {what} with kernel='flex' is not supported: Flex's BlockMask is rebuilt on the host from "
-            "each round's lengths inside the forward, so a replayed graph would read the captured round's mask; "
-            "use kernel='fa' (its round metadata lives in static device buffers) or leave use_cuda_graph unset"
+            f"{name}: {what} with kernel='{kernel}' is not supported: {reason}, so a replayed graph would "
+            "read the captured round's; use kernel='fa' (its round metadata lives in static device buffers) "
+            "or leave use_cuda_graph unset"
         )
     refuse_compile(cb, name)
 
