@@ -252,14 +252,7 @@ def test_fa_varlen_indices_match_per_request_attention(seed):
     rows, ctx, hkv, hq, d = 7, 48, 2, 6, 8
     k4 = torch.full((rows, ctx, hkv, d), float("nan"))
     v4 = torch.full((rows, ctx, hkv, d), float("nan"))
-    order = torch.randperm(rows, generator=g).tolist()[:5]
-    entries = []
-    for i, row in enumerate(order):
-        q = 1 if i % 2 else int(torch.randint(2, 9, (1,), generator=g))
-        past = int(torch.randint(0, ctx - q + 1, (1,), generator=g))
-        entries.append((row, past, q))
-        k4[row, :past + q] = torch.randn(past + q, hkv, d, generator=g)
-        v4[row, :past + q] = torch.randn(past + q, hkv, d, generator=g)
+    entries = eng.random_mixed_round(g, k4, v4)
     idx = vt.fa_varlen_indices(entries, ctx)
     total = sum(e[2] for e in entries)
     assert idx.total_q == total and idx.max_q == max(e[2] for e in entries)

@@ -151,19 +151,12 @@ def test_paged_plan_of_a_mixed_round_reads_what_fa_reads(seed, strided):
     g = torch.Generator().manual_seed(seed)
     rows, ctx, hkv, hq, d = 7, 48, 2, 6, 8
     k4, v4 = _rows(rows, ctx, hkv, d, strided, g)
-    order = torch.randperm(rows, generator=g).tolist()[:5]
-    entries = []
-    for i, row in enumerate(order):
-        q = 1 if i % 2 else int(torch.randint(2, 9, (1,), generator=g))
-        past = int(torch.randint(0, ctx - q + 1, (1,), generator=g))
-        entries.append((row, past, q))
-        k4[row, :past + q] = torch.randn(past + q, hkv, d, generator=g)
-        v4[row, :past + q] = torch.randn(past + q, hkv, d, generator=g)
+    entries = eng.random_mixed_round(g, k4, v4)
     plan = vt_fi.paged_plan(entries, ctx)
     qs = [e[2] for e in entries]
     assert plan.qo_indptr.tolist() == [sum(qs[:i]) for i in range(len(qs) + 1)]
     assert plan.kv_indptr.tolist() == list(range(len(entries) + 1))
-    assert plan.kv_indices.tolist() == order and plan.page_size == ctx and not plan.decode
+    assert plan.kv_indices.tolist() == [row for row, _, _ in entries] and plan.page_size == ctx and not plan.decode
     assert plan.kv_last_page_len.tolist() == [p + q for _, p, q in entries]
     assert all(t.dtype == torch.int32 for t in (plan.qo_indptr, plan.kv_indptr, plan.kv_indices,
                                                  plan.kv_last_page_len))

@@ -59,3 +59,22 @@ def engine_prefix_hits() -> Iterator[list[int]]:
         yield hits
     finally:
         engine.PagedAttentionCache.search_prefix_match = real
+
+
+def random_mixed_round(g: Any, k4: Any, v4: Any, count: int = 5) -> list[tuple[int, int, int]]:
+    """A mixed round over row caches ``k4``/``v4`` (``[rows, ctx, Hkv, D]``): ``count`` rows in a
+    random order, every other one decoding (1 query token) and the rest prefilling 2-8 tokens
+    after a random past; each row's first ``past + q`` slots get random K/V (the rest stays as
+    the caller filled it). Returns the ``(row, past, q)`` entries."""
+    import torch
+
+    rows, ctx, hkv, d = k4.shape
+    order = torch.randperm(rows, generator=g).tolist()[:count]
+    entries = []
+    for i, row in enumerate(order):
+        q = 1 if i % 2 else int(torch.randint(2, 9, (1,), generator=g))
+        past = int(torch.randint(0, ctx - q + 1, (1,), generator=g))
+        entries.append((row, past, q))
+        k4[row, :past + q] = torch.randn(past + q, hkv, d, generator=g)
+        v4[row, :past + q] = torch.randn(past + q, hkv, d, generator=g)
+    return entries
