@@ -11,6 +11,8 @@
 //!  5 default tenant limit, bytes        5-8 name, NUL-padded UTF-8
 //!  6 created at, Unix seconds           9 peak usage, bytes
 //!  7 seal of words 0-6                  10 joined at, Unix seconds
+//!  8 slots in use (not sealed)
+//!  9 slot being written + 1 (not sealed)
 //!                                       11 seal of words 0-2, 4-8 and 10
 //! ```
 //!
@@ -55,6 +57,10 @@ pub mod h {
     /// Slots in use (not sealed: raised by joins, under the header's lock): every live slot
     /// is below it, so a charge sums only those.
     pub const IN_USE: usize = 8;
+    /// The slot (plus one) that the holder of the header's lock is writing, 0 when none (not
+    /// sealed): a process killed between a slot's first store and its seal leaves it set, and
+    /// the next holder repairs that slot instead of finding its seal broken.
+    pub const WRITING: usize = 9;
 }
 
 /// Slot word offsets.

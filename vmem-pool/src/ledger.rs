@@ -175,7 +175,8 @@ impl Ledger {
     }
 
     /// The consistency checks: header seal, and every slot's state, seal and fields.
-    pub(crate) fn check(&self, _admin: &Admin<'_>) -> Result<()> {
+    pub(crate) fn check(&self, admin: &Admin<'_>) -> Result<()> {
+        self.repair_torn_write(admin)?;
         let w = self.map.words();
         if layout::header_seal(w) != w[h::SEAL].load(SeqCst)
             || w[h::TOTAL].load(SeqCst) != self.total
@@ -227,12 +228,61 @@ impl Ledger {
             .unwrap_or_default()
     }
 
+    /// Marks slot `i` as being written under the header's lock (see [`h::WRITING`]).
+    fn writing(&self, i: usize) {
+        self.map.words()[h::WRITING].store(i as u64 + 1, SeqCst);
+    }
+
+    /// Ends the write [`Ledger::writing`] began (the slot is sealed).
+    fn written(&self) {
+        self.map.words()[h::WRITING].store(0, SeqCst);
+    }
+
+    /// Repairs the slot a process killed while holding the header's lock was writing (a join,
+    /// a reap, a leave or a limit change cut short between its first store and the seal): a
+    /// slot whose owner is gone is cleared, as reaping would; a live tenant's slot whose
+    /// fields are valid (a limit change cut short) is sealed again. Anything else is corrupt.
+    fn repair_torn_write(&self, admin: &Admin<'_>) -> Result<()> {
+        let mark = self.map.words()[h::WRITING].load(SeqCst);
+        if mark == 0 {
+            return Ok(());
+        }
+        let i = usize::try_from(mark - 1).unwrap_or(usize::MAX);
+        if i >= self.slots {
+            return Err(self.corrupt(format!(
+                "a write mark for slot {} of {}",
+                mark - 1,
+                self.slots
+            )));
+        }
+        let alive = admin.held[i]
+            || sys::ofd_locked_elsewhere(self.file.as_fd(), layout::slot_lock_byte(i))
+                .map_err(os("lock test", &self.path))?;
+        let slot = self.slot(i);
+        let get = |k: usize| slot[k].load(SeqCst);
+        if !alive {
+            self.clear(i);
+        } else if get(s::STATE) == LIVE
+            && layout::unpack_name([0, 1, 2, 3].map(|k| get(s::NAME + k))).is_some()
+            && (1..=self.total).contains(&get(s::LIMIT))
+        {
+            self.reseal(i);
+            self.written();
+        } else {
+            return Err(self.corrupt(format!(
+                "slot {i}: a live tenant's slot was left half written"
+            )));
+        }
+        Ok(())
+    }
+
     fn reseal(&self, i: usize) {
         let slot = self.slot(i);
         slot[s::SEAL].store(layout::slot_seal(slot), SeqCst);
     }
 
     fn clear(&self, i: usize) {
+        self.writing(i);
         let slot = self.slot(i);
         for (k, w) in slot.iter().enumerate() {
             if k != s::SEAL {
@@ -240,6 +290,7 @@ impl Ledger {
             }
         }
         self.reseal(i);
+        self.written();
     }
 
     /// Takes out the slots of tenants whose process is gone (nobody holds their lock).
@@ -341,9 +392,11 @@ impl Ledger {
         self.reap_locked(&admin)?;
         let i = self.find(tenant)?;
         let slot = self.slot(i);
+        self.writing(i);
         let old = slot[s::LIMIT].swap(bytes, SeqCst);
         let revision = slot[s::REVISION].fetch_add(1, SeqCst) + 1;
         self.reseal(i);
+        self.written();
         Ok(LimitChange {
             name: tenant.into(),
             old,
@@ -386,6 +439,7 @@ impl Ledger {
             slots: self.slots as u64,
         })?;
         let slot = self.slot(i);
+        self.writing(i);
         slot[s::PID].store(u64::from(std::process::id()), SeqCst);
         slot[s::LIMIT].store(bytes, SeqCst);
         slot[s::REVISION].store(1, SeqCst);
@@ -397,6 +451,7 @@ impl Ledger {
         self.map.words()[h::IN_USE].fetch_max(i as u64 + 1, SeqCst);
         slot[s::STATE].store(LIVE, SeqCst);
         self.reseal(i);
+        self.written();
         admin.held[i] = true;
         Ok(i)
     }
