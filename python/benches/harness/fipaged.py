@@ -26,8 +26,9 @@ gather, with the engine's CUDA graphs: what vLLM and SGLang do, in the same engi
   through unchanged, which is the way a harness registers a contender there.
 
 On the CPU (tests) the same plan runs through :func:`harness.fi_plan.reference_paged_attention`;
-on CUDA without FlashInfer the contender is refused (never silently the slow reference). 5.24
-(the models call ``cache.update`` before the attention) is refused: not checked.
+on CUDA without FlashInfer the contender is refused (never silently the slow reference). On 5.24
+the models call ``cache.update`` before the attention: the 5.19+ class's ``update`` hands the cache
+to the attention instead of gathering, as vmem's engine519 does (checked on the CPU only).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def _class_517(engine_cache: Any) -> Any:
 
 def _class_519(engine_cache: Any) -> Any:
     class FiPagedCache519(FiPagedMixin, engine_cache):  # type: ignore[misc, valid-type]
-        """transformers 5.19-5.23's ``PagedAttentionCache`` (cross-layer, block-major) read by
+        """transformers 5.19-5.24's ``PagedAttentionCache`` (cross-layer, block-major) read by
         FlashInfer in place through per-layer page views."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -155,6 +156,18 @@ def _class_519(engine_cache: Any) -> Any:
                                           read_index: Any, write_index: Any) -> None:
             super().extend_read_and_write_indices(request_id, past_length, query_length, None, write_index)
             self.fi_record(request_id, past_length, query_length)
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+                   kwargs: dict[str, Any] | None = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            """5.24's models call this before the attention function, which then gets no cache
+            (the engine's own would gather every request's K/V here): hands the cache on through
+            the attention's ``kwargs``, as vmem's engine519 does; the attention writes and reads
+            in place. Returns the new K/V unchanged."""
+            if kwargs is None:
+                raise vt.VmemError(f"{FI_PAGED_ATTENTION}: update() needs the attention's kwargs "
+                                   "(transformers 5.24's call)")
+            kwargs["cache"] = self
+            return key_states, value_states
 
     return FiPagedCache519
 
@@ -212,10 +225,10 @@ def fi_paged_cache(request: vt.CacheRequest) -> Any:
     version = transformers.__version__
     if version.startswith("5.17."):
         make = _class_517
-    elif any(version.startswith(f"5.{m}.") for m in range(19, 24)):
+    elif any(version.startswith(f"5.{m}.") for m in range(19, 25)):
         make = _class_519
     else:
-        raise vt.InvalidArgument(f"{FI_PAGED_ATTENTION} reads transformers 5.17's or 5.19-5.23's paged cache; "
+        raise vt.InvalidArgument(f"{FI_PAGED_ATTENTION} reads transformers 5.17's or 5.19-5.24's paged cache; "
                                  f"this is transformers {version}")
     cb = request.continuous_batching_config
     if getattr(cb, "use_async_batching", None):
