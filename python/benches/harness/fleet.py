@@ -179,7 +179,8 @@ class Sampler:
 
 
 class KillCheck:
-    """At ``at_s`` into the run, SIGKILLs tenant ``victim`` and measures how long until the
+    """At ``at_s`` into the run (once the victim is past the start barrier), SIGKILLs tenant
+    ``victim`` and measures how long until the
     ledger no longer counts it (``ledger_back_s``: ``status()`` polled every millisecond) and
     until the GPU's free memory grew by what it held (``gpu_back_s``, CUDA only), 10 s at most
     each."""
@@ -190,6 +191,10 @@ class KillCheck:
 
     def __call__(self, elapsed_s: float) -> None:
         if self.report or elapsed_s < self.at_s:
+            return
+        if not os.path.exists(tn.started_path(self.fleet.jobs[self.victim].out_dir, "kill", self.victim)):
+            # Not yet out of the start barrier: killed inside it, it would take the barrier's
+            # shared lock with it and leave the other tenants blocked there (seen under load).
             return
         name = self.fleet.jobs[self.victim].spec.name
         if self.fleet.result("kill", self.victim) is not None:

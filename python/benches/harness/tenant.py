@@ -77,6 +77,11 @@ def result_path(out_dir: str, key: str, index: int) -> str:
     return os.path.join(out_dir, f"{key}-{index}.json")
 
 
+def started_path(out_dir: str, key: str, index: int) -> str:
+    """The mark tenant ``index`` leaves once it is past run ``key``'s start barrier."""
+    return os.path.join(out_dir, f"{key}-{index}.started")
+
+
 def write_json(path: str, obj: Any) -> None:
     """Writes ``obj`` as JSON to ``path`` atomically (a temporary file renamed into place)."""
     tmp = f"{path}.tmp"
@@ -184,6 +189,8 @@ def serve_run(job: TenantJob, run: RunPlan, model: Any, barrier: Any, usage: Any
     def before_clock() -> None:
         barrier.wait(timeout=s.timeout_s)
         clock["epoch"] = time.time()
+        # Out of the barrier (and its shared lock): the parent may SIGKILL this tenant now.
+        open(started_path(job.out_dir, run.key, i), "w").close()
 
     def on_round(cache: Any) -> None:
         u = cache.kv.usage()
