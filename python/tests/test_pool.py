@@ -267,3 +267,15 @@ def test_a_tenant_gives_back_its_unmapped_pages_when_the_pool_runs_low(path):
     assert tenancy.yield_room(engine) == 0, "nothing unmapped is left to give"
     other.close()
     kv.close()
+
+
+@pytest.mark.parametrize("kw", [dict(tenant="x" * 32), dict(tenant="a b"), dict(tenant="é"),
+                                dict(tenant="a", limit="0"), dict(tenant="a", limit="1.5G"),
+                                dict(tenant="a", limit="250%"), dict(tenant="a", limit="0%"),
+                                dict(tenant="a", limit="abc")])
+def test_a_join_is_refused_when_made_not_when_the_cache_joins(kw):
+    """A name the ledger refuses or a limit of nothing is a PoolError where the Join is made (it
+    used to pass there and fail only when a cache joined)."""
+    with pytest.raises(vmem.PoolError, match="invalid pool setting"):
+        pool.Join(**kw)
+    assert pool.Join("a" * 31, limit="25%").tenant == "a" * 31

@@ -28,6 +28,9 @@ from typing import Any, Optional, Tuple, Union
 from . import _vmem
 from ._vmem import PoolError
 
+#: Longest tenant name, bytes (the ledger's rule: vmem-pool `layout::MAX_NAME`).
+MAX_NAME = 31
+
 __all__ = [
     "DEFAULT_LEDGER",
     "Join",
@@ -73,6 +76,18 @@ def _limit(name: str, value: Any) -> str:
         if value <= 0:
             raise PoolError(f"invalid pool setting: {name} {value}: a limit must be at least 1 byte")
         return str(value)
+    text = value.strip()
+    if text.endswith("%"):
+        share = text[:-1].strip()
+        if not share.isdigit() or not 1 <= int(share) <= 100:
+            raise PoolError(f"invalid pool setting: {name} {value!r}: a share is 1% to 100%")
+        return value
+    try:
+        size = int(_vmem.parse_bytes(text))
+    except Exception as e:  # the parser's own message says what it reads
+        raise PoolError(f"invalid pool setting: {name} {value!r}: {e}") from None
+    if size <= 0:
+        raise PoolError(f"invalid pool setting: {name} {value!r}: a limit of 0 bytes lets the tenant hold nothing")
     return value
 
 
@@ -226,6 +241,10 @@ class Join:
     def __post_init__(self) -> None:
         if not isinstance(self.tenant, str) or not self.tenant.strip():
             raise PoolError(f"invalid pool setting: tenant must be a name (a non-empty string), got {self.tenant!r}")
+        if len(self.tenant.encode()) > MAX_NAME or not all(c.isascii() and (c.isalnum() or c in "._-")
+                                                             for c in self.tenant):
+            raise PoolError(f"invalid pool setting: tenant name {self.tenant!r} must be 1 to {MAX_NAME} bytes of "
+                            "letters, digits, '.', '_' and '-' (the ledger's rule)")
         if self.limit is not None:
             _limit("limit", self.limit)
         object.__setattr__(self, "ledger", _path(self.ledger))
