@@ -11,14 +11,20 @@ use vmem::backend::{Backend, SimBackend, KIB64};
 use vmem::{KvCacheManager, KvConfig, VmemError};
 use vmem_pool::{Ledger, Limit, PoolBackend, PoolConfig};
 
-#[test]
-fn the_manager_meets_the_tenant_limit_as_out_of_memory_and_grows_when_raised() {
-    let dir = Scratch::new("manager");
+/// A ledger of 64 pages of 64 KB in `dir`, a tenant `name` of `limit_pages` joined to it over
+/// the simulator, and the builder of a manager's config over it: 2 layers x K and V = 4
+/// buffers; a 64 KB page holds 512 tokens of 1 head x 64 x 2 bytes.
+fn tenant(
+    dir: &Scratch,
+    name: &str,
+    limit_pages: u64,
+) -> (Arc<Ledger>, Arc<PoolBackend>, vmem::KvConfigBuilder) {
     let path = dir.path("pool");
     let ledger = Arc::new(Ledger::create(&path, &PoolConfig::new(64 * KIB64).unwrap()).unwrap());
-    let tenant = ledger.join("m", Some(Limit::Bytes(10 * KIB64))).unwrap();
+    let tenant = ledger
+        .join(name, Some(Limit::Bytes(limit_pages * KIB64)))
+        .unwrap();
     let backend = Arc::new(PoolBackend::new(Arc::new(SimBackend::new()), tenant));
-    // 2 layers x K and V = 4 buffers; a 64 KB page holds 512 tokens of 1 head x 64 x 2 bytes.
     let cfg = KvConfig::builder()
         .layers(2)
         .max_batch(4)
@@ -27,7 +33,15 @@ fn the_manager_meets_the_tenant_limit_as_out_of_memory_and_grows_when_raised() {
         .head_dim(64)
         .elem_bytes(2)
         .page_size(KIB64)
-        .memory_cap(64 * KIB64)
+        .memory_cap(64 * KIB64);
+    (ledger, backend, cfg)
+}
+
+#[test]
+fn the_manager_meets_the_tenant_limit_as_out_of_memory_and_grows_when_raised() {
+    let dir = Scratch::new("manager");
+    let (ledger, backend, cfg) = tenant(&dir, "m", 10);
+    let cfg = cfg
         .overlap(false)
         .deferred_reclaim(false)
         .eager_tokens(0)
@@ -76,22 +90,8 @@ fn the_manager_meets_the_tenant_limit_as_out_of_memory_and_grows_when_raised() {
 #[test]
 fn sleep_credits_every_page_to_the_ledger_and_wake_maps_again() {
     let dir = Scratch::new("manager-sleep");
-    let path = dir.path("pool");
-    let ledger = Arc::new(Ledger::create(&path, &PoolConfig::new(64 * KIB64).unwrap()).unwrap());
-    let tenant = ledger.join("s", Some(Limit::Bytes(12 * KIB64))).unwrap();
-    let backend = Arc::new(PoolBackend::new(Arc::new(SimBackend::new()), tenant));
-    let cfg = KvConfig::builder()
-        .layers(2)
-        .max_batch(4)
-        .max_context(2048)
-        .kv_heads(1)
-        .head_dim(64)
-        .elem_bytes(2)
-        .page_size(KIB64)
-        .memory_cap(64 * KIB64)
-        .overlap(true)
-        .prefix_cache(Some(64 * KIB64))
-        .build();
+    let (ledger, backend, cfg) = tenant(&dir, "s", 12);
+    let cfg = cfg.overlap(true).prefix_cache(Some(64 * KIB64)).build();
     let m = KvCacheManager::init(backend.clone() as Arc<dyn Backend>, cfg).unwrap();
     // The cap follows the limit (what KVCache.shrink_to_limit does): pages on demand up to it.
     m.set_memory_cap(12 * KIB64).unwrap();
