@@ -277,13 +277,26 @@ def _cb(**kw):
     return transformers.ContinuousBatchingConfig(max_batch_tokens=64, **kw)
 
 
-def test_graphs_and_async_with_flex_and_compile_are_refused_saying_why():
+@pytest.mark.parametrize("kernel, why", [("flex", "BlockMask"), ("flashinfer", "plan")])
+def test_graphs_and_async_with_a_kernel_planned_on_the_host_are_refused_saying_why(kernel, why, monkeypatch):
+    # Flex rebuilds its BlockMask and FlashInfer runs its plan() on the host inside the forward:
+    # a replay would read the captured round's. A stub module stands in for FlashInfer (the
+    # refusal comes before any kernel).
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
     cfg = h.make_config("llama-gqa")
     build = vt.cache_class()
-    flex = vt.Options(**dict(OPTS, kernel="flex"))
+    options = vt.Options(**dict(OPTS, kernel=kernel))
     for cb in (_cb(use_cuda_graph=True), _cb(use_cuda_graph=(True, False)), _cb(use_async_batching=True)):
-        with pytest.raises(vmem.InvalidArgument, match="kernel='flex'.*BlockMask"):
-            build(cfg, cb, "cpu", dtype=torch.float32, options=flex)
+        with pytest.raises(vmem.InvalidArgument, match=f"kernel='{kernel}'.*{why}"):
+            build(cfg, cb, "cpu", dtype=torch.float32, options=options)
+
+
+def test_a_compiled_forward_is_refused_and_fa_takes_graphs_and_async():
+    cfg = h.make_config("llama-gqa")
+    build = vt.cache_class()
     compile_config = transformers.CompileConfig()
     for cb in (_cb(varlen_compile_config=compile_config), _cb(decode_compile_config=compile_config)):
         with pytest.raises(vmem.InvalidArgument, match="compiling the engine's forward.*use_cuda_graph"):
@@ -292,21 +305,6 @@ def test_graphs_and_async_with_flex_and_compile_are_refused_saying_why():
     for cb in (_cb(use_cuda_graph=True), _cb(use_cuda_graph=(True, True)), _cb(use_async_batching=True)):
         cache = build(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**OPTS))
         assert cache.round_buffers.slots == cb.max_requests_per_batch == OPTS["max_requests"]
-
-
-def test_graphs_and_async_with_flashinfer_are_refused_saying_why(monkeypatch):
-    # FlashInfer's plan() runs on the host inside the forward: a replay would read the captured
-    # round's plan. A stub module stands in for FlashInfer (the refusal comes before any kernel).
-    import sys
-    import types
-
-    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
-    cfg = h.make_config("llama-gqa")
-    build = vt.cache_class()
-    fi = vt.Options(**dict(OPTS, kernel="flashinfer"))
-    for cb in (_cb(use_cuda_graph=True), _cb(use_cuda_graph=(True, False)), _cb(use_async_batching=True)):
-        with pytest.raises(vmem.InvalidArgument, match="kernel='flashinfer'.*plan"):
-            build(cfg, cb, "cpu", dtype=torch.float32, options=fi)
 
 
 @pytest.mark.parametrize("bad", ["Bucket", "", 1, None, True])
