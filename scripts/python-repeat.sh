@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # Runs the Python suite N times in a row (default 20), stopping at the first failure: issue
 # #30's done-criterion ("the Python suite passes 20 runs in a row"). Run scripts/test.sh first
-# (it builds the venvs), or pass a venv with vmem installed.
+# (it builds the venv), or pass a venv with vmem installed.
 #
-#   scripts/python-repeat.sh [N] [VENV]   # VENV default: the first target/py-serving-<version>,
-#                                         # a venv with torch and transformers (no skips)
+#   scripts/python-repeat.sh [N] [VENV]   # VENV default: target/py-serving, the venv with
+#                                         # torch and the last transformers scripts/test.sh ran
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 n=${1:-20}
-default=$(ls -d "$root"/target/py-serving-* 2>/dev/null | head -1 || true)
-venv=${2:-$default}
+venv=${2:-$root/target/py-serving}
 [ -n "$venv" ] && [ -x "$venv/bin/python" ] || { echo "$0: no venv at $venv (run scripts/test.sh first)" >&2; exit 2; }
 cd "$venv"
 for i in $(seq "$n"); do

@@ -9,10 +9,9 @@
 #            NumPy, pytest and mypy (no torch), then pytest: the stubs checked against the
 #            built module (mypy.stubtest), the docstring examples and the docs' first steps
 #            included (tests that need torch, transformers or a GPU say they are skipped, and why)
-#   serving  for each transformers version below, a fresh venv with torch (the GPU machine's
-#            build, run on CPU) and that transformers, then the whole Python suite but the GPU
-#            tests; here no test may skip. pip's cache (~/.cache/pip) makes the installs quick
-#            after the first run.
+#   serving  one fresh venv with torch (the GPU machine's build, run on CPU); for each
+#            transformers version below, that version installed into it, then the whole Python
+#            suite but the GPU tests; here no test may skip
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -50,14 +49,21 @@ part_python() {
 }
 
 part_serving() {
-  local v venv log t0
+  local v venv=target/py-serving log t0
+  # One venv for every version: torch from PyPI brings the CUDA libraries (~5 GB installed), so
+  # a venv per version filled CI's disk. Each version is installed over the one before (pip
+  # replaces transformers and moves its dependencies to what that version asks for), and the
+  # run checks which version it imported. No pip cache: nothing is downloaded twice.
+  t0=$(date +%s)
+  echo "== Python serving: one venv with torch $TORCH_VERSION (CPU) at $venv"
+  make_venv "$venv" --no-cache-dir "torch==$TORCH_VERSION" numpy pytest mypy psutil  # psutil: the multi-tenant bench watches its processes
+  echo "   venv ready in $(( $(date +%s) - t0 ))s"
   for v in "${TRANSFORMERS_VERSIONS[@]}"; do
     echo "== Python serving: torch $TORCH_VERSION (CPU) and transformers $v, no test may skip"
     t0=$(date +%s)
-    venv=target/py-serving-$v
-    make_venv "$venv" "torch==$TORCH_VERSION" "transformers==$v" numpy pytest mypy psutil  # psutil: the multi-tenant bench watches its processes
-    echo "   venv ready in $(( $(date +%s) - t0 ))s"
-    log=$venv/pytest.log
+    "$venv/bin/python" -m pip install -q --no-cache-dir "transformers==$v"
+    "$venv/bin/python" -c "import sys, transformers as t; sys.exit(t.__version__ != '$v' and f'transformers {t.__version__} imported, not $v')"
+    log=target/py-serving-$v.log
     (cd "$venv" && CUDA_VISIBLE_DEVICES= bin/python -m pytest -rs -p no:cacheprovider \
       --ignore="$root/python/tests/test_gpu.py" "$root/python/tests") 2>&1 | tee "$log"
     # No test may skip for want of torch or transformers. The one that reads the full Azure
