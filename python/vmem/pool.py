@@ -129,8 +129,9 @@ def _size(name: str, value: Any) -> str:
 @dataclasses.dataclass(frozen=True)
 class TenantStatus:
     """One live tenant: its ``name``, process ``pid``, ``usage``, ``limit``, ``floor`` (room
-    the pool keeps for it while it holds less; 0: none) and ``peak`` (bytes), ``over_limit`` (bytes above its limit, 0 within it: it must shrink),
-    ``revision`` (times its limit was set, 1 at join), ``joined`` (Unix seconds), ``slot``."""
+    the pool keeps for it while it holds less; 0: none) and ``peak`` (bytes), ``over_limit``
+    (bytes above its limit, 0 within it: it must shrink), ``revision`` (times its limit was
+    set, 1 at join), ``joined`` (Unix seconds), ``slot``."""
 
     name: str
     pid: int
