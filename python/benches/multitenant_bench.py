@@ -15,7 +15,9 @@ once by a barrier:
 * scenario ``bursty`` (every tenant in the same window) and ``staggered`` (tenant ``i`` shifted
   ``i * --stagger`` seconds, default the window's length: peaks at different times);
 * mode ``static`` (each tenant ``memory = total / 3``, made up front, no pool) and ``pool``
-  (each joins the pool, its limit the whole pool, pages made on demand);
+  (each joins the pool, its limit the whole pool, pages made on demand); with ``--floor`` (a
+  fraction of the pool such as ``1/6``, a share or a size) also ``pool-floor``: the pool, each
+  tenant with that guaranteed floor (room kept for it even while it is idle);
 * with ``--kill``, one more pool run of the bursty window in which tenant ``--kill-tenant`` is
   SIGKILLed ``--kill-at`` seconds in: how long until the ledger no longer counts its memory
   (target < 1 s) and until the GPU's free memory shows it, and whether the others finished.
@@ -60,7 +62,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--total", default=None, help="the pool's bytes (static: a third each); default 3G, --tiny 24M")
     ap.add_argument("--scenarios", default=",".join(tenant_plan.SCENARIOS))
-    ap.add_argument("--modes", default=",".join(tn.MODES))
+    ap.add_argument("--modes", default=None,
+                    help="static,pool (default), and pool-floor (default with --floor)")
+    ap.add_argument("--floor", default=None,
+                    help="pool-floor mode: each tenant's floor, a fraction of --total (1/6), a share (15%%) or a size")
     ap.add_argument("--window-start", type=float, default=289.0, help="trace seconds after the traces' origin")
     ap.add_argument("--window", type=float, default=30.0, help="trace seconds replayed")
     ap.add_argument("--time-scale", type=float, default=None,
@@ -102,6 +107,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, flag) is None:
             setattr(args, flag, cpu if tiny else gpu)
     args.scenario_list = cli.names(ap, "--scenarios", args.scenarios, tenant_plan.SCENARIOS)
+    if args.modes is None:
+        args.modes = "static,pool" + (",pool-floor" if args.floor is not None else "")
     args.mode_list = cli.names(ap, "--modes", args.modes, tn.MODES)
     cli.check_counts(ap, args, ["--requests", "--max-prompt", "--new-tokens", "--max-rows", "--max-context",
                                 "--max-batch-tokens"])
@@ -115,11 +122,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--kill-tenant must be 0 to {len(tenant_plan.TENANTS) - 1}, got {args.kill_tenant}")
     if args.kill and "pool" not in args.mode_list:
         ap.error("--kill needs the pool mode (--modes ... pool)")
+    if ("pool-floor" in args.mode_list) != (args.floor is not None):
+        ap.error("--floor and the pool-floor mode go together (--floor 1/6 runs it by default)")
     for flag in ("total", "page_size"):
         try:
             setattr(args, f"{flag}_bytes", vmem.parse_bytes(getattr(args, flag)))
         except (vmem.VmemError, TypeError) as e:
             ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)!r}: {e}")
+    try:
+        args.floor_bytes = 0 if args.floor is None else tenant_plan.floor_bytes(
+            args.floor, args.total_bytes, len(tenant_plan.TENANTS))
+    except ValueError as e:
+        ap.error(f"--floor {e}")
     from vmem.transformers import PAGE_SIZES
 
     if args.page_size_bytes not in PAGE_SIZES:
@@ -211,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = fl = None
     failure: tuple[int, str] | None = None
     try:
-        if "pool" in args.mode_list:
+        if any(m in tn.POOLED for m in args.mode_list):
             from vmem import pool as vpool
 
             pool = vpool.create(os.path.join(work, "pool"), size=args.total_bytes)
@@ -219,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                              page_size=args.page_size_bytes, max_requests=args.max_rows,
                              max_context=args.max_context, max_batch_tokens=args.max_batch_tokens,
                              new_tokens=args.new_tokens, timeout_s=args.timeout, tiny=args.tiny,
-                             keep_going=args.keep_going)
+                             keep_going=args.keep_going, floor=args.floor_bytes)
         jobs = [tn.TenantJob(i, t, tuple(per_tenant[i]), serving, work)
                 for i, t in enumerate(tenant_plan.TENANTS)]
         fl = fleet.Fleet(jobs)
@@ -263,7 +277,7 @@ def serve_all(args: argparse.Namespace, fl: fleet.Fleet, pool: Any, per_tenant: 
             fl.wait_start(run.key, args.timeout)  # the tenants may build this run's engines now
         epoch = fl.wait_start(run.key, args.timeout)
         log(f"run {run.key}: started")
-        sampler = fleet.Sampler(fl, epoch, pool if run.mode == "pool" else None)
+        sampler = fleet.Sampler(fl, epoch, pool if run.mode in tn.POOLED else None)
         check = None
         if run.key == "kill":
             victim = per_tenant[args.kill_tenant][n].arrivals

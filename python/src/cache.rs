@@ -63,7 +63,7 @@ impl KVCache {
         pad_rows: bool,
         zero_page: Option<bool>,
         prefix_cache: Option<&Bound<'_, PyAny>>,
-        pool: Option<(String, Option<String>, String)>,
+        pool: Option<crate::pool::JoinArgs>,
     ) -> PyResult<Self> {
         let dtype = DType::parse(dtype)?;
         let layout: Layout = layout.parse().map_err(py_err)?;
@@ -108,9 +108,7 @@ impl KVCache {
             .map_err(py_err)?;
         // A tenant of a shared pool: every page is charged to it (refused: OutOfMemory).
         let tenant = pool
-            .map(|(name, limit, ledger)| {
-                crate::pool::join(selected.backend.clone(), &name, limit.as_deref(), &ledger)
-            })
+            .map(|args| crate::pool::join(selected.backend.clone(), &args))
             .transpose()?;
         let (kv, name, reason, dev) = py
             .detach(|| -> Result<_, CoreError> {

@@ -10,7 +10,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use vmem::backend::{open_backend, Backend, BackendChoice};
 use vmem::units::parse_bytes;
-use vmem_pool::{Ledger, Limit, PoolBackend, PoolConfig, PoolError as CoreError, PoolStatus};
+use vmem_pool::{
+    Floor, Ledger, Limit, PoolBackend, PoolConfig, PoolError as CoreError, PoolStatus,
+};
 
 /// A pool error as `vmem.PoolError`, with the message `vmem pool` prints.
 pub(crate) fn pool_err(e: CoreError) -> PyErr {
@@ -23,6 +25,11 @@ fn setting(why: String) -> PyErr {
 
 /// A limit as operators write it: `"12G"`, `"25%"` or a number of bytes (as a string).
 fn limit(s: &str) -> PyResult<Limit> {
+    s.parse().map_err(pool_err)
+}
+
+/// A floor as operators write it: `"12G"`, `"25%"`, bytes (as a string), `"0"` for none.
+fn floor(s: &str) -> PyResult<Floor> {
     s.parse().map_err(pool_err)
 }
 
@@ -46,7 +53,7 @@ fn status_dict<'py>(py: Python<'py>, st: &PoolStatus) -> PyResult<Bound<'py, PyD
         .tenants
         .iter()
         .map(|t| {
-            let e = fields_dict!(py, t; slot, pid, limit, usage, peak, revision, joined);
+            let e = fields_dict!(py, t; slot, pid, limit, floor, usage, peak, revision, joined);
             e.set_item("name", &t.name)?;
             e.set_item("over_limit", t.over_limit())?;
             Ok(e)
@@ -159,6 +166,20 @@ impl Pool {
         Ok(fields_dict!(py, ch; name, old, new, usage, revision))
     }
 
+    /// Sets live tenant `tenant`'s floor (`"12G"`, `"25%"`, bytes as a string, `"0"`: none).
+    fn set_floor<'py>(
+        &self,
+        py: Python<'py>,
+        tenant: &str,
+        floor: &str,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let f = self::floor(floor)?;
+        let ch = py
+            .detach(|| self.ledger.set_floor(tenant, f))
+            .map_err(pool_err)?;
+        Ok(fields_dict!(py, ch; name, old, new, usage, floors))
+    }
+
     /// Takes dead tenants out of the pool; returns them.
     fn reap<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let r = py.detach(|| self.ledger.reap()).map_err(pool_err)?;
@@ -166,17 +187,20 @@ impl Pool {
     }
 }
 
-/// `backend` with its pages charged to a new tenant `name` of the pool at `ledger`
-/// (`limit`: the ledger's default when `None`).
-pub(crate) fn join(
-    backend: Arc<dyn Backend>,
-    name: &str,
-    limit: Option<&str>,
-    ledger: &str,
-) -> PyResult<Arc<PoolBackend>> {
-    let l = limit.map(self::limit).transpose()?;
+/// How a cache joins a pool, as `vmem.pool.Join.args()` hands it over:
+/// `(tenant, limit, floor, ledger)`.
+pub(crate) type JoinArgs = (String, Option<String>, Option<String>, String);
+
+/// `backend` with its pages charged to a new tenant of the pool (`limit`: the ledger's
+/// default when `None`; `floor`: none when `None`).
+pub(crate) fn join(backend: Arc<dyn Backend>, args: &JoinArgs) -> PyResult<Arc<PoolBackend>> {
+    let (name, limit, floor, ledger) = args;
+    let l = limit.as_deref().map(self::limit).transpose()?;
+    let f = floor.as_deref().map(self::floor).transpose()?;
     let ledger = Arc::new(Ledger::open(ledger).map_err(pool_err)?);
-    let tenant = ledger.join(name, l).map_err(pool_err)?;
+    let tenant = ledger
+        .join_with_floor(name, l, f.unwrap_or(Floor::NONE))
+        .map_err(pool_err)?;
     Ok(Arc::new(PoolBackend::new(backend, tenant)))
 }
 
@@ -188,10 +212,12 @@ pub(crate) fn tenant_dict<'py>(py: Python<'py>, b: &PoolBackend) -> PyResult<Bou
     d.set_item("pid", std::process::id())?;
     d.set_item("ledger", t.ledger().path().display().to_string())?;
     d.set_item("limit", t.limit())?;
+    d.set_item("floor", t.floor())?;
     d.set_item("usage", t.usage())?;
     d.set_item("revision", t.limit_revision())?;
     d.set_item("over_limit", t.over_limit().unwrap_or(0))?;
     d.set_item("pool_used", t.ledger().used())?;
     d.set_item("pool_total", t.ledger().total())?;
+    d.set_item("pool_room", t.pool_room())?;
     Ok(d)
 }

@@ -332,3 +332,41 @@ def test_a_pool_tenant_starved_by_its_neighbours_waits_instead_of_failing(tmp_pa
     for run in res["runs"]:
         if run["mode"] == "pool":
             assert 0 < run["pool_max_used"] <= res["pool_total"], run["key"]
+
+
+def test_tiny_run_with_a_floor_serves_the_pool_floor_mode_beside_static_and_pool(tmp_path) -> None:
+    """``--floor 1/6``: a third mode, ``pool-floor``, in which every tenant joined with a floor of
+    a sixth of the pool (the ledger held it), with its own ratios against static."""
+    pytest.importorskip("transformers")
+    from vmem import pool  # noqa: F401  (the bench's pool modes)
+
+    done, pids = run_bench(tmp_path, "--floor", "1/6", "--scenarios", "bursty")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_nothing_left(tmp_path, pids)
+    res = json.loads((tmp_path / "out" / "multitenant.json").read_text())
+    names = [t["name"] for t in res["tenants"]]
+    keys = [(r["mode"], r["tenant"]) for r in res["rows"]]
+    assert keys == [(m, t) for m in ("static", "pool", "pool-floor") for t in [*names, "all"]]
+    total = res["pool_total"]
+    for run in res["runs"]:
+        floors = {t["floor_bytes"] for t in run["tenants"]}
+        assert floors == ({total // 6} if run["mode"] == "pool-floor" else {0}), (run["mode"], floors)
+        if run["mode"] != "static":
+            assert 0 < run["pool_max_used"] <= total, run["key"]
+    assert [(r["mode"], r["tenant"]) for r in res["ratios"]] == \
+        [(m, t) for m in ("pool", "pool-floor") for t in [*names, "all"]]
+    assert "pool-floor" in (tmp_path / "out" / "multitenant.txt").read_text()
+
+
+@pytest.mark.parametrize("flags", [["--floor", "0"], ["--floor", "1/2"], ["--floor", "abc"], ["--floor", "-1G"],
+                                   ["--floor", "nan%"], ["--modes", "static,pool-floor"],
+                                   ["--floor", "1/6", "--modes", "static,pool"]])
+def test_a_bad_floor_is_one_usage_line_before_any_process(flags, tmp_path, capsys) -> None:
+    pytest.importorskip("transformers", reason="the bench imports transformers' configs")
+    import multitenant_bench
+
+    with pytest.raises(SystemExit) as e:
+        multitenant_bench.main(["--tiny", "--out", str(tmp_path), *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--floor" in err, err

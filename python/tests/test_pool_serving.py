@@ -4,6 +4,8 @@ and the greedy outputs stay those of an unconstrained run; sleep and wake betwee
 
 Needs torch and a transformers vmem serves (as test_transformers_cb.py)."""
 
+import time
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (CI has no torch)")
@@ -177,3 +179,58 @@ def test_a_bad_pool_option_is_refused_when_the_options_are_made(bad):
     with pytest.raises(vmem.PoolError):
         vt.Options(pool=bad)
     assert vt.Options(pool="name").pool == pool.Join("name")
+
+
+def _watch_idle(ledger, name, seconds):
+    """An ``inspect`` for run_engine: right after the last result, while the engine loops idle,
+    samples the tenant's ledger usage every 20 ms for ``seconds``: ``[(s since, usage)]``."""
+
+    def watch(cache):
+        start = time.monotonic()
+        samples = []
+        while (dt := time.monotonic() - start) < seconds:
+            samples.append((dt, ledger.status().tenant(name).usage))
+            time.sleep(0.02)
+        return {"samples": samples, "trash": cache.trash_bytes(),
+                "unmapped": cache.kv.prefix_stats()["unmapped_bytes"]}
+
+    return watch
+
+
+@pytest.mark.parametrize("idle_s", [0.6, None], ids=["after-0.6s", "disabled"])
+def test_an_idle_tenant_gives_back_its_prefix_cache_after_pool_idle_s(ledger, idle_s):
+    """Requests sharing a prefix are served (their finished blocks stay in the prefix cache); then
+    the engine loops idle. With ``pool_idle_s=0.6`` the tenant's ledger usage falls to its trash
+    row's bytes within 0.6 s + 1 s of the last result, and not before 0.6 s less a loop turn;
+    with ``None`` it keeps its prefix cache the whole time."""
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = _prompts(model.config.vocab_size)[:3]
+    name = f"idle-{idle_s}"
+    watch_s = (idle_s or 0.6) + 1.0
+    with vt.serving(**dict(OPTS, pool=pool.Join(name, ledger=ledger.path), pool_idle_s=idle_s)):
+        run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 8,
+                           cb_kwargs=dict(max_batch_tokens=64, allow_block_sharing=True),
+                           inspect=_watch_idle(ledger, name, watch_s))
+    assert run["error"] is None and len(run["results"]) == 3
+    info = run["cache_info"]
+    samples, trash = info["samples"], info["trash"]
+    held = samples[0][1]
+    assert held > trash, f"the prefix cache kept blocks after the last request: {samples[:3]}"
+    if idle_s is None:
+        assert all(u == held for _, u in samples), samples
+        assert info["unmapped"] > 0
+        return
+    dropped = [t for t, u in samples if u == trash]
+    assert dropped, f"never down to the trash row's {trash} bytes in {watch_s} s: {samples[-3:]}"
+    assert all(u == held for t, u in samples if t < idle_s - 0.15), samples
+    assert dropped[0] <= idle_s + 1.0, samples
+    assert info["unmapped"] == 0
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, float("nan"), float("inf"), "2", "2s", True, False, [1]])
+def test_a_bad_pool_idle_s_is_refused_when_the_options_are_made(bad):
+    with pytest.raises(vmem.InvalidArgument, match="pool_idle_s"):
+        vt.Options(pool_idle_s=bad)
+    assert vt.Options().pool_idle_s == 2.0
+    assert vt.Options(pool_idle_s=None).pool_idle_s is None
+    assert vt.Options(pool_idle_s=0).pool_idle_s == 0.0

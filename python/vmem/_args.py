@@ -63,6 +63,19 @@ def check_positive_int(name: str, value: Any, *, max: Optional[int] = None) -> i
     return check_int(name, value, min=1, max=max)
 
 
+def check_optional_seconds(name: str, value: Any) -> Optional[float]:
+    """``None``, or a duration in seconds: an int or a float, finite and >= 0 (not a bool, not
+    a string), as a float."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"{name} must be seconds (an int or a float >= 0) or None, got {short(value)}")
+    seconds = float(value)
+    if seconds != seconds or seconds in (float("inf"), float("-inf")) or seconds < 0:
+        raise InvalidArgument(f"{name} must be finite seconds >= 0 (or None to disable), got {short(value)}")
+    return seconds
+
+
 def check_choice(name: str, value: Any, choices: Sequence[T]) -> T:
     """``value`` if it is one of ``choices`` (compared with ``==``, so strings must match exactly)."""
     if isinstance(value, bool) or value not in choices:

@@ -16,18 +16,22 @@ __all__ = ["MemoryControl", "TenantSelf"]
 class TenantSelf:
     """A joined cache's own tenant slot, read with atomic loads (no lock, no system call):
     ``limit``, ``usage`` and ``over_limit`` (bytes above the limit, 0 within it), ``revision``
-    (bumped by every limit change: poll it to learn of one cheaply), and the pool's
-    ``pool_used`` and ``pool_total`` bytes (every tenant's usage summed, no lock)."""
+    (bumped by every limit change: poll it to learn of one cheaply), its ``floor`` (room the
+    pool keeps for it, 0: none), and the pool's ``pool_used`` and ``pool_total`` bytes (every
+    tenant's usage summed, no lock) and ``pool_room`` (what it may still charge, its limit
+    aside: the free room less what the other tenants' floors keep)."""
 
     name: str
     ledger: str
     pid: int
     limit: int
+    floor: int
     usage: int
     revision: int
     over_limit: int
     pool_used: int
     pool_total: int
+    pool_room: int
 
 
 class MemoryControl:

@@ -6,13 +6,14 @@ The operator creates a pool and changes tenants' limits while they run::
     from vmem import pool
     p = pool.create(size="60G")                 # or reserve="2G": the GPU's free memory less 2G
     p.set_limit("llama", "40%")                 # "12G", "25%" or bytes
+    p.set_floor("qwen", "20%")                  # room kept for it even while it is idle
     for t in p.status().tenants:
         print(t.name, t.usage, t.limit, t.over_limit)
 
 A process joins as a tenant through its cache, whose pages are then charged to the pool (a
 page the pool refuses is :class:`vmem.OutOfMemory`, as a full cache's)::
 
-    kv = vmem.KVCache(..., pool=pool.Join("llama", limit="12G"))
+    kv = vmem.KVCache(..., pool=pool.Join("llama", limit="12G", floor="4G"))
 
 Every refusal is :class:`vmem.PoolError` (a :class:`vmem.VmemError`) with the message
 ``vmem pool`` prints; nothing is changed by a refused call. The ledger is ``$VMEM_POOL``, else
@@ -33,6 +34,7 @@ MAX_NAME = 31
 
 __all__ = [
     "DEFAULT_LEDGER",
+    "FloorChange",
     "Join",
     "LimitChange",
     "Pool",
@@ -91,6 +93,30 @@ def _limit(name: str, value: Any) -> str:
     return value
 
 
+def _floor(name: str, value: Any) -> str:
+    """A floor as the ledger parses it (``"4G"``, ``"25%"``, bytes as digits, ``"0"``: none)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise PoolError(f"invalid pool setting: {name} must be bytes (an int), a size such as '4G' "
+                        f"or a share such as '25%', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise PoolError(f"invalid pool setting: {name} {value}: a floor cannot be negative")
+        return str(value)
+    text = value.strip()
+    if text.endswith("%"):
+        share = text[:-1].strip()
+        if not share.isdigit() or not 0 <= int(share) <= 100:
+            raise PoolError(f"invalid pool setting: {name} {value!r}: a share is 0% to 100%")
+        return value
+    if text.startswith("-"):
+        raise PoolError(f"invalid pool setting: {name} {value!r}: a floor cannot be negative")
+    try:
+        _vmem.parse_bytes(text)
+    except Exception as e:  # the parser's own message says what it reads
+        raise PoolError(f"invalid pool setting: {name} {value!r}: {e}") from None
+    return value
+
+
 def _size(name: str, value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise PoolError(f"invalid pool setting: {name} must be a size (an int or a string such as '60G'), "
@@ -102,14 +128,16 @@ def _size(name: str, value: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class TenantStatus:
-    """One live tenant: its ``name``, process ``pid``, ``usage``, ``limit`` and ``peak``
-    (bytes), ``over_limit`` (bytes above its limit, 0 within it: it must shrink),
-    ``revision`` (times its limit was set, 1 at join), ``joined`` (Unix seconds), ``slot``."""
+    """One live tenant: its ``name``, process ``pid``, ``usage``, ``limit``, ``floor`` (room
+    the pool keeps for it while it holds less; 0: none) and ``peak`` (bytes), ``over_limit``
+    (bytes above its limit, 0 within it: it must shrink), ``revision`` (times its limit was
+    set, 1 at join), ``joined`` (Unix seconds), ``slot``."""
 
     name: str
     pid: int
     usage: int
     limit: int
+    floor: int
     peak: int
     over_limit: int
     revision: int
@@ -157,6 +185,18 @@ class LimitChange:
     revision: int
 
 
+@dataclasses.dataclass(frozen=True)
+class FloorChange:
+    """What :meth:`Pool.set_floor` changed: tenant ``name``'s floor from ``old`` to ``new``
+    bytes, its ``usage`` then, and the live tenants' ``floors`` together now."""
+
+    name: str
+    old: int
+    new: int
+    usage: int
+    floors: int
+
+
 def _tenant(d: dict) -> TenantStatus:
     return TenantStatus(**{f.name: d[f.name] for f in dataclasses.fields(TenantStatus)})
 
@@ -188,6 +228,16 @@ class Pool:
         if not isinstance(tenant, str) or not tenant:
             raise PoolError(f"invalid pool setting: tenant must be a name (a non-empty string), got {tenant!r}")
         return LimitChange(**self._rs.set_limit(tenant, _limit("limit", limit)))
+
+    def set_floor(self, tenant: str, floor: Limit) -> FloorChange:
+        """Sets live tenant ``tenant``'s floor: bytes, ``"4G"``, ``"25%"`` of the total, or ``0``
+        (none). The pool keeps that much room for it while it holds less, even while it is idle:
+        the other tenants' new pages that would eat into it are refused. Refused above the
+        tenant's limit, or when the floors would sum past the pool's total; a tenant holding
+        more than its floor is not affected (a floor only limits the others' growth)."""
+        if not isinstance(tenant, str) or not tenant:
+            raise PoolError(f"invalid pool setting: tenant must be a name (a non-empty string), got {tenant!r}")
+        return FloorChange(**self._rs.set_floor(tenant, _floor("floor", floor)))
 
     def reap(self) -> Tuple[Reaped, ...]:
         """Takes tenants whose process died out of the pool; returns them."""
@@ -230,13 +280,15 @@ def open(path: Any = None) -> Pool:  # noqa: A001 - pool.open, as the module's u
 @dataclasses.dataclass(frozen=True)
 class Join:
     """How a cache joins a pool: as tenant ``tenant`` (a name no live tenant has), with
-    ``limit`` (bytes, ``"12G"`` or ``"25%"``; ``None``: the pool's default limit), in the
+    ``limit`` (bytes, ``"12G"`` or ``"25%"``; ``None``: the pool's default limit) and ``floor``
+    (room kept for it even while idle, as :meth:`Pool.set_floor`; ``None``: none), in the
     ledger at ``ledger`` (``None``: :func:`default_ledger`, read when the ``Join`` is made).
     Validated when made; frozen. ``vmem.KVCache(..., pool=Join(...))`` or ``pool="name"``."""
 
     tenant: str
     limit: Optional[Limit] = None
     ledger: Optional[str] = None
+    floor: Optional[Limit] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tenant, str) or not self.tenant.strip():
@@ -247,6 +299,8 @@ class Join:
                             "letters, digits, '.', '_' and '-' (the ledger's rule)")
         if self.limit is not None:
             _limit("limit", self.limit)
+        if self.floor is not None:
+            _floor("floor", self.floor)
         object.__setattr__(self, "ledger", _path(self.ledger))
 
     @classmethod
@@ -258,7 +312,8 @@ class Join:
             return cls(value)
         raise PoolError(f"invalid pool setting: pool must be a vmem.pool.Join or a tenant name, got {value!r}")
 
-    def args(self) -> Tuple[str, Optional[str], str]:
-        """What the Rust module takes: ``(tenant, limit, ledger)``."""
+    def args(self) -> Tuple[str, Optional[str], Optional[str], str]:
+        """What the Rust module takes: ``(tenant, limit, floor, ledger)``."""
         assert self.ledger is not None
-        return (self.tenant, None if self.limit is None else _limit("limit", self.limit), self.ledger)
+        return (self.tenant, None if self.limit is None else _limit("limit", self.limit),
+                None if self.floor is None else _floor("floor", self.floor), self.ledger)

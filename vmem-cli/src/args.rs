@@ -38,7 +38,7 @@ pub(crate) enum Command {
         #[arg(long, default_value_t = 0)]
         device: usize,
     },
-    /// A KV pool shared by several processes on one GPU: create, status, limit, top.
+    /// A KV pool shared by several processes on one GPU: create, status, limit, floor, top.
     Pool(crate::pool::PoolArgs),
 }
 

@@ -3,6 +3,7 @@
 mod args;
 mod plan;
 mod pool;
+mod pool_view;
 mod prefix;
 mod report;
 

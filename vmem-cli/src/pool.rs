@@ -1,7 +1,8 @@
 //! `vmem pool`: create a pool ledger shared by several vmem processes on one GPU, show it
-//! (`status`, `top`), and change a tenant's limit while it runs. Everything that can fail is
+//! (`status`, `top`), and change a tenant's limit or floor while it runs. Everything that can fail is
 //! done before the first line is printed.
 
+use crate::pool_view::{status_json, status_table};
 use crate::{emit, CliError};
 use clap::{Args, Subcommand};
 use std::io::{IsTerminal, Write};
@@ -9,7 +10,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 use vmem::backend::{open_backend, BackendChoice};
 use vmem::units::{format_bytes, parse_bytes};
-use vmem_pool::{Ledger, Limit, PoolConfig, PoolError, PoolStatus};
+use vmem_pool::{Floor, Ledger, Limit, PoolConfig, PoolError};
 
 /// Where the ledger is when neither `--ledger` nor `VMEM_POOL` says.
 const DEFAULT_LEDGER: &str = "/dev/shm/vmem-pool";
@@ -76,6 +77,17 @@ enum PoolCommand {
         /// The new limit.
         #[arg(allow_hyphen_values = true)]
         limit: String,
+    },
+    /// Set a live tenant's floor: room the pool keeps for it while it holds less, even while it
+    /// is idle (the other tenants' new pages that would eat into it are refused). A size (4G),
+    /// a share of the pool (25%), or 0 (none); at most its limit, and the floors together at
+    /// most the pool. A tenant holding more than its floor is not affected.
+    Floor {
+        /// The tenant's name.
+        tenant: String,
+        /// The new floor.
+        #[arg(allow_hyphen_values = true)]
+        floor: String,
     },
     /// Show the status again every --interval seconds, like top.
     Top {
@@ -200,6 +212,21 @@ pub fn run(out: &mut dyn Write, args: &PoolArgs) -> Result<(), CliError> {
                 ch.revision
             ))
         }
+        PoolCommand::Floor { tenant, floor } => {
+            let f: Floor = floor.parse().map_err(pool_err)?;
+            let ch = Ledger::open(&path)
+                .and_then(|ledger| ledger.set_floor(tenant, f))
+                .map_err(pool_err)?;
+            emit(writeln!(
+                out,
+                "tenant {}: floor {} -> {} (it holds {}; the floors sum to {})",
+                ch.name,
+                format_bytes(ch.old),
+                format_bytes(ch.new),
+                format_bytes(ch.usage),
+                format_bytes(ch.floors)
+            ))
+        }
         PoolCommand::Top {
             interval,
             iterations,
@@ -231,72 +258,4 @@ pub fn run(out: &mut dyn Write, args: &PoolArgs) -> Result<(), CliError> {
             }
         }
     }
-}
-
-fn status_table(st: &PoolStatus) -> String {
-    let pct = |b: u64| 100.0 * b as f64 / st.total.max(1) as f64;
-    let mut s = format!(
-        "pool {}: {} total, {} used ({:.1}%), {} free; {} of {} tenant slots\n",
-        st.path.display(),
-        format_bytes(st.total),
-        format_bytes(st.used),
-        pct(st.used),
-        format_bytes(st.total.saturating_sub(st.used)),
-        st.tenants.len(),
-        st.slots
-    );
-    if !st.tenants.is_empty() {
-        s.push_str(&format!(
-            "{:<20} {:>8} {:>10} {:>10} {:>7} {:>10}  state\n",
-            "tenant", "pid", "usage", "limit", "of pool", "peak"
-        ));
-    }
-    for t in &st.tenants {
-        let state = match t.over_limit() {
-            0 => "ok".to_string(),
-            over => format!("over limit by {}: shrinking", format_bytes(over)),
-        };
-        s.push_str(&format!(
-            "{:<20} {:>8} {:>10} {:>10} {:>6.1}% {:>10}  {state}\n",
-            t.name,
-            t.pid,
-            format_bytes(t.usage),
-            format_bytes(t.limit),
-            pct(t.usage),
-            format_bytes(t.peak)
-        ));
-    }
-    for r in &st.reaped {
-        s.push_str(&format!(
-            "reaped {} (pid {}, process gone): {} given back\n",
-            r.name,
-            r.pid,
-            format_bytes(r.usage)
-        ));
-    }
-    s
-}
-
-fn status_json(st: &PoolStatus) -> serde_json::Value {
-    serde_json::json!({
-        "ledger": st.path.display().to_string(),
-        "total_bytes": st.total,
-        "used_bytes": st.used,
-        "free_bytes": st.total.saturating_sub(st.used),
-        "default_limit_bytes": st.default_limit,
-        "slots": st.slots,
-        "tenants": st.tenants.iter().map(|t| serde_json::json!({
-            "name": t.name,
-            "pid": t.pid,
-            "usage_bytes": t.usage,
-            "limit_bytes": t.limit,
-            "peak_bytes": t.peak,
-            "over_limit_bytes": t.over_limit(),
-            "limit_revision": t.revision,
-            "joined_unix": t.joined,
-        })).collect::<Vec<_>>(),
-        "reaped": st.reaped.iter().map(|r| serde_json::json!({
-            "name": r.name, "pid": r.pid, "usage_bytes": r.usage,
-        })).collect::<Vec<_>>(),
-    })
 }

@@ -57,6 +57,8 @@ fn to_vmem(e: PoolError, page_size: u64) -> VmemError {
             let (room, cap) = match why {
                 Refusal::TenantLimit => (limit.saturating_sub(usage), limit),
                 Refusal::PoolFull => (pool_total.saturating_sub(pool_used), pool_total),
+                // The free room is other tenants' floors: none of it is this tenant's.
+                Refusal::Floors => (0, pool_total),
             };
             VmemError::OutOfMemory {
                 needed_pages: 1,

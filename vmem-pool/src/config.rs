@@ -52,26 +52,92 @@ impl FromStr for Limit {
 
     /// `4G`, `512M`, `1073741824` (bytes) or `25%` (of the pool).
     fn from_str(s: &str) -> Result<Self> {
-        let t = s.trim();
-        let bad = |why: String| PoolError::InvalidSetting(format!("limit {s:?}: {why}"));
-        if let Some(p) = t.strip_suffix('%') {
-            let p: u32 = p
-                .trim()
-                .parse()
-                .map_err(|_| bad("a share is a whole percentage, e.g. 25%".into()))?;
-            if p == 0 || p > 100 {
-                return Err(bad("a share is 1% to 100%".into()));
-            }
-            return Ok(Limit::Percent(p));
+        let bad = |why: &str| PoolError::InvalidSetting(format!("limit {s:?}: {why}"));
+        match parse_amount("limit", s)? {
+            Amount::Percent(0) => Err(bad("a share is 1% to 100%")),
+            Amount::Percent(p) => Ok(Limit::Percent(p)),
+            Amount::Bytes(0) => Err(bad("a limit of 0 bytes lets the tenant hold nothing")),
+            Amount::Bytes(b) => Ok(Limit::Bytes(b)),
         }
-        if t.starts_with('-') {
-            return Err(bad("a limit cannot be negative".into()));
+    }
+}
+
+/// A size or a share as operators write them, zero allowed (the caller decides).
+enum Amount {
+    Bytes(u64),
+    Percent(u32),
+}
+
+fn parse_amount(what: &str, s: &str) -> Result<Amount> {
+    let t = s.trim();
+    let bad = |why: String| PoolError::InvalidSetting(format!("{what} {s:?}: {why}"));
+    if let Some(p) = t.strip_suffix('%') {
+        let p: u32 = p
+            .trim()
+            .parse()
+            .map_err(|_| bad("a share is a whole percentage, e.g. 25%".into()))?;
+        if p > 100 {
+            return Err(bad("a share is 1% to 100%".into()));
         }
-        let b = parse_bytes(t).map_err(|e| bad(e.to_string()))?;
-        if b == 0 {
-            return Err(bad("a limit of 0 bytes lets the tenant hold nothing".into()));
+        return Ok(Amount::Percent(p));
+    }
+    if t.starts_with('-') {
+        return Err(bad(format!("a {what} cannot be negative")));
+    }
+    Ok(Amount::Bytes(
+        parse_bytes(t).map_err(|e| bad(e.to_string()))?,
+    ))
+}
+
+/// A tenant's guaranteed floor: room the pool keeps for it while it holds less, even while it
+/// is idle (other tenants' pages that would eat into it are refused). Bytes or a share of the
+/// pool's total; zero is no floor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Floor {
+    /// This many bytes (0: none).
+    Bytes(u64),
+    /// This percentage of the pool's total (0 to 100).
+    Percent(u32),
+}
+
+impl Floor {
+    /// No floor.
+    pub const NONE: Floor = Floor::Bytes(0);
+
+    /// The floor in bytes in a pool of `total` bytes; one above the total is refused.
+    pub fn resolve(self, total: u64) -> Result<u64> {
+        let bytes = match self {
+            Floor::Bytes(b) => b,
+            Floor::Percent(p) => ((u128::from(total) * u128::from(p)) / 100) as u64,
+        };
+        if bytes > total {
+            return Err(PoolError::InvalidSetting(format!(
+                "floor {self} exceeds the pool's total {} ({total} bytes)",
+                format_bytes(total)
+            )));
         }
-        Ok(Limit::Bytes(b))
+        Ok(bytes)
+    }
+}
+
+impl std::fmt::Display for Floor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Floor::Bytes(b) => write!(f, "{}", format_bytes(*b)),
+            Floor::Percent(p) => write!(f, "{p}%"),
+        }
+    }
+}
+
+impl FromStr for Floor {
+    type Err = PoolError;
+
+    /// `4G`, `512M`, bytes, `25%` (of the pool), or `0` (no floor).
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match parse_amount("floor", s)? {
+            Amount::Bytes(b) => Floor::Bytes(b),
+            Amount::Percent(p) => Floor::Percent(p),
+        })
     }
 }
 
@@ -194,6 +260,30 @@ mod tests {
         assert_eq!(Limit::Percent(50).resolve(1000).unwrap(), 500);
         assert!(Limit::Percent(1).resolve(50).is_err(), "rounds to 0 bytes");
         assert!(Limit::Bytes(1001).resolve(1000).is_err());
+    }
+
+    #[test]
+    fn floors_parse_zero_is_none_and_bad_ones_are_refused() {
+        assert_eq!("0".parse::<Floor>().unwrap(), Floor::NONE);
+        assert_eq!("0%".parse::<Floor>().unwrap(), Floor::Percent(0));
+        assert_eq!("1G".parse::<Floor>().unwrap(), Floor::Bytes(1 << 30));
+        assert_eq!(" 20% ".parse::<Floor>().unwrap(), Floor::Percent(20));
+        for bad in [
+            "-1",
+            "-1G",
+            "-5%",
+            "101%",
+            "1.5%",
+            "abc",
+            "",
+            "%",
+            "99999999999T",
+        ] {
+            assert!(bad.parse::<Floor>().is_err(), "{bad:?}");
+        }
+        assert_eq!(Floor::Percent(25).resolve(1000).unwrap(), 250);
+        assert_eq!(Floor::NONE.resolve(1000).unwrap(), 0);
+        assert!(Floor::Bytes(1001).resolve(1000).is_err());
     }
 
     #[test]

@@ -10,6 +10,28 @@ pub enum Refusal {
     TenantLimit,
     /// The tenants together would pass the pool's total.
     PoolFull,
+    /// The pool's free room is kept for other tenants' floors (what they are guaranteed and
+    /// do not hold yet).
+    Floors,
+}
+
+impl Refusal {
+    fn describe(self) -> &'static str {
+        match self {
+            Refusal::TenantLimit => "over the tenant's limit",
+            Refusal::PoolFull => "the pool is full",
+            Refusal::Floors => "the pool's free room is kept for other tenants' floors",
+        }
+    }
+}
+
+/// What an unsupported format version means to the operator.
+fn version_advice(found: u64, supported: u64) -> &'static str {
+    if found < supported {
+        ": it was created by an older vmem: recreate it (`vmem pool create`) once its tenants stopped"
+    } else {
+        ": it was created by a newer vmem: use that vmem's tools"
+    }
 }
 
 /// Every way a pool call can fail. None of them leaves the ledger changed.
@@ -46,7 +68,7 @@ pub enum PoolError {
     },
 
     /// A ledger of a format version this build does not read.
-    #[error("{path}: ledger format version {found}, this build reads version {supported}")]
+    #[error("{path}: ledger format version {found}, this build reads version {supported}{}", version_advice(*found, *supported))]
     UnsupportedVersion {
         /// The path.
         path: PathBuf,
@@ -100,7 +122,7 @@ pub enum PoolError {
     },
 
     /// A charge the tenant's limit or the pool's total does not allow.
-    #[error("tenant {tenant:?}: {needed} more bytes refused ({}): usage {usage} of limit {limit}; pool {pool_used} of {pool_total} used", match why { Refusal::TenantLimit => "over the tenant's limit", Refusal::PoolFull => "the pool is full" })]
+    #[error("tenant {tenant:?}: {needed} more bytes refused ({}): usage {usage} of limit {limit}; pool {pool_used} of {pool_total} used", why.describe())]
     Refused {
         /// The tenant.
         tenant: String,

@@ -13,7 +13,8 @@
 //!  7 seal of words 0-6                  10 joined at, Unix seconds
 //!  8 slots in use (not sealed)
 //!  9 slot being written + 1 (not sealed)
-//!                                       11 seal of words 0-2, 4-8 and 10
+//!                                       11 seal of words 0-2, 4-8, 10 and 12
+//!                                       12 floor, bytes (kept for it while idle)
 //! ```
 //!
 //! Liveness is not in the file: a live tenant holds a write lock on its slot's first byte
@@ -25,8 +26,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// `b"VMEMPOOL"` as a little-endian word.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"VMEMPOOL");
-/// The format this crate writes and reads.
-pub const VERSION: u64 = 1;
+/// The format this crate writes and reads (2: the slot's floor word; version 1 had none).
+pub const VERSION: u64 = 2;
 /// Words in the header.
 pub const HEADER_WORDS: usize = 64;
 /// Words in one slot.
@@ -83,8 +84,10 @@ pub mod s {
     pub const JOINED: usize = 10;
     /// Seal.
     pub const SEAL: usize = 11;
+    /// Floor, bytes: room the pool keeps for the tenant while it holds less (0: none).
+    pub const FLOOR: usize = 12;
     /// The words the seal covers.
-    pub const SEALED: [usize; 9] = [
+    pub const SEALED: [usize; 10] = [
         STATE,
         PID,
         LIMIT,
@@ -94,6 +97,7 @@ pub mod s {
         NAME + 2,
         NAME + 3,
         JOINED,
+        FLOOR,
     ];
 }
 

@@ -5,7 +5,7 @@
 //! Who is in the pool changes only under the header's lock (join, leave, limit, reap); a
 //! charge or a credit changes only the tenant's own usage word (see [`crate::Tenant`]).
 
-use crate::config::Limit;
+use crate::config::{Floor, Limit};
 use crate::error::{PoolError, Result};
 use crate::layout::{self, h, s, FREE, HEADER_WORDS, LIVE, SLOT_WORDS};
 use crate::status::{LimitChange, PoolStatus, Reaped, TenantStatus};
@@ -123,6 +123,10 @@ impl Ledger {
         self.slots
     }
 
+    pub(crate) fn words(&self) -> &[AtomicU64] {
+        self.map.words()
+    }
+
     pub(crate) fn slot(&self, i: usize) -> &[AtomicU64] {
         &self.map.words()[HEADER_WORDS + i * SLOT_WORDS..][..SLOT_WORDS]
     }
@@ -215,6 +219,12 @@ impl Ledger {
                             self.total
                         )));
                     }
+                    if get(s::FLOOR) > limit {
+                        return Err(self.corrupt(format!(
+                            "slot {i}: floor {} above its limit {limit}",
+                            get(s::FLOOR)
+                        )));
+                    }
                 }
                 other => return Err(self.corrupt(format!("slot {i}: state {other}"))),
             }
@@ -222,19 +232,19 @@ impl Ledger {
         Ok(())
     }
 
-    fn name_of(&self, i: usize) -> String {
+    pub(crate) fn name_of(&self, i: usize) -> String {
         let slot = self.slot(i);
         layout::unpack_name([0, 1, 2, 3].map(|k| slot[s::NAME + k].load(SeqCst)))
             .unwrap_or_default()
     }
 
     /// Marks slot `i` as being written under the header's lock (see [`h::WRITING`]).
-    fn writing(&self, i: usize) {
+    pub(crate) fn writing(&self, i: usize) {
         self.map.words()[h::WRITING].store(i as u64 + 1, SeqCst);
     }
 
     /// Ends the write [`Ledger::writing`] began (the slot is sealed).
-    fn written(&self) {
+    pub(crate) fn written(&self) {
         self.map.words()[h::WRITING].store(0, SeqCst);
     }
 
@@ -265,6 +275,7 @@ impl Ledger {
         } else if get(s::STATE) == LIVE
             && layout::unpack_name([0, 1, 2, 3].map(|k| get(s::NAME + k))).is_some()
             && (1..=self.total).contains(&get(s::LIMIT))
+            && get(s::FLOOR) <= get(s::LIMIT)
         {
             self.reseal(i);
             self.written();
@@ -276,7 +287,7 @@ impl Ledger {
         Ok(())
     }
 
-    fn reseal(&self, i: usize) {
+    pub(crate) fn reseal(&self, i: usize) {
         let slot = self.slot(i);
         slot[s::SEAL].store(layout::slot_seal(slot), SeqCst);
     }
@@ -294,7 +305,7 @@ impl Ledger {
     }
 
     /// Takes out the slots of tenants whose process is gone (nobody holds their lock).
-    fn reap_locked(&self, admin: &Admin<'_>) -> Result<Vec<Reaped>> {
+    pub(crate) fn reap_locked(&self, admin: &Admin<'_>) -> Result<Vec<Reaped>> {
         let mut reaped = Vec::new();
         for i in 0..self.slots {
             let slot = self.slot(i);
@@ -333,11 +344,11 @@ impl Ledger {
         Ok(())
     }
 
-    fn live(&self) -> impl Iterator<Item = usize> + '_ {
+    pub(crate) fn live(&self) -> impl Iterator<Item = usize> + '_ {
         (0..self.slots).filter(|&i| self.slot(i)[s::STATE].load(SeqCst) == LIVE)
     }
 
-    fn find(&self, name: &str) -> Result<usize> {
+    pub(crate) fn find(&self, name: &str) -> Result<usize> {
         self.live()
             .find(|&i| self.name_of(i) == name)
             .ok_or_else(|| PoolError::UnknownTenant {
@@ -362,6 +373,7 @@ impl Ledger {
                     name: self.name_of(i),
                     pid: get(s::PID),
                     limit: get(s::LIMIT),
+                    floor: get(s::FLOOR),
                     usage: get(s::USAGE),
                     peak: get(s::PEAK),
                     revision: get(s::REVISION),
@@ -384,6 +396,7 @@ impl Ledger {
     /// Sets a live tenant's limit. The tenant sees it at its next charge: a lower limit
     /// refuses its new pages until its usage is under it (it learns so from
     /// [`Tenant::over_limit`](crate::Tenant::over_limit)), a higher one lets it grow at once.
+    /// A limit below the tenant's floor is refused (lower the floor first).
     pub fn set_limit(&self, tenant: &str, limit: Limit) -> Result<LimitChange> {
         layout::check_name(tenant).map_err(PoolError::InvalidSetting)?;
         let bytes = limit.resolve(self.total)?;
@@ -392,6 +405,14 @@ impl Ledger {
         self.reap_locked(&admin)?;
         let i = self.find(tenant)?;
         let slot = self.slot(i);
+        let floor = slot[s::FLOOR].load(SeqCst);
+        if bytes < floor {
+            return Err(PoolError::InvalidSetting(format!(
+                "limit {limit} of tenant {tenant:?} is below its floor {}: lower the floor first \
+                 (`vmem pool floor {tenant} SIZE`)",
+                vmem::units::format_bytes(floor)
+            )));
+        }
         self.writing(i);
         let old = slot[s::LIMIT].swap(bytes, SeqCst);
         let revision = slot[s::REVISION].fetch_add(1, SeqCst) + 1;
@@ -407,17 +428,19 @@ impl Ledger {
     }
 
     /// Takes a free slot for tenant `name` with `limit` (the ledger's default limit when
-    /// `None`) and locks it as this process's: the part of [`Ledger::join`] under the
-    /// header's lock. Returns the slot.
-    pub(crate) fn claim(&self, name: &str, limit: Option<Limit>) -> Result<usize> {
+    /// `None`) and `floor`, and locks it as this process's: the part of [`Ledger::join`]
+    /// under the header's lock. Returns the slot.
+    pub(crate) fn claim(&self, name: &str, limit: Option<Limit>, floor: Floor) -> Result<usize> {
         layout::check_name(name).map_err(PoolError::InvalidSetting)?;
         let bytes = match limit {
             Some(l) => l.resolve(self.total)?,
             None => self.default_limit,
         };
+        let floor_bytes = self.floor_within_limit(name, floor, bytes)?;
         let mut admin = self.admin()?;
         self.check(&admin)?;
         self.reap_locked(&admin)?;
+        self.floors_fit(name, None, floor_bytes)?;
         if let Ok(i) = self.find(name) {
             return Err(PoolError::TenantExists {
                 name: name.into(),
@@ -447,6 +470,7 @@ impl Ledger {
             slot[s::NAME + k].store(w, SeqCst);
         }
         slot[s::JOINED].store(now_secs(), SeqCst);
+        slot[s::FLOOR].store(floor_bytes, SeqCst);
         // Before the tenant can charge: every charge's sum must see its slot.
         self.map.words()[h::IN_USE].fetch_max(i as u64 + 1, SeqCst);
         slot[s::STATE].store(LIVE, SeqCst);

@@ -40,6 +40,7 @@ mod backend;
 mod config;
 mod error;
 mod file;
+mod floor;
 pub mod layout;
 mod ledger;
 mod status;
@@ -47,8 +48,8 @@ mod sys;
 mod tenant;
 
 pub use backend::PoolBackend;
-pub use config::{Limit, PoolConfig, DEFAULT_SLOTS};
+pub use config::{Floor, Limit, PoolConfig, DEFAULT_SLOTS};
 pub use error::{PoolError, Refusal, Result};
 pub use ledger::{Ledger, ADMIN_WAIT};
-pub use status::{LimitChange, PoolStatus, Reaped, TenantStatus};
+pub use status::{FloorChange, LimitChange, PoolStatus, Reaped, TenantStatus};
 pub use tenant::Tenant;

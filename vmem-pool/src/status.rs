@@ -13,6 +13,8 @@ pub struct TenantStatus {
     pub pid: u64,
     /// Its limit, bytes.
     pub limit: u64,
+    /// Its floor, bytes (0: none): room the pool keeps for it while it holds less.
+    pub floor: u64,
     /// Bytes it holds now.
     pub usage: u64,
     /// Most bytes it has held since it joined.
@@ -27,6 +29,11 @@ impl TenantStatus {
     /// Bytes it holds above its limit (it must shrink), 0 when within it.
     pub fn over_limit(&self) -> u64 {
         self.usage.saturating_sub(self.limit)
+    }
+
+    /// Bytes of its floor it does not hold: what the pool keeps free for it now.
+    pub fn kept(&self) -> u64 {
+        self.floor.saturating_sub(self.usage)
     }
 }
 
@@ -73,4 +80,19 @@ pub struct LimitChange {
     pub usage: u64,
     /// The limit's revision now.
     pub revision: u64,
+}
+
+/// What [`crate::Ledger::set_floor`] changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FloorChange {
+    /// The tenant.
+    pub name: String,
+    /// Its floor before, bytes.
+    pub old: u64,
+    /// Its floor now, bytes.
+    pub new: u64,
+    /// Its usage when the floor changed.
+    pub usage: u64,
+    /// The live tenants' floors together now, bytes.
+    pub floors: u64,
 }

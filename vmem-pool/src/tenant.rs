@@ -1,7 +1,7 @@
 //! A process's membership of the pool: joining it, its slot, and the charge and credit of its
 //! pages.
 
-use crate::config::Limit;
+use crate::config::{Floor, Limit};
 use crate::error::{PoolError, Refusal, Result};
 use crate::layout::s;
 use crate::ledger::Ledger;
@@ -16,7 +16,19 @@ impl Ledger {
     /// Joins the pool as tenant `name` with `limit` (the ledger's default limit when `None`).
     /// The tenant is in the pool until the [`Tenant`] is dropped or its process dies.
     pub fn join(self: &Arc<Self>, name: &str, limit: Option<Limit>) -> Result<Tenant> {
-        let slot = self.claim(name, limit)?;
+        self.join_with_floor(name, limit, Floor::NONE)
+    }
+
+    /// [`Ledger::join`] with a guaranteed `floor` (see [`Ledger::set_floor`]): refused when
+    /// it is above the tenant's limit or the floors of the live tenants would sum past the
+    /// pool's total.
+    pub fn join_with_floor(
+        self: &Arc<Self>,
+        name: &str,
+        limit: Option<Limit>,
+        floor: Floor,
+    ) -> Result<Tenant> {
+        let slot = self.claim(name, limit, floor)?;
         Ok(Tenant {
             ledger: Arc::clone(self),
             slot,
@@ -30,7 +42,8 @@ impl Ledger {
 /// its usage out).
 ///
 /// A charge is lock-free: it adds to the tenant's own usage word, checks the tenant's limit,
-/// then sums every tenant's usage and takes the charge back if the sum passes the pool's
+/// then sums every tenant's usage, and what the other tenants' floors keep (each floor less
+/// that tenant's usage, where positive), and takes the charge back if the two pass the pool's
 /// total. Of charges that race, the last to sum sees the others' additions, so the usage of
 /// the charges that succeed never passes the total together; a race may refuse both, and
 /// the charge then tries again. All of a tenant's state is its slot, so a tenant that dies
@@ -68,6 +81,21 @@ impl Tenant {
         self.word(s::REVISION).load(SeqCst)
     }
 
+    /// Its floor now, bytes (0: none): room the pool keeps for it while it holds less.
+    pub fn floor(&self) -> u64 {
+        self.word(s::FLOOR).load(SeqCst)
+    }
+
+    /// Bytes it may still charge as the pool stands now, its limit aside: the pool's free
+    /// room less what the other tenants' floors keep (lock-free reads; a racing charge may
+    /// change it at once).
+    pub fn pool_room(&self) -> u64 {
+        let (used, kept) = self.ledger.used_and_kept(self.slot);
+        self.ledger
+            .total()
+            .saturating_sub(used.saturating_add(kept))
+    }
+
     /// Bytes charged to it now.
     pub fn usage(&self) -> u64 {
         self.word(s::USAGE).load(SeqCst)
@@ -98,6 +126,7 @@ impl Tenant {
     pub fn charge(&self, bytes: u64) -> Result<()> {
         let usage = self.word(s::USAGE);
         let total = self.ledger.total();
+        let mut why = Refusal::PoolFull;
         for attempt in 0..POOL_FULL_TRIES {
             let limit = self.word(s::LIMIT).load(SeqCst);
             let before = usage.fetch_add(bytes, SeqCst);
@@ -108,11 +137,17 @@ impl Tenant {
                     return Err(self.refused(Refusal::TenantLimit, bytes, before, limit));
                 }
             }
-            if self.ledger.used() <= total {
+            let (used, kept) = self.ledger.used_and_kept(self.slot);
+            if used <= total && kept <= total - used {
                 self.word(s::PEAK).fetch_max(before + bytes, SeqCst);
                 return Ok(());
             }
             usage.fetch_sub(bytes, SeqCst);
+            why = if used <= total {
+                Refusal::Floors
+            } else {
+                Refusal::PoolFull
+            };
             if attempt == 0 {
                 // A dead tenant's usage may be what is in the way. Never waits for the lock.
                 self.ledger.reap_if_free()?;
@@ -121,7 +156,7 @@ impl Tenant {
             }
         }
         let (before, limit) = (usage.load(SeqCst), self.limit());
-        Err(self.refused(Refusal::PoolFull, bytes, before, limit))
+        Err(self.refused(why, bytes, before, limit))
     }
 
     /// Gives `bytes` back. More than it holds is refused, changing nothing.

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{spawn, Scratch, PAGE};
+use common::{spawn, spawn_with, Scratch, PAGE};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vmem::backend::{Backend, HostBackend};
@@ -78,7 +78,8 @@ fn xorshift(x: &mut u64) -> u64 {
 /// charging and crediting), under load: each time, the next status takes out all they held;
 /// a tenant of this process that charges throughout never sees an error nor a wrong count,
 /// and two tenant processes that churn pages throughout never see an error either (one
-/// would end their process).
+/// would end their process). The killed tenants join with a floor and flip `bg0`'s floor
+/// every round, so a kill also cuts floor changes short (repaired, never called corrupt).
 /// `VMEM_POOL_KILL_CYCLES` sets the cycles (200 by default).
 #[test]
 fn tenants_killed_in_a_loop_give_everything_back() {
@@ -109,7 +110,12 @@ fn tenants_killed_in_a_loop_give_everything_back() {
         load.push(l);
     }
     for cycle in 0..cycles {
-        let mut t = spawn(&path, &format!("t{}", cycle % 3), None, "churn");
+        let floor = (4 * PAGE).to_string();
+        let env = [
+            ("VMEM_POOL_TEST_FLOOR", floor.as_str()),
+            ("VMEM_POOL_TEST_FLOOR_OF", "bg0"),
+        ];
+        let mut t = spawn_with(&path, &format!("t{}", cycle % 3), None, "churn", &env);
         let r = xorshift(&mut seed);
         if !r.is_multiple_of(4) {
             // Three times in four, kill it while it churns; else whenever it is.
@@ -138,6 +144,7 @@ fn tenants_killed_in_a_loop_give_everything_back() {
             st.tenants[1..].iter().all(|t| t.usage <= 8 * PAGE),
             "{st:?}"
         );
+        assert!([0, 4 * PAGE].contains(&st.tenants[1].floor), "{st:?}");
         assert_eq!(backend.tenant().usage(), held.len() as u64 * PAGE);
         assert_eq!(backend.live_pages(), held.len());
     }

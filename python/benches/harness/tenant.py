@@ -24,8 +24,10 @@ from typing import Any
 
 from harness.tenant_plan import Arrival, TenantSpec
 
-#: the modes a run serves a tenant in
-MODES = ("static", "pool")
+#: the modes a run serves a tenant in (``pool-floor``: the pool, each tenant with ``Serving.floor``)
+MODES = ("static", "pool", "pool-floor")
+#: the modes whose tenants join the pool
+POOLED = ("pool", "pool-floor")
 #: short prompts served before the clock starts (kernels compiled, allocator warm)
 PRIMERS = 2
 
@@ -58,6 +60,7 @@ class Serving:
     timeout_s: float
     tiny: bool
     keep_going: bool = False
+    floor: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,8 @@ def write_json(path: str, obj: Any) -> None:
 def vmem_options(job: TenantJob, mode: str) -> dict[str, Any]:
     """The ``vmem.transformers.serving`` options of ``mode``: static, a third of the total made
     up front (a fixed partition); pool, the whole total as the ceiling, pages made on demand
-    and charged to the ledger under the tenant's name."""
+    and charged to the ledger under the tenant's name; pool-floor, the same with a guaranteed
+    floor of ``Serving.floor`` bytes (room the pool keeps for it while it holds less)."""
     s = job.serving
     common = {"layout": s.layout, "kernel": "fa", "page_size": s.page_size, "max_requests": s.max_requests,
               "max_context": s.max_context}
@@ -101,8 +105,9 @@ def vmem_options(job: TenantJob, mode: str) -> dict[str, Any]:
         return {**common, "memory": s.total // 3, "prealloc": True}
     from vmem import pool
 
+    floor = s.floor if mode == "pool-floor" else None
     return {**common, "memory": s.total, "prealloc": False,
-            "pool": pool.Join(job.spec.name, ledger=s.ledger)}
+            "pool": pool.Join(job.spec.name, ledger=s.ledger, floor=floor)}
 
 
 def watch_parent() -> None:
@@ -200,7 +205,8 @@ def serve_run(job: TenantJob, run: RunPlan, model: Any, barrier: Any, usage: Any
         if not is_vmem_cache(cache):
             raise RuntimeError(f"the engine built {type(cache).__name__}, not vmem's cache")
         u = cache.kv.usage()
-        return {"preemptions": cache.readmissions, "peak_mapped_bytes": cache.peak_mapped_bytes,
+        t = cache.kv.tenant()
+        return {"preemptions": cache.readmissions, "floor_bytes": 0 if t is None else t.floor, "peak_mapped_bytes": cache.peak_mapped_bytes,
                 "idle_held_bytes": int(u["physical_bytes"]), "idle_mapped_bytes": int(u["mapped_bytes"]),
                 "idle_rows": len(cache.table), "page_bytes": cache.page_bytes,
                 "kv_layers": model.config.num_hidden_layers, "layout": cache.layout}

@@ -17,6 +17,7 @@ trace time ``t`` arrives ``(t - window start) / time_scale`` seconds after the r
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -129,3 +130,32 @@ def arrivals(tenants: tuple[TenantSpec, ...], window: Window, scenario: str,
         out.append([Arrival(shift + ((r.timestamp or 0.0) - lo) / window.time_scale, r.prompt_len, r.index)
                     for r in picked])
     return out
+
+
+def floor_bytes(text: str, total: int, tenants: int) -> int:
+    """``--floor`` in bytes: a fraction of the pool's ``total`` (``"1/6"``), a share (``"15%"``)
+    or a size (``"256M"``). Refused (ValueError, saying why) when it is not above 0 or the
+    ``tenants`` floors together would pass the total."""
+    import vmem
+
+    t = text.strip()
+    try:
+        if "/" in t:
+            num, den = (int(x) for x in t.split("/"))
+            if num <= 0 or den <= 0:
+                raise ValueError
+            floor = total * num // den
+        elif t.endswith("%"):
+            share = float(t[:-1])
+            if not math.isfinite(share):
+                raise ValueError
+            floor = int(total * share / 100)
+        else:
+            floor = vmem.parse_bytes(t)
+    except (ValueError, vmem.VmemError):
+        raise ValueError(f"{text!r} is not a fraction of the pool (1/6), a share (15%) or a size (256M)") from None
+    if floor <= 0:
+        raise ValueError(f"{text!r} is no room: a floor is above 0 bytes")
+    if floor * tenants > total:
+        raise ValueError(f"{text!r}: {tenants} floors of {floor} bytes pass the pool's {total} bytes")
+    return floor

@@ -15,7 +15,7 @@ from harness.table import format_table
 COLUMNS = ["scenario", "mode", "tenant", "requests", "completed", "ttft_p50_ms", "ttft_p99_ms", "tok_s",
            "preemptions", "peak_held_mib", "peak_mapped_mib", "idle_pages"]
 #: the comparison's columns
-RATIO_COLUMNS = ["scenario", "tenant", "ttft_p99_static_ms", "ttft_p99_pool_ms", "ttft_p99 static/pool",
+RATIO_COLUMNS = ["scenario", "mode", "tenant", "ttft_p99_static_ms", "ttft_p99_pool_ms", "ttft_p99 static/pool",
                  "tok_s_static", "tok_s_pool", "tok_s pool/static"]
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
 
@@ -55,19 +55,25 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per scenario and tenant (``all`` included) with both modes: TTFT p99 static/pool (above 1:
-    the pool is faster) and throughput pool/static."""
+    """Per scenario, pooled mode (``pool``, ``pool-floor``) and tenant (``all`` included) with a
+    static run beside it: TTFT p99 static/pool (above 1: the pool is faster) and throughput
+    pool/static."""
     by = {(r["scenario"], r["mode"], r["tenant"]): r for r in rows}
     out = []
-    for (scenario, mode, tenant), s in by.items():
-        p = by.get((scenario, "pool", tenant))
-        if mode != "static" or p is None:
-            continue
-        ts, tp, ss, sp = s.get("ttft_p99_ms"), p.get("ttft_p99_ms"), s.get("tok_s"), p.get("tok_s")
-        out.append({"scenario": scenario, "tenant": tenant, "ttft_p99_static_ms": ts, "ttft_p99_pool_ms": tp,
-                    "ttft_p99 static/pool": ratio(ts, tp), "tok_s_static": ss, "tok_s_pool": sp,
-                    "tok_s pool/static": ratio(sp, ss)})
+    for pooled in ("pool", "pool-floor"):
+        for (scenario, mode, tenant), s in by.items():
+            p = by.get((scenario, pooled, tenant))
+            if mode == "static" and p is not None:
+                out.append(ratio_row(scenario, pooled, tenant, s, p))
     return out
+
+
+def ratio_row(scenario: str, mode: str, tenant: str, s: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
+    """One ratio row: static run ``s`` against pooled run ``p`` (of ``mode``)."""
+    ts, tp, ss, sp = s.get("ttft_p99_ms"), p.get("ttft_p99_ms"), s.get("tok_s"), p.get("tok_s")
+    return {"scenario": scenario, "mode": mode, "tenant": tenant, "ttft_p99_static_ms": ts, "ttft_p99_pool_ms": tp,
+            "ttft_p99 static/pool": ratio(ts, tp), "tok_s_static": ss, "tok_s_pool": sp,
+            "tok_s pool/static": ratio(sp, ss)}
 
 
 def summarize(doc: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from .._args import (
     check_bool,
     check_choice,
     check_optional_bool,
+    check_optional_seconds,
     check_optional_size,
     check_positive_int,
     check_size,
@@ -34,6 +35,11 @@ LAYOUTS = ("per-layer", "token-major")
 #: The page sizes vmem knows (its ``PAGE_SIZES``: the driver patch's three small pages and
 #: CUDA's 2 MiB); the backend in use may support fewer (CUDA: 2 MiB only) and says so.
 PAGE_SIZES = (64 << 10, 128 << 10, 256 << 10, 2 << 20)
+#: The default ``pool_idle_s``: seconds an idle pool tenant keeps its prefix cache. Longer than
+#: the gaps between a burst's requests and the engine's loop turn (0.1 s), so a prefix reused
+#: by the next request of a burst survives; short against the bursts a neighbour serves
+#: meanwhile (tens of seconds in the Azure traces), whose room it frees.
+POOL_IDLE_S = 2.0
 #: Contexts (tokens) above this cannot be indexed with the int32 positions the engine and the
 #: kernels use.
 MAX_CONTEXT = 2**31 - 1
@@ -65,6 +71,12 @@ class Options:
       are created as they are mapped (``prealloc`` is ignored), requests get blocks within the
       tenant's limit, and a limit lowered while it serves makes the cache shrink (prefix cache,
       idle pages, then the engine preempts requests) rather than fail.
+    * ``pool_idle_s``: seconds a pool tenant with no live request (only its trash row) waits
+      before it gives back everything no request maps (its prefix cache's blocks, idle pages),
+      checked at each turn of the engine's loop; :data:`POOL_IDLE_S` by default (a prefix reused
+      within that long, as by the next request of a burst or an agent's next call, survives);
+      ``None``: never (an idle tenant keeps its prefix cache until the pool runs low). Not
+      used outside a pool.
 
     Made once (``Options(**kw)`` validates and canonicalizes: sizes become ints); frozen.
     Strings are never bools and floats never ints (:mod:`vmem._args`).
@@ -81,6 +93,7 @@ class Options:
     prefix_cache: Any = None
     graph_seqlen_k: str = "bucket"
     pool: Any = None
+    pool_idle_s: Any = POOL_IDLE_S
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: the canonical values are set once, here
@@ -100,6 +113,7 @@ class Options:
         set_(self, "prefix_cache", check_optional_size("prefix_cache", self.prefix_cache))
         set_(self, "graph_seqlen_k", check_choice("graph_seqlen_k", self.graph_seqlen_k, SEQLEN_K_SOURCES))
         set_(self, "pool", Join.of(self.pool))
+        set_(self, "pool_idle_s", check_optional_seconds("pool_idle_s", self.pool_idle_s))
         if self.kernel == "fa" and self.max_context is not None and (self.max_requests + 1) * self.max_context >= 2**31:
             # FlashAttention's cu_seqlens_k are int32 row starts (sizing.Geometry checks the same
             # once max_context is rounded to whole blocks, or taken from the model).

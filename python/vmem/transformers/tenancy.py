@@ -10,7 +10,9 @@
   back first the prefix cache's unmapped blocks, then its idle pages, before any request is
   preempted.
 * **Idle**: a finished request's pages go back to the pool at once (the cache keeps no idle
-  reserve), so an idle tenant holds its trash row's block and its prefix cache only.
+  reserve), so an idle tenant holds its trash row's block and its prefix cache only; after
+  ``Options.pool_idle_s`` seconds with no live request (:func:`release_when_idle`, each loop
+  turn) it gives back the prefix cache too, down to its trash row's block.
 * **Waiting for room** (:func:`round_or_wait`): a tenant with no request running whose next
   request finds no room because the pool's *other* tenants hold it waits for them (the engine's
   loop asks again every 0.1 s) instead of stopping with the engine's "No requests can be
@@ -40,13 +42,14 @@ _log = logging.getLogger(__name__)
 
 def budget_blocks(cache: Any) -> int:
     """Blocks requests may hold now: the cache's own ``num_blocks``, or fewer when its pool
-    limit, or the room the pool's other tenants leave, is smaller (the trash row's block is
-    taken off both)."""
+    limit, or the room the pool's other tenants leave (their usage and what their floors keep),
+    is smaller (the trash row's block is taken off both)."""
     t = cache.kv._rs.tenant()
     if t is None:
         return int(cache.num_blocks)
     block = int(cache.geometry.block_bytes)
-    room = min(int(t["limit"]), int(t["pool_total"]) - int(t["pool_used"]) + int(t["usage"]))
+    # The pool's free room less what the other tenants' floors keep, plus what it holds itself.
+    room = min(int(t["limit"]), int(t["pool_room"]) + int(t["usage"]))
     return min(int(cache.num_blocks), room // block - 1)
 
 
@@ -87,15 +90,49 @@ def yield_room(cache: Any) -> int:
     return int(kv.shrink()["total"])
 
 
+def release_when_idle(cache: Any, now: Callable[[], float] = time.monotonic) -> int:
+    """When ``cache`` is an awake pool tenant that has had no live request (only its trash
+    row) for ``Options.pool_idle_s`` seconds, gives back what no request maps (its prefix
+    cache's blocks, idle pages: :meth:`vmem.KVCache.shrink`), once per idle spell; returns the
+    bytes given back (0: not in a pool, disabled, busy, not idle long enough, or given already).
+    The idle clock starts at the first loop turn that finds no request, and stops at the next
+    that finds one."""
+    kv = getattr(cache, "kv", None)
+    if kv is None or kv.asleep or kv.tenant() is None:
+        return 0
+    after = cache.options.pool_idle_s
+    if after is None:
+        return 0
+    if len(cache.table):
+        cache._idle_since = None
+        return 0
+    t = now()
+    since = getattr(cache, "_idle_since", None)
+    if since is None:
+        cache._idle_since, cache._idle_released = t, False
+        if after > 0:
+            return 0
+        since = t
+    if cache._idle_released or t - since < after:
+        return 0
+    cache._idle_released = True
+    given = int(kv.shrink()["total"])
+    if given:
+        _log.info("vmem: pool tenant idle for %.1f s, %d bytes given back", t - since, given)
+    return given
+
+
 def round_or_wait(prepare: Callable[[Any], bool]) -> Callable[[Any], bool]:
     """The engine's ``ContinuousBatchProcessor.prepare_next_batch``, giving room back first when
-    the pool runs low (:func:`yield_room`), and for a pool tenant starved by
+    the pool runs low (:func:`yield_room`) or the tenant has been idle for ``pool_idle_s``
+    (:func:`release_when_idle`), and for a pool tenant starved by
     its neighbours: no round this time (the loop waits up to 0.1 s and asks again) rather than the
     engine's fatal error, for up to :data:`ROOM_WAIT_S`. Any other cache, error or wait: unchanged."""
 
     def vmem_prepare_next_batch(self: Any) -> bool:
         cache = getattr(self, "cache", None)
         yield_room(cache)  # each loop turn, idle or not: room the pool's other tenants may need
+        release_when_idle(cache)  # and what an idle tenant has kept for pool_idle_s
         try:
             ready = prepare(self)
         except RuntimeError as e:

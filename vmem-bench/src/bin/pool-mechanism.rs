@@ -7,6 +7,9 @@
 //! * `ledger`: vmem-pool's shared-memory ledger: a lock-free add to the tenant's usage word,
 //!   the limit check and a sum over the ledger's slots; no system call;
 //! * `ledger-2`: the same with a second tenant charging in another thread at once;
+//! * `ledger-8`: the charging tenant and 7 idle ones in the ledger (the sum reads 8 slots);
+//! * `ledger-8-floors`: the same, 4 of the idle tenants with a floor (each charge also sums
+//!   what their floors keep, in the same pass);
 //! * `flock-ledger`: a shared counter behind an `flock` taken and dropped per charge (the
 //!   robust-lock variant of a shared-memory ledger: two system calls a charge);
 //! * `socket-daemon`: a request and a reply over a unix socket to a daemon (a thread here,
@@ -29,7 +32,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use vmem::backend::{Backend, HostBackend, KIB64};
 use vmem_bench::stats::median;
-use vmem_pool::{Ledger, PoolConfig};
+use vmem_pool::{Floor, Ledger, PoolConfig};
 
 const OPS: usize = 20_000;
 const ROUNDS: usize = 9;
@@ -130,6 +133,25 @@ fn measure(dir: &std::path::Path) -> Result<(), Box<dyn std::error::Error>> {
     stop.store(true, Ordering::Relaxed);
     other.join().map_err(|_| "the second tenant panicked")?;
 
+    // Eight tenants, one charging; then four of the idle ones with a floor.
+    let path8 = dir.join("ledger-8");
+    let ledger8 = Arc::new(Ledger::create(&path8, &PoolConfig::new(1 << 40)?)?);
+    let c = ledger8.join("c", None)?;
+    let idle: Vec<_> = (0..7)
+        .map(|i| ledger8.join(&format!("idle{i}"), None))
+        .collect::<Result<_, _>>()?;
+    let charge_c = || {
+        for _ in 0..OPS {
+            c.charge(KIB64).unwrap();
+            c.credit(KIB64).unwrap();
+        }
+    };
+    let ledger8_ns = time(charge_c);
+    for t in &idle[..4] {
+        ledger8.set_floor(t.name(), Floor::Bytes(1 << 30))?;
+    }
+    let ledger8f_ns = time(charge_c);
+
     // A counter behind an flock per charge and per credit.
     let lock_file = OpenOptions::new()
         .create(true)
@@ -187,17 +209,19 @@ fn measure(dir: &std::path::Path) -> Result<(), Box<dyn std::error::Error>> {
     println!("host backend, one 64 KB page: map {map:.0} ns, unmap {unmap:.0} ns, create+release {create:.0} ns");
     println!();
     println!(
-        "{:<14} {:>8} {:>13} {:>15} {:>17}",
+        "{:<16} {:>8} {:>13} {:>15} {:>17}",
         "mechanism", "ns/page", "% of one map", "% of map+unmap", "% of create+rel."
     );
     for (name, ns) in [
         ("ledger", ledger_ns),
         ("ledger-2", ledger2_ns),
+        ("ledger-8", ledger8_ns),
+        ("ledger-8-floors", ledger8f_ns),
         ("flock-ledger", flock_ns),
         ("socket-daemon", socket_ns),
     ] {
         println!(
-            "{name:<14} {ns:>8.0} {:>12.1}% {:>14.1}% {:>16.2}%",
+            "{name:<16} {ns:>8.0} {:>12.1}% {:>14.1}% {:>16.2}%",
             100.0 * ns / map,
             100.0 * ns / (map + unmap),
             100.0 * ns / create

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use vmem::backend::{Backend, HostBackend, KIB64};
-use vmem_pool::{Ledger, Limit, PoolBackend};
+use vmem_pool::{Floor, Ledger, Limit, PoolBackend};
 
 /// A directory removed on drop.
 pub struct Scratch(pub PathBuf);
@@ -45,6 +45,18 @@ pub struct TenantProc {
 /// (`commands`: answers commands; `churn`: creates and releases pages until killed; `load`:
 /// the same with a pause between rounds).
 pub fn spawn(ledger: &Path, name: &str, limit: Option<&str>, mode: &str) -> TenantProc {
+    spawn_with(ledger, name, limit, mode, &[])
+}
+
+/// [`spawn`] with more environment: `VMEM_POOL_TEST_FLOOR` (the tenant's floor at join),
+/// `VMEM_POOL_TEST_FLOOR_OF` (in `churn` mode, a tenant whose floor it flips every round).
+pub fn spawn_with(
+    ledger: &Path,
+    name: &str,
+    limit: Option<&str>,
+    mode: &str,
+    env: &[(&str, &str)],
+) -> TenantProc {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args([
         "--exact",
@@ -63,6 +75,7 @@ pub fn spawn(ledger: &Path, name: &str, limit: Option<&str>, mode: &str) -> Tena
     if let Some(l) = limit {
         cmd.env("VMEM_POOL_TEST_LIMIT", l);
     }
+    cmd.envs(env.iter().copied());
     let mut child = cmd.spawn().unwrap();
     let stdin = child.stdin.take().unwrap();
     let stdout = BufReader::new(child.stdout.take().unwrap());
@@ -146,8 +159,14 @@ pub fn tenant_main() {
     let limit: Option<Limit> = std::env::var("VMEM_POOL_TEST_LIMIT")
         .ok()
         .map(|l| l.parse().unwrap());
+    let floor: Floor =
+        std::env::var("VMEM_POOL_TEST_FLOOR").map_or(Floor::NONE, |f| f.parse().unwrap());
     let ledger = Arc::new(Ledger::open(&ledger).unwrap());
-    let tenant = ledger.join(&name, limit).unwrap();
+    let tenant = ledger.join_with_floor(&name, limit, floor).unwrap();
+    // In churn mode, the floor of this tenant to change on every round (a change cut short by
+    // a kill must be repaired, not leave the ledger corrupt).
+    let floor_of = std::env::var("VMEM_POOL_TEST_FLOOR_OF").ok();
+    let mut round = 0u64;
     let host: Arc<dyn Backend> = Arc::new(HostBackend::new().unwrap());
     let backend = PoolBackend::new(host, tenant);
     let mut pages = Vec::new();
@@ -170,6 +189,11 @@ pub fn tenant_main() {
             }
             while let Some(p) = pages.pop() {
                 backend.release_page(p).unwrap();
+            }
+            if let Some(other) = &floor_of {
+                round += 1;
+                let f = Floor::Bytes(PAGE * 4 * (round % 2));
+                backend.tenant().ledger().set_floor(other, f).unwrap();
             }
         },
         "commands" => {

@@ -1,0 +1,99 @@
+"""Guaranteed floors from Python (host backend, no torch): Pool.set_floor and Join(floor=), the
+room an idle tenant's floor keeps from a busy one's cache, what the engine's budget reads of it,
+and bad floors refused with nothing changed."""
+
+import pytest
+
+import vmem
+from vmem import pool
+
+PAGE = 64 << 10
+SHAPE = dict(layers=2, kv_heads=2, head_dim=64, dtype="fp16", max_batch=4, max_context=1024, page_size="64K",
+             device="cpu", overlap=False, eager_tokens=0)
+FULL = 16 * PAGE  # one request at 1,024 tokens: 4 pages in each of 4 buffers
+
+
+@pytest.fixture
+def path(tmp_path):
+    return str(tmp_path / "pool")
+
+
+def _cache(path, name, **join):
+    return vmem.KVCache(**SHAPE, pool=pool.Join(name, ledger=path, **join))
+
+
+def test_an_idle_tenants_floor_keeps_room_from_a_busy_ones_cache(path):
+    p = pool.create(path, size=2 * FULL, slots=4)
+    idle = _cache(path, "idle", floor=FULL)  # holds nothing: the pool keeps a full request's room
+    busy = _cache(path, "busy")
+    assert idle.tenant().floor == FULL and busy.tenant().floor == 0
+    assert busy.tenant().pool_room == FULL and idle.tenant().pool_room == 2 * FULL
+    a = busy.alloc()
+    busy.step({a: 1024})  # one full request fits beside the floor
+    b = busy.alloc()
+    with pytest.raises(vmem.OutOfMemory):
+        busy.step({b: 64})  # a page more would eat into the idle tenant's floor
+    st = p.status()
+    assert st.tenant("idle").floor == FULL and st.used == FULL
+    c = idle.alloc()
+    idle.step({c: 1024})  # the idle tenant gets its floor at once
+    assert p.status().used == 2 * FULL
+    ch = p.set_floor("idle", 0)
+    assert (ch.old, ch.new, ch.floors) == (FULL, 0, 0)
+    idle.free(c)
+    idle.shrink()
+    busy.step({b: 64})  # no floor: the busy tenant takes the room given back
+    busy.close()
+    idle.close()
+
+
+def test_the_engines_budget_leaves_the_other_tenants_floors(path):
+    """tenancy.budget_blocks counts the room another tenant's floor keeps as taken."""
+    import types
+
+    pytest.importorskip("torch")
+    from vmem.transformers import tenancy
+
+    p = pool.create(path, size=32 * PAGE, slots=4)
+    kv = _cache(path, "engine")
+    engine = types.SimpleNamespace(kv=kv, num_blocks=1000, geometry=types.SimpleNamespace(block_bytes=PAGE))
+    assert tenancy.budget_blocks(engine) == 31
+    other = _cache(path, "other", floor=8 * PAGE)
+    assert tenancy.budget_blocks(engine) == 23
+    p.set_floor("other", "50%")
+    assert tenancy.budget_blocks(engine) == 15
+    other.close()
+    kv.close()
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, None, [], "-1G", "101%", "abc", "1.5%"])
+def test_a_bad_floor_is_refused_where_it_is_given(path, bad):
+    p = pool.create(path, size="64M", slots=4)
+    with pytest.raises(vmem.PoolError, match="invalid pool setting"):
+        pool.Join("a", floor=bad) if bad is not None else p.set_floor("a", bad)
+    kv = _cache(path, "a")
+    before = open(path, "rb").read()
+    with pytest.raises(vmem.PoolError, match="invalid pool setting"):
+        p.set_floor("a", bad)
+    assert open(path, "rb").read() == before
+    kv.close()
+
+
+def test_floors_over_the_limit_or_past_the_total_are_refused_and_change_nothing(path):
+    p = pool.create(path, size="64M", slots=4)
+    a = _cache(path, "a", limit="32M", floor="16M")
+    before = open(path, "rb").read()
+    with pytest.raises(vmem.PoolError, match="above its limit"):
+        p.set_floor("a", "48M")
+    with pytest.raises(vmem.PoolError, match="below its floor"):
+        p.set_limit("a", "8M")
+    with pytest.raises(vmem.PoolError, match="floors sum to 80M"):
+        _cache(path, "b", floor="64M")
+    with pytest.raises(vmem.PoolError, match="unknown tenant"):
+        p.set_floor("b", "1M")
+    assert open(path, "rb").read() == before
+    assert [t.name for t in p.status().tenants] == ["a"]
+    b = _cache(path, "b", floor="75%")
+    assert p.status().tenant("b").floor == 48 << 20
+    b.close()
+    a.close()
