@@ -79,7 +79,8 @@ def fa_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
     ``q[cu_q[b]:cu_q[b+1]]`` attend ``k[cu_k[b] : cu_k[b] + used[b]]``, bottom-right causal;
     GQA by head groups. ``q`` ``[T, Hq, D]``, ``k``/``v`` ``[N, Hkv, D]``; returns ``[T, Hq, D]``.
     ``index``: a :class:`FaVarlenIndex` or a :class:`~vmem.transformers.graphs.RoundMeta`; a
-    padded sequence (no queries) reads nothing, and a padded token (past ``cu_q[n]``) gets zeros.
+    padded sequence reads nothing and its query (a decode round's padded token), like a padded
+    token past ``cu_q[n]``, gets zeros (FA writes zeros where ``seqused_k`` is 0).
     The CPU path of ``kernel="fa"`` (FlashAttention is CUDA-only)."""
     n = index.n
     h = index.host.tolist()
@@ -88,7 +89,7 @@ def fa_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
     for b in range(n):
         q0, q1, k0, nk = cu_q[b], cu_q[b + 1], cu_k[b], used[b]
         sq = q1 - q0
-        if sq == 0:
+        if sq == 0 or nk == 0:  # a padded sequence: no queries, or (decode rounds) one that reads nothing
             continue
         qs = q[q0:q1].transpose(0, 1)  # [Hq, sq, D]
         ks = k[k0:k0 + nk].transpose(0, 1)
