@@ -406,3 +406,10 @@ def test_the_bench_graph_contenders_pass_the_engines_graph_switch():
         assert opts.get("kernel", "fa") == "fa"
     kw, _ = ct.contender_config(None, ct.SERVING["vmem-per-layer"], args, budget)
     assert "use_cuda_graph" not in kw  # the harness's default (off) stays
+    # FlashInfer under graphs (optional: FlashInfer), one with async batching too; both versions.
+    for name in ("vmem-per-layer-fi-graphs", "vmem-token-major-fi-graphs", "vmem-token-major-fi-graphs-async"):
+        spec = ct.spec(name)
+        kw, opts = ct.contender_config(None, spec, args, budget)
+        assert kw["use_cuda_graph"] is True and opts["kernel"] == "flashinfer" and spec["optional"], name
+        assert kw.get("use_async_batching", False) == name.endswith("-async") and name in ct.offered()
+        assert name not in ct.defaults(ct.serving())  # run only when named
