@@ -323,3 +323,24 @@ def test_a_layer_with_another_scale_is_refused(fake_fi):
     assert reader(0, rnd, q, None, None, 0.25, True).shape == (1, 2, 4, 8)  # plans at the first layer
     with pytest.raises(vmem.VmemError, match="softmax scale"):
         reader(1, rnd, q, None, None, 0.5, True)
+
+
+def test_the_gpu_checks_flashinfer_runs_work_on_the_cpu(monkeypatch):
+    """graphs_check.py's check() with FlashInfer's runs (the CPU: the reference, no graphs): each
+    fi-* run is teacher-forced and compared with FA's run of the same switches (the plumbing the
+    GPU call relies on; the kernels and replays are the GPU's to show)."""
+    import graphs_check as gc
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    monkeypatch.setattr(gc, "NEW", 3)
+    vt.install(**OPTS)
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(4, [5, 40, 17, 30], model.config.vocab_size)
+    out = gc.check("tiny", model, prompts, ["off", "graphs", "fi-off", "fi-graphs"])
+    for name in ("fi-off", "fi-graphs"):
+        r = out[name]
+        assert "error" not in r and r["top1"][0] == r["top1"][1] > 0 and r["rows_left"] == 0, r
+        assert r["same_tokens_as_fa"] == [4, 4], r
+    assert "same_tokens_as_fa" not in out["graphs"]
+    assert gc.RUNS["fi-graphs-async"] == ({"use_cuda_graph": True, "use_async_batching": True},
+                                          {"kernel": "flashinfer"})
