@@ -89,7 +89,7 @@ def fa_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
     for b in range(n):
         q0, q1, k0, nk = cu_q[b], cu_q[b + 1], cu_k[b], used[b]
         sq = q1 - q0
-        if sq == 0 or nk == 0:  # a padded sequence: no queries, or (decode rounds) one that reads nothing
+        if sq == 0:
             continue
         qs = q[q0:q1].transpose(0, 1)  # [Hq, sq, D]
         ks = k[k0:k0 + nk].transpose(0, 1)
