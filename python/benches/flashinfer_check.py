@@ -25,7 +25,7 @@ from harness.models import SERVING_TOKENS, llama3_8b_config, random_model
 
 import vmem
 import vmem.transformers as vt
-from vmem.transformers import flashinfer as vt_fi
+from vmem.transformers.fi_reader import FlashInferReader
 
 TOL = 0.04  # bf16/fp16, relative to the largest logit (serving_check.py's tolerance)
 NEW = 16
@@ -42,19 +42,18 @@ def llama8(dtype: torch.dtype) -> Any:
 
 def run(model: Any, prompts: list[list[int]], opts: dict[str, Any]) -> dict[str, Any]:
     plans: list[bool] = []
-    real = vt_fi.FlashInferReader._plan
+    real = FlashInferReader._plan
 
-    def counting(self: Any, *a: Any) -> Any:
-        plan = real(self, *a)
-        plans.append(plan.decode)
-        return plan
+    def counting(self: Any, rnd: Any, state: Any, scale: Any) -> None:
+        real(self, rnd, state, scale)
+        plans.append(state.plan.decode)
 
-    vt_fi.FlashInferReader._plan = counting  # type: ignore[method-assign]
+    FlashInferReader._plan = counting  # type: ignore[method-assign]
     try:
         t0 = time.time()
         r = h.run_engine(model, vt.VMEM_ATTENTION, prompts, NEW, cb_kwargs={"max_batch_tokens": 512}, serving=opts)
     finally:
-        vt_fi.FlashInferReader._plan = real  # type: ignore[method-assign]
+        FlashInferReader._plan = real  # type: ignore[method-assign]
     c = h.compare(r, model, NEW)
     r["summary"] = {"err": c["max_rel_err"], "top1": [c["top1_agree"], c["decisive"]], "counts": c["counts_ok"],
                     "kernel": r["cache"].kernel, "layout": r["cache"].layout, "rounds": r["rounds"],

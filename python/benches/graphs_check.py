@@ -13,8 +13,13 @@ Checks (``kernel="fa"``, bf16 — FlashAttention has no fp32):
   ``CUDAGraph.replay`` counted (graphs were replayed, not just captured).
 * throughput: decode-heavy requests on the 8-layer model, each contender ``--repeats`` times,
   interleaved; tok/s and the ratio to graphs-off.
+* ``--kernels fa,flashinfer`` (needs FlashInfer): the same runs with ``kernel="flashinfer"``
+  (``fi-*``: off, graphs, token-major, async), each also compared with the FA run of the same
+  switches (tokens equal, ``same_tokens_as_fa``); the top-1 check against the plain forward is
+  what fails a run. The throughput adds ``fi-off``, ``fi-graphs``, ``fi-graphs-async`` and each
+  one's ratio to FA's ``graphs`` (``ratio_to_fa_graphs``).
 
-    python3 python/benches/graphs_check.py [--bench-requests 64] [--repeats 2]
+    python3 python/benches/graphs_check.py [--bench-requests 64] [--repeats 2] [--kernels fa,flashinfer]
 """
 
 from __future__ import annotations
@@ -43,6 +48,11 @@ RUNS = {
     "graphs-async": ({"use_cuda_graph": True, "use_async_batching": True}, {}),
     "graphs-warmup": ({"use_cuda_graph": True, "warmup": True}, {}),  # manager.warmup() pre-captures first
 }
+#: kernel="flashinfer" runs: the FA run of the same switches each is compared with.
+FI_RUNS = {"fi-off": "off", "fi-graphs": "graphs", "fi-graphs-token-major": "graphs-token-major",
+           "fi-graphs-async": "graphs-async"}
+for _fi, _fa in FI_RUNS.items():
+    RUNS[_fi] = (RUNS[_fa][0], {**RUNS[_fa][1], "kernel": "flashinfer"})
 REPLAYS = [0]
 
 
@@ -89,17 +99,21 @@ def teacher_forced(model, prompts, run):
     return {"top1": [agree, decisive], "max_logprob_err": round(worst, 4)}
 
 
-def check(label, model, prompts):
+def check(label, model, prompts, names):
     out = {}
-    base = None
-    for name, (cb, opts) in RUNS.items():
+    runs = {}
+    for name in names:
+        cb, opts = RUNS[name]
         try:
-            r = serve(model, prompts, NEW, cb, opts)
+            r = runs[name] = serve(model, prompts, NEW, cb, opts)
             tf = teacher_forced(model, prompts, r)
-            base = r if name == "off" else base
+            base = runs.get("off")
             same = sum(a == b for a, b in zip(r["tokens"], base["tokens"])) if base else None
             out[name] = dict(tf, same_tokens_as_off=[same, len(prompts)], replays=r["replays"],
                              rows_left=r["rows_left"], secs=round(r["wall"], 1))
+            fa = runs.get(FI_RUNS.get(name, ""))
+            if fa is not None:
+                out[name]["same_tokens_as_fa"] = [sum(a == b for a, b in zip(r["tokens"], fa["tokens"])), len(prompts)]
         except Exception as e:  # noqa: BLE001 - a failure is a row
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
         print(label, name, out[name], flush=True)
@@ -109,6 +123,8 @@ def check(label, model, prompts):
 def bench(model, args):
     prompts = h.make_prompts(args.bench_requests, [200, 480, 90, 330], model.config.vocab_size, seed=3)
     names = ["off", "graphs", "graphs-context-k", "graphs-async"]
+    if "flashinfer" in args.kernels:
+        names += ["fi-off", "fi-graphs", "fi-graphs-async"]
     rows: dict[str, list[float]] = {n: [] for n in names}
     for n in names:  # warm-up: captures every graph size once
         serve(model, prompts[:8], 8, *RUNS[n], max_batch_tokens=args.max_batch_tokens)
@@ -117,8 +133,9 @@ def bench(model, args):
             r = serve(model, prompts, args.new_tokens, *RUNS[n], max_batch_tokens=args.max_batch_tokens)
             rows[n].append(sum(len(t) for t in r["tokens"]) / r["wall"])
     off = sum(rows["off"]) / len(rows["off"])
-    table = {n: {"tok_s": [round(x, 1) for x in v], "ratio_to_off": round(sum(v) / len(v) / off, 3)}
-             for n, v in rows.items()}
+    fa_graphs = sum(rows["graphs"]) / len(rows["graphs"])
+    table = {n: {"tok_s": [round(x, 1) for x in v], "ratio_to_off": round(sum(v) / len(v) / off, 3),
+                 "ratio_to_fa_graphs": round(sum(v) / len(v) / fa_graphs, 3)} for n, v in rows.items()}
     for n, v in table.items():
         print("bench", n, v, flush=True)
     return table
@@ -131,20 +148,26 @@ def main() -> int:
     ap.add_argument("--max-batch-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-small", action="store_true")
+    ap.add_argument("--kernels", default="fa", help="fa (default) or fa,flashinfer (needs FlashInfer)")
     args = ap.parse_args()
     if args.bench_requests < 1 or args.repeats < 1 or args.new_tokens < 1:
         ap.error("--bench-requests, --repeats and --new-tokens must be positive")
+    kernels = args.kernels.split(",")
+    if not kernels or "fa" not in kernels or set(kernels) - {"fa", "flashinfer"}:
+        ap.error(f"--kernels: fa or fa,flashinfer (FlashInfer's runs are compared with FA's), got {args.kernels!r}")
+    args.kernels = kernels
+    names = [n for n in RUNS if n not in FI_RUNS or "flashinfer" in kernels]
     print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name(0))
     _count_replays()
     vt.install(memory="2GiB", max_requests=64, max_context=4096)
     out = {"transformers": transformers.__version__, "device": torch.cuda.get_device_name(0)}
     if not args.skip_small:
         small = h.make_model("llama-gqa", torch.bfloat16, "cuda", size="small", logit_scale=20.0)
-        out["small"] = check("small", small, h.make_prompts(len(LENGTHS), LENGTHS, small.config.vocab_size))
+        out["small"] = check("small", small, h.make_prompts(len(LENGTHS), LENGTHS, small.config.vocab_size), names)
         del small
     big = random_model(llama3_8b_config(layers=8), torch.bfloat16, "cuda")
     out["llama3-8b-8layers"] = check("llama3-8b-8layers", big, h.make_prompts(len(LENGTHS), LENGTHS,
-                                                                             big.config.vocab_size))
+                                                                             big.config.vocab_size), names)
     out["bench"] = bench(big, args)
     print("JSON", json.dumps(out))
     bad = []  # bf16: greedy tokens may part at near-ties (padded shapes pick other GEMM kernels), so the

@@ -363,7 +363,8 @@ def zero_slots_under_queued_reads():
 
 def flashinfer_rows():
     from vmem.transformers.fa import FaReader
-    from vmem.transformers.flashinfer import FlashInferReader, paged_plan, paged_reference
+    from vmem.transformers.fi_reader import FlashInferReader
+    from vmem.transformers.flashinfer import paged_plan, paged_reference
     from vmem.transformers.rounds import Round
 
     g = torch.Generator(device="cuda").manual_seed(0)

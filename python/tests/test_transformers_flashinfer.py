@@ -24,6 +24,7 @@ from harness import check as h
 import vmem
 import vmem.transformers as vt
 from vmem.transformers import flashinfer as vt_fi
+from vmem.transformers.fi_reader import FlashInferReader
 from vmem.transformers.sizing import Geometry
 
 OPTS = dict(page_size="64K", max_requests=4, max_context=1024, memory="8M")
@@ -203,7 +204,7 @@ def test_flashinfer_kernel_in_the_engine_matches_fa(layout, stub_flashinfer, mon
             runs[kernel] = h.run_engine(model, vt.VMEM_ATTENTION, prompts, NEW, cb_kwargs=dict(max_batch_tokens=64),
                                         stagger=[0, 0, 0, 3, 6, 9])
     ours = runs["flashinfer"]
-    assert ours["cache"].kernel == "flashinfer" and isinstance(ours["cache"].read, vt_fi.FlashInferReader)
+    assert ours["cache"].kernel == "flashinfer" and isinstance(ours["cache"].read, FlashInferReader)
     assert len(plans) == ours["rounds"], (len(plans), ours["rounds"])
     cmp = h.compare(ours, model, NEW)
     assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp

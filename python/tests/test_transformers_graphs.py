@@ -13,12 +13,11 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (CI has no torch)")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 import tf_engine as eng
+from tf_engine import forced_padding
 
 eng.skip_unless_served()
 
 from harness import check as h
-from transformers.generation.continuous_batching import input_outputs as cb_io
-from transformers.generation.continuous_batching import model_runner as cb_runner
 
 import vmem
 import vmem.transformers as vt
@@ -43,34 +42,13 @@ def _installed():
 
 
 @contextlib.contextmanager
-def forced_padding():
-    """The engine's padding path on the CPU (graphs are off without CUDA): the runner pads every
-    round (``pad_inputs``) and the IOs bucket ``max_seqlen_k`` as for a varlen graph."""
-    runner_init, io_init = cb_runner.ModelRunner.__init__, cb_io.ContinuousBatchingIOs.__init__
-
-    def init_runner(self, *a, **k):
-        runner_init(self, *a, **k)
-        self.pad_inputs = True
-
-    def init_io(self, *a, **k):
-        io_init(self, *a, **k)
-        self.use_cuda_graph_varlen = True
-
-    cb_runner.ModelRunner.__init__, cb_io.ContinuousBatchingIOs.__init__ = init_runner, init_io
-    try:
-        yield
-    finally:
-        cb_runner.ModelRunner.__init__, cb_io.ContinuousBatchingIOs.__init__ = runner_init, io_init
-
-
-@contextlib.contextmanager
 def recorded_rounds():
     """Every round vmem's engine hook prepared: ``(cache, batch_data, meta)``."""
     seen = []
     real = vt_graphs.prepare_round
 
-    def prepare(cache, batch_data, padded, stream):
-        rnd = real(cache, batch_data, padded, stream)
+    def prepare(cache, batch_data, padded, stream, **kw):
+        rnd = real(cache, batch_data, padded, stream, **kw)
         data = {"tokens": int(batch_data["input_ids"].shape[-1]),  # copies: the engine reuses its buffers
                 "write_index": batch_data["write_index"][0].clone()}
         seen.append((cache, data, rnd.meta, padded))
@@ -277,11 +255,18 @@ def _cb(**kw):
     return transformers.ContinuousBatchingConfig(max_batch_tokens=64, **kw)
 
 
-@pytest.mark.parametrize("kernel, why", [("flex", "BlockMask"), ("flashinfer", "plan")])
-def test_graphs_and_async_with_a_kernel_planned_on_the_host_are_refused_saying_why(kernel, why, monkeypatch):
-    # Flex rebuilds its BlockMask and FlashInfer runs its plan() on the host inside the forward:
-    # a replay would read the captured round's. A stub module stands in for FlashInfer (the
-    # refusal comes before any kernel).
+GRAPH_CONFIGS = {"graphs": dict(use_cuda_graph=True), "varlen graphs": dict(use_cuda_graph=(True, False)),
+                 "async": dict(use_async_batching=True), "graphs + async": dict(use_cuda_graph=True,
+                                                                                use_async_batching=True)}
+
+
+@pytest.mark.parametrize("config", sorted(GRAPH_CONFIGS))
+@pytest.mark.parametrize("kernel", ["fa", "flashinfer", "flex"])
+def test_graphs_and_async_are_taken_by_fa_and_flashinfer_and_refused_for_flex_saying_why(kernel, config,
+                                                                                         monkeypatch):
+    # Flex rebuilds its BlockMask on the host inside the forward: a replay would read the captured
+    # round's. FA and FlashInfer read the round from buffers written before the forward. A stub
+    # module stands in for FlashInfer (no kernel runs here).
     import sys
     import types
 
@@ -289,22 +274,117 @@ def test_graphs_and_async_with_a_kernel_planned_on_the_host_are_refused_saying_w
     cfg = h.make_config("llama-gqa")
     build = vt.cache_class()
     options = vt.Options(**dict(OPTS, kernel=kernel))
-    for cb in (_cb(use_cuda_graph=True), _cb(use_cuda_graph=(True, False)), _cb(use_async_batching=True)):
-        with pytest.raises(vmem.InvalidArgument, match=f"kernel='{kernel}'.*{why}"):
+    cb = _cb(**GRAPH_CONFIGS[config])
+    if kernel == "flex":
+        with pytest.raises(vmem.InvalidArgument, match="kernel='flex'.*BlockMask.*kernel='flashinfer'"):
             build(cfg, cb, "cpu", dtype=torch.float32, options=options)
+        return
+    cache = build(cfg, cb, "cpu", dtype=torch.float32, options=options)
+    assert cache.kernel == kernel and cache.round_buffers.slots == cb.max_requests_per_batch
+    assert cache.round_buffers.capacity >= cache.max_batch_tokens  # a decode round, one sequence a token
+    if kernel == "flashinfer":
+        assert cache.read.graphs == ("graphs" in config) and cache.read.trash_row == cache.trash_row
+        assert cache.read.trash_tokens == cache.block_size
 
 
-def test_a_compiled_forward_is_refused_and_fa_takes_graphs_and_async():
+@pytest.mark.parametrize("kernel", ["fa", "flashinfer", "flex"])
+def test_a_compiled_forward_is_refused_for_every_kernel(kernel, monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
     cfg = h.make_config("llama-gqa")
-    build = vt.cache_class()
     compile_config = transformers.CompileConfig()
     for cb in (_cb(varlen_compile_config=compile_config), _cb(decode_compile_config=compile_config)):
         with pytest.raises(vmem.InvalidArgument, match="compiling the engine's forward.*use_cuda_graph"):
-            build(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**OPTS))
-    # kernel="fa" takes graphs (both forms) and async batching, with its static buffers in place.
-    for cb in (_cb(use_cuda_graph=True), _cb(use_cuda_graph=(True, True)), _cb(use_async_batching=True)):
-        cache = build(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**OPTS))
-        assert cache.round_buffers.slots == cb.max_requests_per_batch == OPTS["max_requests"]
+            vt.cache_class()(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**dict(OPTS, kernel=kernel)))
+
+
+def test_a_padded_decode_round_is_one_sequence_per_token_with_max_q_1():
+    """FA2's decode path (GQA groups folded into the query rows) needs ``max_seqlen_q == 1`` and as
+    many sequences as query tokens: a padded decode round is passed that way, the real entries
+    as unpadded, every padded token a sequence that reads nothing."""
+    cache = _direct_cache()
+    buffers, mc, trash = cache.round_buffers, cache.max_context, cache.trash_row
+    rows = [trash + 1, trash + 2, trash + 3]
+    entries = [(rows[0], 9, 1), (rows[1], 0, 1), (rows[2], 30, 1)]
+    meta = buffers.fill(entries, sequences=4, tokens=16, padded=True, bucket_k=1024, decode=True)
+    assert meta.decode and meta.max_q == 1 and meta.n == 16 and meta.real == 3 and meta.total_q == 16
+    n = meta.n
+    host = meta.host.tolist()
+    assert host[: n + 1] == list(range(17))  # one query a sequence, padded tokens included
+    assert host[n + 1: n + 4] == [r * mc for r in rows] and set(host[n + 4: 2 * n + 1]) == {trash * mc}
+    assert host[2 * n + 2: 2 * n + 5] == [10, 1, 31] and host[2 * n + 5:] == [0] * 13
+    assert meta.cu_q.data_ptr() == buffers.buffer.data_ptr() and meta.cu_q.numel() == 17
+    # The same round unpadded, or mixed, keeps the engine's sequences and max_q.
+    plain = buffers.fill(entries, sequences=3, tokens=3, padded=False, decode=True)
+    assert not plain.decode and plain.n == 3 and plain.max_q == 1
+    with pytest.raises(vmem.VmemError, match="one query token"):
+        buffers.fill([(rows[0], 0, 2)], sequences=1, tokens=16, padded=True, bucket_k=1024, decode=True)
+    with pytest.raises(vmem.VmemError, match="one query token"):
+        buffers.fill(entries, sequences=3, tokens=buffers.capacity + 1, padded=True, bucket_k=1024, decode=True)
+    # FA's reference over the decode meta: the real tokens as unpadded, padded ones zeros.
+    hq, hkv, d = cache.config.num_attention_heads, cache.num_key_value_heads, cache.head_dim
+    k = torch.full((cache.rows * mc, hkv, d), float("nan"))  # plain tensors shaped as the flat views
+    v = torch.full((cache.rows * mc, hkv, d), float("nan"))
+    for r, p, _ in entries:
+        k[r * mc: r * mc + p + 1].normal_()
+        v[r * mc: r * mc + p + 1].normal_()
+    q = torch.randn(16, hq, d)
+    padded = vt.fa_varlen_reference(q, k, v, meta, 0.1)
+    unpadded = vt.fa_varlen_reference(q[:3], k, v, plain, 0.1)
+    assert torch.equal(padded[:3], unpadded) and torch.equal(padded[3:], torch.zeros(13, hq, d))
+
+
+def test_the_graph_key_carries_a_vmem_rounds_kind_and_the_patch_installs_it():
+    class Io:
+        def __init__(self, cache):
+            self.cache = cache
+
+        def key(self):
+            return (64, 512, 1024)
+
+    hooked = vt_graphs.graph_key_hook(Io.key)
+    vmem_cache = type("C", (), {"round_kind": "decode"})()
+    assert hooked(Io(vmem_cache)) == (64, 512, 1024, "decode")
+    vmem_cache.round_kind = None  # an unpadded round: the engine's key
+    assert hooked(Io(vmem_cache)) == (64, 512, 1024)
+    assert hooked(Io(object())) == (64, 512, 1024)  # any other cache: the engine's key
+    from transformers.generation.continuous_batching import input_outputs as cb_io
+
+    vt.uninstall()
+    plain = cb_io.ContinuousBatchingIOs.__dict__["_get_graph_key"]
+    vt.install(**OPTS)
+    assert cb_io.ContinuousBatchingIOs.__dict__["_get_graph_key"] is not plain
+    vt.uninstall()
+    assert cb_io.ContinuousBatchingIOs.__dict__["_get_graph_key"] is plain
+
+
+def test_padded_rounds_set_their_kind_decode_or_varlen():
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
+    padded, plain = [], []
+    kinds = padded
+    real = vt_graphs.prepare_round
+
+    def prepare(cache, *a, **k):
+        rnd = real(cache, *a, **k)
+        kinds.append((cache.round_kind, rnd.meta.decode, rnd.meta.max_q, all(e[2] == 1 for e in rnd.entries)))
+        return rnd
+
+    vt_graphs.prepare_round = prepare
+    try:
+        with forced_padding():
+            _serve(model, vt.VMEM_ATTENTION, prompts)
+        kinds = plain
+        _serve(model, vt.VMEM_ATTENTION, prompts)
+    finally:
+        vt_graphs.prepare_round = real
+    assert padded and plain
+    assert {k for k, _, _, _ in padded} == {"decode", "varlen"}
+    for kind, decode, max_q, all_one in padded:
+        assert (kind == "decode") == decode == all_one and (max_q == 1) == decode
+    assert {k for k, _, _, _ in plain} == {None} and not any(d for _, d, _, _ in plain)
 
 
 @pytest.mark.parametrize("bad", ["Bucket", "", 1, None, True])
@@ -326,3 +406,10 @@ def test_the_bench_graph_contenders_pass_the_engines_graph_switch():
         assert opts.get("kernel", "fa") == "fa"
     kw, _ = ct.contender_config(None, ct.SERVING["vmem-per-layer"], args, budget)
     assert "use_cuda_graph" not in kw  # the harness's default (off) stays
+    # FlashInfer under graphs (optional: FlashInfer), one with async batching too; both versions.
+    for name in ("vmem-per-layer-fi-graphs", "vmem-token-major-fi-graphs", "vmem-token-major-fi-graphs-async"):
+        spec = ct.spec(name)
+        kw, opts = ct.contender_config(None, spec, args, budget)
+        assert kw["use_cuda_graph"] is True and opts["kernel"] == "flashinfer" and spec["optional"], name
+        assert kw.get("use_async_batching", False) == name.endswith("-async") and name in ct.offered()
+        assert name not in ct.defaults(ct.serving())  # run only when named

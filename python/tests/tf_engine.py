@@ -78,3 +78,27 @@ def random_mixed_round(g: Any, k4: Any, v4: Any, count: int = 5) -> list[tuple[i
         k4[row, :past + q] = torch.randn(past + q, hkv, d, generator=g)
         v4[row, :past + q] = torch.randn(past + q, hkv, d, generator=g)
     return entries
+
+
+@contextlib.contextmanager
+def forced_padding():
+    """The engine's padding path on the CPU (graphs are off without CUDA): the runner pads every
+    round (``pad_inputs``) and the IOs bucket ``max_seqlen_k`` as for a varlen graph."""
+    from transformers.generation.continuous_batching import input_outputs as cb_io
+    from transformers.generation.continuous_batching import model_runner as cb_runner
+
+    runner_init, io_init = cb_runner.ModelRunner.__init__, cb_io.ContinuousBatchingIOs.__init__
+
+    def init_runner(self, *a, **k):
+        runner_init(self, *a, **k)
+        self.pad_inputs = True
+
+    def init_io(self, *a, **k):
+        io_init(self, *a, **k)
+        self.use_cuda_graph_varlen = True
+
+    cb_runner.ModelRunner.__init__, cb_io.ContinuousBatchingIOs.__init__ = init_runner, init_io
+    try:
+        yield
+    finally:
+        cb_runner.ModelRunner.__init__, cb_io.ContinuousBatchingIOs.__init__ = runner_init, io_init

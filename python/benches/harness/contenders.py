@@ -7,7 +7,8 @@ Which names a transformers version serves: :data:`CATALOG` lists every contender
 version families it runs on; :func:`offered` and :func:`spec` answer for the running version
 (``ValueError`` naming the version for one it does not serve). A spec's keys: ``attn`` (the
 attention name), ``block_size`` (the engine's block / page tokens, engine caches), ``graphs``
-(the engine's CUDA graphs on, async batching off), ``layout``/``kernel`` (vmem), ``sharing``."""
+(the engine's CUDA graphs on, async batching off unless ``async``), ``layout``/``kernel`` (vmem),
+``sharing``, ``optional`` (needs FlashInfer: run only when named)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,14 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
                                  "optional": True}),
     "vmem-token-major-fi": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "flashinfer",
                                    "optional": True}),
+    # FlashInfer under the engine's CUDA graphs (its graph wrappers, planned before each replay).
+    "vmem-per-layer-fi-graphs": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flashinfer",
+                                        "graphs": True, "optional": True}),
+    "vmem-token-major-fi-graphs": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "flashinfer",
+                                          "graphs": True, "optional": True}),
+    "vmem-token-major-fi-graphs-async": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
+                                                "kernel": "flashinfer", "graphs": True, "async": True,
+                                                "optional": True}),
 }
 
 
@@ -99,12 +108,15 @@ SERVING: dict[str, Spec] = {
     "paged-sdpa-256-graphs": {"attn": "paged|sdpa", "block_size": 256, "graphs": True},
     "vmem-per-layer-graphs": {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "fa", "graphs": True},
     "vmem-token-major-graphs": {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa", "graphs": True},
+    "vmem-per-layer-fi-graphs": CATALOG["vmem-per-layer-fi-graphs"][1],
+    "vmem-token-major-fi-graphs": CATALOG["vmem-token-major-fi-graphs"][1],
 }
 
 #: serving_bench.py on 5.19+ (and the fi-paged pair on either): the same comparison, by 5.19+'s names
 SERVING_519 = ("sdpa-256", "sdpa-256-graphs", "fi-paged", "fi-paged-graphs", "paged-sdpa-256-graphs",
                "vmem-per-layer", "vmem-token-major", "vmem-per-layer-flex", "vmem-per-layer-fi",
-               "vmem-token-major-fi", "vmem-per-layer-graphs", "vmem-token-major-graphs")
+               "vmem-token-major-fi", "vmem-per-layer-graphs", "vmem-token-major-graphs", "vmem-per-layer-fi-graphs",
+               "vmem-token-major-fi-graphs")
 
 #: prefix_serving.py: block sharing on and off, the engine's and vmem's
 PREFIX: dict[str, Spec] = {
@@ -148,10 +160,13 @@ def contender_config(model: Any, spec: Spec, args: Any, budget: dict[str, int],
     config entries (block sharing per the spec's ``sharing``, default on as in the engine; for
     the engine's own cache its block size and block count) and the ``vmem.transformers.serving``
     options (vmem: layout, kernel, memory, rows — ``max_requests``, default ``args.max_requests``);
-    a spec with ``graphs`` turns the engine's CUDA graphs on (``use_cuda_graph=True``)."""
+    a spec with ``graphs`` turns the engine's CUDA graphs on (``use_cuda_graph=True``), one with
+    ``async`` its async batching (vmem only)."""
     kw: dict[str, Any] = {"allow_block_sharing": spec.get("sharing", True)}
     if spec.get("graphs"):
         kw["use_cuda_graph"] = True
+    if spec.get("async"):
+        kw["use_async_batching"] = True
     if is_vmem(spec):
         rows = args.max_requests if max_requests is None else max_requests
         if spec.get("kernel", "fa") == "flex":

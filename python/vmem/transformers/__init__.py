@@ -17,8 +17,9 @@ or, scoped (the options are bound to the engine's manager created inside the blo
 Modules: :mod:`.patch` (version gate, cache factory, :func:`register_cache`), the adapters
 :mod:`.engine517` and :mod:`.engine519` (what differs between transformers versions), :mod:`.options`,
 :mod:`.sizing`, :mod:`.cache` (:class:`VmemCBCache`), :mod:`.rows`, :mod:`.rounds`,
-:mod:`.attention`, :mod:`.fa`, :mod:`.flex`, :mod:`.flashinfer` (``kernel="flashinfer"``: FlashInfer
-imported only when chosen), :mod:`.graphs` (CUDA graphs' static round metadata), :mod:`.generate`
+:mod:`.attention`, :mod:`.fa`, :mod:`.flex`, :mod:`.flashinfer`, :mod:`.fi_reader` and :mod:`.fi_graphs`
+(``kernel="flashinfer"``, with CUDA graphs: FlashInfer imported only when chosen), :mod:`.graphs` (CUDA
+graphs' static round metadata), :mod:`.generate`
 (:class:`VmemCache`), :mod:`.tenancy` (a shared pool's tenant: ``Options.pool``; :func:`sleep` and
 :func:`wake`);
 docs/serving.md says how they work together.

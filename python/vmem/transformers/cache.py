@@ -18,9 +18,11 @@ version-free.
   the cached pages of a prompt's longest cached prefix into the new row (no copy), and
   ``mark_shareable_blocks_as_complete`` publishes a request's full blocks. No forks, no CPU
   offload pool, no compile of the forward.
-* CUDA graphs and async batching (``kernel="fa"``): the round's metadata is written into static
-  device buffers before each forward (:mod:`.graphs`); padded tokens write to the trash row,
-  padded sequences read nothing; pages are mapped when the round opens, never in the forward.
+* CUDA graphs and async batching (``kernel="fa"`` or ``"flashinfer"``): the round's metadata is
+  written into static device buffers before each forward (:mod:`.graphs`; FlashInfer's plan into
+  its graph wrappers' buffers, :mod:`.fi_graphs`); padded tokens write to the trash row, padded
+  sequences read nothing (FA) or the trash row's mapped block (FlashInfer); pages are mapped
+  when the round opens, never in the forward.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ from .. import KVCache
 from .._vmem import InvalidArgument, VmemError
 from . import tenancy
 from .fa import FaReader
-from .flashinfer import FlashInferReader, check_strides
+from .fi_reader import FlashInferReader
+from .flashinfer import check_strides
 from .flex import FlexReader
-from .graphs import RoundBuffers, check_engine_config
+from .graphs import RoundBuffers, check_engine_config, graphs_requested
 from .options import Options
 from .rounds import Rounds
 from .rows import RowTable
@@ -146,7 +149,8 @@ class VmemCBCache:
             self.key_cache.append(_flat(k))
             self.value_cache.append(_flat(v))
         self.rounds = Rounds(on_open=self.flush)
-        self.read: Any = self._reader(config)
+        self.round_kind: str | None = None  # the padded round's kind, in the engine's graph key (graphs.py)
+        self.read: Any = self._reader(config, graphs_requested(cb))
         self.peak_mapped_bytes = 0
         self.steps = 0
         # The engine's config: what this cache does not do (block sharing: vmem's instead).
@@ -156,17 +160,21 @@ class VmemCBCache:
         cb.max_requests_per_batch = min(cb.max_requests_per_batch or self.max_requests, self.max_requests)
         # What the attention reads per round, in static device buffers sized to the engine's largest
         # padded batch (written before each forward; a CUDA graph captures their addresses).
-        self.round_buffers = RoundBuffers(cb.max_requests_per_batch, g.max_context, self.trash_row, self.device)
+        self.round_buffers = RoundBuffers(cb.max_requests_per_batch, g.max_context, self.trash_row, self.device,
+                                          max_tokens=self.max_batch_tokens)
 
-    def _reader(self, config: Any) -> Any:
-        """The kernel that reads the rows (``options.kernel``)."""
+    def _reader(self, config: Any, graphs: bool) -> Any:
+        """The kernel that reads the rows (``options.kernel``); ``graphs``: the engine captures CUDA
+        graphs."""
         g = self.geometry
         if self.kernel == "fa":
             return FaReader(g.max_context)
         if self.kernel == "flex":
             return FlexReader(self, g.compiled)
         check_strides(self._k4[0])  # every layer's view has the same strides
-        return FlashInferReader(g.max_context, self.kv_rows, self.device, config.num_attention_heads)
+        return FlashInferReader(g.max_context, self.kv_rows, self.device, config.num_attention_heads,
+                                trash_row=self.trash_row, trash_tokens=g.block_size,
+                                max_tokens=self.max_batch_tokens, graphs=graphs)
 
     def _engine_attributes(self, layers: int) -> None:
         """The attributes the engine reads of a single full-attention group."""

@@ -79,7 +79,8 @@ def fa_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
     ``q[cu_q[b]:cu_q[b+1]]`` attend ``k[cu_k[b] : cu_k[b] + used[b]]``, bottom-right causal;
     GQA by head groups. ``q`` ``[T, Hq, D]``, ``k``/``v`` ``[N, Hkv, D]``; returns ``[T, Hq, D]``.
     ``index``: a :class:`FaVarlenIndex` or a :class:`~vmem.transformers.graphs.RoundMeta`; a
-    padded sequence (no queries) reads nothing, and a padded token (past ``cu_q[n]``) gets zeros.
+    padded sequence reads nothing and its query (a decode round's padded token), like a padded
+    token past ``cu_q[n]``, gets zeros (FA writes zeros where ``seqused_k`` is 0).
     The CPU path of ``kernel="fa"`` (FlashAttention is CUDA-only)."""
     n = index.n
     h = index.host.tolist()

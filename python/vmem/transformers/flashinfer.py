@@ -8,27 +8,25 @@ copy). Per request: ``indptr`` ``[b, b+1]``, ``indices = [row]``, ``last_page_le
 (the new tokens are written before the kernel runs). Decode rounds (every query one token) run
 ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)``; rounds with a prefill chunk run
 ``BatchPrefillWithPagedKVCacheWrapper`` (causal: FlashInfer aligns a request's queries to the end
-of its keys, so query ``j`` of ``q`` sees ``past + j + 1`` keys). ``plan()`` once per round (at its
-first layer: every layer shares it), ``run()`` per layer; one workspace buffer per cache.
+of its keys, so query ``j`` of ``q`` sees ``past + j + 1`` keys).
 
-The plan's four arrays come from one pure function of the round, :func:`paged_plan`, so that a
-CUDA-graph reader can later copy them into the fixed buffers of FlashInfer's
-``use_cuda_graph=True`` wrappers. FlashInfer is optional (``pip install "vmem[flashinfer]"``):
-imported only by :func:`load_flashinfer`, never by ``import vmem.transformers``. Its kernels need
-a CUDA GPU, float16/bfloat16 and head dims 64 or 128 (what was verified); on the CPU the reader
-runs :func:`paged_reference`, which interprets the same arrays. Version-free.
+This module holds what the reader (:mod:`.fi_reader`) and the CUDA-graph planner
+(:mod:`.fi_graphs`) share: the plan's four arrays, from one pure function of the round,
+:func:`paged_plan`, their CPU reference :func:`paged_reference`, and the checks. FlashInfer is
+optional (``pip install "vmem[flashinfer]"``): imported only by :func:`load_flashinfer`, never by
+``import vmem.transformers``. Its kernels need a CUDA GPU (:func:`kernels_on`), float16/bfloat16
+and head dims 64 or 128 (what was verified); on the CPU the reader runs :func:`paged_reference`,
+which interprets the same arrays. Version-free.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .._vmem import InvalidArgument, VmemError
-from .rounds import Round
 
 #: The FlashInfer versions this reader was verified with (``vmem[flashinfer]`` pins the same).
 FLASHINFER_RANGE = ">=0.6.13,<0.7"
@@ -37,8 +35,6 @@ INSTALL_HINT = 'pip install "vmem[flashinfer]"'
 #: Dtypes and head dims ``kernel="flashinfer"`` serves (verified on the H100).
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)
-#: Bytes of the float workspace FlashInfer's split-KV results use (its recommended 128 MiB).
-WORKSPACE_BYTES = 128 << 20
 #: FlashInfer keeps page, token and head strides as uint32 (``paged_kv_t``).
 _MAX_STRIDE = 2**32
 
@@ -53,6 +49,13 @@ def load_flashinfer() -> Any:
             f"kernel='flashinfer' needs FlashInfer ({FLASHINFER_RANGE}), which cannot be imported here ({e}); "
             f"install it with {INSTALL_HINT}, or use kernel='fa' (the default)"
         ) from None
+
+
+def kernels_on(device: torch.device) -> bool:
+    """Whether FlashInfer's kernels run on ``device`` (CUDA); elsewhere the reader runs
+    :func:`paged_reference` over the same plans (the CPU tests replace this to run stand-in
+    wrappers)."""
+    return device.type == "cuda"
 
 
 def check_model(dtype: torch.dtype, head_dim: int) -> None:
@@ -140,52 +143,3 @@ def check_strides(k_rows: torch.Tensor) -> None:
             "lower max_context (or use layout='per-layer', whose rows are shorter), or use kernel='fa'"
         )
 
-
-class FlashInferReader:
-    """The ``kernel="flashinfer"`` reader of a vmem cache. ``rows_of(layer)`` gives the layer's
-    ``[rows, max_context, Hkv, D]`` K and V views. Plans at the round's first layer, runs per
-    layer; on the CPU :func:`paged_reference` over the same plan."""
-
-    def __init__(self, max_context: int, rows_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                 device: torch.device, num_heads: int) -> None:
-        self.max_context, self.rows_of, self.num_heads = max_context, rows_of, num_heads
-        self._fi = load_flashinfer()
-        self._decode: Any = None
-        self._prefill: Any = None
-        if device.type == "cuda":
-            workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-            # fa2: the module the tensor-core decode uses too (one JIT build), and it reads any strides.
-            self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
-
-    def _plan(self, rnd: Round, query: torch.Tensor, k_rows: torch.Tensor, scaling: float | None) -> PagedPlan:
-        plan = paged_plan([(row, past, q) for row, past, q, _ in rnd.entries], self.max_context)
-        if self._decode is None:
-            return plan
-        _, _, hkv, d = k_rows.shape
-        common = {"q_data_type": query.dtype, "kv_data_type": k_rows.dtype, "sm_scale": scaling}
-        if plan.decode:
-            self._decode.plan(plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, self.num_heads, hkv, d,
-                              plan.page_size, **common)
-        else:
-            self._prefill.plan(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len,
-                               self.num_heads, hkv, d, plan.page_size, causal=True, **common)
-        return plan
-
-    def __call__(self, layer: int, rnd: Round, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 scaling: float | None, gqa: bool) -> torch.Tensor:
-        """Returns ``[1, T, Hq, D]`` for ``query`` ``[1, Hq, T, D]`` (``k_cache``/``v_cache``, the
-        flat views, were written; the rows are read through ``rows_of``)."""
-        k_rows, v_rows = self.rows_of(layer)
-        plan = rnd.index
-        if plan is None:  # the first layer of this round's forward: plan once, every layer reuses it
-            plan = rnd.index = self._plan(rnd, query, k_rows, scaling)
-        t = query.shape[2]
-        if t != plan.total_q:
-            raise VmemError(f"the engine passed {t} query tokens for a round of {plan.total_q} "
-                            "(padding is not supported)")
-        q = query[0].transpose(0, 1)  # [T, Hq, D]
-        if self._decode is None:
-            return paged_reference(q, k_rows, v_rows, plan, scaling).unsqueeze(0)
-        wrapper = self._decode if plan.decode else self._prefill
-        return wrapper.run(q.contiguous(), (k_rows, v_rows)).unsqueeze(0)

@@ -18,8 +18,14 @@ that reaches a graph only as the contents of buffers whose addresses it baked in
   are fixed by the engine's graph key when the round is padded (``max_q`` = the padded token
   count, ``max_k`` = the engine's padded ``max_seqlen_k`` bucket, or the row length
   ``max_context``), so a replay never runs a graph captured for other ones.
+* A decode-only padded round (every real sequence one query token) is passed as one sequence per
+  token, padded tokens included (each reads nothing), with ``max_q = 1``: FlashAttention-2 then
+  keeps its decode path (GQA groups folded into the query rows), which a padded ``max_q`` loses.
+  Such a round and a mixed round of the same padded size are different graphs:
+  :func:`graph_key_hook` adds the round's kind (``cache.round_kind``) to the engine's graph key.
 * :func:`forward_hook` wraps the engine's ``ModelRunner.compute_batch``: the round's metadata is
-  written before every forward, graphed or not (one path).
+  written before every forward, graphed or not (one path); a reader with a host-side plan
+  (``kernel="flashinfer"``) plans it there too, on the compute stream, outside any capture.
 """
 
 from __future__ import annotations
@@ -32,37 +38,48 @@ import torch
 from .._vmem import InvalidArgument, VmemError
 from .rounds import Round
 
+#: The round kinds a padded round's graph key carries (:func:`graph_key_hook`).
+DECODE, VARLEN = "decode", "varlen"
+
 
 class RoundMeta:
     """One round as a varlen kernel reads it: ``cu_q`` ``[P+1]``, ``cu_k`` ``[P+1]``, ``used``
     ``[P]`` (int32 views of the cache's static device buffer, ``P`` the round's sequences padding
     included), ``n`` = ``P``, ``real`` the round's requests, ``max_q``, ``max_k``, ``total_q``
-    (query tokens padding included) and ``host`` (the same ``[cu_q | cu_k | used]`` on the CPU,
-    for the CPU reference and the tests)."""
+    (query tokens padding included), ``decode`` (a padded decode-only round passed one sequence
+    per token, ``max_q = 1``) and ``host`` (the same ``[cu_q | cu_k | used]`` on the CPU, for the
+    CPU reference and the tests)."""
 
-    __slots__ = ("cu_k", "cu_q", "host", "max_k", "max_q", "n", "real", "total_q", "used")
+    __slots__ = ("cu_k", "cu_q", "decode", "host", "max_k", "max_q", "n", "real", "total_q", "used")
 
     def __init__(self, cu_q: torch.Tensor, cu_k: torch.Tensor, used: torch.Tensor, host: torch.Tensor, *,
-                 real: int, max_q: int, max_k: int, total_q: int) -> None:
+                 real: int, max_q: int, max_k: int, total_q: int, decode: bool = False) -> None:
         self.cu_q, self.cu_k, self.used, self.host = cu_q, cu_k, used, host
         self.n = int(used.numel())
         self.real, self.max_q, self.max_k, self.total_q = real, max_q, max_k, total_q
+        self.decode = decode
 
 
 class RoundBuffers:
-    """The static per-round metadata of one cache: one int32 device tensor of ``3 * slots + 2``
-    entries (``cu_q`` at 0, ``cu_k`` at ``slots + 1``, ``used`` at ``2 * slots + 2``), allocated
-    once and only ever written in place, so its address is the one every graph captured."""
+    """The static per-round metadata of one cache: one int32 device tensor of ``3 * capacity + 2``
+    entries (``cu_q`` at 0, ``cu_k`` at ``capacity + 1``, ``used`` at ``2 * capacity + 2``),
+    allocated once and only ever written in place, so its address is the one every graph
+    captured. ``slots``: the most sequences the engine passes (``max_requests_per_batch``);
+    ``capacity``: that or ``max_tokens`` (the engine's round size), whichever is larger, so that
+    a padded decode-only round fits as one sequence per token."""
 
-    def __init__(self, slots: int, max_context: int, trash_row: int, device: torch.device) -> None:
+    def __init__(self, slots: int, max_context: int, trash_row: int, device: torch.device,
+                 max_tokens: int = 0) -> None:
         if slots < 1:
             raise VmemError(f"a round needs at least one sequence slot, got {slots}")
         self.slots, self.max_context, self.trash_row = int(slots), int(max_context), int(trash_row)
-        self.buffer = torch.zeros(3 * self.slots + 2, dtype=torch.int32, device=device)
+        self.capacity = max(self.slots, int(max_tokens))
+        self.buffer = torch.zeros(3 * self.capacity + 2, dtype=torch.int32, device=device)
         self.fills = 0
 
     def fill(self, entries: list[tuple[int, int, int]], *, sequences: int, tokens: int, padded: bool,
-             bucket_k: int | None = None, seqlen_k: str = "bucket", stream: Any = None) -> RoundMeta:
+             bucket_k: int | None = None, seqlen_k: str = "bucket", stream: Any = None,
+             decode: bool = False) -> RoundMeta:
         """Writes one round into the buffers and returns its :class:`RoundMeta`.
 
         ``entries``: ``(row, past, q)`` per request, in the engine's query order; ``sequences``
@@ -70,14 +87,20 @@ class RoundBuffers:
         input's length, padding included); ``padded``: the engine pads (graphs): ``max_q`` is
         ``tokens`` and ``max_k`` the engine's ``bucket_k`` (``seqlen_k="bucket"``) or
         ``max_context``, else both are the round's own maxima. ``stream``: the engine's compute
-        stream (the copy is queued there, after the work queued on the current stream)."""
+        stream (the copy is queued there, after the work queued on the current stream).
+        ``decode`` (a padded round whose every request has one query token): the round is passed
+        as ``tokens`` sequences of one token each, the padded ones reading nothing, ``max_q = 1``."""
         n = len(entries)
-        s, mc = self.slots, self.max_context
+        s, mc = self.capacity, self.max_context
         if n == 0:
             raise VmemError("an attention round without requests")
-        if sequences < n or sequences > s:
+        if sequences < n or sequences > self.slots:
             raise VmemError(f"a round of {n} requests passed as {sequences} sequences; "
-                            f"the cache's buffers hold 1 to {s}")
+                            f"the cache's buffers hold 1 to {self.slots}")
+        decode = decode and padded
+        if decode and (any(e[2] != 1 for e in entries) or tokens > s):
+            raise VmemError(f"a decode round of {n} requests in {tokens} tokens: every request must have one "
+                            f"query token and the buffers hold {s} sequences")
         cu_q, cu_k, used = [0], [], []
         for row, past, q in entries:
             if q < 1 or past < 0 or past + q > mc or row == self.trash_row:
@@ -88,8 +111,12 @@ class RoundBuffers:
         real_tokens = cu_q[-1]
         if tokens < real_tokens:
             raise VmemError(f"the engine passed {tokens} query tokens for a round of {real_tokens}")
-        pad = sequences - n  # padded sequences: no queries, the trash row's start, nothing read
-        cu_q += [real_tokens] * pad
+        if decode:  # one sequence per token: a padded token is a sequence of one query that reads nothing
+            sequences = tokens
+            cu_q += list(range(real_tokens + 1, tokens + 1))
+        pad = sequences - n  # padded sequences: no keys read, the trash row's start (and no queries)
+        if not decode:
+            cu_q += [real_tokens] * pad
         cu_k += [self.trash_row * mc] * pad + [self.trash_row * mc]  # cu_k[P]: not read with seqused_k
         used += [0] * pad
         p = sequences
@@ -98,8 +125,8 @@ class RoundBuffers:
         host[: p + 1] = compact[: p + 1]
         host[s + 1: s + 2 + p] = compact[p + 1: 2 * p + 2]
         host[2 * s + 2: 2 * s + 2 + p] = compact[2 * p + 2:]
-        if padded:
-            max_q = tokens
+        if padded:  # decode: one query a sequence; else the engine's padded token count
+            max_q = 1 if decode else tokens
             max_k = mc if seqlen_k == "context" or bucket_k is None else int(bucket_k)
             if max_k < max(used):
                 raise VmemError(f"the engine's max_seqlen_k {max_k} is shorter than the round's {max(used)}")
@@ -109,7 +136,7 @@ class RoundBuffers:
         self.fills += 1
         b = self.buffer
         return RoundMeta(b[: p + 1], b[s + 1: s + 2 + p], b[2 * s + 2: 2 * s + 2 + p], compact, real=n,
-                         max_q=max_q, max_k=max_k, total_q=tokens)
+                         max_q=max_q, max_k=max_k, total_q=tokens, decode=decode)
 
     def _copy(self, host: torch.Tensor, stream: Any) -> None:
         """``buffer.copy_(host)``, on ``stream`` after the current stream's work (the engine's
@@ -164,25 +191,26 @@ def refuse_compile(cb: Any, name: str) -> None:
 
 
 #: Kernels whose per-round state is built on the host inside the forward: why a replay goes wrong.
+#: (``kernel="flashinfer"`` plans before the forward, into its graph wrappers' fixed buffers.)
 _NOT_REPLAYABLE = {
     "flex": "Flex's BlockMask is rebuilt on the host from each round's lengths inside the forward",
-    "flashinfer": "FlashInfer's plan() runs on the host inside the forward (at the first layer)",
 }
 
 
 def check_engine_config(cb: Any, name: str, kernel: str) -> None:
     """What vmem's cache supports of the engine's graph switches: CUDA graphs and async batching
-    with ``kernel="fa"`` (its metadata is in :class:`RoundBuffers`); with ``kernel="flashinfer"``
-    neither (its plan runs on the host inside the forward); with ``kernel="flex"``
+    with ``kernel="fa"`` (its metadata is in :class:`RoundBuffers`) and ``kernel="flashinfer"``
+    (planned before the forward into the fixed buffers of FlashInfer's CUDA-graph wrappers, one
+    set per padded size, round kind and IO pair: :mod:`.fi_graphs`); with ``kernel="flex"``
     neither (its BlockMask is rebuilt on the host from the round's lengths inside the forward, so
-    a replay would reuse the captured round's mask); a compiled forward with neither kernel."""
+    a replay would reuse the captured round's mask); a compiled forward with no kernel."""
     reason = _NOT_REPLAYABLE.get(kernel)
     if reason is not None and (graphs_requested(cb) or cb.use_async_batching):
         what = "CUDA graphs" if graphs_requested(cb) else "async batching"
         raise InvalidArgument(
             f"{name}: {what} with kernel='{kernel}' is not supported: {reason}, so a replayed graph would "
-            "read the captured round's; use kernel='fa' (its round metadata lives in static device buffers) "
-            "or leave use_cuda_graph unset"
+            "read the captured round's; use kernel='fa' or kernel='flashinfer' (their round metadata lives in "
+            "static device buffers) or leave use_cuda_graph unset"
         )
     refuse_compile(cb, name)
 
@@ -195,15 +223,30 @@ def _bucket_k(batch_data: dict[str, Any]) -> int | None:
     return None if value is None else int(value)
 
 
-def prepare_round(cache: Any, batch_data: dict[str, Any], padded: bool, stream: Any) -> Round:
+def round_kind(entries: list[tuple[int, int, int]]) -> str:
+    """:data:`DECODE` when every request of the round has one query token, else :data:`VARLEN`."""
+    return DECODE if all(q == 1 for _, _, q in entries) else VARLEN
+
+
+def prepare_round(cache: Any, batch_data: dict[str, Any], padded: bool, stream: Any, pair: int = 0) -> Round:
     """Closes the round the engine prepared and writes its metadata into the cache's buffers
-    (``cache.round_buffers``), before the forward; returns the round with ``meta`` set."""
+    (``cache.round_buffers``), before the forward; sets ``cache.round_kind`` (the graph key's
+    part, ``None`` unpadded); lets the reader plan (``cache.read.before_forward``, when it has
+    one) for IO pair ``pair``; returns the round with ``meta`` set."""
     rnd: Round = cache.rounds.close()  # closed first: a refused round never leaks into the next
     entries = [(row, past, q) for row, past, q, _ in rnd.entries]
+    kind = round_kind(entries)
+    cache.round_kind = None
     rnd.meta = cache.round_buffers.fill(
         entries, sequences=int(batch_data["cu_seq_lens_q"].numel()) - 1, tokens=int(batch_data["input_ids"].shape[-1]),
         padded=padded, bucket_k=_bucket_k(batch_data), seqlen_k=cache.options.graph_seqlen_k, stream=stream,
+        decode=kind == DECODE,
     )
+    if padded:
+        cache.round_kind = kind
+    before = getattr(getattr(cache, "read", None), "before_forward", None)
+    if before is not None:
+        before(rnd, padded=padded, pair=pair, stream=stream)
     return rnd
 
 
@@ -214,10 +257,26 @@ def forward_hook(compute_batch: Callable[..., Any]) -> Callable[..., Any]:
     def vmem_compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> Any:
         cache = self.cache
         if getattr(cache, "round_buffers", None) is not None:
-            prepare_round(cache, batch_data, bool(self.pad_inputs), self.inputs_and_outputs.compute_stream)
+            io = self.inputs_and_outputs
+            prepare_round(cache, batch_data, bool(self.pad_inputs), io.compute_stream,
+                          pair=int(getattr(io, "current_pair", 0)))
         return compute_batch(self, model, batch_data)
 
     return vmem_compute_batch
+
+
+def graph_key_hook(get_graph_key: Callable[..., Any]) -> Callable[..., Any]:
+    """The engine's ``ContinuousBatchingIOs._get_graph_key`` plus a vmem cache's round kind: the
+    engine keys a varlen graph by ``(padded tokens, padded KV read, max_seqlen_k)``, which a
+    decode-only round and a mixed round can share although vmem runs them differently (FA's
+    ``max_q = 1``, FlashInfer's decode or prefill wrapper). Other caches' keys are unchanged."""
+
+    def vmem_graph_key(self: Any) -> Any:
+        key = get_graph_key(self)
+        kind = getattr(getattr(self, "cache", None), "round_kind", None)
+        return key if kind is None else (*key, kind)
+
+    return vmem_graph_key
 
 
 def capturing() -> bool:

@@ -42,7 +42,7 @@ from .._vmem import InvalidArgument, VmemError
 from . import tenancy
 from .attention import paged_attention
 from .flashinfer import load_flashinfer
-from .graphs import forward_hook
+from .graphs import forward_hook, graph_key_hook
 from .options import Options
 
 #: transformers versions whose continuous-batching internals this package was checked against
@@ -293,6 +293,8 @@ class EnginePatch:
         self._set(processor, "prepare_next_batch", tenancy.round_or_wait(processor.prepare_next_batch))
         runner = importlib.import_module("transformers.generation.continuous_batching.model_runner").ModelRunner
         self._set(runner, "compute_batch", forward_hook(runner.compute_batch))  # a round's metadata, before its forward
+        ios = importlib.import_module("transformers.generation.continuous_batching.input_outputs").ContinuousBatchingIOs
+        self._set(ios, "_get_graph_key", graph_key_hook(ios._get_graph_key))  # + the round's kind (vmem caches)
 
     def _set(self, owner: Any, name: str, value: Any) -> None:
         self._saved.append((owner, name, owner.__dict__[name]))

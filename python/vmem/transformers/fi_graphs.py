@@ -1,0 +1,150 @@
+"""``kernel="flashinfer"`` under the engine's CUDA graphs and async batching: the plan padded to
+the engine's padded round, and FlashInfer's wrappers, in their CUDA-graph mode with fixed index
+buffers, one per padded size, round kind and IO pair. Version-free.
+
+FlashInfer's graph mode (``use_cuda_graph=True``) fixes a wrapper's batch size and its index
+buffers (``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``); ``plan()`` runs on
+the host and writes the round into those buffers (and the wrapper's own scheduling workspace),
+so a graph captured over ``run()`` reads whatever the last ``plan()`` wrote. The engine keys its
+graphs by the padded round (tokens ``T``, KV read, ``max_seqlen_k``) and vmem adds the round's
+kind (:func:`~vmem.transformers.graphs.graph_key_hook`), so one padded plan shape per key:
+
+* **decode** (every request one query token): one FlashInfer request per token of the padded
+  round, batch ``T``: the real requests (row, ``past + 1``), then one per padded token reading
+  one token of the trash row (always mapped; padded tokens write there).
+* **prefill / mixed**: batch ``S + P``: the real requests, the engine's padded sequences
+  (``S = min(T, max_requests_per_batch)`` in all) as requests with no query reading one trash
+  token, then ``P = ceil((T - 1) / trash_tokens)`` requests holding the padded tokens, at most
+  ``trash_tokens`` (the trash row's mapped tokens) each, reading as many trash tokens as they
+  have queries (causal: each query sees at least one key; nothing is read past the mapped
+  block). ``P`` depends on ``T`` alone and holds any padding (at most ``T - 1`` tokens). The
+  last request's ``qo_indptr`` is ``T`` in every plan, as FlashInfer's graph mode needs (its
+  first plan fixes the rows).
+
+Each IO pair (async batching keeps two) has its own wrappers: ``plan()`` stages the scheduling
+data in a pinned host buffer copied asynchronously on the compute stream, and round ``N + 1``
+is planned while round ``N`` may still wait to run; with one set per pair, a wrapper's pinned
+buffer is next written two rounds later, after the engine waited for that pair's outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from .._vmem import VmemError
+from .flashinfer import PagedPlan, paged_plan
+
+#: Bytes of the float workspace FlashInfer's split-KV results use outside graphs (its
+#: recommended 128 MiB).
+WORKSPACE_BYTES = 128 << 20
+
+
+def workspace_bytes(graphs: bool, max_tokens: int, q_heads: int, head_dim: int) -> int:
+    """The float workspace of one cache's wrappers. Without graphs, :data:`WORKSPACE_BYTES`. In
+    graph mode FlashInfer sizes the prefill's split-KV partials for the padded round: the
+    fi-paged contender measured ``20 x tokens x heads x head_dim`` fp32 values on the H100
+    (2.7 GB for 8,192 tokens of 32 heads of 128, docs/serving.md), plus their log-sum-exps and
+    256 MiB for the rest."""
+    if not graphs:
+        return WORKSPACE_BYTES
+    partials = 20 * max_tokens * q_heads * (head_dim + 1) * 4
+    return max(WORKSPACE_BYTES, partials + (256 << 20))
+
+
+def padded_paged_plan(entries: list[tuple[int, int, int]], max_context: int, *, trash_row: int, trash_tokens: int,
+                      tokens: int, sequences: int) -> PagedPlan:
+    """The plan of a padded round (see the module doc): ``entries`` ``(row, past, q)`` per
+    request in the engine's query order, ``tokens`` and ``sequences`` the engine's padded
+    counts. The real requests' entries are :func:`~vmem.transformers.flashinfer.paged_plan`'s,
+    unchanged; the padded ones follow, every one on ``trash_row``."""
+    plan = paged_plan(entries, max_context)
+    n, real_tokens = len(entries), plan.total_q
+    if trash_tokens < 1 or trash_row < 0:
+        raise VmemError(f"a trash row {trash_row} of {trash_tokens} mapped tokens")
+    if any(row == trash_row for row, _, _ in entries):
+        raise VmemError(f"a request names the trash row {trash_row}")
+    if tokens < real_tokens or sequences < n:
+        raise VmemError(f"a round of {n} requests and {real_tokens} tokens padded to {sequences} sequences "
+                        f"and {tokens} tokens")
+    pad = tokens - real_tokens
+    if plan.decode:
+        extra = [(1, 1)] * pad  # (queries, keys read) of each padded request
+    else:
+        extra = [(0, 1)] * (sequences - n)
+        for _ in range(max(1, -(-(tokens - 1) // trash_tokens))):
+            q = min(pad, trash_tokens)
+            pad -= q
+            extra.append((q, max(q, 1)))
+    qo, rows, lens = plan.qo_indptr.tolist(), plan.kv_indices.tolist(), plan.kv_last_page_len.tolist()
+    for q, kv in extra:
+        qo.append(qo[-1] + q)
+        rows.append(trash_row)
+        lens.append(kv)
+    i32 = torch.int32
+    return PagedPlan(torch.tensor(qo, dtype=i32), torch.arange(len(rows) + 1, dtype=i32),
+                     torch.tensor(rows, dtype=i32), torch.tensor(lens, dtype=i32), max_context, plan.decode, tokens)
+
+
+class WrapperSet:
+    """FlashInfer's paged wrappers of one cache over one float workspace: in graph mode one per
+    ``(IO pair, decode, batch)`` with its fixed buffers (``buffers[key]``: ``kv_indptr``,
+    ``kv_indices``, ``kv_last_page_len``, and ``qo_indptr`` for prefill), else one per ``(IO
+    pair, decode)``. ``fi`` is the ``flashinfer`` module."""
+
+    def __init__(self, fi: Any, device: torch.device, workspace: int, num_heads: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype) -> None:
+        self.fi, self.device = fi, device
+        self.num_heads, self.kv_heads, self.head_dim, self.dtype = num_heads, kv_heads, head_dim, dtype
+        self.workspace = torch.zeros(workspace, dtype=torch.uint8, device=device)
+        self.wrappers: dict[tuple[int, bool, int], Any] = {}
+        self.buffers: dict[tuple[int, bool, int], tuple[torch.Tensor, ...]] = {}
+        self.plans = 0
+
+    def wrapper(self, pair: int, decode: bool, batch: int, graph: bool) -> Any:
+        """The wrapper for a round: graph mode for batch ``batch``, or the pair's eager one."""
+        key = (pair, decode, batch if graph else 0)
+        w = self.wrappers.get(key)
+        if w is not None:
+            return w
+        kw: dict[str, Any] = {}
+        if graph:
+            i32: dict[str, Any] = {"dtype": torch.int32, "device": self.device}
+            bufs: tuple[torch.Tensor, ...] = (torch.empty(batch + 1, **i32), torch.empty(batch, **i32),
+                                               torch.empty(batch, **i32))
+            if decode:
+                kw = {"paged_kv_indptr_buffer": bufs[0], "paged_kv_indices_buffer": bufs[1],
+                      "paged_kv_last_page_len_buffer": bufs[2]}
+            else:
+                bufs = (*bufs, torch.empty(batch + 1, **i32))
+                kw = {"qo_indptr_buf": bufs[3], "paged_kv_indptr_buf": bufs[0], "paged_kv_indices_buf": bufs[1],
+                      "paged_kv_last_page_len_buf": bufs[2]}
+            kw["use_cuda_graph"] = True
+            self.buffers[key] = bufs
+        if decode:
+            w = self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True, **kw)
+        else:
+            # fa2: the module the tensor-core decode uses too (one JIT build), and it reads any strides.
+            w = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2", **kw)
+        self.wrappers[key] = w
+        return w
+
+    def plan(self, plan: PagedPlan, *, pair: int, graph: bool, scale: float | None, stream: Any = None) -> Any:
+        """Plans ``plan`` into its wrapper (host work and copies into the wrapper's buffers, queued
+        on ``stream``, the engine's compute stream, when given); returns the wrapper."""
+        batch = int(plan.kv_last_page_len.numel())
+        w = self.wrapper(pair, plan.decode, batch, graph)
+        common = {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": scale}
+        h, hkv, d = self.num_heads, self.kv_heads, self.head_dim
+        on_cuda = stream is not None and self.device.type == "cuda"
+        with torch.cuda.stream(stream) if on_cuda else contextlib.nullcontext():
+            if plan.decode:
+                w.plan(plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, h, hkv, d, plan.page_size, **common)
+            else:
+                w.plan(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, h, hkv, d,
+                       plan.page_size, causal=True, **common)
+        self.plans += 1
+        return w
+
