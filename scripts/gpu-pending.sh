@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU checks built since the last H100 run and not yet run on a GPU (the session of
+# 2026-11-25 had no device time left). One part per device call, each under 10 minutes; run
+# them in this order, since a FAIL in `check` says whether to trust the numbers of the others.
+#
+#   here:   scripts/python-gpu.sh build          # vmem's abi3 wheel into .whl/
+#   there:  scripts/gpu-pending.sh check         # carry .whl and .carry/fi
+#           scripts/gpu-pending.sh suite         # carry .whl and .carry/fi
+#           scripts/gpu-pending.sh tenants       # carry .whl
+#
+#   check    test_gpu.py (FlashInfer over rows included); graphs_check.py with kernel fa and
+#            flashinfer, graphs off/on/async: top-1 agreement with the engine and with FA, tok/s
+#            (FA2 now takes decode-only padded rounds as one sequence per token, max_q = 1)
+#   suite    serving_suite.py, Llama-3-8B shapes x 8, conv trace: fi-paged-graphs beside vmem with
+#            FA + graphs and with FlashInfer + graphs (issue #32's 1.0x target)
+#   tenants  multitenant_bench.py, bursty mix at 1536M: static, pool and pool-floor (1/6 each),
+#            idle release on by default (issue #33's 3x TTFT p99 target)
+#
+# Results go to $OUT/<part>/ and are packed into $OUT/<part>.tgz ($OUT returns at most 8 files).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+part=${1:-}
+out=${OUT:-/tmp/vmem-gpu-pending}/$part
+case "$part" in check|suite|tenants) ;; *) echo "usage: $0 check|suite|tenants" >&2; exit 2 ;; esac
+[ -n "$(ls .whl/vmem*.whl 2>/dev/null)" ] || { echo "$0: no .whl/vmem*.whl (scripts/python-gpu.sh build, then carry .whl)" >&2; exit 2; }
+mkdir -p "$out"
+
+# A target of its own, replaced (--upgrade): a warm machine may hold another build elsewhere.
+site=/tmp/site-pending
+wheels=(.whl/vmem*.whl)
+[ "$part" = tenants ] || wheels+=(.carry/fi/*.whl)
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$site" "${wheels[@]}" || exit 1
+export PYTHONPATH=$site PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fi
+python3 -c "import vmem, vmem.transformers, transformers; print('vmem ok; transformers', transformers.__version__)" || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv | tee "$out/nvidia-smi.txt"
+
+rc=0
+case "$part" in
+  check)
+    # From the root: in python/, `import vmem` would find the sources without the built module.
+    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider python/tests/test_gpu.py 2>&1 \
+      | tee "$out/test_gpu.txt" || rc=1
+    (cd python && PYTHONPATH=benches:$PYTHONPATH timeout 330 python3 benches/graphs_check.py \
+      --kernels fa,flashinfer --skip-small --bench-requests 48 --new-tokens 96 --repeats 2) 2>&1 \
+      | tee "$out/graphs_check.txt" || rc=1
+    ;;
+  suite)
+    timeout 520 python3 python/benches/serving_suite.py --only model=llama3-8b-x8 --only trace=conv \
+      --only contender=fi-paged-graphs,vmem-token-major-graphs,vmem-token-major-fi-graphs,vmem-per-layer-fi-graphs \
+      --requests 64 --new-tokens 48 --out "$out/suite" 2>&1 | tee "$out/log.txt" || rc=1
+    ;;
+  tenants)
+    timeout 540 python3 python/benches/multitenant_bench.py --keep-going --total 1536M \
+      --scenarios bursty --floor 1/6 --out "$out/multitenant" 2>&1 | tee "$out/log.txt" || rc=1
+    ;;
+esac
+(cd "$out/.." && tar czf "$part.tgz" "$part" && rm -rf "$part")
+exit $rc
