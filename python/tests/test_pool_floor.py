@@ -66,7 +66,8 @@ def test_the_engines_budget_leaves_the_other_tenants_floors(path):
     kv.close()
 
 
-@pytest.mark.parametrize("bad", [-1, True, 1.5, None, [], "-1G", "101%", "abc", "1.5%"])
+@pytest.mark.parametrize("bad", [-1, True, 1.5, None, [], "-1G", "101%", "abc", "1.5%",
+                                 "\u00b2%", "\u0663%", 1 << 64])  # superscript two, Arabic-Indic three, past u64
 def test_a_bad_floor_is_refused_where_it_is_given(path, bad):
     p = pool.create(path, size="64M", slots=4)
     with pytest.raises(vmem.PoolError, match="invalid pool setting"):

@@ -69,6 +69,16 @@ def _path(value: Any) -> str:
     return value
 
 
+MAX_BYTES = (1 << 64) - 1
+"""The most bytes a limit or a floor may name (the ledger's words are 64-bit)."""
+
+
+def _whole_share(text: str) -> bool:
+    """``text`` (a share less its ``%``) is ASCII digits, as the ledger parses them: ``str.isdigit``
+    alone passes superscripts and other scripts' digits, which ``int`` refuses or the ledger does."""
+    return text.isascii() and text.isdigit()
+
+
 def _limit(name: str, value: Any) -> str:
     """A limit as the ledger parses it (``"12G"``, ``"25%"``, bytes as digits)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -77,11 +87,13 @@ def _limit(name: str, value: Any) -> str:
     if isinstance(value, int):
         if value <= 0:
             raise PoolError(f"invalid pool setting: {name} {value}: a limit must be at least 1 byte")
+        if value > MAX_BYTES:
+            raise PoolError(f"invalid pool setting: {name} {value}: more bytes than a 64-bit count holds")
         return str(value)
     text = value.strip()
     if text.endswith("%"):
         share = text[:-1].strip()
-        if not share.isdigit() or not 1 <= int(share) <= 100:
+        if not _whole_share(share) or not 1 <= int(share) <= 100:
             raise PoolError(f"invalid pool setting: {name} {value!r}: a share is 1% to 100%")
         return value
     try:
@@ -101,11 +113,13 @@ def _floor(name: str, value: Any) -> str:
     if isinstance(value, int):
         if value < 0:
             raise PoolError(f"invalid pool setting: {name} {value}: a floor cannot be negative")
+        if value > MAX_BYTES:
+            raise PoolError(f"invalid pool setting: {name} {value}: more bytes than a 64-bit count holds")
         return str(value)
     text = value.strip()
     if text.endswith("%"):
         share = text[:-1].strip()
-        if not share.isdigit() or not 0 <= int(share) <= 100:
+        if not _whole_share(share) or not 0 <= int(share) <= 100:
             raise PoolError(f"invalid pool setting: {name} {value!r}: a share is 0% to 100%")
         return value
     if text.startswith("-"):
