@@ -227,10 +227,13 @@ def test_an_idle_tenant_gives_back_its_prefix_cache_after_pool_idle_s(ledger, id
     assert info["unmapped"] == 0
 
 
-@pytest.mark.parametrize("bad", [-1, -0.5, float("nan"), float("inf"), "2", "2s", True, False, [1]])
+@pytest.mark.parametrize("bad", [-1, -0.5, float("nan"), float("inf"), "2", "2s", True, False, [1],
+                                 pytest.param(10**400, id="10**400")])
 def test_a_bad_pool_idle_s_is_refused_when_the_options_are_made(bad):
+    """10**400 is an int no float holds: it was an OverflowError, not InvalidArgument."""
     with pytest.raises(vmem.InvalidArgument, match="pool_idle_s"):
         vt.Options(pool_idle_s=bad)
     assert vt.Options().pool_idle_s == 2.0
     assert vt.Options(pool_idle_s=None).pool_idle_s is None
     assert vt.Options(pool_idle_s=0).pool_idle_s == 0.0
+    assert str(vt.Options(pool_idle_s=-0.0).pool_idle_s) == "0.0", "-0.0 is 0, and shown as 0"
