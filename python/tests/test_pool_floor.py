@@ -98,3 +98,13 @@ def test_floors_over_the_limit_or_past_the_total_are_refused_and_change_nothing(
     assert p.status().tenant("b").floor == 48 << 20
     b.close()
     a.close()
+
+
+@pytest.mark.parametrize("limit,floor", [("1M", "2M"), (1 << 20, "1025K"), ("10%", "20%"), ("1M", 1 << 21)])
+def test_a_join_with_its_floor_above_its_limit_is_refused_when_made(limit, floor):
+    """Both in bytes or both shares: the Join itself knows the floor is above the limit (it was
+    refused only when a cache joined with it)."""
+    with pytest.raises(vmem.PoolError, match="above its limit"):
+        pool.Join("a", limit=limit, floor=floor)
+    assert pool.Join("a", limit="2M", floor="2M").floor == "2M"  # floor == limit is allowed
+    assert pool.Join("a", limit="10%", floor="64M").floor == "64M"  # a share against a size: the pool decides

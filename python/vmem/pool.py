@@ -131,6 +131,23 @@ def _floor(name: str, value: Any) -> str:
     return value
 
 
+def _amount(text: str) -> Tuple[bool, int]:
+    """``(is_share, value)`` of a checked limit or floor: the percentage, or the bytes."""
+    text = text.strip()
+    if text.endswith("%"):
+        return True, int(text[:-1].strip())
+    return False, int(_vmem.parse_bytes(text))
+
+
+def _floor_within_limit(tenant: str, floor: str, limit: str) -> None:
+    """Refuses a floor above the limit when both are bytes or both shares (a share against a
+    size depends on the pool's total: the ledger checks it at join)."""
+    (f_share, f), (l_share, lim) = _amount(floor), _amount(limit)
+    if f_share == l_share and f > lim:
+        raise PoolError(f"invalid pool setting: floor {floor} of tenant {tenant!r} is above its limit {limit}: "
+                        "a tenant is never kept more room than it may hold")
+
+
 def _size(name: str, value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise PoolError(f"invalid pool setting: {name} must be a size (an int or a string such as '60G'), "
@@ -315,6 +332,8 @@ class Join:
             _limit("limit", self.limit)
         if self.floor is not None:
             _floor("floor", self.floor)
+        if self.limit is not None and self.floor is not None:
+            _floor_within_limit(self.tenant, _floor("floor", self.floor), _limit("limit", self.limit))
         object.__setattr__(self, "ledger", _path(self.ledger))
 
     @classmethod
