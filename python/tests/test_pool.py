@@ -272,7 +272,8 @@ def test_a_tenant_gives_back_its_unmapped_pages_when_the_pool_runs_low(path):
 @pytest.mark.parametrize("kw", [dict(tenant="x" * 32), dict(tenant="a b"), dict(tenant="é"),
                                 dict(tenant="a", limit="0"), dict(tenant="a", limit="1.5G"),
                                 dict(tenant="a", limit="250%"), dict(tenant="a", limit="0%"),
-                                dict(tenant="a", limit="abc")])
+                                dict(tenant="a", limit="abc"), dict(tenant="a", limit="\u00b2%"),
+                                dict(tenant="a", limit="\u0663%"), dict(tenant="a", limit=1 << 64)])
 def test_a_join_is_refused_when_made_not_when_the_cache_joins(kw):
     """A name the ledger refuses or a limit of nothing is a PoolError where the Join is made (it
     used to pass there and fail only when a cache joined)."""

@@ -66,7 +66,8 @@ def test_the_engines_budget_leaves_the_other_tenants_floors(path):
     kv.close()
 
 
-@pytest.mark.parametrize("bad", [-1, True, 1.5, None, [], "-1G", "101%", "abc", "1.5%"])
+@pytest.mark.parametrize("bad", [-1, True, 1.5, None, [], "-1G", "101%", "abc", "1.5%",
+                                 "\u00b2%", "\u0663%", 1 << 64])  # superscript two, Arabic-Indic three, past u64
 def test_a_bad_floor_is_refused_where_it_is_given(path, bad):
     p = pool.create(path, size="64M", slots=4)
     with pytest.raises(vmem.PoolError, match="invalid pool setting"):
@@ -97,3 +98,13 @@ def test_floors_over_the_limit_or_past_the_total_are_refused_and_change_nothing(
     assert p.status().tenant("b").floor == 48 << 20
     b.close()
     a.close()
+
+
+@pytest.mark.parametrize("limit,floor", [("1M", "2M"), (1 << 20, "1025K"), ("10%", "20%"), ("1M", 1 << 21)])
+def test_a_join_with_its_floor_above_its_limit_is_refused_when_made(limit, floor):
+    """Both in bytes or both shares: the Join itself knows the floor is above the limit (it was
+    refused only when a cache joined with it)."""
+    with pytest.raises(vmem.PoolError, match="above its limit"):
+        pool.Join("a", limit=limit, floor=floor)
+    assert pool.Join("a", limit="2M", floor="2M").floor == "2M"  # floor == limit is allowed
+    assert pool.Join("a", limit="10%", floor="64M").floor == "64M"  # a share against a size: the pool decides

@@ -227,10 +227,48 @@ def test_an_idle_tenant_gives_back_its_prefix_cache_after_pool_idle_s(ledger, id
     assert info["unmapped"] == 0
 
 
-@pytest.mark.parametrize("bad", [-1, -0.5, float("nan"), float("inf"), "2", "2s", True, False, [1]])
+def test_idle_release_waits_while_a_request_is_queued_or_waiting():
+    """A request that arrived (in the engine's input queue, or waiting in its scheduler) is not
+    idleness: the loop turn that is about to schedule it used to give back the prefix cache it
+    was arriving to reuse, since the table held no request yet."""
+    import queue
+    import types
+
+    class Kv:
+        asleep, shrinks = False, 0
+
+        def tenant(self):
+            return object()
+
+        def shrink(self):
+            Kv.shrinks += 1
+            return {"total": 1}
+
+    kv = Kv()
+    kv._rs = types.SimpleNamespace(tenant=lambda: dict(pool_total=100, pool_used=0))
+    cache = types.SimpleNamespace(kv=kv, table={}, options=types.SimpleNamespace(pool_idle_s=0.0))
+    proc = types.SimpleNamespace(cache=cache, input_queue=queue.Queue(),
+                                 scheduler=types.SimpleNamespace(waiting_requests={}))
+    turn = tenancy.round_or_wait(lambda self: False)
+    proc.input_queue.put("req-1")
+    turn(proc)
+    assert Kv.shrinks == 0, "released with a request in the input queue"
+    proc.input_queue.get()
+    proc.scheduler.waiting_requests["req-1"] = object()
+    turn(proc)
+    assert Kv.shrinks == 0, "released with a request waiting to be scheduled"
+    proc.scheduler.waiting_requests.clear()
+    turn(proc)
+    assert Kv.shrinks == 1, "idle with nothing pending: pool_idle_s=0 gives back at once"
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, float("nan"), float("inf"), "2", "2s", True, False, [1],
+                                 pytest.param(10**400, id="10**400")])
 def test_a_bad_pool_idle_s_is_refused_when_the_options_are_made(bad):
+    """10**400 is an int no float holds: it was an OverflowError, not InvalidArgument."""
     with pytest.raises(vmem.InvalidArgument, match="pool_idle_s"):
         vt.Options(pool_idle_s=bad)
     assert vt.Options().pool_idle_s == 2.0
     assert vt.Options(pool_idle_s=None).pool_idle_s is None
     assert vt.Options(pool_idle_s=0).pool_idle_s == 0.0
+    assert str(vt.Options(pool_idle_s=-0.0).pool_idle_s) == "0.0", "-0.0 is 0, and shown as 0"

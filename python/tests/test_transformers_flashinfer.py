@@ -86,6 +86,20 @@ def test_a_missing_flashinfer_is_refused_at_install_and_serving(no_flashinfer):
         _cache(vt.Options(**OPTS, kernel="flashinfer"))
 
 
+@pytest.mark.parametrize("bad", [dict(kernel="flashinfer"), dict(pool_idle_s="2"), dict(graph_seqlen_k="Bucket")])
+def test_a_refused_serving_block_patches_nothing(no_flashinfer, bad):
+    """serving() validated its options only after install(): a refused block (FlashInfer missing,
+    a bad option) left the engine patched and the attention names registered, though it never ran."""
+    from vmem.transformers import patch
+
+    vt.uninstall()
+    assert not patch._engine
+    with pytest.raises(vmem.InvalidArgument), vt.serving(**bad):
+        pytest.fail("the block ran")
+    assert not patch._engine, "the refused block installed the engine patch"
+    assert vt.options() == vt.Options()
+
+
 def test_the_extra_pins_the_verified_flashinfer():
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert f'flashinfer = ["flashinfer-python{vt_fi.FLASHINFER_RANGE}"]' in pyproject

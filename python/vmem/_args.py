@@ -70,7 +70,10 @@ def check_optional_seconds(name: str, value: Any) -> Optional[float]:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgument(f"{name} must be seconds (an int or a float >= 0) or None, got {short(value)}")
-    seconds = float(value)
+    try:
+        seconds = float(value) + 0.0  # + 0.0: -0.0 is 0.0
+    except OverflowError:
+        raise InvalidArgument(f"{name} must be finite seconds >= 0 (or None to disable), got {short(value)}") from None
     if seconds != seconds or seconds in (float("inf"), float("-inf")) or seconds < 0:
         raise InvalidArgument(f"{name} must be finite seconds >= 0 (or None to disable), got {short(value)}")
     return seconds

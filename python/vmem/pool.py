@@ -69,6 +69,16 @@ def _path(value: Any) -> str:
     return value
 
 
+MAX_BYTES = (1 << 64) - 1
+"""The most bytes a limit or a floor may name (the ledger's words are 64-bit)."""
+
+
+def _whole_share(text: str) -> bool:
+    """``text`` (a share less its ``%``) is ASCII digits, as the ledger parses them: ``str.isdigit``
+    alone passes superscripts and other scripts' digits, which ``int`` refuses or the ledger does."""
+    return text.isascii() and text.isdigit()
+
+
 def _limit(name: str, value: Any) -> str:
     """A limit as the ledger parses it (``"12G"``, ``"25%"``, bytes as digits)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -77,11 +87,13 @@ def _limit(name: str, value: Any) -> str:
     if isinstance(value, int):
         if value <= 0:
             raise PoolError(f"invalid pool setting: {name} {value}: a limit must be at least 1 byte")
+        if value > MAX_BYTES:
+            raise PoolError(f"invalid pool setting: {name} {value}: more bytes than a 64-bit count holds")
         return str(value)
     text = value.strip()
     if text.endswith("%"):
         share = text[:-1].strip()
-        if not share.isdigit() or not 1 <= int(share) <= 100:
+        if not _whole_share(share) or not 1 <= int(share) <= 100:
             raise PoolError(f"invalid pool setting: {name} {value!r}: a share is 1% to 100%")
         return value
     try:
@@ -101,11 +113,13 @@ def _floor(name: str, value: Any) -> str:
     if isinstance(value, int):
         if value < 0:
             raise PoolError(f"invalid pool setting: {name} {value}: a floor cannot be negative")
+        if value > MAX_BYTES:
+            raise PoolError(f"invalid pool setting: {name} {value}: more bytes than a 64-bit count holds")
         return str(value)
     text = value.strip()
     if text.endswith("%"):
         share = text[:-1].strip()
-        if not share.isdigit() or not 0 <= int(share) <= 100:
+        if not _whole_share(share) or not 0 <= int(share) <= 100:
             raise PoolError(f"invalid pool setting: {name} {value!r}: a share is 0% to 100%")
         return value
     if text.startswith("-"):
@@ -115,6 +129,23 @@ def _floor(name: str, value: Any) -> str:
     except Exception as e:  # the parser's own message says what it reads
         raise PoolError(f"invalid pool setting: {name} {value!r}: {e}") from None
     return value
+
+
+def _amount(text: str) -> Tuple[bool, int]:
+    """``(is_share, value)`` of a checked limit or floor: the percentage, or the bytes."""
+    text = text.strip()
+    if text.endswith("%"):
+        return True, int(text[:-1].strip())
+    return False, int(_vmem.parse_bytes(text))
+
+
+def _floor_within_limit(tenant: str, floor: str, limit: str) -> None:
+    """Refuses a floor above the limit when both are bytes or both shares (a share against a
+    size depends on the pool's total: the ledger checks it at join)."""
+    (f_share, f), (l_share, lim) = _amount(floor), _amount(limit)
+    if f_share == l_share and f > lim:
+        raise PoolError(f"invalid pool setting: floor {floor} of tenant {tenant!r} is above its limit {limit}: "
+                        "a tenant is never kept more room than it may hold")
 
 
 def _size(name: str, value: Any) -> str:
@@ -301,6 +332,8 @@ class Join:
             _limit("limit", self.limit)
         if self.floor is not None:
             _floor("floor", self.floor)
+        if self.limit is not None and self.floor is not None:
+            _floor_within_limit(self.tenant, _floor("floor", self.floor), _limit("limit", self.limit))
         object.__setattr__(self, "ledger", _path(self.ledger))
 
     @classmethod

@@ -95,7 +95,14 @@ fn bad_floors_are_refused_and_change_nothing() {
             "floors sum to 1.07G",
         ),
         ("negative", ["floor", "a", "-1G"], "cannot be negative"),
-        ("bad share", ["floor", "a", "101%"], "1% to 100%"),
+        // A floor may be 0%: the message said "1% to 100%", a limit's range.
+        ("bad share", ["floor", "a", "101%"], "a share is 0% to 100%"),
+        // 1025M printed as "1.00G exceeds the pool's total 1G": the bytes say which is larger.
+        (
+            "a floor just past the total",
+            ["floor", "b", "1025M"],
+            "floor 1.00G (1074790400 bytes) exceeds",
+        ),
         ("a word", ["floor", "a", "true"], "cannot read size"),
         (
             "unknown tenant",

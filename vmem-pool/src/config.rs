@@ -30,7 +30,7 @@ impl Limit {
         }
         if bytes > total {
             return Err(PoolError::InvalidSetting(format!(
-                "limit {self} exceeds the pool's total {} ({total} bytes)",
+                "limit {self} ({bytes} bytes) exceeds the pool's total {} ({total} bytes)",
                 format_bytes(total)
             )));
         }
@@ -77,7 +77,9 @@ fn parse_amount(what: &str, s: &str) -> Result<Amount> {
             .parse()
             .map_err(|_| bad("a share is a whole percentage, e.g. 25%".into()))?;
         if p > 100 {
-            return Err(bad("a share is 1% to 100%".into()));
+            // A floor may be 0% (none); a limit's 0% is refused by its caller.
+            let least = if what == "floor" { 0 } else { 1 };
+            return Err(bad(format!("a share is {least}% to 100%")));
         }
         return Ok(Amount::Percent(p));
     }
@@ -112,7 +114,7 @@ impl Floor {
         };
         if bytes > total {
             return Err(PoolError::InvalidSetting(format!(
-                "floor {self} exceeds the pool's total {} ({total} bytes)",
+                "floor {self} ({bytes} bytes) exceeds the pool's total {} ({total} bytes)",
                 format_bytes(total)
             )));
         }

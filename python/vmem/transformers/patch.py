@@ -204,8 +204,9 @@ def serving(**opts: Any) -> Iterator[Options]:
     """``install()``, and ``opts`` on top of the options in force, for engines created in this
     thread inside the ``with`` block (validated here); yields the :class:`Options`. An engine
     created inside keeps them when it builds its cache later, after the block."""
+    checked = _checked(options().replace(**opts))  # before install(): a refused block patches nothing
     install()
-    token = _serving.set(_checked(options().replace(**opts)))
+    token = _serving.set(checked)
     try:
         yield options()
     finally:

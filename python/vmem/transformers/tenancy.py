@@ -90,20 +90,20 @@ def yield_room(cache: Any) -> int:
     return int(kv.shrink()["total"])
 
 
-def release_when_idle(cache: Any, now: Callable[[], float] = time.monotonic) -> int:
+def release_when_idle(cache: Any, now: Callable[[], float] = time.monotonic, pending: bool = False) -> int:
     """When ``cache`` is an awake pool tenant that has had no live request (only its trash
     row) for ``Options.pool_idle_s`` seconds, gives back what no request maps (its prefix
     cache's blocks, idle pages: :meth:`vmem.KVCache.shrink`), once per idle spell; returns the
     bytes given back (0: not in a pool, disabled, busy, not idle long enough, or given already).
     The idle clock starts at the first loop turn that finds no request, and stops at the next
-    that finds one."""
+    that finds one; ``pending`` (a request queued or waiting to be scheduled) counts as one."""
     kv = getattr(cache, "kv", None)
     if kv is None or kv.asleep or kv.tenant() is None:
         return 0
     after = cache.options.pool_idle_s
     if after is None:
         return 0
-    if len(cache.table):
+    if pending or len(cache.table):
         cache._idle_since = None
         return 0
     t = now()
@@ -122,6 +122,14 @@ def release_when_idle(cache: Any, now: Callable[[], float] = time.monotonic) -> 
     return given
 
 
+def _pending(processor: Any) -> bool:
+    """Whether the engine's processor has a request not yet in the cache's table: in its input
+    queue (not drained yet this turn) or waiting in its scheduler (both 5.17 and 5.19+)."""
+    q = getattr(processor, "input_queue", None)
+    waiting = getattr(getattr(processor, "scheduler", None), "waiting_requests", None)
+    return bool(waiting) or (q is not None and not q.empty())
+
+
 def round_or_wait(prepare: Callable[[Any], bool]) -> Callable[[Any], bool]:
     """The engine's ``ContinuousBatchProcessor.prepare_next_batch``, giving room back first when
     the pool runs low (:func:`yield_room`) or the tenant has been idle for ``pool_idle_s``
@@ -132,7 +140,7 @@ def round_or_wait(prepare: Callable[[Any], bool]) -> Callable[[Any], bool]:
     def vmem_prepare_next_batch(self: Any) -> bool:
         cache = getattr(self, "cache", None)
         yield_room(cache)  # each loop turn, idle or not: room the pool's other tenants may need
-        release_when_idle(cache)  # and what an idle tenant has kept for pool_idle_s
+        release_when_idle(cache, pending=_pending(self))  # and what an idle tenant has kept for pool_idle_s
         try:
             ready = prepare(self)
         except RuntimeError as e:
