@@ -353,7 +353,8 @@ def test_one_device_parser_reads_every_spelling(device, want):
     assert parse_device(device) == want
 
 
-@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda:-1", -1, True, 1.0, "mps", FakeTorchDevice("meta")])
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda:-1", -1, True, 1.0, "mps", FakeTorchDevice("meta"),
+                                    "cuda:\u00b2", "cuda:\u0663"])  # superscript two, Arabic-Indic three
 def test_bad_devices_are_refused(device):
     with pytest.raises(vmem.InvalidArgument, match="device"):
         cache(device=device)

@@ -38,7 +38,8 @@ def parse_device(device: Any) -> Tuple[Optional[str], int]:
         return "cpu", 0
     if text == "cuda":
         return "cuda", 0
-    if text.startswith("cuda:") and text[5:].isdigit():
+    # ASCII digits only: str.isdigit() also takes '²' (int() refuses it) and '٣' (torch too).
+    if text.startswith("cuda:") and text[5:].isascii() and text[5:].isdigit():
         return "cuda", int(text[5:])
     raise InvalidArgument(f"device {device!r}: use {_SPELLINGS}")
 
