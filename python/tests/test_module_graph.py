@@ -62,21 +62,35 @@ def _python_graph() -> Dict[str, Set[str]]:
 
 
 def _rust_graph(src: Path) -> Dict[str, Set[str]]:
-    mods = {f.stem for f in src.glob("*.rs")} - {"lib"}
-    graph: Dict[str, Set[str]] = {}
-    for m in mods:
-        text = (src / f"{m}.rs").read_text()
+    """The crate's top modules and the ones each uses; a module's child files (`ledger/check.rs`)
+    count as the module itself (`ledger`), as their `crate::` paths are its."""
+    files = [f for f in src.rglob("*.rs") if f.relative_to(src).parts[0] != "lib.rs"]
+    top = {f: f.relative_to(src).parts[0].removesuffix(".rs") for f in files}
+    mods = set(top.values())
+    graph: Dict[str, Set[str]] = {m: set() for m in mods}
+    for f, m in top.items():
+        text = f.read_text()
         used = set(re.findall(r"crate::(\w+)", text))
         # `use crate::{a::X, b::Y}`
         for group in re.findall(r"use crate::\{([^}]*)\}", text):
             used.update(re.findall(r"(\w+)::", group))
-        graph[m] = (used & mods) - {m}
+        graph[m] |= (used & mods) - {m}
     return graph
 
 
 def test_circle_finder_finds_a_circle():
     assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _circle({"a": {"b"}, "b": set()}) == []
+
+
+def test_a_child_module_file_counts_as_its_module(tmp_path):
+    (tmp_path / "ledger").mkdir()
+    (tmp_path / "lib.rs").write_text("mod floor;\nmod ledger;\n")
+    (tmp_path / "floor.rs").write_text("use crate::ledger::Ledger;\n")
+    (tmp_path / "ledger.rs").write_text("mod check;\n")
+    (tmp_path / "ledger" / "check.rs").write_text("use crate::{error::Result, floor::Floor};\n")
+    assert _rust_graph(tmp_path) == {"floor": {"ledger"}, "ledger": {"floor"}}
+    assert _circle(_rust_graph(tmp_path)) == ["floor", "ledger", "floor"]
 
 
 def test_the_python_package_has_no_import_circle():

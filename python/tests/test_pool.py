@@ -30,6 +30,18 @@ def _cache(path, name, limit=None, **kw):
 
 
 # -- the ledger ------------------------------------------------------------------------------------
+def test_vmem_pool_keeps_its_public_names_and_their_home():
+    # The parsers of limits, floors and sizes live in a private module; what users import from
+    # vmem.pool (its __all__, the constants, the Limit alias) stays there, defined as vmem.pool's.
+    names = set(pool.__all__) | {"MAX_BYTES", "MAX_NAME", "Limit"}
+    assert sorted(n for n in names if not hasattr(pool, n)) == []
+    assert pool.MAX_BYTES == (1 << 64) - 1 and pool.MAX_NAME == 31
+    assert {c.__module__ for c in (pool.Join, pool.Pool, pool.PoolStatus, pool.TenantStatus, pool.Reaped,
+                                   pool.LimitChange, pool.FloorChange)} == {"vmem.pool"}
+    with pytest.raises(pool.PoolError, match="a share is 0% to 100%"):
+        pool.Join("a", floor="101%")
+
+
 def test_create_open_status_and_set_limit_return_typed_values(p, path):
     assert (p.total, p.slots, p.default_limit, p.path) == (64 << 20, 8, 64 << 20, path)
     st = p.status()

@@ -27,6 +27,8 @@ import os
 from typing import Any, Optional, Tuple, Union
 
 from . import _vmem
+from ._pool_args import MAX_BYTES as MAX_BYTES  # vmem.pool.MAX_BYTES, as before the parsers moved
+from ._pool_args import _floor, _floor_within_limit, _limit, _size
 from ._vmem import PoolError
 
 #: Longest tenant name, bytes (the ledger's rule: vmem-pool `layout::MAX_NAME`).
@@ -67,94 +69,6 @@ def _path(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise PoolError(f"invalid pool setting: a ledger path must be a non-empty string, got {value!r}")
     return value
-
-
-MAX_BYTES = (1 << 64) - 1
-"""The most bytes a limit or a floor may name (the ledger's words are 64-bit)."""
-
-
-def _whole_share(text: str) -> bool:
-    """``text`` (a share less its ``%``) is ASCII digits, as the ledger parses them: ``str.isdigit``
-    alone passes superscripts and other scripts' digits, which ``int`` refuses or the ledger does."""
-    return text.isascii() and text.isdigit()
-
-
-def _limit(name: str, value: Any) -> str:
-    """A limit as the ledger parses it (``"12G"``, ``"25%"``, bytes as digits)."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise PoolError(f"invalid pool setting: {name} must be bytes (an int), a size such as '12G' "
-                        f"or a share such as '25%', got {value!r}")
-    if isinstance(value, int):
-        if value <= 0:
-            raise PoolError(f"invalid pool setting: {name} {value}: a limit must be at least 1 byte")
-        if value > MAX_BYTES:
-            raise PoolError(f"invalid pool setting: {name} {value}: more bytes than a 64-bit count holds")
-        return str(value)
-    text = value.strip()
-    if text.endswith("%"):
-        share = text[:-1].strip()
-        if not _whole_share(share) or not 1 <= int(share) <= 100:
-            raise PoolError(f"invalid pool setting: {name} {value!r}: a share is 1% to 100%")
-        return value
-    try:
-        size = int(_vmem.parse_bytes(text))
-    except Exception as e:  # the parser's own message says what it reads
-        raise PoolError(f"invalid pool setting: {name} {value!r}: {e}") from None
-    if size <= 0:
-        raise PoolError(f"invalid pool setting: {name} {value!r}: a limit of 0 bytes lets the tenant hold nothing")
-    return value
-
-
-def _floor(name: str, value: Any) -> str:
-    """A floor as the ledger parses it (``"4G"``, ``"25%"``, bytes as digits, ``"0"``: none)."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise PoolError(f"invalid pool setting: {name} must be bytes (an int), a size such as '4G' "
-                        f"or a share such as '25%', got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise PoolError(f"invalid pool setting: {name} {value}: a floor cannot be negative")
-        if value > MAX_BYTES:
-            raise PoolError(f"invalid pool setting: {name} {value}: more bytes than a 64-bit count holds")
-        return str(value)
-    text = value.strip()
-    if text.endswith("%"):
-        share = text[:-1].strip()
-        if not _whole_share(share) or not 0 <= int(share) <= 100:
-            raise PoolError(f"invalid pool setting: {name} {value!r}: a share is 0% to 100%")
-        return value
-    if text.startswith("-"):
-        raise PoolError(f"invalid pool setting: {name} {value!r}: a floor cannot be negative")
-    try:
-        _vmem.parse_bytes(text)
-    except Exception as e:  # the parser's own message says what it reads
-        raise PoolError(f"invalid pool setting: {name} {value!r}: {e}") from None
-    return value
-
-
-def _amount(text: str) -> Tuple[bool, int]:
-    """``(is_share, value)`` of a checked limit or floor: the percentage, or the bytes."""
-    text = text.strip()
-    if text.endswith("%"):
-        return True, int(text[:-1].strip())
-    return False, int(_vmem.parse_bytes(text))
-
-
-def _floor_within_limit(tenant: str, floor: str, limit: str) -> None:
-    """Refuses a floor above the limit when both are bytes or both shares (a share against a
-    size depends on the pool's total: the ledger checks it at join)."""
-    (f_share, f), (l_share, lim) = _amount(floor), _amount(limit)
-    if f_share == l_share and f > lim:
-        raise PoolError(f"invalid pool setting: floor {floor} of tenant {tenant!r} is above its limit {limit}: "
-                        "a tenant is never kept more room than it may hold")
-
-
-def _size(name: str, value: Any) -> str:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise PoolError(f"invalid pool setting: {name} must be a size (an int or a string such as '60G'), "
-                        f"got {value!r}")
-    if isinstance(value, int) and value < 0:
-        raise PoolError(f"invalid pool setting: {name} {value!r}: a size cannot be negative")
-    return str(value)
 
 
 @dataclasses.dataclass(frozen=True)

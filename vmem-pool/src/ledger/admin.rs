@@ -1,0 +1,71 @@
+//! The header's lock: the guard of the operations that change who is in the pool (join,
+//! leave, limit, floor, reap), taken with a bounded wait or only if free now.
+
+use super::{os, Ledger};
+use crate::error::{PoolError, Result};
+use crate::layout;
+use crate::sys::{self, LockOp};
+use std::os::fd::AsFd;
+use std::sync::{MutexGuard, TryLockError};
+use std::time::{Duration, Instant};
+
+/// Longest wait for the header's lock (see [`Ledger`]'s joins, limits, status and reaping).
+pub const ADMIN_WAIT: Duration = Duration::from_secs(2);
+
+/// The header's lock, held: the guard of the operations that change who is in the pool.
+pub(crate) struct Admin<'a> {
+    ledger: &'a Ledger,
+    pub(super) held: MutexGuard<'a, Vec<bool>>,
+}
+
+impl Drop for Admin<'_> {
+    fn drop(&mut self) {
+        // Nothing to do about a failed unlock but leave it to the close of the file.
+        let _ = sys::ofd_lock(
+            self.ledger.file.as_fd(),
+            layout::ADMIN_LOCK_BYTE,
+            LockOp::Release,
+        );
+    }
+}
+
+impl Ledger {
+    /// Takes the header's lock, waiting at most [`ADMIN_WAIT`]: a process stopped while it
+    /// holds it (SIGSTOP, a debugger) makes the others fail with [`PoolError::Busy`] rather
+    /// than hang. The lock is held for microseconds otherwise.
+    pub(crate) fn admin(&self) -> Result<Admin<'_>> {
+        let held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let start = Instant::now();
+        let mut tries = 0u32;
+        while !sys::ofd_lock(self.file.as_fd(), layout::ADMIN_LOCK_BYTE, LockOp::Try)
+            .map_err(os("lock", &self.path))?
+        {
+            if start.elapsed() >= ADMIN_WAIT {
+                return Err(PoolError::Busy {
+                    path: self.path.clone(),
+                    waited: ADMIN_WAIT,
+                });
+            }
+            tries += 1;
+            if tries < 100 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        Ok(Admin { ledger: self, held })
+    }
+
+    /// The header's lock if it is free now, without waiting (`None` when another thread or
+    /// process holds it).
+    pub(super) fn try_admin(&self) -> Result<Option<Admin<'_>>> {
+        let held = match self.held.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return Ok(None),
+        };
+        let got = sys::ofd_lock(self.file.as_fd(), layout::ADMIN_LOCK_BYTE, LockOp::Try)
+            .map_err(os("lock", &self.path))?;
+        Ok(got.then_some(Admin { ledger: self, held }))
+    }
+}
