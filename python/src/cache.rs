@@ -304,6 +304,15 @@ impl KVCache {
         Ok((d.value, d.steps, d.calls))
     }
 
+    /// Bytes of pages mapped, each page once however many rows map it (`usage()`'s
+    /// `mapped_bytes` less `prefix_stats()`'s `shared_savings_bytes`): one call and no dicts,
+    /// for an engine that asks for its free blocks once per scheduling candidate.
+    fn distinct_mapped_bytes(&self) -> PyResult<u64> {
+        let inner = self.get()?;
+        let mapped = inner.kv.usage().mapped_bytes;
+        Ok(mapped.saturating_sub(inner.kv.prefix_stats().shared_savings_bytes))
+    }
+
     /// Memory held now, in bytes, and request counts.
     fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let inner = self.get()?;

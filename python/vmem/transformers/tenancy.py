@@ -41,7 +41,10 @@ _log = logging.getLogger(__name__)
 def budget_blocks(cache: Any) -> int:
     """Blocks requests may hold now: the cache's own ``num_blocks``, or fewer when its pool
     limit, or the room the pool's other tenants leave, is smaller (the trash row's block is
-    taken off both)."""
+    taken off both). Outside a pool nothing is read (the engine asks once per scheduling
+    candidate)."""
+    if not cache.kv._pooled:
+        return int(cache.num_blocks)
     t = cache.kv._rs.tenant()
     if t is None:
         return int(cache.num_blocks)
@@ -73,7 +76,7 @@ def yield_room(cache: Any) -> int:
     of its total, gives back what none of its requests maps (:meth:`vmem.KVCache.shrink`);
     returns the bytes given back (0: not in a pool, room enough, or nothing unmapped held)."""
     kv = getattr(cache, "kv", None)
-    if kv is None or kv.asleep:
+    if kv is None or not kv._pooled or kv.asleep:  # outside a pool: nothing read, each loop turn
         return 0
     t = kv._rs.tenant()
     if t is None:
