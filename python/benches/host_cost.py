@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "host_cost.txt"), "w") as f:
         f.write(txt)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows, "failed": failed}, f, indent=1)
+        json.dump({"args": dict(vars(args)), "rows": rows, "failed": failed}, f, indent=1)
     print(txt)
     return 1 if failed else 0
 

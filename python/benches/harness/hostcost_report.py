@@ -27,8 +27,9 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (shape, batch, kind, contender): ``rounds``, ``wall_us`` (median per round of
     the plain runs), ``host_us`` (mean per round of the hooks runs: wall less the CPU kernels'
     stand-ins), ``vmem_us`` (vmem's hooks), ``engine_us`` (the rest of the host time: the
-    engine's own), ``hooks`` {name: mean µs per round}, ``calls`` {name: mean calls per round}, ``launches`` {name: mean ``cpu.`` calls (kernel
-    launches on the GPU) made inside it per round}, ``vmem_launches`` (those of vmem's hooks)."""
+    engine's own), ``hooks`` {name: mean µs per round}, ``calls`` {name: mean calls per round},
+    ``launches`` {name: mean ``cpu.`` calls (kernel launches on the GPU) made inside it per
+    round}, ``vmem_launches`` (those of vmem's hooks)."""
     plain: dict[tuple, list[float]] = defaultdict(list)
     hooked: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for run in runs:
@@ -83,7 +84,8 @@ def text(rows: list[dict[str, Any]], header: list[str], top: int = 8) -> str:
         share = f"{r['vmem_us'] / r['host_us']:.1%}" if r["host_us"] > 0 else "-"
         lines.append(f"{r['shape']:7} {r['batch']:>5} {r['kind']:8} {r['contender']:26} "
                      f"{r['plain_rounds']:>3}/{r['hooks_rounds']:<2} {_f(r['wall_us']):>9} {_f(r['host_us']):>9} "
-                     f"{_f(r['vmem_us']):>8} {_f(r['native_cache_us']):>8} {_f(r['engine_us']):>9} {share:>9} {r['vmem_launches']:>8.0f}")
+                     f"{_f(r['vmem_us']):>8} {_f(r['native_cache_us']):>8} {_f(r['engine_us']):>9} {share:>9} "
+                     f"{r['vmem_launches']:>8.0f}")
     lines += ["", "vmem's hooks per round (exclusive µs, calls, share of the round's host time), largest first:"]
     for r in rows:
         vm = sorted(((k, v) for k, v in r["hooks"].items() if k.startswith("vmem.")), key=lambda kv: -kv[1])
