@@ -11,6 +11,7 @@ batch. Writes host_cost.txt, results.json (and profile-*.txt) to ``--out``.
 
     python python/benches/host_cost.py --out docs/results/host-cost-cpu
     python python/benches/host_cost.py --batches 16 --shapes 1b-x16 --repeats 1 --new-tokens 8 --out /tmp/hc
+    python python/benches/host_cost.py --device cuda --out OUT     # on a GPU (host_cost_gpu_run.sh)
 
 Contenders (``--contenders``): ``native`` (the engine's paged cache: ``paged-sdpa-256`` on 5.17,
 ``sdpa-256`` on 5.19+), any vmem contender of harness/contenders.py (``vmem-token-major``,
@@ -45,6 +46,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true", help="cProfile the engine thread (vmem, largest batch)")
     ap.add_argument("--profile-top", type=int, default=30)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu (the measurement this bench is for) or cuda (the same on a GPU: round wall times)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
@@ -67,6 +70,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1")
     if args.prompt_max < args.prompt_min or args.prompt_max + args.new_tokens > hc.MAX_CONTEXT:
         ap.error(f"--prompt-max must be at least --prompt-min and, with --new-tokens, at most {hc.MAX_CONTEXT}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: no CUDA device here")
     if args.timeout <= 0:
         ap.error("--timeout must be positive")
     return args
@@ -76,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     import transformers
 
-    hc.setup()
+    hc.setup(args.device)
     os.makedirs(args.out, exist_ok=True)
     runs, failed = [], 0
     for shape in args.shape_list:
-        model = hc.tiny_model(shape)
+        model = hc.tiny_model(shape, args.device)
         for rep in range(args.repeats):
             for batch in args.batches:
                 order = args.contender_list if rep % 2 == 0 else args.contender_list[::-1]
@@ -104,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(f"cProfile of the engine thread: {name}, {shape}, {max(args.batches)} requests\n")
                     f.write(run.pop("profile"))
     rows = report.summarize(runs)
-    header = [f"host cost per engine round, CPU: transformers {transformers.__version__}, torch 1 thread, "
+    threads = ", torch 1 thread" if args.device == "cpu" else ""
+    header = [f"host cost per engine round, {args.device}: transformers {transformers.__version__}{threads}, "
               f"shapes {args.shape_list}, batches {args.batches}, {args.repeats} repeats, "
               f"prompts {args.prompt_min}-{args.prompt_max} tokens, {args.new_tokens} new each",
               "command: " + " ".join(["python", "python/benches/host_cost.py"] + sys.argv[1:] if argv is None

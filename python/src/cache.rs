@@ -374,6 +374,16 @@ impl KVCache {
         }))
     }
 
+    /// The pool tenant's `(limit, usage, pool_used, pool_total)` bytes, or `None` outside a
+    /// pool: what the engine's budget reads once per scheduling candidate, as loads of the
+    /// ledger's atomics, with no dict and no system call (`tenant()` has the rest).
+    fn pool_room(&self) -> PyResult<Option<(u64, u64, u64, u64)>> {
+        Ok(self.get()?.pool.as_deref().map(|b| {
+            let t = b.tenant();
+            (t.limit(), t.usage(), t.ledger().used(), t.ledger().total())
+        }))
+    }
+
     /// The pool tenant's own slot (name, limit, usage, revision, over_limit), or `None`.
     fn tenant<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let inner = self.get()?;

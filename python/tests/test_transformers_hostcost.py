@@ -141,14 +141,26 @@ def test_outside_a_pool_the_scheduler_reads_no_tenant_slot(monkeypatch):
     assert "tenant" not in rs.calls and "is_asleep" not in rs.calls, rs.calls
 
 
-def test_in_a_pool_the_budget_still_reads_the_tenant_slot(tmp_path):
-    """The pool path is untouched: a tenant's budget follows its limit, read when asked."""
+def test_in_a_pool_the_budget_follows_the_limit_without_building_the_tenant_dict(tmp_path, monkeypatch):
+    """A pool tenant's budget follows its limit and its neighbours' use, read each time it is
+    asked (once per scheduling candidate) with ``pool_room()``: four of the ledger's numbers,
+    not ``tenant()``'s dict of 9 entries with a ``getpid`` system call and the ledger's path."""
     ledger = vmem.pool.create(str(tmp_path / "pool"), size="64M")
     cache = _cache(sharing=False, layout="token-major",
                    pool=vmem.pool.Join("t", limit=8 * 65536, ledger=ledger.path))
+    rs = _CountingRs(cache.kv._rs)
+    monkeypatch.setattr(cache.kv, "_rs", rs)
     assert tenancy.budget_blocks(cache) == 7 == cache.get_num_free_blocks()
     ledger.set_limit("t", 20 * 65536)
     assert tenancy.budget_blocks(cache) == 19
+    other = vmem.KVCache(layers=2, kv_heads=1, head_dim=64, dtype="float32", max_batch=2, max_context=65536,
+                         page_size="64K", backend="host", pool=vmem.pool.Join("o", limit=64 << 20, ledger=ledger.path))
+    other.step({other.alloc(): 60000})  # the neighbour takes all but a few pages of the pool
+    t = rs._rs.tenant()  # read past the counter
+    room = t["pool_total"] - t["pool_used"] + t["usage"]
+    assert room // 65536 - 1 < 19 and tenancy.budget_blocks(cache) == room // 65536 - 1
+    assert rs.calls.get("pool_room") == 4 and "tenant" not in rs.calls, rs.calls
+    other.close()
     cache.kv.close()
 
 

@@ -8,7 +8,10 @@ by default, host backend: the same Python and Rust as on the GPU, pages in host 
 KV has 1 head where the real shapes have 8, with pages of 256 KB where they have 2 MB: a page
 holds as many tokens (64 token-major, 1,024 or 2,048 per-layer), so the mapping work per token
 is the real one, at an eighth of the memory. Hidden size 256 and vocab 512 keep the CPU's
-matmuls small; what the forward costs here is not the GPU's.
+matmuls small; what the forward costs here is not the GPU's. ``--device cuda`` runs the same on a
+GPU with the real 8 KV heads and 2 MB pages (FlashAttention's kernel for vmem): there the plain
+runs' round wall time is the measure (the ``cpu.`` names are then kernel launches, whose host
+time counts).
 
 A run serves ``batch`` requests (prompts of ``prompt_min``-``prompt_max`` tokens, random, seed
 0; ``new_tokens`` each): prefill rounds, then decode rounds of all ``batch`` requests, then the
@@ -33,9 +36,13 @@ from harness import contenders as cont
 from harness.engine import fake_cpu_memory, run_engine
 from harness.hostclock import HookClock
 
-#: The shapes: name -> (layers, head dim). KV heads 1 (real: 8), pages 256 KB (real: 2 MB).
+#: The shapes: name -> (layers, head dim).
 SHAPES = {"8b-x8": (8, 128), "1b-x16": (16, 64)}
-KV_HEADS, PAGE_SIZE, MAX_CONTEXT = 1, "256K", 1024
+#: Per device: (KV heads, vmem page size). On the CPU 1 KV head and 256 KB pages (a page holds the
+#: tokens a 2 MB page holds at the real shapes' 8 heads: an eighth of the memory); on CUDA the real
+#: ones (its backend maps 2 MB pages only).
+GEOMETRY = {"cpu": (1, "256K"), "cuda": (8, "2M")}
+MAX_CONTEXT = 1024
 
 #: vmem's hooks, by class attribute (the cache, its reader, its round buffers) and by module function.
 VMEM_METHODS = ("get_num_free_blocks", "will_allocation_be_successful", "allocate_blocks", "free_blocks",
@@ -50,18 +57,20 @@ NATIVE_METHODS = ("get_num_free_blocks", "allocate_blocks", "free_blocks", "exte
                   "get_seqlens_k", "update", "search_prefix_match", "mark_shareable_blocks_as_complete")
 
 
-def tiny_model(shape: str) -> Any:
-    """A random bf16 Llama of ``shape``'s layers and head dim, 1 KV head, hidden 256, vocab 512."""
+def tiny_model(shape: str, device: str = "cpu") -> Any:
+    """A random bf16 Llama of ``shape``'s layers and head dim on ``device`` (its KV heads:
+    :data:`GEOMETRY`), 4 query heads per KV head, hidden 256, vocab 512."""
     from transformers import LlamaConfig
 
     from harness.models import random_model
 
     layers, head_dim = SHAPES[shape]
     cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=head_dim,
+                      num_attention_heads=4 * GEOMETRY[device][0], num_key_value_heads=GEOMETRY[device][0],
+                      head_dim=head_dim,
                       max_position_embeddings=2 * MAX_CONTEXT, bos_token_id=None, eos_token_id=None,
                       pad_token_id=0)
-    return random_model(cfg, torch.bfloat16, "cpu")
+    return random_model(cfg, torch.bfloat16, device)
 
 
 def prompts(n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
@@ -122,11 +131,13 @@ def run_one(model: Any, name: str, batch: int, args: Any, mode: str, profile: bo
     import vmem.transformers as vt
 
     spec = cont.spec(name.split("@")[0])
-    token_bytes = 2 * model.config.num_hidden_layers * KV_HEADS * model.config.head_dim * 2
+    cfg = model.config
+    token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
     # Every request fits one 256-token block; a quarter more lets the engine's safety margin (0.15 of its
     # blocks free before it admits a prompt) admit the whole batch.
     budget = {"kv_bytes": token_bytes * 256 * (batch + batch // 4 + 2), "token_bytes": token_bytes}
-    ns = argparse.Namespace(max_requests=batch, page_size=PAGE_SIZE, max_context=MAX_CONTEXT)
+    page = GEOMETRY[model.device.type][1]
+    ns = argparse.Namespace(max_requests=batch, page_size=page, max_context=MAX_CONTEXT)
     kw, opts = cont.contender_config(model, spec, ns, budget)
     kw.update(max_batch_tokens=args.max_batch_tokens)
     ps = prompts(batch, args.prompt_min, args.prompt_max, model.config.vocab_size)
@@ -179,7 +190,8 @@ def variant(name: str) -> Any:
     return contextlib.nullcontext()
 
 
-def setup() -> None:
-    """CPU only: the engine's memory check sees a fixed amount free."""
-    torch.set_num_threads(1)
-    fake_cpu_memory()
+def setup(device: str) -> None:
+    """On the CPU: one thread, and the engine's memory check sees a fixed amount free."""
+    if device == "cpu":
+        torch.set_num_threads(1)
+        fake_cpu_memory()

@@ -1,9 +1,10 @@
 """The engine's cache as a tenant of a shared pool (``Options.pool``), and sleeping.
 
 * **Budget**: the blocks requests may hold are the fewest of the cache's own budget, the
-  tenant's limit, and what the pool's other tenants leave (all read from the ledger without a
-  lock, each time the engine asks). A limit lowered below what the requests hold makes the
-  engine's free blocks negative: no request gets a block, and the engine preempts (soft reset)
+  tenant's limit, and what the pool's other tenants leave (all read from the ledger's atomics,
+  without its lock or a dict, each time the engine asks: once per scheduling candidate; outside
+  a pool nothing is read). A limit lowered below what the requests hold makes the engine's
+  free blocks negative: no request gets a block, and the engine preempts (soft reset)
   the requests that need one, newest first, as when its own cache is full, until the rest fit.
 * **Each round** (before its pages are mapped) the cache follows the limit
   (:meth:`vmem.KVCache.shrink_to_limit`): its cap becomes the limit, and when over it gives
@@ -45,11 +46,12 @@ def budget_blocks(cache: Any) -> int:
     candidate)."""
     if not cache.kv._pooled:
         return int(cache.num_blocks)
-    t = cache.kv._rs.tenant()
+    t = cache.kv._rs.pool_room()  # (limit, usage, pool_used, pool_total): atomics, no dict, no syscall
     if t is None:
         return int(cache.num_blocks)
+    limit, usage, pool_used, pool_total = t
     block = int(cache.geometry.block_bytes)
-    room = min(int(t["limit"]), int(t["pool_total"]) - int(t["pool_used"]) + int(t["usage"]))
+    room = min(limit, pool_total - pool_used + usage)
     return min(int(cache.num_blocks), room // block - 1)
 
 
