@@ -155,7 +155,7 @@ def test_in_a_pool_the_budget_follows_the_limit_without_building_the_tenant_dict
     assert tenancy.budget_blocks(cache) == 19
     other = vmem.KVCache(layers=2, kv_heads=1, head_dim=64, dtype="float32", max_batch=2, max_context=65536,
                          page_size="64K", backend="host", pool=vmem.pool.Join("o", limit=64 << 20, ledger=ledger.path))
-    other.step({other.alloc(): 60000})  # the neighbour takes all but a few pages of the pool
+    other.step({other.alloc(): 64512})  # the neighbour takes all but 1 MB of the pool
     t = rs._rs.tenant()  # read past the counter
     room = t["pool_total"] - t["pool_used"] + t["usage"]
     assert room // 65536 - 1 < 19 and tenancy.budget_blocks(cache) == room // 65536 - 1

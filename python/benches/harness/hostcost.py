@@ -195,3 +195,33 @@ def setup(device: str) -> None:
     if device == "cpu":
         torch.set_num_threads(1)
         fake_cpu_memory()
+
+
+def binding_costs(rows: int = 257, layers: int = 16, n: int = 20000) -> dict[str, float]:
+    """µs per call (best of 3 x ``n``) of the Rust calls the engine hooks make per scheduling
+    candidate or per loop turn, on a host-backend cache of ``rows`` rows (256 requests and the
+    trash row) and ``layers`` layers, alone and as a pool tenant (a ledger in a temporary
+    directory): what each cut of a per-candidate read saves."""
+    import os
+    import tempfile
+    import timeit
+
+    import vmem
+    from vmem import pool
+
+    def kv(**kw: Any) -> Any:
+        return vmem.KVCache(layers=layers, kv_heads=1, head_dim=64, dtype="bfloat16", max_batch=rows,
+                            max_context=MAX_CONTEXT, page_size="256K", backend="host", **kw)
+
+    with tempfile.TemporaryDirectory() as d:
+        ledger = pool.create(os.path.join(d, "pool"), size="64M")
+        alone, tenant = kv(), kv(pool=pool.Join("t", ledger=ledger.path))
+        calls = {"tenant() in a pool": tenant._rs.tenant, "pool_room() in a pool": tenant._rs.pool_room,
+                 "tenant() alone": alone._rs.tenant, "is_asleep()": alone._rs.is_asleep,
+                 "usage()": alone._rs.usage, "prefix_stats()": alone._rs.prefix_stats,
+                 "distinct_mapped_bytes()": alone._rs.distinct_mapped_bytes}
+        out = {name: min(timeit.repeat(f, number=n, repeat=3)) / n * 1e6 for name, f in calls.items()}
+        tenant.close()
+        alone.close()
+    return out
+
