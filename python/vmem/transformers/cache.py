@@ -295,7 +295,9 @@ class VmemCBCache:
             fresh.extend(range(index * per_row + old // bs, index * per_row + new // bs))
         if not fresh:
             return
-        blocks = torch.tensor(fresh, dtype=torch.long, device=self.device)
+        # Built on the host, then an asynchronous copy (staged from pageable memory at once):
+        # torch.tensor(..., device=cuda) would wait for every kernel queued on the stream.
+        blocks = torch.tensor(fresh, dtype=torch.long).to(self.device, non_blocking=True)
         for view in self._zero_views:
             view.index_fill_(0, blocks, 0)
 
