@@ -35,6 +35,7 @@ import torch
 from .. import KVCache
 from .._vmem import InvalidArgument, VmemError
 from . import tenancy
+from .blocks import FreshBlocks
 from .fa import FaReader
 from .flashinfer import FlashInferReader, check_strides
 from .flex import FlexReader
@@ -55,14 +56,6 @@ class _GroupStub:
     def __init__(self) -> None:
         self.block_table: dict[str, list[int]] = {}
         self.uses_block_sharing = False
-
-
-def _blocks(t: torch.Tensor, block: int) -> torch.Tensor:
-    """``[rows, L, H, D]`` → ``[rows * L / block, block, H, D]`` without a copy: block ``b`` of row
-    ``r`` is entry ``r * L / block + b`` (``L`` a multiple of ``block``)."""
-    rows, length, heads, dim = t.shape
-    s = t.stride()
-    return t.as_strided((rows * length // block, block, heads, dim), (s[1] * block, s[1], s[2], s[3]))
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -153,8 +146,7 @@ class VmemCBCache:
             self._v4.append(v)
             self.key_cache.append(_flat(k))
             self.value_cache.append(_flat(v))
-        # Every layer's K and V as blocks: a round's fresh blocks are zeroed with one index_fill_ each.
-        self._zero_views = [_blocks(t, g.block_size) for t in self._k4 + self._v4]
+        self.fresh = FreshBlocks(self._k4 + self._v4, g.block_size, self.device)
         self.rounds = Rounds(on_open=self.flush)
         self.read: Any = self._reader(config)
         self.peak_mapped_bytes = 0
@@ -280,26 +272,9 @@ class VmemCBCache:
             if not self.table.dirty:
                 return
             tenancy.step(self)
-        self._zero_fresh_blocks()
+        self.fresh.zero(self.table.mapped())
         self.steps += 1
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.distinct_mapped_bytes())
-
-    def _zero_fresh_blocks(self) -> None:
-        """Zeroes the blocks this round's step mapped: one ``index_fill_`` per layer's K and V for
-        every row together (``2 * layers`` kernels a round, not that many per row that grew)."""
-        bs, per_row = self.block_size, self.max_context // self.block_size
-        fresh: list[int] = []
-        for index, old, new in self.table.mapped():
-            if old % bs or new % bs:  # rows grow by whole blocks: anything else is a bookkeeping bug
-                raise VmemError(f"row {index} grew from {old} to {new} tokens, not whole blocks of {bs}")
-            fresh.extend(range(index * per_row + old // bs, index * per_row + new // bs))
-        if not fresh:
-            return
-        # Built on the host, then an asynchronous copy (staged from pageable memory at once):
-        # torch.tensor(..., device=cuda) would wait for every kernel queued on the stream.
-        blocks = torch.tensor(fresh, dtype=torch.long).to(self.device, non_blocking=True)
-        for view in self._zero_views:
-            view.index_fill_(0, blocks, 0)
 
     # -- indices and the kernel's view -----------------------------------------------------------
     def extend_read_and_write_indices(self, request_id: str, past_length: int, query_length: int,
