@@ -203,3 +203,13 @@ def test_host_cost_refuses_bad_flags_with_a_usage_error(bad, capsys, tmp_path):
         host_cost.main(["--out", str(tmp_path), *bad])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and bad[0] in err[-1], err[-2:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: --device cuda would run")
+def test_host_cost_on_cuda_without_a_gpu_is_a_usage_error(capsys, tmp_path):
+    """``--device cuda`` (host_cost_gpu_run.sh's) where there is no GPU: exit 2, saying so."""
+    import host_cost
+
+    with pytest.raises(SystemExit) as e:
+        host_cost.main(["--out", str(tmp_path), "--device", "cuda"])
+    assert e.value.code == 2 and "no CUDA device" in capsys.readouterr().err
