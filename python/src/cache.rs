@@ -302,6 +302,15 @@ impl KVCache {
         Ok((d.value, d.steps, d.calls))
     }
 
+    /// Bytes of pages mapped, each page once however many rows map it (`usage()`'s
+    /// `mapped_bytes` less `prefix_stats()`'s `shared_savings_bytes`): one call and no dicts,
+    /// for an engine that asks for its free blocks once per scheduling candidate.
+    fn distinct_mapped_bytes(&self) -> PyResult<u64> {
+        let inner = self.get()?;
+        let mapped = inner.kv.usage().mapped_bytes;
+        Ok(mapped.saturating_sub(inner.kv.prefix_stats().shared_savings_bytes))
+    }
+
     /// Memory held now, in bytes, and request counts.
     fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let inner = self.get()?;
@@ -360,6 +369,17 @@ impl KVCache {
         Ok(self.get()?.pool.as_deref().map(|b| {
             let t = b.tenant();
             (t.limit_revision(), t.limit(), t.over_limit().unwrap_or(0))
+        }))
+    }
+
+    /// The pool tenant's `(limit, usage, room)` bytes, or `None` outside a pool: `room` is what
+    /// it may still charge, its limit aside (the pool's free room less what the other tenants'
+    /// floors keep). What the engine's budget reads once per scheduling candidate, as loads of
+    /// the ledger's atomics, with no dict and no system call (`tenant()` has the rest).
+    fn pool_room(&self) -> PyResult<Option<(u64, u64, u64)>> {
+        Ok(self.get()?.pool.as_deref().map(|b| {
+            let t = b.tenant();
+            (t.limit(), t.usage(), t.pool_room())
         }))
     }
 

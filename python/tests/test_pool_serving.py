@@ -235,7 +235,7 @@ def test_idle_release_waits_while_a_request_is_queued_or_waiting():
     import types
 
     class Kv:
-        asleep, shrinks = False, 0
+        asleep, shrinks, _pooled = False, 0, True
 
         def tenant(self):
             return object()

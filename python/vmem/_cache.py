@@ -311,6 +311,12 @@ class KVCache(MemoryControl):
 
     stats = usage
 
+    def distinct_mapped_bytes(self) -> int:
+        """Bytes of pages mapped, each page once however many rows map it (a shared prefix's
+        pages once): ``usage()["mapped_bytes"]`` less ``prefix_stats()["shared_savings_bytes"]``,
+        in one call that builds no dict (an engine asks once per scheduling candidate)."""
+        return self._rs.distinct_mapped_bytes()
+
     def config(self) -> Dict[str, Any]:
         """The configuration, derived sizes and the backend (with why it was chosen)."""
         return self._rs.config()

@@ -35,11 +35,11 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
             "(model.generate_batch or init_continuous_batching); for generate() use vmem.transformers.VmemCache"
         )
     layer = module.layer_idx
-    write_index = kwargs["write_index"][0]
     k_cache, v_cache = cache.kv_layer(layer)
     t = query.shape[2]
-    k_cache.index_copy_(0, write_index[:t], key.transpose(1, 2).squeeze(0))
-    v_cache.index_copy_(0, write_index[:t], value.transpose(1, 2).squeeze(0))
+    write_index = kwargs["write_index"][0][:t]  # sliced once: two tensor views a layer are host time
+    k_cache.index_copy_(0, write_index, key[0].transpose(0, 1))
+    v_cache.index_copy_(0, write_index, value[0].transpose(0, 1))
     rnd = cache.rounds.close()
     return read(layer, rnd, query, k_cache, v_cache, scaling, query.shape[1] != key.shape[1]), None
 

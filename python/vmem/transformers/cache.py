@@ -37,6 +37,7 @@ import torch
 from .. import KVCache
 from .._vmem import InvalidArgument, VmemError
 from . import tenancy
+from .blocks import FreshBlocks
 from .fa import FaReader
 from .fi_reader import FlashInferReader
 from .flashinfer import check_strides
@@ -148,6 +149,7 @@ class VmemCBCache:
             self._v4.append(v)
             self.key_cache.append(_flat(k))
             self.value_cache.append(_flat(v))
+        self.fresh = FreshBlocks(self._k4 + self._v4, g.block_size, self.device)
         self.rounds = Rounds(on_open=self.flush)
         self.round_kind: str | None = None  # the padded round's kind, in the engine's graph key (graphs.py)
         self.read: Any = self._reader(config, graphs_requested(cb))
@@ -278,10 +280,7 @@ class VmemCBCache:
             if not self.table.dirty:
                 return
             tenancy.step(self)
-        for index, old, new in self.table.mapped():
-            for k, v in zip(self._k4, self._v4):
-                k[index, old:new].zero_()
-                v[index, old:new].zero_()
+        self.fresh.zero(self.table.mapped())
         self.steps += 1
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.distinct_mapped_bytes())
 
@@ -373,8 +372,7 @@ class VmemCBCache:
     def distinct_mapped_bytes(self) -> int:
         """Bytes of pages mapped, each page once however many rows share it (the trash row's
         included)."""
-        mapped = int(self.kv.usage()["mapped_bytes"])
-        return mapped - int(self.kv.prefix_stats()["shared_savings_bytes"]) if self.sharing else mapped
+        return self.kv.distinct_mapped_bytes()  # one call, no dicts: asked once per scheduling candidate
 
     def usage(self) -> dict[str, int]:
         """vmem's counters (bytes mapped, physical, ...), plus rows and blocks in use (a shared

@@ -1,9 +1,10 @@
 """The engine's cache as a tenant of a shared pool (``Options.pool``), and sleeping.
 
 * **Budget**: the blocks requests may hold are the fewest of the cache's own budget, the
-  tenant's limit, and what the pool's other tenants leave (all read from the ledger without a
-  lock, each time the engine asks). A limit lowered below what the requests hold makes the
-  engine's free blocks negative: no request gets a block, and the engine preempts (soft reset)
+  tenant's limit, and what the pool's other tenants leave (all read from the ledger's atomics,
+  without its lock or a dict, each time the engine asks: once per scheduling candidate; outside
+  a pool nothing is read). A limit lowered below what the requests hold makes the engine's
+  free blocks negative: no request gets a block, and the engine preempts (soft reset)
   the requests that need one, newest first, as when its own cache is full, until the rest fit.
 * **Each round** (before its pages are mapped) the cache follows the limit
   (:meth:`vmem.KVCache.shrink_to_limit`): its cap becomes the limit, and when over it gives
@@ -43,13 +44,17 @@ _log = logging.getLogger(__name__)
 def budget_blocks(cache: Any) -> int:
     """Blocks requests may hold now: the cache's own ``num_blocks``, or fewer when its pool
     limit, or the room the pool's other tenants leave (their usage and what their floors keep),
-    is smaller (the trash row's block is taken off both)."""
-    t = cache.kv._rs.tenant()
+    is smaller (the trash row's block is taken off both). Outside a pool nothing is read (the
+    engine asks once per scheduling candidate)."""
+    if not cache.kv._pooled:
+        return int(cache.num_blocks)
+    t = cache.kv._rs.pool_room()  # (limit, usage, room): atomics, no dict, no syscall
     if t is None:
         return int(cache.num_blocks)
+    limit, usage, room = t
     block = int(cache.geometry.block_bytes)
     # The pool's free room less what the other tenants' floors keep, plus what it holds itself.
-    room = min(int(t["limit"]), int(t["pool_room"]) + int(t["usage"]))
+    room = min(limit, room + usage)
     return min(int(cache.num_blocks), room // block - 1)
 
 
@@ -76,7 +81,7 @@ def yield_room(cache: Any) -> int:
     of its total, gives back what none of its requests maps (:meth:`vmem.KVCache.shrink`);
     returns the bytes given back (0: not in a pool, room enough, or nothing unmapped held)."""
     kv = getattr(cache, "kv", None)
-    if kv is None or kv.asleep:
+    if kv is None or not kv._pooled or kv.asleep:  # outside a pool: nothing read, each loop turn
         return 0
     t = kv._rs.tenant()
     if t is None:

@@ -1,0 +1,150 @@
+"""``host_cost.py``'s clock: exclusive time per hook, per engine round, in the engine's own thread.
+
+:class:`HookClock` wraps methods (of classes, modules, one model) with a timer that keeps each
+call's *exclusive* time (a hook called inside another is taken off the outer one, so the names add
+up to the round and nothing is counted twice) and files it under the round the engine is running:
+a round is one turn of the engine's loop (``ContinuousBatchProcessor.prepare_next_batch`` starts
+the next one); the forward (``ModelRunner.compute_batch``) tells its kind: ``decode`` (every
+sequence one query token) or ``prefill``, with its sequences and tokens. A turn that ran no
+forward (the loop waiting) is dropped.
+
+Every wrapper is put back by :meth:`HookClock.restore` (a ``with`` block does it). The clock costs
+about a microsecond a wrapped call; ``host_cost.py`` reports the rounds' wall time from runs with
+only the round clock too (``plain``), so that cost shows.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+#: The prefix of the names a round is charged to that are not host work on the GPU: the CPU
+#: stand-ins of kernels (the FA reference, the engine's attention, the model's layers, the
+#: tensor ops that are one kernel launch each on the GPU). A ``cpu.`` call made inside a hook also
+#: counts as one of that hook's ``launches``.
+KERNEL = "cpu."
+
+
+class HookClock:
+    """Exclusive nanoseconds per name and per round (:attr:`rounds`: dicts with ``kind``,
+    ``sequences``, ``tokens``, ``wall_ns`` and ``hooks`` = {name: ns}, ``calls`` = {name: n},
+    ``launches`` = {name: the ``cpu.`` calls made directly inside it})."""
+
+    def __init__(self) -> None:
+        self.rounds: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None
+        self._t_open = 0
+        self._stack: list[int] = []
+        self._names: list[str] = []
+        self._saved: list[tuple[Any, str, Any, bool]] = []
+        self._undo: list[Callable[[], None]] = []
+
+    # -- wrapping ---------------------------------------------------------------------------------
+    def wrap(self, owner: Any, attr: str, name: str) -> None:
+        """Times ``owner.attr`` under ``name`` (nothing when ``owner`` has no such attribute)."""
+        if not hasattr(owner, attr):
+            return
+        own = attr in getattr(owner, "__dict__", {})
+        original = getattr(owner, attr)
+        raw = owner.__dict__[attr] if own and isinstance(owner, type) else original
+        if isinstance(raw, staticmethod):
+            raw = raw.__func__
+        self._saved.append((owner, attr, owner.__dict__[attr] if own else None, own))
+        setattr(owner, attr, self.timed(raw, name))
+
+    def wrap_all(self, owner: Any, names: Iterable[tuple[str, str]]) -> None:
+        """:meth:`wrap` for each ``(attr, name)``."""
+        for attr, name in names:
+            self.wrap(owner, attr, name)
+
+    def on_restore(self, undo: Callable[[], None]) -> None:
+        """Runs ``undo`` at :meth:`restore` (for what :meth:`wrap` cannot put back itself)."""
+        self._undo.append(undo)
+
+    def timed(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        """``fn`` charging its exclusive time to ``name``."""
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            self._stack.append(0)
+            self._names.append(name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter_ns() - t0
+                inner = self._stack.pop()
+                self._names.pop()
+                self._charge(name, dt - inner)
+                if self._stack:
+                    self._stack[-1] += dt
+
+        return timed
+
+    def _charge(self, name: str, ns: int) -> None:
+        r = self._open
+        if r is None:
+            return
+        r["hooks"][name] = r["hooks"].get(name, 0) + ns
+        r["calls"][name] = r["calls"].get(name, 0) + 1
+        if name.startswith(KERNEL) and self._names and not self._names[-1].startswith(KERNEL):
+            parent = self._names[-1]
+            r["launches"][parent] = r["launches"].get(parent, 0) + 1
+
+    # -- rounds -----------------------------------------------------------------------------------
+    def round_starts(self, prepare: Callable[..., Any]) -> Callable[..., Any]:
+        """``prepare_next_batch`` opening a round (closing the last) before it runs."""
+
+        @functools.wraps(prepare)
+        def prepare_next_batch(*args: Any, **kwargs: Any) -> Any:
+            self.close_round()
+            self._open = {"kind": None, "sequences": 0, "tokens": 0, "hooks": {}, "calls": {}, "launches": {}}
+            self._t_open = time.perf_counter_ns()
+            return prepare(*args, **kwargs)
+
+        return prepare_next_batch
+
+    def round_kind(self, compute: Callable[..., Any]) -> Callable[..., Any]:
+        """``compute_batch`` recording the round's kind from what the engine passes the forward."""
+
+        @functools.wraps(compute)
+        def compute_batch(runner: Any, model: Any, batch_data: dict[str, Any]) -> Any:
+            if self._open is not None:
+                seqs = int(batch_data["cu_seq_lens_q"].numel()) - 1
+                tokens = int(batch_data["input_ids"].shape[-1])
+                self._open.update(kind="decode" if tokens == seqs else "prefill", sequences=seqs, tokens=tokens)
+            return compute(runner, model, batch_data)
+
+        return compute_batch
+
+    def close_round(self) -> None:
+        """Files the open round (if it ran a forward) with its wall time."""
+        r, self._open = self._open, None
+        if r is not None and r["kind"] is not None:
+            r["wall_ns"] = time.perf_counter_ns() - self._t_open
+            self.rounds.append(r)
+
+    def wrap_rounds(self, processor_cls: Any, runner_cls: Any) -> None:
+        """Puts the round clock on the engine's loop turn and forward."""
+        for owner, attr, wrapper in ((processor_cls, "prepare_next_batch", self.round_starts),
+                                     (runner_cls, "compute_batch", self.round_kind)):
+            self._saved.append((owner, attr, owner.__dict__[attr], True))
+            setattr(owner, attr, wrapper(owner.__dict__[attr]))
+
+    def restore(self) -> None:
+        """Puts back every wrapped attribute (newest first)."""
+        for owner, attr, value, own in reversed(self._saved):
+            if own:
+                setattr(owner, attr, value)
+            else:
+                delattr(owner, attr)
+        self._saved.clear()
+        while self._undo:
+            self._undo.pop()()
+
+    def __enter__(self) -> HookClock:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore()

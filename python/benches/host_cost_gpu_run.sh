@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call (<= 10 minutes) for issue #32's host-cost cuts on a GPU (docs/serving.md, "Host
+# cost per round"): host_cost.py with --device cuda, the cuts against the code before them
+# (vmem-token-major@before) and the engine's own paged cache, interleaved. NOT RUN YET: written in
+# a session without GPU time. Run from the repository root with vmem built for the machine (the
+# wheel beside it, as pool_gpu_run.sh does, or an editable install); results in $OUT.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+if ls vmem*.whl >/dev/null 2>&1; then
+  site=/tmp/site-h-hostcost
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$site" vmem*.whl || exit 1
+  export PYTHONPATH=$site
+fi
+python3 -c "import vmem.transformers" || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+out=${OUT:-/tmp/host-cost-gpu}
+# The decode batches the suite serves and a prefill-heavy start; 1B-x16 first (16 layers: where the
+# per-layer and per-row host work shows). Capped so that both shapes fit one call.
+timeout 280 python3 python/benches/host_cost.py --device cuda --shapes 1b-x16 --batches 16,64,256 --repeats 2 \
+  --new-tokens 32 --profile --out "$out/1b-x16" 2>&1 | grep -v WARNING | tee "$out/1b-x16.log"
+timeout 200 python3 python/benches/host_cost.py --device cuda --shapes 8b-x8 --batches 64,256 --repeats 2 \
+  --new-tokens 32 --out "$out/8b-x8" 2>&1 | grep -v WARNING | tee "$out/8b-x8.log"
