@@ -7,15 +7,7 @@ import pytest
 import vmem
 from vmem import pool
 
-PAGE = 64 << 10
-SHAPE = dict(layers=2, kv_heads=2, head_dim=64, dtype="fp16", max_batch=4, max_context=1024, page_size="64K",
-             device="cpu", overlap=False, eager_tokens=0)
-FULL = 16 * PAGE  # one request at 1,024 tokens: 4 pages in each of 4 buffers
-
-
-@pytest.fixture
-def path(tmp_path):
-    return str(tmp_path / "pool")
+from test_pool import FULL, PAGE, SHAPE, path  # noqa: F401  (the shapes, and the ledger path fixture)
 
 
 def _cache(path, name, **join):

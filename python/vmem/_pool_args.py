@@ -22,53 +22,41 @@ def _whole_share(text: str) -> bool:
 
 def _limit(name: str, value: Any) -> str:
     """A limit as the ledger parses it (``"12G"``, ``"25%"``, bytes as digits)."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise PoolError(f"invalid pool setting: {name} must be bytes (an int), a size such as '12G' "
-                        f"or a share such as '25%', got {value!r}")
-    if isinstance(value, int):
-        if value <= 0:
-            raise PoolError(f"invalid pool setting: {name} {value}: a limit must be at least 1 byte")
-        if value > MAX_BYTES:
-            raise PoolError(f"invalid pool setting: {name} {value}: more bytes than a 64-bit count holds")
-        return str(value)
-    text = value.strip()
-    if text.endswith("%"):
-        share = text[:-1].strip()
-        if not _whole_share(share) or not 1 <= int(share) <= 100:
-            raise PoolError(f"invalid pool setting: {name} {value!r}: a share is 1% to 100%")
-        return value
-    try:
-        size = int(_vmem.parse_bytes(text))
-    except Exception as e:  # the parser's own message says what it reads
-        raise PoolError(f"invalid pool setting: {name} {value!r}: {e}") from None
-    if size <= 0:
-        raise PoolError(f"invalid pool setting: {name} {value!r}: a limit of 0 bytes lets the tenant hold nothing")
-    return value
+    return _setting(name, value, floor=False)
 
 
 def _floor(name: str, value: Any) -> str:
     """A floor as the ledger parses it (``"4G"``, ``"25%"``, bytes as digits, ``"0"``: none)."""
+    return _setting(name, value, floor=True)
+
+
+def _setting(name: str, value: Any, *, floor: bool) -> str:
+    """A limit (at least 1 byte or 1%) or a floor (0 allowed: none), as the ledger parses it."""
+    least = 0 if floor else 1
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise PoolError(f"invalid pool setting: {name} must be bytes (an int), a size such as '4G' "
-                        f"or a share such as '25%', got {value!r}")
+        raise PoolError(f"invalid pool setting: {name} must be bytes (an int), a size such as "
+                        f"'{'4G' if floor else '12G'}' or a share such as '25%', got {value!r}")
     if isinstance(value, int):
-        if value < 0:
-            raise PoolError(f"invalid pool setting: {name} {value}: a floor cannot be negative")
+        if value < least:
+            why = "a floor cannot be negative" if floor else "a limit must be at least 1 byte"
+            raise PoolError(f"invalid pool setting: {name} {value}: {why}")
         if value > MAX_BYTES:
             raise PoolError(f"invalid pool setting: {name} {value}: more bytes than a 64-bit count holds")
         return str(value)
     text = value.strip()
     if text.endswith("%"):
         share = text[:-1].strip()
-        if not _whole_share(share) or not 0 <= int(share) <= 100:
-            raise PoolError(f"invalid pool setting: {name} {value!r}: a share is 0% to 100%")
+        if not _whole_share(share) or not least <= int(share) <= 100:
+            raise PoolError(f"invalid pool setting: {name} {value!r}: a share is {least}% to 100%")
         return value
-    if text.startswith("-"):
+    if floor and text.startswith("-"):
         raise PoolError(f"invalid pool setting: {name} {value!r}: a floor cannot be negative")
     try:
-        _vmem.parse_bytes(text)
+        size = int(_vmem.parse_bytes(text))
     except Exception as e:  # the parser's own message says what it reads
         raise PoolError(f"invalid pool setting: {name} {value!r}: {e}") from None
+    if size < least:
+        raise PoolError(f"invalid pool setting: {name} {value!r}: a limit of 0 bytes lets the tenant hold nothing")
     return value
 
 

@@ -5,7 +5,7 @@
 #[allow(dead_code)]
 mod common;
 
-use common::{text, vmem};
+use common::{ok, pool, text, vmem, Dir};
 
 /// `common::assert_refused` for one wanted text.
 fn assert_refused(out: &Output, case: &str, want: &str) {
@@ -13,38 +13,10 @@ fn assert_refused(out: &Output, case: &str, want: &str) {
 }
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
 use vmem_pool::{Ledger, Limit};
-
-/// A scratch directory removed on drop.
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(tag: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("vmem-cli-pool-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Dir(p)
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn pool(ledger: &Path, args: &[&str]) -> Output {
-    let l = ledger.to_str().unwrap();
-    vmem(&[&["pool", "--ledger", l][..], args].concat())
-}
-
-fn ok(out: &Output) -> String {
-    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-    text(&out.stdout)
-}
 
 /// A tenant process (run by `status_reaps_a_killed_tenant` only): joins, says so, sleeps.
 #[test]
@@ -61,7 +33,7 @@ fn tenant_process() {
 
 #[test]
 fn create_status_limit_and_top() {
-    let dir = Dir::new("flow");
+    let dir = Dir::new("pool-flow");
     let p = dir.0.join("pool");
     let o = ok(&pool(&p, &["create", "--size", "1G", "--slots", "4"]));
     assert!(
@@ -106,7 +78,7 @@ fn create_status_limit_and_top() {
 
 #[test]
 fn status_reaps_a_killed_tenant() {
-    let dir = Dir::new("reap");
+    let dir = Dir::new("pool-reap");
     let p = dir.0.join("pool");
     ok(&pool(&p, &["create", "--size", "64M"]));
     let mut child = Command::new(std::env::current_exe().unwrap())
@@ -136,7 +108,7 @@ fn status_reaps_a_killed_tenant() {
 
 #[test]
 fn bad_input_is_refused_and_changes_nothing() {
-    let dir = Dir::new("bad");
+    let dir = Dir::new("pool-bad");
     let p = dir.0.join("pool");
     ok(&pool(&p, &["create", "--size", "1G"]));
     let _t = Arc::new(Ledger::open(&p).unwrap())
@@ -277,7 +249,7 @@ fn another_user_can_neither_join_nor_change_limits_unless_granted() {
             .output()
             .unwrap()
     };
-    let dir = Dir::new("user");
+    let dir = Dir::new("pool-user");
     let p = dir.0.join("pool");
     ok(&pool(&p, &["create", "--size", "1G"]));
     let _t = Arc::new(Ledger::open(&p).unwrap()).join("a", None).unwrap();
@@ -310,7 +282,7 @@ fn another_user_can_neither_join_nor_change_limits_unless_granted() {
 /// positional argument, which `vmem pool create` refuses).
 #[test]
 fn a_missing_ledger_names_a_create_command_that_works() {
-    let dir = Dir::new("suggest");
+    let dir = Dir::new("pool-suggest");
     let p = dir.0.join("ledger");
     let err = text(&pool(&p, &["status"]).stderr);
     let suggested = err

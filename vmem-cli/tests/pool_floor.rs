@@ -5,42 +5,13 @@
 #[allow(dead_code)]
 mod common;
 
-use common::{text, vmem};
-use std::path::{Path, PathBuf};
-use std::process::Output;
+use common::{ok, pool, Dir};
 use std::sync::Arc;
 use vmem_pool::{Ledger, Limit};
 
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(tag: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("vmem-cli-floor-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Dir(p)
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn pool(ledger: &Path, args: &[&str]) -> Output {
-    let l = ledger.to_str().unwrap();
-    vmem(&[&["pool", "--ledger", l][..], args].concat())
-}
-
-fn ok(out: &Output) -> String {
-    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-    text(&out.stdout)
-}
-
 #[test]
 fn a_floor_is_set_shown_and_kept_from_the_others() {
-    let dir = Dir::new("flow");
+    let dir = Dir::new("floor-flow");
     let p = dir.0.join("pool");
     ok(&pool(&p, &["create", "--size", "1G"]));
     let l = Arc::new(Ledger::open(&p).unwrap());
@@ -79,7 +50,7 @@ fn a_floor_is_set_shown_and_kept_from_the_others() {
 
 #[test]
 fn bad_floors_are_refused_and_change_nothing() {
-    let dir = Dir::new("bad");
+    let dir = Dir::new("floor-bad");
     let p = dir.0.join("pool");
     ok(&pool(&p, &["create", "--size", "1G"]));
     let l = Arc::new(Ledger::open(&p).unwrap());

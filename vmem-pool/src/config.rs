@@ -18,32 +18,27 @@ impl Limit {
     /// The limit in bytes in a pool of `total` bytes; a limit of zero bytes, or one above the
     /// pool's total, is refused.
     pub fn resolve(self, total: u64) -> Result<u64> {
-        let bytes = match self {
-            Limit::Bytes(b) => b,
-            Limit::Percent(p) => ((u128::from(total) * u128::from(p)) / 100) as u64,
-        };
+        let bytes = self.amount().bytes_in(total);
         if bytes == 0 {
             return Err(PoolError::InvalidSetting(format!(
                 "a limit of {self} is zero bytes: a tenant needs room for at least one page \
                  (to stop one, stop its process)"
             )));
         }
-        if bytes > total {
-            return Err(PoolError::InvalidSetting(format!(
-                "limit {self} ({bytes} bytes) exceeds the pool's total {} ({total} bytes)",
-                format_bytes(total)
-            )));
+        within_total("limit", self, bytes, total)
+    }
+
+    fn amount(self) -> Amount {
+        match self {
+            Limit::Bytes(b) => Amount::Bytes(b),
+            Limit::Percent(p) => Amount::Percent(p),
         }
-        Ok(bytes)
     }
 }
 
 impl std::fmt::Display for Limit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Limit::Bytes(b) => write!(f, "{}", format_bytes(*b)),
-            Limit::Percent(p) => write!(f, "{p}%"),
-        }
+        self.amount().fmt(f)
     }
 }
 
@@ -62,10 +57,42 @@ impl FromStr for Limit {
     }
 }
 
-/// A size or a share as operators write them, zero allowed (the caller decides).
+/// A size or a share as operators write them, zero allowed (the caller decides): what a
+/// [`Limit`] and a [`Floor`] are made of.
+#[derive(Clone, Copy)]
 enum Amount {
     Bytes(u64),
     Percent(u32),
+}
+
+impl Amount {
+    /// Bytes in a pool of `total` bytes (a share rounded down).
+    fn bytes_in(self, total: u64) -> u64 {
+        match self {
+            Amount::Bytes(b) => b,
+            Amount::Percent(p) => ((u128::from(total) * u128::from(p)) / 100) as u64,
+        }
+    }
+}
+
+impl std::fmt::Display for Amount {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Amount::Bytes(b) => write!(f, "{}", format_bytes(*b)),
+            Amount::Percent(p) => write!(f, "{p}%"),
+        }
+    }
+}
+
+/// `bytes` of a `what` written as `shown`, refused when above the pool's `total`.
+fn within_total(what: &str, shown: impl std::fmt::Display, bytes: u64, total: u64) -> Result<u64> {
+    if bytes > total {
+        return Err(PoolError::InvalidSetting(format!(
+            "{what} {shown} ({bytes} bytes) exceeds the pool's total {} ({total} bytes)",
+            format_bytes(total)
+        )));
+    }
+    Ok(bytes)
 }
 
 fn parse_amount(what: &str, s: &str) -> Result<Amount> {
@@ -108,26 +135,20 @@ impl Floor {
 
     /// The floor in bytes in a pool of `total` bytes; one above the total is refused.
     pub fn resolve(self, total: u64) -> Result<u64> {
-        let bytes = match self {
-            Floor::Bytes(b) => b,
-            Floor::Percent(p) => ((u128::from(total) * u128::from(p)) / 100) as u64,
-        };
-        if bytes > total {
-            return Err(PoolError::InvalidSetting(format!(
-                "floor {self} ({bytes} bytes) exceeds the pool's total {} ({total} bytes)",
-                format_bytes(total)
-            )));
+        within_total("floor", self, self.amount().bytes_in(total), total)
+    }
+
+    fn amount(self) -> Amount {
+        match self {
+            Floor::Bytes(b) => Amount::Bytes(b),
+            Floor::Percent(p) => Amount::Percent(p),
         }
-        Ok(bytes)
     }
 }
 
 impl std::fmt::Display for Floor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Floor::Bytes(b) => write!(f, "{}", format_bytes(*b)),
-            Floor::Percent(p) => write!(f, "{p}%"),
-        }
+        self.amount().fmt(f)
     }
 }
 

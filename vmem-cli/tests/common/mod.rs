@@ -66,3 +66,37 @@ pub fn assert_refused(out: &Output, case: &str, wants: &[&str]) {
     }
     assert!(!err.contains("panicked"), "{case}: {err}");
 }
+
+/// A scratch directory removed on drop (`vmem-cli-<tag>-<pid>` under the temporary directory).
+#[allow(dead_code)] // the pool tests' only
+pub struct Dir(pub PathBuf);
+
+#[allow(dead_code)]
+impl Dir {
+    pub fn new(tag: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("vmem-cli-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        Dir(p)
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs `vmem pool --ledger LEDGER ARGS...`.
+#[allow(dead_code)]
+pub fn pool(ledger: &Path, args: &[&str]) -> Output {
+    let l = ledger.to_str().unwrap();
+    vmem(&[&["pool", "--ledger", l][..], args].concat())
+}
+
+/// Asserts exit status 0 (stderr shown otherwise); returns stdout as text.
+#[allow(dead_code)]
+pub fn ok(out: &Output) -> String {
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    text(&out.stdout)
+}
