@@ -138,6 +138,7 @@ def test_outside_a_pool_the_scheduler_reads_no_tenant_slot(monkeypatch):
     monkeypatch.setattr(cache.kv, "_rs", rs)
     assert [cache.get_num_free_blocks() for _ in range(5)] == [cache.num_blocks] * 5
     assert tenancy.yield_room(cache) == 0 and tenancy.budget_blocks(cache) == cache.num_blocks
+    assert tenancy.release_when_idle(cache) == 0  # each loop turn, as yield_room
     assert "tenant" not in rs.calls and "is_asleep" not in rs.calls, rs.calls
 
 

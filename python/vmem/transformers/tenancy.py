@@ -103,7 +103,7 @@ def release_when_idle(cache: Any, now: Callable[[], float] = time.monotonic, pen
     The idle clock starts at the first loop turn that finds no request, and stops at the next
     that finds one; ``pending`` (a request queued or waiting to be scheduled) counts as one."""
     kv = getattr(cache, "kv", None)
-    if kv is None or kv.asleep or kv.tenant() is None:
+    if kv is None or not kv._pooled or kv.asleep:  # outside a pool: nothing read, each loop turn
         return 0
     after = cache.options.pool_idle_s
     if after is None:
