@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (CI's lint stage has none)")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 import tf_engine as eng
+from tf_engine import fake_memory_and_uninstall  # noqa: E402,F401  (autouse: memory faked, patch off after)
 
 eng.skip_unless_served()
 
@@ -111,13 +112,6 @@ class FakeFlashInfer:
         self.module = types.ModuleType("flashinfer")
         self.module.BatchDecodeWithPagedKVCacheWrapper = Decode
         self.module.BatchPrefillWithPagedKVCacheWrapper = Prefill
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    h.fake_cpu_memory()
-    yield
-    vt.uninstall()
 
 
 @pytest.fixture

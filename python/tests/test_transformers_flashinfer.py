@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (CI's lint stage has none)")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 import tf_engine as eng
+from tf_engine import fake_memory_and_uninstall  # noqa: E402,F401  (autouse: memory faked, patch off after)
 
 eng.skip_unless_served()
 
@@ -31,13 +32,6 @@ OPTS = dict(page_size="64K", max_requests=4, max_context=1024, memory="8M")
 LENGTHS = [5, 140, 270, 17, 33, 64]
 NEW = 4
 TOL = 1e-4
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    h.fake_cpu_memory()
-    yield
-    vt.uninstall()
 
 
 @pytest.fixture

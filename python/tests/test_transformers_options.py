@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 import tf_engine as eng  # noqa: E402
+from tf_engine import fake_memory_and_uninstall  # noqa: E402,F401  (autouse: memory faked, patch off after)
 
 eng.skip_unless_served()
 
@@ -23,13 +24,6 @@ import vmem.transformers as vt
 import vmem
 
 BENCHES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benches")
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    h.fake_cpu_memory()
-    yield
-    vt.uninstall()
 
 
 # -- item 7: every option checked where it is given --------------------------------------------------

@@ -102,3 +102,15 @@ def forced_padding():
         yield
     finally:
         cb_runner.ModelRunner.__init__, cb_io.ContinuousBatchingIOs.__init__ = runner_init, io_init
+
+
+@pytest.fixture(autouse=True)
+def fake_memory_and_uninstall() -> Iterator[None]:
+    """Each test with the CPU's memory faked as a GPU's (the engine's default sizing reads it)
+    and vmem's engine patch taken off after it. Autouse in the modules that import it."""
+    from harness import check as h
+    from vmem import transformers as vt
+
+    h.fake_cpu_memory()
+    yield
+    vt.uninstall()
