@@ -419,7 +419,7 @@ def flashinfer_rows():
                     check(f"{label} vs fa", e_fa < 2e-2, f"max diff {e_fa:.3g}")
                     check(f"{label} vs fp32 reference", e_ref < 2e-2, f"max diff {e_ref:.3g}")
                 check(f"flashinfer {name} round planned for the {'decode' if name == 'decode' else 'prefill'} "
-                      "wrapper", a.index.decode == (name == "decode"))
+                      "wrapper", a.index.plan.decode == (name == "decode"))
             del layers, fi, k0
             kv.close()
 

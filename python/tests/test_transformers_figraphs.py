@@ -53,10 +53,15 @@ class FakeFlashInfer:
                          **bufs):
                 assert layout == "NHD" and (use_tensor_cores or not self.decode)
                 self.graph, self.bufs, self.plans, self.rows = use_cuda_graph, bufs, 0, None
+                # FlashInfer 0.6: each wrapper makes its own int workspace and pinned staging buffer
+                self._int_workspace_buffer, self._pin_memory_int_workspace_buffer = torch.zeros(8), torch.zeros(8)
                 if use_cuda_graph:
                     last = bufs["paged_kv_last_page_len_buffer" if self.decode else "paged_kv_last_page_len_buf"]
                     self.batch = len(last)
                 fake.made.append(self)
+
+            def reset_workspace_buffer(self, float_workspace, int_workspace):
+                self._int_workspace_buffer, self._pin_memory_int_workspace_buffer = int_workspace, torch.zeros(8)
 
             def _buf(self, name):
                 return self.bufs[name if self.decode else {"paged_kv_indptr_buffer": "paged_kv_indptr_buf",
@@ -203,26 +208,36 @@ def test_the_padded_plan_refuses_what_it_cannot_pad(bad):
 
 
 # -- the graph-mode wrappers ------------------------------------------------------------------------
-def test_one_wrapper_per_pair_kind_and_batch_with_stable_buffers(fake_fi):
+def test_one_wrapper_per_pair_kind_batch_and_tokens_with_stable_buffers(fake_fi):
     ws = vt_fig.WrapperSet(fake_fi.module, torch.device("cpu"), 1024, 6, 2, 8, torch.float32)
     g = torch.Generator().manual_seed(1)
     k4, v4 = torch.randn(7, 48, 2, 8, generator=g), torch.randn(7, 48, 2, 8, generator=g)
-    rounds = [([(3, 10, 5), (0, 0, 1)], 16), ([(1, 2, 9), (2, 0, 3), (4, 7, 1)], 16), ([(3, 11, 1)], 16),
-              ([(3, 12, 1), (0, 1, 1)], 16), ([(1, 11, 2)], 32)]
+    # Padded to 14 and to 16 tokens, a prefill round is 8 sequences and 4 trash holders: one batch
+    # of 12, two row counts (FlashInfer's graph mode fixes the rows at the first plan: H200 run of
+    # 2026-11-27, "qo_indptr 2688 ... cannot exceed ... 2112" when both shared a wrapper).
+    rounds = [([(3, 10, 5), (0, 0, 1)], 14), ([(3, 10, 5), (0, 0, 1)], 16), ([(1, 2, 9), (2, 0, 3), (4, 7, 1)], 16),
+              ([(3, 11, 1)], 16), ([(3, 12, 1), (0, 1, 1)], 16), ([(1, 11, 2)], 32)]
     seen = {}
     for pair in (0, 1):
         for entries, tokens in rounds:
             plan = _padded(entries, tokens, min(tokens, 8))
             w = ws.plan(plan, pair=pair, graph=True, scale=0.3)
-            key = (pair, plan.decode, int(plan.kv_last_page_len.numel()))
+            key = (pair, plan.decode, int(plan.kv_last_page_len.numel()), tokens)
             assert seen.setdefault(key, w) is w and w.graph
             ptrs = tuple(b.data_ptr() for b in ws.buffers[key])
             assert seen.setdefault(("ptrs", key), ptrs) == ptrs  # the addresses a graph captured
             q = torch.randn(tokens, 6, 8, generator=g)
             # A replay reads what the last plan wrote into the fixed buffers: this round, not the last.
             torch.testing.assert_close(w.run(q, (k4, v4)), vt_fi.paged_reference(q, k4, v4, plan, 0.3))
-    assert len(fake_fi.made) == len(ws.wrappers) == 6  # 3 shapes (prefill 16, decode 16, prefill 32) x 2 pairs
+    # 4 shapes (prefill 12 x 14, prefill 12 x 16, decode 16, prefill 32) x 2 pairs
+    assert len(fake_fi.made) == len(ws.wrappers) == 8
     assert ws.plans == 2 * len(rounds)
+    # One int workspace and one pinned staging buffer per pair, whatever the number of shapes.
+    for pair in (0, 1):
+        mine = [w for (p, *_), w in ws.wrappers.items() if p == pair]
+        assert len({id(w._int_workspace_buffer) for w in mine}) == 1
+        assert len({id(w._pin_memory_int_workspace_buffer) for w in mine}) == 1
+    assert ws.wrappers[(0, False, 12, 16)]._int_workspace_buffer is not ws.wrappers[(1, False, 12, 16)]._int_workspace_buffer
     eager = ws.plan(vt_fi.paged_plan([(3, 10, 5)], 48), pair=0, graph=False, scale=0.3)
     assert not eager.graph and ws.plan(vt_fi.paged_plan([(1, 0, 2)], 48), pair=0, graph=False, scale=0.3) is eager
 
@@ -277,11 +292,11 @@ def test_flashinfer_with_the_engines_padding_matches_fa(fake_fi):
     ws = cache.read.wrappers
     assert ws is not None and ws.plans == len(fi_rounds) == ours["rounds"]
     assert all(w.graph for w in ws.wrappers.values()) and all(w.plans for w in fake_fi.made)
-    assert {d for _, d, _ in ws.wrappers} == {True, False}  # decode and prefill rounds both ran padded
+    assert {d for _, d, _, _ in ws.wrappers} == {True, False}  # decode and prefill rounds both ran padded
     for rnd in fi_rounds:
         plan = rnd.index.plan
         assert rnd.index.padded and plan.total_q == rnd.meta.total_q and plan.decode == rnd.meta.decode
-        assert rnd.index.wrapper is ws.wrappers[(0, plan.decode, int(plan.kv_last_page_len.numel()))]
+        assert rnd.index.wrapper is ws.wrappers[(0, plan.decode, int(plan.kv_last_page_len.numel()), plan.total_q)]
     assert sum(w.plans for w in fake_fi.made) == len(fi_rounds)
     # Only the reader's first round plans inside its forward (the scale comes with the first layer;
     # the engine runs a round eagerly before capturing it); every later one before its forward.

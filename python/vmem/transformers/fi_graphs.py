@@ -25,6 +25,14 @@ Each IO pair (async batching keeps two) has its own wrappers: ``plan()`` stages 
 data in a pinned host buffer copied asynchronously on the compute stream, and round ``N + 1``
 is planned while round ``N`` may still wait to run; with one set per pair, a wrapper's pinned
 buffer is next written two rounds later, after the engine waited for that pair's outputs.
+
+A wrapper is keyed by its padded batch *and* its padded tokens: FlashInfer's graph-mode prefill
+fixes its query rows at the first plan, and two padded sizes can share a batch (``S + P`` is the
+same for every ``T`` past ``max_requests_per_batch`` when the trash row holds them in one
+request). The wrappers of one pair share one scheduling (int) workspace and its pinned staging
+buffer: FlashInfer gives each wrapper 8 MiB of each, and a few hundred graph shapes made that
+gigabytes; within a pair rounds run one after another, and every replay follows its own plan, so
+one buffer serves them (a graph captured the wrapper's offsets into it, which its plans keep).
 """
 
 from __future__ import annotations
@@ -89,23 +97,35 @@ def padded_paged_plan(entries: list[tuple[int, int, int]], max_context: int, *, 
 
 
 class WrapperSet:
-    """FlashInfer's paged wrappers of one cache over one float workspace: in graph mode one per
-    ``(IO pair, decode, batch)`` with its fixed buffers (``buffers[key]``: ``kv_indptr``,
-    ``kv_indices``, ``kv_last_page_len``, and ``qo_indptr`` for prefill), else one per ``(IO
-    pair, decode)``. ``fi`` is the ``flashinfer`` module."""
+    """FlashInfer's paged wrappers of one cache over one float workspace and one int workspace
+    per IO pair: in graph mode one per ``(IO pair, decode, batch, tokens)`` with its fixed buffers
+    (``buffers[key]``: ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, and ``qo_indptr`` for
+    prefill), else one per ``(IO pair, decode)``. ``fi`` is the ``flashinfer`` module."""
 
     def __init__(self, fi: Any, device: torch.device, workspace: int, num_heads: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype) -> None:
         self.fi, self.device = fi, device
         self.num_heads, self.kv_heads, self.head_dim, self.dtype = num_heads, kv_heads, head_dim, dtype
         self.workspace = torch.zeros(workspace, dtype=torch.uint8, device=device)
-        self.wrappers: dict[tuple[int, bool, int], Any] = {}
-        self.buffers: dict[tuple[int, bool, int], tuple[torch.Tensor, ...]] = {}
+        self.wrappers: dict[tuple[int, bool, int, int], Any] = {}
+        self.buffers: dict[tuple[int, bool, int, int], tuple[torch.Tensor, ...]] = {}
+        self.int_workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.plans = 0
 
-    def wrapper(self, pair: int, decode: bool, batch: int, graph: bool) -> Any:
-        """The wrapper for a round: graph mode for batch ``batch``, or the pair's eager one."""
-        key = (pair, decode, batch if graph else 0)
+    def _share_int_workspace(self, w: Any, pair: int) -> None:
+        """Points ``w`` at its pair's int workspace and pinned staging buffer (see the module doc)."""
+        shared = self.int_workspaces.get(pair)
+        if shared is None:
+            shared = self.int_workspaces[pair] = (w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
+            return
+        # The public reset gives the device buffer (and makes a pinned one of its own: replaced).
+        w.reset_workspace_buffer(self.workspace, shared[0])
+        w._pin_memory_int_workspace_buffer = shared[1]
+
+    def wrapper(self, pair: int, decode: bool, batch: int, tokens: int, graph: bool) -> Any:
+        """The wrapper for a round: graph mode for ``batch`` requests of ``tokens`` query tokens,
+        or the pair's eager one."""
+        key = (pair, decode, batch if graph else 0, tokens if graph else 0)
         w = self.wrappers.get(key)
         if w is not None:
             return w
@@ -128,6 +148,7 @@ class WrapperSet:
         else:
             # fa2: the module the tensor-core decode uses too (one JIT build), and it reads any strides.
             w = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2", **kw)
+        self._share_int_workspace(w, pair)
         self.wrappers[key] = w
         return w
 
@@ -135,7 +156,7 @@ class WrapperSet:
         """Plans ``plan`` into its wrapper (host work and copies into the wrapper's buffers, queued
         on ``stream``, the engine's compute stream, when given); returns the wrapper."""
         batch = int(plan.kv_last_page_len.numel())
-        w = self.wrapper(pair, plan.decode, batch, graph)
+        w = self.wrapper(pair, plan.decode, batch, plan.total_q, graph)
         common = {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": scale}
         h, hkv, d = self.num_heads, self.kv_heads, self.head_dim
         on_cuda = stream is not None and self.device.type == "cuda"
