@@ -14,7 +14,8 @@
 #   suite    serving_suite.py, Llama-3-8B shapes x 8, conv trace: fi-paged-graphs beside vmem with
 #            FA + graphs and with FlashInfer + graphs (issue #32's 1.0x target)
 #   tenants  multitenant_bench.py, bursty mix at 1536M: static, pool and pool-floor (1/6 each),
-#            idle release on by default (issue #33's 3x TTFT p99 target)
+#            idle release on by default (issue #33's 3x TTFT p99 target); TENANT_MODES replaces
+#            the --floor flag (TENANT_MODES="--modes static,pool,pool-keep --keep 128M")
 #
 # Results go to $OUT/<part>/ and are packed into $OUT/<part>.tgz ($OUT returns at most 8 files).
 set -uo pipefail
@@ -39,7 +40,8 @@ rc=0
 case "$part" in
   check)
     # From the root: in python/, `import vmem` would find the sources without the built module.
-    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider python/tests/test_gpu.py 2>&1 \
+    # GPU_TESTS: a pytest -k expression (the FlashInfer tests only: GPU_TESTS=flashinfer)
+    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider python/tests/test_gpu.py ${GPU_TESTS:+-k "$GPU_TESTS"} 2>&1 \
       | tee "$out/test_gpu.txt" || rc=1
     (cd python && PYTHONPATH=benches:$PYTHONPATH timeout 330 python3 benches/graphs_check.py \
       --kernels fa,flashinfer --skip-small --bench-requests 48 --new-tokens 96 --repeats 2) 2>&1 \
@@ -47,12 +49,12 @@ case "$part" in
     ;;
   suite)
     timeout 520 python3 python/benches/serving_suite.py --only model=llama3-8b-x8 --only trace=conv \
-      --only contender=fi-paged-graphs,vmem-token-major-graphs,vmem-token-major-fi-graphs,vmem-per-layer-fi-graphs \
+      --only contender=paged-sdpa-256-graphs,fi-paged-graphs,vmem-token-major-graphs,vmem-token-major-fi-graphs,vmem-token-major-fi-graphs-async,vmem-per-layer-fi-graphs \
       --requests 64 --new-tokens 48 --out "$out/suite" 2>&1 | tee "$out/log.txt" || rc=1
     ;;
   tenants)
     timeout 540 python3 python/benches/multitenant_bench.py --keep-going --total 1536M \
-      --scenarios bursty --floor 1/6 --out "$out/multitenant" 2>&1 | tee "$out/log.txt" || rc=1
+      --scenarios bursty ${TENANT_MODES:---floor 1/6} --out "$out/multitenant" 2>&1 | tee "$out/log.txt" || rc=1
     ;;
 esac
 (cd "$out/.." && tar czf "$part.tgz" "$part" && rm -rf "$part")

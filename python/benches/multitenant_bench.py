@@ -17,7 +17,9 @@ once by a barrier:
 * mode ``static`` (each tenant ``memory = total / 3``, made up front, no pool) and ``pool``
   (each joins the pool, its limit the whole pool, pages made on demand); with ``--floor`` (a
   fraction of the pool such as ``1/6``, a share or a size) also ``pool-floor``: the pool, each
-  tenant with that guaranteed floor (room kept for it even while it is idle);
+  tenant with that guaranteed floor (room kept for it even while it is idle); with ``--keep``
+  (a size) also ``pool-keep``: the pool, each tenant keeping that many bytes of made pages when
+  a request finishes (``Options.pool_keep``: its next requests map them without making them);
 * with ``--kill``, one more pool run of the bursty window in which tenant ``--kill-tenant`` is
   SIGKILLed ``--kill-at`` seconds in: how long until the ledger no longer counts its memory
   (target < 1 s) and until the GPU's free memory shows it, and whether the others finished.
@@ -66,6 +68,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="static,pool (default), and pool-floor (default with --floor)")
     ap.add_argument("--floor", default=None,
                     help="pool-floor mode: each tenant's floor, a fraction of --total (1/6), a share (15%%) or a size")
+    ap.add_argument("--keep", default=None,
+                    help="pool-keep mode: made pages each tenant keeps between requests, a size (64M)")
     ap.add_argument("--window-start", type=float, default=289.0, help="trace seconds after the traces' origin")
     ap.add_argument("--window", type=float, default=30.0, help="trace seconds replayed")
     ap.add_argument("--time-scale", type=float, default=None,
@@ -108,7 +112,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, flag, cpu if tiny else gpu)
     args.scenario_list = cli.names(ap, "--scenarios", args.scenarios, tenant_plan.SCENARIOS)
     if args.modes is None:
-        args.modes = "static,pool" + (",pool-floor" if args.floor is not None else "")
+        args.modes = ("static,pool" + (",pool-floor" if args.floor is not None else "")
+                      + (",pool-keep" if args.keep is not None else ""))
     args.mode_list = cli.names(ap, "--modes", args.modes, tn.MODES)
     cli.check_counts(ap, args, ["--requests", "--max-prompt", "--new-tokens", "--max-rows", "--max-context",
                                 "--max-batch-tokens"])
@@ -124,6 +129,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--kill needs the pool mode (--modes ... pool)")
     if ("pool-floor" in args.mode_list) != (args.floor is not None):
         ap.error("--floor and the pool-floor mode go together (--floor 1/6 runs it by default)")
+    if ("pool-keep" in args.mode_list) != (args.keep is not None):
+        ap.error("--keep and the pool-keep mode go together (--keep 64M runs it by default)")
     for flag in ("total", "page_size"):
         try:
             setattr(args, f"{flag}_bytes", vmem.parse_bytes(getattr(args, flag)))
@@ -134,6 +141,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             args.floor, args.total_bytes, len(tenant_plan.TENANTS))
     except ValueError as e:
         ap.error(f"--floor {e}")
+    try:
+        args.keep_bytes = 0 if args.keep is None else vmem.parse_bytes(args.keep)
+    except (vmem.VmemError, TypeError) as e:
+        ap.error(f"--keep {args.keep!r}: {e}")
     from vmem.transformers import PAGE_SIZES
 
     if args.page_size_bytes not in PAGE_SIZES:
@@ -233,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                              page_size=args.page_size_bytes, max_requests=args.max_rows,
                              max_context=args.max_context, max_batch_tokens=args.max_batch_tokens,
                              new_tokens=args.new_tokens, timeout_s=args.timeout, tiny=args.tiny,
-                             keep_going=args.keep_going, floor=args.floor_bytes)
+                             keep_going=args.keep_going, floor=args.floor_bytes,
+                             keep=args.keep_bytes)
         jobs = [tn.TenantJob(i, t, tuple(per_tenant[i]), serving, work)
                 for i, t in enumerate(tenant_plan.TENANTS)]
         fl = fleet.Fleet(jobs)

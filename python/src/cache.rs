@@ -333,10 +333,13 @@ impl KVCache {
         Ok((r.prefix_pages, r.idle_pages, r.request_pages))
     }
 
-    /// Gives every idle page back to the backend; returns the pages released.
-    fn release_idle(&self, py: Python<'_>) -> PyResult<u64> {
+    /// Gives idle pages back to the backend until at most `keep_pages` are left (0: every
+    /// one); returns the pages released.
+    #[pyo3(signature = (keep_pages = None))]
+    fn release_idle(&self, py: Python<'_>, keep_pages: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
         let inner = self.get()?;
-        py.detach(|| inner.kv.release_free_pages()).map_err(py_err)
+        let keep = keep_pages.map_or(Ok(0), |k| to_u64(k, "keep_pages"))?;
+        py.detach(|| inner.kv.release_free_pages_above(keep)).map_err(py_err)
     }
 
     /// Sets the cap on physical memory without creating pages; returns the pages released.

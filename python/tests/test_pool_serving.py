@@ -122,6 +122,35 @@ def test_a_pool_limit_bounds_the_engines_blocks_and_a_raised_one_grows_at_once(l
     assert tenancy.budget_blocks(cache) == 19
 
 
+def test_pool_keep_holds_made_pages_between_requests_and_the_pool_takes_them_back_when_idle(ledger):
+    """``pool_keep`` = 3 blocks: once the requests are done the tenant keeps 3 made, unmapped
+    pages (charged to it) beside its trash row (no prefix cache here); idle for
+    ``pool_idle_s``, it gives them back; the tokens are an unpooled run's."""
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = _prompts(model.config.vocab_size)[:3]
+    block = 64 * 1024  # token-major, 64K pages: one page a block
+    join = pool.Join("keeper", ledger=ledger.path)
+    run = _run(model, prompts, pool=join, pool_keep=3 * block, pool_idle_s=None, prefix_cache=0)
+    cache = run["cache"]
+    assert run["error"] is None and len(run["results"]) == 3
+    u = cache.kv.usage()
+    assert u["pool_free_pages"] == 3, u
+    assert cache.kv.tenant().usage == cache.trash_bytes() + 3 * block
+    made = u["pool_created_pages"]
+    # Given back when idle (pool_idle_s): only the trash row stays.
+    cache.options = cache.options.replace(pool_idle_s=0)
+    assert tenancy.release_when_idle(cache) == 3 * block
+    assert cache.kv.tenant().usage == cache.trash_bytes() and cache.kv.usage()["pool_created_pages"] == made - 3
+    free = _run(model, prompts, prefix_cache=0)
+    assert _tokens(run) == _tokens(free)
+
+
+@pytest.mark.parametrize("bad", [-1, "lots", True, 1.5, "-2M"])
+def test_pool_keep_refuses_what_is_no_size(bad):
+    with pytest.raises(vmem.InvalidArgument, match="pool_keep"):
+        vt.Options(pool_keep=bad)
+
+
 def test_sleep_releases_every_page_to_the_pool_and_the_next_batch_wakes_it(ledger):
     """After a batch: sleep leaves 0 bytes charged and 0 created, with every tensor at its
     address; a second batch on the same engine wakes it and gives the same tokens as the first

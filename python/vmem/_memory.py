@@ -69,11 +69,13 @@ class MemoryControl:
         out["total"] = sum(out.values())
         return out
 
-    def release_idle(self) -> int:
+    def release_idle(self, keep: Any = 0) -> int:
         """Gives the idle pages (created, mapped nowhere: the reserve a freed request leaves
         when ``deferred_reclaim`` is off) back to the backend now; in a pool, to the pool.
-        Returns the bytes released."""
-        return int(self._rs.release_idle()) * int(self._rs.config()["page_size"])
+        ``keep`` (bytes, an int or a string like ``"64M"``; whole pages, rounded down) stay
+        made for the next requests. Returns the bytes released."""
+        page = int(self._rs.config()["page_size"])
+        return int(self._rs.release_idle(check_size("keep", keep) // page)) * page
 
     def set_memory_cap(self, size: Any) -> int:
         """Sets the cap on physical memory to ``size`` bytes (whole pages, at least one)

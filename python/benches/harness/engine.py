@@ -64,7 +64,10 @@ class Observer:
         if self.on_round is not None:
             self.on_round(cache)
         if self.capture_logits:
-            states = [fs for fs in bp.inputs_and_outputs.requests_in_batch if fs.has_new_token]
+            ios = bp.inputs_and_outputs
+            if hasattr(ios, "io_pairs"):  # async batching: the pair this forward computes
+                ios = ios.io_pairs[ios.current_pair].host_io
+            states = [fs for fs in ios.requests_in_batch if fs.has_new_token]
             logits = output.logits[0].float().cpu()
             for i, fs in enumerate(states):
                 self.logits.setdefault(fs.state.request_id, []).append(logits[i])

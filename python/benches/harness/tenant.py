@@ -24,10 +24,11 @@ from typing import Any
 
 from harness.tenant_plan import Arrival, TenantSpec
 
-#: the modes a run serves a tenant in (``pool-floor``: the pool, each tenant with ``Serving.floor``)
-MODES = ("static", "pool", "pool-floor")
+#: the modes a run serves a tenant in (``pool-floor``: the pool, each tenant with ``Serving.floor``;
+#: ``pool-keep``: the pool, each tenant keeping ``Serving.keep`` bytes of made pages between requests)
+MODES = ("static", "pool", "pool-floor", "pool-keep")
 #: the modes whose tenants join the pool
-POOLED = ("pool", "pool-floor")
+POOLED = ("pool", "pool-floor", "pool-keep")
 #: short prompts served before the clock starts (kernels compiled, allocator warm)
 PRIMERS = 2
 
@@ -61,6 +62,7 @@ class Serving:
     tiny: bool
     keep_going: bool = False
     floor: int = 0
+    keep: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,8 @@ def vmem_options(job: TenantJob, mode: str) -> dict[str, Any]:
     """The ``vmem.transformers.serving`` options of ``mode``: static, a third of the total made
     up front (a fixed partition); pool, the whole total as the ceiling, pages made on demand
     and charged to the ledger under the tenant's name; pool-floor, the same with a guaranteed
-    floor of ``Serving.floor`` bytes (room the pool keeps for it while it holds less)."""
+    floor of ``Serving.floor`` bytes (room the pool keeps for it while it holds less); pool-keep,
+    the pool with ``Options.pool_keep = Serving.keep`` (made pages kept between requests)."""
     s = job.serving
     common = {"layout": s.layout, "kernel": "fa", "page_size": s.page_size, "max_requests": s.max_requests,
               "max_context": s.max_context}
@@ -106,7 +109,8 @@ def vmem_options(job: TenantJob, mode: str) -> dict[str, Any]:
     from vmem import pool
 
     floor = s.floor if mode == "pool-floor" else None
-    return {**common, "memory": s.total, "prealloc": False,
+    keep = s.keep if mode == "pool-keep" else 0
+    return {**common, "memory": s.total, "prealloc": False, "pool_keep": keep,
             "pool": pool.Join(job.spec.name, ledger=s.ledger, floor=floor)}
 
 

@@ -8,6 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from harness import tenant as tn
 from harness.stats import percentile
 from harness.table import format_table
 
@@ -60,7 +61,7 @@ def ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     pool/static."""
     by = {(r["scenario"], r["mode"], r["tenant"]): r for r in rows}
     out = []
-    for pooled in ("pool", "pool-floor"):
+    for pooled in tn.POOLED:
         for (scenario, mode, tenant), s in by.items():
             p = by.get((scenario, pooled, tenant))
             if mode == "static" and p is not None:

@@ -266,7 +266,7 @@ class VmemCBCache:
         if index is not None:
             self.kv.free(index)
             if self.options.pool is not None:
-                self.kv.release_idle()  # a pool tenant keeps no idle reserve: the others may use it
+                self.kv.release_idle(self.options.pool_keep)  # a pool tenant's idle reserve: pool_keep
 
     def free_all_requests(self) -> None:
         for request_id in self.table.request_ids():

@@ -77,6 +77,11 @@ class Options:
       within that long, as by the next request of a burst or an agent's next call, survives);
       ``None``: never (an idle tenant keeps its prefix cache until the pool runs low). Not
       used outside a pool.
+    * ``pool_keep``: bytes of made, unmapped pages a pool tenant keeps when a request
+      finishes, for its next requests to map without making them (an int or a string like
+      ``"64M"``; whole pages); 0 (default): every one goes back to the pool at once. What is
+      kept counts as the tenant's usage, and goes back when the pool runs low or after
+      ``pool_idle_s``. Not used outside a pool.
 
     Made once (``Options(**kw)`` validates and canonicalizes: sizes become ints); frozen.
     Strings are never bools and floats never ints (:mod:`vmem._args`).
@@ -94,6 +99,7 @@ class Options:
     graph_seqlen_k: str = "bucket"
     pool: Any = None
     pool_idle_s: Any = POOL_IDLE_S
+    pool_keep: Any = 0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: the canonical values are set once, here
@@ -114,6 +120,7 @@ class Options:
         set_(self, "graph_seqlen_k", check_choice("graph_seqlen_k", self.graph_seqlen_k, SEQLEN_K_SOURCES))
         set_(self, "pool", Join.of(self.pool))
         set_(self, "pool_idle_s", check_optional_seconds("pool_idle_s", self.pool_idle_s))
+        set_(self, "pool_keep", check_size("pool_keep", self.pool_keep))
         if self.kernel == "fa" and self.max_context is not None and (self.max_requests + 1) * self.max_context >= 2**31:
             # FlashAttention's cu_seqlens_k are int32 row starts (sizing.Geometry checks the same
             # once max_context is rounded to whole blocks, or taken from the model).

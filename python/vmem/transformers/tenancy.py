@@ -10,8 +10,9 @@
   (:meth:`vmem.KVCache.shrink_to_limit`): its cap becomes the limit, and when over it gives
   back first the prefix cache's unmapped blocks, then its idle pages, before any request is
   preempted.
-* **Idle**: a finished request's pages go back to the pool at once (the cache keeps no idle
-  reserve), so an idle tenant holds its trash row's block and its prefix cache only; after
+* **Idle**: a finished request's pages go back to the pool at once, but for
+  ``Options.pool_keep`` bytes of made pages kept for the next requests (0 by default), so an
+  idle tenant holds its trash row's block, that reserve and its prefix cache only; after
   ``Options.pool_idle_s`` seconds with no live request (:func:`release_when_idle`, each loop
   turn) it gives back the prefix cache too, down to its trash row's block.
 * **Waiting for room** (:func:`round_or_wait`): a tenant with no request running whose next
