@@ -339,7 +339,8 @@ impl KVCache {
     fn release_idle(&self, py: Python<'_>, keep_pages: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
         let inner = self.get()?;
         let keep = keep_pages.map_or(Ok(0), |k| to_u64(k, "keep_pages"))?;
-        py.detach(|| inner.kv.release_free_pages_above(keep)).map_err(py_err)
+        py.detach(|| inner.kv.release_free_pages_above(keep))
+            .map_err(py_err)
     }
 
     /// Sets the cap on physical memory without creating pages; returns the pages released.

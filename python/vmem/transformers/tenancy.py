@@ -20,6 +20,9 @@
   loop asks again every 0.1 s) instead of stopping with the engine's "No requests can be
   scheduled and no requests can be offloaded"; after :data:`ROOM_WAIT_S` without room it stops
   with that error, as when the room is its own.
+* **Room taken meanwhile** (:func:`step`): when the pool refuses a round's pages because its
+  other tenants charged the room after the engine's check, the round waits for them (up to
+  :data:`STEP_WAIT_S`) instead of stopping the engine.
 * **Yielding room** (:func:`yield_room`): when the pool's free room falls below
   1/:data:`LOW_WATER` of its total, every tenant gives back, at its next loop turn (at most
   0.1 s apart, idle or not), what no request of its own maps (its prefix cache, idle and
@@ -173,18 +176,36 @@ def on_round(cache: Any) -> None:
     cache.kv.shrink_to_limit()
 
 
-def step(cache: Any) -> None:
-    """Maps what the round's allocations need (``kv.step``). A page the pool refuses (its other
-    tenants took the room between the engine's check and the step) is tried once more after
-    giving back every page no request needs; still refused, :class:`vmem.OutOfMemory` stops the
-    round."""
+#: Seconds a pool tenant's round waits for room its neighbours took between the engine's check
+#: and the round's mapping (they give it back as their requests finish: milliseconds to a few
+#: seconds); then :class:`vmem.OutOfMemory` stops the round, as outside a pool.
+STEP_WAIT_S = 10.0
+#: Seconds between two tries of such a round.
+STEP_RETRY_S = 0.01
+
+
+def step(cache: Any, now: Callable[[], float] = time.monotonic, pause: Callable[[float], None] = time.sleep) -> None:
+    """Maps what the round's allocations need (``kv.step``, all or nothing). A page the pool
+    refuses because its other tenants took the room between the engine's check and the step is
+    tried again after giving back every page no request needs, then every :data:`STEP_RETRY_S`
+    while the others hold memory, for up to :data:`STEP_WAIT_S`; refused still, or refused with
+    the room this tenant's own (its limit), :class:`vmem.OutOfMemory` stops the round."""
     try:
         cache.kv.step(cache.table.lengths)
+        return
     except OutOfMemory:
         if cache.kv.tenant() is None:
             raise
-        cache.kv.shrink()
-        cache.kv.step(cache.table.lengths)
+    cache.kv.shrink()
+    deadline = now() + STEP_WAIT_S
+    while True:
+        try:
+            cache.kv.step(cache.table.lengths)
+            return
+        except OutOfMemory:
+            if now() >= deadline or not others_hold_room(cache):
+                raise
+        pause(STEP_RETRY_S)
 
 
 def sleep(cache: Any) -> int:

@@ -300,8 +300,15 @@ impl KvCacheManager {
     /// Gives every idle page of the pool back to the driver now (pages mapped to requests,
     /// deferred ones included, stay). Returns the pages released.
     pub fn release_free_pages(&self) -> Result<u64> {
+        self.release_free_pages_above(0)
+    }
+
+    /// Gives idle pages of the pool back to the driver until at most `keep` are left: made
+    /// pages the next requests map without creating them (a pool tenant between requests).
+    /// Returns the pages released.
+    pub fn release_free_pages_above(&self, keep: u64) -> Result<u64> {
         let mut st = self.shared.lock();
-        st.pool.trim(0)
+        st.pool.trim(keep)
     }
 
     /// Free "KV blocks", one block being one page in every buffer: what the pool can hand out
