@@ -25,7 +25,9 @@ once by a barrier:
   (target < 1 s) and until the GPU's free memory shows it, and whether the others finished.
 
 Per run and tenant: TTFT p50/p99 (from each request's trace arrival), generated tok/s,
-requests completed, preemptions, peak KV held and mapped, pages held once idle. Every
+requests completed, preemptions, peak KV held and mapped, pages held once idle (right after the
+last request, and in the pool after its idle release: ``pages_after_idle_s``, what it holds once
+``pool_idle_s`` passed, and when). Every
 ``--interval`` seconds the parent samples the ledger (per-tenant usage), each tenant's own KV
 bytes and ``torch.cuda.mem_get_info``. Writes ``multitenant.json``, ``multitenant.txt`` (table,
 ratios TTFT p99 static/pool and tok/s pool/static) and ``multitenant.svg`` (memory over time).

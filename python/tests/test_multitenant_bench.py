@@ -334,19 +334,32 @@ def test_a_pool_tenant_starved_by_its_neighbours_waits_instead_of_failing(tmp_pa
             assert 0 < run["pool_max_used"] <= res["pool_total"], run["key"]
 
 
-def test_tiny_run_with_a_floor_serves_the_pool_floor_mode_beside_static_and_pool(tmp_path) -> None:
-    """``--floor 1/6``: a third mode, ``pool-floor``, in which every tenant joined with a floor of
-    a sixth of the pool (the ledger held it), with its own ratios against static."""
+def test_tiny_run_with_a_floor_and_a_keep_serves_their_modes_beside_static_and_pool(tmp_path) -> None:
+    """``--floor 1/6 --keep 256K``: ``pool-floor``, in which every tenant joined with a floor of
+    a sixth of the pool (the ledger held it), and ``pool-keep``, in which every tenant kept up
+    to 4 made pages when its requests finished (more than its trash row's page held right after
+    them), each with its ratios against static; every pooled tenant was down to its trash row's
+    page after its idle release (``pool_idle_s``), and its ``released_after_s`` says when."""
     pytest.importorskip("transformers")
     from vmem import pool  # noqa: F401  (the bench's pool modes)
 
-    done, pids = run_bench(tmp_path, "--floor", "1/6", "--scenarios", "bursty")
+    done, pids = run_bench(tmp_path, "--floor", "1/6", "--keep", "256K", "--scenarios", "bursty")
     assert done.returncode == 0, done.stderr[-3000:]
     assert_nothing_left(tmp_path, pids)
     res = json.loads((tmp_path / "out" / "multitenant.json").read_text())
     names = [t["name"] for t in res["tenants"]]
     keys = [(r["mode"], r["tenant"]) for r in res["rows"]]
-    assert keys == [(m, t) for m in ("static", "pool", "pool-floor") for t in [*names, "all"]]
+    modes = ("static", "pool", "pool-floor", "pool-keep")
+    assert keys == [(m, t) for m in modes for t in [*names, "all"]]
+    for run in res["runs"]:
+        for t in run["tenants"]:
+            if run["mode"] == "static":
+                assert "released_held_bytes" not in t
+                continue
+            assert t["released_held_bytes"] == t["page_bytes"], (run["mode"], t)  # token-major: one trash page
+            assert 0 <= t["released_after_s"] < 4.5
+            if run["mode"] == "pool-keep":
+                assert t["idle_held_bytes"] > t["page_bytes"], t
     total = res["pool_total"]
     for run in res["runs"]:
         floors = {t["floor_bytes"] for t in run["tenants"]}
@@ -354,14 +367,17 @@ def test_tiny_run_with_a_floor_serves_the_pool_floor_mode_beside_static_and_pool
         if run["mode"] != "static":
             assert 0 < run["pool_max_used"] <= total, run["key"]
     assert [(r["mode"], r["tenant"]) for r in res["ratios"]] == \
-        [(m, t) for m in ("pool", "pool-floor") for t in [*names, "all"]]
-    assert "pool-floor" in (tmp_path / "out" / "multitenant.txt").read_text()
+        [(m, t) for m in modes[1:] for t in [*names, "all"]]
+    text = (tmp_path / "out" / "multitenant.txt").read_text()
+    assert "pool-floor" in text and "pool-keep" in text and "pages_after_idle_s" in text
 
 
 @pytest.mark.parametrize("flags", [["--floor", "0"], ["--floor", "1/2"], ["--floor", "abc"], ["--floor", "-1G"],
                                    ["--floor", "nan%"], ["--modes", "static,pool-floor"],
-                                   ["--floor", "1/6", "--modes", "static,pool"]])
-def test_a_bad_floor_is_one_usage_line_before_any_process(flags, tmp_path, capsys) -> None:
+                                   ["--floor", "1/6", "--modes", "static,pool"], ["--keep", "lots"],
+                                   ["--keep", "-1M"], ["--modes", "static,pool-keep"],
+                                   ["--keep", "1M", "--modes", "static,pool"]])
+def test_a_bad_floor_or_keep_is_one_usage_line_before_any_process(flags, tmp_path, capsys) -> None:
     pytest.importorskip("transformers", reason="the bench imports transformers' configs")
     import multitenant_bench
 
@@ -369,4 +385,4 @@ def test_a_bad_floor_is_one_usage_line_before_any_process(flags, tmp_path, capsy
         multitenant_bench.main(["--tiny", "--out", str(tmp_path), *flags])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "--floor" in err, err
+    assert ("--keep" if "keep" in " ".join(flags) else "--floor") in err, err

@@ -213,7 +213,7 @@ def serve_run(job: TenantJob, run: RunPlan, model: Any, barrier: Any, usage: Any
         return {"preemptions": cache.readmissions, "floor_bytes": 0 if t is None else t.floor, "peak_mapped_bytes": cache.peak_mapped_bytes,
                 "idle_held_bytes": int(u["physical_bytes"]), "idle_mapped_bytes": int(u["mapped_bytes"]),
                 "idle_rows": len(cache.table), "page_bytes": cache.page_bytes,
-                "kv_layers": model.config.num_hidden_layers, "layout": cache.layout}
+                "kv_layers": model.config.num_hidden_layers, "layout": cache.layout, **after_idle(cache)}
 
     cb = {"max_batch_tokens": s.max_batch_tokens, "use_cuda_graph": False}
     started = time.perf_counter()
@@ -232,6 +232,26 @@ def serve_run(job: TenantJob, run: RunPlan, model: Any, barrier: Any, usage: Any
         torch.cuda.empty_cache()
     usage[2 * i] = usage[2 * i + 1] = 0.0
     return metrics
+
+
+#: Seconds past ``pool_idle_s`` :func:`after_idle` waits for a tenant's idle release.
+IDLE_GRACE_S = 2.0
+
+
+def after_idle(cache: Any) -> dict[str, Any]:
+    """For a pool tenant with ``pool_idle_s`` set, with its engine still running and no request
+    left: waits (up to ``pool_idle_s`` + :data:`IDLE_GRACE_S`) until it holds no more than its
+    trash row, and returns what it holds then (``released_held_bytes``) and how long that took
+    (``released_after_s``); ``{}`` for any other cache."""
+    idle_s = cache.options.pool_idle_s
+    if cache.options.pool is None or idle_s is None:
+        return {}
+    t0 = time.monotonic()
+    trash = cache.trash_bytes()
+    while cache.kv.usage()["physical_bytes"] > trash and time.monotonic() - t0 < idle_s + IDLE_GRACE_S:
+        time.sleep(0.05)
+    return {"released_held_bytes": int(cache.kv.usage()["physical_bytes"]),
+            "released_after_s": round(time.monotonic() - t0, 2)}
 
 
 def run_metrics(out: dict[str, Any], run: RunPlan, epoch: float) -> dict[str, Any]:

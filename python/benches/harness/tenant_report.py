@@ -14,7 +14,7 @@ from harness.table import format_table
 
 #: the per-tenant table's columns, in order
 COLUMNS = ["scenario", "mode", "tenant", "requests", "completed", "ttft_p50_ms", "ttft_p99_ms", "tok_s",
-           "preemptions", "peak_held_mib", "peak_mapped_mib", "idle_pages"]
+           "preemptions", "peak_held_mib", "peak_mapped_mib", "idle_pages", "pages_after_idle_s"]
 #: the comparison's columns
 RATIO_COLUMNS = ["scenario", "mode", "tenant", "ttft_p99_static_ms", "ttft_p99_pool_ms", "ttft_p99 static/pool",
                  "tok_s_static", "tok_s_pool", "tok_s pool/static"]
@@ -33,7 +33,9 @@ def tenant_row(res: dict[str, Any], samples: Sequence[dict[str, Any]]) -> dict[s
             "completed": res["completed"], "ttft_p50_ms": res["ttft_p50_ms"], "ttft_p99_ms": res["ttft_p99_ms"],
             "tok_s": res["tok_s"], "preemptions": res["preemptions"],
             "peak_held_mib": max(held, default=0.0) / 2**20, "peak_mapped_mib": res["peak_mapped_bytes"] / 2**20,
-            "idle_pages": res["idle_held_bytes"] // res["page_bytes"]}
+            "idle_pages": res["idle_held_bytes"] // res["page_bytes"],
+            "pages_after_idle_s": (f"{res['released_held_bytes'] // res['page_bytes']} after {res['released_after_s']} s"
+                                   if "released_held_bytes" in res else "-")}
 
 
 def all_row(scenario: str, mode: str, results: Sequence[dict[str, Any]]) -> dict[str, Any]:
