@@ -147,7 +147,7 @@ def test_pool_keep_holds_made_pages_between_requests_and_the_pool_takes_them_bac
     assert _tokens(run) == _tokens(free)
 
 
-@pytest.mark.parametrize("bad", [-1, "lots", True, 1.5, "-2M"])
+@pytest.mark.parametrize("bad", [-1, "lots", True, 1.5, "-2M", 10**30, None, "inf"])
 def test_pool_keep_refuses_what_is_no_size(bad):
     with pytest.raises(vmem.InvalidArgument, match="pool_keep"):
         vt.Options(pool_keep=bad)

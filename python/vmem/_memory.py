@@ -75,7 +75,8 @@ class MemoryControl:
         ``keep`` (bytes, an int or a string like ``"64M"``; whole pages, rounded down) stay
         made for the next requests. Returns the bytes released."""
         page = int(self._rs.config()["page_size"])
-        return int(self._rs.release_idle(check_size("keep", keep) // page)) * page
+        pages = min(check_size("keep", keep) // page, 2**64 - 1)  # more than exist: keep them all
+        return int(self._rs.release_idle(pages)) * page
 
     def set_memory_cap(self, size: Any) -> int:
         """Sets the cap on physical memory to ``size`` bytes (whole pages, at least one)

@@ -40,6 +40,8 @@ PAGE_SIZES = (64 << 10, 128 << 10, 256 << 10, 2 << 20)
 #: by the next request of a burst survives; short against the bursts a neighbour serves
 #: meanwhile (tens of seconds in the Azure traces), whose room it frees.
 POOL_IDLE_S = 2.0
+#: The most bytes a size option can name (the ledger's and the Rust side's u64).
+MAX_BYTES = 2**64 - 1
 #: Contexts (tokens) above this cannot be indexed with the int32 positions the engine and the
 #: kernels use.
 MAX_CONTEXT = 2**31 - 1
@@ -121,6 +123,8 @@ class Options:
         set_(self, "pool", Join.of(self.pool))
         set_(self, "pool_idle_s", check_optional_seconds("pool_idle_s", self.pool_idle_s))
         set_(self, "pool_keep", check_size("pool_keep", self.pool_keep))
+        if self.pool_keep > MAX_BYTES:  # checked here, not when a request finishes inside the engine
+            raise InvalidArgument(f"pool_keep must be at most {MAX_BYTES} bytes, got {self.pool_keep}")
         if self.kernel == "fa" and self.max_context is not None and (self.max_requests + 1) * self.max_context >= 2**31:
             # FlashAttention's cu_seqlens_k are int32 row starts (sizing.Geometry checks the same
             # once max_context is rounded to whole blocks, or taken from the model).
