@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any, Dict, Optional
 
 from ._args import check_bool, check_optional_size, check_size
+from ._pool_args import MAX_BYTES
 
 __all__ = ["MemoryControl", "TenantSelf"]
 
@@ -75,7 +76,7 @@ class MemoryControl:
         ``keep`` (bytes, an int or a string like ``"64M"``; whole pages, rounded down) stay
         made for the next requests. Returns the bytes released."""
         page = int(self._rs.config()["page_size"])
-        pages = min(check_size("keep", keep) // page, 2**64 - 1)  # more than exist: keep them all
+        pages = min(check_size("keep", keep) // page, MAX_BYTES)  # more than exist: keep them all
         return int(self._rs.release_idle(pages)) * page
 
     def set_memory_cap(self, size: Any) -> int:

@@ -115,8 +115,8 @@ class WrapperSet:
     def _share_int_workspace(self, w: Any, pair: int) -> None:
         """Points ``w`` at its pair's int workspace and pinned staging buffer (see the module doc)."""
         shared = self.int_workspaces.get(pair)
-        if shared is None:
-            shared = self.int_workspaces[pair] = (w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
+        if shared is None:  # the pair's first wrapper: its own buffers become the shared ones
+            self.int_workspaces[pair] = (w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
             return
         # The public reset gives the device buffer (and makes a pinned one of its own: replaced).
         w.reset_workspace_buffer(self.workspace, shared[0])

@@ -21,7 +21,7 @@ from .._args import (
     check_size,
 )
 from .._vmem import InvalidArgument
-from ..pool import Join
+from ..pool import MAX_BYTES, Join
 
 #: The kernels ``paged|vmem`` can read its rows with: ``"fa"`` (torch's FlashAttention-2 varlen
 #: op, the default), ``"flex"`` (FlexAttention with a BlockMask) or ``"flashinfer"`` (FlashInfer's
@@ -40,8 +40,6 @@ PAGE_SIZES = (64 << 10, 128 << 10, 256 << 10, 2 << 20)
 #: by the next request of a burst survives; short against the bursts a neighbour serves
 #: meanwhile (tens of seconds in the Azure traces), whose room it frees.
 POOL_IDLE_S = 2.0
-#: The most bytes a size option can name (the ledger's and the Rust side's u64).
-MAX_BYTES = 2**64 - 1
 #: Contexts (tokens) above this cannot be indexed with the int32 positions the engine and the
 #: kernels use.
 MAX_CONTEXT = 2**31 - 1
