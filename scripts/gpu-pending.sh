@@ -7,6 +7,7 @@
 #   there:  scripts/gpu-pending.sh check         # carry .whl and .carry/fi
 #           scripts/gpu-pending.sh suite         # carry .whl and .carry/fi
 #           scripts/gpu-pending.sh tenants       # carry .whl
+#           scripts/gpu-pending.sh profile       # carry .whl and .carry/fi
 #
 #   check    test_gpu.py (FlashInfer over rows included); graphs_check.py with kernel fa and
 #            flashinfer, graphs off/on/async: top-1 agreement with the engine and with FA, tok/s
@@ -15,15 +16,20 @@
 #            FA + graphs and with FlashInfer + graphs (issue #32's 1.0x target)
 #   tenants  multitenant_bench.py, bursty mix at 1536M: static, pool and pool-floor (1/6 each),
 #            idle release on by default (issue #33's 3x TTFT p99 target); TENANT_MODES replaces
-#            the --floor flag (TENANT_MODES="--modes static,pool,pool-keep --keep 128M")
+#            the --floor flag (TENANT_MODES="--modes static,pool,pool-keep --keep 128M"),
+#            TENANT_SCENARIOS the scenarios (default bursty)
+#   profile  serving_suite.py --profile, 8B-x8, conv trace, memory-bound (tenth): per engine round
+#            its wall time, loop parts, sequences and the kernels' share, for each of
+#            PROFILE_CONTENDERS (default the engine's best native, fi-paged and vmem, all with graphs)
 #
+# SUITE_CONTENDERS replaces the suite's contenders, GRAPHS_KERNELS the check's kernels (fa,flashinfer).
 # Results go to $OUT/<part>/ and are packed into $OUT/<part>.tgz ($OUT returns at most 8 files).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 part=${1:-}
 out=${OUT:-/tmp/vmem-gpu-pending}/$part
-case "$part" in check|suite|tenants) ;; *) echo "usage: $0 check|suite|tenants" >&2; exit 2 ;; esac
+case "$part" in check|suite|tenants|profile) ;; *) echo "usage: $0 check|suite|tenants|profile" >&2; exit 2 ;; esac
 [ -n "$(ls .whl/vmem*.whl 2>/dev/null)" ] || { echo "$0: no .whl/vmem*.whl (scripts/python-gpu.sh build, then carry .whl)" >&2; exit 2; }
 mkdir -p "$out"
 
@@ -44,17 +50,24 @@ case "$part" in
     timeout 150 python3 -m pytest -q -rs -p no:cacheprovider python/tests/test_gpu.py ${GPU_TESTS:+-k "$GPU_TESTS"} 2>&1 \
       | tee "$out/test_gpu.txt" || rc=1
     (cd python && PYTHONPATH=benches:$PYTHONPATH timeout 330 python3 benches/graphs_check.py \
-      --kernels fa,flashinfer --skip-small --bench-requests 48 --new-tokens 96 --repeats 2) 2>&1 \
+      --kernels "${GRAPHS_KERNELS:-fa,flashinfer}" --skip-small --bench-requests 48 --new-tokens 96 --repeats 2) 2>&1 \
       | tee "$out/graphs_check.txt" || rc=1
     ;;
   suite)
     timeout 520 python3 python/benches/serving_suite.py --only model=llama3-8b-x8 --only trace=conv \
-      --only contender=paged-sdpa-256-graphs,fi-paged-graphs,vmem-token-major-graphs,vmem-token-major-fi-graphs,vmem-token-major-fi-graphs-async,vmem-per-layer-fi-graphs \
-      --requests 64 --new-tokens 48 --out "$out/suite" 2>&1 | tee "$out/log.txt" || rc=1
+      --only contender="${SUITE_CONTENDERS:-paged-sdpa-256-graphs,fi-paged-graphs,vmem-token-major-graphs,vmem-token-major-fi-graphs,vmem-token-major-fi-graphs-async,vmem-per-layer-fi-graphs}" \
+      --requests 64 --new-tokens 48 ${SUITE_FLAGS:-} --out "$out/suite" 2>&1 | tee "$out/log.txt" || rc=1
     ;;
   tenants)
     timeout 540 python3 python/benches/multitenant_bench.py --keep-going --total 1536M \
-      --scenarios bursty ${TENANT_MODES:---floor 1/6} --out "$out/multitenant" 2>&1 | tee "$out/log.txt" || rc=1
+      --scenarios "${TENANT_SCENARIOS:-bursty}" ${TENANT_MODES:---floor 1/6} --out "$out/multitenant" 2>&1 \
+      | tee "$out/log.txt" || rc=1
+    ;;
+  profile)
+    for c in ${PROFILE_CONTENDERS:-paged-sdpa-256-graphs fi-paged-graphs vmem-token-major-graphs}; do
+      timeout 170 python3 python/benches/serving_suite.py --profile "$c" --only model=llama3-8b-x8 --only trace=conv \
+        --only budget=tenth --requests 64 --new-tokens 48 --out "$out/$c" 2>&1 | tail -40 | tee "$out/$c.log" || rc=1
+    done
     ;;
 esac
 (cd "$out/.." && tar czf "$part.tgz" "$part" && rm -rf "$part")

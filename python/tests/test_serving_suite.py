@@ -242,7 +242,12 @@ def test_tiny_suite_runs_end_to_end_and_merges(tmp_path) -> None:
     assert serving_suite.main([*common, "--only", "trace=code", "--only", "budget=tenth", "--check-requests", "0",
                                "--out", b]) == 0
     assert serving_suite.main([*common, "--only", "trace=code", "--profile", "vmem-per-layer", "--out", b]) == 0
-    assert "host in forward" in read(b, "profile.txt")
+    prof = read(b, "profile.txt")
+    assert "host in forward" in prof
+    # the round clock (what a graph replay, which runs no forward hook, is profiled by)
+    rounds = prof[prof.index("per engine round"):].splitlines()
+    kinds = {line.split()[0]: line.split() for line in rounds[2:] if line.strip()}
+    assert "prefill" in kinds and int(kinds["prefill"][1]) >= 1 and float(kinds["prefill"][2]) > 0, rounds
     m = str(tmp_path / "m")
     assert serving_suite.main(["--merge", a, b, "--out", m]) == 0
     merged = json.loads(read(m, "suite.json"))

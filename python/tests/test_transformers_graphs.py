@@ -413,3 +413,7 @@ def test_the_bench_graph_contenders_pass_the_engines_graph_switch():
         assert kw["use_cuda_graph"] is True and opts["kernel"] == "flashinfer" and spec["optional"], name
         assert kw.get("use_async_batching", False) == name.endswith("-async") and name in ct.offered()
         assert name not in ct.defaults(ct.serving())  # run only when named
+    # FA + graphs + async: a default contender (no optional dependency)
+    kw, opts = ct.contender_config(None, ct.spec("vmem-token-major-graphs-async"), args, budget)
+    assert kw["use_cuda_graph"] is True and kw["use_async_batching"] is True and opts["kernel"] == "fa"
+    assert not ct.spec("vmem-token-major-graphs-async").get("optional")

@@ -56,6 +56,8 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     "vmem-token-major-fi-graphs-async": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
                                                 "kernel": "flashinfer", "graphs": True, "async": True,
                                                 "optional": True}),
+    "vmem-token-major-graphs-async": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
+                                             "graphs": True, "async": True}),
 }
 
 

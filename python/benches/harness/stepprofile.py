@@ -3,7 +3,13 @@ Per step (one model forward): the wall time from its start to the next step's st
 time inside the forward (Python launching kernels), the GPU span of the forward (CUDA events
 around it) and, from ``torch.profiler`` over the whole run, the kernels' own time. The
 host-side share of a step is its wall time minus its GPU span: the time the device waits for
-the engine (scheduling, input preparation, sampling, the result's copy back)."""
+the engine (scheduling, input preparation, sampling, the result's copy back).
+
+Under CUDA graphs a replay runs no forward hook, so the steps are also clocked per engine round
+(:class:`harness.hostclock.HookClock`: one turn of the engine's loop) with the loop's three parts
+timed exclusively: ``prepare`` (scheduling and batch preparation, vmem's hooks inside), ``compute``
+(the forward or graph replay as the host launches it) and ``update`` (the output tokens' copy back,
+where a synchronous engine waits for the GPU, and the requests' bookkeeping)."""
 
 from __future__ import annotations
 
@@ -72,15 +78,63 @@ def profile(model: Any, name: str, prompts: list[list[int]], args: Any, kv: dict
     serving.run_contender(model, name, prompts[:8], args, kv, contenders, new_tokens=4)  # warm
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     clock = StepClock(model)
-    try:
-        with torch_profile(activities=acts) as prof:
-            r = serving.run_contender(model, name, prompts, args, kv, contenders)
-    finally:
-        clock.remove()
+    with round_clock() as rounds:
+        try:
+            with torch_profile(activities=acts) as prof:
+                r = serving.run_contender(model, name, prompts, args, kv, contenders)
+        finally:
+            clock.remove()
+        rounds.close_round()
     steps = clock.steps()
     kernel_us = sum(e.self_device_time_total for e in prof.key_averages()
                     if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
-    return report(name, r, steps, kernel_us / 1e3, prof, top)
+    return "\n".join([report(name, r, steps, kernel_us / 1e3, prof, top), "",
+                      round_report(rounds.rounds, kernel_us / 1e3)])
+
+
+#: The engine loop's parts :func:`round_clock` times, by method of ``ContinuousBatchProcessor``
+#: (``compute`` is ``ModelRunner.compute_batch``).
+LOOP_PARTS = (("prepare_next_batch", "prepare"), ("update_batch", "update"))
+
+
+def round_clock() -> Any:
+    """A :class:`~harness.hostclock.HookClock` on the engine's rounds and loop parts (a ``with``
+    block puts the engine back)."""
+    import importlib
+
+    from harness.hostclock import HookClock
+
+    api = importlib.import_module("transformers.generation.continuous_batching.continuous_api")
+    runner = importlib.import_module("transformers.generation.continuous_batching.model_runner").ModelRunner
+    clock = HookClock()
+    clock.wrap_all(api.ContinuousBatchProcessor, LOOP_PARTS)
+    clock.wrap(runner, "compute_batch", "compute")
+    clock.wrap_rounds(api.ContinuousBatchProcessor, runner)
+    return clock
+
+
+def round_report(rounds: list[dict[str, Any]], kernel_ms: float) -> str:
+    """Per round kind: the rounds, their median wall time and loop parts, the sequences and tokens
+    they carried; and the kernels' share of all rounds' wall time (the GPU's busy share)."""
+    if not rounds:
+        return "per engine round: no rounds clocked"
+    wall = sum(r["wall_ns"] for r in rounds) / 1e6
+    lines = [f"per engine round ({len(rounds)} rounds, {wall:.0f} ms; kernels {kernel_ms / wall:.1%} of it):",
+             "kind     rounds  wall ms  prepare  compute  update  other  sequences  tokens  (medians)"]
+    for kind in ("decode", "prefill"):
+        rs = [r for r in rounds if r["kind"] == kind]
+        if not rs:
+            continue
+
+        def med(f: Any) -> float:
+            return statistics.median(f(r) for r in rs)
+
+        parts = {p: med(lambda r, p=p: r["hooks"].get(p, 0) / 1e6) for p in ("prepare", "compute", "update")}
+        other = med(lambda r: (r["wall_ns"] - sum(r["hooks"].get(p, 0) for p in parts)) / 1e6)
+        lines.append(f"{kind:<8} {len(rs):>6}  {med(lambda r: r['wall_ns'] / 1e6):>7.2f}  {parts['prepare']:>7.2f}  "
+                     f"{parts['compute']:>7.2f}  {parts['update']:>6.2f}  {other:>5.2f}  "
+                     f"{med(lambda r: r['sequences']):>9.0f}  {med(lambda r: r['tokens']):>6.0f}")
+    return "\n".join(lines)
 
 
 def report(name: str, run: dict[str, Any], steps: list[dict[str, float | None]], kernel_ms: float, prof: Any,

@@ -167,7 +167,11 @@ def agreement(model: Any, name: str, args: Any, kv: dict[str, int], n: int, new_
     # The check reads each round's logits in a forward hook, which a captured graph neither runs
     # nor allows (a device-to-host copy inside capture): graph contenders are checked with their
     # graphs off (the same attention and cache; graphs_check.py compares graphs on and off).
+    # Async batching off too: its rounds run one ahead of the requests' results, and the hook's
+    # logits did not line up with the tokens (counts_ok false on the H200, top-1 agreeing);
+    # graphs_check.py checks async batching's tokens against a plain forward instead.
     kw["use_cuda_graph"] = False
+    kw["use_async_batching"] = False
     try:
         run = check.run_engine(model, spec["attn"], prompts, new_tokens, cb_kwargs=kw, serving=opts,
                                timeout=args.timeout, name=name)

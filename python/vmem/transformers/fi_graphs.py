@@ -55,7 +55,13 @@ def workspace_bytes(graphs: bool, max_tokens: int, q_heads: int, head_dim: int) 
     graph mode FlashInfer sizes the prefill's split-KV partials for the padded round: the
     fi-paged contender measured ``20 x tokens x heads x head_dim`` fp32 values on the H100
     (2.7 GB for 8,192 tokens of 32 heads of 128, docs/serving.md), plus their log-sum-exps and
-    256 MiB for the rest."""
+    256 MiB for the rest.
+
+    vmem's requests are one page each, so nothing is ever split, but FlashInfer 0.6.13's graph
+    mode turns split-KV on regardless. Its ``disable_split_kv=True`` would drop the partials; it is
+    not used because in graph mode it then launches the padded round's spare thread blocks with
+    no validity mask, reading scheduling entries the plan did not write: a token-major run on the
+    H200 failed with ``CUDA_ERROR_INVALID_ADDRESS_SPACE`` (docs/serving.md)."""
     if not graphs:
         return WORKSPACE_BYTES
     partials = 20 * max_tokens * q_heads * (head_dim + 1) * 4
