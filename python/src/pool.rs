@@ -219,5 +219,6 @@ pub(crate) fn tenant_dict<'py>(py: Python<'py>, b: &PoolBackend) -> PyResult<Bou
     d.set_item("pool_used", t.ledger().used())?;
     d.set_item("pool_total", t.ledger().total())?;
     d.set_item("pool_room", t.pool_room())?;
+    d.set_item("pool_tenants", t.ledger().tenants())?;
     Ok(d)
 }

@@ -281,6 +281,44 @@ def test_a_tenant_gives_back_its_unmapped_pages_when_the_pool_runs_low(path):
     kv.close()
 
 
+def test_a_tenant_holding_cache_past_a_fair_share_leaves_one_free(path):
+    """Three tenants: one holds a prefix cache past its fair share (a third of the pool) while
+    less than a third is free: tenancy.yield_room gives back enough cache to leave a third free,
+    but not below its own share; a tenant within its share gives nothing, and with a third free
+    nobody does (before, a tenant yielded only below 1/LOW_WATER free, and held the rest)."""
+    import types
+
+    pytest.importorskip("torch")
+    from vmem.transformers import tenancy
+
+    pool.create(path, size=FULL * 3, slots=4)  # a fair share: one full request
+    a, b, c = (_cache(path, n, prefix_cache="2M") for n in "abc")
+    assert a.tenant().pool_tenants == 3
+    eng = {kv: types.SimpleNamespace(kv=kv) for kv in (a, b, c)}
+    for _ in range(2):  # two full requests' pages, cached as prefix blocks: twice a fair share
+        r = a.alloc()
+        a.step({r: 1024})
+        a.publish_prefix(r, [r] * 1024)
+        a.free(r)
+    share = FULL
+    held = a.tenant().usage
+    assert held >= 2 * share and a.prefix_stats()["unmapped_bytes"] > 0
+    assert all(tenancy.yield_room(eng[kv]) == 0 for kv in (a, b, c)), "a third is free: nothing given"
+    r = b.alloc()
+    b.step({r: 512})  # half a share, live: now less than a third is free
+    t = a.tenant()
+    assert t.pool_total - t.pool_used < share < t.usage
+    assert tenancy.yield_room(eng[b]) == 0 and tenancy.yield_room(eng[c]) == 0, "within their shares"
+    given = tenancy.yield_room(eng[a])
+    t = a.tenant()
+    assert given > 0 and t.usage == held - given
+    assert t.pool_total - t.pool_used >= share, "a fair share is free again"
+    assert t.usage >= share, "and the tenant kept its own share of cache"
+    assert tenancy.yield_room(eng[a]) == 0
+    for kv in (c, b, a):
+        kv.close()
+
+
 @pytest.mark.parametrize("kw", [dict(tenant="x" * 32), dict(tenant="a b"), dict(tenant="é"),
                                 dict(tenant="a", limit="0"), dict(tenant="a", limit="1.5G"),
                                 dict(tenant="a", limit="250%"), dict(tenant="a", limit="0%"),

@@ -19,8 +19,9 @@ class TenantSelf:
     ``limit``, ``usage`` and ``over_limit`` (bytes above the limit, 0 within it), ``revision``
     (bumped by every limit change: poll it to learn of one cheaply), its ``floor`` (room the
     pool keeps for it, 0: none), and the pool's ``pool_used`` and ``pool_total`` bytes (every
-    tenant's usage summed, no lock) and ``pool_room`` (what it may still charge, its limit
-    aside: the free room less what the other tenants' floors keep)."""
+    tenant's usage summed, no lock), ``pool_room`` (what it may still charge, its limit
+    aside: the free room less what the other tenants' floors keep) and ``pool_tenants`` (the
+    tenants joined now, itself included)."""
 
     name: str
     ledger: str
@@ -33,6 +34,7 @@ class TenantSelf:
     pool_used: int
     pool_total: int
     pool_room: int
+    pool_tenants: int
 
 
 class MemoryControl:

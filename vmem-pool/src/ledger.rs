@@ -113,6 +113,12 @@ impl Ledger {
         self.slots
     }
 
+    /// Tenants joined now (dead ones not yet reaped included), read from the slots' atomics
+    /// without the lock: what a tenant divides the pool by for its fair share.
+    pub fn tenants(&self) -> usize {
+        self.live().count()
+    }
+
     pub(crate) fn words(&self) -> &[AtomicU64] {
         self.map.words()
     }

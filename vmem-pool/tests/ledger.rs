@@ -199,8 +199,10 @@ fn charges_and_credits_are_exact_and_refusals_say_why() {
     ));
     b.credit(MIB).unwrap();
     assert_eq!((a.usage(), b.usage(), l.used()), (3 * MIB, 0, 3 * MIB));
+    assert_eq!(l.tenants(), 2);
     drop(a);
     assert_eq!(l.used(), 0, "a tenant that leaves gives back what it held");
+    assert_eq!(l.tenants(), 1, "and is no longer counted");
 }
 
 /// Threads, each a tenant of its own open ledger, charge and credit at random against a

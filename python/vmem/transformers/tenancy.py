@@ -23,10 +23,13 @@
 * **Room taken meanwhile** (:func:`step`): when the pool refuses a round's pages because its
   other tenants charged the room after the engine's check, the round waits for them (up to
   :data:`STEP_WAIT_S`) instead of stopping the engine.
-* **Yielding room** (:func:`yield_room`): when the pool's free room falls below
-  1/:data:`LOW_WATER` of its total, every tenant gives back, at its next loop turn (at most
-  0.1 s apart, idle or not), what no request of its own maps (its prefix cache, idle and
-  look-ahead pages), so cached memory of one model never starves another's requests.
+* **Yielding room** (:func:`yield_room`): at each loop turn (at most 0.1 s apart, idle or
+  not) a tenant gives back what no request of its own maps (its prefix cache, idle and
+  look-ahead pages), so cached memory of one model never starves another's requests: all of it
+  when the pool's free room falls below 1/:data:`LOW_WATER` of its total; and, when it holds
+  more than a fair share (the pool's total over the tenants joined) while less than a fair
+  share is free, enough to leave one free (never below its own share). Live requests may still
+  map past a fair share: only cache is held to it.
 * **Sleep** (:func:`sleep`): with no request running, every page is released (the trash row's
   too; credited to the pool at once); the rows, the tensors' addresses and the engine stay.
   The next request wakes the cache (its first allocation maps the trash row again), or
@@ -81,22 +84,31 @@ LOW_WATER = 8
 
 
 def yield_room(cache: Any) -> int:
-    """When ``cache`` is an awake pool tenant and the pool's free room is below 1/:data:`LOW_WATER`
-    of its total, gives back what none of its requests maps (:meth:`vmem.KVCache.shrink`);
-    returns the bytes given back (0: not in a pool, room enough, or nothing unmapped held)."""
+    """When ``cache`` is an awake pool tenant, gives back what none of its requests maps
+    (:meth:`vmem.KVCache.shrink`): all of it when the pool's free room is below
+    1/:data:`LOW_WATER` of its total; when it holds more than a fair share (the pool's total
+    over the tenants joined) and less than a fair share is free, enough to free one, but
+    never below its own share. Returns the bytes given back (0: not in a pool, room enough,
+    or nothing unmapped held)."""
     kv = getattr(cache, "kv", None)
     if kv is None or not kv._pooled or kv.asleep:  # outside a pool: nothing read, each loop turn
         return 0
     t = kv._rs.tenant()
     if t is None:
         return 0
-    total = int(t["pool_total"])
-    if total - int(t["pool_used"]) >= total // LOW_WATER:
+    total, usage = int(t["pool_total"]), int(t["usage"])
+    free = total - int(t["pool_used"])
+    share = total // max(1, int(t["pool_tenants"]))
+    if free < total // LOW_WATER:
+        want = None  # everything no request maps
+    elif usage > share and free < share:
+        want = min(share - free, usage - share)
+    else:
         return 0
     u = kv.usage()
     if int(u["physical_bytes"]) <= int(u["active_mapped_bytes"]):
         return 0
-    return int(kv.shrink()["total"])
+    return int(kv.shrink(want)["total"])
 
 
 def release_when_idle(cache: Any, now: Callable[[], float] = time.monotonic, pending: bool = False) -> int:
