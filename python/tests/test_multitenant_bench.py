@@ -353,8 +353,11 @@ def test_tiny_run_with_a_floor_and_a_keep_serves_their_modes_beside_static_and_p
     assert keys == [(m, t) for m in modes for t in [*names, "all"]]
     for run in res["runs"]:
         for t in run["tenants"]:
+            # every tenant's rounds clocked; only pooled ones compare their room with a static third
+            assert t["rounds"] > 0 and t["round_ms_p50"] > 0 and t["round_ms_p90"] >= t["round_ms_p50"], t
+            assert 0 <= t["rounds_short_of_third"] <= t["rounds"]
             if run["mode"] == "static":
-                assert "released_held_bytes" not in t
+                assert "released_held_bytes" not in t and t["rounds_short_of_third"] == 0
                 continue
             assert t["released_held_bytes"] == t["page_bytes"], (run["mode"], t)  # token-major: one trash page
             assert 0 <= t["released_after_s"] < 4.5
@@ -370,6 +373,7 @@ def test_tiny_run_with_a_floor_and_a_keep_serves_their_modes_beside_static_and_p
         [(m, t) for m in modes[1:] for t in [*names, "all"]]
     text = (tmp_path / "out" / "multitenant.txt").read_text()
     assert "pool-floor" in text and "pool-keep" in text and "pages_after_idle_s" in text
+    assert "round_ms_p50" in text and "rounds_short_of_third" in text
 
 
 @pytest.mark.parametrize("flags", [["--floor", "0"], ["--floor", "1/2"], ["--floor", "abc"], ["--floor", "-1G"],

@@ -201,9 +201,12 @@ def serve_run(job: TenantJob, run: RunPlan, model: Any, barrier: Any, usage: Any
         # Out of the barrier (and its shared lock): the parent may SIGKILL this tenant now.
         open(started_path(job.out_dir, run.key, i), "w").close()
 
+    rounds = RoundLog(s.total // 3)
+
     def on_round(cache: Any) -> None:
         u = cache.kv.usage()
         usage[2 * i], usage[2 * i + 1] = float(u["physical_bytes"]), float(u["mapped_bytes"])
+        rounds.record(cache)
 
     def inspect(cache: Any) -> dict[str, Any]:
         if not is_vmem_cache(cache):
@@ -225,13 +228,44 @@ def serve_run(job: TenantJob, run: RunPlan, model: Any, barrier: Any, usage: Any
     metrics = run_metrics(out, run, clock.get("epoch", 0.0))
     metrics.update(tenant=job.spec.name, index=i, shape=job.spec.shape, layers=job.spec.layers,
                    trace=job.spec.trace, scenario=run.scenario, mode=run.mode, key=run.key,
-                   run_s=time.perf_counter() - started, **out["cache_info"])
+                   run_s=time.perf_counter() - started, **out["cache_info"], **rounds.summary())
     del out
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     usage[2 * i] = usage[2 * i + 1] = 0.0
     return metrics
+
+
+class RoundLog:
+    """What a tenant's rounds saw, to tell why its TTFT moves between static and pooled runs:
+    the gap from one round to the next (longer rounds: the GPU shared with busier neighbours;
+    gaps over :attr:`IDLE_GAP_S`, under the engine's 0.1 s wait for requests, are taken for that
+    wait and left out) and, in a
+    pool, the rounds whose room (:func:`vmem.transformers.tenancy.budget_blocks`) was below a
+    static third (``third`` bytes): rounds where the neighbours held memory a partition would
+    have kept for this tenant."""
+
+    IDLE_GAP_S = 0.09
+
+    def __init__(self, third: int) -> None:
+        self.third, self.short = third, 0
+        self.starts: list[float] = []
+
+    def record(self, cache: Any) -> None:
+        from vmem.transformers import tenancy
+
+        self.starts.append(time.perf_counter())
+        if cache.options.pool is not None:
+            self.short += tenancy.budget_blocks(cache) * int(cache.geometry.block_bytes) < self.third
+
+    def summary(self) -> dict[str, Any]:
+        from harness.stats import percentile
+
+        gaps = [b - a for a, b in zip(self.starts, self.starts[1:]) if b - a <= self.IDLE_GAP_S]
+        return {"rounds": len(self.starts), "rounds_short_of_third": self.short,
+                "round_ms_p50": percentile(gaps, 50) * 1e3 if gaps else None,
+                "round_ms_p90": percentile(gaps, 90) * 1e3 if gaps else None}
 
 
 #: Seconds past ``pool_idle_s`` :func:`after_idle` waits for a tenant's idle release.

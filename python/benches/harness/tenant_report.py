@@ -14,7 +14,8 @@ from harness.table import format_table
 
 #: the per-tenant table's columns, in order
 COLUMNS = ["scenario", "mode", "tenant", "requests", "completed", "ttft_p50_ms", "ttft_p99_ms", "tok_s",
-           "preemptions", "peak_held_mib", "peak_mapped_mib", "idle_pages", "pages_after_idle_s"]
+           "preemptions", "peak_held_mib", "peak_mapped_mib", "idle_pages", "pages_after_idle_s", "round_ms_p50",
+           "round_ms_p90", "rounds_short_of_third"]
 #: the comparison's columns
 RATIO_COLUMNS = ["scenario", "mode", "tenant", "ttft_p99_static_ms", "ttft_p99_pool_ms", "ttft_p99 static/pool",
                  "tok_s_static", "tok_s_pool", "tok_s pool/static"]
@@ -35,7 +36,10 @@ def tenant_row(res: dict[str, Any], samples: Sequence[dict[str, Any]]) -> dict[s
             "peak_held_mib": max(held, default=0.0) / 2**20, "peak_mapped_mib": res["peak_mapped_bytes"] / 2**20,
             "idle_pages": res["idle_held_bytes"] // res["page_bytes"],
             "pages_after_idle_s": (f"{res['released_held_bytes'] // res['page_bytes']} after {res['released_after_s']} s"
-                                   if "released_held_bytes" in res else "-")}
+                                   if "released_held_bytes" in res else "-"),
+            "round_ms_p50": res.get("round_ms_p50"), "round_ms_p90": res.get("round_ms_p90"),
+            "rounds_short_of_third": (f"{res['rounds_short_of_third']}/{res['rounds']}"
+                                      if res.get("mode") != "static" and "rounds" in res else "-")}
 
 
 def all_row(scenario: str, mode: str, results: Sequence[dict[str, Any]]) -> dict[str, Any]:
