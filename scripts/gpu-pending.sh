@@ -33,14 +33,13 @@ case "$part" in check|suite|tenants|profile) ;; *) echo "usage: $0 check|suite|t
 [ -n "$(ls .whl/vmem*.whl 2>/dev/null)" ] || { echo "$0: no .whl/vmem*.whl (scripts/python-gpu.sh build, then carry .whl)" >&2; exit 2; }
 mkdir -p "$out"
 
-# A target of its own, replaced (--upgrade): a warm machine may hold another build elsewhere.
-site=/tmp/site-pending
+. "$root/scripts/gpu-env.sh"
 wheels=(.whl/vmem*.whl)
 [ "$part" = tenants ] || wheels+=(.carry/fi/*.whl)
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$site" "${wheels[@]}" || exit 1
-export PYTHONPATH=$site PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fi
+gpu_site /tmp/site-pending "${wheels[@]}" || exit 1
+export FLASHINFER_WORKSPACE_BASE=/tmp/fi
 python3 -c "import vmem, vmem.transformers, transformers; print('vmem ok; transformers', transformers.__version__)" || exit 1
-nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv | tee "$out/nvidia-smi.txt"
+gpu_name | tee "$out/nvidia-smi.txt"
 
 rc=0
 case "$part" in

@@ -26,8 +26,8 @@ install_wheel() {
   cd "$root"
   out=${OUT:-/tmp/vmem-python-gpu}
   mkdir -p "$out"
-  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/vmem*.whl
-  export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+  . "$root/scripts/gpu-env.sh"
+  gpu_site /tmp/site .whl/vmem*.whl
 }
 # Here: an abi3 wheel (CPython 3.9+; the GPU machine has Python 3.12) of the crate in $1. No
 # auditwheel: the extension needs only glibc, and loads libcuda at run time.

@@ -5,14 +5,13 @@
 # a session without GPU time. Run from the repository root with vmem built for the machine (the
 # wheel beside it, as pool_gpu_run.sh does, or an editable install); results in $OUT.
 set -o pipefail
+. "$(dirname "$0")/../../scripts/gpu-env.sh"
 export PYTHONUNBUFFERED=1
 if ls vmem*.whl >/dev/null 2>&1; then
-  site=/tmp/site-h-hostcost
-  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$site" vmem*.whl || exit 1
-  export PYTHONPATH=$site
+  gpu_site /tmp/site-h-hostcost vmem*.whl || exit 1
 fi
 python3 -c "import vmem.transformers" || exit 1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+gpu_name
 out=${OUT:-/tmp/host-cost-gpu}
 # The decode batches the suite serves and a prefill-heavy start; 1B-x16 first (16 layers: where the
 # per-layer and per-row host work shows). Capped so that both shapes fit one call.

@@ -5,12 +5,10 @@
 # Run from the carried tree (.carry/<branch>), with the vmem wheel beside it. The bench saves
 # multitenant.json after every run, so a call cut short keeps the runs it finished.
 set -o pipefail
-# A target of its own, replaced (--upgrade): a warm machine may hold another build in /tmp/site.
-site=/tmp/site-h-tenants
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$site" vmem*.whl
-export PYTHONPATH=$site PYTHONUNBUFFERED=1
+. "$(dirname "$0")/../../scripts/gpu-env.sh"
+gpu_site /tmp/site-h-tenants vmem*.whl || exit 1
 python3 -c "import vmem.pool, vmem.transformers" || exit 1
-nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+gpu_name
 mkdir -p "$OUT/multitenant-h100"
 timeout 570 python3 python/benches/multitenant_bench.py --kill --keep-going --out "$OUT/multitenant-h100" "$@" 2>&1 \
   | tee "$OUT/multitenant-h100/log.txt"

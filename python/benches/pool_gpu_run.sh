@@ -3,13 +3,10 @@
 # (pool_sleep.py), then the pool's Python tests with torch on the machine (host backend).
 # Run from the carried tree (.carry/h-poolpy), with the wheel beside it; results in $OUT.
 set -o pipefail
-# A target of its own, replaced (--upgrade): a warm machine may hold another build in /tmp/site,
-# which pip --target keeps without --upgrade (the first run of this script imported that one).
-site=/tmp/site-h-poolpy
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$site" vmem*.whl
-export PYTHONPATH=$site PYTHONUNBUFFERED=1
+. "$(dirname "$0")/../../scripts/gpu-env.sh"
+gpu_site /tmp/site-h-poolpy vmem*.whl || exit 1
 python3 -c "import vmem.pool" || exit 1
-nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+gpu_name
 python3 python/benches/pool_sleep.py --out "$OUT/pool_sleep.json" 2>&1 | tee "$OUT/pool_sleep.log"
 python3 python/benches/pool_sleep.py --layers 32 --requests 8 --tokens 8192 --repeats 3 \
   --out "$OUT/pool_sleep_32l.json" 2>&1 | tee "$OUT/pool_sleep_32l.log"
