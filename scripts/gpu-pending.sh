@@ -17,10 +17,11 @@
 #   tenants  multitenant_bench.py, bursty mix at 1536M: static, pool and pool-floor (1/6 each),
 #            idle release on by default (issue #33's 3x TTFT p99 target); TENANT_MODES replaces
 #            the --floor flag (TENANT_MODES="--modes static,pool,pool-keep --keep 128M"),
-#            TENANT_SCENARIOS the scenarios (default bursty)
+#            TENANT_SCENARIOS the scenarios (default bursty), TENANT_TIMEOUT its seconds (540)
 #   profile  serving_suite.py --profile, 8B-x8, conv trace, memory-bound (tenth): per engine round
 #            its wall time, loop parts, sequences and the kernels' share, for each of
-#            PROFILE_CONTENDERS (default the engine's best native, fi-paged and vmem, all with graphs)
+#            PROFILE_CONTENDERS (spaces or commas; default the engine's best native, fi-paged and
+#            vmem, all with graphs), 540 s shared between them
 #
 # SUITE_CONTENDERS replaces the suite's contenders, GRAPHS_KERNELS the check's kernels (fa,flashinfer).
 # Results go to $OUT/<part>/ and are packed into $OUT/<part>.tgz ($OUT returns at most 8 files).
@@ -58,13 +59,17 @@ case "$part" in
       --requests 64 --new-tokens 48 ${SUITE_FLAGS:-} --out "$out/suite" 2>&1 | tee "$out/log.txt" || rc=1
     ;;
   tenants)
-    timeout 540 python3 python/benches/multitenant_bench.py --keep-going --total 1536M \
+    timeout "${TENANT_TIMEOUT:-540}" python3 python/benches/multitenant_bench.py --keep-going --total 1536M \
       --scenarios "${TENANT_SCENARIOS:-bursty}" ${TENANT_MODES:---floor 1/6} --out "$out/multitenant" 2>&1 \
       | tee "$out/log.txt" || rc=1
     ;;
   profile)
-    for c in ${PROFILE_CONTENDERS:-paged-sdpa-256-graphs fi-paged-graphs vmem-token-major-graphs}; do
-      timeout 170 python3 python/benches/serving_suite.py --profile "$c" --only model=llama3-8b-x8 --only trace=conv \
+    # Names separated by spaces or commas; the call's 540 s shared between them.
+    pc=${PROFILE_CONTENDERS:-}
+    names=(${pc//,/ })
+    [ ${#names[@]} -gt 0 ] || names=(paged-sdpa-256-graphs fi-paged-graphs vmem-token-major-graphs)
+    for c in "${names[@]}"; do
+      timeout $((540 / ${#names[@]})) python3 python/benches/serving_suite.py --profile "$c" --only model=llama3-8b-x8 --only trace=conv \
         --only budget=tenth --requests 64 --new-tokens 48 --out "$out/$c" 2>&1 | tail -40 | tee "$out/$c.log" || rc=1
     done
     ;;

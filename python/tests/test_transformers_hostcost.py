@@ -215,3 +215,35 @@ def test_host_cost_on_cuda_without_a_gpu_is_a_usage_error(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         host_cost.main(["--out", str(tmp_path), "--device", "cuda"])
     assert e.value.code == 2 and "no CUDA device" in capsys.readouterr().err
+
+
+def test_the_round_clock_counts_the_requests_the_engine_scheduled_not_the_graph_padding():
+    """Under CUDA graphs the forward gets a padded batch (here 64 tokens and sequences for 3
+    decoding requests, then 2 requests of 5 and 1 query tokens padded to 64): the clock files
+    each round with the requests and tokens the engine prepared (sync and async IO), and its kind
+    from them; the padded sizes are kept apart."""
+    import types
+
+    import torch
+    from harness.hostclock import HookClock, real_round
+
+    def fs(q):
+        return types.SimpleNamespace(query_length=q)
+
+    sync = types.SimpleNamespace(requests_in_batch=[fs(1), fs(1), fs(1)])
+    pair = types.SimpleNamespace(host_io=types.SimpleNamespace(requests_in_batch=[fs(5), fs(1)]))
+    async_ios = types.SimpleNamespace(io_pairs=[types.SimpleNamespace(host_io=None), pair], current_pair=1)
+    assert real_round(types.SimpleNamespace(inputs_and_outputs=sync)) == (3, 3)
+    assert real_round(types.SimpleNamespace(inputs_and_outputs=async_ios)) == (2, 6)
+    assert real_round(types.SimpleNamespace()) is None
+
+    clock = HookClock()
+    prepare = clock.round_starts(lambda processor: True)
+    compute = clock.round_kind(lambda runner, model, data: None)
+    padded = {"cu_seq_lens_q": torch.arange(65), "input_ids": torch.zeros(1, 64)}
+    for ios in (sync, async_ios):
+        prepare(types.SimpleNamespace(inputs_and_outputs=ios))
+        compute(None, None, padded)
+    clock.close_round()
+    got = [(r["kind"], r["sequences"], r["tokens"], r["padded_sequences"], r["padded_tokens"]) for r in clock.rounds]
+    assert got == [("decode", 3, 3, 64, 64), ("prefill", 2, 6, 64, 64)]

@@ -27,6 +27,19 @@ from typing import Any
 KERNEL = "cpu."
 
 
+def real_round(processor: Any) -> tuple[int, int] | None:
+    """The round the engine's ``processor`` just prepared, unpadded: ``(requests, query
+    tokens)`` from its host-side batch (under async batching, the IO pair being prepared);
+    ``None`` where the engine keeps no such list."""
+    ios = getattr(processor, "inputs_and_outputs", None)
+    if ios is not None and hasattr(ios, "io_pairs"):
+        ios = ios.io_pairs[ios.current_pair].host_io
+    reqs = getattr(ios, "requests_in_batch", None)
+    if not reqs or not all(hasattr(r, "query_length") for r in reqs):
+        return None
+    return len(reqs), sum(int(r.query_length) for r in reqs)
+
+
 class HookClock:
     """Exclusive nanoseconds per name and per round (:attr:`rounds`: dicts with ``kind``,
     ``sequences``, ``tokens``, ``wall_ns`` and ``hooks`` = {name: ns}, ``calls`` = {name: n},
@@ -101,19 +114,26 @@ class HookClock:
             self.close_round()
             self._open = {"kind": None, "sequences": 0, "tokens": 0, "hooks": {}, "calls": {}, "launches": {}}
             self._t_open = time.perf_counter_ns()
-            return prepare(*args, **kwargs)
+            ready = prepare(*args, **kwargs)
+            if args and self._open is not None:
+                self._open["real"] = real_round(args[0])
+            return ready
 
         return prepare_next_batch
 
     def round_kind(self, compute: Callable[..., Any]) -> Callable[..., Any]:
-        """``compute_batch`` recording the round's kind from what the engine passes the forward."""
+        """``compute_batch`` recording the round's kind, sequences and tokens: the requests the
+        engine scheduled (:func:`real_round`), and what it passes the forward, which CUDA graphs
+        pad (``padded_sequences``, ``padded_tokens``)."""
 
         @functools.wraps(compute)
         def compute_batch(runner: Any, model: Any, batch_data: dict[str, Any]) -> Any:
             if self._open is not None:
                 seqs = int(batch_data["cu_seq_lens_q"].numel()) - 1
                 tokens = int(batch_data["input_ids"].shape[-1])
-                self._open.update(kind="decode" if tokens == seqs else "prefill", sequences=seqs, tokens=tokens)
+                real = self._open.pop("real", None) or (seqs, tokens)
+                self._open.update(kind="decode" if real[1] == real[0] else "prefill", sequences=real[0],
+                                  tokens=real[1], padded_sequences=seqs, padded_tokens=tokens)
             return compute(runner, model, batch_data)
 
         return compute_batch

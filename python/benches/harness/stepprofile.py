@@ -114,13 +114,15 @@ def round_clock() -> Any:
 
 
 def round_report(rounds: list[dict[str, Any]], kernel_ms: float) -> str:
-    """Per round kind: the rounds, their median wall time and loop parts, the sequences and tokens
-    they carried; and the kernels' share of all rounds' wall time (the GPU's busy share)."""
+    """Per round kind: the rounds, their median wall time and loop parts (medians each: they need
+    not add up to the wall time), the requests and query tokens they carried (mean) and the
+    tokens the forward ran once padded for CUDA graphs (median); and the kernels' share of all
+    rounds' wall time (the GPU's busy share)."""
     if not rounds:
         return "per engine round: no rounds clocked"
     wall = sum(r["wall_ns"] for r in rounds) / 1e6
     lines = [f"per engine round ({len(rounds)} rounds, {wall:.0f} ms; kernels {kernel_ms / wall:.1%} of it):",
-             "kind     rounds  wall ms  prepare  compute  update  other  sequences  tokens  (medians)"]
+             "kind     rounds  wall ms  prepare  compute  update  other  requests  tokens  padded tokens"]
     for kind in ("decode", "prefill"):
         rs = [r for r in rounds if r["kind"] == kind]
         if not rs:
@@ -131,9 +133,12 @@ def round_report(rounds: list[dict[str, Any]], kernel_ms: float) -> str:
 
         parts = {p: med(lambda r, p=p: r["hooks"].get(p, 0) / 1e6) for p in ("prepare", "compute", "update")}
         other = med(lambda r: (r["wall_ns"] - sum(r["hooks"].get(p, 0) for p in parts)) / 1e6)
+        mean_reqs = statistics.fmean(r["sequences"] for r in rs)
+        mean_tokens = statistics.fmean(r["tokens"] for r in rs)
+        padded = med(lambda r: r.get("padded_tokens", r["tokens"]))
         lines.append(f"{kind:<8} {len(rs):>6}  {med(lambda r: r['wall_ns'] / 1e6):>7.2f}  {parts['prepare']:>7.2f}  "
                      f"{parts['compute']:>7.2f}  {parts['update']:>6.2f}  {other:>5.2f}  "
-                     f"{med(lambda r: r['sequences']):>9.0f}  {med(lambda r: r['tokens']):>6.0f}")
+                     f"{mean_reqs:>8.1f}  {mean_tokens:>6.1f}  {padded:>13.0f}")
     return "\n".join(lines)
 
 

@@ -241,8 +241,8 @@ class RoundLog:
     """What a tenant's rounds saw, to tell why its TTFT moves between static and pooled runs:
     the gap from one round to the next (longer rounds: the GPU shared with busier neighbours;
     gaps over :attr:`IDLE_GAP_S`, under the engine's 0.1 s wait for requests, are taken for that
-    wait and left out) and, in a
-    pool, the rounds whose room (:func:`vmem.transformers.tenancy.budget_blocks`) was below a
+    wait and left out, so are rounds slower than that) and, in a pool, the rounds whose room
+    (:func:`vmem.transformers.tenancy.budget_blocks` and its trash row's block) was below a
     static third (``third`` bytes): rounds where the neighbours held memory a partition would
     have kept for this tenant."""
 
@@ -253,13 +253,17 @@ class RoundLog:
         self.starts: list[float] = []
 
     def record(self, cache: Any) -> None:
+        """Files a round of ``cache``'s engine starting now (the engine's round hook)."""
         from vmem.transformers import tenancy
 
         self.starts.append(time.perf_counter())
-        if cache.options.pool is not None:
-            self.short += tenancy.budget_blocks(cache) * int(cache.geometry.block_bytes) < self.third
+        if cache.options.pool is not None:  # the budget leaves out the trash row's block: count it
+            room = (tenancy.budget_blocks(cache) + 1) * int(cache.geometry.block_bytes)
+            self.short += room < self.third
 
     def summary(self) -> dict[str, Any]:
+        """``rounds``, ``rounds_short_of_third`` and the busy gaps' ``round_ms_p50``/``p90``
+        (``None`` without two rounds close enough)."""
         from harness.stats import percentile
 
         gaps = [b - a for a, b in zip(self.starts, self.starts[1:]) if b - a <= self.IDLE_GAP_S]
