@@ -387,6 +387,20 @@ impl KVCache {
         }))
     }
 
+    /// Reaps the pool's dead tenants (their processes gone) if the ledger's lock is free now,
+    /// giving their usage back; returns how many (0 outside a pool, or with the lock busy).
+    fn pool_reap(&self, py: Python<'_>) -> PyResult<usize> {
+        let inner = self.get()?;
+        match inner.pool.as_deref() {
+            Some(b) => {
+                let ledger = b.tenant().ledger().clone();
+                py.detach(|| ledger.reap_if_free())
+                    .map_err(crate::pool::pool_err)
+            }
+            None => Ok(0),
+        }
+    }
+
     /// The pool tenant's own slot (name, limit, usage, revision, over_limit), or `None`.
     fn tenant<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let inner = self.get()?;

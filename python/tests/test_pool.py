@@ -282,41 +282,94 @@ def test_a_tenant_gives_back_its_unmapped_pages_when_the_pool_runs_low(path):
 
 
 def test_a_tenant_holding_cache_past_a_fair_share_leaves_one_free(path):
-    """Three tenants: one holds a prefix cache past its fair share (a third of the pool) while
-    less than a third is free: tenancy.yield_room gives back enough cache to leave a third free,
-    but not below its own share; a tenant within its share gives nothing, and with a third free
-    nobody does (before, a tenant yielded only below 1/LOW_WATER free, and held the rest)."""
+    """Three tenants (a fair share: a third of the pool, one full request; prefix blocks of a
+    quarter share). A tenant holding prefix cache past its share while less than a share is
+    free gives back enough to free a share, but never goes below its own share; a tenant with
+    cache within its share gives nothing; with a share free nobody does. (Before, tenants
+    yielded only below 1/LOW_WATER free: none of these gives would have happened.)"""
+    import itertools
     import types
 
     pytest.importorskip("torch")
     from vmem.transformers import tenancy
 
-    pool.create(path, size=FULL * 3, slots=4)  # a fair share: one full request
+    pool.create(path, size=FULL * 3, slots=4)
     a, b, c = (_cache(path, n, prefix_cache="2M") for n in "abc")
     assert a.tenant().pool_tenants == 3
     eng = {kv: types.SimpleNamespace(kv=kv) for kv in (a, b, c)}
-    for _ in range(2):  # two full requests' pages, cached as prefix blocks: twice a fair share
-        r = a.alloc()
-        a.step({r: 1024})
-        a.publish_prefix(r, [r] * 1024)
-        a.free(r)
-    share = FULL
-    held = a.tenant().usage
-    assert held >= 2 * share and a.prefix_stats()["unmapped_bytes"] > 0
-    assert all(tenancy.yield_room(eng[kv]) == 0 for kv in (a, b, c)), "a third is free: nothing given"
+    share, quarter = FULL, FULL // 4
+    ids = itertools.count()
+
+    def cache(kv, tokens):  # a finished request's pages, cached as prefix blocks (256 tokens each)
+        r = kv.alloc()
+        kv.step({r: tokens})
+        kv.publish_prefix(r, [next(ids) for _ in range(tokens)])
+        kv.free(r)
+
+    def free():
+        t = a.tenant()
+        return t.pool_total - t.pool_used
+
+    cache(a, 1024)
+    cache(a, 512)  # a: one and a half shares of cache
+    cache(c, 512)  # c: half a share of cache
+    assert (a.tenant().usage, c.tenant().usage, free()) == (6 * quarter, 2 * quarter, share)
+    assert all(tenancy.yield_room(eng[kv]) == 0 for kv in (a, b, c)), "a share free: nothing given"
+
     r = b.alloc()
-    b.step({r: 512})  # half a share, live: now less than a third is free
-    t = a.tenant()
-    assert t.pool_total - t.pool_used < share < t.usage
-    assert tenancy.yield_room(eng[b]) == 0 and tenancy.yield_room(eng[c]) == 0, "within their shares"
-    given = tenancy.yield_room(eng[a])
-    t = a.tenant()
-    assert given > 0 and t.usage == held - given
-    assert t.pool_total - t.pool_used >= share, "a fair share is free again"
-    assert t.usage >= share, "and the tenant kept its own share of cache"
-    assert tenancy.yield_room(eng[a]) == 0
+    b.step({r: 256})  # a quarter share, live: 3/4 share free (above 1/LOW_WATER, below a share)
+    assert FULL * 3 // tenancy.LOW_WATER <= free() == 3 * quarter
+    assert tenancy.yield_room(eng[c]) == 0 and c.tenant().usage == 2 * quarter, "c is within its share"
+    assert tenancy.yield_room(eng[b]) == 0
+    assert tenancy.yield_room(eng[a]) == quarter and free() == share, "enough to free a share"
+    assert a.tenant().usage == 5 * quarter and tenancy.yield_room(eng[a]) == 0
+
+    b.step({r: 768})  # b maps a half share more: half a share free, a a quarter above its share
+    assert FULL * 3 // tenancy.LOW_WATER <= free() == 2 * quarter
+    assert tenancy.yield_room(eng[a]) == quarter, "only down to its own share, though a share is not free"
+    assert a.tenant().usage == share and free() == 3 * quarter
+    assert tenancy.yield_room(eng[a]) == 0 and tenancy.yield_room(eng[c]) == 0
     for kv in (c, b, a):
         kv.close()
+
+
+def test_a_survivor_reaps_a_killed_tenant_without_anyone_reading_the_status(path):
+    """A tenant process killed with SIGKILL leaves its usage in the ledger until someone reaps
+    it; nobody's charge is refused (the engine asks only for the room its budget shows) and no
+    operator may be watching. A surviving tenant's loop turn (tenancy.yield_room) reaps it,
+    at most every REAP_EVERY_S: the room is back, read through the survivor's own slot."""
+    import signal
+    import subprocess
+    import sys
+    import types
+
+    pytest.importorskip("torch")
+    from vmem.transformers import tenancy
+
+    pool.create(path, size=FULL * 3, slots=4)
+    script = (f"import sys, vmem; from vmem import pool\n"
+              f"kv = vmem.KVCache(**{SHAPE!r}, pool=pool.Join('doomed', ledger={path!r}))\n"
+              f"r = kv.alloc(); kv.step({{r: 1024}}); print('held', flush=True); sys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        kv = _cache(path, "survivor")
+        engine = types.SimpleNamespace(kv=kv)
+        assert kv.tenant().pool_used == FULL and kv.tenant().pool_tenants == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        clock = [100.0]
+        engine._reaped_at = clock[0]  # reaped just now: not again before REAP_EVERY_S
+        tenancy.yield_room(engine, now=lambda: clock[0] + tenancy.REAP_EVERY_S / 2)
+        assert kv.tenant().pool_used == FULL and kv.tenant().pool_tenants == 2, "dead, not reaped yet"
+        tenancy.yield_room(engine, now=lambda: clock[0] + tenancy.REAP_EVERY_S)
+        t = kv.tenant()
+        assert (t.pool_used, t.pool_tenants) == (0, 1), "reaped by the survivor's loop turn"
+        assert [x.name for x in pool.open(path).status().tenants] == ["survivor"]
+        kv.close()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 @pytest.mark.parametrize("kw", [dict(tenant="x" * 32), dict(tenant="a b"), dict(tenant="é"),

@@ -335,7 +335,8 @@ def test_idle_release_waits_while_a_request_is_queued_or_waiting():
             return {"total": 1}
 
     kv = Kv()
-    kv._rs = types.SimpleNamespace(tenant=lambda: dict(pool_total=100, pool_used=0, usage=0, pool_tenants=1))
+    kv._rs = types.SimpleNamespace(tenant=lambda: dict(pool_total=100, pool_used=0, usage=0, pool_tenants=1),
+                                   pool_reap=lambda: 0)
     cache = types.SimpleNamespace(kv=kv, table={}, options=types.SimpleNamespace(pool_idle_s=0.0))
     proc = types.SimpleNamespace(cache=cache, input_queue=queue.Queue(),
                                  scheduler=types.SimpleNamespace(waiting_requests={}))

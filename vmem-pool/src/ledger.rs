@@ -172,13 +172,16 @@ impl Ledger {
     }
 
     /// [`Ledger::reap`] if the header's lock is free now; else nothing (whoever holds it may
-    /// be reaping, and a charge must not wait). What a charge the pool refuses does.
-    pub(crate) fn reap_if_free(&self) -> Result<()> {
-        if let Some(admin) = self.try_admin()? {
-            self.check(&admin)?;
-            self.reap_locked(&admin)?;
+    /// be reaping, and a charge must not wait). What a charge the pool refuses does, and what a
+    /// tenant short of room does now and then; returns how many tenants it reaped.
+    pub fn reap_if_free(&self) -> Result<usize> {
+        match self.try_admin()? {
+            Some(admin) => {
+                self.check(&admin)?;
+                Ok(self.reap_locked(&admin)?.len())
+            }
+            None => Ok(0),
         }
-        Ok(())
     }
 
     pub(crate) fn live(&self) -> impl Iterator<Item = usize> + '_ {

@@ -28,8 +28,9 @@
   look-ahead pages), so cached memory of one model never starves another's requests: all of it
   when the pool's free room falls below 1/:data:`LOW_WATER` of its total; and, when it holds
   more than a fair share (the pool's total over the tenants joined) while less than a fair
-  share is free, enough to leave one free (never below its own share). Live requests may still
-  map past a fair share: only cache is held to it.
+  share is free, enough to leave one free (not below its own share). Live requests may still
+  map past a fair share: only cache is held to it. Every :data:`REAP_EVERY_S` the same turn
+  reaps the pool's dead tenants, so a killed neighbour's usage comes back with nobody watching.
 * **Sleep** (:func:`sleep`): with no request running, every page is released (the trash row's
   too; credited to the pool at once); the rows, the tensors' addresses and the engine stay.
   The next request wakes the cache (its first allocation maps the trash row again), or
@@ -81,24 +82,39 @@ def others_hold_room(cache: Any) -> bool:
 
 #: The pool's free room (1/LOW_WATER of its total) under which tenants give back what no request maps.
 LOW_WATER = 8
+#: Seconds between two reaps of the pool's dead tenants by one tenant (:func:`yield_room`).
+REAP_EVERY_S = 0.5
 
 
-def yield_room(cache: Any) -> int:
+def _room(t: Any) -> tuple[int, int, int, int]:
+    """``(total, usage, free, share)`` bytes from a tenant dict: the pool's total, the tenant's
+    usage, the pool's free room and a fair share (the total over the tenants joined)."""
+    total = int(t["pool_total"])
+    return total, int(t["usage"]), total - int(t["pool_used"]), total // max(1, int(t["pool_tenants"]))
+
+
+def yield_room(cache: Any, now: Callable[[], float] = time.monotonic) -> int:
     """When ``cache`` is an awake pool tenant, gives back what none of its requests maps
     (:meth:`vmem.KVCache.shrink`): all of it when the pool's free room is below
     1/:data:`LOW_WATER` of its total; when it holds more than a fair share (the pool's total
-    over the tenants joined) and less than a fair share is free, enough to free one, but
-    never below its own share. Returns the bytes given back (0: not in a pool, room enough,
-    or nothing unmapped held)."""
+    over the tenants joined) and less than a fair share is free, enough to free one, but not
+    below its own share (by more than the prefix block that crosses it). Returns the bytes
+    given back (0: not in a pool, room enough, or nothing unmapped held).
+
+    Every :data:`REAP_EVERY_S` it first reaps the pool's dead tenants (processes killed
+    without leaving): their usage goes back to the pool even when nobody's charge is refused
+    (the engine only asks for the room its budget shows) and nobody reads the pool's status."""
     kv = getattr(cache, "kv", None)
     if kv is None or not kv._pooled or kv.asleep:  # outside a pool: nothing read, each loop turn
         return 0
     t = kv._rs.tenant()
     if t is None:
         return 0
-    total, usage = int(t["pool_total"]), int(t["usage"])
-    free = total - int(t["pool_used"])
-    share = total // max(1, int(t["pool_tenants"]))
+    if now() - getattr(cache, "_reaped_at", float("-inf")) >= REAP_EVERY_S:
+        cache._reaped_at = now()
+        if kv._rs.pool_reap():
+            t = kv._rs.tenant()  # the dead tenants' usage is back: read the room again
+    total, usage, free, share = _room(t)
     if free < total // LOW_WATER:
         want = None  # everything no request maps
     elif usage > share and free < share:
