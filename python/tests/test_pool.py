@@ -372,6 +372,37 @@ def test_a_survivor_reaps_a_killed_tenant_without_anyone_reading_the_status(path
         proc.wait(timeout=10)
 
 
+def test_a_ledger_corrupted_under_running_tenants_is_logged_by_their_reap_not_raised(path, caplog):
+    """The periodic reap checks the ledger; one that fails the check (a header word overwritten
+    under the running tenants) is logged once and nothing is reaped, and serving goes on: the
+    tenant's loop turn returns, its pages stay mapped, its next step maps more."""
+    import logging
+    import types
+
+    pytest.importorskip("torch")
+    from vmem.transformers import tenancy
+
+    pool.create(path, size=FULL * 3, slots=4)
+    kv = _cache(path, "a")
+    r = kv.alloc()
+    kv.step({r: 512})
+    with open(path, "r+b") as f:  # the header's seal (word 7): what the check verifies first
+        f.seek(7 * 8)
+        f.write((12345).to_bytes(8, "little"))
+    engine = types.SimpleNamespace(kv=kv)
+    clock = iter(range(0, 100))
+    with caplog.at_level(logging.WARNING, logger=tenancy.__name__):
+        for _ in range(3):
+            assert tenancy.yield_room(engine, now=lambda: float(next(clock))) == 0
+    warned = [rec for rec in caplog.records if "not reaped" in rec.getMessage()]
+    assert len(warned) == 1 and "changed" in warned[0].getMessage(), caplog.text
+    kv.step({r: 1024})
+    assert kv.request_pages(r) == [4] * 4  # 1,024 tokens: 4 pages in each of the 4 buffers
+    with pytest.raises(vmem.PoolError, match="changed"):
+        pool.open(path).status()  # the operator's view says what is wrong
+    kv.close()
+
+
 @pytest.mark.parametrize("kw", [dict(tenant="x" * 32), dict(tenant="a b"), dict(tenant="é"),
                                 dict(tenant="a", limit="0"), dict(tenant="a", limit="1.5G"),
                                 dict(tenant="a", limit="250%"), dict(tenant="a", limit="0%"),

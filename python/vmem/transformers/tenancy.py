@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._vmem import InvalidArgument, OutOfMemory
+from .._vmem import InvalidArgument, OutOfMemory, PoolError
 
 _log = logging.getLogger(__name__)
 
@@ -93,6 +93,19 @@ def _room(t: Any) -> tuple[int, int, int, int]:
     return total, int(t["usage"]), total - int(t["pool_used"]), total // max(1, int(t["pool_tenants"]))
 
 
+def _reap(kv: Any) -> int:
+    """Reaps the pool's dead tenants (:meth:`vmem.pool.Pool.reap`'s work, if the ledger's lock is
+    free); a ledger that fails its consistency check is logged (once per cache), not raised:
+    serving goes on (the operator's ``vmem pool status`` says what is wrong), nothing is reaped."""
+    try:
+        return int(kv._rs.pool_reap())
+    except PoolError as e:
+        if not getattr(kv, "_reap_warned", False):
+            kv._reap_warned = True
+            _log.warning("pool tenant: dead tenants not reaped: %s", e)
+        return 0
+
+
 def yield_room(cache: Any, now: Callable[[], float] = time.monotonic) -> int:
     """When ``cache`` is an awake pool tenant, gives back what none of its requests maps
     (:meth:`vmem.KVCache.shrink`): all of it when the pool's free room is below
@@ -112,7 +125,7 @@ def yield_room(cache: Any, now: Callable[[], float] = time.monotonic) -> int:
         return 0
     if now() - getattr(cache, "_reaped_at", float("-inf")) >= REAP_EVERY_S:
         cache._reaped_at = now()
-        if kv._rs.pool_reap():
+        if _reap(kv):
             t = kv._rs.tenant()  # the dead tenants' usage is back: read the room again
     total, usage, free, share = _room(t)
     if free < total // LOW_WATER:
