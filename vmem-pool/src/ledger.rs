@@ -172,8 +172,9 @@ impl Ledger {
     }
 
     /// [`Ledger::reap`] if the header's lock is free now; else nothing (whoever holds it may
-    /// be reaping, and a charge must not wait). What a charge the pool refuses does, and what a
-    /// tenant short of room does now and then; returns how many tenants it reaped.
+    /// be reaping, and a charge must not wait). What a charge the pool refuses does, and what
+    /// each `vmem.transformers` tenant's engine loop does every half second; returns how many
+    /// tenants it reaped.
     pub fn reap_if_free(&self) -> Result<usize> {
         match self.try_admin()? {
             Some(admin) => {

@@ -123,8 +123,9 @@ def yield_room(cache: Any, now: Callable[[], float] = time.monotonic) -> int:
     t = kv._rs.tenant()
     if t is None:
         return 0
-    if now() - getattr(cache, "_reaped_at", float("-inf")) >= REAP_EVERY_S:
-        cache._reaped_at = now()
+    t_now = now()
+    if t_now - getattr(cache, "_reaped_at", float("-inf")) >= REAP_EVERY_S:
+        cache._reaped_at = t_now
         if _reap(kv):
             t = kv._rs.tenant()  # the dead tenants' usage is back: read the room again
     total, usage, free, share = _room(t)
