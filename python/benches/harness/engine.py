@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from harness.hostclock import host_batch
+
 
 def fake_cpu_memory(total: int = 8 << 30) -> None:
     """On a CPU without psutil the engine sees 0 bytes free and refuses to size its paged cache:
@@ -64,10 +66,7 @@ class Observer:
         if self.on_round is not None:
             self.on_round(cache)
         if self.capture_logits:
-            ios = bp.inputs_and_outputs
-            if hasattr(ios, "io_pairs"):  # async batching: the pair this forward computes
-                ios = ios.io_pairs[ios.current_pair].host_io
-            states = [fs for fs in ios.requests_in_batch if fs.has_new_token]
+            states = [fs for fs in host_batch(bp) if fs.has_new_token]  # async: the pair computed
             logits = output.logits[0].float().cpu()
             for i, fs in enumerate(states):
                 self.logits.setdefault(fs.state.request_id, []).append(logits[i])

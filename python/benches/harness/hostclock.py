@@ -27,14 +27,20 @@ from typing import Any
 KERNEL = "cpu."
 
 
-def real_round(processor: Any) -> tuple[int, int] | None:
-    """The round the engine's ``processor`` just prepared, unpadded: ``(requests, query
-    tokens)`` from its host-side batch (under async batching, the IO pair being prepared);
-    ``None`` where the engine keeps no such list."""
+def host_batch(processor: Any) -> list[Any] | None:
+    """The requests of the round the engine's ``processor`` prepared and computes next: its
+    host-side batch (under async batching, the current IO pair's); ``None`` where the engine
+    keeps no such list."""
     ios = getattr(processor, "inputs_and_outputs", None)
     if ios is not None and hasattr(ios, "io_pairs"):
         ios = ios.io_pairs[ios.current_pair].host_io
-    reqs = getattr(ios, "requests_in_batch", None)
+    return getattr(ios, "requests_in_batch", None)
+
+
+def real_round(processor: Any) -> tuple[int, int] | None:
+    """The round the engine's ``processor`` just prepared, unpadded: ``(requests, query
+    tokens)`` from :func:`host_batch`; ``None`` where the engine keeps no such list."""
+    reqs = host_batch(processor)
     if not reqs or not all(hasattr(r, "query_length") for r in reqs):
         return None
     return len(reqs), sum(int(r.query_length) for r in reqs)

@@ -135,7 +135,7 @@ def round_report(rounds: list[dict[str, Any]], kernel_ms: float) -> str:
         other = med(lambda r: (r["wall_ns"] - sum(r["hooks"].get(p, 0) for p in parts)) / 1e6)
         mean_reqs = statistics.fmean(r["sequences"] for r in rs)
         mean_tokens = statistics.fmean(r["tokens"] for r in rs)
-        padded = med(lambda r: r.get("padded_tokens", r["tokens"]))
+        padded = med(lambda r: r["padded_tokens"])
         lines.append(f"{kind:<8} {len(rs):>6}  {med(lambda r: r['wall_ns'] / 1e6):>7.2f}  {parts['prepare']:>7.2f}  "
                      f"{parts['compute']:>7.2f}  {parts['update']:>6.2f}  {other:>5.2f}  "
                      f"{mean_reqs:>8.1f}  {mean_tokens:>6.1f}  {padded:>13.0f}")
