@@ -5,7 +5,8 @@ against the engine's best native configuration, on the installed transformers (5
     python3 benches/fipaged_check.py --out DIR --device cpu --tiny --decisive 20   # the script's CPU test
 
 Model: Llama-3-8B shapes, 8 layers, bf16, random weights. Correctness: greedy tokens of every
-request under ``fi-paged`` (eager) and ``fi-paged-graphs`` against the engine's own eager path
+request under ``fi-paged`` (eager), ``fi-paged-graphs`` and ``fi-paged-graphs-async`` (also against
+``fi-paged-graphs``: ``identical_to_sync``) against the engine's own eager path
 (``paged|sdpa`` on 5.17, ``sdpa`` on 5.19+), and, eager runs only (a forward hook sees no graph
 replay), the largest logit difference over each request's common prefix relative to the largest
 logit, and the top-1 agreement of those logits. Throughput: the contenders interleaved in one
@@ -46,7 +47,8 @@ def cb_kwargs(name: str, blocks: int, mbt: int) -> dict:
     sp = ct.spec(name)
     key = "block_size" if ct.family() == ct.V517 else "page_size"
     kw = {key: sp["block_size"], "num_blocks": blocks, "max_batch_tokens": mbt, "max_memory_percent": 0.95,
-          "use_cuda_graph": bool(sp.get("graphs")), "use_async_batching": False, "allow_block_sharing": False}
+          "use_cuda_graph": bool(sp.get("graphs")), "use_async_batching": bool(sp.get("async")),
+          "allow_block_sharing": False}
     return kw
 
 
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     t = time.perf_counter()
     failed: dict = {}
     out["failed"] = failed
-    contenders = [n for n in (native, "fi-paged", "fi-paged-graphs", native + "-graphs")
+    contenders = [n for n in (native, "fi-paged", "fi-paged-graphs", "fi-paged-graphs-async", native + "-graphs")
                   if graphs or not ct.spec(n).get("graphs")]
     for name in contenders:  # JIT and graph warm-up
         try:
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ref, ref_gen, _ = serve(model, native, prompts, args.new, args.blocks, args.max_batch_tokens, capture=True)
     checks: dict = {}
+    gens: dict = {}
     out["correctness_vs"] = native
     out["correctness"] = checks
     if args.decisive:
@@ -146,10 +149,14 @@ def main(argv: list[str] | None = None) -> None:
             failed[name] = repr(e)[:2000]
             print("FAILED", name, repr(e)[:2000], flush=True)
             continue
+        gens[name] = gen
         same = sum(gen[r] == ref_gen[r] for r in ref_gen)
         first = [next((k for k, (x, y) in enumerate(zip(gen[r], ref_gen[r])) if x != y), None) for r in ref_gen]
         c = {"identical_requests": same, "requests": len(ref_gen), "backend": row["backend"],
              "first_divergence": [f for f in first if f is not None]}
+        if name.endswith("-async") and name[: -len("-async")] in gens:  # the same graphs, synchronous
+            sync = gens[name[: -len("-async")]]
+            c["identical_to_sync"] = sum(gen[r] == sync[r] for r in ref_gen)
         if not ct.spec(name).get("graphs"):
             c["max_rel_logit_err"], c["top1_agree"], c["compared"] = logit_diff(run, ref)
             if args.decisive:
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         dump(args.out, version, out)
     out["throughput"] = rows = []
 
-    names = [n for n in (native + "-graphs", "fi-paged-graphs", native, "fi-paged")
+    names = [n for n in (native + "-graphs", "fi-paged-graphs", "fi-paged-graphs-async", native, "fi-paged")
              if n in contenders and n not in failed]
     for r in range(args.rounds):
         for name in names:

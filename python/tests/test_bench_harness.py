@@ -216,3 +216,19 @@ def test_study_and_check_refuse_bad_flags_with_one_usage_line(script, flags, tmp
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2, last
     assert ": error: " in last and flags[0] in last, last
+
+
+def test_the_round_report_gives_each_kinds_tail():
+    """100 decode rounds of 1..100 ms and one prefill round: the decode line's median, p90 and
+    p99 are the rounds' (the tail time-between-tokens p99 sees), the parts are medians."""
+    stepprofile = pytest.importorskip("harness.stepprofile", reason="the profiler needs torch")
+    rounds = [{"kind": "decode", "wall_ns": ms * 1_000_000, "hooks": {"prepare": 1_000_000}, "sequences": 4,
+               "tokens": 4, "padded_tokens": 8} for ms in range(1, 101)]
+    rounds.append({"kind": "prefill", "wall_ns": 7_000_000, "hooks": {}, "sequences": 1, "tokens": 300,
+                   "padded_tokens": 512})
+    lines = stepprofile.round_report(rounds, kernel_ms=2528.5).splitlines()  # of 5,057 ms
+    assert "kernels 50.0% of it" in lines[0] and "p90 ms  p99 ms" in lines[1]
+    decode = lines[2].split()
+    assert decode[:5] == ["decode", "100", "50.50", "91.00", "100.00"] and decode[5] == "1.00"
+    assert lines[3].startswith("  slowest 1: wall 100.00 ms; prepare 1.00, compute 0.00, update 0.00, other 99.00")
+    assert lines[4].split()[:5] == ["prefill", "1", "7.00", "7.00", "7.00"] and len(lines) == 5  # no tail of 1

@@ -131,13 +131,62 @@ def test_fi_paged_reads_in_place_without_the_engines_gather(monkeypatch):
     assert not calls
 
 
-def test_fi_paged_refuses_async_batching():
-    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
-    prompts = h.make_prompts(1, [9], model.config.vocab_size)
-    with pytest.raises(RuntimeError, match="async batching"):
-        h.run_engine(model, fipaged.FI_PAGED_ATTENTION, prompts, NEW,
-                     cb_kwargs=dict(max_batch_tokens=64, num_blocks=64, use_async_batching=True,
-                                    **eng.engine_block(32)))
+def test_the_async_peer_asks_for_graphs_and_async_batching():
+    """``fi-paged-graphs-async``: the engine's graphs and its async batching (the engine refuses
+    async batching without CUDA, so its tokens are checked on the GPU by fipaged_check.py)."""
+    args = type("A", (), {"max_requests": 8, "page_size": "2M", "max_context": 1024})()
+    budget = {"kv_bytes": 64 << 20, "token_bytes": 4096}
+    kw, opts = contenders.contender_config(None, contenders.spec("fi-paged-graphs-async"), args, budget)
+    assert kw["use_cuda_graph"] is True and kw["use_async_batching"] is True and opts == {}
+    kw, _ = contenders.contender_config(None, contenders.spec("fi-paged-graphs"), args, budget)
+    assert kw["use_async_batching"] is False
+
+
+class _StubWrapper:
+    """What FlashInferKernel uses of a FlashInfer 0.6 paged wrapper: the constructor, its own int
+    workspace and pinned staging buffer, ``reset_workspace_buffer`` and ``plan``."""
+
+    def __init__(self, workspace, layout, **kw):
+        self.kw, self.plans = kw, 0
+        self._int_workspace_buffer, self._pin_memory_int_workspace_buffer = torch.zeros(8), torch.zeros(8)
+
+    def reset_workspace_buffer(self, float_workspace, int_workspace):
+        self._int_workspace_buffer, self._pin_memory_int_workspace_buffer = int_workspace, torch.zeros(8)
+
+    def plan(self, *args, **kw):
+        self.plans += 1
+
+
+def test_each_io_pair_plans_into_wrappers_of_its_own(monkeypatch):
+    """FlashInferKernel (stub FlashInfer): the same graph shape planned for pair 0 and pair 1 gets
+    two wrappers with distinct fixed buffers; a pair's wrappers share one int workspace and one
+    pinned staging buffer, the two pairs' are distinct."""
+    import sys
+    import types
+
+    from harness import fi_kernels
+
+    stub = types.ModuleType("flashinfer")
+    stub.BatchDecodeWithPagedKVCacheWrapper = stub.BatchPrefillWithPagedKVCacheWrapper = _StubWrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", stub)
+    monkeypatch.setattr(fi_kernels, "workspace_bytes", lambda *a: 16)
+    k = fi_kernels.FlashInferKernel((4, 2, 8), 16, torch.float32, "cpu", 64)
+    k.max_pages = 8
+    decode = fi_plan.plan_round([(5, 1, [0]), (20, 1, [1, 2])], 16, 7, 4, 4)
+    prefill = fi_plan.plan_round([(0, 3, [3])], 16, 7, 8, 4)
+    got = {}
+    for pair in (0, 1, 0, 1):
+        for rnd in (decode, prefill):
+            k.plan(rnd, True, 0.5, pair)
+            got.setdefault((pair, rnd.decode), k.current)
+            assert got[(pair, rnd.decode)] is k.current  # one wrapper per pair and shape
+    assert len(k.wrappers) == 4 and all(w.plans == 2 for w in k.wrappers.values())
+    assert got[(0, True)] is not got[(1, True)]
+    assert got[(0, True)].kw["paged_kv_indices_buffer"] is not got[(1, True)].kw["paged_kv_indices_buffer"]
+    for pair in (0, 1):
+        assert got[(pair, True)]._int_workspace_buffer is got[(pair, False)]._int_workspace_buffer
+        assert got[(pair, True)]._pin_memory_int_workspace_buffer is got[(pair, False)]._pin_memory_int_workspace_buffer
+    assert got[(0, True)]._pin_memory_int_workspace_buffer is not got[(1, True)]._pin_memory_int_workspace_buffer
 
 
 def test_contenders_offer_only_what_this_version_serves():

@@ -420,6 +420,9 @@ def flashinfer_rows():
                     check(f"{label} vs fp32 reference", e_ref < 2e-2, f"max diff {e_ref:.3g}")
                 check(f"flashinfer {name} round planned for the {'decode' if name == 'decode' else 'prefill'} "
                       "wrapper", a.index.plan.decode == (name == "decode"))
+                pages = a.index.plan.kv_indptr.tolist()
+                check(f"flashinfer {name} rows read as 256-token pages (split-KV can divide them)",
+                      a.index.plan.page_size == 256 and pages[-1] > len(pages) - 1, str(pages))
             del layers, fi, k0
             kv.close()
 

@@ -132,9 +132,9 @@ def fake_fi(monkeypatch):
 TRASH = 6
 
 
-def _padded(entries, tokens, sequences, trash_tokens=4, ctx=48):
+def _padded(entries, tokens, sequences, trash_tokens=4, ctx=48, page=None):
     return vt_fig.padded_paged_plan(entries, ctx, trash_row=TRASH, trash_tokens=trash_tokens, tokens=tokens,
-                                    sequences=sequences)
+                                    sequences=sequences, page=page)
 
 
 def test_a_padded_decode_round_is_one_request_per_token():
@@ -169,13 +169,15 @@ def test_a_padded_prefill_round_has_a_fixed_batch_and_reads_only_the_trash_rows_
         assert all(1 <= kv <= trash_tokens and kv >= q for q, kv in zip(qs[sequences:], lens[sequences:]))
 
 
+@pytest.mark.parametrize("page, trash_tokens", [(48, 4), (16, 4), (8, 24), (1, 4)])
 @pytest.mark.parametrize("decode", [False, True])
-def test_the_padded_plan_reads_what_the_unpadded_one_reads(decode):
-    """Over rows with NaN past every length (the trash row's too, past its mapped block): the
-    paged reference over the padded plan equals FA's reference for the real tokens, and every
-    padded token's output is finite (nothing past a mapped token is read)."""
+def test_the_padded_plan_reads_what_the_unpadded_one_reads(decode, page, trash_tokens):
+    """Over rows with NaN past every length (the trash row's too, past its mapped block), read as
+    pages of ``page`` tokens: the paged reference over the padded plan equals FA's reference for
+    the real tokens, and every padded token's output is finite (nothing past a mapped token is
+    read)."""
     g = torch.Generator().manual_seed(3)
-    rows, ctx, hkv, hq, d, trash_tokens = 7, 48, 2, 6, 8, 4
+    rows, ctx, hkv, hq, d = 7, 48, 2, 6, 8
     k4, v4 = (torch.full((rows, ctx, hkv, d), float("nan")) for _ in range(2))
     entries = [(r, p, 1) for r, p, _ in eng.random_mixed_round(g, k4, v4)] if decode else \
         eng.random_mixed_round(g, k4, v4)
@@ -186,9 +188,10 @@ def test_the_padded_plan_reads_what_the_unpadded_one_reads(decode):
     k4[TRASH, :trash_tokens] = torch.randn(trash_tokens, hkv, d, generator=g)
     v4[TRASH, :trash_tokens] = torch.randn(trash_tokens, hkv, d, generator=g)
     real = sum(e[2] for e in entries)
-    plan = _padded(entries, tokens=real + 11, sequences=len(entries) + 2, trash_tokens=trash_tokens)
+    plan = _padded(entries, tokens=real + 11, sequences=len(entries) + 2, trash_tokens=trash_tokens, page=page)
+    assert int(plan.qo_indptr[-1]) == plan.total_q == real + 11
     q = torch.randn(real + 11, hq, d, generator=g)
-    got = vt_fi.paged_reference(q, k4, v4, plan, 0.3)
+    got = vt_fi.paged_reference(q, vt_fi.page_view(k4, page), vt_fi.page_view(v4, page), plan, 0.3)
     flat = [t.as_strided((rows * ctx, hkv, d), t.stride()[1:]) for t in (k4, v4)]
     want = vt.fa_varlen_reference(q[:real], *flat, vt.fa_varlen_indices(entries, ctx).to("cpu"), 0.3)
     torch.testing.assert_close(got[:real], want, rtol=1e-5, atol=1e-5)
@@ -254,10 +257,14 @@ def _tokens(run):
     return [list(run["results"][rid].generated_tokens) for rid in run["ids"]]
 
 
-def test_flashinfer_with_the_engines_padding_matches_fa(fake_fi):
+@pytest.mark.parametrize("split", [256, 16])
+def test_flashinfer_with_the_engines_padding_matches_fa(fake_fi, split, monkeypatch):
     """Padded rounds through the graph-mode wrappers: greedy tokens equal kernel="fa"'s (padded
     too), logits match a plain forward, every round is planned once, before its forward, into
-    the wrapper of its padded size and kind, whose buffers never move."""
+    the wrapper of its padded size and kind, whose buffers never move. Rows are read as pages of
+    up to ``split`` tokens (16: requests span several; the fixed index buffers hold a row's
+    pages a request)."""
+    monkeypatch.setattr(vt_fi, "SPLIT_TOKENS", split)
     model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
     prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
     hooks = [model.register_forward_pre_hook(lambda *_: fake_fi.inside.append(1)),
@@ -293,6 +300,9 @@ def test_flashinfer_with_the_engines_padding_matches_fa(fake_fi):
     assert ws is not None and ws.plans == len(fi_rounds) == ours["rounds"]
     assert all(w.graph for w in ws.wrappers.values()) and all(w.plans for w in fake_fi.made)
     assert {d for _, d, _, _ in ws.wrappers} == {True, False}  # decode and prefill rounds both ran padded
+    assert cache.read.page == split and ws.max_pages == OPTS["max_context"] // split
+    if split == 16:  # some request read several pages
+        assert any(plan.kv_indptr[-1] > plan.kv_indptr.numel() - 1 for plan in (r.index.plan for r in fi_rounds))
     for rnd in fi_rounds:
         plan = rnd.index.plan
         assert rnd.index.padded and plan.total_q == rnd.meta.total_q and plan.decode == rnd.meta.decode

@@ -131,14 +131,42 @@ def test_dtypes_and_head_dims_flashinfer_does_not_serve_are_refused_on_cuda(dtyp
             make()
 
 
-def test_rows_past_flashinfers_32_bit_strides_are_refused():
+def test_pages_past_flashinfers_32_bit_strides_are_refused():
     ok = torch.empty_strided((2, 8192, 8, 128), (8192 * 65536, 65536, 128, 1), device="meta")
-    vt_fi.check_strides(ok)  # token-major Llama-3-8B rows of 8,192 tokens: 2^29 elements a row
+    vt_fi.check_strides(ok)  # token-major Llama-3-8B rows of 8,192 tokens as one page: 2^29 elements a page
     big = torch.empty_strided((2, 65536, 8, 128), (65536 * 65536, 65536, 128, 1), device="meta")
+    vt_fi.check_strides(vt_fi.page_view(big, 256))  # 65,536-token rows read as 256-token pages: 2^24 a page
     with pytest.raises(vmem.InvalidArgument, match="32-bit"):
-        vt_fi.check_strides(big)  # the same at 65,536 tokens: 2^32 elements a row
+        vt_fi.check_strides(big)  # the same row as one page: 2^32 elements
     with pytest.raises(vmem.InvalidArgument, match="32-bit"):
         vt_fi.check_strides(torch.empty_strided((2, 16, 8, 128), (2048 * 16, 2048, 1, 8), device="meta"))
+
+
+@pytest.mark.parametrize("ctx, page", [(1024, 256), (8192, 256), (48, 16), (64, 64), (1000, 8), (7, 1)])
+def test_a_row_is_read_as_the_largest_power_of_two_pages_up_to_256_that_divide_it(ctx, page):
+    assert vt_fi.page_tokens(ctx) == page and ctx % page == 0
+
+
+@pytest.mark.parametrize("ctx", [0, -5])
+def test_page_tokens_refuses_empty_rows(ctx):
+    with pytest.raises(vmem.VmemError):
+        vt_fi.page_tokens(ctx)
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_the_page_view_is_the_rows_memory_page_by_page(strided):
+    rows, ctx, page = 3, 48, 16
+    k4, _ = _rows(rows, ctx, 2, 4, strided, None)
+    k4.copy_(torch.arange(k4.numel(), dtype=k4.dtype).view(k4.shape))
+    pages = vt_fi.page_view(k4, page)
+    assert pages.shape == (rows * ctx // page, page, 2, 4) and pages.data_ptr() == k4.data_ptr()
+    for r in range(rows):
+        for k in range(ctx // page):
+            assert torch.equal(pages[r * (ctx // page) + k], k4[r, k * page:(k + 1) * page])
+    with pytest.raises(vmem.VmemError, match="not pages"):
+        vt_fi.page_view(k4, 20)  # 20 does not divide 48
+    with pytest.raises(vmem.VmemError, match="not pages"):
+        vt_fi.page_view(k4[:, :24], 8)  # rows not max_context token strides apart
 
 
 # -- the plan ---------------------------------------------------------------------------------------
@@ -178,6 +206,45 @@ def test_paged_plan_of_a_mixed_round_reads_what_fa_reads(seed, strided):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("page", [1, 8, 16, 24])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rows_read_as_pages_read_what_fa_reads(seed, page):
+    """The same mixed rounds read as pages of ``page`` tokens: each request lists its row's first
+    ``ceil(length / page)`` pages in order, the last filled to the rest, and the reference over
+    the page views equals FA's over the flat views (NaN past every length: nothing more is read)."""
+    g = torch.Generator().manual_seed(seed)
+    rows, ctx, hkv, hq, d = 7, 48, 2, 6, 8
+    k4, v4 = _rows(rows, ctx, hkv, d, True, g)
+    entries = eng.random_mixed_round(g, k4, v4)
+    plan = vt_fi.paged_plan(entries, ctx, page)
+    per_row, ip = ctx // page, plan.kv_indptr.tolist()
+    for b, (row, past, q) in enumerate(entries):
+        n = -(-(past + q) // page)
+        assert ip[b + 1] - ip[b] == n
+        assert plan.kv_indices[ip[b]:ip[b + 1]].tolist() == list(range(row * per_row, row * per_row + n))
+        assert (n - 1) * page + int(plan.kv_last_page_len[b]) == past + q
+    q = torch.randn(plan.total_q, hq, d, generator=g)
+    got = vt_fi.paged_reference(q, vt_fi.page_view(k4, page), vt_fi.page_view(v4, page), plan, 0.3)
+    flat = [t.as_strided((rows * ctx, hkv, d), t.stride()[1:]) for t in (k4, v4)]
+    want = vt.fa_varlen_reference(q, *flat, vt.fa_varlen_indices(entries, ctx).to("cpu"), 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page", [0, -16, 5, 96])
+def test_pages_that_do_not_divide_the_row_are_refused(page):
+    with pytest.raises(vmem.VmemError, match="divide"):
+        vt_fi.paged_plan([(0, 0, 1)], 48, page)
+
+
+def test_the_reference_refuses_a_plan_that_reads_past_its_pages():
+    k = torch.zeros(4, 8, 1, 4)
+    for last in (0, 9):
+        plan = vt_fi.PagedPlan(torch.tensor([0, 1]), torch.tensor([0, 1]), torch.tensor([2]), torch.tensor([last]),
+                               8, True, 1)
+        with pytest.raises(vmem.VmemError, match="pages"):
+            vt_fi.paged_reference(torch.zeros(1, 1, 4), k, k, plan)
+
+
 def test_a_decode_round_plans_for_the_decode_wrapper():
     plan = vt_fi.paged_plan([(3, 0, 1), (0, 9, 1), (2, 15, 1)], 16)
     assert plan.decode and plan.total_q == 3
@@ -196,11 +263,14 @@ def _cache(options):
     return vt.cache_class()(h.make_config("llama-gqa"), cb, "cpu", dtype=torch.float32, options=options)
 
 
+@pytest.mark.parametrize("split", [256, 16])
 @pytest.mark.parametrize("layout", vt.LAYOUTS)
-def test_flashinfer_kernel_in_the_engine_matches_fa(layout, stub_flashinfer, monkeypatch):
+def test_flashinfer_kernel_in_the_engine_matches_fa(layout, split, stub_flashinfer, monkeypatch):
     """Chunked prefill (mixed rounds) and decode rounds through the engine with kernel="flashinfer":
     logits match the DynamicCache reference, greedy tokens equal kernel="fa"'s, and the plan is
-    made once per round (not per layer)."""
+    made once per round (not per layer). Rows are read as pages of up to ``split`` tokens (16:
+    most requests span several)."""
+    monkeypatch.setattr(vt_fi, "SPLIT_TOKENS", split)
     plans = []
     real = vt_fi.paged_plan
     monkeypatch.setattr(vt_fi, "paged_plan", lambda *a: plans.append(1) or real(*a))
@@ -213,6 +283,7 @@ def test_flashinfer_kernel_in_the_engine_matches_fa(layout, stub_flashinfer, mon
                                         stagger=[0, 0, 0, 3, 6, 9])
     ours = runs["flashinfer"]
     assert ours["cache"].kernel == "flashinfer" and isinstance(ours["cache"].read, FlashInferReader)
+    assert ours["cache"].read.page == split
     assert len(plans) == ours["rounds"], (len(plans), ours["rounds"])
     cmp = h.compare(ours, model, NEW)
     assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp

@@ -2,10 +2,10 @@
 pure-torch reference that stands in for them on the CPU. Both take a round's plan
 (:class:`harness.fi_plan.PagedRound`) once per round, then run every layer over it.
 
-:class:`FlashInferKernel` keeps one eager wrapper per kind (decode: ``BatchDecodeWithPagedKVCacheWrapper``
-with tensor cores; prefill/mixed: ``BatchPrefillWithPagedKVCacheWrapper``, fa2) and, with CUDA
-graphs, one wrapper per graph shape in ``use_cuda_graph`` mode (fixed batch size and buffers), all
-over one float workspace.
+:class:`FlashInferKernel` keeps, per IO pair of the engine, one eager wrapper per kind (decode:
+``BatchDecodeWithPagedKVCacheWrapper`` with tensor cores; prefill/mixed:
+``BatchPrefillWithPagedKVCacheWrapper``, fa2) and, with CUDA graphs, one wrapper per graph shape
+in ``use_cuda_graph`` mode (fixed batch size and buffers), all over one float workspace.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from harness.fi_plan import PagedRound, reference_paged_attention
+from vmem.transformers.fi_graphs import share_int_workspace
 
 #: The least float workspace (split-KV partials) FlashInfer's wrappers get.
 WORKSPACE_BYTES = 1 << 30
@@ -39,7 +40,7 @@ class ReferenceKernel:
                  max_tokens: int = 0) -> None:
         self.rnd: PagedRound | None = None
 
-    def plan(self, rnd: PagedRound, graph: bool, scale: float) -> None:
+    def plan(self, rnd: PagedRound, graph: bool, scale: float, pair: int = 0) -> None:
         self.rnd, self.scale = rnd, scale
 
     def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
@@ -48,8 +49,11 @@ class ReferenceKernel:
 
 
 class FlashInferKernel:
-    """FlashInfer's paged wrappers: one eager pair, and one wrapper per graph shape in
-    ``use_cuda_graph`` mode (fixed batch size and buffers), all over one workspace."""
+    """FlashInfer's paged wrappers: per IO pair of the engine (async batching keeps two), one eager
+    wrapper per kind and one per graph shape in ``use_cuda_graph`` mode (fixed batch size and
+    buffers), all over one float workspace; a pair's wrappers share one int workspace and pinned
+    staging buffer (:func:`vmem.transformers.fi_graphs.share_int_workspace`): round N + 1 is
+    planned while round N may still wait to run, and never into the buffers of N's pair."""
 
     def __init__(self, heads: tuple[int, int, int], page_size: int, dtype: torch.dtype, device: Any,
                  max_tokens: int = 0) -> None:
@@ -60,11 +64,12 @@ class FlashInferKernel:
         size = workspace_bytes(max_tokens, heads[0], heads[2])
         self.workspace = torch.zeros(size, dtype=torch.uint8, device=device)
         self.wrappers: dict[Any, Any] = {}
+        self.int_workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.max_pages = 0
         self.current: Any = None
 
-    def _wrapper(self, rnd: PagedRound, graph: bool) -> Any:
-        key = (rnd.decode, rnd.batch if graph else 0, int(rnd.qo_indptr[-1]) if graph else 0)
+    def _wrapper(self, rnd: PagedRound, graph: bool, pair: int) -> Any:
+        key = (pair, rnd.decode, rnd.batch if graph else 0, int(rnd.qo_indptr[-1]) if graph else 0)
         w = self.wrappers.get(key)
         if w is not None:
             return w
@@ -85,12 +90,14 @@ class FlashInferKernel:
             w = self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True, **kw)
         else:
             w = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2", **kw)
+        share_int_workspace(w, self.workspace, self.int_workspaces, pair)
         self.wrappers[key] = w
         return w
 
-    def plan(self, rnd: PagedRound, graph: bool, scale: float) -> None:
+    def plan(self, rnd: PagedRound, graph: bool, scale: float, pair: int = 0) -> None:
+        """Plans ``rnd`` into the wrapper of its shape and the engine's IO pair ``pair``."""
         hq, hkv, d = self.heads
-        w = self._wrapper(rnd, graph)
+        w = self._wrapper(rnd, graph, pair)
         if rnd.decode:
             w.plan(rnd.kv_indptr, rnd.kv_indices, rnd.last_page_len, hq, hkv, d, self.page_size,
                    q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=scale)

@@ -17,8 +17,11 @@ gather, with the engine's CUDA graphs: what vLLM and SGLang do, in the same engi
   graph key gets its own wrappers in ``use_cuda_graph=True`` mode with fixed-size buffers (batch
   size fixed per key, as FlashInfer demands) and is re-planned before every replay. The engine
   keys its varlen graphs by ``(T, kv read, max k)``, which a decode round and a mixed round can
-  share: the patched ``_get_graph_key`` adds the round's kind. Async batching is refused (the
-  plan of round N+1 would overwrite buffers round N's replay still reads).
+  share: the patched ``_get_graph_key`` adds the round's kind.
+* **Async batching.** Each of the engine's two IO pairs plans into wrappers of its own
+  (:class:`harness.fi_kernels.FlashInferKernel`), so planning round N + 1 never writes what
+  round N, queued on the compute stream, still reads: the peer gets what vmem's
+  ``kernel="flashinfer"`` gets.
 * **Attention name.** ``fipaged``, registered through vmem's public
   :func:`vmem.transformers.register_cache` with its own attention function. On 5.19+
   ``switch_to_cb_friendly_attn`` refuses names other than ``paged|eager``, ``sdpa`` or flash
@@ -67,14 +70,15 @@ class FiPagedMixin:
     def fi_record(self, request_id: str, past_length: int, query_length: int) -> None:
         self.fi_round.append((past_length, query_length, self._blocks(request_id)))
 
-    def fi_plan(self, batch_data: dict[str, Any], graph: bool) -> None:
-        """Plans the round the engine just prepared (outside any graph capture)."""
+    def fi_plan(self, batch_data: dict[str, Any], graph: bool, pair: int = 0) -> None:
+        """Plans the round the engine just prepared (outside any graph capture) for IO pair
+        ``pair``."""
         t = int(batch_data["input_ids"].shape[-1])
         seqs = int(batch_data["cu_seq_lens_q"].numel()) - 1
         rnd = plan_round(self.fi_round, self.page_size, self.trash_page, t, seqs)
         self.fi_round = []
         self.fi_kind = "decode" if rnd.decode else "prefill"
-        self.fi_backend.plan(rnd, graph, self.fi_scale)
+        self.fi_backend.plan(rnd, graph, self.fi_scale, pair)
 
     def fi_run(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                write_index: torch.Tensor) -> torch.Tensor:
@@ -197,13 +201,14 @@ def _install_hooks() -> None:
     def compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> None:
         cache = batch_data.get("cache")
         if isinstance(cache, FiPagedMixin):
-            _, graph = self._get_forward_fn(use_block_table=self.inputs_and_outputs.use_block_table)
-            stream = self.inputs_and_outputs.compute_stream
+            io = self.inputs_and_outputs
+            _, graph = self._get_forward_fn(use_block_table=io.use_block_table)
+            stream, pair = io.compute_stream, int(getattr(io, "current_pair", 0))
             if stream is not None:
                 with torch.cuda.stream(stream):
-                    cache.fi_plan(batch_data, bool(graph))
+                    cache.fi_plan(batch_data, bool(graph), pair)
             else:
-                cache.fi_plan(batch_data, bool(graph))
+                cache.fi_plan(batch_data, bool(graph), pair)
         return compute(self, model, batch_data)
 
     def get_graph_key(self: Any) -> tuple[Any, ...]:
@@ -231,10 +236,6 @@ def fi_paged_cache(request: vt.CacheRequest) -> Any:
         raise vt.InvalidArgument(f"{FI_PAGED_ATTENTION} reads transformers 5.17's or 5.19-5.24's paged cache; "
                                  f"this is transformers {version}")
     cb = request.continuous_batching_config
-    if getattr(cb, "use_async_batching", None):
-        raise vt.InvalidArgument(f"{FI_PAGED_ATTENTION}: async batching would re-plan FlashInfer's buffers while "
-                                 "the round before still reads them: set use_async_batching=False")
-    cb.use_async_batching = False
     cb.max_blocks_per_request = 0  # the engine's flash block-table decode path: not ours
     cls = _classes.get(request.engine_cache)
     if cls is None:

@@ -114,15 +114,17 @@ def round_clock() -> Any:
 
 
 def round_report(rounds: list[dict[str, Any]], kernel_ms: float) -> str:
-    """Per round kind: the rounds, their median wall time and loop parts (medians each: they need
-    not add up to the wall time), the requests and query tokens they carried (mean) and the
+    """Per round kind: the rounds, their median, 90th and 99th percentile wall time (the tail is
+    what time-between-tokens p99 sees) and loop parts (medians each: they need not add up to the
+    wall time), for kinds of 20 rounds or more the parts of the slowest 1 % of rounds, the requests and query tokens they carried (mean) and the
     tokens the forward ran once padded for CUDA graphs (median); and the kernels' share of all
     rounds' wall time (the GPU's busy share)."""
     if not rounds:
         return "per engine round: no rounds clocked"
     wall = sum(r["wall_ns"] for r in rounds) / 1e6
     lines = [f"per engine round ({len(rounds)} rounds, {wall:.0f} ms; kernels {kernel_ms / wall:.1%} of it):",
-             "kind     rounds  wall ms  prepare  compute  update  other  requests  tokens  padded tokens"]
+             "kind     rounds  wall ms  p90 ms  p99 ms  prepare  compute  update  other  requests  tokens  "
+             "padded tokens"]
     for kind in ("decode", "prefill"):
         rs = [r for r in rounds if r["kind"] == kind]
         if not rs:
@@ -136,9 +138,19 @@ def round_report(rounds: list[dict[str, Any]], kernel_ms: float) -> str:
         mean_reqs = statistics.fmean(r["sequences"] for r in rs)
         mean_tokens = statistics.fmean(r["tokens"] for r in rs)
         padded = med(lambda r: r["padded_tokens"])
-        lines.append(f"{kind:<8} {len(rs):>6}  {med(lambda r: r['wall_ns'] / 1e6):>7.2f}  {parts['prepare']:>7.2f}  "
+        walls = sorted(r["wall_ns"] / 1e6 for r in rs)
+        p90, p99 = (walls[min(len(walls) - 1, int(q * len(walls)))] for q in (0.9, 0.99))
+        lines.append(f"{kind:<8} {len(rs):>6}  {med(lambda r: r['wall_ns'] / 1e6):>7.2f}  {p90:>6.2f}  {p99:>6.2f}  "
+                     f"{parts['prepare']:>7.2f}  "
                      f"{parts['compute']:>7.2f}  {parts['update']:>6.2f}  {other:>5.2f}  "
                      f"{mean_reqs:>8.1f}  {mean_tokens:>6.1f}  {padded:>13.0f}")
+        if len(rs) >= 20:  # where the tail's time goes: the slowest 1 % of rounds, their parts' medians
+            slow = sorted(rs, key=lambda r: r["wall_ns"])[-max(1, len(rs) // 100):]
+            tail = {p: statistics.median(r["hooks"].get(p, 0) / 1e6 for r in slow) for p in parts}
+            rest = statistics.median((r["wall_ns"] - sum(r["hooks"].get(p, 0) for p in parts)) / 1e6 for r in slow)
+            lines.append(f"  slowest {len(slow)}: wall {statistics.median(r['wall_ns'] / 1e6 for r in slow):.2f} ms; "
+                         f"prepare {tail['prepare']:.2f}, compute {tail['compute']:.2f}, update {tail['update']:.2f}, "
+                         f"other {rest:.2f}; requests {statistics.fmean(r['sequences'] for r in slow):.1f}")
     return "\n".join(lines)
 
 

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from .._vmem import VmemError
-from .flashinfer import PagedPlan, paged_plan
+from .flashinfer import PagedPlan, paged_plan, plan_of
 
 #: Bytes of the float workspace FlashInfer's split-KV results use outside graphs (its
 #: recommended 128 MiB).
@@ -57,11 +57,12 @@ def workspace_bytes(graphs: bool, max_tokens: int, q_heads: int, head_dim: int) 
     (2.7 GB for 8,192 tokens of 32 heads of 128, docs/serving.md), plus their log-sum-exps and
     256 MiB for the rest.
 
-    vmem's requests are one page each, so nothing is ever split, but FlashInfer 0.6.13's graph
-    mode turns split-KV on regardless. Its ``disable_split_kv=True`` would drop the partials; it is
-    not used because in graph mode it then launches the padded round's spare thread blocks with
-    no validity mask, reading scheduling entries the plan did not write: a token-major run on the
-    H200 failed with ``CUDA_ERROR_INVALID_ADDRESS_SPACE`` (docs/serving.md)."""
+    FlashInfer splits a request's keys at its pages (:data:`~vmem.transformers.flashinfer.SPLIT_TOKENS`
+    tokens over a vmem row) when a round leaves SMs idle, as the fi-paged contender's do. Its
+    ``disable_split_kv=True`` is not used: in graph mode it launches the padded round's spare
+    thread blocks with no validity mask, reading scheduling entries the plan did not write (a
+    token-major run on the H200 failed with ``CUDA_ERROR_INVALID_ADDRESS_SPACE``,
+    docs/serving.md)."""
     if not graphs:
         return WORKSPACE_BYTES
     partials = 20 * max_tokens * q_heads * (head_dim + 1) * 4
@@ -69,12 +70,14 @@ def workspace_bytes(graphs: bool, max_tokens: int, q_heads: int, head_dim: int) 
 
 
 def padded_paged_plan(entries: list[tuple[int, int, int]], max_context: int, *, trash_row: int, trash_tokens: int,
-                      tokens: int, sequences: int) -> PagedPlan:
+                      tokens: int, sequences: int, page: int | None = None) -> PagedPlan:
     """The plan of a padded round (see the module doc): ``entries`` ``(row, past, q)`` per
     request in the engine's query order, ``tokens`` and ``sequences`` the engine's padded
-    counts. The real requests' entries are :func:`~vmem.transformers.flashinfer.paged_plan`'s,
+    counts, ``page`` the tokens of a page (:func:`~vmem.transformers.flashinfer.paged_plan`'s).
+    The real requests' entries are :func:`~vmem.transformers.flashinfer.paged_plan`'s,
     unchanged; the padded ones follow, every one on ``trash_row``."""
-    plan = paged_plan(entries, max_context)
+    page = max_context if page is None else page
+    plan = paged_plan(entries, max_context, page)
     n, real_tokens = len(entries), plan.total_q
     if trash_tokens < 1 or trash_row < 0:
         raise VmemError(f"a trash row {trash_row} of {trash_tokens} mapped tokens")
@@ -88,45 +91,48 @@ def padded_paged_plan(entries: list[tuple[int, int, int]], max_context: int, *, 
         extra = [(1, 1)] * pad  # (queries, keys read) of each padded request
     else:
         extra = [(0, 1)] * (sequences - n)
-        for _ in range(max(1, -(-(tokens - 1) // trash_tokens))):
-            q = min(pad, trash_tokens)
+        chunk = min(trash_tokens, max_context)  # what one request may read of the trash row
+        for _ in range(max(1, -(-(tokens - 1) // chunk))):
+            q = min(pad, chunk)
             pad -= q
             extra.append((q, max(q, 1)))
-    qo, rows, lens = plan.qo_indptr.tolist(), plan.kv_indices.tolist(), plan.kv_last_page_len.tolist()
-    for q, kv in extra:
-        qo.append(qo[-1] + q)
-        rows.append(trash_row)
-        lens.append(kv)
-    i32 = torch.int32
-    return PagedPlan(torch.tensor(qo, dtype=i32), torch.arange(len(rows) + 1, dtype=i32),
-                     torch.tensor(rows, dtype=i32), torch.tensor(lens, dtype=i32), max_context, plan.decode, tokens)
+    requests = [(row, q, past + q) for row, past, q in entries] + [(trash_row, q, kv) for q, kv in extra]
+    return plan_of(requests, max_context, page, plan.decode)
+
+
+def share_int_workspace(wrapper: Any, workspace: torch.Tensor, shared: dict[Any, tuple[torch.Tensor, torch.Tensor]],
+                        key: Any) -> None:
+    """Points a FlashInfer 0.6 paged ``wrapper`` (over the float ``workspace``) at the int
+    workspace and pinned staging buffer of the wrappers ``shared[key]`` (one IO pair's, see the
+    module doc); the first wrapper of ``key`` gives its own. Saves 8 MiB of device and 8 MiB of
+    pinned memory a wrapper beyond the first."""
+    own = shared.get(key)
+    if own is None:  # the key's first wrapper: its own buffers become the shared ones
+        shared[key] = (wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer)
+        return
+    # The public reset gives the device buffer (and makes a pinned one of its own: replaced).
+    wrapper.reset_workspace_buffer(workspace, own[0])
+    wrapper._pin_memory_int_workspace_buffer = own[1]
 
 
 class WrapperSet:
     """FlashInfer's paged wrappers of one cache over one float workspace and one int workspace
     per IO pair: in graph mode one per ``(IO pair, decode, batch, tokens)`` with its fixed buffers
-    (``buffers[key]``: ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, and ``qo_indptr`` for
-    prefill), else one per ``(IO pair, decode)``. ``fi`` is the ``flashinfer`` module."""
+    (``buffers[key]``: ``kv_indptr``, ``kv_indices`` (room for ``max_pages`` a request: a row's
+    pages), ``kv_last_page_len``, and ``qo_indptr`` for prefill), else one per ``(IO pair,
+    decode)``. ``fi`` is the ``flashinfer`` module."""
 
     def __init__(self, fi: Any, device: torch.device, workspace: int, num_heads: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype) -> None:
-        self.fi, self.device = fi, device
+                 head_dim: int, dtype: torch.dtype, *, max_pages: int = 1) -> None:
+        if max_pages < 1:
+            raise VmemError(f"{max_pages} pages a request")
+        self.fi, self.device, self.max_pages = fi, device, max_pages
         self.num_heads, self.kv_heads, self.head_dim, self.dtype = num_heads, kv_heads, head_dim, dtype
         self.workspace = torch.zeros(workspace, dtype=torch.uint8, device=device)
         self.wrappers: dict[tuple[int, bool, int, int], Any] = {}
         self.buffers: dict[tuple[int, bool, int, int], tuple[torch.Tensor, ...]] = {}
         self.int_workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.plans = 0
-
-    def _share_int_workspace(self, w: Any, pair: int) -> None:
-        """Points ``w`` at its pair's int workspace and pinned staging buffer (see the module doc)."""
-        shared = self.int_workspaces.get(pair)
-        if shared is None:  # the pair's first wrapper: its own buffers become the shared ones
-            self.int_workspaces[pair] = (w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
-            return
-        # The public reset gives the device buffer (and makes a pinned one of its own: replaced).
-        w.reset_workspace_buffer(self.workspace, shared[0])
-        w._pin_memory_int_workspace_buffer = shared[1]
 
     def wrapper(self, pair: int, decode: bool, batch: int, tokens: int, graph: bool) -> Any:
         """The wrapper for a round: graph mode for ``batch`` requests of ``tokens`` query tokens,
@@ -138,7 +144,8 @@ class WrapperSet:
         kw: dict[str, Any] = {}
         if graph:
             i32: dict[str, Any] = {"dtype": torch.int32, "device": self.device}
-            bufs: tuple[torch.Tensor, ...] = (torch.empty(batch + 1, **i32), torch.empty(batch, **i32),
+            bufs: tuple[torch.Tensor, ...] = (torch.empty(batch + 1, **i32),
+                                               torch.empty(batch * self.max_pages, **i32),
                                                torch.empty(batch, **i32))
             if decode:
                 kw = {"paged_kv_indptr_buffer": bufs[0], "paged_kv_indices_buffer": bufs[1],
@@ -154,7 +161,7 @@ class WrapperSet:
         else:
             # fa2: the module the tensor-core decode uses too (one JIT build), and it reads any strides.
             w = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2", **kw)
-        self._share_int_workspace(w, pair)
+        share_int_workspace(w, self.workspace, self.int_workspaces, pair)
         self.wrappers[key] = w
         return w
 

@@ -57,8 +57,10 @@ class FlashInferReader:
         self.max_context, self.rows_of, self.num_heads = max_context, rows_of, num_heads
         self.device, self.trash_row, self.trash_tokens = device, trash_row, trash_tokens
         self.max_tokens, self.graphs = max_tokens, graphs
+        self.page = fi_plan.page_tokens(max_context)  # a row is max_context / page FlashInfer pages
         self._fi = fi_plan.load_flashinfer()
         self.wrappers: WrapperSet | None = None
+        self._pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # each layer's page views
         self.scale: Any = _UNKNOWN
 
     def _wrappers(self) -> WrapperSet | None:
@@ -66,7 +68,8 @@ class FlashInferReader:
             k = self.rows_of(0)[0]
             _, _, hkv, d = k.shape
             size = workspace_bytes(self.graphs, self.max_tokens, self.num_heads, d)
-            self.wrappers = WrapperSet(self._fi, self.device, size, self.num_heads, hkv, d, k.dtype)
+            self.wrappers = WrapperSet(self._fi, self.device, size, self.num_heads, hkv, d, k.dtype,
+                                       max_pages=self.max_context // self.page)
         return self.wrappers
 
     def before_forward(self, rnd: Round, *, padded: bool, pair: int, stream: Any) -> None:
@@ -84,9 +87,10 @@ class FlashInferReader:
                 raise VmemError("kernel='flashinfer': a padded round needs the engine hook's metadata and a trash row")
             sequences = meta.real if meta.decode else meta.n  # a decode round's padding is one request a token
             plan = padded_paged_plan(entries, self.max_context, trash_row=self.trash_row,
-                                     trash_tokens=self.trash_tokens, tokens=meta.total_q, sequences=sequences)
+                                     trash_tokens=self.trash_tokens, tokens=meta.total_q, sequences=sequences,
+                                     page=self.page)
         else:
-            plan = fi_plan.paged_plan(entries, self.max_context)
+            plan = fi_plan.paged_plan(entries, self.max_context, self.page)
         wrappers = self._wrappers()
         if wrappers is not None:
             state.wrapper = wrappers.plan(plan, pair=state.pair, graph=state.padded, scale=scale, stream=state.stream)
@@ -95,8 +99,11 @@ class FlashInferReader:
     def __call__(self, layer: int, rnd: Round, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  scaling: float | None, gqa: bool) -> torch.Tensor:
         """Returns ``[1, T, Hq, D]`` for ``query`` ``[1, Hq, T, D]`` (``k_cache``/``v_cache``, the
-        flat views, were written; the rows are read through ``rows_of``)."""
-        k_rows, v_rows = self.rows_of(layer)
+        flat views, were written; the rows are read through ``rows_of``, as pages)."""
+        pages = self._pages.get(layer)
+        if pages is None:
+            k_rows, v_rows = self.rows_of(layer)
+            pages = self._pages[layer] = (fi_plan.page_view(k_rows, self.page), fi_plan.page_view(v_rows, self.page))
         state = rnd.index
         if state is None:  # a round run outside the engine hook
             state = rnd.index = PlannedRound(False, 0, None)
@@ -115,5 +122,5 @@ class FlashInferReader:
             raise VmemError(f"the engine passed {t} query tokens for a round of {plan.total_q}")
         q = query[0].transpose(0, 1)  # [T, Hq, D]
         if state.wrapper is None:
-            return fi_plan.paged_reference(q, k_rows, v_rows, plan, scaling).unsqueeze(0)
-        return state.wrapper.run(q.contiguous(), (k_rows, v_rows)).unsqueeze(0)
+            return fi_plan.paged_reference(q, *pages, plan, scaling).unsqueeze(0)
+        return state.wrapper.run(q.contiguous(), pages).unsqueeze(0)

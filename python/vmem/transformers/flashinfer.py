@@ -1,14 +1,18 @@
 """``kernel="flashinfer"``: FlashInfer's paged-KV wrappers reading every request's vmem row in
-place, each row one page, and the CPU reference of what they compute.
+place, as a run of fixed-size pages, and the CPU reference of what they compute.
 
-A vmem row is FlashInfer page ``row`` of a paged cache whose page is ``max_context`` tokens: the
-layer's ``[rows, max_context, Hkv, D]`` K and V views, as they are (NHD; FlashInfer takes the
-page, token and head strides of the tensors it is given, so both layouts are read without a
-copy). Per request: ``indptr`` ``[b, b+1]``, ``indices = [row]``, ``last_page_len = past + q``
-(the new tokens are written before the kernel runs). Decode rounds (every query one token) run
-``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)``; rounds with a prefill chunk run
-``BatchPrefillWithPagedKVCacheWrapper`` (causal: FlashInfer aligns a request's queries to the end
-of its keys, so query ``j`` of ``q`` sees ``past + j + 1`` keys).
+A vmem row of ``max_context`` tokens is :func:`page_tokens` -token FlashInfer pages, ``P =
+max_context / page`` of them: page ``row * P + k`` holds the row's tokens ``[k * page, (k + 1) *
+page)``. Rows lie ``max_context`` token strides apart in both layouts, so the layer's ``[rows,
+max_context, Hkv, D]`` K and V views are ``[rows * P, page, Hkv, D]`` page views without a copy
+(:func:`page_view`; NHD, FlashInfer takes the page, token and head strides it is given). Per
+request: its row's first ``ceil((past + q) / page)`` pages, the last filled to what is left (the
+new tokens are written before the kernel runs). The pages are what FlashInfer splits a request's
+KV over (split-KV): one page per row (``page = max_context``, the first version) left a
+memory-bound round of a few long requests on a few SMs. Decode rounds (every query one token)
+run ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)``; rounds with a prefill chunk
+run ``BatchPrefillWithPagedKVCacheWrapper`` (causal: FlashInfer aligns a request's queries to
+the end of its keys, so query ``j`` of ``q`` sees ``past + j + 1`` keys).
 
 This module holds what the reader (:mod:`.fi_reader`) and the CUDA-graph planner
 (:mod:`.fi_graphs`) share: the plan's four arrays, from one pure function of the round,
@@ -22,6 +26,7 @@ which interprets the same arrays. Version-free.
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Any
 
 import torch
@@ -37,6 +42,9 @@ DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)
 #: FlashInfer keeps page, token and head strides as uint32 (``paged_kv_t``).
 _MAX_STRIDE = 2**32
+#: The most tokens of one FlashInfer page over a row: the fi-paged contender's page, and the
+#: granularity FlashInfer's split-KV divides a request's keys at.
+SPLIT_TOKENS = 256
 
 
 def load_flashinfer() -> Any:
@@ -69,9 +77,9 @@ def check_model(dtype: torch.dtype, head_dim: int) -> None:
 
 class PagedPlan:
     """One round as FlashInfer's paged wrappers take it: host int32 ``qo_indptr`` (B+1),
-    ``kv_indptr`` (B+1), ``kv_indices`` (B: the rows), ``kv_last_page_len`` (B: ``past + q``),
-    ``page_size`` (``max_context``), ``decode`` (every request has one query token) and
-    ``total_q``."""
+    ``kv_indptr`` (B+1: request ``b``'s pages are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``),
+    ``kv_indices`` (pages of the :func:`page_view`), ``kv_last_page_len`` (B), ``page_size``
+    (tokens of a page), ``decode`` (every request has one query token) and ``total_q``."""
 
     __slots__ = ("decode", "kv_indices", "kv_indptr", "kv_last_page_len", "page_size", "qo_indptr", "total_q")
 
@@ -81,25 +89,62 @@ class PagedPlan:
         self.kv_last_page_len, self.page_size, self.decode, self.total_q = kv_last_page_len, page_size, decode, total_q
 
 
-def paged_plan(entries: list[tuple[int, int, int]], max_context: int) -> PagedPlan:
+def page_tokens(max_context: int) -> int:
+    """Tokens of the FlashInfer pages a row of ``max_context`` tokens is read as: the largest
+    divisor of ``max_context`` up to :data:`SPLIT_TOKENS` that divides it in a power of two
+    (rows hold whole pages: a page never reaches into the next row)."""
+    if max_context < 1:
+        raise VmemError(f"a row of {max_context} tokens")
+    return math.gcd(max_context, SPLIT_TOKENS)
+
+
+def page_view(rows: torch.Tensor, page: int) -> torch.Tensor:
+    """The ``[rows, max_context, Hkv, D]`` view as ``[rows * P, page, Hkv, D]`` pages (``P =
+    max_context / page``), sharing its memory: page ``row * P + k`` is the row's tokens ``[k *
+    page, (k + 1) * page)``."""
+    n, length, heads, dim = rows.shape
+    s = rows.stride()
+    if length % page or s[0] != length * s[1]:
+        raise VmemError(f"rows of shape {tuple(rows.shape)} and strides {s} are not pages of {page} tokens")
+    return rows.as_strided((n * (length // page), page, heads, dim), (page * s[1], s[1], s[2], s[3]))
+
+
+def plan_of(requests: list[tuple[int, int, int]], max_context: int, page: int, decode: bool) -> PagedPlan:
+    """The plan of ``requests`` ``(row, queries, keys)`` in query order, each reading the first
+    ``keys`` tokens of its row as pages of ``page`` tokens (the caller checked the values)."""
+    per_row = max_context // page
+    qo: list[int] = [0]
+    ip: list[int] = [0]
+    pages: list[int] = []
+    last: list[int] = []
+    for row, q, keys in requests:
+        n = -(-keys // page)
+        qo.append(qo[-1] + q)
+        pages.extend(range(row * per_row, row * per_row + n))
+        ip.append(len(pages))
+        last.append(keys - (n - 1) * page)
+    i32 = torch.int32
+    return PagedPlan(torch.tensor(qo, dtype=i32), torch.tensor(ip, dtype=i32), torch.tensor(pages, dtype=i32),
+                     torch.tensor(last, dtype=i32), page, decode, qo[-1])
+
+
+def paged_plan(entries: list[tuple[int, int, int]], max_context: int, page: int | None = None) -> PagedPlan:
     """The plan arrays of one round: ``entries`` per request in the engine's query order, ``(row,
-    past, q)``. Each row is one page of ``max_context`` tokens: request ``b`` lists page
-    ``row_b`` (``kv_indptr[b] = b``), filled to ``past_b + q_b``; its queries are packed in order
-    (``qo_indptr``). A pure function of the round: the same arrays could fill fixed-size
-    CUDA-graph buffers (padded past B)."""
-    n = len(entries)
-    if n == 0:
+    past, q)``; ``page`` the tokens of a page (a divisor of ``max_context``; default the whole
+    row, one page per request). Request ``b`` lists its row's first ``ceil((past_b + q_b) /
+    page)`` pages (:func:`page_view`'s numbering), the last filled to what is left; its queries
+    are packed in order (``qo_indptr``). A pure function of the round: the same arrays could fill
+    fixed-size CUDA-graph buffers (padded past B)."""
+    page = max_context if page is None else page
+    if page < 1 or max_context % page:
+        raise VmemError(f"pages of {page} tokens do not divide rows of {max_context}")
+    if not entries:
         raise VmemError("an attention round without requests")
-    qo, rows, lens = [0], [], []
     for row, past, q in entries:
         if q < 1 or past < 0 or past + q > max_context or row < 0:
             raise VmemError(f"bad round entry (row {row}, past {past}, q {q}) for max_context {max_context}")
-        qo.append(qo[-1] + q)
-        rows.append(row)
-        lens.append(past + q)
-    i32 = torch.int32
-    return PagedPlan(torch.tensor(qo, dtype=i32), torch.arange(n + 1, dtype=i32), torch.tensor(rows, dtype=i32),
-                     torch.tensor(lens, dtype=i32), max_context, all(e[2] == 1 for e in entries), qo[-1])
+    return plan_of([(row, q, past + q) for row, past, q in entries], max_context, page,
+                   all(q == 1 for _, _, q in entries))
 
 
 def paged_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: PagedPlan,
@@ -109,7 +154,8 @@ def paged_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     full (``page_size``) but the last (``kv_last_page_len[b]``); its queries
     ``q[qo_indptr[b]:qo_indptr[b+1]]`` are aligned to the end of those keys (causal, query ``j``
     of ``m`` sees ``kv_len - m + j + 1`` keys); GQA by head groups; softmax in float32.
-    ``q`` ``[T, Hq, D]``, pages ``[P, page_size, Hkv, D]``; returns ``[T, Hq, D]``."""
+    ``q`` ``[T, Hq, D]``, pages ``[pages, page_size, Hkv, D]`` (:func:`page_view`); returns
+    ``[T, Hq, D]``."""
     qo, ip = plan.qo_indptr.tolist(), plan.kv_indptr.tolist()
     pages, last = plan.kv_indices.tolist(), plan.kv_last_page_len.tolist()
     d = q.shape[-1]
@@ -118,6 +164,9 @@ def paged_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     out = q.new_empty(q.shape)
     for b in range(len(qo) - 1):
         own = pages[ip[b]:ip[b + 1]]
+        if not own or not 1 <= last[b] <= plan.page_size:  # FlashInfer would read past its pages
+            raise VmemError(f"request {b} of the plan lists {len(own)} pages, the last filled to {last[b]} of "
+                            f"{plan.page_size} tokens")
         idx = torch.tensor(own, dtype=torch.int64, device=k_pages.device)
         k = k_pages.index_select(0, idx).flatten(0, 1)  # [pages * page_size, Hkv, D]
         v = v_pages.index_select(0, idx).flatten(0, 1)
@@ -133,13 +182,13 @@ def paged_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     return out
 
 
-def check_strides(k_rows: torch.Tensor) -> None:
-    """Refuses a ``[rows, max_context, Hkv, D]`` view FlashInfer cannot address: its page, token
-    and head strides are uint32 there, the head dim must be contiguous."""
-    s = k_rows.stride()
+def check_strides(k_pages: torch.Tensor) -> None:
+    """Refuses a ``[pages, page, Hkv, D]`` view (:func:`page_view`) FlashInfer cannot address:
+    its page, token and head strides are uint32 there, the head dim must be contiguous."""
+    s = k_pages.stride()
     if s[3] != 1 or max(s[:3]) >= _MAX_STRIDE:
         raise InvalidArgument(
-            f"kernel='flashinfer': the rows' strides {s} (elements) do not fit FlashInfer's 32-bit page strides; "
-            "lower max_context (or use layout='per-layer', whose rows are shorter), or use kernel='fa'"
+            f"kernel='flashinfer': the pages' strides {s} (elements) do not fit FlashInfer's 32-bit strides; "
+            "use layout='per-layer' (shorter token strides), or kernel='fa'"
         )
 
