@@ -304,11 +304,22 @@ impl KVCache {
 
     /// Bytes of pages mapped, each page once however many rows map it (`usage()`'s
     /// `mapped_bytes` less `prefix_stats()`'s `shared_savings_bytes`): one call and no dicts,
-    /// for an engine that asks for its free blocks once per scheduling candidate.
-    fn distinct_mapped_bytes(&self) -> PyResult<u64> {
+    /// for an engine that asks for its free blocks once per scheduling candidate. With
+    /// `needed_only`, less the pages a step can take back without shortening a request
+    /// (`KvCacheManager::excess_pages`: those freed requests keep under deferred reclamation,
+    /// an active request's past its length; never a shared page).
+    #[pyo3(signature = (needed_only = false))]
+    fn distinct_mapped_bytes(&self, needed_only: bool) -> PyResult<u64> {
         let inner = self.get()?;
         let mapped = inner.kv.usage().mapped_bytes;
-        Ok(mapped.saturating_sub(inner.kv.prefix_stats().shared_savings_bytes))
+        let excess = if needed_only {
+            inner.kv.excess_pages() * inner.kv.geometry().page_size
+        } else {
+            0
+        };
+        Ok(mapped
+            .saturating_sub(inner.kv.prefix_stats().shared_savings_bytes)
+            .saturating_sub(excess))
     }
 
     /// Memory held now, in bytes, and request counts.

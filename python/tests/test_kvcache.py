@@ -495,3 +495,23 @@ def test_numpy_dtypes_are_read_as_their_names(dtype):
     kv = cache(dtype=dtype)
     assert kv.config()["dtype"] == "float16"
     kv.close()
+
+
+def test_distinct_mapped_bytes_needed_only_leaves_out_what_a_step_can_take_back():
+    """Deferred reclamation: a freed request's pages stay mapped (``distinct_mapped_bytes()``)
+    but are not needed (``needed_only=True``); the next request given its row writes them, and
+    only its own length's pages are needed. A non-bool is refused."""
+    kv = cache("token-major", deferred_reclaim=True, eager_tokens=0, overlap=False)
+    page = int(kv.config()["page_size"])
+    per = int(kv.config()["tokens_per_page"])
+    r = kv.alloc()
+    kv.step({r: 3 * per})
+    assert kv.distinct_mapped_bytes() == kv.distinct_mapped_bytes(needed_only=True) == 3 * page
+    kv.free(r)
+    assert kv.distinct_mapped_bytes() == 3 * page and kv.distinct_mapped_bytes(needed_only=True) == 0
+    s = kv.alloc()
+    assert s == r  # the id holding the most pages
+    kv.step({s: per})
+    assert kv.distinct_mapped_bytes() == 3 * page and kv.distinct_mapped_bytes(needed_only=True) == page
+    with pytest.raises(vmem.InvalidArgument, match="needed_only"):
+        kv.distinct_mapped_bytes(needed_only="yes")

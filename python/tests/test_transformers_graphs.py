@@ -345,11 +345,18 @@ def test_the_graph_key_carries_a_vmem_rounds_kind_and_the_patch_installs_it():
             return (64, 512, 1024)
 
     hooked = vt_graphs.graph_key_hook(Io.key)
-    vmem_cache = type("C", (), {"round_kind": "decode"})()
-    assert hooked(Io(vmem_cache)) == (64, 512, 1024, "decode")
+    vmem_cache = type("C", (), {"round_kind": "decode", "options": vt.Options()})()
+    # (padded tokens, padded KV read, max_seqlen_k): the KV read (512), which vmem never reads, is
+    # dropped; the kind is added
+    assert hooked(Io(vmem_cache)) == (64, 1024, "decode")
+    vmem_cache.options = vt.Options(graph_seqlen_k="context")  # the kernel gets the row length
+    assert hooked(Io(vmem_cache)) == (64, "decode")
     vmem_cache.round_kind = None  # an unpadded round: the engine's key
     assert hooked(Io(vmem_cache)) == (64, 512, 1024)
     assert hooked(Io(object())) == (64, 512, 1024)  # any other cache: the engine's key
+    fast = Io(type("C", (), {"round_kind": "decode", "options": vt.Options()})())
+    fast.use_block_table, fast.key = True, lambda: (64,)
+    assert vt_graphs.graph_key_hook(lambda io: io.key())(fast) == (64, "decode")  # a fast path's key
     from transformers.generation.continuous_batching import input_outputs as cb_io
 
     vt.uninstall()

@@ -311,11 +311,14 @@ class KVCache(MemoryControl):
 
     stats = usage
 
-    def distinct_mapped_bytes(self) -> int:
+    def distinct_mapped_bytes(self, needed_only: bool = False) -> int:
         """Bytes of pages mapped, each page once however many rows map it (a shared prefix's
         pages once): ``usage()["mapped_bytes"]`` less ``prefix_stats()["shared_savings_bytes"]``,
-        in one call that builds no dict (an engine asks once per scheduling candidate)."""
-        return self._rs.distinct_mapped_bytes()
+        in one call that builds no dict (an engine asks once per scheduling candidate). With
+        ``needed_only``, less the pages a step can take back without shortening a request: all
+        that freed requests keep under deferred reclamation, an active request's past its
+        length."""
+        return self._rs.distinct_mapped_bytes(check_bool("needed_only", needed_only))
 
     def config(self) -> Dict[str, Any]:
         """The configuration, derived sizes and the backend (with why it was chosen)."""

@@ -509,3 +509,65 @@ fn the_prefix_api_refuses_wrong_ids_inactive_requests_and_a_second_adoption() {
     let d = kv0.alloc_reqid().unwrap();
     assert_eq!(kv0.adopt_prefix(d, &p).unwrap(), 0);
 }
+
+/// Deferred reclamation and adoption: a freed request's row keeps its pages; adopting into it
+/// with nothing cached leaves them mapped (no unmap, which waits for the device, for nothing),
+/// and the next request writes them as its own; adopting a cached prefix unmaps them first and
+/// maps the cached pages at the row's start.
+#[test]
+fn adopting_nothing_keeps_a_deferred_rows_pages_and_adopting_a_prefix_replaces_them() {
+    let host = Arc::new(HostBackend::new().unwrap());
+    let mut c = cfg(Layout::TokenMajor, 256, Some(u64::MAX));
+    c.deferred_reclaim = true;
+    let kv = KvCacheManager::init(host.clone(), c).unwrap();
+    let bt = kv.prefix_block_tokens();
+    // A computes 4 blocks (publishing none) and ends.
+    let a = kv.alloc_reqid().unwrap();
+    let pa = prompt(1, (4 * bt) as usize);
+    kv.step(&lens(&[(a, pa.len() as u64)])).unwrap();
+    write(&host, &kv, a, 0, pa.len(), 7);
+    let held = kv.request_pages(a).unwrap(); // pages in each buffer (token-major: one)
+    assert_eq!(held, vec![4]);
+    kv.free_reqid(a).unwrap();
+    assert_eq!(
+        kv.request_pages(a).unwrap(),
+        held,
+        "deferred: the freed row keeps its pages"
+    );
+    // B gets that row (it holds the most pages); its prompt shares nothing cached.
+    let b = kv.alloc_reqid().unwrap();
+    assert_eq!(b, a);
+    assert_eq!(
+        kv.adopt_prefix(b, &prompt(9, (2 * bt) as usize)).unwrap(),
+        0
+    );
+    assert_eq!(
+        kv.request_pages(b).unwrap(),
+        held,
+        "nothing cached: the pages stay"
+    );
+    kv.step(&lens(&[(b, 2 * bt)])).unwrap();
+    write(&host, &kv, b, 0, (2 * bt) as usize, 3);
+    assert_eq!(
+        kv.publish_prefix(b, &prompt(9, (2 * bt) as usize)).unwrap(),
+        2
+    );
+    kv.free_reqid(b).unwrap(); // it maps no cached page it adopted: deferred, pages kept
+                               // C adopts B's two cached blocks into the same row: its leftover pages go first.
+    let c = kv.alloc_reqid().unwrap();
+    assert_eq!(c, b);
+    let mut pc = prompt(9, (2 * bt) as usize);
+    pc.extend(prompt(4, 10));
+    assert_eq!(kv.adopt_prefix(c, &pc).unwrap(), 2 * bt);
+    assert_eq!(
+        kv.request_pages(c).unwrap(),
+        vec![2],
+        "only the adopted pages: the leftovers were unmapped"
+    );
+    kv.step(&lens(&[(c, pc.len() as u64)])).unwrap();
+    assert_eq!(
+        wrong(&host, &kv, c, 0, (2 * bt) as usize, 3),
+        0,
+        "C reads B's cached blocks"
+    );
+}

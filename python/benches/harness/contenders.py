@@ -7,8 +7,8 @@ Which names a transformers version serves: :data:`CATALOG` lists every contender
 version families it runs on; :func:`offered` and :func:`spec` answer for the running version
 (``ValueError`` naming the version for one it does not serve). A spec's keys: ``attn`` (the
 attention name), ``block_size`` (the engine's block / page tokens, engine caches), ``graphs``
-(the engine's CUDA graphs on, async batching off unless ``async``), ``layout``/``kernel`` (vmem),
-``sharing``, ``optional`` (needs FlashInfer: run only when named)."""
+(the engine's CUDA graphs on, async batching off unless ``async``), ``layout``/``kernel``/
+``deferred_reclaim`` (vmem), ``sharing``, ``optional`` (needs FlashInfer: run only when named)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     "sdpa-256-graphs": ((V519,), {"attn": "sdpa", "block_size": 256, "graphs": True}),
     "fi-paged": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256}),
     "fi-paged-graphs": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256, "graphs": True}),
+    # The peer with the engine's async batching too (each IO pair plans its own wrappers).
+    "fi-paged-graphs-async": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256, "graphs": True,
+                                     "async": True}),
     "vmem-per-layer": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "fa"}),
     "vmem-token-major": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa"}),
     "vmem-per-layer-flex": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flex"}),
@@ -58,6 +61,14 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
                                                 "optional": True}),
     "vmem-token-major-graphs-async": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
                                              "graphs": True, "async": True}),
+    # Deferred reclamation: a finished request's row keeps its pages for the next (no unmap, so
+    # no device synchronization in the engine's loop when a request ends).
+    "vmem-token-major-graphs-async-deferred": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
+                                                      "kernel": "fa", "graphs": True, "async": True,
+                                                      "deferred_reclaim": True}),
+    "vmem-token-major-fi-graphs-async-deferred": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
+                                                         "kernel": "flashinfer", "graphs": True, "async": True,
+                                                         "deferred_reclaim": True, "optional": True}),
 }
 
 
@@ -152,8 +163,9 @@ def is_vmem(spec: Spec) -> bool:
 
 
 def vmem_options(spec: Spec) -> dict[str, Any]:
-    """The ``vmem.transformers.serving`` options a vmem ``spec`` names itself (layout, kernel)."""
-    return {k: spec[k] for k in ("layout", "kernel") if k in spec}
+    """The ``vmem.transformers.serving`` options a vmem ``spec`` names itself (layout, kernel,
+    deferred reclamation)."""
+    return {k: spec[k] for k in ("layout", "kernel", "deferred_reclaim") if k in spec}
 
 
 def contender_config(model: Any, spec: Spec, args: Any, budget: dict[str, int],
@@ -163,7 +175,7 @@ def contender_config(model: Any, spec: Spec, args: Any, budget: dict[str, int],
     the engine's own cache its block size and block count) and the ``vmem.transformers.serving``
     options (vmem: layout, kernel, memory, rows — ``max_requests``, default ``args.max_requests``);
     a spec with ``graphs`` turns the engine's CUDA graphs on (``use_cuda_graph=True``), one with
-    ``async`` its async batching (vmem only)."""
+    ``async`` its async batching."""
     kw: dict[str, Any] = {"allow_block_sharing": spec.get("sharing", True)}
     if spec.get("graphs"):
         kw["use_cuda_graph"] = True
@@ -179,10 +191,11 @@ def contender_config(model: Any, spec: Spec, args: Any, budget: dict[str, int],
             per_row = args.max_context * cfg.num_key_value_heads * head_dim
             rows = min(rows, (2**31 - 1) // per_row - 1)
         opts = {"layout": spec["layout"], "kernel": spec.get("kernel", "fa"), "memory": budget["kv_bytes"],
-                    "page_size": args.page_size, "max_requests": rows, "max_context": args.max_context}
+                    "page_size": args.page_size, "max_requests": rows, "max_context": args.max_context,
+                    "deferred_reclaim": spec.get("deferred_reclaim", False)}
         return kw, opts
-    if spec.get("graphs"):  # the engine's CUDA graphs; async off (fi-paged re-plans before each replay)
-        kw.update(use_cuda_graph=True, use_async_batching=False)
+    if spec.get("graphs"):  # the engine's CUDA graphs; async batching only where the spec says so
+        kw.update(use_cuda_graph=True, use_async_batching=bool(spec.get("async")))
     bs = spec["block_size"]
     # The budget is fixed by num_blocks; the engine still checks its footprint against
     # max_memory_percent of the memory free *now*, which the run before may have moved by a

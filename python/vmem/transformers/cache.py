@@ -40,7 +40,7 @@ from . import tenancy
 from .blocks import FreshBlocks
 from .fa import FaReader
 from .fi_reader import FlashInferReader
-from .flashinfer import check_strides
+from .flashinfer import check_strides, page_tokens, page_view
 from .flex import FlexReader
 from .graphs import RoundBuffers, check_engine_config, graphs_requested
 from .options import Options
@@ -119,7 +119,8 @@ class VmemCBCache:
             max_context=g.max_context, page_size=g.page_bytes, layout=self.layout,
             backend="host" if on_cpu else "cuda", device=0 if on_cpu else (self.device.index or 0),
             memory_cap=g.cap, prealloc=g.cap if options.prealloc and options.pool is None else 0, overlap=False,
-            deferred_reclaim=False, eager_tokens=0, zero_page=on_cpu or (self.kernel == "flex" and not g.compiled),
+            deferred_reclaim=options.deferred_reclaim, reclaim_threshold=0, eager_tokens=0,
+            zero_page=on_cpu or (self.kernel == "flex" and not g.compiled),
             prefix_cache=g.prefix_cap(self.sharing, options.prefix_cache), pool=options.pool,
         )
         self.lock = threading.Lock()  # a round's mapping against sleep (tenancy.py)
@@ -173,7 +174,7 @@ class VmemCBCache:
             return FaReader(g.max_context)
         if self.kernel == "flex":
             return FlexReader(self, g.compiled)
-        check_strides(self._k4[0])  # every layer's view has the same strides
+        check_strides(page_view(self._k4[0], page_tokens(g.max_context)))  # every layer's has the same strides
         return FlashInferReader(g.max_context, self.kv_rows, self.device, config.num_attention_heads,
                                 trash_row=self.trash_row, trash_tokens=g.block_size,
                                 max_tokens=self.max_batch_tokens, graphs=graphs)
@@ -221,7 +222,10 @@ class VmemCBCache:
         budget = tenancy.budget_blocks(self)  # num_blocks, or fewer in a pool (its limit, its room)
         if not self.sharing:
             return budget - self.table.used_blocks
-        mapped_blocks = self.distinct_mapped_bytes() // (self.pages_per_block * self.page_bytes)
+        # Pages freed rows keep (deferred reclamation), and a reused row's past its request's
+        # length, are free: a step takes them back.
+        mapped = self.kv.distinct_mapped_bytes(needed_only=self.options.deferred_reclaim)
+        mapped_blocks = -(-mapped // (self.pages_per_block * self.page_bytes))  # a part-block counts whole
         return budget - (mapped_blocks - 1) - self.table.pending_blocks  # less the trash row's block
 
     def blocks_needed(self, num_requested_blocks: int, allocated_blocks: int) -> int:
@@ -261,7 +265,8 @@ class VmemCBCache:
             return None
 
     def free_blocks(self, request_id: str) -> None:
-        """Gives the request's row back and unmaps its pages (after the queued GPU work)."""
+        """Gives the request's row back and unmaps its pages (after the queued GPU work), or,
+        with ``deferred_reclaim``, leaves them mapped for the row's next request."""
         index = self.table.release(request_id)
         if index is not None:
             self.kv.free(index)
@@ -322,7 +327,9 @@ class VmemCBCache:
             tenancy.wake(self)
         index = None
         try:
-            index = self.kv.alloc()
+            # Under deferred reclamation, the freed row holding the fewest pages: adopting a cached
+            # prefix unmaps what the row holds first, which waits for the device.
+            index = self.kv.alloc_for(0) if self.options.deferred_reclaim else self.kv.alloc()
             got = self.kv.adopt_prefix(index, prompt_ids)
             # Adopting maps cached blocks get_num_free_blocks counted as free: when this round's
             # allocations counted on them, the request waits (else the step would run short).

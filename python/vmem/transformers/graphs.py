@@ -22,7 +22,8 @@ that reaches a graph only as the contents of buffers whose addresses it baked in
   token, padded tokens included (each reads nothing), with ``max_q = 1``: FlashAttention-2 then
   keeps its decode path (GQA groups folded into the query rows), which a padded ``max_q`` loses.
   Such a round and a mixed round of the same padded size are different graphs:
-  :func:`graph_key_hook` adds the round's kind (``cache.round_kind``) to the engine's graph key.
+  :func:`graph_key_hook` adds the round's kind (``cache.round_kind``) to the engine's graph key,
+  and drops from it the engine's padded KV read, which vmem's forward does not depend on.
 * :func:`forward_hook` wraps the engine's ``ModelRunner.compute_batch``: the round's metadata is
   written before every forward, graphed or not (one path); a reader with a host-side plan
   (``kernel="flashinfer"``) plans it there too, on the compute stream, outside any capture.
@@ -266,15 +267,33 @@ def forward_hook(compute_batch: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def graph_key_hook(get_graph_key: Callable[..., Any]) -> Callable[..., Any]:
-    """The engine's ``ContinuousBatchingIOs._get_graph_key`` plus a vmem cache's round kind: the
-    engine keys a varlen graph by ``(padded tokens, padded KV read, max_seqlen_k)``, which a
-    decode-only round and a mixed round can share although vmem runs them differently (FA's
-    ``max_q = 1``, FlashInfer's decode or prefill wrapper). Other caches' keys are unchanged."""
+    """The engine's ``ContinuousBatchingIOs._get_graph_key``, for a vmem cache's padded round
+    keyed by what vmem's forward depends on. The engine keys a varlen graph by ``(padded tokens,
+    padded KV read, padded max_seqlen_k)`` (5.19+ names the last ``max_length_k``); for vmem:
+
+    * the round's kind is added: a decode-only round and a mixed round of one padded size run
+      differently (FA's ``max_q = 1``, FlashInfer's decode or prefill wrapper);
+    * the padded KV read is dropped: it sizes the engine's gather (``read_index``), which vmem
+      neither fills nor reads (its kernels read the rows in place), and it grows with every
+      request's context, so each new bucket captured a graph mid-run (the H200 profile of
+      2026-11-27: the slowest 1 % of decode rounds spent 18-37 ms capturing, the time-between-
+      tokens p99 the fi-paged peer, whose KV read is capped by its pool, does not pay);
+    * with ``graph_seqlen_k="context"`` the ``max_seqlen_k`` bucket is dropped too: the kernel
+      is given the row length, the same for every graph.
+
+    Unpadded rounds (no kind) and other caches keep the engine's key."""
 
     def vmem_graph_key(self: Any) -> Any:
         key = get_graph_key(self)
-        kind = getattr(getattr(self, "cache", None), "round_kind", None)
-        return key if kind is None else (*key, kind)
+        cache = getattr(self, "cache", None)
+        kind = getattr(cache, "round_kind", None)
+        if kind is None:
+            return key
+        if getattr(self, "use_block_table", False) or len(key) < 2:  # a fast path's key: tokens only
+            return (*key, kind)
+        options = getattr(cache, "options", None)
+        seqlen_k = () if getattr(options, "graph_seqlen_k", "bucket") == "context" else tuple(key[2:])
+        return (key[0], *seqlen_k, kind)
 
     return vmem_graph_key
 

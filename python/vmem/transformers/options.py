@@ -82,6 +82,12 @@ class Options:
       ``"64M"``; whole pages); 0 (default): every one goes back to the pool at once. What is
       kept counts as the tenant's usage, and goes back when the pool runs low or after
       ``pool_idle_s``. Not used outside a pool.
+    * ``deferred_reclaim``: a finished request's row keeps its pages mapped, and the next
+      request given that row writes into them (vAttention's deferred reclamation): no unmap
+      when a request ends, whose device synchronization stalls the engine's async batching,
+      and no map for what the pages cover. A step that needs them takes them back then.
+      ``False`` (default): a finished request's pages are unmapped at once. Not with ``pool``
+      (a tenant gives back what its requests no longer use).
 
     Made once (``Options(**kw)`` validates and canonicalizes: sizes become ints); frozen.
     Strings are never bools and floats never ints (:mod:`vmem._args`).
@@ -100,6 +106,7 @@ class Options:
     pool: Any = None
     pool_idle_s: Any = POOL_IDLE_S
     pool_keep: Any = 0
+    deferred_reclaim: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: the canonical values are set once, here
@@ -123,6 +130,10 @@ class Options:
         set_(self, "pool_keep", check_size("pool_keep", self.pool_keep))
         if self.pool_keep > MAX_BYTES:  # checked here, not when a request finishes inside the engine
             raise InvalidArgument(f"pool_keep must be at most {MAX_BYTES} bytes, got {self.pool_keep}")
+        set_(self, "deferred_reclaim", check_bool("deferred_reclaim", self.deferred_reclaim))
+        if self.deferred_reclaim and self.pool is not None:
+            raise InvalidArgument("deferred_reclaim keeps a finished request's pages mapped; a pool tenant gives "
+                                  "them back to the pool (pool_keep keeps some, unmapped): not both")
         if self.kernel == "fa" and self.max_context is not None and (self.max_requests + 1) * self.max_context >= 2**31:
             # FlashAttention's cu_seqlens_k are int32 row starts (sizing.Geometry checks the same
             # once max_context is rounded to whole blocks, or taken from the model).

@@ -319,6 +319,14 @@ impl KvCacheManager {
         (st.pool.available_pages() + st.reclaimable()) / self.geo.buffers as u64
     }
 
+    /// Pages a step can take back without shortening any request: every page of a freed
+    /// request that deferred reclamation keeps, an active request's past its length (claimed
+    /// requests' excepted). Unlike [`KvCacheManager::free_blocks`], the prefix cache's
+    /// evictable blocks are not counted: they are not mapped to a request.
+    pub fn excess_pages(&self) -> u64 {
+        self.shared.lock().excess_pages()
+    }
+
     /// Turns deferred reclamation on or off from now on. Turning it off unmaps no page by
     /// itself: call [`KvCacheManager::reclaim_inactive`] for that.
     pub fn set_deferred_reclaim(&self, on: bool) {

@@ -88,12 +88,17 @@ impl State {
     /// Pages that reclamation could free: every page beyond what each request must keep
     /// (claimed requests' pages excepted), and the prefix cache's evictable blocks.
     pub(super) fn reclaimable(&self) -> u64 {
+        self.excess_pages() + self.prefix.evictable_pages()
+    }
+
+    /// Pages beyond what each request must keep, claimed requests' excepted: every page of a
+    /// freed request under deferred reclamation, an active request's past its length.
+    pub(super) fn excess_pages(&self) -> u64 {
         let padded = self.padded_len();
         (0..self.requests.active.len())
             .filter(|&r| !self.requests.claimed[r])
             .map(|r| self.excess(r, padded))
-            .sum::<u64>()
-            + self.prefix.evictable_pages()
+            .sum()
     }
 
     /// Whether reclamation evicts a prefix-cache block before taking pages from `victim`

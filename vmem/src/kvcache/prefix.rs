@@ -41,7 +41,8 @@
 //!
 //! With sharing on, freeing a request that maps cached pages unmaps it at once (deferred
 //! reclamation would hand its id, cached pages and all, to a request that writes them), and
-//! adopting into an id that still holds pages (deferred or eager ones) unmaps them first.
+//! adopting a cached prefix into an id that still holds pages (deferred or eager ones) unmaps
+//! them first (when nothing is cached, they stay).
 
 use super::blocks::{block_hashes, BlockHash, Entry, PrefixStats};
 use super::state::State;
@@ -87,18 +88,20 @@ impl State {
                 why: "it has tokens already: a prefix is adopted before its first step".into(),
             });
         }
-        // Leftover pages (a deferred predecessor's, eager ones) go first: the range must be
-        // empty, so the adopted pages start it.
-        if self.buffers.iter().any(|b| b.mapped(r) > 0) {
-            self.unmap_request(r)?;
-        }
         let k = hashes
             .iter()
             .take(most as usize)
             .take_while(|h| self.prefix.entries.contains_key(h))
             .count();
         if k == 0 {
+            // Nothing cached: leftover pages (a deferred predecessor's) stay, for the request
+            // to write as its own; unmapping them would wait for the device for nothing.
             return Ok(0);
+        }
+        // Leftover pages (a deferred predecessor's, eager ones) go first: the range must be
+        // empty, so the adopted pages start it.
+        if self.buffers.iter().any(|b| b.mapped(r) > 0) {
+            self.unmap_request(r)?;
         }
         let page = self.geo.page_size;
         let m = self.prefix.block_pages as usize;
@@ -204,7 +207,8 @@ impl KvCacheManager {
     /// cached pages are mapped at the start of its range. Returns the tokens served from the
     /// cache (a multiple of [`KvCacheManager::prefix_block_tokens`]); the engine prefills
     /// from there. Pages `req` held from an earlier request (deferred, eager) are unmapped
-    /// first. On error nothing is mapped. Fails with [`VmemError::Unsupported`] when sharing
+    /// first when a prefix is cached (else they stay, for `req` to write). On error nothing
+    /// is mapped. Fails with [`VmemError::Unsupported`] when sharing
     /// is off, and with [`VmemError::PrefixMisuse`] when `req` has tokens (or a prefix) already.
     ///
     /// ```
