@@ -310,16 +310,7 @@ impl KVCache {
     /// an active request's past its length; never a shared page).
     #[pyo3(signature = (needed_only = false))]
     fn distinct_mapped_bytes(&self, needed_only: bool) -> PyResult<u64> {
-        let inner = self.get()?;
-        let mapped = inner.kv.usage().mapped_bytes;
-        let excess = if needed_only {
-            inner.kv.excess_pages() * inner.kv.geometry().page_size
-        } else {
-            0
-        };
-        Ok(mapped
-            .saturating_sub(inner.kv.prefix_stats().shared_savings_bytes)
-            .saturating_sub(excess))
+        Ok(self.get()?.kv.distinct_mapped_bytes(needed_only))
     }
 
     /// Memory held now, in bytes, and request counts.

@@ -245,6 +245,16 @@ def test_one_wrapper_per_pair_kind_batch_and_tokens_with_stable_buffers(fake_fi)
     assert not eager.graph and ws.plan(vt_fi.paged_plan([(1, 0, 2)], 48), pair=0, graph=False, scale=0.3) is eager
 
 
+def test_the_eager_workspace_holds_the_split_partials_of_the_gpu():
+    """Outside graphs: room for the split partials of twice the planner's units on an H100 (132
+    SMs): a 33-unit split of a 64-head model needs 138 MB, past FlashInfer's 128 MiB."""
+    assert vt_fig.workspace_bytes(False, 8192, 32, 128) == vt_fig.WORKSPACE_BYTES  # the GPU unknown
+    llama = vt_fig.workspace_bytes(False, 8192, 32, 128, kv_heads=8, sms=132)
+    big = vt_fig.workspace_bytes(False, 8192, 64, 128, kv_heads=8, sms=132)
+    assert llama >= 32 * 33 * 128 * 129 * 4 and big >= 64 * 33 * 128 * 129 * 4 > vt_fig.WORKSPACE_BYTES
+    assert vt_fig.workspace_bytes(True, 8192, 64, 128, kv_heads=8, sms=132) >= big
+
+
 def test_the_graph_workspace_is_sized_for_the_padded_round():
     assert vt_fig.workspace_bytes(False, 8192, 32, 128) == vt_fig.WORKSPACE_BYTES
     assert vt_fig.workspace_bytes(True, 8192, 32, 128) > 2_684_354_560  # what fi-paged's graphs needed

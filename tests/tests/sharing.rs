@@ -512,8 +512,8 @@ fn the_prefix_api_refuses_wrong_ids_inactive_requests_and_a_second_adoption() {
 
 /// Deferred reclamation and adoption: a freed request's row keeps its pages; adopting into it
 /// with nothing cached leaves them mapped (no unmap, which waits for the device, for nothing),
-/// and the next request writes them as its own; adopting a cached prefix unmaps them first and
-/// maps the cached pages at the row's start.
+/// and the next request writes them as its own; adopting a cached prefix (published by another
+/// row) unmaps them first and maps the cached pages at the row's start.
 #[test]
 fn adopting_nothing_keeps_a_deferred_rows_pages_and_adopting_a_prefix_replaces_them() {
     let host = Arc::new(HostBackend::new().unwrap());
@@ -521,42 +521,43 @@ fn adopting_nothing_keeps_a_deferred_rows_pages_and_adopting_a_prefix_replaces_t
     c.deferred_reclaim = true;
     let kv = KvCacheManager::init(host.clone(), c).unwrap();
     let bt = kv.prefix_block_tokens();
-    // A computes 4 blocks (publishing none) and ends.
+    // B computes 2 blocks, publishes them and stays: its row keeps the cached pages.
+    let b = kv.alloc_reqid().unwrap();
+    let pb = prompt(9, (2 * bt) as usize);
+    kv.step(&lens(&[(b, 2 * bt)])).unwrap();
+    write(&host, &kv, b, 0, pb.len(), 3);
+    assert_eq!(kv.publish_prefix(b, &pb).unwrap(), 2);
+    // A, on another row, computes 4 blocks (publishing none) and ends: deferred, its row keeps
+    // its 4 pages (pages in each buffer; token-major: one buffer).
     let a = kv.alloc_reqid().unwrap();
-    let pa = prompt(1, (4 * bt) as usize);
-    kv.step(&lens(&[(a, pa.len() as u64)])).unwrap();
-    write(&host, &kv, a, 0, pa.len(), 7);
-    let held = kv.request_pages(a).unwrap(); // pages in each buffer (token-major: one)
-    assert_eq!(held, vec![4]);
+    assert_ne!(a, b);
+    kv.step(&lens(&[(b, 2 * bt), (a, 4 * bt)])).unwrap();
+    write(&host, &kv, a, 0, (4 * bt) as usize, 7);
     kv.free_reqid(a).unwrap();
     assert_eq!(
         kv.request_pages(a).unwrap(),
-        held,
+        vec![4],
         "deferred: the freed row keeps its pages"
     );
-    // B gets that row (it holds the most pages); its prompt shares nothing cached.
-    let b = kv.alloc_reqid().unwrap();
-    assert_eq!(b, a);
+    // D gets A's row (the inactive id holding the most pages); its prompt shares nothing cached.
+    let d = kv.alloc_reqid().unwrap();
+    assert_eq!(d, a);
     assert_eq!(
-        kv.adopt_prefix(b, &prompt(9, (2 * bt) as usize)).unwrap(),
+        kv.adopt_prefix(d, &prompt(5, (3 * bt) as usize)).unwrap(),
         0
     );
     assert_eq!(
-        kv.request_pages(b).unwrap(),
-        held,
+        kv.request_pages(d).unwrap(),
+        vec![4],
         "nothing cached: the pages stay"
     );
-    kv.step(&lens(&[(b, 2 * bt)])).unwrap();
-    write(&host, &kv, b, 0, (2 * bt) as usize, 3);
-    assert_eq!(
-        kv.publish_prefix(b, &prompt(9, (2 * bt) as usize)).unwrap(),
-        2
-    );
-    kv.free_reqid(b).unwrap(); // it maps no cached page it adopted: deferred, pages kept
-                               // C adopts B's two cached blocks into the same row: its leftover pages go first.
+    kv.free_reqid(d).unwrap(); // it maps no cached page: deferred, pages kept
+    assert_eq!(kv.request_pages(d).unwrap(), vec![4]);
+    // C gets the same row and adopts B's two cached blocks: A's leftovers go first.
     let c = kv.alloc_reqid().unwrap();
-    assert_eq!(c, b);
-    let mut pc = prompt(9, (2 * bt) as usize);
+    assert_eq!(c, a);
+    let before = kv.usage().mapped_bytes;
+    let mut pc = pb.clone();
     pc.extend(prompt(4, 10));
     assert_eq!(kv.adopt_prefix(c, &pc).unwrap(), 2 * bt);
     assert_eq!(
@@ -564,7 +565,13 @@ fn adopting_nothing_keeps_a_deferred_rows_pages_and_adopting_a_prefix_replaces_t
         vec![2],
         "only the adopted pages: the leftovers were unmapped"
     );
-    kv.step(&lens(&[(c, pc.len() as u64)])).unwrap();
+    assert_eq!(
+        kv.usage().mapped_bytes,
+        before - 2 * KIB64,
+        "4 leftover pages out, 2 cached pages in"
+    );
+    kv.step(&lens(&[(b, 2 * bt), (c, pc.len() as u64)]))
+        .unwrap();
     assert_eq!(
         wrong(&host, &kv, c, 0, (2 * bt) as usize, 3),
         0,

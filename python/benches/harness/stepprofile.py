@@ -13,6 +13,7 @@ where a synchronous engine waits for the GPU, and the requests' bookkeeping)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any
@@ -139,7 +140,7 @@ def round_report(rounds: list[dict[str, Any]], kernel_ms: float) -> str:
         mean_tokens = statistics.fmean(r["tokens"] for r in rs)
         padded = med(lambda r: r["padded_tokens"])
         walls = sorted(r["wall_ns"] / 1e6 for r in rs)
-        p90, p99 = (walls[min(len(walls) - 1, int(q * len(walls)))] for q in (0.9, 0.99))
+        p90, p99 = (walls[max(0, math.ceil(q * len(walls)) - 1)] for q in (0.9, 0.99))  # nearest rank
         lines.append(f"{kind:<8} {len(rs):>6}  {med(lambda r: r['wall_ns'] / 1e6):>7.2f}  {p90:>6.2f}  {p99:>6.2f}  "
                      f"{parts['prepare']:>7.2f}  "
                      f"{parts['compute']:>7.2f}  {parts['update']:>6.2f}  {other:>5.2f}  "

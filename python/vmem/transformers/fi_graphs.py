@@ -50,23 +50,36 @@ from .flashinfer import PagedPlan, paged_plan, plan_of
 WORKSPACE_BYTES = 128 << 20
 
 
-def workspace_bytes(graphs: bool, max_tokens: int, q_heads: int, head_dim: int) -> int:
-    """The float workspace of one cache's wrappers. Without graphs, :data:`WORKSPACE_BYTES`. In
-    graph mode FlashInfer sizes the prefill's split-KV partials for the padded round: the
-    fi-paged contender measured ``20 x tokens x heads x head_dim`` fp32 values on the H100
-    (2.7 GB for 8,192 tokens of 32 heads of 128, docs/serving.md), plus their log-sum-exps and
-    256 MiB for the rest.
+def workspace_bytes(graphs: bool, max_tokens: int, q_heads: int, head_dim: int, *, kv_heads: int = 0,
+                    sms: int = 0) -> int:
+    """The float workspace of one cache's wrappers. FlashInfer splits a request's keys at its
+    pages (:data:`~vmem.transformers.flashinfer.SPLIT_TOKENS` tokens over a vmem row) when a
+    round leaves SMs idle, as the fi-paged contender's do, and keeps the split results there.
 
-    FlashInfer splits a request's keys at its pages (:data:`~vmem.transformers.flashinfer.SPLIT_TOKENS`
-    tokens over a vmem row) when a round leaves SMs idle, as the fi-paged contender's do. Its
-    ``disable_split_kv=True`` is not used: in graph mode it launches the padded round's spare
+    * Outside graphs its planner makes at most about ``2 x sms / kv_heads`` split units, each
+      ``q_heads x 128`` (its largest query tile) ``x (head_dim + 1)`` fp32 values (partials and
+      log-sum-exps): sized for twice that (the units a SM runs differ by kernel), plus 64 MiB,
+      never less than :data:`WORKSPACE_BYTES` (FlashInfer's recommended 128 MiB). Llama-3-8B's
+      heads on 132 SMs: 207 MB; a 64-head model would overflow 128 MiB at 33 units. Without
+      ``sms`` and ``kv_heads`` (the GPU unknown), :data:`WORKSPACE_BYTES`. Derived from
+      FlashInfer 0.6.13's planner, not measured on a GPU.
+    * In graph mode FlashInfer sizes the prefill's split-KV partials for the padded round: the
+      fi-paged contender measured ``20 x tokens x heads x head_dim`` fp32 values on the H100
+      (2.7 GB for 8,192 tokens of 32 heads of 128, docs/serving.md), plus their log-sum-exps and
+      256 MiB for the rest.
+
+    Its ``disable_split_kv=True`` is not used: in graph mode it launches the padded round's spare
     thread blocks with no validity mask, reading scheduling entries the plan did not write (a
     token-major run on the H200 failed with ``CUDA_ERROR_INVALID_ADDRESS_SPACE``,
     docs/serving.md)."""
+    eager = 0
+    if sms > 0 and kv_heads > 0:
+        units = -(-4 * sms // kv_heads)  # twice the planner's 2 x SMs / KV heads
+        eager = q_heads * units * 128 * (head_dim + 1) * 4 + (64 << 20)
     if not graphs:
-        return WORKSPACE_BYTES
+        return max(WORKSPACE_BYTES, eager)
     partials = 20 * max_tokens * q_heads * (head_dim + 1) * 4
-    return max(WORKSPACE_BYTES, partials + (256 << 20))
+    return max(WORKSPACE_BYTES, eager, partials + (256 << 20))
 
 
 def padded_paged_plan(entries: list[tuple[int, int, int]], max_context: int, *, trash_row: int, trash_tokens: int,

@@ -67,7 +67,9 @@ class FlashInferReader:
         if self.wrappers is None and fi_plan.kernels_on(self.device):
             k = self.rows_of(0)[0]
             _, _, hkv, d = k.shape
-            size = workspace_bytes(self.graphs, self.max_tokens, self.num_heads, d)
+            cuda = self.device.type == "cuda"  # (the CPU tests run stand-in wrappers)
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 0
+            size = workspace_bytes(self.graphs, self.max_tokens, self.num_heads, d, kv_heads=hkv, sms=sms)
             self.wrappers = WrapperSet(self._fi, self.device, size, self.num_heads, hkv, d, k.dtype,
                                        max_pages=self.max_context // self.page)
         return self.wrappers

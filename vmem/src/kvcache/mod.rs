@@ -319,6 +319,25 @@ impl KvCacheManager {
         (st.pool.available_pages() + st.reclaimable()) / self.geo.buffers as u64
     }
 
+    /// Bytes of pages mapped to requests, each page once however many requests map it
+    /// ([`MemoryUsage::mapped_bytes`] less [`PrefixStats::shared_savings_bytes`]); with
+    /// `needed_only`, less the pages a step can take back ([`KvCacheManager::excess_pages`]).
+    /// One reading under one lock: the background thread cannot map or reclaim between its
+    /// parts.
+    pub fn distinct_mapped_bytes(&self, needed_only: bool) -> u64 {
+        let st = self.shared.lock();
+        let page = self.geo.page_size;
+        let mapped: u64 = (0..self.cfg.max_batch).map(|r| st.pages_of(r)).sum::<u64>() * page;
+        let excess = if needed_only {
+            st.excess_pages() * page
+        } else {
+            0
+        };
+        mapped
+            .saturating_sub(st.prefix.stats(page).shared_savings_bytes)
+            .saturating_sub(excess)
+    }
+
     /// Pages a step can take back without shortening any request: every page of a freed
     /// request that deferred reclamation keeps, an active request's past its length (claimed
     /// requests' excepted). Unlike [`KvCacheManager::free_blocks`], the prefix cache's
