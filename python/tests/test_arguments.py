@@ -29,6 +29,22 @@ def test_a_boolean_option_given_anything_but_a_bool_is_refused_naming_it(name, v
         cache(**{name: value})
 
 
+def test_numpy_bools_are_bools_and_numpy_ints_are_not():
+    """NumPy 2 renamed ``numpy.bool_`` to ``numpy.bool``: both are taken (the check named only the
+    first, so NumPy 2's were refused); a NumPy int stays refused."""
+    np = pytest.importorskip("numpy")
+    from vmem._args import check_bool
+
+    assert check_bool("flag", np.True_) is True and check_bool("flag", np.False_) is False
+    assert check_bool("flag", np.bool_(True)) is True
+    for bad in (np.int64(1), np.float32(0.0), np.array(True)):
+        with pytest.raises(vmem.InvalidArgument, match="flag"):
+            check_bool("flag", bad)
+    kv = cache(pad_rows=np.True_)
+    assert kv.config()["pad_rows"] is True
+    kv.close()
+
+
 @pytest.mark.parametrize("name", BOOLS)
 def test_a_boolean_option_takes_true_and_false(name):
     for value in (True, False):

@@ -34,7 +34,8 @@ def check_bool(name: str, value: Any) -> bool:
     ``"no"`` and ``"False"`` and the ints 0 and 1 included, is refused."""
     if isinstance(value, bool):
         return value
-    if type(value).__name__ == "bool_":  # numpy.bool_, without importing NumPy
+    t = type(value)
+    if t.__module__ == "numpy" and t.__name__ in ("bool_", "bool"):  # NumPy 1's bool_, NumPy 2's bool
         return bool(value)
     raise InvalidArgument(f"{name} must be True or False, got {short(value)}")
 
