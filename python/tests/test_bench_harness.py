@@ -223,12 +223,15 @@ def test_the_round_report_gives_each_kinds_tail():
     p99 are the rounds' (the tail time-between-tokens p99 sees), the parts are medians."""
     stepprofile = pytest.importorskip("harness.stepprofile", reason="the profiler needs torch")
     rounds = [{"kind": "decode", "wall_ns": ms * 1_000_000, "hooks": {"prepare": 1_000_000}, "sequences": 4,
-               "tokens": 4, "padded_tokens": 8} for ms in range(1, 101)]
+               "tokens": 4, "padded_tokens": 8, "calls": {"capture": 1} if ms in (7, 100) else {}}
+              for ms in range(1, 101)]
     rounds.append({"kind": "prefill", "wall_ns": 7_000_000, "hooks": {}, "sequences": 1, "tokens": 300,
                    "padded_tokens": 512})
     lines = stepprofile.round_report(rounds, kernel_ms=2528.5).splitlines()  # of 5,057 ms
     assert "kernels 50.0% of it" in lines[0] and "p90 ms  p99 ms" in lines[1]
     decode = lines[2].split()
     assert decode[:5] == ["decode", "100", "50.50", "90.00", "99.00"] and decode[5] == "1.00"  # nearest rank
+    assert decode[-1] == "2"  # graphs captured
     assert lines[3].startswith("  slowest 1: wall 100.00 ms; prepare 1.00, compute 0.00, update 0.00, other 99.00")
+    assert lines[3].endswith("; 1 captured a CUDA graph")
     assert lines[4].split()[:5] == ["prefill", "1", "7.00", "7.00", "7.00"] and len(lines) == 5  # no tail of 1

@@ -93,6 +93,8 @@ def profile(model: Any, name: str, prompts: list[list[int]], args: Any, kv: dict
                       round_report(rounds.rounds, kernel_us / 1e3)])
 
 
+#: The name :func:`round_clock` counts the engine's CUDA graph captures under (``calls``).
+CAPTURE = "capture"
 #: The engine loop's parts :func:`round_clock` times, by method of ``ContinuousBatchProcessor``
 #: (``compute`` is ``ModelRunner.compute_batch``).
 LOOP_PARTS = (("prepare_next_batch", "prepare"), ("update_batch", "update"))
@@ -107,9 +109,12 @@ def round_clock() -> Any:
 
     api = importlib.import_module("transformers.generation.continuous_batching.continuous_api")
     runner = importlib.import_module("transformers.generation.continuous_batching.model_runner").ModelRunner
+    ios = importlib.import_module("transformers.generation.continuous_batching.input_outputs")
     clock = HookClock()
     clock.wrap_all(api.ContinuousBatchProcessor, LOOP_PARTS)
     clock.wrap(runner, "compute_batch", "compute")
+    # One call per CUDA graph the engine captured (async batching's IOs pass it to a pair's).
+    clock.wrap(ios.ContinuousBatchingIOs, "set_graph", CAPTURE)
     clock.wrap_rounds(api.ContinuousBatchProcessor, runner)
     return clock
 
@@ -117,7 +122,8 @@ def round_clock() -> Any:
 def round_report(rounds: list[dict[str, Any]], kernel_ms: float) -> str:
     """Per round kind: the rounds, their median, 90th and 99th percentile wall time (the tail is
     what time-between-tokens p99 sees) and loop parts (medians each: they need not add up to the
-    wall time), for kinds of 20 rounds or more the parts of the slowest 1 % of rounds, the requests and query tokens they carried (mean) and the
+    wall time), the CUDA graphs the engine captured in them, for kinds of 20 rounds or more the
+    parts of the slowest 1 % of rounds and how many of those captured a graph, the requests and query tokens they carried (mean) and the
     tokens the forward ran once padded for CUDA graphs (median); and the kernels' share of all
     rounds' wall time (the GPU's busy share)."""
     if not rounds:
@@ -125,7 +131,7 @@ def round_report(rounds: list[dict[str, Any]], kernel_ms: float) -> str:
     wall = sum(r["wall_ns"] for r in rounds) / 1e6
     lines = [f"per engine round ({len(rounds)} rounds, {wall:.0f} ms; kernels {kernel_ms / wall:.1%} of it):",
              "kind     rounds  wall ms  p90 ms  p99 ms  prepare  compute  update  other  requests  tokens  "
-             "padded tokens"]
+             "padded tokens  graphs captured"]
     for kind in ("decode", "prefill"):
         rs = [r for r in rounds if r["kind"] == kind]
         if not rs:
@@ -144,14 +150,17 @@ def round_report(rounds: list[dict[str, Any]], kernel_ms: float) -> str:
         lines.append(f"{kind:<8} {len(rs):>6}  {med(lambda r: r['wall_ns'] / 1e6):>7.2f}  {p90:>6.2f}  {p99:>6.2f}  "
                      f"{parts['prepare']:>7.2f}  "
                      f"{parts['compute']:>7.2f}  {parts['update']:>6.2f}  {other:>5.2f}  "
-                     f"{mean_reqs:>8.1f}  {mean_tokens:>6.1f}  {padded:>13.0f}")
+                     f"{mean_reqs:>8.1f}  {mean_tokens:>6.1f}  {padded:>13.0f}  "
+                     f"{sum(r.get('calls', {}).get(CAPTURE, 0) for r in rs):>15}")
         if len(rs) >= 20:  # where the tail's time goes: the slowest 1 % of rounds, their parts' medians
             slow = sorted(rs, key=lambda r: r["wall_ns"])[-max(1, len(rs) // 100):]
             tail = {p: statistics.median(r["hooks"].get(p, 0) / 1e6 for r in slow) for p in parts}
             rest = statistics.median((r["wall_ns"] - sum(r["hooks"].get(p, 0) for p in parts)) / 1e6 for r in slow)
+            captured = sum(1 for r in slow if r.get("calls", {}).get(CAPTURE))
             lines.append(f"  slowest {len(slow)}: wall {statistics.median(r['wall_ns'] / 1e6 for r in slow):.2f} ms; "
                          f"prepare {tail['prepare']:.2f}, compute {tail['compute']:.2f}, update {tail['update']:.2f}, "
-                         f"other {rest:.2f}; requests {statistics.fmean(r['sequences'] for r in slow):.1f}")
+                         f"other {rest:.2f}; requests {statistics.fmean(r['sequences'] for r in slow):.1f}; "
+                         f"{captured} captured a CUDA graph")
     return "\n".join(lines)
 
 
