@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (CI's lint stage has none)")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 import tf_engine as eng
+from tf_engine import fake_memory_and_uninstall  # noqa: E402,F401  (autouse: memory faked, patch off after)
 
 eng.skip_unless_served()
 
@@ -21,14 +22,6 @@ import vmem.transformers as vt
 TOL = 1e-4
 OPTS = dict(page_size="64K", max_requests=4, max_context=1024, memory="8M")
 BLOCK = 4 * 65536  # llama-gqa per-layer: one 64 KiB page in each of 4 buffers, 256 tokens
-
-
-@pytest.fixture(autouse=True)
-def _installed():
-    h.fake_cpu_memory()
-    vt.install(**OPTS)
-    yield
-    vt.uninstall()
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None])
@@ -84,7 +77,7 @@ def test_a_freed_rows_pages_stay_count_as_free_and_are_reused_or_taken_back(shar
 def _serve(deferred, sharing, lengths, new, memory, stagger=None):
     model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
     prompts = h.make_prompts(len(lengths), lengths, model.config.vocab_size)
-    with vt.serving(memory=memory, max_requests=4, deferred_reclaim=deferred):
+    with vt.serving(**dict(OPTS, memory=memory, deferred_reclaim=deferred)):
         run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, new, stagger=stagger,
                            cb_kwargs=dict(max_batch_tokens=64, allow_block_sharing=sharing))
     return model, run
