@@ -40,7 +40,6 @@ from . import tenancy
 from .blocks import FreshBlocks
 from .fa import FaReader
 from .fi_reader import FlashInferReader
-from .flashinfer import check_strides, page_tokens, page_view
 from .flex import FlexReader
 from .graphs import RoundBuffers, check_engine_config, graphs_requested
 from .options import Options
@@ -174,7 +173,6 @@ class VmemCBCache:
             return FaReader(g.max_context)
         if self.kernel == "flex":
             return FlexReader(self, g.compiled)
-        check_strides(page_view(self._k4[0], page_tokens(g.max_context)))  # every layer's has the same strides
         return FlashInferReader(g.max_context, self.kv_rows, self.device, config.num_attention_heads,
                                 trash_row=self.trash_row, trash_tokens=g.block_size,
                                 max_tokens=self.max_batch_tokens, graphs=graphs)

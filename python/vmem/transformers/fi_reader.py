@@ -58,6 +58,7 @@ class FlashInferReader:
         self.device, self.trash_row, self.trash_tokens = device, trash_row, trash_tokens
         self.max_tokens, self.graphs = max_tokens, graphs
         self.page = fi_plan.page_tokens(max_context)  # a row is max_context / page FlashInfer pages
+        fi_plan.check_strides(fi_plan.page_view(rows_of(0)[0], self.page))  # every layer's has the same strides
         self._fi = fi_plan.load_flashinfer()
         self.wrappers: WrapperSet | None = None
         self._pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # each layer's page views
