@@ -121,11 +121,11 @@ def round_clock() -> Any:
 
 def round_report(rounds: list[dict[str, Any]], kernel_ms: float) -> str:
     """Per round kind: the rounds, their median, 90th and 99th percentile wall time (the tail is
-    what time-between-tokens p99 sees) and loop parts (medians each: they need not add up to the
-    wall time), the CUDA graphs the engine captured in them, for kinds of 20 rounds or more the
-    parts of the slowest 1 % of rounds and how many of those captured a graph, the requests and query tokens they carried (mean) and the
-    tokens the forward ran once padded for CUDA graphs (median); and the kernels' share of all
-    rounds' wall time (the GPU's busy share)."""
+    what time-between-tokens p99 sees), loop parts (medians each: they need not add up to the
+    wall time), the requests and query tokens they carried (mean), the tokens the forward ran
+    once padded for CUDA graphs (median) and the graphs the engine captured; for kinds of 20
+    rounds or more, the parts of the slowest 1 % of rounds and how many of those captured a
+    graph; and the kernels' share of all rounds' wall time (the GPU's busy share)."""
     if not rounds:
         return "per engine round: no rounds clocked"
     wall = sum(r["wall_ns"] for r in rounds) / 1e6

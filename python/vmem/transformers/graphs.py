@@ -275,9 +275,9 @@ def graph_key_hook(get_graph_key: Callable[..., Any]) -> Callable[..., Any]:
       differently (FA's ``max_q = 1``, FlashInfer's decode or prefill wrapper);
     * the padded KV read is dropped: it sizes the engine's gather (``read_index``), which vmem
       neither fills nor reads (its kernels read the rows in place), and it grows with every
-      request's context, so each new bucket captured a graph mid-run (the H200 profile of
-      2026-11-27: the slowest 1 % of decode rounds spent 18-37 ms capturing, the time-between-
-      tokens p99 the fi-paged peer, whose KV read is capped by its pool, does not pay);
+      request's context, so each new bucket meant one more graph to capture (the fi-paged peer's
+      is capped by its pool). Dropping it did not change vmem's time-between-tokens p99 on the
+      H200 (docs/serving.md): the slow rounds behind that tail are not these captures alone;
     * with ``graph_seqlen_k="context"`` the ``max_seqlen_k`` bucket is dropped too: the kernel
       is given the row length, the same for every graph.
 
