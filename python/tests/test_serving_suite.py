@@ -248,6 +248,12 @@ def test_tiny_suite_runs_end_to_end_and_merges(tmp_path) -> None:
     rounds = prof[prof.index("per engine round"):].splitlines()
     kinds = {line.split()[0]: line.split() for line in rounds[2:] if line.strip()}
     assert "prefill" in kinds and int(kinds["prefill"][1]) >= 1 and float(kinds["prefill"][2]) > 0, rounds
+    # the tail probes, under the profiler and in the run again without it: vmem maps every round
+    plain = prof[prof.index("again without torch.profiler"):]
+    for part in (prof[:prof.index("again without")], plain):
+        median = next(line for line in part.splitlines() if line.startswith("  median round's probes"))
+        assert "vmem_map_n 1" in median and "vmem_round_n 1" in median, median
+    assert "TBT p50" in plain and "slowest" in plain
     m = str(tmp_path / "m")
     assert serving_suite.main(["--merge", a, b, "--out", m]) == 0
     merged = json.loads(read(m, "suite.json"))

@@ -59,6 +59,10 @@ class HookClock:
         self._names: list[str] = []
         self._saved: list[tuple[Any, str, Any, bool]] = []
         self._undo: list[Callable[[], None]] = []
+        #: Called with each round's dict as it opens and as it is filed (probes that keep their
+        #: own per-round numbers under the round's ``extra``, :meth:`add`).
+        self.on_open: list[Callable[[dict[str, Any]], None]] = []
+        self.on_close: list[Callable[[dict[str, Any]], None]] = []
 
     # -- wrapping ---------------------------------------------------------------------------------
     def wrap(self, owner: Any, attr: str, name: str) -> None:
@@ -77,6 +81,14 @@ class HookClock:
         """:meth:`wrap` for each ``(attr, name)``."""
         for attr, name in names:
             self.wrap(owner, attr, name)
+
+    def add(self, key: str, value: float) -> None:
+        """Adds ``value`` to the open round's ``extra[key]`` (not a hook's time: nothing is taken
+        off the call it happened in); nothing when no round is open."""
+        r = self._open
+        if r is not None:
+            r.setdefault("extra", {})
+            r["extra"][key] = r["extra"].get(key, 0) + value
 
     def on_restore(self, undo: Callable[[], None]) -> None:
         """Runs ``undo`` at :meth:`restore` (for what :meth:`wrap` cannot put back itself)."""
@@ -119,6 +131,8 @@ class HookClock:
         def prepare_next_batch(*args: Any, **kwargs: Any) -> Any:
             self.close_round()
             self._open = {"kind": None, "sequences": 0, "tokens": 0, "hooks": {}, "calls": {}, "launches": {}}
+            for probe in self.on_open:
+                probe(self._open)
             self._t_open = time.perf_counter_ns()
             ready = prepare(*args, **kwargs)
             if args and self._open is not None:
@@ -149,6 +163,8 @@ class HookClock:
         r, self._open = self._open, None
         if r is not None and r["kind"] is not None:
             r["wall_ns"] = time.perf_counter_ns() - self._t_open
+            for probe in self.on_close:
+                probe(r)
             self.rounds.append(r)
 
     def wrap_rounds(self, processor_cls: Any, runner_cls: Any) -> None:

@@ -69,17 +69,20 @@ class StepClock:
 
 def profile(model: Any, name: str, prompts: list[list[int]], args: Any, kv: dict[str, int],
             contenders: dict[str, Any], top: int = 15) -> str:
-    """Serves ``prompts`` with contender ``name`` under the step clock and torch.profiler;
-    returns profile.txt: per-step medians and totals, kernel time per step, the top kernels."""
+    """Serves ``prompts`` with contender ``name`` under the step clock and torch.profiler, then
+    again without the profiler; returns profile.txt: per-step medians and totals, kernel time per
+    step, the top kernels, and for both runs the round report and the slowest decode rounds with
+    their probes (:mod:`harness.tailprobe`)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from harness import serving
+    from harness import serving, tailprobe
 
     serving.run_contender(model, name, prompts[:8], args, kv, contenders, new_tokens=4)  # warm
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     clock = StepClock(model)
     with round_clock() as rounds:
+        tailprobe.attach(rounds)
         try:
             with torch_profile(activities=acts) as prof:
                 r = serving.run_contender(model, name, prompts, args, kv, contenders)
@@ -89,8 +92,17 @@ def profile(model: Any, name: str, prompts: list[list[int]], args: Any, kv: dict
     steps = clock.steps()
     kernel_us = sum(e.self_device_time_total for e in prof.key_averages()
                     if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    # The same run again without torch.profiler (whose buffers could make slow rounds of their
+    # own): the round clock and the probes only.
+    with round_clock() as plain:
+        tailprobe.attach(plain)
+        r2 = serving.run_contender(model, name, prompts, args, kv, contenders)
+        plain.close_round()
     return "\n".join([report(name, r, steps, kernel_us / 1e3, prof, top), "",
-                      round_report(rounds.rounds, kernel_us / 1e3)])
+                      round_report(rounds.rounds, kernel_us / 1e3), "", tailprobe.slowest(rounds.rounds), "",
+                      f"again without torch.profiler: {r2['tok_s']:.0f} tok/s, TBT p50 {r2['tbt_p50_ms']:.2f} ms, "
+                      f"p99 {r2['tbt_p99_ms']:.2f} ms",
+                      round_report(plain.rounds, None), "", tailprobe.slowest(plain.rounds)])
 
 
 #: The name :func:`round_clock` counts the engine's CUDA graph captures under (``calls``).
@@ -119,17 +131,19 @@ def round_clock() -> Any:
     return clock
 
 
-def round_report(rounds: list[dict[str, Any]], kernel_ms: float) -> str:
+def round_report(rounds: list[dict[str, Any]], kernel_ms: float | None) -> str:
     """Per round kind: the rounds, their median, 90th and 99th percentile wall time (the tail is
     what time-between-tokens p99 sees), loop parts (medians each: they need not add up to the
     wall time), the requests and query tokens they carried (mean), the tokens the forward ran
     once padded for CUDA graphs (median) and the graphs the engine captured; for kinds of 20
     rounds or more, the parts of the slowest 1 % of rounds and how many of those captured a
-    graph; and the kernels' share of all rounds' wall time (the GPU's busy share)."""
+    graph; and the kernels' share of all rounds' wall time (the GPU's busy share; ``kernel_ms``
+    ``None``: a run without the profiler, no share)."""
     if not rounds:
         return "per engine round: no rounds clocked"
     wall = sum(r["wall_ns"] for r in rounds) / 1e6
-    lines = [f"per engine round ({len(rounds)} rounds, {wall:.0f} ms; kernels {kernel_ms / wall:.1%} of it):",
+    share = "" if kernel_ms is None else f"; kernels {kernel_ms / wall:.1%} of it"
+    lines = [f"per engine round ({len(rounds)} rounds, {wall:.0f} ms{share}):",
              "kind     rounds  wall ms  p90 ms  p99 ms  prepare  compute  update  other  requests  tokens  "
              "padded tokens  graphs captured"]
     for kind in ("decode", "prefill"):

@@ -1,0 +1,143 @@
+"""The profile's probes on the slow rounds behind time-between-tokens p99 (``serving_suite.py
+--profile``). Per engine round (:class:`~harness.hostclock.HookClock`), what can stall the host
+besides the engine's own work, each under the round's ``extra`` as ``<probe>_ms`` (time inside
+the probed calls, inclusive: nothing is taken off the loop part the call happened in) and
+``<probe>_n`` (calls):
+
+* ``gc``: Python's garbage collector (``gc.callbacks``), a pause of every thread;
+* ``sync``: the host waiting for the GPU (``torch.cuda.synchronize``, ``Event.synchronize``,
+  ``Stream.synchronize``) or reading a tensor back (``Tensor.item``, ``tolist``, ``cpu``);
+* ``replay`` and ``capturing``: CUDA graph replays, and the engine capturing one
+  (``ModelRunner._capture_graph``: a warm-up forward and the capture);
+* ``vmem_map`` (the vmem cache's ``flush``: mapping a round's pages, zeroing fresh blocks),
+  ``vmem_free`` (its ``free_blocks``: a finished request's row given back, its pages unmapped
+  after the GPU work queued before) and ``vmem_round`` (``prepare_round``: the round's metadata
+  and the kernel's plan);
+* ``device_alloc``/``device_free``/``alloc_retries``: the CUDA caching allocator's ``cudaMalloc``
+  and ``cudaFree`` calls (``cudaFree`` synchronizes the device) and retries after freeing its
+  cache, from ``torch.cuda.memory_stats`` at the round's open and close.
+
+:func:`slowest` lists the slowest rounds of a kind one per line with these, beside the median
+round's."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import importlib
+import statistics
+import time
+from typing import Any
+
+#: ``torch.cuda.memory_stats`` keys counted per round, by the name they are filed under.
+ALLOCATOR = (("num_device_alloc", "device_alloc"), ("num_device_free", "device_free"),
+             ("num_alloc_retries", "alloc_retries"))
+#: The probes :func:`slowest` prints, in order.
+PROBES = ("gc", "sync", "replay", "capturing", "vmem_map", "vmem_free", "vmem_round")
+
+
+def _probe(clock: Any, owner: Any, attr: str, key: str) -> None:
+    """Times every call of ``owner.attr`` into the open round's ``extra`` (nothing when the
+    attribute is missing); put back when ``clock`` restores."""
+    if owner is None or not hasattr(owner, attr):
+        return
+    own = attr in getattr(owner, "__dict__", {})
+    saved = owner.__dict__[attr] if own else None
+    original = getattr(owner, attr)
+
+    @functools.wraps(original)
+    def probed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            clock.add(f"{key}_ms", (time.perf_counter_ns() - t0) / 1e6)
+            clock.add(f"{key}_n", 1)
+
+    setattr(owner, attr, probed)
+    clock.on_restore(lambda: setattr(owner, attr, saved) if own else delattr(owner, attr))
+
+
+def _module(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def attach(clock: Any) -> None:
+    """Puts every probe on ``clock`` (a :class:`~harness.hostclock.HookClock` with the round
+    clock on); ``clock.restore()`` takes them off."""
+    import torch
+
+    gc_start: list[int] = []
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            gc_start.append(time.perf_counter_ns())
+        elif gc_start:
+            clock.add("gc_ms", (time.perf_counter_ns() - gc_start.pop()) / 1e6)
+            clock.add("gc_n", 1)
+
+    gc.callbacks.append(on_gc)
+    clock.on_restore(lambda: gc.callbacks.remove(on_gc))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        _probe(clock, torch.cuda, "synchronize", "sync")
+        _probe(clock, torch.cuda.Event, "synchronize", "sync")
+        _probe(clock, torch.cuda.Stream, "synchronize", "sync")
+        _probe(clock, torch.cuda.CUDAGraph, "replay", "replay")
+    for attr in ("item", "tolist", "cpu"):
+        _probe(clock, torch.Tensor, attr, "sync")
+    runner = _module("transformers.generation.continuous_batching.model_runner")
+    _probe(clock, getattr(runner, "ModelRunner", None), "_capture_graph", "capturing")
+    _probe(clock, _module("vmem.transformers.graphs"), "prepare_round", "vmem_round")
+    cache_cls = getattr(_module("vmem.transformers.cache"), "VmemCBCache", None)
+    _probe(clock, cache_cls, "flush", "vmem_map")
+    _probe(clock, cache_cls, "free_blocks", "vmem_free")
+    if cuda:
+        def stats() -> dict[str, int]:
+            s = torch.cuda.memory_stats()
+            return {name: int(s.get(key, 0)) for key, name in ALLOCATOR}
+
+        def opened(r: dict[str, Any]) -> None:
+            r["_allocator"] = stats()
+
+        def closed(r: dict[str, Any]) -> None:
+            before, after = r.pop("_allocator", None), stats()
+            if before is not None:
+                r.setdefault("extra", {}).update({k: after[k] - before[k] for k in after})
+
+        clock.on_open.append(opened)
+        clock.on_close.append(closed)
+
+
+def _describe(r: dict[str, Any]) -> str:
+    """One round's loop parts and probes (only those it used)."""
+    hooks, extra = r.get("hooks", {}), r.get("extra", {})
+    parts = ", ".join(f"{p} {hooks.get(p, 0) / 1e6:.2f}" for p in ("prepare", "compute", "update"))
+    probes = [f"{p} {extra[p + '_ms']:.2f} ms/{extra.get(p + '_n', 0):.0f}" for p in PROBES if extra.get(p + "_n")]
+    probes += [f"{name} {extra[name]:+d}" for _, name in ALLOCATOR if extra.get(name)]
+    captured = r.get("calls", {}).get("capture", 0)
+    return (f"wall {r['wall_ns'] / 1e6:.2f} ms ({parts}); requests {r.get('sequences', 0)}; "
+            f"{'; '.join(probes) or 'no probe fired'}" + (f"; {captured} graph captured" if captured else ""))
+
+
+def slowest(rounds: list[dict[str, Any]], kind: str = "decode", count: int = 0) -> str:
+    """The ``count`` slowest rounds of ``kind`` (default: 3 % of them, at least 5), one per line
+    with their place in the run, the round before them and their probes, under the median
+    round's probes."""
+    picked = [(i, r) for i, r in enumerate(rounds) if r.get("kind") == kind]
+    if not picked:
+        return f"slowest {kind} rounds: none"
+    n = count or max(5, 3 * len(picked) // 100)
+    keys = sorted({k for _, r in picked for k in r.get("extra", {})})
+    median = {k: statistics.median(r.get("extra", {}).get(k, 0) for _, r in picked) for k in keys}
+    lines = [f"slowest {min(n, len(picked))} of {len(picked)} {kind} rounds (probes: ms/calls; allocator: count);",
+             "  median round's probes: " + (", ".join(f"{k} {v:.3g}" for k, v in median.items() if v) or "none fired")]
+    for i, r in sorted(picked, key=lambda p: p[1]["wall_ns"])[-n:][::-1]:
+        before = rounds[i - 1] if i else None
+        prev = f"{before['kind']} {before['wall_ns'] / 1e6:.2f} ms" if before else "none"
+        lines.append(f"  round {i} (after {prev}): {_describe(r)}")
+    return "\n".join(lines)
+
