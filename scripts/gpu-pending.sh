@@ -23,7 +23,8 @@
 #            PROFILE_CONTENDERS (spaces or commas; default the engine's best native, fi-paged and
 #            vmem, all with graphs), 540 s shared between them
 #
-# SUITE_CONTENDERS replaces the suite's contenders, GRAPHS_KERNELS the check's kernels (fa,flashinfer).
+# SUITE_CONTENDERS replaces the suite's contenders, GRAPHS_KERNELS the check's kernels (fa,flashinfer),
+# GRAPHS_TIMEOUT its seconds (330).
 # Results go to $OUT/<part>/ and are packed into $OUT/<part>.tgz ($OUT returns at most 8 files).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -49,7 +50,7 @@ case "$part" in
     # GPU_TESTS: a pytest -k expression (the FlashInfer tests only: GPU_TESTS=flashinfer)
     timeout 150 python3 -m pytest -q -rs -p no:cacheprovider python/tests/test_gpu.py ${GPU_TESTS:+-k "$GPU_TESTS"} 2>&1 \
       | tee "$out/test_gpu.txt" || rc=1
-    (cd python && PYTHONPATH=benches:$PYTHONPATH timeout 330 python3 benches/graphs_check.py \
+    (cd python && PYTHONPATH=benches:$PYTHONPATH timeout ${GRAPHS_TIMEOUT:-330} python3 benches/graphs_check.py \
       --kernels "${GRAPHS_KERNELS:-fa,flashinfer}" --skip-small --bench-requests 48 --new-tokens 96 --repeats 2) 2>&1 \
       | tee "$out/graphs_check.txt" || rc=1
     ;;

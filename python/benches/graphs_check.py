@@ -47,6 +47,8 @@ RUNS = {
     "graphs-context-k": ({"use_cuda_graph": True}, {"graph_seqlen_k": "context"}),
     "graphs-async": ({"use_cuda_graph": True, "use_async_batching": True}, {}),
     "graphs-warmup": ({"use_cuda_graph": True, "warmup": True}, {}),  # manager.warmup() pre-captures first
+    # ... every decode graph too (vmem.transformers.warmup), on both of async batching's IO pairs
+    "graphs-async-warmup": ({"use_cuda_graph": True, "use_async_batching": True, "warmup": True}, {}),
 }
 #: kernel="flashinfer" runs: the FA run of the same switches each is compared with.
 FI_RUNS = {"fi-off": "off", "fi-graphs": "graphs", "fi-graphs-token-major": "graphs-token-major",

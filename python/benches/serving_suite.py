@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", default="2M")
     ap.add_argument("--memory-percent", type=float, default=0.9, help="the engine's activation headroom check")
     ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs per contender and model")
+    ap.add_argument("--no-graph-warmup", dest="graph_warmup", action="store_false",
+                    help="capture CUDA graphs while serving, not at each engine's start (the engine's warmup, "
+                         "and every decode graph: vmem.transformers.warmup)")
     ap.add_argument("--check-requests", type=int, default=4, help="requests of the top-1 check per contender (0: off)")
     ap.add_argument("--check-tokens", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=540.0)

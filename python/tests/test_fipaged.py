@@ -14,6 +14,7 @@ eng.skip_unless_served()
 
 from harness import check as h
 from harness import contenders, fi_plan, fipaged
+from tf_engine import graphed  # noqa: F401  (a fixture)
 
 import vmem.transformers as vt
 
@@ -129,6 +130,53 @@ def test_fi_paged_reads_in_place_without_the_engines_gather(monkeypatch):
                        cb_kwargs=dict(max_batch_tokens=64, num_blocks=64, **eng.engine_block(32)))
     assert h.compare(run, model, NEW)["counts_ok"]
     assert not calls
+
+
+def test_a_refused_warmup_round_leaks_nothing_into_serving():
+    """A pool smaller than a round (64 tokens against max_batch_tokens 96): the engine's warmup
+    asks for a varlen round at a negative past, which the plan refuses; then the decode warmup
+    the benchmarks give every contender with graphs. The first real round plans only its own
+    requests (seen on the H200: the refused round's entries failed the next one)."""
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(2, [20, 9], model.config.vocab_size)
+    cbk = dict(max_batch_tokens=96, num_blocks=2, q_padding_interval_size=16, **eng.engine_block(32))
+    with eng.forced_padding():
+        plain = h.run_engine(model, fipaged.FI_PAGED_ATTENTION, prompts, NEW, cb_kwargs=cbk)
+        warm = h.run_engine(model, fipaged.FI_PAGED_ATTENTION, prompts, NEW, cb_kwargs=cbk, warmup=True,
+                            decode_warmup=True)
+    tokens = [[list(r["results"][rid].generated_tokens) for rid in r["ids"]] for r in (plain, warm)]
+    assert tokens[0] == tokens[1] and all(len(t) == NEW for t in tokens[1])
+
+
+def test_the_peer_takes_graph_max_tokens_as_vmem_does(graphed):
+    """``fi-paged-graphs-async-512``'s option, on the CPU: prefill rounds above the limit run
+    without a graph, planned for that, and give the same tokens; decode rounds keep theirs."""
+    from tf_engine import forced_padding
+
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
+    cbk = dict(max_batch_tokens=48, num_blocks=128, q_padding_interval_size=8, **eng.engine_block(32))
+    planned = []
+    real = fipaged.FiPagedMixin.fi_plan
+
+    def fi_plan(self, batch_data, graph, pair=0):
+        planned.append((int(batch_data["input_ids"].shape[-1]), graph, any(q != 1 for _, q, _ in self.fi_round)))
+        return real(self, batch_data, graph, pair)
+
+    with forced_padding():
+        plain = h.run_engine(model, fipaged.FI_PAGED_ATTENTION, prompts, NEW, cb_kwargs=cbk)
+        fipaged.FiPagedMixin.fi_plan = fi_plan
+        graphed.clear()
+        try:
+            limited = h.run_engine(model, fipaged.FI_PAGED_ATTENTION, prompts, NEW, cb_kwargs=cbk,
+                                   serving={"graph_max_tokens": 16})
+        finally:
+            fipaged.FiPagedMixin.fi_plan = real
+    tokens = [[list(r["results"][rid].generated_tokens) for rid in r["ids"]] for r in (plain, limited)]
+    assert tokens[0] == tokens[1]
+    assert all(graph == (not prefill or t <= 16) for t, graph, prefill in planned), planned
+    assert any(not graph for _, graph, _ in planned) and any(graph for _, graph, _ in planned)
+    assert graphed == [t for t, graph, _ in planned if graph]
 
 
 def test_the_async_peer_asks_for_graphs_and_async_batching():

@@ -400,6 +400,13 @@ def test_a_bad_graph_seqlen_k_is_refused(bad):
         vt.Options(graph_seqlen_k=bad)
 
 
+@pytest.mark.parametrize("bad", [0, -1, "512", True, 1.5, 2**31])
+def test_a_bad_graph_max_tokens_is_refused(bad):
+    with pytest.raises(vmem.InvalidArgument, match="graph_max_tokens"):
+        vt.Options(graph_max_tokens=bad)
+    assert vt.Options(graph_max_tokens=512).graph_max_tokens == 512 and vt.Options().graph_max_tokens is None
+
+
 def test_the_bench_graph_contenders_pass_the_engines_graph_switch():
     import types
 

@@ -114,3 +114,28 @@ def fake_memory_and_uninstall() -> Iterator[None]:
     h.fake_cpu_memory()
     yield
     vt.uninstall()
+
+
+@pytest.fixture
+def graphed(monkeypatch: Any) -> list[int]:
+    """The runner believes varlen graphs are on (``use_cuda_graph_varlen``) and never finds one
+    captured; a capture runs the round without one (none can be captured on the CPU) and records
+    its padded tokens in the list returned: the rounds the engine would have graphed."""
+    from transformers.generation.continuous_batching import input_outputs as cb_io
+    from transformers.generation.continuous_batching import model_runner as cb_runner
+
+    seen: list[int] = []
+    init = cb_runner.ModelRunner.__init__
+
+    def runner_init(self: Any, *a: Any, **k: Any) -> None:
+        init(self, *a, **k)
+        self.use_cuda_graph_varlen = True
+
+    def capture(self: Any, forward_fn: Any, stream: Any, *args: Any) -> None:
+        seen.append(int(args[1]["input_ids"].shape[-1]))  # args: model, batch_data, ...
+        forward_fn(*args)
+
+    monkeypatch.setattr(cb_runner.ModelRunner, "__init__", runner_init)
+    monkeypatch.setattr(cb_runner.ModelRunner, "_capture_graph", capture)
+    monkeypatch.setattr(cb_io.ContinuousBatchingIOs, "get_graph", lambda self, *a, **k: None)
+    return seen

@@ -8,7 +8,8 @@ version families it runs on; :func:`offered` and :func:`spec` answer for the run
 (``ValueError`` naming the version for one it does not serve). A spec's keys: ``attn`` (the
 attention name), ``block_size`` (the engine's block / page tokens, engine caches), ``graphs``
 (the engine's CUDA graphs on, async batching off unless ``async``), ``layout``/``kernel``/
-``deferred_reclaim`` (vmem), ``sharing``, ``optional`` (needs FlashInfer: run only when named)."""
+``deferred_reclaim``/``graph_seqlen_k`` (vmem), ``graph_max_tokens`` (vmem and fi-paged),
+``sharing``, ``optional`` (needs FlashInfer: run only when named)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     # The peer with the engine's async batching too (each IO pair plans its own wrappers).
     "fi-paged-graphs-async": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256, "graphs": True,
                                      "async": True}),
+    # ... and prefill rounds above 512 tokens without a graph, as vmem's graph_max_tokens=512.
+    "fi-paged-graphs-async-512": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256, "graphs": True,
+                                         "async": True, "graph_max_tokens": 512}),
     "vmem-per-layer": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "fa"}),
     "vmem-token-major": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa"}),
     "vmem-per-layer-flex": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flex"}),
@@ -61,6 +65,11 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
                                                 "optional": True}),
     "vmem-token-major-graphs-async": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
                                              "graphs": True, "async": True}),
+    # The graph policy before vmem's defaults (graph_seqlen_k="context", graph_max_tokens=512):
+    # the engine's max_seqlen_k bucket in the key, and every prefill size graphed.
+    "vmem-token-major-graphs-async-bucket": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
+                                                    "graphs": True, "async": True, "graph_seqlen_k": "bucket",
+                                                    "graph_max_tokens": None}),
     # Deferred reclamation: a finished request's row keeps its pages for the next (no unmap, so
     # no device synchronization in the engine's loop when a request ends).
     "vmem-token-major-graphs-async-deferred": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
@@ -193,6 +202,7 @@ def contender_config(model: Any, spec: Spec, args: Any, budget: dict[str, int],
         opts = {"layout": spec["layout"], "kernel": spec.get("kernel", "fa"), "memory": budget["kv_bytes"],
                     "page_size": args.page_size, "max_requests": rows, "max_context": args.max_context,
                     "deferred_reclaim": spec.get("deferred_reclaim", False)}
+        opts.update({k: spec[k] for k in ("graph_seqlen_k", "graph_max_tokens") if k in spec})  # else vmem's defaults
         return kw, opts
     if spec.get("graphs"):  # the engine's CUDA graphs; async batching only where the spec says so
         kw.update(use_cuda_graph=True, use_async_batching=bool(spec.get("async")))
@@ -203,7 +213,8 @@ def contender_config(model: Any, spec: Spec, args: Any, budget: dict[str, int],
     # pass; the blocks, not the percentage, set what the cache holds.
     kw.update({"block_size" if family() == V517 else "page_size": bs,
                "num_blocks": budget["kv_bytes"] // (bs * budget["token_bytes"]), "max_memory_percent": 0.95})
-    return kw, {}
+    # graph_max_tokens reaches the fi-paged peer's cache through the serving options
+    return kw, ({"graph_max_tokens": spec["graph_max_tokens"]} if spec.get("graph_max_tokens") else {})
 
 
 def is_vmem_cache(cache: Any) -> bool:

@@ -82,7 +82,7 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
                primers: int = 0, streaming: bool = False,
                capture_logits: bool = False, record_timestamps: bool = False,
                request_kwargs: dict[str, Any] | None = None, pad_token_id: int | None = 0,
-               warmup: bool = False, workload_hints: bool = False,
+               warmup: bool = False, decode_warmup: bool = False, workload_hints: bool = False,
                inspect: Callable[[Any], dict[str, Any]] | None = None, fail_fast: bool = True,
                timeout: float = 600.0, stop_timeout: float = 60.0, destroy: bool = False,
                name: str = "engine", id_prefix: str = "req") -> dict[str, Any]:
@@ -95,7 +95,10 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
     requests) came back, so requests join mid-run; ``primers``: serve the first ``primers``
     prompts to the end first, and start the clock after them; ``request_kwargs``: more
     ``add_request`` arguments; ``warmup``: ``manager.warmup()`` before ``start`` (what
-    ``generate_batch`` does), with ``workload_hints`` from the prompts; ``inspect(cache)``: called
+    ``generate_batch`` does), with ``workload_hints`` from the prompts; ``decode_warmup``: then
+    every decode graph captured for a cache not vmem's (:func:`vmem.transformers.warmup.capture_graphs`,
+    and every varlen graph up to the fi-paged peer's ``graph_max_tokens``; vmem's caches get it
+    from ``warmup``); ``inspect(cache)``: called
     once after the last result, before the engine stops, its dict returned as ``cache_info``.
 
     A request error, an engine that stops or ``timeout`` seconds of a phase raise
@@ -131,6 +134,14 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
         mgr = model.init_continuous_batching(**init)
         if warmup:
             mgr.warmup()
+        cache = getattr(mgr.batch_processor, "cache", None)
+        if decode_warmup and cache is not None and getattr(cache, "round_buffers", None) is None:
+            from vmem.transformers.warmup import capture_graphs
+
+            limit = getattr(cache, "fi_graph_max_tokens", None) or 0  # the fi-paged peer's graph_max_tokens
+            capture_graphs(mgr.batch_processor.model_runner, model,
+                           max_context=int(getattr(model.config, "max_position_embeddings", 0) or 0),
+                           varlen_tokens=limit, every_varlen=bool(limit))
         run["init_s"] = time.perf_counter() - t_init
         observer.manager = mgr
         mgr.start()

@@ -55,6 +55,9 @@ class FiPagedMixin:
     ``_blocks(rid)`` (page ids), ``_layer_views(layer)``, ``page_size`` and ``trash_page``."""
 
     fi_kind: str | None = None
+    #: ``graph_max_tokens`` of the options the engine was made with (vmem's option, applied to
+    #: this peer alike): prefill rounds of more padded tokens run without a CUDA graph.
+    fi_graph_max_tokens: int | None = None
 
     def fi_setup(self, config: Any, dtype: torch.dtype, device: Any, backend: str) -> None:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -75,8 +78,8 @@ class FiPagedMixin:
         ``pair``."""
         t = int(batch_data["input_ids"].shape[-1])
         seqs = int(batch_data["cu_seq_lens_q"].numel()) - 1
-        rnd = plan_round(self.fi_round, self.page_size, self.trash_page, t, seqs)
-        self.fi_round = []
+        entries, self.fi_round = self.fi_round, []  # taken first: a refused round never leaks into the next
+        rnd = plan_round(entries, self.page_size, self.trash_page, t, seqs)
         self.fi_kind = "decode" if rnd.decode else "prefill"
         self.fi_backend.plan(rnd, graph, self.fi_scale, pair)
 
@@ -200,16 +203,27 @@ def _install_hooks() -> None:
 
     def compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> None:
         cache = batch_data.get("cache")
-        if isinstance(cache, FiPagedMixin):
-            io = self.inputs_and_outputs
-            _, graph = self._get_forward_fn(use_block_table=io.use_block_table)
+        if not isinstance(cache, FiPagedMixin):
+            return compute(self, model, batch_data)
+        io = self.inputs_and_outputs
+        _, graph = self._get_forward_fn(use_block_table=io.use_block_table)
+        # vmem's graph_max_tokens, the same for the peer: a prefill round above it runs without a graph
+        limit = cache.fi_graph_max_tokens
+        eager = bool(graph) and limit is not None and int(batch_data["input_ids"].shape[-1]) > limit \
+            and any(q != 1 for _, q, _ in cache.fi_round)
+        if eager:
+            self.use_cuda_graph_varlen = graph = False
+        try:
             stream, pair = io.compute_stream, int(getattr(io, "current_pair", 0))
             if stream is not None:
                 with torch.cuda.stream(stream):
                     cache.fi_plan(batch_data, bool(graph), pair)
             else:
                 cache.fi_plan(batch_data, bool(graph), pair)
-        return compute(self, model, batch_data)
+            return compute(self, model, batch_data)
+        finally:
+            if eager:
+                self.use_cuda_graph_varlen = True
 
     def get_graph_key(self: Any) -> tuple[Any, ...]:
         key = key_of(self)
@@ -247,6 +261,7 @@ def fi_paged_cache(request: vt.CacheRequest) -> Any:
                                  "docs/serving.md says how to carry it); the pure-torch reference is for CPU tests")
     backend = "flashinfer" if on_cuda else "reference"
     cache.fi_setup(request.config, request.dtype, request.device, backend)
+    cache.fi_graph_max_tokens = request.options.graph_max_tokens
     _install_hooks()
     return cache
 

@@ -85,9 +85,12 @@ def run_contender(model: Any, name: str, prompts: list[list[int]], args: Any, bu
     kw.update(extra)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    # A contender with CUDA graphs captures them at its engine's start, as a server would, not
+    # while the clock runs: the engine's warmup and every decode graph (vmem.transformers.warmup).
+    warm = bool(spec.get("graphs")) and getattr(args, "graph_warmup", True)
     run = run_engine(model, spec["attn"], prompts, new, cb_kwargs=kw, serving=opts, primers=primers,
                      record_timestamps=True, inspect=cache_info, timeout=args.timeout, stop_timeout=120,
-                     name=name, id_prefix="r")
+                     warmup=warm, decode_warmup=warm, name=name, id_prefix="r")
     timed = [run["results"][rid] for rid in run["ids"][primers:]]
     m = serving_metrics(run["t0"], [r.created_time for r in timed], [r.timestamps or [] for r in timed])
     generated = sum(len(r.generated_tokens) for r in timed)

@@ -253,15 +253,25 @@ def prepare_round(cache: Any, batch_data: dict[str, Any], padded: bool, stream: 
 
 def forward_hook(compute_batch: Callable[..., Any]) -> Callable[..., Any]:
     """The engine's ``ModelRunner.compute_batch``, writing a vmem cache's round metadata first
-    (for any other cache, the engine's own)."""
+    (for any other cache, the engine's own); a padded varlen round of more query tokens than
+    ``graph_max_tokens`` runs without the engine's CUDA graph."""
 
     def vmem_compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> Any:
         cache = self.cache
-        if getattr(cache, "round_buffers", None) is not None:
-            io = self.inputs_and_outputs
-            prepare_round(cache, batch_data, bool(self.pad_inputs), io.compute_stream,
-                          pair=int(getattr(io, "current_pair", 0)))
-        return compute_batch(self, model, batch_data)
+        if getattr(cache, "round_buffers", None) is None:
+            return compute_batch(self, model, batch_data)
+        io = self.inputs_and_outputs
+        rnd = prepare_round(cache, batch_data, bool(self.pad_inputs), io.compute_stream,
+                            pair=int(getattr(io, "current_pair", 0)))
+        limit = cache.options.graph_max_tokens
+        if limit is None or cache.round_kind != VARLEN or rnd.meta.total_q <= limit \
+                or not getattr(self, "use_cuda_graph_varlen", False):
+            return compute_batch(self, model, batch_data)
+        self.use_cuda_graph_varlen = False  # a large prefill round: run it, capture nothing
+        try:
+            return compute_batch(self, model, batch_data)
+        finally:
+            self.use_cuda_graph_varlen = True
 
     return vmem_compute_batch
 

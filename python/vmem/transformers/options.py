@@ -30,6 +30,11 @@ KERNELS = ("fa", "flex", "flashinfer")
 #: Where a padded (CUDA-graph) round's ``max_seqlen_k`` comes from: the engine's padded bucket or
 #: the row length (``max_context``).
 SEQLEN_K_SOURCES = ("bucket", "context")
+#: The default ``graph_max_tokens``: prefill rounds above it run without a CUDA graph. On the
+#: H200 (Llama-3-8B shapes x 8 layers, docs/serving.md) 512 against graphing every size: 1.06-1.09x
+#: the tokens a second memory-bound, 1.01-1.03x when all fits, TTFT p99 6-9 % lower memory-bound;
+#: vLLM captures graphs up to 512 tokens by default too.
+GRAPH_MAX_TOKENS = 512
 #: vmem's two memory layouts (``docs/python.md``).
 LAYOUTS = ("per-layer", "token-major")
 #: The page sizes vmem knows (its ``PAGE_SIZES``: the driver patch's three small pages and
@@ -63,8 +68,15 @@ class Options:
     * ``prefix_cache``: bytes of cached prefix pages no request maps; ``None`` (default): the
       whole budget;
     * ``graph_seqlen_k``: the ``max_seqlen_k`` a padded (CUDA-graph) round passes the kernel:
-      ``"bucket"`` (default; the engine's padded bucket, part of its graph key) or
-      ``"context"`` (the row length, the same for every graph);
+      ``"context"`` (default; the row length, the same for every graph, so one graph a padded
+      size, every one captured at the engine's warmup) or ``"bucket"`` (the engine's padded
+      bucket, part of its graph key: up to one graph a size and bucket);
+    * ``graph_max_tokens``: a padded round that carries a prefill (some request with more than
+      one query token) and more query tokens than this runs without a CUDA graph: its GPU time
+      dwarfs the launches a graph saves, and each new size would cost a capture (a forward
+      more, 20-60 ms) and graph memory. Decode rounds always replay a graph. 512 by default
+      (vLLM's largest captured size too); ``None``: every padded round is graphed, as the
+      engine does;
     * ``pool``: join a shared pool (docs/multitenant.md): a :class:`vmem.pool.Join` (tenant
       name, optional limit, optional ledger path) or a tenant name (default limit, ledger
       ``$VMEM_POOL`` or ``/dev/shm/vmem-pool``); ``None`` (default): no pool. In a pool, pages
@@ -102,7 +114,8 @@ class Options:
     compile: bool | None = None
     kernel: str = "fa"
     prefix_cache: Any = None
-    graph_seqlen_k: str = "bucket"
+    graph_seqlen_k: str = "context"
+    graph_max_tokens: int | None = GRAPH_MAX_TOKENS
     pool: Any = None
     pool_idle_s: Any = POOL_IDLE_S
     pool_keep: Any = 0
@@ -125,6 +138,9 @@ class Options:
         set_(self, "kernel", check_choice("kernel", self.kernel, KERNELS))
         set_(self, "prefix_cache", check_optional_size("prefix_cache", self.prefix_cache))
         set_(self, "graph_seqlen_k", check_choice("graph_seqlen_k", self.graph_seqlen_k, SEQLEN_K_SOURCES))
+        if self.graph_max_tokens is not None:
+            set_(self, "graph_max_tokens", check_positive_int("graph_max_tokens", self.graph_max_tokens,
+                                                              max=MAX_CONTEXT))
         set_(self, "pool", Join.of(self.pool))
         set_(self, "pool_idle_s", check_optional_seconds("pool_idle_s", self.pool_idle_s))
         set_(self, "pool_keep", check_size("pool_keep", self.pool_keep))

@@ -44,6 +44,7 @@ from .attention import paged_attention
 from .flashinfer import load_flashinfer
 from .graphs import forward_hook, graph_key_hook
 from .options import Options
+from .warmup import warmup_hook
 
 #: transformers versions whose continuous-batching internals this package was checked against
 #: (5.17.0; 5.19.0, 5.20.2, 5.21.1, 5.22.2, 5.23.0, 5.24.0). 5.18 (a cache rewritten, the attention
@@ -251,7 +252,9 @@ class EnginePatch:
     """The patch of the engine ``adapter`` serves: its cache factory (the module global
     ``continuous_api.PagedAttentionCache``), its attention-name check letting registered names
     through, options bound at the manager's construction and read in its
-    ``_create_batch_processor``, and ``generate_batch`` raising on failed requests."""
+    ``_create_batch_processor``, ``generate_batch`` raising on failed requests, and for vmem
+    caches the round's metadata before each forward, the round's kind in the graph key and every
+    decode graph captured in the engine's warmup (:mod:`.warmup`)."""
 
     def __init__(self, adapter: ModuleType) -> None:
         from transformers.generation.continuous_batching import continuous_api as api
@@ -294,6 +297,7 @@ class EnginePatch:
         self._set(processor, "prepare_next_batch", tenancy.round_or_wait(processor.prepare_next_batch))
         runner = importlib.import_module("transformers.generation.continuous_batching.model_runner").ModelRunner
         self._set(runner, "compute_batch", forward_hook(runner.compute_batch))  # a round's metadata, before its forward
+        self._set(runner, "warmup", warmup_hook(runner.warmup))  # + every decode graph (vmem caches)
         ios = importlib.import_module("transformers.generation.continuous_batching.input_outputs").ContinuousBatchingIOs
         self._set(ios, "_get_graph_key", graph_key_hook(ios._get_graph_key))  # + the round's kind (vmem caches)
 

@@ -50,6 +50,13 @@ class Rounds:
         assert self._current is not None
         self._current.entries.append((owner, past, q, kv_blocks))
 
+    def discard(self) -> None:
+        """Drops the round being prepared, if one is open (a fake round that never ran its
+        forward: its requests must not leak into the next)."""
+        if self._open:
+            self._open = False
+            self._current = None
+
     def close(self) -> Round:
         """The round the forward runs (closed to new requests; idempotent within a forward)."""
         if self._current is None:
