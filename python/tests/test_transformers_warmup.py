@@ -42,13 +42,14 @@ def _tokens(run):
     return [list(run["results"][rid].generated_tokens) for rid in run["ids"]]
 
 
-def _manager(model, **opts):
-    """An engine on ``model`` served by vmem with ``opts``, warmed up; its cache."""
+def _manager(model, cb=None, **opts):
+    """An engine on ``model`` served by vmem with ``opts`` (and ``cb`` over :data:`PAD`), warmed
+    up; its cache."""
     gen = transformers.GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
     with vt.serving(**dict(OPTS, **opts)):
         model.set_attn_implementation(vt.VMEM_ATTENTION)
-        mgr = model.init_continuous_batching(generation_config=gen,
-                                             continuous_batching_config=transformers.ContinuousBatchingConfig(**PAD))
+        config = transformers.ContinuousBatchingConfig(**dict(PAD, **(cb or {})))
+        mgr = model.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
         mgr.warmup()
     return mgr, mgr.batch_processor.cache
 
@@ -89,6 +90,19 @@ def test_with_the_default_options_the_warmup_captures_every_graph_a_round_can_re
     assert varlen == list(range(64, 0, -4))
     assert [m.total_q for _, _, m, _ in rounds if m.decode] == [4, 8]
     assert {m.max_k for _, _, m, _ in rounds} == {4096}
+    mgr.stop(block=True)
+
+
+def test_a_varlen_round_longer_than_a_row_is_skipped_quietly(caplog):
+    """max_batch_tokens above max_context: the largest varlen round cannot come up (a row holds
+    fewer tokens), so it is not tried; no warning, the next size down is captured."""
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    with forced_padding(), recorded_rounds() as rounds, caplog.at_level(logging.WARNING):
+        mgr, cache = _manager(model, cb=dict(max_batch_tokens=512, q_padding_interval_size=64),
+                              max_context=16, graph_seqlen_k="context", graph_max_tokens=512)
+    assert cache.max_context == 256  # whole blocks
+    assert not [r.message for r in caplog.records if "warm" in r.message.lower()]
+    assert [m.total_q for _, _, m, _ in rounds if not m.decode] == [256, 192, 128, 64]
     mgr.stop(block=True)
 
 

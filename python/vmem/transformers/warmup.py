@@ -123,6 +123,8 @@ def _fake_round(runner: Any, model: Any, mr: Any, requests: int, q: int, past: i
     """One round of ``requests`` fake requests of ``q`` query tokens (1: decoding) after ``past``
     tokens each; 1 if it ran."""
     cache, io = runner.cache, runner.inputs_and_outputs
+    if past + q > int(getattr(cache, "max_context", 0) or past + q):  # longer than a vmem row: cannot come up
+        return 0
     status = mr.RequestStatus.DECODING if q == 1 else mr.RequestStatus.PREFILLING
     states = mr.create_warmup_future_states(requests, status, q, past, cache)
     try:
