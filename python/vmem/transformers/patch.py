@@ -253,8 +253,9 @@ class EnginePatch:
     ``continuous_api.PagedAttentionCache``), its attention-name check letting registered names
     through, options bound at the manager's construction and read in its
     ``_create_batch_processor``, ``generate_batch`` raising on failed requests, and for vmem
-    caches the round's metadata before each forward, the round's kind in the graph key and every
-    decode graph captured in the engine's warmup (:mod:`.warmup`)."""
+    caches the round's metadata before each forward (large prefill rounds without a graph), the
+    round's kind in the graph key and every graph they replay captured in the engine's warmup
+    (:mod:`.warmup`)."""
 
     def __init__(self, adapter: ModuleType) -> None:
         from transformers.generation.continuous_batching import continuous_api as api
@@ -297,7 +298,7 @@ class EnginePatch:
         self._set(processor, "prepare_next_batch", tenancy.round_or_wait(processor.prepare_next_batch))
         runner = importlib.import_module("transformers.generation.continuous_batching.model_runner").ModelRunner
         self._set(runner, "compute_batch", forward_hook(runner.compute_batch))  # a round's metadata, before its forward
-        self._set(runner, "warmup", warmup_hook(runner.warmup))  # + every decode graph (vmem caches)
+        self._set(runner, "warmup", warmup_hook(runner.warmup))  # vmem's warmup rounds (vmem caches)
         ios = importlib.import_module("transformers.generation.continuous_batching.input_outputs").ContinuousBatchingIOs
         self._set(ios, "_get_graph_key", graph_key_hook(ios._get_graph_key))  # + the round's kind (vmem caches)
 
