@@ -345,11 +345,11 @@ def test_the_graph_key_carries_a_vmem_rounds_kind_and_the_patch_installs_it():
             return (64, 512, 1024)
 
     hooked = vt_graphs.graph_key_hook(Io.key)
-    vmem_cache = type("C", (), {"round_kind": "decode", "options": vt.Options()})()
+    vmem_cache = type("C", (), {"round_kind": "decode", "options": vt.Options(graph_seqlen_k="bucket")})()
     # (padded tokens, padded KV read, max_seqlen_k): the KV read (512), which vmem never reads, is
     # dropped; the kind is added
     assert hooked(Io(vmem_cache)) == (64, 1024, "decode")
-    vmem_cache.options = vt.Options(graph_seqlen_k="context")  # the kernel gets the row length
+    vmem_cache.options = vt.Options()  # the default, "context": the kernel gets the row length
     assert hooked(Io(vmem_cache)) == (64, "decode")
     vmem_cache.round_kind = None  # an unpadded round: the engine's key
     assert hooked(Io(vmem_cache)) == (64, 512, 1024)
@@ -404,7 +404,8 @@ def test_a_bad_graph_seqlen_k_is_refused(bad):
 def test_a_bad_graph_max_tokens_is_refused(bad):
     with pytest.raises(vmem.InvalidArgument, match="graph_max_tokens"):
         vt.Options(graph_max_tokens=bad)
-    assert vt.Options(graph_max_tokens=512).graph_max_tokens == 512 and vt.Options().graph_max_tokens is None
+    assert vt.Options(graph_max_tokens=64).graph_max_tokens == 64 and vt.Options().graph_max_tokens == 512
+    assert vt.Options(graph_max_tokens=None).graph_max_tokens is None  # every padded round graphed
 
 
 def test_the_bench_graph_contenders_pass_the_engines_graph_switch():

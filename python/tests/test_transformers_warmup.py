@@ -195,7 +195,7 @@ def test_graph_max_tokens_runs_larger_prefill_rounds_without_a_graph(graphed):
 def test_with_graph_max_tokens_the_warmup_captures_every_varlen_size_up_to_it(graphed):
     model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
     with forced_padding(), recorded_rounds() as rounds:
-        mgr, _ = _manager(model, graph_max_tokens=16)
+        mgr, _ = _manager(model, graph_seqlen_k="bucket", graph_max_tokens=16)
     varlen = [(m.total_q, m.max_k) for _, _, m, _ in rounds if not m.decode]
     assert varlen[0][0] == 16  # the largest first: it sizes the graph pool
     assert sorted(varlen) == sorted((q, b) for q in (4, 8, 12, 16) for b in (1024, 2048, 4096))
