@@ -41,9 +41,12 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     # The peer with the engine's async batching too (each IO pair plans its own wrappers).
     "fi-paged-graphs-async": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256, "graphs": True,
                                      "async": True}),
-    # ... and prefill rounds above 512 tokens without a graph, as vmem's graph_max_tokens=512.
+    # ... and prefill rounds above 512 tokens without a graph, as vmem's graph_max_tokens=512
+    # (with and without async batching).
     "fi-paged-graphs-async-512": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256, "graphs": True,
                                          "async": True, "graph_max_tokens": 512}),
+    "fi-paged-graphs-512": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256, "graphs": True,
+                                   "graph_max_tokens": 512}),
     "vmem-per-layer": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "fa"}),
     "vmem-token-major": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa"}),
     "vmem-per-layer-flex": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flex"}),
