@@ -65,9 +65,11 @@ class HookClock:
         self.on_close: list[Callable[[dict[str, Any]], None]] = []
 
     # -- wrapping ---------------------------------------------------------------------------------
-    def wrap(self, owner: Any, attr: str, name: str) -> None:
-        """Times ``owner.attr`` under ``name`` (nothing when ``owner`` has no such attribute)."""
-        if not hasattr(owner, attr):
+    def wrap(self, owner: Any, attr: str, name: str, *, inclusive: bool = False) -> None:
+        """Times ``owner.attr`` under ``name`` (nothing when ``owner`` has no such attribute);
+        ``inclusive``: a probe, :meth:`probed` (its time goes to the round's ``extra``, not
+        taken off the hook it ran in)."""
+        if owner is None or not hasattr(owner, attr):
             return
         own = attr in getattr(owner, "__dict__", {})
         original = getattr(owner, attr)
@@ -75,7 +77,7 @@ class HookClock:
         if isinstance(raw, staticmethod):
             raw = raw.__func__
         self._saved.append((owner, attr, owner.__dict__[attr] if own else None, own))
-        setattr(owner, attr, self.timed(raw, name))
+        setattr(owner, attr, (self.probed if inclusive else self.timed)(raw, name))
 
     def wrap_all(self, owner: Any, names: Iterable[tuple[str, str]]) -> None:
         """:meth:`wrap` for each ``(attr, name)``."""
@@ -112,6 +114,20 @@ class HookClock:
                     self._stack[-1] += dt
 
         return timed
+
+    def probed(self, fn: Callable[..., Any], key: str) -> Callable[..., Any]:
+        """``fn`` adding its whole time (ms) to the open round's ``extra[key + "_ms"]`` and its
+        calls to ``extra[key + "_n"]`` (:meth:`add`)."""
+        @functools.wraps(fn)
+        def probed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(f"{key}_ms", (time.perf_counter_ns() - t0) / 1e6)
+                self.add(f"{key}_n", 1)
+
+        return probed
 
     def _charge(self, name: str, ns: int) -> None:
         r = self._open

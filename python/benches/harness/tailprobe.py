@@ -22,7 +22,6 @@ round's."""
 
 from __future__ import annotations
 
-import functools
 import gc
 import importlib
 import statistics
@@ -34,28 +33,6 @@ ALLOCATOR = (("num_device_alloc", "device_alloc"), ("num_device_free", "device_f
              ("num_alloc_retries", "alloc_retries"))
 #: The probes :func:`slowest` prints, in order.
 PROBES = ("gc", "sync", "replay", "capturing", "vmem_map", "vmem_free", "vmem_round")
-
-
-def _probe(clock: Any, owner: Any, attr: str, key: str) -> None:
-    """Times every call of ``owner.attr`` into the open round's ``extra`` (nothing when the
-    attribute is missing); put back when ``clock`` restores."""
-    if owner is None or not hasattr(owner, attr):
-        return
-    own = attr in getattr(owner, "__dict__", {})
-    saved = owner.__dict__[attr] if own else None
-    original = getattr(owner, attr)
-
-    @functools.wraps(original)
-    def probed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter_ns()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            clock.add(f"{key}_ms", (time.perf_counter_ns() - t0) / 1e6)
-            clock.add(f"{key}_n", 1)
-
-    setattr(owner, attr, probed)
-    clock.on_restore(lambda: setattr(owner, attr, saved) if own else delattr(owner, attr))
 
 
 def _module(name: str) -> Any:
@@ -83,18 +60,18 @@ def attach(clock: Any) -> None:
     clock.on_restore(lambda: gc.callbacks.remove(on_gc))
     cuda = torch.cuda.is_available()
     if cuda:
-        _probe(clock, torch.cuda, "synchronize", "sync")
-        _probe(clock, torch.cuda.Event, "synchronize", "sync")
-        _probe(clock, torch.cuda.Stream, "synchronize", "sync")
-        _probe(clock, torch.cuda.CUDAGraph, "replay", "replay")
+        clock.wrap(torch.cuda, "synchronize", "sync", inclusive=True)
+        clock.wrap(torch.cuda.Event, "synchronize", "sync", inclusive=True)
+        clock.wrap(torch.cuda.Stream, "synchronize", "sync", inclusive=True)
+        clock.wrap(torch.cuda.CUDAGraph, "replay", "replay", inclusive=True)
     for attr in ("item", "tolist", "cpu"):
-        _probe(clock, torch.Tensor, attr, "sync")
+        clock.wrap(torch.Tensor, attr, "sync", inclusive=True)
     runner = _module("transformers.generation.continuous_batching.model_runner")
-    _probe(clock, getattr(runner, "ModelRunner", None), "_capture_graph", "capturing")
-    _probe(clock, _module("vmem.transformers.graphs"), "prepare_round", "vmem_round")
+    clock.wrap(getattr(runner, "ModelRunner", None), "_capture_graph", "capturing", inclusive=True)
+    clock.wrap(_module("vmem.transformers.graphs"), "prepare_round", "vmem_round", inclusive=True)
     cache_cls = getattr(_module("vmem.transformers.cache"), "VmemCBCache", None)
-    _probe(clock, cache_cls, "flush", "vmem_map")
-    _probe(clock, cache_cls, "free_blocks", "vmem_free")
+    clock.wrap(cache_cls, "flush", "vmem_map", inclusive=True)
+    clock.wrap(cache_cls, "free_blocks", "vmem_free", inclusive=True)
     if cuda:
         def stats() -> dict[str, int]:
             s = torch.cuda.memory_stats()
