@@ -36,6 +36,7 @@ to the attention instead of gathering, as vmem's engine519 does (checked on the 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ import torch
 import vmem.transformers as vt
 from harness.fi_kernels import FlashInferKernel, ReferenceKernel, flashinfer_available
 from harness.fi_plan import plan_round
+from vmem.transformers.graphs import without_varlen_graph
 
 #: The attention name of ``fi-paged`` (no ``flash``/``sdpa``/``flex_attention`` in it).
 FI_PAGED_ATTENTION = "fipaged"
@@ -211,19 +213,15 @@ def _install_hooks() -> None:
         limit = cache.fi_graph_max_tokens
         eager = bool(graph) and limit is not None and int(batch_data["input_ids"].shape[-1]) > limit \
             and any(q != 1 for _, q, _ in cache.fi_round)
-        if eager:
-            self.use_cuda_graph_varlen = graph = False
-        try:
+        with without_varlen_graph(self) if eager else contextlib.nullcontext():
             stream, pair = io.compute_stream, int(getattr(io, "current_pair", 0))
+            graph = bool(graph) and not eager
             if stream is not None:
                 with torch.cuda.stream(stream):
-                    cache.fi_plan(batch_data, bool(graph), pair)
+                    cache.fi_plan(batch_data, graph, pair)
             else:
-                cache.fi_plan(batch_data, bool(graph), pair)
+                cache.fi_plan(batch_data, graph, pair)
             return compute(self, model, batch_data)
-        finally:
-            if eager:
-                self.use_cuda_graph_varlen = True
 
     def get_graph_key(self: Any) -> tuple[Any, ...]:
         key = key_of(self)

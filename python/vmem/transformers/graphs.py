@@ -31,7 +31,8 @@ that reaches a graph only as the contents of buffers whose addresses it baked in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -267,13 +268,23 @@ def forward_hook(compute_batch: Callable[..., Any]) -> Callable[..., Any]:
         if limit is None or cache.round_kind != VARLEN or rnd.meta.total_q <= limit \
                 or not getattr(self, "use_cuda_graph_varlen", False):
             return compute_batch(self, model, batch_data)
-        self.use_cuda_graph_varlen = False  # a large prefill round: run it, capture nothing
-        try:
+        with without_varlen_graph(self):  # a large prefill round: run it, capture nothing
             return compute_batch(self, model, batch_data)
-        finally:
-            self.use_cuda_graph_varlen = True
 
     return vmem_compute_batch
+
+
+@contextlib.contextmanager
+def without_varlen_graph(runner: Any) -> Iterator[None]:
+    """The engine's ``runner`` (a ``ModelRunner``) runs varlen forwards without a CUDA graph
+    inside the block (none captured, none replayed); its ``use_cuda_graph_varlen`` is put back
+    after."""
+    saved = runner.use_cuda_graph_varlen
+    runner.use_cuda_graph_varlen = False
+    try:
+        yield
+    finally:
+        runner.use_cuda_graph_varlen = saved
 
 
 def graph_key_hook(get_graph_key: Callable[..., Any]) -> Callable[..., Any]:
