@@ -108,13 +108,14 @@ def capture_graphs(runner: Any, model: Any, max_context: int | None = None, *, v
     varlen = [p for _, p in padded_sizes(runner, varlen_tokens) if p >= 2][::-1]  # largest first
     if not every_varlen:
         varlen = varlen[:1]
+    kv_buckets, decode = buckets(cache, max_context), [n for n, _ in decode_sizes(runner)]
     rounds = 0
     for _ in _pairs(io, mr.ContinuousBatchingAsyncIOs):
         for q in varlen:
-            for bucket in buckets(cache, max_context) if every_varlen else [0]:
+            for bucket in kv_buckets if every_varlen else [0]:
                 rounds += _fake_round(runner, model, mr, 1, q=q, past=bucket // 2)
-        for requests, _padded in decode_sizes(runner):
-            for bucket in buckets(cache, max_context):
+        for requests in decode:
+            for bucket in kv_buckets:
                 rounds += _fake_round(runner, model, mr, requests, q=1, past=bucket // 2)
     return rounds
 
