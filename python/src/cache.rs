@@ -40,7 +40,8 @@ impl KVCache {
     #[new]
     #[pyo3(signature = (*, layers, kv_heads, head_dim, dtype, max_batch, max_context, page_size,
         layout, backend, device, memory_cap, prealloc, overlap, deferred_reclaim, eager_tokens,
-        reclaim_threshold=None, pad_rows=false, zero_page=None, prefix_cache=None, pool=None))]
+        reclaim_threshold=None, pad_rows=false, zero_page=None, prefix_cache=None, pool=None,
+        background_unmap=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -64,6 +65,7 @@ impl KVCache {
         zero_page: Option<bool>,
         prefix_cache: Option<&Bound<'_, PyAny>>,
         pool: Option<crate::pool::JoinArgs>,
+        background_unmap: bool,
     ) -> PyResult<Self> {
         let dtype = DType::parse(dtype)?;
         let layout: Layout = layout.parse().map_err(py_err)?;
@@ -83,6 +85,7 @@ impl KVCache {
             .prealloc(to_u64(prealloc, "prealloc")?)
             .overlap(overlap)
             .deferred_reclaim(deferred_reclaim)
+            .background_unmap(background_unmap)
             .eager_tokens(to_usize(eager_tokens, "eager_tokens")?)
             .pad_rows(pad_rows)
             .prefix_cache(
@@ -201,6 +204,13 @@ impl KVCache {
         let inner = self.get()?;
         py.detach(|| inner.kv.wait_idle());
         Ok(())
+    }
+
+    /// Waits (GIL released) until the unmapping thread has given back every freed request's
+    /// pages; raises the first error it met since the last call.
+    fn wait_unmapped(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = self.get()?;
+        py.detach(|| inner.kv.wait_unmapped()).map_err(py_err)
     }
 
     /// Sets the pool to `bytes` of physical memory, creating the pages now.
@@ -424,7 +434,7 @@ impl KVCache {
         d.set_item("layout", c.layout.name())?;
         set_fields!(d, c; memory_cap, overlap);
         d.set_item("deferred_reclaim", inner.kv.deferred_reclaim())?;
-        set_fields!(d, c; eager_tokens, pad_rows, zero_page, prefix_cache);
+        set_fields!(d, c; background_unmap, eager_tokens, pad_rows, zero_page, prefix_cache);
         set_fields!(d, g; buffers, token_bytes);
         d.set_item("tokens_per_page", g.tokens_per_page())?;
         d.set_item("backend", self.backend_name)?;

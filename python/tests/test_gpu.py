@@ -7,7 +7,8 @@ pytest says why. Benchmarks are in python/benches (gpu_bench.py).
     the same call on contiguous copies: bit-exact.
   lifetime: a tensor keeps the cache alive after close() and del; its drop returns the memory.
   unmap_after_queued_kernel: a long kernel queued over a request's pages, then free (unmap);
-    the kernel's result is right and the context still works.
+    the kernel's result is right and the context still works; free waits for the kernel, or
+    with background_unmap returns at once and the unmapping thread waits.
   vattention_api: vmem.vattention with torch on the GPU.
   hf_models: Llama-3-8B- and Qwen2-shaped models (random weights, bf16, few layers),
     left-padded prompts of different lengths; teacher-forced logits with VmemCache equal
@@ -142,10 +143,10 @@ def close_with_live_context(kv, after):
     kv.close()
 
 
-def unmap_after_queued_kernel():
+def unmap_after_queued_kernel(background):
     kv = vmem.KVCache(layers=1, kv_heads=8, head_dim=128, dtype="fp32", max_batch=2,
                       max_context=65536, backend="cuda", deferred_reclaim=False, overlap=False,
-                      eager_tokens=0)
+                      eager_tokens=0, background_unmap=background)
     r = kv.alloc()
     kv.step({r: 65536})
     K = torch.from_dlpack(kv.layer(0)[0])
@@ -157,11 +158,19 @@ def unmap_after_queued_kernel():
     for _ in range(20):
         total += x.sum()
     t = time.perf_counter()
-    kv.free(r)  # unmaps: must wait for the queued reads
+    kv.free(r)  # unmaps after the queued reads: here, or on the unmapping thread
     waited = time.perf_counter() - t
     torch.cuda.synchronize()
+    gpu_s = time.perf_counter() - t
     want = 20.0 * 65536 * 8 * 128
-    check("queued kernel over freed pages: right result", float(total) == want, f"{float(total)} vs {want}; free waited {waited:.2f} s")
+    check("queued kernel over freed pages: right result", float(total) == want,
+          f"{float(total)} vs {want}; free waited {waited:.3f} s of {gpu_s:.3f} s of queued work")
+    if background:
+        check("free returns before the queued work ends", waited < gpu_s / 4, f"{waited:.3f} s")
+        kv.wait_unmapped()
+        check("the unmapping thread gave the pages back", kv.request_pages(r) == [0, 0], str(kv.request_pages(r)))
+    else:
+        check("free waits for the queued work", waited > gpu_s / 2, f"{waited:.3f} s")
     del K, x
     close_with_live_context(kv, "unmap")
 
@@ -452,8 +461,9 @@ def test_lifetime():
     lifetime()
 
 
-def test_unmap_after_queued_kernel():
-    unmap_after_queued_kernel()
+@pytest.mark.parametrize("background", [False, True])
+def test_unmap_after_queued_kernel(background):
+    unmap_after_queued_kernel(background)
 
 
 def test_vattention_api():

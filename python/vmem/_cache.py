@@ -57,7 +57,10 @@ class KVCache(MemoryControl):
     Memory and policy: ``memory_cap`` bytes of physical pages at most (default: the whole
     virtual size), ``prealloc`` bytes created up front; ``overlap`` maps the next step's
     pages on a background thread; ``deferred_reclaim`` keeps a freed id's pages for the next
-    request; ``eager_tokens`` pre-maps the next id (default 1024, 0 = off);
+    request; ``background_unmap`` unmaps a freed id's pages on a background thread, so that
+    :meth:`free` does not wait for the GPU work queued before it (the id is handed out again
+    once its pages are back, ids freed longest ago first; :meth:`wait_unmapped` waits for
+    them); ``eager_tokens`` pre-maps the next id (default 1024, 0 = off);
     ``reclaim_threshold`` bytes; ``pad_rows`` maps every active row as far as the longest,
     so a batched kernel over ``[:, :longest]`` reads only mapped memory; ``zero_page`` backs
     everything not mapped with one shared read-only page of zeros, so kernels with static
@@ -118,6 +121,7 @@ class KVCache(MemoryControl):
         prealloc: Size = 0,
         overlap: bool = True,
         deferred_reclaim: bool = True,
+        background_unmap: bool = False,
         eager_tokens: Optional[int] = None,
         reclaim_threshold: Optional[Size] = None,
         pad_rows: bool = False,
@@ -162,6 +166,7 @@ class KVCache(MemoryControl):
         prealloc_bytes = check_size("prealloc", prealloc)
         overlap = check_bool("overlap", overlap)
         deferred_reclaim = check_bool("deferred_reclaim", deferred_reclaim)
+        background_unmap = check_bool("background_unmap", background_unmap)
         # None: a sixteenth of the cap (the library resolves it once the cap is known).
         threshold = check_optional_size("reclaim_threshold", reclaim_threshold)
         pad_rows = check_bool("pad_rows", pad_rows)
@@ -178,6 +183,7 @@ class KVCache(MemoryControl):
             overlap=overlap, deferred_reclaim=deferred_reclaim, eager_tokens=eager,
             reclaim_threshold=threshold, pad_rows=pad_rows, zero_page=zero_page,
             prefix_cache=prefix_bytes, pool=None if join is None else join.args(),
+            background_unmap=background_unmap,
         )
         self._configured_cap = int(self._rs.config()["memory_cap"])
         self._pooled = join is not None
@@ -206,8 +212,16 @@ class KVCache(MemoryControl):
         return self._rs.map_ahead(req, tokens)
 
     def free(self, req: int) -> None:
-        """Returns a request id (its pages stay mapped with deferred reclamation)."""
+        """Returns a request id (its pages stay mapped with deferred reclamation; with
+        ``background_unmap`` the unmapping thread gives them back)."""
         self._rs.free(req)
+
+    def wait_unmapped(self) -> None:
+        """Waits (GIL released) until the unmapping thread has given back every freed id's
+        pages (at once without ``background_unmap``); raises the first error it met since the
+        last call (the pages it could not unmap stay the freed id's until a step reclaims
+        them)."""
+        self._rs.wait_unmapped()
 
     def step(self, lengths: Any) -> Tuple[int, int, int]:
         """Maps what every active request needs for its length: a list (or NumPy array, or

@@ -380,38 +380,42 @@ fn a_trace_replays_with_sharing_and_every_policy_on() {
         .unwrap()
         .unwrap();
     let (reqs, _) = fit_to_context(&trace.requests[..150], 32768, Oversize::Skip, "t").unwrap();
-    let sim = Arc::new(SimBackend::new());
-    let mut c = KvConfig::builder()
-        .layers(2)
-        .max_batch(16)
-        .max_context(32768)
-        .kv_heads(2)
-        .head_dim(64)
-        .elem_bytes(2)
-        .page_size(KIB64)
-        .layout(Layout::TokenMajor)
-        .overlap(true)
-        .deferred_reclaim(true)
-        .eager_tokens(1024)
-        .reclaim_threshold(64 * KIB64)
-        .build();
-    c.memory_cap = 2048 * KIB64;
-    c.prefix_cache = Some(256 * KIB64);
-    let kv = KvCacheManager::init(sim.clone(), c).unwrap();
-    let mut m = &kv;
-    let stats = replay_with_prefixes(
-        &mut m,
-        &reqs,
-        Some(&hashes),
-        &ReplayConfig::default(),
-        |_| {},
-    )
-    .unwrap();
-    assert_eq!(stats.completed + stats.rejected(), reqs.len());
-    assert!(stats.cached_tokens > 0, "{stats:?}");
-    assert!(kv.prefix_stats().unmapped_bytes <= 256 * KIB64);
-    drop(kv);
-    assert_eq!((sim.live_pages(), sim.mapped_pages()), (0, 0));
+    // Unmapping on the engine's thread, and on the unmapping thread.
+    for background_unmap in [false, true] {
+        let sim = Arc::new(SimBackend::new());
+        let mut c = KvConfig::builder()
+            .layers(2)
+            .max_batch(16)
+            .max_context(32768)
+            .kv_heads(2)
+            .head_dim(64)
+            .elem_bytes(2)
+            .page_size(KIB64)
+            .layout(Layout::TokenMajor)
+            .overlap(true)
+            .deferred_reclaim(true)
+            .eager_tokens(1024)
+            .reclaim_threshold(64 * KIB64)
+            .background_unmap(background_unmap)
+            .build();
+        c.memory_cap = 2048 * KIB64;
+        c.prefix_cache = Some(256 * KIB64);
+        let kv = KvCacheManager::init(sim.clone(), c).unwrap();
+        let mut m = &kv;
+        let stats = replay_with_prefixes(
+            &mut m,
+            &reqs,
+            Some(&hashes),
+            &ReplayConfig::default(),
+            |_| {},
+        )
+        .unwrap();
+        assert_eq!(stats.completed + stats.rejected(), reqs.len());
+        assert!(stats.cached_tokens > 0, "{stats:?}");
+        assert!(kv.prefix_stats().unmapped_bytes <= 256 * KIB64);
+        drop(kv);
+        assert_eq!((sim.live_pages(), sim.mapped_pages()), (0, 0));
+    }
 }
 
 /// Where a page does not hold whole tokens a block is several pages: 96 KiB tokens in 64 KiB
@@ -577,4 +581,32 @@ fn adopting_nothing_keeps_a_deferred_rows_pages_and_adopting_a_prefix_replaces_t
         0,
         "C reads B's cached blocks"
     );
+}
+
+#[test]
+fn a_prefix_adopted_while_its_publisher_is_being_unmapped_reads_right() {
+    let host = Arc::new(HostBackend::new().unwrap());
+    let mut c = cfg(Layout::PerLayer, 256, Some(u64::MAX));
+    c.background_unmap = true;
+    let kv = KvCacheManager::init(host.clone(), c).unwrap();
+    let bt = kv.prefix_block_tokens();
+    let p = prompt(3, (2 * bt + 5) as usize);
+    let a = kv.alloc_reqid().unwrap();
+    kv.step(&lens(&[(a, p.len() as u64)])).unwrap();
+    write(&host, &kv, a, 0, p.len(), 9);
+    assert_eq!(kv.publish_prefix(a, &p).unwrap(), 2);
+    // A's row goes to the unmapping thread; B adopts its blocks meanwhile or after.
+    kv.free_reqid(a).unwrap();
+    let b = kv.alloc_reqid().unwrap();
+    assert_ne!(a, b);
+    assert_eq!(kv.adopt_prefix(b, &p).unwrap(), 2 * bt);
+    kv.step(&lens(&[(b, p.len() as u64)])).unwrap();
+    assert_eq!(wrong(&host, &kv, b, 0, (2 * bt) as usize, 9), 0);
+    kv.wait_unmapped().unwrap();
+    assert_eq!(kv.request_pages(a).unwrap(), vec![0; 4]);
+    assert_eq!(wrong(&host, &kv, b, 0, (2 * bt) as usize, 9), 0);
+    // The cached blocks are B's (mapped) and the cache's: nothing is mapped twice by a row.
+    let (created, free, _) = kv.pool_pages();
+    let mapped = kv.distinct_mapped_bytes(false) / KIB64;
+    assert_eq!(created, free + mapped, "pool accounting");
 }

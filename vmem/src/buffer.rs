@@ -140,56 +140,45 @@ impl VirtualBuffer {
         self.shrink_after(None, i, n)
     }
 
-    /// [`VirtualBuffer::shrink`] under a fence the caller made on this buffer's backend at
-    /// the start of its operation ([`Backend::unmap_fenced`]): one wait for the device covers
-    /// the shrinking of many slices.
-    pub(crate) fn shrink_fenced(
-        &mut self,
-        fence: &Fence,
-        i: usize,
-        n: u64,
-    ) -> Result<Vec<PageHandle>> {
-        self.shrink_after(Some(fence), i, n)
-    }
-
     /// The backend this buffer maps through.
     pub(crate) fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
     }
 
     fn shrink_after(&mut self, fence: Option<&Fence>, i: usize, n: u64) -> Result<Vec<PageHandle>> {
+        let Some(tail) = self.tail(i, n) else {
+            return Ok(Vec::new());
+        };
+        tail.release(fence)?;
+        Ok(self.forget_tail(i, tail.pages()))
+    }
+
+    /// What giving back the last `n` pages of slice `i` (all it has if fewer) takes: `None`
+    /// when the slice has none. [`Tail::release`] does the driver's part without this
+    /// buffer, so that it can run outside the lock that guards the buffer (a background
+    /// unmap); [`VirtualBuffer::forget_tail`] then updates the bookkeeping. The caller makes
+    /// sure nothing else grows or shrinks the slice in between.
+    pub(crate) fn tail(&self, i: usize, n: u64) -> Option<Tail> {
         let have = self.mapped(i);
         let n = n.min(have);
         if n == 0 {
-            return Ok(Vec::new());
+            return None;
         }
         let keep = have - n;
-        let at = self.slice_addr(i) + keep * self.page_size;
-        let len = n * self.page_size;
-        if self.zero_backed && self.backend.replaces_zero_in_place() {
-            // The zero page replaces the pages in one step: a reader of the row (a NumPy view
-            // of a freed row the background thread reclaims) sees the pages or zeros, never an
-            // unmapped slot. The backend fences as `unmap` does. On error nothing changed.
-            self.backend.map_zero(at, len, self.page_size)?;
-            return Ok(self.slices[i].split_off(keep as usize));
-        }
-        match fence {
-            Some(f) => self.backend.unmap_fenced(f, at, len)?,
-            None => self.backend.unmap(at, len)?,
-        }
-        let pages = self.slices[i].split_off(keep as usize);
-        if self.zero_backed {
-            if let Err(e) = self.backend.map_zero(at, len, self.page_size) {
-                // Put the pages back, so the slice is as it was and stays readable.
-                if let Err(e2) = self.backend.map(at, &pages, self.page_size) {
-                    tracing::error!(error = %e2, at, len, "remapping after a failed zero-page map failed; the span is unmapped");
-                    return Ok(pages);
-                }
-                self.slices[i].extend_from_slice(&pages);
-                return Err(e);
-            }
-        }
-        Ok(pages)
+        Some(Tail {
+            backend: self.backend.clone(),
+            at: self.slice_addr(i) + keep * self.page_size,
+            page_size: self.page_size,
+            pages: self.slices[i][keep as usize..].to_vec(),
+            zero_backed: self.zero_backed,
+        })
+    }
+
+    /// Forgets the last `n` pages of slice `i`, which a [`Tail`] of it released, and hands
+    /// them back.
+    pub(crate) fn forget_tail(&mut self, i: usize, n: usize) -> Vec<PageHandle> {
+        let keep = self.slices[i].len().saturating_sub(n);
+        self.slices[i].split_off(keep)
     }
 
     /// Unmaps everything in slice `i` (zero slots included) and hands back its pages.
@@ -229,5 +218,53 @@ impl Drop for VirtualBuffer {
         if let Err(e) = self.backend.free_range(self.addr) {
             tracing::error!(error = %e, "freeing a virtual range failed");
         }
+    }
+}
+
+/// The last pages of one slice, to be given back: from [`VirtualBuffer::tail`]. Holds what
+/// the driver's part needs (the backend, the span, the handles for a remap), so that
+/// [`Tail::release`] runs without the buffer or its lock.
+#[derive(Debug)]
+pub(crate) struct Tail {
+    backend: Arc<dyn Backend>,
+    at: u64,
+    page_size: u64,
+    pages: Vec<PageHandle>,
+    zero_backed: bool,
+}
+
+impl Tail {
+    /// How many pages it gives back.
+    pub(crate) fn pages(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// Unmaps the span (under `fence`, made on the same backend after the last device work
+    /// that may read it, or with a wait of its own); in a zero-backed buffer the zero page
+    /// takes its place. On error the span is mapped as it was.
+    pub(crate) fn release(&self, fence: Option<&Fence>) -> Result<()> {
+        let (at, page) = (self.at, self.page_size);
+        let len = self.pages.len() as u64 * page;
+        if self.zero_backed && self.backend.replaces_zero_in_place() {
+            // The zero page replaces the pages in one step: a reader of the row (a NumPy view
+            // of a freed row the background thread reclaims) sees the pages or zeros, never an
+            // unmapped slot. The backend fences as `unmap` does. On error nothing changed.
+            return self.backend.map_zero(at, len, page);
+        }
+        match fence {
+            Some(f) => self.backend.unmap_fenced(f, at, len)?,
+            None => self.backend.unmap(at, len)?,
+        }
+        if self.zero_backed {
+            if let Err(e) = self.backend.map_zero(at, len, page) {
+                // Put the pages back, so the slice is as it was and stays readable.
+                if let Err(e2) = self.backend.map(at, &self.pages, page) {
+                    tracing::error!(error = %e2, at, len, "remapping after a failed zero-page map failed; the span is unmapped");
+                    return Ok(());
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
     }
 }

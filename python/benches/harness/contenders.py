@@ -8,7 +8,7 @@ version families it runs on; :func:`offered` and :func:`spec` answer for the run
 (``ValueError`` naming the version for one it does not serve). A spec's keys: ``attn`` (the
 attention name), ``block_size`` (the engine's block / page tokens, engine caches), ``graphs``
 (the engine's CUDA graphs on, async batching off unless ``async``), ``layout``/``kernel``/
-``deferred_reclaim``/``graph_seqlen_k`` (vmem), ``graph_max_tokens`` (vmem and fi-paged),
+``deferred_reclaim``/``background_unmap``/``graph_seqlen_k`` (vmem), ``graph_max_tokens`` (vmem and fi-paged),
 ``sharing``, ``optional`` (needs FlashInfer: run only when named)."""
 
 from __future__ import annotations
@@ -73,6 +73,11 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     "vmem-token-major-graphs-async-bucket": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
                                                     "graphs": True, "async": True, "graph_seqlen_k": "bucket",
                                                     "graph_max_tokens": None}),
+    # A finished request's pages unmapped on the engine's thread, which waits for the round in
+    # flight first (vmem's behaviour before background_unmap became the default).
+    "vmem-token-major-graphs-async-inline-unmap": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
+                                                     "kernel": "fa", "graphs": True, "async": True,
+                                                     "background_unmap": False}),
     # Deferred reclamation: a finished request's row keeps its pages for the next (no unmap, so
     # no device synchronization in the engine's loop when a request ends).
     "vmem-token-major-graphs-async-deferred": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
@@ -205,7 +210,8 @@ def contender_config(model: Any, spec: Spec, args: Any, budget: dict[str, int],
         opts = {"layout": spec["layout"], "kernel": spec.get("kernel", "fa"), "memory": budget["kv_bytes"],
                     "page_size": args.page_size, "max_requests": rows, "max_context": args.max_context,
                     "deferred_reclaim": spec.get("deferred_reclaim", False)}
-        opts.update({k: spec[k] for k in ("graph_seqlen_k", "graph_max_tokens") if k in spec})  # else vmem's defaults
+        # else vmem's defaults
+        opts.update({k: spec[k] for k in ("graph_seqlen_k", "graph_max_tokens", "background_unmap") if k in spec})
         return kw, opts
     if spec.get("graphs"):  # the engine's CUDA graphs; async batching only where the spec says so
         kw.update(use_cuda_graph=True, use_async_batching=bool(spec.get("async")))

@@ -12,7 +12,9 @@ version-free.
   mapped by one batched ``KVCache.step`` per round, on the host, before the forward (when the
   round's first request is prepared); ``get_num_free_blocks`` is exact.
 * ``free_blocks`` gives the row back and unmaps its pages; vmem orders every unmap after the GPU
-  work queued before it, so a batch in flight never reads an unmapped page.
+  work queued before it, so a batch in flight never reads an unmapped page. With
+  ``background_unmap`` (the default outside a pool) vmem's unmapping thread does the waiting, not
+  the engine's, and the row is handed out again once its pages are back.
 * Prefix sharing with vmem's pages in place of the engine's block sharing (``kernel="fa"`` or
   ``"flashinfer"``, following the engine's ``allow_block_sharing``): ``search_prefix_match`` maps
   the cached pages of a prompt's longest cached prefix into the new row (no copy), and
@@ -118,7 +120,8 @@ class VmemCBCache:
             max_context=g.max_context, page_size=g.page_bytes, layout=self.layout,
             backend="host" if on_cpu else "cuda", device=0 if on_cpu else (self.device.index or 0),
             memory_cap=g.cap, prealloc=g.cap if options.prealloc and options.pool is None else 0, overlap=False,
-            deferred_reclaim=options.deferred_reclaim, reclaim_threshold=0, eager_tokens=0,
+            deferred_reclaim=options.deferred_reclaim, background_unmap=options.unmaps_in_background,
+            reclaim_threshold=0, eager_tokens=0,
             zero_page=on_cpu or (self.kernel == "flex" and not g.compiled),
             prefix_cache=g.prefix_cap(self.sharing, options.prefix_cache), pool=options.pool,
         )
@@ -263,8 +266,9 @@ class VmemCBCache:
             return None
 
     def free_blocks(self, request_id: str) -> None:
-        """Gives the request's row back and unmaps its pages (after the queued GPU work), or,
-        with ``deferred_reclaim``, leaves them mapped for the row's next request."""
+        """Gives the request's row back and unmaps its pages (after the queued GPU work; with
+        ``background_unmap`` on vmem's unmapping thread), or, with ``deferred_reclaim``, leaves
+        them mapped for the row's next request."""
         index = self.table.release(request_id)
         if index is not None:
             self.kv.free(index)

@@ -100,6 +100,13 @@ class Options:
       and no map for what the pages cover. A step that needs them takes them back then.
       ``False`` (default): a finished request's pages are unmapped at once. Not with ``pool``
       (a tenant gives back what its requests no longer use).
+    * ``background_unmap``: a finished request's pages are unmapped by vmem's unmapping thread
+      after it has waited for the GPU work queued before, so the engine's thread does not wait
+      (on CUDA the wait is a context synchronization, which under async batching stalls the
+      next round behind the one in flight). The row is handed out again once its pages are
+      back (rows finished longest ago first), and a round short of pages waits for them.
+      ``None`` (default): on, except in a pool, where a tenant's pages go back to the pool at
+      once (``True`` with ``pool`` is refused).
 
     Made once (``Options(**kw)`` validates and canonicalizes: sizes become ints); frozen.
     Strings are never bools and floats never ints (:mod:`vmem._args`).
@@ -120,6 +127,7 @@ class Options:
     pool_idle_s: Any = POOL_IDLE_S
     pool_keep: Any = 0
     deferred_reclaim: bool = False
+    background_unmap: bool | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: the canonical values are set once, here
@@ -150,6 +158,10 @@ class Options:
         if self.deferred_reclaim and self.pool is not None:
             raise InvalidArgument("deferred_reclaim keeps a finished request's pages mapped; a pool tenant gives "
                                   "them back to the pool (pool_keep keeps some, unmapped): not both")
+        set_(self, "background_unmap", check_optional_bool("background_unmap", self.background_unmap))
+        if self.background_unmap and self.pool is not None:
+            raise InvalidArgument("background_unmap gives a finished request's pages back later; a pool tenant "
+                                  "gives them to the pool at once: not both")
         if self.kernel == "fa" and self.max_context is not None and (self.max_requests + 1) * self.max_context >= 2**31:
             # FlashAttention's cu_seqlens_k are int32 row starts (sizing.Geometry checks the same
             # once max_context is rounded to whole blocks, or taken from the model).
@@ -157,6 +169,12 @@ class Options:
                 f"kernel='fa': (max_requests + 1) x max_context = {self.max_requests + 1} x {self.max_context} "
                 "tokens does not fit FlashAttention's int32 cu_seqlens_k; lower max_requests or max_context"
             )
+
+    @property
+    def unmaps_in_background(self) -> bool:
+        """Whether finished requests' pages are unmapped on vmem's unmapping thread:
+        ``background_unmap``, or where it is ``None`` outside a pool."""
+        return self.pool is None if self.background_unmap is None else self.background_unmap
 
     @classmethod
     def names(cls) -> tuple:

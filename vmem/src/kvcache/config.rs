@@ -86,6 +86,14 @@ pub struct KvConfig {
     pub overlap: bool,
     /// Keep a freed request's pages mapped and hand its id to the next request.
     pub deferred_reclaim: bool,
+    /// Unmap a freed request's pages on a background thread ("vmem-unmapper"), so that
+    /// `free_reqid` returns without waiting for the device: a CUDA unmap must first wait for
+    /// every kernel queued (`cuCtxSynchronize`), which on the engine's thread stalls the next
+    /// round behind the one in flight. The id stays claimed until its pages are back; ids
+    /// are handed out freed-longest-ago first, and a step short of pages waits for the ones
+    /// being unmapped. [`KvCacheManager::wait_unmapped`](crate::KvCacheManager::wait_unmapped)
+    /// waits for them all and reports what failed. Off by default.
+    pub background_unmap: bool,
     /// Tokens' worth of pages kept mapped for the next request id to be handed out (0 = off).
     pub eager_tokens: usize,
     /// Reclaim deferred requests' pages only when the pool's available memory falls below
@@ -165,6 +173,8 @@ impl KvConfigBuilder {
         overlap: bool,
         /// Keep a freed request's pages mapped for the next request.
         deferred_reclaim: bool,
+        /// Unmap freed requests' pages on a background thread.
+        background_unmap: bool,
         /// Tokens' worth of pages kept mapped for the next request id (0 = off).
         eager_tokens: usize,
         /// Available-memory threshold (bytes) below which deferred pages are reclaimed.
@@ -201,6 +211,7 @@ impl KvConfig {
             prealloc: 0,
             overlap: true,
             deferred_reclaim: true,
+            background_unmap: false,
             eager_tokens: 1024,
             reclaim_threshold: 1 << 30,
             pad_rows: false,

@@ -35,7 +35,9 @@ impl Digest {
         let buffers = st.buffers.len() as u64;
         for req in 0..st.requests.active.len() {
             let (floor, pages) = (st.requests.floor[req], st.pages_of(req));
-            if st.cfg.overlap {
+            // Background threads map and unmap on their own time: only what a request must
+            // keep is the same on every rank.
+            if st.cfg.overlap || st.cfg.background_unmap {
                 let keep = st.geo.pages_for(st.keep_tokens(req, padded));
                 self.word(floor.min(keep));
                 self.word(pages.min(keep * buffers));

@@ -45,6 +45,19 @@ impl KvCacheManager {
                 });
             }
             st = self.wait_unclaimed(st, |st| st.requests.claimed[req]);
+            // Pages the unmapping thread is giving back: waited for when they are needed.
+            let (need, now) = (
+                st.deficit(req, tokens),
+                st.pool.available_pages() + st.reclaimable(),
+            );
+            if need > now && need <= now + st.unmapping_pages() {
+                st = self.wait_unmaps(st);
+                st.check_awake()?;
+                if !st.requests.active[req] {
+                    return Err(VmemError::InactiveRequest(req));
+                }
+                st = self.wait_unclaimed(st, |st| st.requests.claimed[req]);
+            }
             // What each buffer is short of: the same deficit `step` computes.
             let plan: Vec<(usize, u64, usize)> = st
                 .buffer_deficits(req, tokens)

@@ -23,6 +23,7 @@ mod policy;
 mod prefix;
 mod sleep;
 mod state;
+mod unmap;
 
 pub use blocks::{block_hashes, BlockHash, PrefixStats};
 pub use config::{Geometry, KvConfig, KvConfigBuilder, LayerView, Layout, TensorView, MAX_BATCH};
@@ -136,11 +137,13 @@ pub struct KvCacheManager {
     geo: Geometry,
     cfg: KvConfig,
     mapper: Option<JoinHandle<()>>,
+    unmapper: Option<JoinHandle<()>>,
 }
 
 impl KvCacheManager {
     /// Reserves the virtual buffers, creates the pool (pre-allocating `cfg.prealloc`), and
-    /// starts the background thread when `cfg.overlap`.
+    /// starts the background thread when `cfg.overlap`, the unmapping thread when
+    /// `cfg.background_unmap`.
     pub fn init(backend: Arc<dyn Backend>, cfg: KvConfig) -> Result<Self> {
         let geo = cfg.validate()?;
         backend.check_page_size(cfg.page_size)?;
@@ -179,7 +182,11 @@ impl KvCacheManager {
             geo,
             cfg: cfg.clone(),
             mapper: None,
+            unmapper: None,
         };
+        if cfg.background_unmap {
+            mgr.unmapper = Some(unmap::spawn(shared.clone(), mgr.backend.clone())?);
+        }
         if cfg.overlap {
             // First job: pre-map the first id (eager allocation).
             shared.lock().signals.work_pending = true;
@@ -273,7 +280,7 @@ impl KvCacheManager {
     /// Unmaps every page of every inactive request into the pool (vAttention's
     /// `step(..., eager_reclaim=True)`). Returns the pages unmapped.
     pub fn reclaim_inactive(&self) -> Result<u64> {
-        let mut st = self.shared.lock();
+        let mut st = self.wait_unmaps(self.shared.lock());
         let mut n = 0;
         for r in 0..self.cfg.max_batch {
             if !st.requests.active[r] {
@@ -316,12 +323,14 @@ impl KvCacheManager {
     /// (vAttention's `num_free_kvblocks`).
     pub fn free_blocks(&self) -> u64 {
         let st = self.shared.lock();
-        (st.pool.available_pages() + st.reclaimable()) / self.geo.buffers as u64
+        (st.pool.available_pages() + st.reclaimable() + st.unmapping_pages())
+            / self.geo.buffers as u64
     }
 
     /// Bytes of pages mapped to requests, each page once however many requests map it
     /// ([`MemoryUsage::mapped_bytes`] less [`PrefixStats::shared_savings_bytes`]); with
     /// `needed_only`, less the pages a step can take back ([`KvCacheManager::excess_pages`]).
+    /// Pages the unmapping thread is giving back are not counted.
     /// One reading under one lock: the background thread cannot map or reclaim between its
     /// parts.
     pub fn distinct_mapped_bytes(&self, needed_only: bool) -> u64 {
@@ -334,6 +343,7 @@ impl KvCacheManager {
             0
         };
         mapped
+            .saturating_sub(st.unmapping_pages() * page)
             .saturating_sub(st.prefix.stats(page).shared_savings_bytes)
             .saturating_sub(excess)
     }
@@ -361,7 +371,9 @@ impl KvCacheManager {
     }
 
     /// Returns a request id. With deferred reclamation its pages stay mapped for the next
-    /// request; otherwise they go back to the pool now. Fails with
+    /// request; otherwise they go back to the pool now, or with
+    /// [`KvConfig::background_unmap`] once the unmapping thread has waited for the device
+    /// (the id is claimed until then: [`KvCacheManager::wait_unmapped`]). Fails with
     /// [`VmemError::DoubleFree`] for an id already freed, [`VmemError::NotAllocated`] for one
     /// never handed out.
     pub fn free_reqid(&self, req: usize) -> Result<()> {
@@ -385,11 +397,19 @@ impl KvCacheManager {
         st.requests.seq_lens[req] = 0;
         st.requests.lookahead[req] = 0;
         st.requests.pending[req] = 0;
+        st.requests.frees += 1;
+        st.requests.freed_at[req] = st.requests.frees;
         let deferred = st.cfg.deferred_reclaim;
         // A request that maps cached prefix pages is unmapped now even when deferred: the
         // next request of its id would write them.
         if !deferred || st.prefix.held_blocks(req) > 0 {
-            st.unmap_request(req)?;
+            if self.unmapper.is_some() && st.pages_of(req) > 0 {
+                st.queue_unmap(req);
+                // The unmapping thread waits on the same condition variable.
+                self.shared.wake.notify_all();
+            } else {
+                st.unmap_request(req)?;
+            }
         }
         if st.requests.next_id.is_none_or(|r| st.requests.active[r]) || deferred {
             st.requests.next_id = st.pick_next_id();
@@ -415,29 +435,41 @@ impl KvCacheManager {
         let _span = tracing::debug_span!("step").entered();
         let mut st = self.shared.lock();
         st.check_step(seq_lens)?;
-        // A request `map_ahead` is mapping on another thread is waited for, only if this step
-        // maps it too; the other requests' steps do not wait for it.
+        // A request `map_ahead` is mapping on another thread (or the unmapping thread is
+        // unmapping) is waited for, only if this step maps it too; the other requests' steps
+        // do not wait for it.
         let claimed = |st: &State| {
             seq_lens
                 .iter()
                 .enumerate()
                 .any(|(r, &l)| l > 0 && st.requests.claimed[r])
         };
-        if claimed(&st) {
-            st = self.wait_unclaimed(st, claimed);
-            // Other threads may have freed requests while this one waited.
-            st.check_step(seq_lens)?;
-        }
         // With padded rows every active request is mapped as far as the longest one, so a
         // batched kernel that reads every row up to the batch's length reads mapped memory.
         let longest = seq_lens.iter().copied().max().unwrap_or(0);
         let target = |len: u64| policy::row_target(self.cfg.pad_rows, len, longest);
-        let needed: u64 = (0..seq_lens.len())
-            .filter(|&r| seq_lens[r] > 0)
-            .map(|r| st.deficit(r, target(seq_lens[r])))
-            .sum();
+        let needed: u64 = loop {
+            if claimed(&st) {
+                st = self.wait_unclaimed(st, claimed);
+                // Other threads may have freed requests while this one waited.
+                st.check_step(seq_lens)?;
+            }
+            let needed = (0..seq_lens.len())
+                .filter(|&r| seq_lens[r] > 0)
+                .map(|r| st.deficit(r, target(seq_lens[r])))
+                .sum();
+            // Pages the unmapping thread is giving back: a step that needs them waits (one
+            // that needs more than they make up fails below, without waiting).
+            let now = st.pool.available_pages() + st.reclaimable();
+            if needed > now && needed <= now + st.unmapping_pages() {
+                st = self.wait_unmaps(st);
+                st.check_step(seq_lens)?;
+                continue;
+            }
+            break needed;
+        };
         let old_pending = std::mem::replace(&mut st.requests.pending, seq_lens.to_vec());
-        let available = st.pool.available_pages() + st.reclaimable();
+        let available = st.pool.available_pages() + st.reclaimable() + st.unmapping_pages();
         if needed > available {
             st.requests.pending = old_pending;
             return Err(VmemError::OutOfMemory {
@@ -470,10 +502,11 @@ impl KvCacheManager {
         Ok(report)
     }
 
-    /// Blocks until the background thread has finished the work it was given (returns at
-    /// once without overlap). Replays call it to stand in for an iteration's compute time.
+    /// Blocks until the background threads have finished the work they were given (returns
+    /// at once without overlap or background unmapping). Replays call it to stand in for an
+    /// iteration's compute time.
     pub fn wait_idle(&self) {
-        let mut st = self.shared.lock();
+        let mut st = self.wait_unmaps(self.shared.lock());
         while self.mapper.is_some() && (st.signals.work_pending || st.signals.busy) {
             st = self.shared.wake.wait(st).unwrap_or_else(|e| e.into_inner());
         }
@@ -589,11 +622,19 @@ impl KvCacheManager {
 
 impl Drop for KvCacheManager {
     fn drop(&mut self) {
-        if let Some(handle) = self.mapper.take() {
+        if self.mapper.is_some() || self.unmapper.is_some() {
             self.shared.lock().signals.shutdown = true;
             self.shared.wake.notify_all();
+        }
+        if let Some(handle) = self.mapper.take() {
             if handle.join().is_err() {
                 tracing::error!("background mapping thread panicked");
+            }
+        }
+        // The unmapping thread gives back what is queued before it ends.
+        if let Some(handle) = self.unmapper.take() {
+            if handle.join().is_err() {
+                tracing::error!("unmapping thread panicked");
             }
         }
         // Prefix sharing: unmap the requests that map cached pages and give every cached

@@ -146,24 +146,51 @@ impl State {
     }
 
     /// The id to hand out after the current ones: the inactive id holding the most pages when
-    /// deferred reclamation is on (ties: lowest id), else the lowest inactive id.
+    /// deferred reclamation is on (ties: lowest id); else with background unmapping the one
+    /// freed longest ago (never freed first, lowest id first), whose pages are most likely
+    /// back, so that its first step does not wait for them; else the lowest inactive id.
+    /// Pages being unmapped count as gone ([`State::settled_pages`]): ranks in lockstep pick
+    /// alike however far their unmapping threads have got.
     pub(super) fn pick_next_id(&self) -> Option<usize> {
         let free = (0..self.requests.active.len()).filter(|&r| !self.requests.active[r]);
         if self.cfg.deferred_reclaim {
-            free.max_by_key(|&r| (self.requests.pages[r], std::cmp::Reverse(r)))
+            free.max_by_key(|&r| (self.settled_pages(r), std::cmp::Reverse(r)))
+        } else if self.cfg.background_unmap {
+            free.min_by_key(|&r| (self.requests.freed_at[r], r))
         } else {
             free.min()
         }
     }
 
-    /// The inactive id holding the fewest pages that cover `tokens`, else the lowest inactive
-    /// id.
+    /// The inactive id holding the fewest pages that cover `tokens`, else the inactive id
+    /// [`State::pick_next_id`] would pick without deferred reclamation.
     pub(super) fn best_fit(&self, tokens: u64) -> Option<usize> {
         let target = self.geo.pages_for(tokens);
         let inactive = || (0..self.requests.active.len()).filter(|&r| !self.requests.active[r]);
+        let settled_floor = |r: usize| {
+            if self.requests.unmapping[r] {
+                0
+            } else {
+                self.requests.floor[r]
+            }
+        };
+        let fallback = || {
+            if self.cfg.background_unmap {
+                inactive().min_by_key(|&r| (self.requests.freed_at[r], r))
+            } else {
+                inactive().next()
+            }
+        };
         inactive()
-            .filter(|&r| self.requests.floor[r] >= target)
-            .min_by_key(|&r| (self.requests.pages[r], r))
-            .or_else(|| inactive().next())
+            .filter(|&r| settled_floor(r) >= target)
+            .min_by_key(|&r| {
+                let age = if self.cfg.background_unmap {
+                    self.requests.freed_at[r]
+                } else {
+                    0
+                };
+                (self.settled_pages(r), age, r)
+            })
+            .or_else(fallback)
     }
 }

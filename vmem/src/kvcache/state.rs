@@ -51,6 +51,14 @@ pub(super) struct Requests {
     /// Requests whose pages `map_ahead` is mapping outside the lock: nothing else maps,
     /// unmaps or reclaims their pages until it is done.
     pub(super) claimed: Vec<bool>,
+    /// Requests freed with [`KvConfig::background_unmap`] whose pages the unmapping thread
+    /// has yet to give back (claimed too). Their pages count as the pool's.
+    pub(super) unmapping: Vec<bool>,
+    /// When each request id was last freed, as a count of frees (0: never): with background
+    /// unmapping the id freed longest ago is handed out first (policy.rs).
+    pub(super) freed_at: Vec<u64>,
+    /// Frees so far.
+    pub(super) frees: u64,
 }
 
 impl Requests {
@@ -65,6 +73,9 @@ impl Requests {
             lookahead: vec![0; b],
             pending: vec![0; b],
             claimed: vec![false; b],
+            unmapping: vec![false; b],
+            freed_at: vec![0; b],
+            frees: 0,
         }
     }
 }
@@ -80,6 +91,13 @@ pub(super) struct Signals {
     pub(super) shutdown: bool,
     /// Every page was released by `sleep` (kvcache/sleep.rs): nothing maps until `wake`.
     pub(super) asleep: bool,
+    /// Freed requests queued for the unmapping thread (kvcache/unmap.rs).
+    pub(super) unmaps: Vec<usize>,
+    /// The first error the unmapping thread met since [`KvCacheManager::wait_unmapped`] last
+    /// reported one.
+    ///
+    /// [`KvCacheManager::wait_unmapped`]: super::KvCacheManager::wait_unmapped
+    pub(super) unmap_error: Option<VmemError>,
 }
 
 /// Work done off the critical path since the last step.
@@ -135,7 +153,7 @@ impl State {
         self.refresh_floor(r);
     }
 
-    fn refresh_floor(&mut self, r: usize) {
+    pub(super) fn refresh_floor(&mut self, r: usize) {
         self.requests.floor[r] = self.buffers.iter().map(|b| b.mapped(r)).min().unwrap_or(0);
     }
 
@@ -205,42 +223,16 @@ impl State {
         self.trim_request(r, 0)
     }
 
-    /// Unmaps request `r`'s pages beyond `keep` pages per buffer into the pool.
+    /// Unmaps request `r`'s pages beyond `keep` pages per buffer into the pool, after one
+    /// wait for the device (the buffers share one backend: 2 x layers of them per-layer).
     pub(super) fn trim_request(&mut self, r: usize, keep: u64) -> Result<u64> {
-        if self.buffers.iter().all(|b| b.mapped(r) <= keep) {
+        let Some(trim) = self.plan_trim(r, keep) else {
             self.refresh_floor(r);
             return Ok(0);
-        }
-        // One wait for the device covers every buffer's unmap (2 x layers of them per-layer),
-        // not one wait each: the buffers share one backend.
-        // A cached block (several pages where pages do not hold whole tokens) goes whole.
-        let keep = self.prefix.whole_blocks(r, keep);
+        };
         let fence = self.buffers[0].backend().fence()?;
-        let mut n = 0;
-        let mut result = Ok(());
-        // The first of the unmapped pages that are the prefix cache's stay its own.
-        let cached = self.prefix.held_pages(r).saturating_sub(keep) as usize;
-        for b in 0..self.buffers.len() {
-            let extra = self.buffers[b].mapped(r).saturating_sub(keep);
-            match self.buffers[b].shrink_fenced(&fence, r, extra) {
-                Ok(pages) => {
-                    n += pages.len() as u64;
-                    self.pool.put(pages.into_iter().skip(cached));
-                }
-                Err(e) => {
-                    result = Err(e);
-                    break;
-                }
-            }
-        }
-        self.requests.pages[r] -= n;
-        self.refresh_floor(r);
-        // On error the cache keeps its references: a block a buffer still maps stays cached
-        // (it is never evicted, so never released, under a mapping).
-        if result.is_ok() {
-            let evicted = self.prefix.unmapped(r, keep);
-            self.pool.put(evicted);
-        }
+        let (done, result) = trim.release(&fence);
+        let n = self.finish_trim(trim, done, result.is_ok());
         result.map(|()| n)
     }
 
@@ -294,7 +286,8 @@ impl State {
             }
         }
         let mut mapped = 0;
-        if let Some(id) = self.requests.next_id {
+        // A next id still being unmapped is pre-mapped by a later upkeep.
+        if let Some(id) = self.requests.next_id.filter(|&r| !self.requests.claimed[r]) {
             if let Some(eager) = self.eager_tokens(id, threshold_pages) {
                 match self.ensure(id, eager, false) {
                     Ok(n) => mapped += n,

@@ -1,0 +1,100 @@
+"""``background_unmap`` in transformers' continuous batching, on the CPU (host backend): a finished
+request's pages are unmapped by vmem's unmapping thread, not the engine's; they count as free at
+once, the row goes back into use once they are back (rows finished longest ago first), logits and
+greedy tokens equal those with the option off, and the option is off in a pool. The GPU side (the
+engine's thread no longer waits for the round in flight when a request ends under async batching)
+is measured by the serving suite (docs/serving.md)."""
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (CI's lint stage has none)")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+import tf_engine as eng
+from tf_engine import fake_memory_and_uninstall  # noqa: E402,F401  (autouse: memory faked, patch off after)
+
+eng.skip_unless_served()
+
+from harness import check as h
+
+import vmem
+import vmem.transformers as vt
+
+TOL = 1e-4
+OPTS = dict(page_size="64K", max_requests=4, max_context=1024, memory="8M")
+BLOCK = 4 * 65536  # llama-gqa per-layer: one 64 KiB page in each of 4 buffers, 256 tokens
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0.0])
+def test_background_unmap_takes_a_bool_or_none_only(bad):
+    with pytest.raises(vmem.InvalidArgument, match="background_unmap"):
+        vt.Options(background_unmap=bad)
+
+
+def test_background_unmap_is_on_outside_a_pool_off_in_one_and_refused_with_one():
+    assert vt.Options().unmaps_in_background is True
+    assert vt.Options(background_unmap=False).unmaps_in_background is False
+    assert vt.Options(pool="tenant-a").unmaps_in_background is False
+    # The default follows the pool through replace(): it is not fixed when the options are made.
+    assert vt.Options().replace(pool="tenant-a").unmaps_in_background is False
+    with pytest.raises(vmem.InvalidArgument, match="pool"):
+        vt.Options(background_unmap=True, pool="tenant-a")
+    with pytest.raises(vmem.InvalidArgument, match="pool"):
+        vt.Options(background_unmap=True).replace(pool="tenant-a")
+
+
+def _cache(**kw):
+    cfg = h.make_config("llama-gqa")
+    cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64)
+    return vt.cache_class()(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**dict(OPTS, **kw)))
+
+
+def test_a_finished_requests_pages_count_as_free_at_once_and_its_row_is_used_last():
+    cache = _cache(memory=str(5 * BLOCK), max_requests=3)
+    assert cache.kv.config()["background_unmap"] is True
+    assert cache.num_blocks == 4
+    assert cache.allocate_blocks(3, "a", 0) == 3 and cache.allocate_blocks(1, "b", 0) == 1
+    cache.flush()
+    row_a = cache.table.get("a").index
+    assert cache.get_num_free_blocks() == 0
+    cache.free_blocks("a")
+    assert cache.get_num_free_blocks() == 3, "the pages being unmapped count as free"
+    assert cache.allocate_blocks(3, "c", 0) == 3
+    assert cache.table.get("c").index != row_a, "a row never used goes before a's"
+    cache.flush()  # needs a's pages: waits for them if they are not back yet
+    cache.kv.wait_unmapped()
+    assert cache.kv.request_pages(row_a) == [0, 0, 0, 0]
+    assert cache.get_num_free_blocks() == 0
+    for rid in ("b", "c"):
+        cache.free_blocks(rid)
+    cache.kv.wait_unmapped()
+    assert cache.get_num_free_blocks() == 4
+    assert cache.usage()["mapped_bytes"] == cache.trash_bytes()
+
+
+def _serve(background, lengths, new, memory, stagger):
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(len(lengths), lengths, model.config.vocab_size)
+    with vt.serving(**dict(OPTS, memory=memory, background_unmap=background)):
+        run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, new, stagger=stagger,
+                           cb_kwargs=dict(max_batch_tokens=64))
+    return model, run
+
+
+def test_under_memory_pressure_rows_are_reused_and_outputs_match_the_option_off():
+    """8 requests through 4 rows and 7 blocks of 256 tokens: rows are reused while their pages may
+    still be being unmapped, the engine preempts; logits match DynamicCache and the tokens equal
+    the run with the option off; afterwards every block is free and only the trash row mapped."""
+    lengths, new = [200, 220, 210, 200, 90, 10, 230, 60], 80
+    stagger = [0, 0, 0, 0, 2, 2, 4, 4]
+    model, ours = _serve(True, lengths, new, str(8 * BLOCK), stagger)
+    _, theirs = _serve(False, lengths, new, str(8 * BLOCK), stagger)
+    cmp = h.compare(ours, model, new)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
+    for rid in ours["ids"]:
+        assert list(ours["results"][rid].generated_tokens) == list(theirs["results"][rid].generated_tokens)
+    cache = ours["cache"]
+    assert cache.readmissions > 0, "expected at least one preemption"
+    assert cache.kv.config()["background_unmap"] and not theirs["cache"].kv.config()["background_unmap"]
+    cache.kv.wait_unmapped()
+    assert cache.usage()["rows_in_use"] == 0 and cache.get_num_free_blocks() == cache.num_blocks
+    assert cache.usage()["mapped_bytes"] == cache.trash_bytes()

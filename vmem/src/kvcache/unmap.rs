@@ -1,0 +1,205 @@
+//! Unmapping: a request's pages given back to the pool, either under the manager's lock
+//! (`State::trim_request`) or, with [`KvConfig::background_unmap`], by the unmapping thread
+//! after `free_reqid` has returned.
+//!
+//! A CUDA unmap must wait for the kernels queued before it (`cuCtxSynchronize`): on the
+//! engine's thread that wait stalls the next round behind the one in flight. The unmapping
+//! thread waits instead. The freed request is claimed until its pages are back, so nothing
+//! maps into its row meanwhile; a step the pool cannot serve without those pages waits for
+//! them, and the pages count as the pool's for every question of how much memory is free.
+//!
+//! [`KvConfig::background_unmap`]: super::KvConfig::background_unmap
+
+use super::state::State;
+use super::{KvCacheManager, Shared};
+use crate::backend::{Backend, Fence};
+use crate::buffer::Tail;
+use crate::error::{Result, VmemError};
+use std::sync::{Arc, MutexGuard};
+use std::thread::JoinHandle;
+
+/// A request's pages beyond `keep` per buffer, planned for unmapping: [`State::plan_trim`]
+/// makes it under the lock, [`Trim::release`] unmaps without it, [`State::finish_trim`]
+/// records it under the lock again.
+#[derive(Debug)]
+pub(super) struct Trim {
+    req: usize,
+    /// Pages each buffer keeps (whole prefix-cache blocks).
+    keep: u64,
+    /// How many of each buffer's unmapped pages stay the prefix cache's (not the pool's).
+    cached: usize,
+    /// `(buffer, its tail)` for every buffer holding more than `keep`.
+    tails: Vec<(usize, Tail)>,
+}
+
+impl Trim {
+    /// Unmaps the tails in order under `fence` (made after the last device work that may read
+    /// them). Returns how many were unmapped before the first error, and that error.
+    pub(super) fn release(&self, fence: &Fence) -> (usize, Result<()>) {
+        for (done, (_, tail)) in self.tails.iter().enumerate() {
+            if let Err(e) = tail.release(Some(fence)) {
+                return (done, Err(e));
+            }
+        }
+        (self.tails.len(), Ok(()))
+    }
+}
+
+impl State {
+    /// Plans giving back request `r`'s pages beyond `keep` pages per buffer (a cached prefix
+    /// block goes whole); `None` when no buffer holds more.
+    pub(super) fn plan_trim(&self, r: usize, keep: u64) -> Option<Trim> {
+        if self.buffers.iter().all(|b| b.mapped(r) <= keep) {
+            return None;
+        }
+        let keep = self.prefix.whole_blocks(r, keep);
+        // The first of the unmapped pages that are the prefix cache's stay its own.
+        let cached = self.prefix.held_pages(r).saturating_sub(keep) as usize;
+        let tails = self
+            .buffers
+            .iter()
+            .enumerate()
+            .filter_map(|(b, buf)| Some((b, buf.tail(r, buf.mapped(r).saturating_sub(keep))?)))
+            .collect();
+        Some(Trim {
+            req: r,
+            keep,
+            cached,
+            tails,
+        })
+    }
+
+    /// Records the first `done` tails of `trim` as unmapped: their pages go to the pool (the
+    /// prefix cache's stay its own), and when the whole trim was `complete` the cache learns
+    /// that the request maps its blocks no more. Returns the pages unmapped.
+    pub(super) fn finish_trim(&mut self, trim: Trim, done: usize, complete: bool) -> u64 {
+        let r = trim.req;
+        let mut n = 0;
+        for (b, tail) in trim.tails.iter().take(done) {
+            let pages = self.buffers[*b].forget_tail(r, tail.pages());
+            n += pages.len() as u64;
+            self.pool.put(pages.into_iter().skip(trim.cached));
+        }
+        self.requests.pages[r] -= n;
+        self.refresh_floor(r);
+        // On error the cache keeps its references: a block a buffer still maps stays cached
+        // (it is never evicted, so never released, under a mapping).
+        if complete {
+            let evicted = self.prefix.unmapped(r, trim.keep);
+            self.pool.put(evicted);
+        }
+        n
+    }
+
+    /// Hands freed request `r` to the unmapping thread: claimed until its pages are back.
+    pub(super) fn queue_unmap(&mut self, r: usize) {
+        self.requests.claimed[r] = true;
+        self.requests.unmapping[r] = true;
+        self.signals.unmaps.push(r);
+    }
+
+    /// Whether the unmapping thread has pages still to give back.
+    pub(super) fn unmaps_pending(&self) -> bool {
+        self.requests.unmapping.iter().any(|&u| u)
+    }
+
+    /// Pages the unmapping thread has yet to give back: the pool's, soon.
+    pub(super) fn unmapping_pages(&self) -> u64 {
+        (0..self.requests.unmapping.len())
+            .filter(|&r| self.requests.unmapping[r])
+            .map(|r| self.requests.pages[r])
+            .sum()
+    }
+
+    /// Pages request `r` will hold once pending unmaps are done: 0 while it is being
+    /// unmapped. Decisions that ranks must take alike (which id goes next) read this, not
+    /// how far the unmapping thread has got.
+    pub(super) fn settled_pages(&self, r: usize) -> u64 {
+        if self.requests.unmapping[r] {
+            0
+        } else {
+            self.requests.pages[r]
+        }
+    }
+}
+
+/// Starts the unmapping thread.
+pub(super) fn spawn(shared: Arc<Shared>, backend: Arc<dyn Backend>) -> Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("vmem-unmapper".into())
+        .spawn(move || run(&shared, &*backend))
+        .map_err(|e| VmemError::os("spawning the unmapping thread", e))
+}
+
+/// Gives back every queued request's pages, one wait for the device for all of them, until
+/// shutdown finds the queue empty.
+fn run(shared: &Shared, backend: &dyn Backend) {
+    loop {
+        let trims: Vec<(usize, Option<Trim>)> = {
+            let mut st = shared.lock();
+            while st.signals.unmaps.is_empty() && !st.signals.shutdown {
+                st = shared.wake.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+            if st.signals.unmaps.is_empty() {
+                return; // shutdown, and nothing left to give back
+            }
+            let queued = std::mem::take(&mut st.signals.unmaps);
+            queued
+                .into_iter()
+                .map(|r| (r, st.plan_trim(r, 0)))
+                .collect()
+        };
+        // Outside the lock: the wait for the device, then the driver's unmaps. Each trim's
+        // outcome: how many of its tails went, and the error that stopped it.
+        let mut outcomes: Vec<(usize, Option<VmemError>)> = Vec::with_capacity(trims.len());
+        match backend.fence() {
+            Ok(fence) => outcomes.extend(trims.iter().map(|(_, trim)| match trim {
+                None => (0, None),
+                Some(t) => {
+                    let (done, result) = t.release(&fence);
+                    (done, result.err())
+                }
+            })),
+            Err(e) => {
+                // Nothing unmapped: every request keeps its pages; one error to report.
+                tracing::warn!(error = %e, "fencing before a background unmap failed");
+                outcomes.extend(trims.iter().map(|_| (0, None)));
+                shared.lock().signals.unmap_error.get_or_insert(e);
+            }
+        }
+        let mut st = shared.lock();
+        for ((r, trim), (done, error)) in trims.into_iter().zip(outcomes) {
+            if let Some(t) = trim {
+                let complete = done == t.tails.len();
+                st.finish_trim(t, done, complete);
+            }
+            if let Some(e) = error {
+                // The pages not unmapped stay the inactive request's: reclaiming retries them.
+                tracing::warn!(req = r, error = %e, "background unmapping failed");
+                st.signals.unmap_error.get_or_insert(e);
+            }
+            st.requests.unmapping[r] = false;
+            st.requests.claimed[r] = false;
+        }
+        drop(st);
+        shared.wake.notify_all();
+    }
+}
+
+impl KvCacheManager {
+    /// Waits until the unmapping thread has given back every freed request's pages
+    /// ([`KvConfig::background_unmap`]; returns at once without it), and reports the first
+    /// error it met since the last call (the pages it could not unmap stay the freed
+    /// request's, and a step short of pages tries again).
+    ///
+    /// [`KvConfig::background_unmap`]: super::KvConfig::background_unmap
+    pub fn wait_unmapped(&self) -> Result<()> {
+        let mut st = self.wait_unmaps(self.shared.lock());
+        st.signals.unmap_error.take().map_or(Ok(()), Err)
+    }
+
+    /// Waits (the lock released meanwhile) until no unmap is pending.
+    pub(super) fn wait_unmaps<'a>(&'a self, st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.wait_unclaimed(st, State::unmaps_pending)
+    }
+}
