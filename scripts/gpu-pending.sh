@@ -24,7 +24,7 @@
 #            vmem, all with graphs), 540 s shared between them
 #
 # SUITE_CONTENDERS replaces the suite's contenders, GRAPHS_KERNELS the check's kernels (fa,flashinfer),
-# GRAPHS_TIMEOUT its seconds (330).
+# GRAPHS_TIMEOUT its seconds (330), EXTRA_WHEELS more wheels to install (another transformers).
 # Results go to $OUT/<part>/ and are packed into $OUT/<part>.tgz ($OUT returns at most 8 files).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -38,6 +38,9 @@ mkdir -p "$out"
 . "$root/scripts/gpu-env.sh"
 wheels=(.whl/vmem*.whl)
 [ "$part" = tenants ] || wheels+=(.carry/fi/*.whl)
+# EXTRA_WHEELS: more wheels for the site, e.g. another transformers (carry it too):
+# EXTRA_WHEELS=.carry/tf523/transformers-5.23.0-py3-none-any.whl runs the part on 5.23.
+wheels+=(${EXTRA_WHEELS:-})
 gpu_site /tmp/site-pending "${wheels[@]}" || exit 1
 export FLASHINFER_WORKSPACE_BASE=/tmp/fi
 python3 -c "import vmem, vmem.transformers, transformers; print('vmem ok; transformers', transformers.__version__)" || exit 1

@@ -73,6 +73,10 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     "vmem-token-major-graphs-async-bucket": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
                                                     "graphs": True, "async": True, "graph_seqlen_k": "bucket",
                                                     "graph_max_tokens": None}),
+    # Fewer prefill graphs: rounds above 64 tokens that carry a prefill run without a graph (what
+    # the varlen graphs cost in device memory).
+    "vmem-token-major-graphs-async-64": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
+                                                "graphs": True, "async": True, "graph_max_tokens": 64}),
     # A finished request's pages unmapped on the engine's thread, which waits for the round in
     # flight first (vmem's behaviour before background_unmap became the default).
     "vmem-token-major-graphs-async-inline-unmap": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
