@@ -20,8 +20,7 @@ import vmem
 import vmem.transformers as vt
 
 TOL = 1e-4
-OPTS = dict(page_size="64K", max_requests=4, max_context=1024, memory="8M")
-BLOCK = 4 * 65536  # llama-gqa per-layer: one 64 KiB page in each of 4 buffers, 256 tokens
+OPTS, BLOCK = eng.TINY_OPTS, eng.TINY_BLOCK
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None])
@@ -38,10 +37,7 @@ def test_deferred_reclaim_is_refused_in_a_pool_saying_why():
 
 
 def _cache(sharing, **kw):
-    cfg = h.make_config("llama-gqa")
-    cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64, allow_block_sharing=sharing)
-    opts = vt.Options(**dict(OPTS, deferred_reclaim=True, **kw))
-    return vt.cache_class()(cfg, cb, "cpu", dtype=torch.float32, options=opts)
+    return eng.tiny_cache(dict(OPTS, deferred_reclaim=True, **kw), sharing)
 
 
 @pytest.mark.parametrize("sharing", [True, False])
@@ -75,12 +71,7 @@ def test_a_freed_rows_pages_stay_count_as_free_and_are_reused_or_taken_back(shar
 
 
 def _serve(deferred, sharing, lengths, new, memory, stagger=None):
-    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
-    prompts = h.make_prompts(len(lengths), lengths, model.config.vocab_size)
-    with vt.serving(**dict(OPTS, memory=memory, deferred_reclaim=deferred)):
-        run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, new, stagger=stagger,
-                           cb_kwargs=dict(max_batch_tokens=64, allow_block_sharing=sharing))
-    return model, run
+    return eng.serve_tiny(dict(OPTS, memory=memory, deferred_reclaim=deferred), lengths, new, stagger, sharing)
 
 
 @pytest.mark.parametrize("sharing", [True, False])

@@ -20,8 +20,7 @@ import vmem
 import vmem.transformers as vt
 
 TOL = 1e-4
-OPTS = dict(page_size="64K", max_requests=4, max_context=1024, memory="8M")
-BLOCK = 4 * 65536  # llama-gqa per-layer: one 64 KiB page in each of 4 buffers, 256 tokens
+OPTS, BLOCK = eng.TINY_OPTS, eng.TINY_BLOCK
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, 0.0])
@@ -43,9 +42,7 @@ def test_background_unmap_is_on_outside_a_pool_off_in_one_and_refused_with_one()
 
 
 def _cache(**kw):
-    cfg = h.make_config("llama-gqa")
-    cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64)
-    return vt.cache_class()(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**dict(OPTS, **kw)))
+    return eng.tiny_cache(dict(OPTS, **kw))
 
 
 def test_a_finished_requests_pages_count_as_free_at_once_and_its_row_is_used_last():
@@ -72,12 +69,7 @@ def test_a_finished_requests_pages_count_as_free_at_once_and_its_row_is_used_las
 
 
 def _serve(background, lengths, new, memory, stagger):
-    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
-    prompts = h.make_prompts(len(lengths), lengths, model.config.vocab_size)
-    with vt.serving(**dict(OPTS, memory=memory, background_unmap=background)):
-        run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, new, stagger=stagger,
-                           cb_kwargs=dict(max_batch_tokens=64))
-    return model, run
+    return eng.serve_tiny(dict(OPTS, memory=memory, background_unmap=background), lengths, new, stagger)
 
 
 def test_under_memory_pressure_rows_are_reused_and_outputs_match_the_option_off():

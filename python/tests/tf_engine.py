@@ -35,6 +35,42 @@ def skip_unless_served() -> None:
                     allow_module_level=True)
 
 
+#: The tiny serving tests' options: 64 KiB pages, 4 rows of 1,024 tokens, 8 MiB of KV.
+TINY_OPTS = {"page_size": "64K", "max_requests": 4, "max_context": 1024, "memory": "8M"}
+#: One engine block of ``llama-gqa`` per-layer under :data:`TINY_OPTS`: one 64 KiB page in each
+#: of its 4 buffers, 256 tokens.
+TINY_BLOCK = 4 * 65536
+
+
+def tiny_cache(options: dict[str, Any], sharing: bool = True) -> Any:
+    """vmem's engine cache for ``llama-gqa`` (fp32, CPU) with ``options``, rounds of 64 tokens."""
+    import torch
+    from harness import check as h
+
+    import vmem.transformers as vt
+
+    cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64, allow_block_sharing=sharing)
+    return vt.cache_class()(h.make_config("llama-gqa"), cb, "cpu", dtype=torch.float32, options=vt.Options(**options))
+
+
+def serve_tiny(options: dict[str, Any], lengths: list[int], new: int, stagger: list[int] | None = None,
+               sharing: bool = True) -> tuple[Any, dict[str, Any]]:
+    """Serves prompts of ``lengths`` through vmem with ``options`` on the CPU: the tiny fp32
+    ``llama-gqa`` with decisive logits, ``new`` tokens each, rounds of 64 tokens. Returns the model
+    and the engine run (``harness.check.run_engine``)."""
+    import torch
+    from harness import check as h
+
+    import vmem.transformers as vt
+
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(len(lengths), lengths, model.config.vocab_size)
+    with vt.serving(**options):
+        run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, new, stagger=stagger,
+                           cb_kwargs={"max_batch_tokens": 64, "allow_block_sharing": sharing})
+    return model, run
+
+
 def engine_block(tokens: int) -> dict[str, int]:
     """The engine's continuous-batching config for its own blocks of ``tokens`` tokens."""
     return {"block_size": tokens} if IS_517 else {"page_size": tokens}
