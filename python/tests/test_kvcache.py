@@ -515,3 +515,56 @@ def test_distinct_mapped_bytes_needed_only_leaves_out_what_a_step_can_take_back(
     assert kv.distinct_mapped_bytes() == 3 * page and kv.distinct_mapped_bytes(needed_only=True) == page
     with pytest.raises(vmem.InvalidArgument, match="needed_only"):
         kv.distinct_mapped_bytes(needed_only="yes")
+
+
+def test_background_unmap_under_threads_racing_gives_every_page_back():
+    """Four threads alloc, map ahead and free while a fifth waits for the unmapping thread and
+    reads the counts; the cap is tight (OutOfMemory happens), nothing is pre-mapped
+    (eager_tokens=0). Afterwards every page is back in the pool, no id holds a page, and nothing
+    raised but OutOfMemory or TooManyRequests; a closed cache's wait_unmapped raises Closed."""
+    import random
+    import threading
+
+    kv = vmem.KVCache(layers=2, kv_heads=2, head_dim=64, max_batch=8, max_context=2048, page_size="64K",
+                      device="cpu", background_unmap=True, deferred_reclaim=False, eager_tokens=0, memory_cap="4M",
+                      prefix_cache="1M")
+    assert kv.config()["background_unmap"] is True
+    errors = []
+
+    def work(seed):
+        rnd = random.Random(seed)
+        for _ in range(200):
+            try:
+                r = kv.alloc()
+            except vmem.VmemError:
+                continue  # every id taken
+            try:
+                kv.map_ahead(r, rnd.randint(1, 2048))
+            except vmem.OutOfMemory:
+                pass
+            except Exception as e:  # noqa: BLE001 - collected, asserted below
+                errors.append(repr(e))
+            kv.free(r)
+
+    def wait():
+        for _ in range(200):
+            try:
+                kv.wait_unmapped()
+                kv.free_blocks()
+            except Exception as e:  # noqa: BLE001
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)] + [threading.Thread(target=wait)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    kv.wait_unmapped()
+    assert errors == []
+    u = kv.usage()
+    assert u["mapped_bytes"] == 0 and u["pool_free_pages"] == u["pool_created_pages"]
+    assert all(kv.request_pages(r) == [0, 0, 0, 0] for r in range(8))
+    kv.close()
+    with pytest.raises(vmem.Closed):
+        kv.wait_unmapped()
