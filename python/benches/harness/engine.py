@@ -131,6 +131,7 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
     t_init = time.perf_counter()
     # The options stay in force until the engine stopped: its thread builds the cache later.
     with options:
+        used0 = _used_mb()
         mgr = model.init_continuous_batching(**init)
         if warmup:
             mgr.warmup()
@@ -143,6 +144,9 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
                            max_context=int(getattr(model.config, "max_position_embeddings", 0) or 0),
                            varlen_tokens=limit, every_varlen=bool(limit))
         run["init_s"] = time.perf_counter() - t_init
+        if warmup:
+            run["warmup_mb"] = _used_mb() - used0  # the cache, the engine's buffers, the graphs
+        run["graphs_at_start"] = count_graphs(mgr)
         observer.manager = mgr
         mgr.start()
         try:
@@ -152,6 +156,7 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
             run["cache"] = mgr.batch_processor.cache if mgr.batch_processor is not None else None
             if inspect is not None and run["cache"] is not None:
                 run["cache_info"] = inspect(run["cache"])
+            run["graphs_at_end"] = count_graphs(mgr)
         finally:
             mgr.stop(block=True, timeout=stop_timeout)
             if destroy:
@@ -160,6 +165,28 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
     run.update(rounds=observer.rounds, max_running=observer.max_running, peak_blocks=observer.peak_blocks,
                logits=observer.logits)
     return run
+
+
+def _used_mb() -> float:
+    """Device memory in use as the driver sees it (``cudaMemGetInfo``), in MiB; 0 without CUDA."""
+    if not torch.cuda.is_available():
+        return 0.0
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**20
+
+
+def count_graphs(mgr: Any) -> int | None:
+    """CUDA graphs the engine of manager ``mgr`` holds (every IO pair's), or ``None`` where its
+    runner keeps them in no graph buffer this knows (5.17 and 5.19+ keep a ``graphs`` buffer with a
+    ``_storage`` dict on each device IO)."""
+    bp = getattr(mgr, "batch_processor", None)
+    runner = getattr(bp, "model_runner", None)
+    io = getattr(bp, "inputs_and_outputs", None) or getattr(runner, "inputs_and_outputs", None)
+    if io is None:
+        return None
+    ios = [pair.device_io for pair in getattr(io, "io_pairs", [])] or [io]
+    stores = [getattr(getattr(x, "graphs", None), "_storage", None) for x in ios]
+    return sum(len(st) for st in stores) if all(isinstance(st, dict) for st in stores) else None
 
 
 class Pace:

@@ -102,6 +102,8 @@ def run_contender(model: Any, name: str, prompts: list[list[int]], args: Any, bu
         "ttft_p50_ms": m["ttft_p50_s"] * 1e3, "ttft_p99_ms": m["ttft_p99_s"] * 1e3,
         "tbt_p50_ms": m["tbt_p50_ms"], "tbt_p99_ms": m["tbt_p99_ms"],
         "peak_torch_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+        "warmup_mb": run.get("warmup_mb"), "graphs_at_start": run.get("graphs_at_start"),
+        "graphs_at_end": run.get("graphs_at_end"),
     }
     info = run["cache_info"]
     info["kv_peak_in_use_mb"] = run["peak_blocks"] * info["block_size"] * budget["token_bytes"] / 2**20

@@ -122,7 +122,8 @@ def run_one(model: Any, w: Workload, name: str, args: Any, shape: rf.ModelShape,
         return row
     row.update({k: r.get(k) for k in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tbt_p50_ms", "tbt_p99_ms", "completed",
                                       "generated_tokens", "wall_s", "preemptions", "kv_reserved_mb",
-                                      "kv_peak_mapped_mb", "max_running", "rounds")})
+                                      "kv_peak_mapped_mb", "max_running", "rounds", "warmup_mb",
+                                      "graphs_at_start", "graphs_at_end")})
     row["device_mb"] = (mw.peak - idle) / 2**20 if mw.peak is not None and idle is not None else None
     bound = rf.lower_bound(shape, w.bound, peaks)
     row.update(bound_s=bound["bound_s"], bound_prefill_s=bound["prefill_s"], bound_decode_s=bound["decode_s"],

@@ -385,7 +385,10 @@ class VmemCBCache:
 
     def usage(self) -> dict[str, int]:
         """vmem's counters (bytes mapped, physical, ...), plus rows and blocks in use (a shared
-        block once per row), and the prefix cache's (``prefix_*``; zeros when sharing is off)."""
+        block once per row), and the prefix cache's (``prefix_*``; zeros when sharing is off).
+        Read once the unmapping thread has given back the pages of the requests freed so far
+        (``background_unmap``; it waits for them), so the counts follow from the calls made."""
+        self.kv.wait_idle()
         u = dict(self.kv.usage())
         stats = self.kv.prefix_stats()
         u["rows_in_use"] = len(self.table)

@@ -278,11 +278,17 @@ def forward_hook(compute_batch: Callable[..., Any]) -> Callable[..., Any]:
 def without_varlen_graph(runner: Any) -> Iterator[None]:
     """The engine's ``runner`` (a ``ModelRunner``) runs varlen forwards without a CUDA graph
     inside the block (none captured, none replayed); its ``use_cuda_graph_varlen`` is put back
-    after."""
+    after. The forward's tensors come from the graphs' memory pool (``runner.mem_pool``), as the
+    engine's own forward before each capture does: a large prefill's activations then reuse the
+    memory the graphs' activations hold between replays, on the stream that replays them, rather
+    than add a second reserve of the caching allocator's (on 5.23, where each IO pair has a
+    compute stream of its own, one reserve per stream)."""
     saved = runner.use_cuda_graph_varlen
     runner.use_cuda_graph_varlen = False
+    pool = getattr(runner, "mem_pool", None)
     try:
-        yield
+        with torch.cuda.use_mem_pool(pool) if pool is not None else contextlib.nullcontext():
+            yield
     finally:
         runner.use_cuda_graph_varlen = saved
 
