@@ -247,3 +247,49 @@ fn ranks_in_lockstep_agree_however_far_their_unmapping_has_got() {
     release.unwrap().send(()).unwrap();
     held.wait_unmapped().unwrap();
 }
+
+/// Panics in the first `unmap` it is asked for (a driver bug), then forwards.
+#[derive(Debug)]
+struct PanicOnce(Arc<dyn Backend>, std::sync::atomic::AtomicBool);
+
+impl vmem::backend::Delegate for PanicOnce {
+    fn inner(&self) -> &dyn Backend {
+        &*self.0
+    }
+    fn unmap_fenced(&self, fence: &vmem::backend::Fence, addr: u64, size: u64) -> vmem::Result<()> {
+        if !self.1.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            panic!("injected: the driver panicked in unmap");
+        }
+        self.inner().unmap_fenced(fence, addr, size)
+    }
+}
+
+#[test]
+fn a_panicking_unmap_leaves_no_claim_behind_and_later_frees_unmap_in_place() {
+    let host: Arc<dyn Backend> = Arc::new(HostBackend::new().unwrap());
+    let backend = Arc::new(PanicOnce(host, std::sync::atomic::AtomicBool::new(false)));
+    let cfg = small_kv(1, B, 1024, KIB64)
+        .memory_cap(8 * KIB64)
+        .overlap(false)
+        .deferred_reclaim(false)
+        .eager_tokens(0)
+        .background_unmap(true)
+        .build();
+    let kv = KvCacheManager::init(backend, cfg).unwrap();
+    let a = kv.alloc_reqid().unwrap();
+    kv.step(&lens(&[(a, 1024)])).unwrap(); // 4 pages in each of 2 buffers: the whole cap
+    kv.free_reqid(a).unwrap();
+    // The thread panics; its claim ends, so this returns, and a keeps its pages.
+    kv.wait_unmapped().unwrap();
+    assert_eq!(kv.request_pages(a).unwrap(), vec![4, 4]);
+    // A step that needs them reclaims them; a later free unmaps on this thread.
+    let b = kv.alloc_reqid().unwrap();
+    kv.step(&lens(&[(b, 1024)])).unwrap();
+    assert_eq!(kv.request_pages(a).unwrap(), vec![0, 0]);
+    kv.free_reqid(b).unwrap();
+    assert_eq!(
+        kv.request_pages(b).unwrap(),
+        vec![0, 0],
+        "unmapped in place"
+    );
+}

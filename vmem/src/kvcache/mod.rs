@@ -403,7 +403,7 @@ impl KvCacheManager {
         // A request that maps cached prefix pages is unmapped now even when deferred: the
         // next request of its id would write them.
         if !deferred || st.prefix.held_blocks(req) > 0 {
-            if self.unmapper.is_some() && st.pages_of(req) > 0 {
+            if self.unmaps_behind(&st) && st.pages_of(req) > 0 {
                 st.queue_unmap(req);
                 // The unmapping thread waits on the same condition variable.
                 self.shared.wake.notify_all();

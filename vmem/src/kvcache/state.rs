@@ -98,6 +98,8 @@ pub(super) struct Signals {
     ///
     /// [`KvCacheManager::wait_unmapped`]: super::KvCacheManager::wait_unmapped
     pub(super) unmap_error: Option<VmemError>,
+    /// The unmapping thread panicked: frees unmap on the caller's thread from then on.
+    pub(super) unmapper_dead: bool,
 }
 
 /// Work done off the critical path since the last step.

@@ -149,6 +149,13 @@ fn run(shared: &Shared, backend: &dyn Backend) {
                 .map(|r| (r, st.plan_trim(r, 0)))
                 .collect()
         };
+        // Should a driver call panic below, the guard ends these requests' claims as it unwinds
+        // (their pages stay theirs, as after a failed unmap), so no step waits for them forever;
+        // frees after that unmap on the caller's thread (`KvCacheManager::unmaps_behind`).
+        let guard = InFlight {
+            shared,
+            reqs: trims.iter().map(|t| t.0).collect(),
+        };
         // Outside the lock: the wait for the device, then the driver's unmaps. Each trim's
         // outcome: how many of its tails went, and the error that stopped it.
         let mut outcomes: Vec<(usize, Option<VmemError>)> = Vec::with_capacity(trims.len());
@@ -167,6 +174,7 @@ fn run(shared: &Shared, backend: &dyn Backend) {
                 shared.lock().signals.unmap_error.get_or_insert(e);
             }
         }
+        std::mem::forget(guard);
         let mut st = shared.lock();
         for ((r, trim), (done, error)) in trims.into_iter().zip(outcomes) {
             if let Some(t) = trim {
@@ -186,7 +194,36 @@ fn run(shared: &Shared, backend: &dyn Backend) {
     }
 }
 
+/// The requests the unmapping thread is giving back outside the lock: if it unwinds there, their
+/// claims end on drop (`run` forgets the guard on the normal path).
+struct InFlight<'a> {
+    shared: &'a Shared,
+    reqs: Vec<usize>,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let mut st = self.shared.lock();
+        // Its own requests, and those queued since, which no thread will take now.
+        let queued = std::mem::take(&mut st.signals.unmaps);
+        for &r in self.reqs.iter().chain(&queued) {
+            st.requests.unmapping[r] = false;
+            st.requests.claimed[r] = false;
+        }
+        st.signals.unmapper_dead = true;
+        drop(st);
+        tracing::error!(reqs = ?self.reqs, "the unmapping thread panicked; its requests keep their pages");
+        self.shared.wake.notify_all();
+    }
+}
+
 impl KvCacheManager {
+    /// Whether a freed request's pages go to the unmapping thread: it runs, and has not died
+    /// (`st` is the manager's state, locked).
+    pub(super) fn unmaps_behind(&self, st: &State) -> bool {
+        self.unmapper.is_some() && !st.signals.unmapper_dead
+    }
+
     /// Waits until the unmapping thread has given back every freed request's pages
     /// ([`KvConfig::background_unmap`]; returns at once without it), and reports the first
     /// error it met since the last call (the pages it could not unmap stay the freed
