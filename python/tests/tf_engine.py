@@ -71,6 +71,19 @@ def serve_tiny(options: dict[str, Any], lengths: list[int], new: int, stagger: l
     return model, run
 
 
+def assert_same_under_preemption(ours: dict[str, Any], theirs: dict[str, Any], model: Any, new: int,
+                                 tol: float) -> None:
+    """``ours`` (a :func:`serve_tiny` run) matches DynamicCache's logits within ``tol``, generated
+    exactly ``theirs``'s tokens for every request, and preempted at least once."""
+    from harness import check as h
+
+    cmp = h.compare(ours, model, new)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < tol, cmp
+    for rid in ours["ids"]:
+        assert list(ours["results"][rid].generated_tokens) == list(theirs["results"][rid].generated_tokens)
+    assert ours["cache"].readmissions > 0, "expected at least one preemption"
+
+
 def engine_block(tokens: int) -> dict[str, int]:
     """The engine's continuous-batching config for its own blocks of ``tokens`` tokens."""
     return {"block_size": tokens} if IS_517 else {"page_size": tokens}
