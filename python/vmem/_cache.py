@@ -58,9 +58,9 @@ class KVCache(MemoryControl):
     virtual size), ``prealloc`` bytes created up front; ``overlap`` maps the next step's
     pages on a background thread; ``deferred_reclaim`` keeps a freed id's pages for the next
     request; ``background_unmap`` unmaps a freed id's pages on a background thread, so that
-    :meth:`free` does not wait for the GPU work queued before it (the id is handed out again
-    once its pages are back, ids freed longest ago first; :meth:`wait_unmapped` waits for
-    them); ``eager_tokens`` pre-maps the next id (default 1024, 0 = off);
+    :meth:`free` does not wait for the GPU work queued before it (ids freed longest ago are
+    handed out first, and a step of an id whose pages are not back yet waits for them;
+    :meth:`wait_unmapped` waits for them all); ``eager_tokens`` pre-maps the next id (default 1024, 0 = off);
     ``reclaim_threshold`` bytes; ``pad_rows`` maps every active row as far as the longest,
     so a batched kernel over ``[:, :longest]`` reads only mapped memory; ``zero_page`` backs
     everything not mapped with one shared read-only page of zeros, so kernels with static

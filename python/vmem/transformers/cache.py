@@ -14,7 +14,8 @@ version-free.
 * ``free_blocks`` gives the row back and unmaps its pages; vmem orders every unmap after the GPU
   work queued before it, so a batch in flight never reads an unmapped page. With
   ``background_unmap`` (the default outside a pool) vmem's unmapping thread does the waiting, not
-  the engine's, and the row is handed out again once its pages are back.
+  the engine's; rows freed longest ago are handed out first, and a round that maps a row whose
+  pages are not back yet waits for them.
 * Prefix sharing with vmem's pages in place of the engine's block sharing (``kernel="fa"`` or
   ``"flashinfer"``, following the engine's ``allow_block_sharing``): ``search_prefix_match`` maps
   the cached pages of a prompt's longest cached prefix into the new row (no copy), and

@@ -103,8 +103,8 @@ class Options:
     * ``background_unmap``: a finished request's pages are unmapped by vmem's unmapping thread
       after it has waited for the GPU work queued before, so the engine's thread does not wait
       (on CUDA the wait is a context synchronization, which under async batching stalls the
-      next round behind the one in flight). The row is handed out again once its pages are
-      back (rows finished longest ago first), and a round short of pages waits for them.
+      next round behind the one in flight). Rows finished longest ago are handed out first,
+      and a round that needs pages not back yet waits for them.
       ``None`` (default): on, except in a pool, where a tenant's pages go back to the pool at
       once (``True`` with ``pool`` is refused).
 
