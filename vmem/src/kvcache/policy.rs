@@ -152,13 +152,11 @@ impl State {
     /// Pages being unmapped count as gone ([`State::settled_pages`]): ranks in lockstep pick
     /// alike however far their unmapping threads have got.
     pub(super) fn pick_next_id(&self) -> Option<usize> {
-        let free = (0..self.requests.active.len()).filter(|&r| !self.requests.active[r]);
         if self.cfg.deferred_reclaim {
-            free.max_by_key(|&r| (self.settled_pages(r), std::cmp::Reverse(r)))
-        } else if self.cfg.background_unmap {
-            free.min_by_key(|&r| (self.requests.freed_at[r], r))
+            self.inactive()
+                .max_by_key(|&r| (self.settled_pages(r), std::cmp::Reverse(r)))
         } else {
-            free.min()
+            self.inactive().min_by_key(|&r| (self.reuse_order(r), r))
         }
     }
 
@@ -166,31 +164,25 @@ impl State {
     /// [`State::pick_next_id`] would pick without deferred reclamation.
     pub(super) fn best_fit(&self, tokens: u64) -> Option<usize> {
         let target = self.geo.pages_for(tokens);
-        let inactive = || (0..self.requests.active.len()).filter(|&r| !self.requests.active[r]);
-        let settled_floor = |r: usize| {
-            if self.requests.unmapping[r] {
-                0
-            } else {
-                self.requests.floor[r]
-            }
-        };
-        let fallback = || {
-            if self.cfg.background_unmap {
-                inactive().min_by_key(|&r| (self.requests.freed_at[r], r))
-            } else {
-                inactive().next()
-            }
-        };
-        inactive()
-            .filter(|&r| settled_floor(r) >= target)
-            .min_by_key(|&r| {
-                let age = if self.cfg.background_unmap {
-                    self.requests.freed_at[r]
-                } else {
-                    0
-                };
-                (self.settled_pages(r), age, r)
-            })
-            .or_else(fallback)
+        self.inactive()
+            .filter(|&r| self.settled_floor(r) >= target)
+            .min_by_key(|&r| (self.settled_pages(r), self.reuse_order(r), r))
+            .or_else(|| self.inactive().min_by_key(|&r| (self.reuse_order(r), r)))
+    }
+
+    /// The request ids not handed out.
+    fn inactive(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.requests.active.len()).filter(|&r| !self.requests.active[r])
+    }
+
+    /// Where inactive id `r` stands among ids to reuse, lower first (ties: lowest id): with
+    /// background unmapping when it was freed (never freed first), so that the id whose pages
+    /// are most likely back goes first; else 0 for every id.
+    fn reuse_order(&self, r: usize) -> u64 {
+        if self.cfg.background_unmap {
+            self.requests.freed_at[r]
+        } else {
+            0
+        }
     }
 }

@@ -111,6 +111,16 @@ impl State {
             .sum()
     }
 
+    /// The fewest pages any buffer of request `r` will hold once pending unmaps are done (0
+    /// while it is being unmapped): [`State::settled_pages`]'s counterpart of `floor`.
+    pub(super) fn settled_floor(&self, r: usize) -> u64 {
+        if self.requests.unmapping[r] {
+            0
+        } else {
+            self.requests.floor[r]
+        }
+    }
+
     /// Pages request `r` will hold once pending unmaps are done: 0 while it is being
     /// unmapped. Decisions that ranks must take alike (which id goes next) read this, not
     /// how far the unmapping thread has got.
