@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from harness.hostclock import host_batch
+from harness.memwatch import used_bytes
 
 
 def fake_cpu_memory(total: int = 8 << 30) -> None:
@@ -131,7 +132,7 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
     t_init = time.perf_counter()
     # The options stay in force until the engine stopped: its thread builds the cache later.
     with options:
-        used0 = _used_mb()
+        used0 = used_bytes()
         mgr = model.init_continuous_batching(**init)
         if warmup:
             mgr.warmup()
@@ -145,7 +146,8 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
                            varlen_tokens=limit, every_varlen=bool(limit))
         run["init_s"] = time.perf_counter() - t_init
         if warmup:
-            run["warmup_mb"] = _used_mb() - used0  # the cache, the engine's buffers, the graphs
+            # the cache, the engine's buffers, the graphs (0 without CUDA)
+            run["warmup_mb"] = ((used_bytes() or 0) - (used0 or 0)) / 2**20
         run["graphs_at_start"] = count_graphs(mgr)
         observer.manager = mgr
         mgr.start()
@@ -165,14 +167,6 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
     run.update(rounds=observer.rounds, max_running=observer.max_running, peak_blocks=observer.peak_blocks,
                logits=observer.logits)
     return run
-
-
-def _used_mb() -> float:
-    """Device memory in use as the driver sees it (``cudaMemGetInfo``), in MiB; 0 without CUDA."""
-    if not torch.cuda.is_available():
-        return 0.0
-    free, total = torch.cuda.mem_get_info()
-    return (total - free) / 2**20
 
 
 def count_graphs(mgr: Any) -> int | None:
