@@ -46,11 +46,7 @@ impl KvCacheManager {
             }
             st = self.wait_unclaimed(st, |st| st.requests.claimed[req]);
             // Pages the unmapping thread is giving back: waited for when they are needed.
-            let (need, now) = (
-                st.deficit(req, tokens),
-                st.pool.available_pages() + st.reclaimable(),
-            );
-            if need > now && need <= now + st.unmapping_pages() {
+            if st.needs_unmapping_pages(st.deficit(req, tokens)) {
                 st = self.wait_unmaps(st);
                 st.check_awake()?;
                 if !st.requests.active[req] {

@@ -460,8 +460,7 @@ impl KvCacheManager {
                 .sum();
             // Pages the unmapping thread is giving back: a step that needs them waits (one
             // that needs more than they make up fails below, without waiting).
-            let now = st.pool.available_pages() + st.reclaimable();
-            if needed > now && needed <= now + st.unmapping_pages() {
+            if st.needs_unmapping_pages(needed) {
                 st = self.wait_unmaps(st);
                 st.check_step(seq_lens)?;
                 continue;

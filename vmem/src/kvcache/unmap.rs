@@ -103,6 +103,14 @@ impl State {
         self.requests.unmapping.iter().any(|&u| u)
     }
 
+    /// Whether `need` pages are short of what the pool and reclamation can give now, but not of
+    /// that and what the unmapping thread is giving back: a step (or `map_ahead`) then waits
+    /// for it; one that needs more fails without waiting.
+    pub(super) fn needs_unmapping_pages(&self, need: u64) -> bool {
+        let now = self.pool.available_pages() + self.reclaimable();
+        need > now && need <= now + self.unmapping_pages()
+    }
+
     /// Pages the unmapping thread has yet to give back: the pool's, soon.
     pub(super) fn unmapping_pages(&self) -> u64 {
         (0..self.requests.unmapping.len())
