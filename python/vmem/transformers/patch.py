@@ -40,6 +40,7 @@ import torch
 
 from .._vmem import InvalidArgument, VmemError
 from . import tenancy
+from .admission import admission_hook
 from .attention import paged_attention
 from .flashinfer import load_flashinfer
 from .graphs import forward_hook, graph_key_hook
@@ -254,8 +255,8 @@ class EnginePatch:
     through, options bound at the manager's construction and read in its
     ``_create_batch_processor``, ``generate_batch`` raising on failed requests, and for vmem
     caches the round's metadata before each forward (large prefill rounds without a graph), the
-    round's kind in the graph key and every graph they replay captured in the engine's warmup
-    (:mod:`.warmup`)."""
+    round's kind in the graph key, every graph they replay captured in the engine's warmup
+    (:mod:`.warmup`) and a request longer than a row refused when it arrives (:mod:`.admission`)."""
 
     def __init__(self, adapter: ModuleType) -> None:
         from transformers.generation.continuous_batching import continuous_api as api
@@ -299,8 +300,12 @@ class EnginePatch:
         runner = importlib.import_module("transformers.generation.continuous_batching.model_runner").ModelRunner
         self._set(runner, "compute_batch", forward_hook(runner.compute_batch))  # a round's metadata, before its forward
         self._set(runner, "warmup", warmup_hook(runner.warmup))  # vmem's warmup rounds (vmem caches)
-        ios = importlib.import_module("transformers.generation.continuous_batching.input_outputs").ContinuousBatchingIOs
+        io = importlib.import_module("transformers.generation.continuous_batching.input_outputs")
+        ios = io.ContinuousBatchingIOs
         self._set(ios, "_get_graph_key", graph_key_hook(ios._get_graph_key))  # + the round's kind (vmem caches)
+        scheduler = importlib.import_module("transformers.generation.continuous_batching.scheduler").Scheduler
+        self._set(scheduler, "add_waiting_request",  # a request past a vmem row refused alone (vmem caches)
+                  admission_hook(scheduler.add_waiting_request))
 
     def _set(self, owner: Any, name: str, value: Any) -> None:
         self._saved.append((owner, name, owner.__dict__[name]))

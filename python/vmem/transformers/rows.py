@@ -61,6 +61,12 @@ class RowTable:
         self._seen.add(request_id)
         return row
 
+    def forget_admissions(self) -> None:
+        """Forgets which requests were ever admitted (after the engine's warmup, whose fake
+        requests reuse their ids run after run: they are no preemptions)."""
+        self._seen.clear()
+        self.readmissions = 0
+
     def grow(self, row: Row, blocks: int) -> None:
         """``blocks`` more for ``row``, mapped at this round's step."""
         if row.unmapped_from is None:

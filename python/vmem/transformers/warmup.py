@@ -154,16 +154,22 @@ def warmup_hook(warmup: Callable[..., Any]) -> Callable[..., Any]:
     (every graphed varlen size with ``graph_max_tokens``), then every decode round. The engine's
     own rounds do not suit vmem: its varlen round asks for as many past tokens as the whole budget
     holds, more than a vmem row (refused, with the engine's warning that the graph pool may
-    fragment), and vmem has no decode fast path for its decode rounds."""
+    fragment), and vmem has no decode fast path for its decode rounds. Either way the cache then
+    forgets the fake requests' admissions (``readmissions`` counts preemptions while serving)."""
 
     def vmem_warmup(self: Any, model: Any) -> Any:
-        if getattr(self.cache, "round_buffers", None) is None:
-            return warmup(self, model)
-        limit = self.cache.options.graph_max_tokens  # varlen rounds above it run without a graph
-        rounds = capture_graphs(self, model, varlen_tokens=min(limit or self.cache.max_batch_tokens,
-                                                               self.cache.max_batch_tokens),
-                                every_varlen=limit is not None)
-        logger.info("vmem: %d warmup rounds run to capture their CUDA graphs", rounds)
-        return None
+        table = getattr(self.cache, "table", None)
+        try:
+            if getattr(self.cache, "round_buffers", None) is None:
+                return warmup(self, model)
+            limit = self.cache.options.graph_max_tokens  # varlen rounds above it run without a graph
+            rounds = capture_graphs(self, model, varlen_tokens=min(limit or self.cache.max_batch_tokens,
+                                                                   self.cache.max_batch_tokens),
+                                    every_varlen=limit is not None)
+            logger.info("vmem: %d warmup rounds run to capture their CUDA graphs", rounds)
+            return None
+        finally:
+            if table is not None:  # the fake requests' ids recur each round: not preemptions
+                table.forget_admissions()
 
     return vmem_warmup
