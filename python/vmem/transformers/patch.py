@@ -42,6 +42,7 @@ from .._vmem import InvalidArgument, VmemError
 from . import tenancy
 from .admission import admission_hook
 from .attention import paged_attention
+from .carry_over import infer_carry_over_ids
 from .flashinfer import load_flashinfer
 from .graphs import forward_hook, graph_key_hook
 from .options import Options
@@ -256,7 +257,8 @@ class EnginePatch:
     ``_create_batch_processor``, ``generate_batch`` raising on failed requests, and for vmem
     caches the round's metadata before each forward (large prefill rounds without a graph), the
     round's kind in the graph key, every graph they replay captured in the engine's warmup
-    (:mod:`.warmup`) and a request longer than a row refused when it arrives (:mod:`.admission`)."""
+    (:mod:`.warmup`) and a request longer than a row refused when it arrives (:mod:`.admission`);
+    for every cache, async batching's carry-over ids built in O(requests) (:mod:`.carry_over`)."""
 
     def __init__(self, adapter: ModuleType) -> None:
         from transformers.generation.continuous_batching import continuous_api as api
@@ -303,6 +305,8 @@ class EnginePatch:
         io = importlib.import_module("transformers.generation.continuous_batching.input_outputs")
         ios = io.ContinuousBatchingIOs
         self._set(ios, "_get_graph_key", graph_key_hook(ios._get_graph_key))  # + the round's kind (vmem caches)
+        self._set(io.ContinuousBatchingAsyncIOs, "infer_carry_over_ids",  # O(requests), not O(max_batch_tokens)
+                  infer_carry_over_ids)
         scheduler = importlib.import_module("transformers.generation.continuous_batching.scheduler").Scheduler
         self._set(scheduler, "add_waiting_request",  # a request past a vmem row refused alone (vmem caches)
                   admission_hook(scheduler.add_waiting_request))

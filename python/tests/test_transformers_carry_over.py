@@ -1,0 +1,69 @@
+"""Async batching's carry-over ids (:mod:`vmem.transformers.carry_over`): the same tensor as the
+engine's own ``infer_carry_over_ids``, built without a Python list of ``max_batch_tokens``
+entries, and in place only while vmem is installed.
+
+CPU; needs torch and a transformers vmem serves (skipped otherwise, saying why)."""
+
+import random
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+import tf_engine as eng  # noqa: E402
+from tf_engine import fake_memory_and_uninstall  # noqa: E402,F401  (autouse: memory faked, patch off after)
+
+eng.skip_unless_served()
+
+from transformers.generation.continuous_batching import input_outputs as io  # noqa: E402
+
+import vmem.transformers as vt  # noqa: E402
+from vmem.transformers.carry_over import infer_carry_over_ids  # noqa: E402
+
+ENGINES = io.ContinuousBatchingAsyncIOs.infer_carry_over_ids  # the engine's own (vmem not installed yet)
+
+
+def _ios(prev: dict[str, int], nxt: dict[str, int], max_batch_tokens: int, current: int) -> object:
+    pairs = [None, None]
+    pairs[current] = types.SimpleNamespace(host_io=types.SimpleNamespace(req_id_to_new_token_position=nxt))
+    pairs[1 - current] = types.SimpleNamespace(host_io=types.SimpleNamespace(req_id_to_new_token_position=prev))
+    return types.SimpleNamespace(io_pairs=pairs, current_pair=current, max_batch_tokens=max_batch_tokens)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_same_ids_as_the_engines(seed):
+    rng = random.Random(seed)
+    mbt = rng.choice([1, 7, 64, 512, 8192])
+    ids = [f"r{i}" for i in range(rng.randint(0, min(mbt, 300)))]
+    prev_ids = rng.sample(ids, rng.randint(0, len(ids)))  # round N's requests, some finished since
+    next_ids = rng.sample(ids, rng.randint(0, len(ids)))  # round N+1's, some new
+    prev = {r: p for p, r in enumerate(prev_ids)}
+    positions = sorted(rng.sample(range(mbt), len(next_ids)))  # where each request's new token lands
+    nxt = dict(zip(next_ids, positions))
+    ios = _ios(prev, nxt, mbt, seed % 2)
+    want, got = ENGINES(ios), infer_carry_over_ids(ios)
+    assert got.dtype == want.dtype == torch.int32 and got.shape == want.shape == (mbt,)
+    assert torch.equal(got, want)
+    carried = {r for r in prev if r in nxt}
+    assert int((got >= 0).sum()) == len(carried)  # the check can fail: each carried request once
+
+
+def test_in_place_only_while_installed():
+    assert io.ContinuousBatchingAsyncIOs.infer_carry_over_ids is ENGINES
+    vt.install(**eng.TINY_OPTS)
+    assert io.ContinuousBatchingAsyncIOs.infer_carry_over_ids is infer_carry_over_ids
+    vt.uninstall()
+    assert io.ContinuousBatchingAsyncIOs.infer_carry_over_ids is ENGINES
+
+
+def test_the_bench_contender_with_the_engines_ids_gets_them_for_its_run_only():
+    from harness import contenders as ct
+
+    vt.install(**eng.TINY_OPTS)
+    cls = io.ContinuousBatchingAsyncIOs
+    with ct.carry_over(ct.spec("vmem-token-major-graphs-async-engine-carry")):
+        assert cls.infer_carry_over_ids is ENGINES
+    assert cls.infer_carry_over_ids is infer_carry_over_ids
+    with ct.carry_over(ct.spec("vmem-token-major-graphs-async")):
+        assert cls.infer_carry_over_ids is infer_carry_over_ids
