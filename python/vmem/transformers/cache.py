@@ -39,7 +39,7 @@ import torch
 
 from .. import KVCache
 from .._vmem import InvalidArgument, VmemError
-from . import tenancy
+from . import fa_split, tenancy
 from .blocks import FreshBlocks
 from .fa import FaReader
 from .fi_reader import FlashInferReader
@@ -156,7 +156,6 @@ class VmemCBCache:
         self.fresh = FreshBlocks(self._k4 + self._v4, g.block_size, self.device)
         self.rounds = Rounds(on_open=self.flush)
         self.round_kind: str | None = None  # the padded round's kind, in the engine's graph key (graphs.py)
-        self.read: Any = self._reader(config, graphs_requested(cb))
         self.peak_mapped_bytes = 0
         self.steps = 0
         # The engine's config: what this cache does not do (block sharing: vmem's instead).
@@ -168,13 +167,16 @@ class VmemCBCache:
         # padded batch (written before each forward; a CUDA graph captures their addresses).
         self.round_buffers = RoundBuffers(cb.max_requests_per_batch, g.max_context, self.trash_row, self.device,
                                           max_tokens=self.max_batch_tokens)
+        self.read: Any = self._reader(config, graphs_requested(cb))
 
     def _reader(self, config: Any, graphs: bool) -> Any:
         """The kernel that reads the rows (``options.kernel``); ``graphs``: the engine captures CUDA
         graphs."""
         g = self.geometry
         if self.kernel == "fa":
-            return FaReader(g.max_context)
+            split = fa_split.splits_for(self.options.split_decode, self.device, g.head_dim)
+            return FaReader(g.max_context, fa_split.SplitBuffers(self.round_buffers.capacity, self.device)
+                            if split else None)
         if self.kernel == "flex":
             return FlexReader(self, g.compiled)
         return FlashInferReader(g.max_context, self.kv_rows, self.device, config.num_attention_heads,

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .._vmem import VmemError
+from . import fa_split
 from .graphs import capturing
 from .rounds import Round
 
@@ -105,10 +106,21 @@ class FaReader:
     """The ``kernel="fa"`` reader of a vmem cache: one varlen call per layer (the reference on the
     CPU) over the round's :class:`~vmem.transformers.graphs.RoundMeta` (the static buffers the
     engine hook wrote before the forward: what a CUDA graph captures), or, for a round run
-    outside the hook (never while capturing), a :class:`FaVarlenIndex` built at the first layer."""
+    outside the hook (never while capturing), a :class:`FaVarlenIndex` built at the first layer.
+    With ``splits`` (:class:`~vmem.transformers.fa_split.SplitBuffers`), a padded decode round's
+    keys are dealt over its sequence slots (:mod:`.fa_split`), planned before the forward."""
 
-    def __init__(self, max_context: int) -> None:
+    def __init__(self, max_context: int, splits: Any = None) -> None:
         self.max_context = max_context
+        self.splits = splits
+
+    def before_forward(self, rnd: Round, *, padded: bool, pair: int, stream: Any) -> None:
+        """Plans a padded decode round's slots into the split buffers (outside any capture)."""
+        meta = rnd.meta
+        rnd.index = None
+        if self.splits is not None and meta is not None and meta.decode:
+            entries = [(row, past, q) for row, past, q, _ in rnd.entries]
+            rnd.index = self.splits.fill(entries, meta.n, self.max_context, stream)
 
     def __call__(self, layer: int, rnd: Round, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  scaling: float | None, gqa: bool) -> torch.Tensor:
@@ -124,6 +136,8 @@ class FaReader:
         if t != index.total_q:
             raise VmemError(f"the engine passed {t} query tokens for a round of {index.total_q}")
         q = query[0].transpose(0, 1)  # [T, Hq, D]
+        if isinstance(rnd.index, fa_split.SplitRound):  # a padded decode round, its keys over the slots
+            return fa_split.attend(q, k_cache, v_cache, rnd.index, index.max_k, scaling).unsqueeze(0)
         if query.device.type != "cuda":
             return fa_varlen_reference(q, k_cache, v_cache, index, scaling).unsqueeze(0)
         if q.stride(-1) != 1:

@@ -107,6 +107,12 @@ class Options:
       and a round that needs pages not back yet waits for them.
       ``None`` (default): on, except in a pool, where a tenant's pages go back to the pool at
       once (``True`` with ``pool`` is refused).
+    * ``split_decode``: with ``kernel="fa"``, a padded (CUDA-graph) decode round deals its
+      sequence slots to its requests by length, each slot a run of one request's keys, and merges
+      the runs (flash-decoding, :mod:`~vmem.transformers.fa_split`): a round of a few long
+      requests then keeps the GPU busy. ``None`` (default): on where it can run (the CPU, or CUDA
+      with Triton and a head dim that is a power of two); ``True``: on, and an error where it
+      cannot; ``False``: off. Not with other kernels (FlashInfer splits on its own).
 
     Made once (``Options(**kw)`` validates and canonicalizes: sizes become ints); frozen.
     Strings are never bools and floats never ints (:mod:`vmem._args`).
@@ -128,6 +134,7 @@ class Options:
     pool_keep: Any = 0
     deferred_reclaim: bool = False
     background_unmap: bool | None = None
+    split_decode: bool | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: the canonical values are set once, here
@@ -162,6 +169,10 @@ class Options:
         if self.background_unmap and self.pool is not None:
             raise InvalidArgument("background_unmap gives a finished request's pages back later; a pool tenant "
                                   "gives them to the pool at once: not both")
+        set_(self, "split_decode", check_optional_bool("split_decode", self.split_decode))
+        if self.split_decode and self.kernel != "fa":
+            raise InvalidArgument(f"split_decode splits kernel='fa''s decode rounds; kernel={self.kernel!r} "
+                                  "does not take it (FlashInfer splits long rows on its own)")
         if self.kernel == "fa" and self.max_context is not None and (self.max_requests + 1) * self.max_context >= 2**31:
             # FlashAttention's cu_seqlens_k are int32 row starts (sizing.Geometry checks the same
             # once max_context is rounded to whole blocks, or taken from the model).

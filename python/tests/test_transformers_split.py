@@ -1,0 +1,160 @@
+"""``kernel="fa"``'s padded decode rounds split along the keys (:mod:`vmem.transformers.fa_split`):
+the slot plan covers every request's keys exactly once, the split attention equals the unsplit
+one, the Triton merge equals the reference (run by Triton's interpreter on the CPU), greedy
+tokens under the engine's padding path equal those with the option off and the engine's own,
+and the option is validated.
+
+CPU, fp32, tiny models; needs torch and a transformers vmem serves (skipped otherwise, saying why).
+The kernels on a GPU: ``test_gpu.py::test_split_decode_matches_fa``."""
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+import tf_engine as eng  # noqa: E402
+from tf_engine import fake_memory_and_uninstall, forced_padding  # noqa: E402,F401
+
+eng.skip_unless_served()
+
+from harness import check as h  # noqa: E402
+
+import vmem  # noqa: E402
+import vmem.transformers as vt  # noqa: E402
+from vmem.transformers import fa_split  # noqa: E402
+from vmem.transformers.fa import fa_varlen_reference  # noqa: E402
+from vmem.transformers.graphs import RoundBuffers  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_plan_covers_every_key_once_in_whole_runs(seed):
+    rng = random.Random(seed)
+    slots = rng.choice([1, 4, 16, 64, 256])
+    n = rng.randint(1, slots)
+    lengths = [rng.choice([1, 2, 127, 128, 129, rng.randint(1, 9000)]) for _ in range(n)]
+    owner, start, first, counts = fa_split.plan_slots(lengths, slots)
+    assert len(owner) == len(start) == slots and len(first) == len(counts) == n
+    assert sum(counts) <= slots and min(counts) >= 1
+    for b, u in enumerate(lengths):
+        assert counts[b] <= max(1, -(-u // fa_split.MIN_KEYS))  # no run below MIN_KEYS keys but one
+        mine = list(range(first[b], first[b] + counts[b]))
+        assert [owner[j] for j in mine] == [b] * counts[b]
+        run = -(-u // counts[b])
+        assert [start[j] for j in mine] == [i * run for i in range(counts[b])]
+        assert start[mine[-1]] < u <= start[mine[-1]] + run  # the last run is not empty
+    assert owner.count(-1) == slots - sum(counts)
+    most = [-(-u // fa_split.MIN_KEYS) for u in lengths]
+    assert sum(counts) == min(slots, sum(most))  # every slot dealt while some request can take one
+
+
+def test_a_plan_that_cannot_be_made_is_refused():
+    for lengths, slots in (([], 4), ([5, 5], 1), ([0], 4)):
+        with pytest.raises(vmem.VmemError, match="cannot split"):
+            fa_split.plan_slots(lengths, slots)
+
+
+def _round(lengths, slots, hkv=2, hq=8, d=16, mc=512, seed=0):
+    """A padded decode round over random K/V rows: (q [slots, Hq, D], k, v, entries, meta)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = len(lengths) + 1
+    k = torch.randn(rows * mc, hkv, d, generator=g)
+    v = torch.randn(rows * mc, hkv, d, generator=g)
+    entries = [(i, u - 1, 1) for i, u in enumerate(lengths)]  # (row, past, q): one query token each
+    buffers = RoundBuffers(slots, mc, rows - 1, torch.device("cpu"), max_tokens=slots)
+    meta = buffers.fill(entries, sequences=len(lengths), tokens=slots, padded=True, bucket_k=mc, decode=True)
+    q = torch.randn(slots, hq, d, generator=g)
+    return q, k, v, entries, meta
+
+
+@pytest.mark.parametrize("lengths,slots", [([300, 7, 1, 512], 16), ([512] * 4, 4), ([1], 8), ([40, 200], 64)])
+def test_split_attention_equals_the_unsplit_one(lengths, slots, monkeypatch):
+    monkeypatch.setattr(fa_split, "MIN_KEYS", 16)  # many runs a request at these lengths
+    q, k, v, entries, meta = _round(lengths, slots)
+    want = fa_varlen_reference(q, k, v, meta, scale=0.25)
+    split = fa_split.SplitBuffers(slots, q.device).fill(entries, slots, 512, None)
+    assert max(split.host_part(4)) > 1 or max(lengths) <= 16 or slots == len(lengths)
+    got = fa_split.attend(q, k, v, split, meta.max_k, 0.25)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert torch.equal(got[len(lengths):], torch.zeros_like(got[len(lengths):]))  # padded rows read nothing
+
+
+def test_the_triton_merge_equals_the_reference():
+    """Run by Triton's interpreter on the CPU (TRITON_INTERPRET=1, set before Triton is imported:
+    a child process)."""
+    pytest.importorskip("triton", reason="Triton is not installed")
+    code = """
+import torch
+from vmem.transformers import fa_split
+from vmem.transformers._triton_combine import combine_slots
+torch.manual_seed(0)
+fa_split.MIN_KEYS = 4
+lengths, slots = [50, 3, 17, 1], 12
+split = fa_split.SplitBuffers(slots, torch.device("cpu")).fill([(i, u - 1, 1) for i, u in enumerate(lengths)],
+                                                              slots, 64, None)
+out = torch.randn(slots, 4, 32)
+lse = torch.randn(4, slots) * 3
+want = fa_split.combine_reference(out, lse, split)
+got = combine_slots(out, lse, split.first, split.count)
+assert max(split.host_part(4)) > 1
+assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+assert torch.equal(got[4:], torch.zeros_like(got[4:]))
+print("MERGED")
+"""
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "MERGED" in r.stdout, r.stderr[-3000:]
+
+
+def test_greedy_tokens_under_padding_equal_the_option_off_and_the_engines(monkeypatch):
+    monkeypatch.setattr(fa_split, "MIN_KEYS", 8)  # the tiny prompts split into several runs
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    lengths = [5, 140, 70, 17, 33, 3]
+    prompts = h.make_prompts(len(lengths), lengths, model.config.vocab_size)
+    pad = dict(max_batch_tokens=64, q_padding_interval_size=16, kv_padding_interval_size=256)
+    plans = []
+    fill = fa_split.SplitBuffers.fill
+
+    def recording_fill(self, *a, **k):
+        plans.append(fill(self, *a, **k))
+        return plans[-1]
+
+    monkeypatch.setattr(fa_split.SplitBuffers, "fill", recording_fill)
+    opts = dict(page_size="64K", max_requests=8, max_context=1024, memory="16M")
+    vt.install(**opts)
+    with forced_padding():
+        split = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 6, cb_kwargs=pad, serving=dict(opts))
+        whole = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 6, cb_kwargs=pad,
+                             serving=dict(opts, split_decode=False))
+        engine = h.run_engine(model, eng.ENGINE_SDPA, prompts, 6, cb_kwargs=pad)
+    assert plans and any(max(p.host_part(4)) > 1 for p in plans), "no decode round was split"
+    tokens = [[list(run["results"][rid].generated_tokens) for rid in run["ids"]] for run in (split, whole, engine)]
+    assert tokens[0] == tokens[1] == tokens[2]
+    cmp = h.compare(split, model, 6)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < 1e-4 and cmp["top1_agree"] == cmp["decisive"] > 0, cmp
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0.0])
+def test_a_bad_split_decode_is_refused(bad):
+    with pytest.raises(vmem.InvalidArgument, match="split_decode"):
+        vt.install(split_decode=bad)
+
+
+def test_split_decode_with_another_kernel_is_refused():
+    with pytest.raises(vmem.InvalidArgument, match="split_decode splits kernel='fa'"):
+        vt.Options(kernel="flex", split_decode=True)
+    vt.Options(kernel="flex", split_decode=False)  # off: nothing to refuse
+
+
+def test_where_it_cannot_run_true_says_why_and_none_stays_off():
+    cuda = torch.device("cuda", 0)
+    assert fa_split.splits_for(None, torch.device("cpu"), 96)  # the CPU merges on the host
+    assert not fa_split.splits_for(None, cuda, 96)
+    with pytest.raises(vmem.InvalidArgument, match="power of two, not 96"):
+        fa_split.splits_for(True, cuda, 96)
+    assert not fa_split.splits_for(False, torch.device("cpu"), 128)

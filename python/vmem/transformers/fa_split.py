@@ -1,0 +1,237 @@
+"""``kernel="fa"``'s padded decode rounds split along the keys (flash-decoding), so a round of a
+few long requests keeps the GPU busy.
+
+A padded decode round reaches FlashAttention-2 as ``P`` sequences of one query token (``P`` the
+graph's padded size, 64 or more), of which only the round's ``n`` requests read keys; FA gives
+each sequence and query head one thread block, which walks that request's keys alone. With six
+requests of ~850 tokens (the memory-bound suite on the H100) that is 192 busy blocks, each
+looping over its keys in turn, while the padded ones exit at once: 86 µs a layer for 20 MB of K
+and V, a tenth of the copy bandwidth.
+
+Here the ``P`` sequence slots are dealt to the ``n`` requests instead: each request gets at least
+one slot, the rest go by length (never a slot for fewer than :data:`MIN_KEYS` keys), and slot
+``j`` holds its request's query and a contiguous run of its keys. FA runs over the slots as
+before (the same grid: nothing to capture anew, the same graph), returning each slot's output and
+log-sum-exp, and :func:`combine` merges a request's slots (softmax-weighted by their
+log-sum-exps). The slot plan is data, written before the forward into a static buffer
+(:class:`SplitBuffers`, beside :class:`~vmem.transformers.graphs.RoundBuffers`): a replayed graph
+reads the round's plan, whatever the plan captured.
+
+On CUDA :func:`combine` is one Triton kernel (head dims a power of two); elsewhere, and as the
+reference the tests compare it with, plain tensor ops. Version-free.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+import torch
+
+from .._vmem import InvalidArgument, VmemError
+
+#: No slot gets fewer keys than this (FlashAttention-2's key block is 64 to 128 tokens for head
+#: dims up to 256: a shorter run leaves a block mostly idle, and its partial costs a combine).
+MIN_KEYS = 128
+
+
+def splits_for(option: bool | None, device: torch.device, head_dim: int) -> bool:
+    """Whether a cache on ``device`` with ``head_dim`` splits its decode rounds, given the
+    ``split_decode`` option: ``None`` where it can (the CPU, whose reference merges on the host;
+    CUDA with Triton and a power-of-two head dim), ``False`` never; ``True`` where it can, else
+    :class:`vmem.InvalidArgument` saying why."""
+    if option is False:
+        return False
+    why = None
+    if device.type == "cuda":
+        if head_dim & (head_dim - 1):
+            why = f"the merge kernel needs a head dim that is a power of two, not {head_dim}"
+        else:
+            try:
+                from . import _triton_combine  # noqa: F401
+            except ImportError as e:
+                why = f"the merge kernel needs Triton ({e})"
+    if why is not None and option:
+        raise InvalidArgument(f"split_decode=True: {why}; leave split_decode unset or False")
+    return why is None
+
+
+def plan_slots(lengths: list[int], slots: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Deals ``slots`` sequence slots to requests of ``lengths`` keys (every length at least 1,
+    ``len(lengths) <= slots``). Returns per slot ``(request, start)`` (padded slots: request
+    ``-1``), and per request ``(first slot, slots)``; slot ``j`` of request ``b`` reads keys
+    ``[start, start + run)`` of it, runs of ``ceil(length / count)`` keys, the last shorter.
+
+    Each request gets one slot; the others go to requests in proportion to their lengths (what
+    the shares' rounding leaves, one by one to the request with the longest runs), a request no
+    more than ``ceil(length / MIN_KEYS)`` in all."""
+    n = len(lengths)
+    if n == 0 or n > slots or min(lengths) < 1:
+        raise VmemError(f"cannot split {n} requests of lengths {lengths[:8]} over {slots} slots")
+    spare, total = slots - n, sum(lengths)
+    most = [-(-u // MIN_KEYS) for u in lengths]
+    counts = [1 + min(spare * u // total, m - 1) for u, m in zip(lengths, most)]
+    # Slots the shares' rounding left: each to the request whose runs are longest.
+    heap = [(-(-u // c), b) for b, (u, c, m) in enumerate(zip(lengths, counts, most)) if c < m]
+    heapq.heapify(heap)
+    for _ in range(slots - sum(counts)):
+        if not heap:
+            break
+        _, b = heapq.heappop(heap)
+        counts[b] += 1
+        if counts[b] < most[b]:
+            heapq.heappush(heap, (-(-lengths[b] // counts[b]), b))
+    owner: list[int] = []
+    start: list[int] = []
+    first: list[int] = []
+    for b, (u, c) in enumerate(zip(lengths, counts)):
+        run = -(-u // c)
+        c = -(-u // run)  # whole runs only: no empty slot at a request's end
+        counts[b] = c
+        first.append(len(owner))
+        owner += [b] * c
+        start += range(0, c * run, run)
+    pad = slots - len(owner)
+    return owner + [-1] * pad, start + [0] * pad, first, counts
+
+
+class SplitBuffers:
+    """The static device buffer one cache's split decode rounds read (sized once, written in
+    place before each forward, so a CUDA graph's addresses stay valid). A round of ``S`` slots
+    writes its plan at the buffer's start, ``[cu_k (S+1) | used | owner | first | count (S
+    each)]`` int32: each slot's first key, its keys, its request, and for each output row its
+    first slot and slot count (0 for a padded row). Every round of ``S`` slots, the rounds one
+    graph replays, puts them at the same addresses; only ``5 S + 1`` entries are copied a round.
+    ``cu_q``, ``0 .. capacity`` (one query a slot), is written once."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.capacity = int(capacity)
+        self.buffer = torch.zeros(5 * self.capacity + 1, dtype=torch.int32, device=device)
+        self.cu_q = torch.arange(self.capacity + 1, dtype=torch.int32, device=device)
+
+    def fill(self, entries: list[tuple[int, int, int]], slots: int, max_context: int, stream: Any) -> SplitRound:
+        """Plans a padded decode round of ``entries`` (``(row, past, 1)`` per request) over
+        ``slots`` slots and writes the plan (on ``stream``, as the round's metadata is)."""
+        from .graphs import copy_on_stream, int32_tensor
+
+        if slots > self.capacity:
+            raise VmemError(f"a decode round of {slots} slots; the split buffers hold {self.capacity}")
+        lengths = [past + q for _, past, q in entries]
+        owner, start, first, counts = plan_slots(lengths, slots)
+        runs = [-(-u // c) for u, c in zip(lengths, counts)]
+        starts = [row * max_context for row, _, _ in entries]
+        cu_k: list[int] = []
+        used: list[int] = []
+        for b, st in zip(owner, start):
+            if b < 0:  # a padded slot: reads nothing
+                cu_k.append(0)
+                used.append(0)
+            else:
+                cu_k.append(starts[b] + st)
+                used.append(min(lengths[b] - st, runs[b]))
+        pad = [0] * (slots - len(entries))
+        host = int32_tensor(cu_k + [0] + used + [max(b, 0) for b in owner] + first + pad + counts + pad)
+        n = 5 * slots + 1
+        copy_on_stream(self.buffer[:n], host, stream)
+        dev, k = self.buffer, slots
+        return SplitRound(self.cu_q[: k + 1], dev[: k + 1], dev[k + 1: 2 * k + 1], dev[2 * k + 1: 3 * k + 1],
+                          dev[3 * k + 1: 4 * k + 1], dev[4 * k + 1: n], host=host)
+
+
+class SplitRound:
+    """One split round as the kernels read it: device views ``cu_q``, ``cu_k`` ``[S+1]``,
+    ``used``, ``owner``, ``first``, ``count`` ``[S]``, and ``host``, the same
+    ``[cu_k | used | owner | first | count]`` on the CPU (for the reference)."""
+
+    __slots__ = ("count", "cu_k", "cu_q", "first", "host", "owner", "used")
+
+    def __init__(self, cu_q: torch.Tensor, cu_k: torch.Tensor, used: torch.Tensor, owner: torch.Tensor,
+                 first: torch.Tensor, count: torch.Tensor, *, host: torch.Tensor) -> None:
+        self.cu_q, self.cu_k, self.used, self.owner, self.first, self.count = cu_q, cu_k, used, owner, first, count
+        self.host = host
+
+    @property
+    def slots(self) -> int:
+        return int(self.used.numel())
+
+    def host_part(self, i: int) -> list[int]:
+        """Part ``i`` of :attr:`host` as ints: 0 ``cu_k`` (``S + 1``), 1 ``used``, 2 ``owner``,
+        3 ``first``, 4 ``count``."""
+        s = self.slots
+        lo = 0 if i == 0 else i * s + 1
+        return self.host[lo: s + 1 if i == 0 else lo + s].tolist()
+
+
+def lse_per_slot(lse: torch.Tensor, slots: int) -> torch.Tensor:
+    """FlashAttention's log-sum-exp as ``[Hq, slots]`` float32: torch's varlen op returns
+    ``[Hq, total_q]`` (one query a slot), older ones ``[slots, Hq, max_q]``."""
+    if lse.dim() == 3:
+        lse = lse[:, :, 0].transpose(0, 1)
+    if lse.dim() != 2 or lse.shape[1] != slots:
+        raise VmemError(f"FlashAttention returned a log-sum-exp of shape {tuple(lse.shape)} for {slots} slots")
+    return lse.float()
+
+
+def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SplitRound,
+                     scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What FlashAttention computes over the slots, in plain tensor ops: ``q`` ``[S, Hq, D]``
+    (each slot's query), the flat ``k``/``v`` ``[N, Hkv, D]``; returns the slots' outputs
+    ``[S, Hq, D]`` and log-sum-exps ``[Hq, S]`` (an empty slot: zeros and ``-inf``)."""
+    cu_k, used = split.host_part(0), split.host_part(1)
+    s, hq, d = q.shape
+    out = q.new_zeros(q.shape)
+    lse = torch.full((hq, s), float("-inf"), dtype=torch.float32, device=q.device)
+    scale = d ** -0.5 if scale is None else scale
+    for j in range(s):
+        if used[j] == 0:
+            continue
+        ks = k[cu_k[j]: cu_k[j] + used[j]].float()  # [u, Hkv, D]
+        vs = v[cu_k[j]: cu_k[j] + used[j]].float()
+        group = hq // ks.shape[1]
+        ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)  # [u, Hq, D]
+        scores = torch.einsum("hd,uhd->hu", q[j].float(), ks) * scale  # [Hq, u]
+        lse[:, j] = torch.logsumexp(scores, dim=1)
+        out[j] = torch.einsum("hu,uhd->hd", torch.softmax(scores, dim=1), vs).to(q.dtype)
+    return out, lse
+
+
+def combine_reference(out: torch.Tensor, lse: torch.Tensor, split: SplitRound) -> torch.Tensor:
+    """Merges each request's slots: ``out`` ``[S, Hq, D]`` (slot outputs), ``lse`` ``[Hq, S]``;
+    returns ``[S, Hq, D]`` whose row ``b`` is request ``b``'s attention (zeros for a padded row)."""
+    first, count = split.host_part(3), split.host_part(4)
+    merged = out.new_zeros(out.shape)
+    for b in range(len(count)):
+        if count[b] == 0:
+            continue
+        j = slice(first[b], first[b] + count[b])
+        w = torch.softmax(lse[:, j], dim=1)  # [Hq, c]
+        merged[b] = (out[j].float() * w.transpose(0, 1).unsqueeze(-1)).sum(0).to(out.dtype)
+    return merged
+
+
+def combine(out: torch.Tensor, lse: torch.Tensor, split: SplitRound) -> torch.Tensor:
+    """:func:`combine_reference`'s result; on CUDA one Triton kernel when the head dim is a power
+    of two (reading ``first``/``count`` on the device: a replayed graph merges the round's own
+    plan)."""
+    d = out.shape[-1]
+    if out.device.type != "cuda" or d & (d - 1):
+        return combine_reference(out, lse, split)
+    from ._triton_combine import combine_slots
+
+    return combine_slots(out, lse, split.first, split.count)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SplitRound, max_k: int,
+           scale: float | None) -> torch.Tensor:
+    """A padded decode round's attention over the slots of ``split``: ``q`` ``[S, Hq, D]`` (row
+    ``b`` request ``b``'s query, padded rows after), the flat ``k``/``v``; returns ``[S, Hq, D]``
+    (padded rows zeros)."""
+    q_slots = q.index_select(0, split.owner)  # each slot its request's query
+    if q.device.type != "cuda":
+        out, lse = attend_reference(q_slots, k, v, split, scale)
+    else:
+        out, lse = torch.ops.aten._flash_attention_forward(
+            q_slots, k, v, split.cu_q, split.cu_k, 1, max_k, 0.0, True, False, scale=scale, seqused_k=split.used,
+        )[:2]
+        lse = lse_per_slot(lse, split.slots)
+    return combine(out, lse, split)
