@@ -13,12 +13,15 @@ attention name), ``block_size`` (the engine's block / page tokens, engine caches
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import vmem.transformers as vt
 from harness.blockflex import BLOCKFLEX_ATTENTION
 from harness.fipaged import FI_PAGED_ATTENTION
 from vmem.transformers import VMEM_ATTENTION
+from vmem.transformers.carry_over import infer_carry_over_ids
 
 Spec = dict[str, Any]
 
@@ -33,9 +36,14 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     "paged-sdpa-16": ((V517,), {"attn": "paged|sdpa", "block_size": 16}),
     "paged-sdpa-256": ((V517,), {"attn": "paged|sdpa", "block_size": 256}),
     "paged-sdpa-256-graphs": ((V517,), {"attn": "paged|sdpa", "block_size": 256, "graphs": True}),
+    "paged-sdpa-256-graphs-async": ((V517,), {"attn": "paged|sdpa", "block_size": 256, "graphs": True,
+                                              "async": True}),
     "paged-flex-256": ((V517,), {"attn": BLOCKFLEX_ATTENTION, "block_size": 256}),
     "sdpa-256": ((V519,), {"attn": "sdpa", "block_size": 256}),
     "sdpa-256-graphs": ((V519,), {"attn": "sdpa", "block_size": 256, "graphs": True}),
+    # The engine's own cache with its async batching too (the same carry-over ids as every contender:
+    # vmem.transformers builds them in O(requests) for every cache while installed).
+    "sdpa-256-graphs-async": ((V519,), {"attn": "sdpa", "block_size": 256, "graphs": True, "async": True}),
     "fi-paged": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256}),
     "fi-paged-graphs": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256, "graphs": True}),
     # The peer with the engine's async batching too (each IO pair plans its own wrappers).
@@ -77,6 +85,15 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     # the varlen graphs cost in device memory).
     "vmem-token-major-graphs-async-64": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
                                                 "graphs": True, "async": True, "graph_max_tokens": 64}),
+    # A padded decode round's keys read whole by one sequence slot a request (vmem before
+    # split_decode: FA's thread blocks of the few long requests walk their keys alone).
+    "vmem-token-major-graphs-async-nosplit": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
+                                                     "graphs": True, "async": True, "split_decode": False}),
+    # The engine's own carry-over ids (a Python list of max_batch_tokens entries a round) for this
+    # contender's run: what vmem.transformers' O(requests) ones save.
+    "vmem-token-major-graphs-async-engine-carry": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
+                                                          "kernel": "fa", "graphs": True, "async": True,
+                                                          "engine_carry_over": True}),
     # A finished request's pages unmapped on the engine's thread, which waits for the round in
     # flight first (vmem's behaviour before background_unmap became the default).
     "vmem-token-major-graphs-async-inline-unmap": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
@@ -215,7 +232,8 @@ def contender_config(model: Any, spec: Spec, args: Any, budget: dict[str, int],
                     "page_size": args.page_size, "max_requests": rows, "max_context": args.max_context,
                     "deferred_reclaim": spec.get("deferred_reclaim", False)}
         # else vmem's defaults
-        opts.update({k: spec[k] for k in ("graph_seqlen_k", "graph_max_tokens", "background_unmap") if k in spec})
+        opts.update({k: spec[k] for k in ("graph_seqlen_k", "graph_max_tokens", "background_unmap", "split_decode")
+                     if k in spec})
         return kw, opts
     if spec.get("graphs"):  # the engine's CUDA graphs; async batching only where the spec says so
         kw.update(use_cuda_graph=True, use_async_batching=bool(spec.get("async")))
@@ -230,6 +248,41 @@ def contender_config(model: Any, spec: Spec, args: Any, budget: dict[str, int],
     return kw, ({"graph_max_tokens": spec["graph_max_tokens"]} if spec.get("graph_max_tokens") else {})
 
 
+@contextlib.contextmanager
+def carry_over(spec: Spec) -> Iterator[None]:
+    """For a spec with ``engine_carry_over``, the engine's own ``infer_carry_over_ids`` in place
+    inside the block (vmem.transformers' otherwise, for every contender)."""
+    if not spec.get("engine_carry_over"):
+        yield
+        return
+    from transformers.generation.continuous_batching import input_outputs as io
+
+    if _ENGINE_CARRY_OVER is None:
+        raise RuntimeError("harness.contenders was imported after vmem.transformers.install(): the engine's own "
+                           "carry-over ids are not at hand")
+    cls = io.ContinuousBatchingAsyncIOs
+    saved = cls.__dict__["infer_carry_over_ids"]
+    cls.infer_carry_over_ids = _ENGINE_CARRY_OVER
+    try:
+        yield
+    finally:
+        cls.infer_carry_over_ids = saved
+
+
+def _engine_carry_over() -> Any:
+    """The engine's ``infer_carry_over_ids`` as imported (``None`` if vmem's is in place already)."""
+    try:
+        from transformers.generation.continuous_batching import input_outputs as io
+    except ImportError:
+        return None
+    fn = io.ContinuousBatchingAsyncIOs.__dict__.get("infer_carry_over_ids")
+    return None if fn is infer_carry_over_ids else fn
+
+
 def is_vmem_cache(cache: Any) -> bool:
     """Whether ``cache`` (an engine's built cache) is vmem's."""
     return isinstance(cache, vt.VmemCBCache)
+
+
+#: The engine's own ``infer_carry_over_ids`` (for the ``engine_carry_over`` contenders).
+_ENGINE_CARRY_OVER = _engine_carry_over()
