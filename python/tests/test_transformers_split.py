@@ -158,3 +158,16 @@ def test_where_it_cannot_run_true_says_why_and_none_stays_off():
     with pytest.raises(vmem.InvalidArgument, match="power of two, not 96"):
         fa_split.splits_for(True, cuda, 96)
     assert not fa_split.splits_for(False, torch.device("cpu"), 128)
+
+
+def test_a_merge_kernel_that_does_not_run_turns_splitting_off_or_says_why(monkeypatch):
+    """Triton present but unable to build or launch its kernel (no C compiler; here: no GPU) must
+    not stop the engine's loop at the first decode round: the cache checks it once, when built."""
+    cuda = torch.device("cuda", 0)
+    if not torch.cuda.is_available():  # a real failure: the kernel's first launch has no device
+        assert fa_split._merge_kernel_fails(cuda, 128) is not None
+    monkeypatch.setattr(fa_split, "_merge_kernel_fails", lambda device, d: "the merge kernel does not run here (x)")
+    assert not fa_split.splits_for(None, cuda, 128)
+    with pytest.raises(vmem.InvalidArgument, match="does not run here"):
+        fa_split.splits_for(True, cuda, 128)
+

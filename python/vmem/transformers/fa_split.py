@@ -47,13 +47,26 @@ def splits_for(option: bool | None, device: torch.device, head_dim: int) -> bool
         if head_dim & (head_dim - 1):
             why = f"the merge kernel needs a head dim that is a power of two, not {head_dim}"
         else:
-            try:
-                from . import _triton_combine  # noqa: F401
-            except ImportError as e:
-                why = f"the merge kernel needs Triton ({e})"
+            why = _merge_kernel_fails(device, head_dim)
     if why is not None and option:
         raise InvalidArgument(f"split_decode=True: {why}; leave split_decode unset or False")
     return why is None
+
+
+def _merge_kernel_fails(device: torch.device, head_dim: int) -> str | None:
+    """Why the Triton merge kernel cannot run on ``device`` (Triton missing, or its compile
+    failing: it needs a C compiler), else ``None``; a first launch here compiles it, at the
+    cache's construction, not in the engine's loop."""
+    try:
+        from ._triton_combine import combine_slots
+    except ImportError as e:
+        return f"the merge kernel needs Triton ({e})"
+    try:
+        one = torch.ones(1, dtype=torch.int32, device=device)
+        combine_slots(torch.zeros(1, 1, head_dim, device=device), torch.zeros(1, 1, device=device), one - 1, one)
+    except Exception as e:  # noqa: BLE001 - any failure to build or launch it means: do not split
+        return f"the merge kernel does not run here ({type(e).__name__}: {e})"
+    return None
 
 
 def plan_slots(lengths: list[int], slots: int) -> tuple[list[int], list[int], list[int], list[int]]:
