@@ -166,7 +166,7 @@ def test_a_merge_kernel_that_does_not_run_turns_splitting_off_or_says_why(monkey
     cuda = torch.device("cuda", 0)
     if not torch.cuda.is_available():  # a real failure: the kernel's first launch has no device
         assert fa_split._merge_kernel_fails(cuda, 128) is not None
-    monkeypatch.setattr(fa_split, "_merge_kernel_fails", lambda device, d: "the merge kernel does not run here (x)")
+    monkeypatch.setattr(fa_split, "_merge_kernel_fails", lambda device, d, dtype: "the merge kernel does not run here (x)")
     assert not fa_split.splits_for(None, cuda, 128)
     with pytest.raises(vmem.InvalidArgument, match="does not run here"):
         fa_split.splits_for(True, cuda, 128)

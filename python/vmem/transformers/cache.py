@@ -174,7 +174,7 @@ class VmemCBCache:
         graphs."""
         g = self.geometry
         if self.kernel == "fa":
-            split = fa_split.splits_for(self.options.split_decode, self.device, g.head_dim)
+            split = fa_split.splits_for(self.options.split_decode, self.device, g.head_dim, self.dtype)
             return FaReader(g.max_context, fa_split.SplitBuffers(self.round_buffers.capacity, self.device)
                             if split else None)
         if self.kernel == "flex":

@@ -35,11 +35,13 @@ from .._vmem import InvalidArgument, VmemError
 MIN_KEYS = 128
 
 
-def splits_for(option: bool | None, device: torch.device, head_dim: int) -> bool:
-    """Whether a cache on ``device`` with ``head_dim`` splits its decode rounds, given the
-    ``split_decode`` option: ``None`` where it can (the CPU, whose reference merges on the host;
-    CUDA with Triton and a power-of-two head dim), ``False`` never; ``True`` where it can, else
-    :class:`vmem.InvalidArgument` saying why."""
+def splits_for(option: bool | None, device: torch.device, head_dim: int,
+               dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a cache on ``device`` with ``head_dim`` (K/V of ``dtype``) splits its decode
+    rounds, given the ``split_decode`` option: ``None`` where it can (the CPU, whose reference
+    merges on the host; CUDA with a power-of-two head dim and a merge kernel that builds and
+    runs), ``False`` never; ``True`` where it can, else :class:`vmem.InvalidArgument` saying
+    why."""
     if option is False:
         return False
     why = None
@@ -47,23 +49,25 @@ def splits_for(option: bool | None, device: torch.device, head_dim: int) -> bool
         if head_dim & (head_dim - 1):
             why = f"the merge kernel needs a head dim that is a power of two, not {head_dim}"
         else:
-            why = _merge_kernel_fails(device, head_dim)
+            why = _merge_kernel_fails(device, head_dim, dtype)
     if why is not None and option:
         raise InvalidArgument(f"split_decode=True: {why}; leave split_decode unset or False")
     return why is None
 
 
-def _merge_kernel_fails(device: torch.device, head_dim: int) -> str | None:
+def _merge_kernel_fails(device: torch.device, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
     """Why the Triton merge kernel cannot run on ``device`` (Triton missing, or its compile
-    failing: it needs a C compiler), else ``None``; a first launch here compiles it, at the
-    cache's construction, not in the engine's loop."""
+    failing: it needs a C compiler), else ``None``; a first launch here, with the cache's
+    ``dtype``, compiles the kernel the rounds will use, at the cache's construction, not in the
+    engine's loop."""
     try:
         from ._triton_combine import combine_slots
     except ImportError as e:
         return f"the merge kernel needs Triton ({e})"
     try:
         one = torch.ones(1, dtype=torch.int32, device=device)
-        combine_slots(torch.zeros(1, 1, head_dim, device=device), torch.zeros(1, 1, device=device), one - 1, one)
+        combine_slots(torch.zeros(1, 1, head_dim, dtype=dtype, device=device), torch.zeros(1, 1, device=device),
+                      one - 1, one)
     except Exception as e:  # noqa: BLE001 - any failure to build or launch it means: do not split
         return f"the merge kernel does not run here ({type(e).__name__}: {e})"
     return None
