@@ -20,7 +20,7 @@ import torch
 
 from .._vmem import VmemError
 from . import fa_split
-from .graphs import capturing
+from .graphs import capturing, int32_tensor
 from .rounds import Round
 
 
@@ -69,7 +69,7 @@ def fa_varlen_indices(entries: list[tuple[int, int, int]], max_context: int) -> 
         cu_k.append(row * max_context)
         used.append(past + q)
     cu_k.append(cu_k[-1] + used[-1])
-    host = torch.tensor(cu_q + cu_k + used, dtype=torch.int32)
+    host = int32_tensor(cu_q + cu_k + used)
     return FaVarlenIndex(host, n, max(e[2] for e in entries), max(used), cu_q[-1])
 
 
