@@ -287,19 +287,6 @@ def test_graphs_and_async_are_taken_by_fa_and_flashinfer_and_refused_for_flex_sa
         assert cache.read.trash_tokens == cache.block_size
 
 
-@pytest.mark.parametrize("kernel", ["fa", "flashinfer", "flex"])
-def test_a_compiled_forward_is_refused_for_every_kernel(kernel, monkeypatch):
-    import sys
-    import types
-
-    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
-    cfg = h.make_config("llama-gqa")
-    compile_config = transformers.CompileConfig()
-    for cb in (_cb(varlen_compile_config=compile_config), _cb(decode_compile_config=compile_config)):
-        with pytest.raises(vmem.InvalidArgument, match="compiling the engine's forward.*use_cuda_graph"):
-            vt.cache_class()(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**dict(OPTS, kernel=kernel)))
-
-
 def test_a_padded_decode_round_is_one_sequence_per_token_with_max_q_1():
     """FA2's decode path (GQA groups folded into the query rows) needs ``max_seqlen_q == 1`` and as
     many sequences as query tokens: a padded decode round is passed that way, the real entries

@@ -8,6 +8,11 @@ new tokens, after RoPE), the cache as ``kwargs["cache"]`` and the round's flat w
 ``[N, Hkv, D]`` view of the layer; the cache's ``read`` (its kernel, chosen when it was built)
 then reads every request's K/V in place.
 
+The function is left out of a compiled forward (``torch.compiler.disable``, as the engine's own
+paged attention is): under the engine's ``varlen_compile_config`` Dynamo compiles the model's
+layers around it and calls it eagerly, so the round it reads comes from the cache's state each
+call, never baked in as the first round's constants.
+
 A cache served through this function provides ``kv_layer(layer) -> (K, V)`` (flat views),
 ``rounds`` (a :class:`~vmem.transformers.rounds.Rounds` its ``extend_read_and_write_indices``
 records into) and ``read(layer, round, query, K, V, scaling, gqa) -> [1, T, Hq, D]``.
@@ -22,6 +27,7 @@ import torch
 from .._vmem import VmemError
 
 
+@torch.compiler.disable
 def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: Any = None, scaling: float | None = None, dropout: float = 0.0,
                     **kwargs: Any) -> tuple[torch.Tensor, None]:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .._vmem import InvalidArgument, VmemError
+from .compiled import check_compile, refuse_compile
 from .rounds import Round
 
 #: The round kinds a padded round's graph key carries (:func:`graph_key_hook`).
@@ -189,18 +190,6 @@ def refuse_graphs(cb: Any, name: str) -> None:
         raise InvalidArgument(f"{name}: async batching is not supported")
 
 
-def refuse_compile(cb: Any, name: str) -> None:
-    """Refuses a compiled forward: vmem's attention reads its round from Python state the cache
-    keeps (the requests the engine prepared), which ``torch.compile`` would trace as constants
-    of the first round; CUDA graphs (``use_cuda_graph``) replay the forward without compiling."""
-    if cb.varlen_compile_config is not None or cb.decode_compile_config is not None:
-        raise InvalidArgument(
-            f"{name}: compiling the engine's forward (varlen_compile_config / decode_compile_config) is not "
-            "supported: the attention reads each round from state the cache keeps on the host, which torch.compile "
-            "would bake in as constants of the first round; use use_cuda_graph=True (graphs without compile)"
-        )
-
-
 #: Kernels whose per-round state is built on the host inside the forward: why a replay goes wrong.
 #: (``kernel="flashinfer"`` plans before the forward, into its graph wrappers' fixed buffers.)
 _NOT_REPLAYABLE = {
@@ -214,7 +203,8 @@ def check_engine_config(cb: Any, name: str, kernel: str) -> None:
     (planned before the forward into the fixed buffers of FlashInfer's CUDA-graph wrappers, one
     set per padded size, round kind and IO pair: :mod:`.fi_graphs`); with ``kernel="flex"``
     neither (its BlockMask is rebuilt on the host from the round's lengths inside the forward, so
-    a replay would reuse the captured round's mask); a compiled forward with no kernel."""
+    a replay would reuse the captured round's mask); a compiled forward as :func:`check_compile`
+    says."""
     reason = _NOT_REPLAYABLE.get(kernel)
     if reason is not None and (graphs_requested(cb) or cb.use_async_batching):
         what = "CUDA graphs" if graphs_requested(cb) else "async batching"
@@ -223,7 +213,7 @@ def check_engine_config(cb: Any, name: str, kernel: str) -> None:
             "read the captured round's; use kernel='fa' or kernel='flashinfer' (their round metadata lives in "
             "static device buffers) or leave use_cuda_graph unset"
         )
-    refuse_compile(cb, name)
+    check_compile(cb, name, kernel)
 
 
 def _bucket_k(batch_data: dict[str, Any]) -> int | None:
