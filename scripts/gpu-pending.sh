@@ -24,7 +24,8 @@
 #            vmem, all with graphs), 540 s shared between them
 #
 # SUITE_CONTENDERS replaces the suite's contenders, GRAPHS_KERNELS the check's kernels (fa,flashinfer),
-# GRAPHS_TIMEOUT its seconds (330; 0 skips it), EXTRA_WHEELS more wheels to install (another transformers).
+# GRAPHS_TIMEOUT its seconds (330; 0 skips it), CHECK_TIMEOUT and SUITE_TIMEOUT the pytest and suite ones
+# (150, 520: lower them to run two parts in one call), EXTRA_WHEELS more wheels to install (another transformers).
 # Results go to $OUT/<part>/ and are packed into $OUT/<part>.tgz ($OUT returns at most 8 files).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -52,7 +53,7 @@ case "$part" in
     # From the root: in python/, `import vmem` would find the sources without the built module.
     # GPU_TESTS: a pytest -k expression (the FlashInfer tests only: GPU_TESTS=flashinfer);
     # GPU_PYTEST_FLAGS: more pytest flags (-s shows what the checks print: timings, PASS lines)
-    timeout 150 python3 -m pytest -q -rs ${GPU_PYTEST_FLAGS:-} -p no:cacheprovider python/tests/test_gpu.py \
+    timeout ${CHECK_TIMEOUT:-150} python3 -m pytest -q -rs ${GPU_PYTEST_FLAGS:-} -p no:cacheprovider python/tests/test_gpu.py \
       ${GPU_TESTS:+-k "$GPU_TESTS"} 2>&1 \
       | tee "$out/test_gpu.txt" || rc=1
     [ "${GRAPHS_TIMEOUT:-330}" = 0 ] || (cd python && PYTHONPATH=benches:$PYTHONPATH timeout ${GRAPHS_TIMEOUT:-330} \
@@ -60,7 +61,7 @@ case "$part" in
       --new-tokens 96 --repeats 2) 2>&1 | tee "$out/graphs_check.txt" || rc=1
     ;;
   suite)
-    timeout 520 python3 python/benches/serving_suite.py --only model=llama3-8b-x8 --only trace=conv \
+    timeout ${SUITE_TIMEOUT:-520} python3 python/benches/serving_suite.py --only model=llama3-8b-x8 --only trace=conv \
       --only contender="${SUITE_CONTENDERS:-paged-sdpa-256-graphs,fi-paged-graphs,vmem-token-major-graphs,vmem-token-major-fi-graphs,vmem-token-major-fi-graphs-async,vmem-per-layer-fi-graphs}" \
       --requests 64 --new-tokens 48 ${SUITE_FLAGS:-} --out "$out/suite" 2>&1 | tee "$out/log.txt" || rc=1
     ;;

@@ -9,7 +9,8 @@ version families it runs on; :func:`offered` and :func:`spec` answer for the run
 attention name), ``block_size`` (the engine's block / page tokens, engine caches), ``graphs``
 (the engine's CUDA graphs on, async batching off unless ``async``), ``layout``/``kernel``/
 ``deferred_reclaim``/``background_unmap``/``graph_seqlen_k`` (vmem), ``graph_max_tokens`` (vmem and fi-paged),
-``sharing``, ``optional`` (needs FlashInfer: run only when named)."""
+``sharing``, ``optional`` (needs FlashInfer: run only when named), ``compile`` (the engine's
+compiled forward: :func:`compile_config`)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     # The engine's own cache with its async batching too (the same carry-over ids as every contender:
     # vmem.transformers builds them in O(requests) for every cache while installed).
     "sdpa-256-graphs-async": ((V519,), {"attn": "sdpa", "block_size": 256, "graphs": True, "async": True}),
+    # ... with the engine's compiled forward too (compile_config).
+    "paged-sdpa-256-graphs-async-compile": ((V517,), {"attn": "paged|sdpa", "block_size": 256, "graphs": True,
+                                                      "async": True, "compile": True}),
+    "sdpa-256-graphs-async-compile": ((V519,), {"attn": "sdpa", "block_size": 256, "graphs": True, "async": True,
+                                                "compile": True}),
     "fi-paged": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256}),
     "fi-paged-graphs": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256, "graphs": True}),
     # The peer with the engine's async batching too (each IO pair plans its own wrappers).
@@ -53,6 +59,8 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     # (with and without async batching).
     "fi-paged-graphs-async-512": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256, "graphs": True,
                                          "async": True, "graph_max_tokens": 512}),
+    "fi-paged-graphs-async-512-compile": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256, "graphs": True,
+                                                 "async": True, "graph_max_tokens": 512, "compile": True}),
     "fi-paged-graphs-512": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256, "graphs": True,
                                    "graph_max_tokens": 512}),
     "vmem-per-layer": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "fa"}),
@@ -76,6 +84,11 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
                                                 "optional": True}),
     "vmem-token-major-graphs-async": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
                                              "graphs": True, "async": True}),
+    # The engine's compiled forward (Inductor fuses the norms, RoPE and the MLP's elementwise work
+    # around the attention, which every contender leaves out), under the same graphs.
+    "vmem-token-major-graphs-async-compile": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
+                                                     "kernel": "fa", "graphs": True, "async": True,
+                                                     "compile": True}),
     # The graph policy before vmem's defaults (graph_seqlen_k="context", graph_max_tokens=512):
     # the engine's max_seqlen_k bucket in the key, and every prefill size graphed.
     "vmem-token-major-graphs-async-bucket": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
@@ -219,6 +232,8 @@ def contender_config(model: Any, spec: Spec, args: Any, budget: dict[str, int],
         kw["use_cuda_graph"] = True
     if spec.get("async"):
         kw["use_async_batching"] = True
+    if spec.get("compile"):
+        kw.update(compile_config(spec))
     if is_vmem(spec):
         rows = args.max_requests if max_requests is None else max_requests
         if spec.get("kernel", "fa") == "flex":
@@ -246,6 +261,23 @@ def contender_config(model: Any, spec: Spec, args: Any, budget: dict[str, int],
                "num_blocks": budget["kv_bytes"] // (bs * budget["token_bytes"]), "max_memory_percent": 0.95})
     # graph_max_tokens reaches the fi-paged peer's cache through the serving options
     return kw, ({"graph_max_tokens": spec["graph_max_tokens"]} if spec.get("graph_max_tokens") else {})
+
+
+def compile_config(spec: Spec) -> dict[str, Any]:
+    """The engine's config entries for a ``compile`` spec, the same for every contender: the
+    varlen config the engine's ``default_compile_level=1`` gives on 5.19+ (``mode="default"``,
+    ``fullgraph=False``, ``dynamic=True``; 5.17's asks ``fullgraph=True`` for non-flash
+    attention, which the bench's round observer, a graph break, rules out). Dynamo may compile each
+    forward once per engine a bench makes: its recompile limits are raised, and hitting one fails
+    the run rather than falling back to eager."""
+    import torch
+    import transformers
+
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, 256)
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4096)
+    dynamo.fail_on_recompile_limit_hit = True
+    return {"varlen_compile_config": transformers.CompileConfig(mode="default", fullgraph=False, dynamic=True)}
 
 
 @contextlib.contextmanager

@@ -54,7 +54,9 @@ class Observer:
         self.rounds = 0
         self.max_running = 0
         self.peak_blocks = 0
-        self.handle = model.register_forward_hook(self._hook)
+        # Left out of a compiled forward (the engine's varlen_compile_config): Dynamo would trace the
+        # hook's reads of the engine's state as guards and recompile every round.
+        self.handle = model.register_forward_hook(torch.compiler.disable(self._hook))
 
     def _hook(self, module: Any, args: Any, output: Any) -> None:
         bp = self.manager.batch_processor if self.manager is not None else None

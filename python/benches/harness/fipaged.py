@@ -181,6 +181,7 @@ def _class_519(engine_cache: Any) -> Any:
     return FiPagedCache519
 
 
+@torch.compiler.disable  # as vmem's and the engine's paged attention: left out of a compiled forward
 def fi_paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: Any = None, scaling: float | None = None, dropout: float = 0.0,
                        **kwargs: Any) -> tuple[torch.Tensor, None]:
