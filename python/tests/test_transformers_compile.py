@@ -157,6 +157,9 @@ def test_what_a_compiled_forward_cannot_do_is_refused_saying_what_to_pass(which)
     for kw, kernel, message in cases:
         with pytest.raises(vmem.InvalidArgument, match=message):
             _build(kernel, **{which: transformers.CompileConfig(**kw)})
+    for wrong in ("yes", True, 1):  # the engine keeps them as given (a dict it makes a CompileConfig)
+        with pytest.raises(vmem.InvalidArgument, match="must be a transformers.CompileConfig"):
+            _build("fa", **{which: wrong})
 
 
 def test_the_engines_default_compile_level_is_refused_on_517_and_taken_on_519():

@@ -41,11 +41,17 @@ def check_compile(cb: Any, name: str, kernel: str) -> None:
     ``decode_compile_config``): Dynamo compiles the model's layers around vmem's attention, which
     it leaves out (:func:`~vmem.transformers.attention.paged_attention` is
     ``torch.compiler.disable``-d), so the round is read from the cache's state each call. Refused,
-    saying what to pass: ``fullgraph=True`` (the attention is a graph break); a mode that turns on
+    saying what to pass: a config that is not a ``CompileConfig``; ``fullgraph=True`` (the
+    attention is a graph break); a mode that turns on
     Inductor's own CUDA graphs (``"reduce-overhead"``, CompileConfig's default, ``"max-autotune"``:
     the engine's ``use_cuda_graph`` captures the whole forward instead); ``kernel="flex"`` (its
     kernel is a compiled Flex called inside the attention the forward leaves out: not verified)."""
     for config in _compile_configs(cb):
+        if not callable(getattr(config, "to_dict", None)):
+            raise InvalidArgument(
+                f"{name}: a compile config must be a transformers.CompileConfig, not {type(config).__name__} "
+                f"({config!r}); pass CompileConfig(fullgraph=False, mode='default')"
+            )
         if kernel == "flex":
             raise InvalidArgument(
                 f"{name}: compiling the engine's forward with kernel='flex' is not supported (Flex is compiled "
