@@ -75,7 +75,7 @@ def _tokens(run):
     return [list(run["results"][rid].generated_tokens) for rid in run["ids"]]
 
 
-@pytest.mark.parametrize("layout", ["per-layer", "token-major"])
+@pytest.mark.parametrize("layout", ["token-major"])  # per-layer: the same graph break (CI's time)
 def test_compiled_rounds_match_uncompiled_ones_and_the_engines_own_path(layout):
     model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
     prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
