@@ -533,8 +533,8 @@ def test_cb_graphs():
     cb_graphs()
 
 
-def cb_compile():
-    """The engine's compiled forward with vmem (Inductor, token-major): with CUDA graphs and async
+def cb_compile(kernel: str = "fa"):
+    """The engine's compiled forward with vmem (Inductor, token-major, ``kernel``): with CUDA graphs and async
     batching, greedy tokens identical to the compiled forward without graphs, graphs replayed,
     Dynamo's graphs compiled; compiled without graphs, top-1 agreement with a plain forward at
     every decisive position (bf16: Inductor's fused norms round differently from eager, so a
@@ -562,9 +562,10 @@ def cb_compile():
         return torch._inductor.compile(gm, example_inputs)
 
     torch.cuda.CUDAGraph.replay = replay
-    vt.install(memory="512M", max_requests=8, max_context=2048, layout="token-major")
+    vt.install(memory="512M", max_requests=8, max_context=2048, layout="token-major", kernel=kernel)
     try:
-        model = hc.make_model("llama-gqa", torch.bfloat16, "cuda", logit_scale=20.0)
+        arch = "hd64-tied" if kernel == "flashinfer" else "llama-gqa"  # FlashInfer: head dim 64 or 128
+        model = hc.make_model(arch, torch.bfloat16, "cuda", logit_scale=20.0)
         prompts = hc.make_prompts(6, [5, 140, 700, 17, 33, 300], model.config.vocab_size)
         config = transformers.CompileConfig(mode="default", fullgraph=False, dynamic=True, backend=inductor)
 
@@ -579,22 +580,26 @@ def cb_compile():
         t = time.perf_counter()
         plain_run, plain, _ = serve(False, capture_logits=True)
         cmp = hc.compare(plain_run, model, 12)
-        check("cb compile: top-1 agreement with a plain forward at every decisive position",
+        check(f"cb compile ({kernel}): top-1 agreement with a plain forward at every decisive position",
               cmp["counts_ok"] and cmp["decisive"] > 0 and cmp["top1_agree"] == cmp["decisive"] and compiled[0] > 0,
               f"{cmp['top1_agree']}/{cmp['decisive']}, max rel err {cmp['max_rel_err']:.3g}, {compiled[0]} graphs "
               f"compiled, {time.perf_counter() - t:.1f} s")
         _, on, n = serve(True)
         same = sum(a == b for a, b in zip(on, plain))
-        check("cb compile + graphs + async: greedy tokens identical to compiled without graphs, graphs replayed",
+        check(f"cb compile ({kernel}) + graphs + async: greedy tokens identical to compiled without graphs, "
+              "graphs replayed",
               same == len(prompts) and n > 0, f"{same}/{len(prompts)} identical, {n} replays")
     finally:
         torch.cuda.CUDAGraph.replay = real
         vt.uninstall()
 
 
-def test_cb_compile():
+@pytest.mark.parametrize("kernel", ["fa", "flashinfer"])
+def test_cb_compile(kernel):
     pytest.importorskip("transformers", reason="transformers is not installed")
-    cb_compile()
+    if kernel == "flashinfer":
+        pytest.importorskip("flashinfer", reason="FlashInfer is not installed (vmem[flashinfer])")
+    cb_compile(kernel)
 
 
 def split_decode():
