@@ -19,7 +19,8 @@ wheels; ``docs/serving.md``):
 * the engine reads ``cache_allocators`` (one ``"full_attention"`` allocator: its trash indices,
   ``get_seqlen_k``, ``needs_new_blocks``, ``block_table``), ``pool.try_to_free_sectors()``,
   ``max_tokens_read`` (the round's KV-read budget; it also sizes an int64 index buffer of that
-  many entries on the device), ``max_decode_fast_path_length``, ``read_cache_limit`` and
+  many entries on the device), ``max_decode_fast_path_length``, ``read_cache_limit`` (what each
+  request counts against that budget; 0 for vmem, whose kernels read the rows in place) and
   ``bytes_per_sector``;
 * 5.24 moved the cache update into the models: they call ``cache.update(k, v, layer_idx,
   kwargs=kwargs)`` before the attention function, which no longer gets the cache; vmem's
@@ -107,11 +108,14 @@ class VmemCBCache519(VmemCBCache):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # Every row full is the most a round can read; the kernels read in place, so the engine's
-        # read budget never binds (it sizes an int64 buffer: 8 bytes x rows x max_context).
-        self.max_tokens_read = self.rows * self.max_context
+        # The kernels read the rows in place: no round needs the engine's gather indices
+        # (``kvread.py``). A read limit of 0: the scheduler counts no KV read against the round's
+        # budget, so ``max_tokens_read`` need not hold every row; it sizes the engine's int64
+        # ``read_index`` buffers (host and device, each IO pair) and bounds its search for the
+        # longest request and its ``max_length_k`` buckets: one row.
+        self.max_tokens_read = self.max_context
         self.max_decode_fast_path_length = 0
-        self.read_cache_limit = None
+        self.read_cache_limit = 0
         self.bytes_per_sector = self.pages_per_block * self.page_bytes
         self.cache_allocators = {FULL_ATTENTION: _Allocator(self)}
         self.pool = _Pool(self)

@@ -45,6 +45,7 @@ from .attention import paged_attention
 from .carry_over import infer_carry_over_ids
 from .flashinfer import load_flashinfer
 from .graphs import forward_hook, graph_key_hook
+from .kvread import pad_hook
 from .options import Options
 from .warmup import warmup_hook
 
@@ -257,8 +258,9 @@ class EnginePatch:
     ``_create_batch_processor``, ``generate_batch`` raising on failed requests, and for vmem
     caches the round's metadata before each forward (large prefill rounds without a graph), the
     round's kind in the graph key, every graph they replay captured in the engine's warmup
-    (:mod:`.warmup`) and a request longer than a row refused when it arrives (:mod:`.admission`);
-    for every cache, async batching's carry-over ids built in O(requests) (:mod:`.carry_over`)."""
+    (:mod:`.warmup`), no KV read in any round (:mod:`.kvread`) and a request longer than a row
+    refused when it arrives (:mod:`.admission`); for every cache, async batching's carry-over
+    ids built in O(requests) (:mod:`.carry_over`)."""
 
     def __init__(self, adapter: ModuleType) -> None:
         from transformers.generation.continuous_batching import continuous_api as api
@@ -302,6 +304,7 @@ class EnginePatch:
         runner = importlib.import_module("transformers.generation.continuous_batching.model_runner").ModelRunner
         self._set(runner, "compute_batch", forward_hook(runner.compute_batch))  # a round's metadata, before its forward
         self._set(runner, "warmup", warmup_hook(runner.warmup))  # vmem's warmup rounds (vmem caches)
+        self._set(runner, "maybe_pad_inputs", pad_hook(runner.maybe_pad_inputs))  # no KV read (vmem caches)
         io = importlib.import_module("transformers.generation.continuous_batching.input_outputs")
         ios = io.ContinuousBatchingIOs
         self._set(ios, "_get_graph_key", graph_key_hook(ios._get_graph_key))  # + the round's kind (vmem caches)
