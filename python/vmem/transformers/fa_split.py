@@ -137,17 +137,13 @@ class SplitBuffers:
         owner, start, first, counts = plan_slots(lengths, slots)
         runs = [-(-u // c) for u, c in zip(lengths, counts)]
         starts = [row * max_context for row, _, _ in entries]
-        cu_k: list[int] = []
-        used: list[int] = []
-        for b, st in zip(owner, start):
-            if b < 0:  # a padded slot: reads nothing
-                cu_k.append(0)
-                used.append(0)
-            else:
-                cu_k.append(starts[b] + st)
-                used.append(min(lengths[b] - st, runs[b]))
+        k = sum(counts)  # the slots requests hold, first; padded slots read nothing
+        real = list(zip(owner[:k], start[:k]))
+        none = [0] * (slots - k)
+        cu_k = [starts[b] + st for b, st in real]
+        used = [min(lengths[b] - st, runs[b]) for b, st in real]
         pad = [0] * (slots - len(entries))
-        host = int32_tensor(cu_k + [0] + used + [max(b, 0) for b in owner] + first + pad + counts + pad)
+        host = int32_tensor(cu_k + none + [0] + used + none + owner[:k] + none + first + pad + counts + pad)
         n = 5 * slots + 1
         copy_on_stream(self.buffer[:n], host, stream)
         dev, k = self.buffer, slots

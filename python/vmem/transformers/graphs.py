@@ -7,9 +7,10 @@ that reaches a graph only as the contents of buffers whose addresses it baked in
 
 * :class:`RoundBuffers` (one per cache, allocated once, sized to the engine's largest padded
   batch, ``max_requests_per_batch`` sequences) holds ``cu_seqlens_q``, each sequence's row start
-  (``cu_seqlens_k``) and its length (``seqused_k``), at fixed offsets. :meth:`RoundBuffers.fill`
-  writes them in place (``copy_``) on the engine's compute stream, before the forward: nothing
-  inside the captured region builds a tensor on the host, calls ``.item()`` or maps a page.
+  (``cu_seqlens_k``) and its length (``seqused_k``), at offsets fixed by the round's padded
+  size. :meth:`RoundBuffers.fill` writes them in place (``copy_``) on the engine's compute
+  stream, before the forward: nothing inside the captured region builds a tensor on the host,
+  calls ``.item()`` or maps a page.
 * The engine pads a round to a graph's size with fake sequences and tokens: a padded sequence
   reads nothing (length 0, its start the trash row's), a padded token belongs to no sequence
   and writes at the trash row (the engine's ``write_trash_index``, this cache's
@@ -66,11 +67,14 @@ class RoundMeta:
 
 class RoundBuffers:
     """The static per-round metadata of one cache: one int32 device tensor of ``3 * capacity + 2``
-    entries (``cu_q`` at 0, ``cu_k`` at ``capacity + 1``, ``used`` at ``2 * capacity + 2``),
-    allocated once and only ever written in place, so its address is the one every graph
-    captured. ``slots``: the most sequences the engine passes (``max_requests_per_batch``);
-    ``capacity``: that or ``max_tokens`` (the engine's round size), whichever is larger, so that
-    a padded decode-only round fits as one sequence per token."""
+    entries, allocated once and only ever written in place, so its address is the one every graph
+    captured. A round of ``P`` sequences (padding included) is laid out at its start as
+    ``[cu_q (P+1) | cu_k (P+1) | used (P)]``: offsets that depend on ``P`` alone, which the
+    engine's graph key fixes, so a graph reads where every later round of its size writes, and a
+    round copies ``3 P + 2`` entries, not the whole buffer. ``slots``: the most sequences the
+    engine passes (``max_requests_per_batch``); ``capacity``: that or ``max_tokens`` (the
+    engine's round size), whichever is larger, so that a padded decode-only round fits as one
+    sequence per token."""
 
     def __init__(self, slots: int, max_context: int, trash_row: int, device: torch.device,
                  max_tokens: int = 0) -> None:
@@ -125,10 +129,6 @@ class RoundBuffers:
         used += [0] * pad
         p = sequences
         compact = int32_tensor(cu_q + cu_k + used)  # [cu_q (P+1) | cu_k (P+1) | used (P)]
-        host = torch.zeros(3 * s + 2, dtype=torch.int32)
-        host[: p + 1] = compact[: p + 1]
-        host[s + 1: s + 2 + p] = compact[p + 1: 2 * p + 2]
-        host[2 * s + 2: 2 * s + 2 + p] = compact[2 * p + 2:]
         if padded:  # decode: one query a sequence; else the engine's padded token count
             max_q = 1 if decode else tokens
             max_k = mc if seqlen_k == "context" or bucket_k is None else int(bucket_k)
@@ -136,10 +136,10 @@ class RoundBuffers:
                 raise VmemError(f"the engine's max_seqlen_k {max_k} is shorter than the round's {max(used)}")
         else:
             max_q, max_k = max(e[2] for e in entries), max(used)
-        copy_on_stream(self.buffer, host, stream)
+        b = self.buffer[: 3 * p + 2]  # the layout of a round of P sequences: the same for every such round
+        copy_on_stream(b, compact, stream)
         self.fills += 1
-        b = self.buffer
-        return RoundMeta(b[: p + 1], b[s + 1: s + 2 + p], b[2 * s + 2: 2 * s + 2 + p], compact, real=n,
+        return RoundMeta(b[: p + 1], b[p + 1: 2 * p + 2], b[2 * p + 2:], compact, real=n,
                          max_q=max_q, max_k=max_k, total_q=tokens, decode=decode)
 
 
@@ -152,17 +152,21 @@ def int32_tensor(values: list[int]) -> torch.Tensor:
 
 def copy_on_stream(buffer: torch.Tensor, host: torch.Tensor, stream: Any) -> None:
     """``buffer.copy_(host)``, on ``stream`` after the current stream's work (the engine's inputs
-    and the zeroing of fresh blocks), from pageable memory (staged at once: ``host`` may go as
-    soon as this returns). Every static buffer a graph reads is written this way."""
+    and the zeroing of fresh blocks). On CUDA ``host`` is first copied into pinned memory from
+    torch's host caching allocator, which keeps that block until the copy has run: the copy is
+    then a plain asynchronous DMA, where one from pageable memory may hold the host until the
+    stream reaches it. ``host`` may go as soon as this returns. Every static buffer a graph reads
+    is written this way."""
     if buffer.device.type != "cuda":
         buffer.copy_(host)
         return
+    pinned = host.pin_memory()
     if stream is None:
-        buffer.copy_(host, non_blocking=True)
+        buffer.copy_(pinned, non_blocking=True)
         return
     stream.wait_stream(torch.cuda.current_stream(buffer.device))
     with torch.cuda.stream(stream):
-        buffer.copy_(host, non_blocking=True)
+        buffer.copy_(pinned, non_blocking=True)
 
 
 def graphs_requested(cb: Any) -> bool:
