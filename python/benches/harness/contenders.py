@@ -89,6 +89,16 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     "vmem-token-major-graphs-async-compile": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
                                                      "kernel": "fa", "graphs": True, "async": True,
                                                      "compile": True}),
+    # ... with the engine's read index and vmem's round copies as before the eighth session's cuts
+    # (harness.round_before), for before and after in one run.
+    "vmem-token-major-graphs-async-compile-before": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
+                                                            "kernel": "fa", "graphs": True, "async": True,
+                                                            "compile": True, "round_copies_before": True}),
+    # ... with every prefill size graphed (graph_max_tokens=None, as the engine): no prefill forward
+    # outside the graphs' memory.
+    "vmem-token-major-graphs-async-compile-allgraphs": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
+                                                               "kernel": "fa", "graphs": True, "async": True,
+                                                               "compile": True, "graph_max_tokens": None}),
     # The graph policy before vmem's defaults (graph_seqlen_k="context", graph_max_tokens=512):
     # the engine's max_seqlen_k bucket in the key, and every prefill size graphed.
     "vmem-token-major-graphs-async-bucket": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
@@ -299,6 +309,19 @@ def carry_over(spec: Spec) -> Iterator[None]:
         yield
     finally:
         cls.infer_carry_over_ids = saved
+
+
+@contextlib.contextmanager
+def round_copies(spec: Spec) -> Iterator[None]:
+    """For a spec with ``round_copies_before``, vmem's per-round copies as before the eighth
+    session's cuts inside the block (:mod:`harness.round_before`)."""
+    if not spec.get("round_copies_before"):
+        yield
+        return
+    from harness import round_before
+
+    with round_before.patched():
+        yield
 
 
 def _engine_carry_over() -> Any:
