@@ -89,18 +89,41 @@ def _pairs(io: Any, async_ios: Any) -> Iterator[None]:
             io.swap_io_pairs()
 
 
+def _largest_eager_round(runner: Any, model: Any, mr: Any) -> int:
+    """One fake prefill round of the most query tokens a round can carry (``max_batch_tokens``, or
+    what the KV budget holds), run without a graph, when that is above ``graph_max_tokens``; 1 if
+    it ran. Such rounds run in the graphs' memory pool (:func:`~vmem.transformers.graphs.
+    without_varlen_graph`); the caching allocator splits a free block for a smaller request but
+    never joins two for a larger one, so prefill rounds of growing sizes each reserved more (the
+    pool held 1,504 MB, 64 MB of it in use, after a memory-bound run on 5.23; the engine's own
+    warmup runs its largest round first for the same reason). Run first, the largest one sizes
+    the pool, and every later round and graph fits in what it freed."""
+    cache = runner.cache
+    limit = cache.options.graph_max_tokens
+    bs, mc = int(cache.block_size), int(cache.max_context)
+    tokens = min(int(cache.max_batch_tokens), int(cache.num_blocks) * bs)
+    if limit is None or tokens <= limit:
+        return 0
+    requests = -(-tokens // mc)
+    q = min(tokens // requests, int(cache.num_blocks) // requests * bs, mc)
+    if q < 1 or requests * q <= limit:
+        return 0
+    return _fake_round(runner, model, mr, requests, q=q, past=0)
+
+
 @torch.no_grad()  # as the engine's warmup (called outside it, too: a benchmark's other contenders)
 def capture_graphs(runner: Any, model: Any, max_context: int | None = None, *, varlen_tokens: int = 0,
-                   every_varlen: bool = False) -> int:
+                   every_varlen: bool = False, eager_first: bool = False) -> int:
     """Runs fake rounds through ``runner`` (the engine's ``ModelRunner``) on ``model`` so that
     each CUDA graph they key is captured now; returns the rounds run. On each IO pair: with
     ``varlen_tokens``, first the largest varlen round of at most that many query tokens (one
     request), whose graph sizes the graph pool the smaller ones then fit in (what the engine's
     own warmup does first), and with ``every_varlen`` every smaller padded size too, at every
     bucket; then a decode round of every padded size (:func:`decode_sizes`) at every bucket
-    (:func:`buckets`; ``max_context`` for a cache that does not know its row length). Nothing
-    when the engine does not pad (no graphs). A round that fails is logged and skipped, its
-    fake requests freed."""
+    (:func:`buckets`; ``max_context`` for a cache that does not know its row length). With
+    ``eager_first`` (a vmem cache), before all of them the largest round that runs without a
+    graph (:func:`_largest_eager_round`). Nothing when the engine does not pad (no graphs). A
+    round that fails is logged and skipped, its fake requests freed."""
     if not getattr(runner, "pad_inputs", False):
         return 0
     mr = importlib.import_module("transformers.generation.continuous_batching.model_runner")
@@ -111,6 +134,8 @@ def capture_graphs(runner: Any, model: Any, max_context: int | None = None, *, v
     kv_buckets, decode = buckets(cache, max_context), [n for n, _ in decode_sizes(runner)]
     rounds = 0
     for _ in _pairs(io, mr.ContinuousBatchingAsyncIOs):
+        if eager_first:
+            rounds += _largest_eager_round(runner, model, mr)
         for q in varlen:
             for bucket in kv_buckets if every_varlen else [0]:
                 rounds += _fake_round(runner, model, mr, 1, q=q, past=bucket // 2)
@@ -150,8 +175,9 @@ def _fake_round(runner: Any, model: Any, mr: Any, requests: int, q: int, past: i
 
 def warmup_hook(warmup: Callable[..., Any]) -> Callable[..., Any]:
     """The engine's ``ModelRunner.warmup``; for a vmem cache (one with round buffers)
-    :func:`capture_graphs` in place of the engine's own rounds: the largest varlen round first
-    (every graphed varlen size with ``graph_max_tokens``), then every decode round. The engine's
+    :func:`capture_graphs` in place of the engine's own rounds: the largest round that runs
+    without a graph, then the largest varlen round (every graphed varlen size with
+    ``graph_max_tokens``), then every decode round. The engine's
     own rounds do not suit vmem: its varlen round asks for as many past tokens as the whole budget
     holds, more than a vmem row (refused, with the engine's warning that the graph pool may
     fragment), and vmem has no decode fast path for its decode rounds. Either way the cache then
@@ -165,7 +191,7 @@ def warmup_hook(warmup: Callable[..., Any]) -> Callable[..., Any]:
             limit = self.cache.options.graph_max_tokens  # varlen rounds above it run without a graph
             rounds = capture_graphs(self, model, varlen_tokens=min(limit or self.cache.max_batch_tokens,
                                                                    self.cache.max_batch_tokens),
-                                    every_varlen=limit is not None)
+                                    every_varlen=limit is not None, eager_first=True)
             logger.info("vmem: %d warmup rounds run to capture their CUDA graphs", rounds)
             return None
         finally:
