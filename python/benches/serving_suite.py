@@ -25,6 +25,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 DEFAULT_OUT = os.path.join("docs", "results", "serving2-h100")
 ONLY_KEYS = ("trace", "model", "budget", "contender")
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"run a part: KEY one of {list(ONLY_KEYS)} (repeatable)")
     ap.add_argument("--merge", nargs="+", metavar="OUT", help="combine these outputs' suite.json into --out")
     ap.add_argument("--profile", metavar="CONTENDER", help="profile one contender on the first selected workload")
+    ap.add_argument("--memory", metavar="A,B", help="where these contenders' device memory is at the end of a run "
+                    "on the first selected workload (memory.txt)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt", type=int, default=4000)
@@ -103,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         cli.trace_lengths(ap, suite.TRACES[t], args.requests, args.max_prompt)
     if args.profile is not None:
         cli.names(ap, "--profile", args.profile, known["contender"])
+    if args.memory is not None:
+        args.memory = cli.names(ap, "--memory", args.memory, known["contender"])
+        if args.tiny:
+            ap.error("--memory reads CUDA's caching allocator: it needs a GPU, not --tiny")
     names = only.get("contender", known["contender"])
     cli.place(ap, args)
     from harness import roofline
@@ -112,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     vt.install()
     if args.profile:
         return profile(args, only)
+    if args.memory:
+        return memory(args, only)
     t = time.perf_counter()
     small = {"n": 256, "copy_mib": 16, "reps": 3} if args.tiny else {}
     peaks = roofline.measure_peaks(args.device, args.dtype, **small)
@@ -132,8 +141,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def profile(args: argparse.Namespace, only: dict[str, list[str]]) -> int:
     """``--profile``: the contender on the first selected model, trace and budget."""
-    from harness import roofline as rf
     from harness import stepprofile, suite
+
+    model, w = _first_workload(args, only)
+    text = f"{w.trace}/{w.model}/{w.budget}\n" + stepprofile.profile(model, args.profile, w.prompts, args, w.kv,
+                                                                     suite.registry())
+    with open(os.path.join(args.out, "profile.txt"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 0
+
+
+def _first_workload(args: argparse.Namespace, only: dict[str, list[str]]) -> tuple[Any, Any]:
+    """The model and :class:`harness.suite.Workload` of the first selected model, trace, budget."""
+    from harness import roofline as rf
+    from harness import suite
     from harness.models import random_model
     from harness.trace import load_trace, random_prompts
 
@@ -144,12 +166,42 @@ def profile(args: argparse.Namespace, only: dict[str, list[str]]) -> int:
     shape = rf.ModelShape.from_config(config, model.dtype.itemsize)
     lens = [r.prompt_len for r in load_trace(suite.TRACES[trace], args.requests, args.max_prompt)]
     prompts = random_prompts(lens, config.vocab_size, args.seed)
-    w = suite.workload(trace, model_name, budget, prompts, shape, args, suite._page_bytes(args.page_size))
-    text = f"{trace}/{model_name}/{budget}\n" + stepprofile.profile(model, args.profile, prompts, args, w.kv,
-                                                                     suite.registry())
-    with open(os.path.join(args.out, "profile.txt"), "w") as f:
-        f.write(text + "\n")
-    print(text)
+    return model, suite.workload(trace, model_name, budget, prompts, shape, args, suite._page_bytes(args.page_size))
+
+
+def memory(args: argparse.Namespace, only: dict[str, list[str]]) -> int:
+    """``--memory``: each contender served once on the first selected workload; at the end of the
+    run, before its engine stops, the caching allocator's segments by stream and pool."""
+    import gc
+
+    import torch
+    from harness import memsnapshot, serving, suite
+    from harness.memwatch import used_bytes
+
+    model, w = _first_workload(args, only)
+    text = [f"{w.trace}/{w.model}/{w.budget}"]
+    info = serving.cache_info
+    for name in args.memory:
+        gc.collect()
+        torch.cuda.empty_cache()
+        idle = used_bytes()
+        seen: dict[str, Any] = {}
+
+        def at_end(cache: Any, seen: dict[str, Any] = seen) -> dict[str, Any]:
+            seen["report"] = memsnapshot.report(torch.cuda.memory_snapshot(), used_bytes())
+            return info(cache)
+
+        serving.cache_info = at_end
+        try:
+            r = serving.run_contender(model, name, w.prompts, args, w.kv, suite.registry())
+        finally:
+            serving.cache_info = info
+        text.append(f"\n{name}: {r['tok_s']:.0f} tok/s; used before the run {(idle or 0) / 2**20:.1f} MB\n"
+                    + seen.get("report", "no snapshot (the run ended before its last result)"))
+    out = "\n".join(text)
+    with open(os.path.join(args.out, "memory.txt"), "w") as f:
+        f.write(out + "\n")
+    print(out)
     return 0
 
 
