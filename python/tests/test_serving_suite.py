@@ -176,6 +176,8 @@ def test_merge_combines_parts_and_a_later_run_replaces_an_earlier(tmp_path) -> N
     (["--only", "color=red"], "expected KEY=NAME"),
     (["--only", "trace="], "--only trace names none"),
     (["--profile", "nope"], "--profile: unknown 'nope'"),
+    (["--memory", "vmem-token-major,nope"], "--memory: unknown 'nope'"), (["--memory", ","], "--memory names none"),
+    (["--memory", "vmem-token-major"], "--memory reads CUDA's caching allocator: it needs a GPU, not --tiny"),
     (["--requests", "0"], "--requests must be at least 1"),
     (["--tenth", "0"], "--tenth must be a fraction"),
     (["--tenth", "nan"], "--tenth must be a fraction"),
@@ -194,6 +196,22 @@ def test_suite_refuses_bad_flags_with_one_usage_line(flags, match, tmp_path, cap
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2, last
     assert match in last, last
+
+
+def test_memory_report_groups_segments_by_stream_and_pool() -> None:
+    from harness import memsnapshot
+
+    mb = 2**20
+    snap = [{"stream": 0, "segment_pool_id": (0, 0), "total_size": 2 * mb, "allocated_size": mb},
+            {"stream": 0xA, "segment_pool_id": (0, 1), "total_size": 20 * mb, "allocated_size": 0},
+            {"stream": 0xA, "segment_pool_id": (0, 1), "total_size": 30 * mb, "allocated_size": 5 * mb},
+            {"stream": 0xB, "segment_pool_id": (0, 1), "total_size": 4 * mb, "allocated_size": 4 * mb}]
+    assert memsnapshot.groups(snap) == {(0, (0, 0)): [1, 2 * mb, mb, 2 * mb],
+                                        (0xA, (0, 1)): [2, 50 * mb, 5 * mb, 30 * mb],
+                                        (0xB, (0, 1)): [1, 4 * mb, 4 * mb, 4 * mb]}
+    lines = memsnapshot.report(snap, 100 * mb).splitlines()
+    assert lines[1].split() == ["a", "(0,", "1)", "2", "50.0", "5.0", "30.0"]  # the largest group first
+    assert lines[-1] == "reserved in all 56.0 MB, allocated 10.0 MB; cudaMemGetInfo used 100.0 MB"
 
 
 def test_suite_merge_refuses_what_is_no_result(tmp_path, capsys) -> None:
