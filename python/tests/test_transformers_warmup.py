@@ -253,3 +253,26 @@ def test_pairs_visits_both_io_pairs_under_async_batching_and_swaps_back():
     io = Async()
     assert len(list(vw._pairs(io, Async))) == 2 and io.swaps == 2
     assert len(list(vw._pairs(object(), Async))) == 1
+
+
+@pytest.mark.parametrize("cache, expected", [
+    # every varlen round graphed, or none above the limit: nothing to run
+    (dict(limit=None, bs=256, mc=4096, tokens=8192, blocks=64, rows=9), None),
+    (dict(limit=8192, bs=256, mc=4096, tokens=8192, blocks=64, rows=9), None),
+    # max_batch_tokens in two rows' worth of requests
+    (dict(limit=512, bs=256, mc=4096, tokens=8192, blocks=64, rows=9), (2, 4096)),
+    # the KV budget holds less: whole blocks of it
+    (dict(limit=512, bs=256, mc=4096, tokens=8192, blocks=13, rows=9), (1, 3328)),
+    # more than the rows hold: as many requests as rows (but the trash row), each a row at most
+    (dict(limit=512, bs=256, mc=1024, tokens=8192, blocks=64, rows=4), (3, 1024)),
+    (dict(limit=512, bs=256, mc=1024, tokens=8192, blocks=64, rows=2), (1, 1024)),
+])
+def test_the_largest_eager_round_fits_the_rows_and_the_budget(monkeypatch, cache, expected):
+    runs = []
+    monkeypatch.setattr(vw, "_fake_round", lambda runner, model, mr, requests, q, past: runs.append((requests, q)) or 1)
+    c = SimpleNamespace(options=SimpleNamespace(graph_max_tokens=cache["limit"]), block_size=cache["bs"],
+                        max_context=cache["mc"], max_batch_tokens=cache["tokens"], num_blocks=cache["blocks"],
+                        rows=cache["rows"])
+    runner = SimpleNamespace(cache=c, cb_config=SimpleNamespace(max_requests_per_batch=32))
+    ran = vw._largest_eager_round(runner, None, None)
+    assert runs == ([] if expected is None else [expected]) and ran == len(runs)

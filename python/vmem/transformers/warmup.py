@@ -104,7 +104,8 @@ def _largest_eager_round(runner: Any, model: Any, mr: Any) -> int:
     tokens = min(int(cache.max_batch_tokens), int(cache.num_blocks) * bs)
     if limit is None or tokens <= limit:
         return 0
-    requests = -(-tokens // mc)
+    most = max(1, min(int(cache.rows) - 1, int(runner.cb_config.max_requests_per_batch or cache.rows)))
+    requests = min(-(-tokens // mc), most)  # requests of at most a row each; the trash row holds none
     q = min(tokens // requests, int(cache.num_blocks) // requests * bs, mc)
     if q < 1 or requests * q <= limit:
         return 0
