@@ -92,12 +92,13 @@ def _pairs(io: Any, async_ios: Any) -> Iterator[None]:
 def _largest_eager_round(runner: Any, model: Any, mr: Any) -> int:
     """One fake prefill round of the most query tokens a round can carry (``max_batch_tokens``, or
     what the KV budget holds), run without a graph, when that is above ``graph_max_tokens``; 1 if
-    it ran. Such rounds run in the graphs' memory pool (:func:`~vmem.transformers.graphs.
-    without_varlen_graph`); the caching allocator splits a free block for a smaller request but
-    never joins two for a larger one, so prefill rounds of growing sizes each reserved more (the
-    pool held 1,504 MB, 64 MB of it in use, after a memory-bound run on 5.23; the engine's own
-    warmup runs its largest round first for the same reason). Run first, the largest one sizes
-    the pool, and every later round and graph fits in what it freed."""
+    it ran. Such rounds run in the graphs' memory pool
+    (:func:`~vmem.transformers.graphs.without_varlen_graph`); the caching allocator splits a free
+    block for a smaller request but never joins two for a larger one, so prefill rounds of
+    growing sizes each reserved more (the pool held 1,504 MB, 64 MB of it in use, after a
+    memory-bound run on 5.23; the engine's own warmup runs its largest round first for the same
+    reason). Run first, the largest one sizes the pool, and every later round and graph fits in
+    what it freed."""
     cache = runner.cache
     limit = cache.options.graph_max_tokens
     bs, mc = int(cache.block_size), int(cache.max_context)
@@ -178,10 +179,10 @@ def warmup_hook(warmup: Callable[..., Any]) -> Callable[..., Any]:
     """The engine's ``ModelRunner.warmup``; for a vmem cache (one with round buffers)
     :func:`capture_graphs` in place of the engine's own rounds: the largest round that runs
     without a graph, then the largest varlen round (every graphed varlen size with
-    ``graph_max_tokens``), then every decode round. The engine's
-    own rounds do not suit vmem: its varlen round asks for as many past tokens as the whole budget
-    holds, more than a vmem row (refused, with the engine's warning that the graph pool may
-    fragment), and vmem has no decode fast path for its decode rounds. Either way the cache then
+    ``graph_max_tokens``), then every decode round. The engine's own rounds do not suit vmem:
+    its varlen round asks for as many past tokens as the whole budget holds, more than a vmem row
+    (refused, with the engine's warning that the graph pool may fragment), and vmem has no decode
+    fast path for its decode rounds. Either way the cache then
     forgets the fake requests' admissions (``readmissions`` counts preemptions while serving)."""
 
     def vmem_warmup(self: Any, model: Any) -> Any:
