@@ -15,7 +15,8 @@ token) of every padded size the engine can give one (``q_padding_interval_size``
 (``graph_seqlen_k="bucket"``: powers of two from 1024 to the row length; ``"context"``: none,
 one graph a size), and before those the largest varlen round (which sizes the graph pool), or
 with ``graph_max_tokens`` every varlen size up to it (larger varlen rounds run without a
-graph), on each of async batching's two IO pairs. vmem's rows never move, so each graph stays
+graph, in the same pool: the largest of those runs first of all, and sizes it), on each of async
+batching's two IO pairs. vmem's rows never move, so each graph stays
 valid for the cache's life. A round whose fake requests do not fit the KV budget is skipped (a
 real round of that size cannot be scheduled either, unless its requests share prefix pages).
 The fake requests go through the engine's own warmup helpers, as its own warmup's do, and are
