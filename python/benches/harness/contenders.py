@@ -31,6 +31,10 @@ Spec = dict[str, Any]
 V517, V519 = "5.17", "5.19+"
 BOTH = (V517, V519)
 
+#: vmem token-major with FA under the engine's CUDA graphs and async batching: the base of the
+#: ``vmem-token-major-graphs-async-*`` variants, each of which changes one thing.
+_FA_ASYNC: Spec = {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa", "graphs": True, "async": True}
+
 #: Every contender: ``(families it runs on, spec)``. On 5.19+ ``paged|sdpa`` no longer exists and
 #: ``paged|blockflex`` subclasses 5.17's cache (refused there); ``sdpa-*`` is 5.19+'s own path.
 CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
@@ -82,51 +86,34 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     "vmem-token-major-fi-graphs-async": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
                                                 "kernel": "flashinfer", "graphs": True, "async": True,
                                                 "optional": True}),
-    "vmem-token-major-graphs-async": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
-                                             "graphs": True, "async": True}),
+    "vmem-token-major-graphs-async": (BOTH, dict(_FA_ASYNC)),
     # The engine's compiled forward (Inductor fuses the norms, RoPE and the MLP's elementwise work
     # around the attention, which every contender leaves out), under the same graphs.
-    "vmem-token-major-graphs-async-compile": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
-                                                     "kernel": "fa", "graphs": True, "async": True,
-                                                     "compile": True}),
+    "vmem-token-major-graphs-async-compile": (BOTH, {**_FA_ASYNC, "compile": True}),
     # ... with the engine's read index and vmem's round copies as before the eighth session's cuts
     # (harness.round_before), for before and after in one run.
-    "vmem-token-major-graphs-async-compile-before": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
-                                                            "kernel": "fa", "graphs": True, "async": True,
-                                                            "compile": True, "round_copies_before": True}),
+    "vmem-token-major-graphs-async-compile-before": (BOTH, {**_FA_ASYNC, "compile": True, "round_copies_before": True}),
     # ... with every prefill size graphed (graph_max_tokens=None, as the engine): no prefill forward
     # outside the graphs' memory.
-    "vmem-token-major-graphs-async-compile-allgraphs": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
-                                                               "kernel": "fa", "graphs": True, "async": True,
-                                                               "compile": True, "graph_max_tokens": None}),
+    "vmem-token-major-graphs-async-compile-allgraphs": (BOTH, {**_FA_ASYNC, "compile": True, "graph_max_tokens": None}),
     # The graph policy before vmem's defaults (graph_seqlen_k="context", graph_max_tokens=512):
     # the engine's max_seqlen_k bucket in the key, and every prefill size graphed.
-    "vmem-token-major-graphs-async-bucket": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
-                                                    "graphs": True, "async": True, "graph_seqlen_k": "bucket",
-                                                    "graph_max_tokens": None}),
+    "vmem-token-major-graphs-async-bucket": (BOTH, {**_FA_ASYNC, "graph_seqlen_k": "bucket", "graph_max_tokens": None}),
     # Fewer prefill graphs: rounds above 64 tokens that carry a prefill run without a graph (what
     # the varlen graphs cost in device memory).
-    "vmem-token-major-graphs-async-64": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
-                                                "graphs": True, "async": True, "graph_max_tokens": 64}),
+    "vmem-token-major-graphs-async-64": (BOTH, {**_FA_ASYNC, "graph_max_tokens": 64}),
     # A padded decode round's keys read whole by one sequence slot a request (vmem before
     # split_decode: FA's thread blocks of the few long requests walk their keys alone).
-    "vmem-token-major-graphs-async-nosplit": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
-                                                     "graphs": True, "async": True, "split_decode": False}),
+    "vmem-token-major-graphs-async-nosplit": (BOTH, {**_FA_ASYNC, "split_decode": False}),
     # The engine's own carry-over ids (a Python list of max_batch_tokens entries a round) for this
     # contender's run: what vmem.transformers' O(requests) ones save.
-    "vmem-token-major-graphs-async-engine-carry": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
-                                                          "kernel": "fa", "graphs": True, "async": True,
-                                                          "engine_carry_over": True}),
+    "vmem-token-major-graphs-async-engine-carry": (BOTH, {**_FA_ASYNC, "engine_carry_over": True}),
     # A finished request's pages unmapped on the engine's thread, which waits for the round in
     # flight first (vmem's behaviour before background_unmap became the default).
-    "vmem-token-major-graphs-async-inline-unmap": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
-                                                     "kernel": "fa", "graphs": True, "async": True,
-                                                     "background_unmap": False}),
+    "vmem-token-major-graphs-async-inline-unmap": (BOTH, {**_FA_ASYNC, "background_unmap": False}),
     # Deferred reclamation: a finished request's row keeps its pages for the next (no unmap, so
     # no device synchronization in the engine's loop when a request ends).
-    "vmem-token-major-graphs-async-deferred": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
-                                                      "kernel": "fa", "graphs": True, "async": True,
-                                                      "deferred_reclaim": True}),
+    "vmem-token-major-graphs-async-deferred": (BOTH, {**_FA_ASYNC, "deferred_reclaim": True}),
     "vmem-token-major-fi-graphs-async-deferred": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
                                                          "kernel": "flashinfer", "graphs": True, "async": True,
                                                          "deferred_reclaim": True, "optional": True}),
