@@ -610,3 +610,35 @@ fn a_prefix_adopted_while_its_publisher_is_being_unmapped_reads_right() {
     let mapped = kv.distinct_mapped_bytes(false) / KIB64;
     assert_eq!(created, free + mapped, "pool accounting");
 }
+
+#[test]
+fn a_publishers_id_handed_out_again_while_being_unmapped_steps_below_its_old_prefix() {
+    // Every other id busy: the next request gets the publisher's id while the unmapping thread
+    // may still hold it. Its step, shorter than the blocks the publisher published, waits for
+    // the unmap and succeeds (before: refused as going below shared pages it no longer maps).
+    let host = Arc::new(HostBackend::new().unwrap());
+    let mut c = cfg(Layout::TokenMajor, 256, Some(u64::MAX));
+    c.background_unmap = true;
+    let kv = KvCacheManager::init(host.clone(), c).unwrap();
+    let bt = kv.prefix_block_tokens();
+    let ids: Vec<usize> = (0..4).map(|_| kv.alloc_reqid().unwrap()).collect();
+    let a = ids[2];
+    // 60 blocks: their unmap takes long enough that B's step comes while it runs.
+    let p = prompt(5, (60 * bt + 5) as usize);
+    kv.step(&lens(&[(a, p.len() as u64)])).unwrap();
+    write(&host, &kv, a, 0, p.len(), 4);
+    assert_eq!(kv.publish_prefix(a, &p).unwrap(), 60);
+    kv.free_reqid(a).unwrap();
+    let b = kv.alloc_reqid().unwrap();
+    assert_eq!(b, a, "the only free id");
+    kv.step(&lens(&[(b, bt + 1)])).unwrap();
+    write(&host, &kv, b, 0, (bt + 1) as usize, 8);
+    // B's pages are its own: the cached blocks still read A's tokens.
+    let c2 = ids[3];
+    kv.free_reqid(c2).unwrap();
+    let d = kv.alloc_reqid().unwrap();
+    assert_eq!(kv.adopt_prefix(d, &p).unwrap(), 60 * bt);
+    kv.step(&lens(&[(b, bt + 1), (d, p.len() as u64)])).unwrap();
+    assert_eq!(wrong(&host, &kv, d, 0, (60 * bt) as usize, 4), 0);
+    assert_eq!(wrong(&host, &kv, b, 0, (bt + 1) as usize, 8), 0);
+}
