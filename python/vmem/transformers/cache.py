@@ -39,7 +39,7 @@ import torch
 
 from .. import KVCache
 from .._vmem import InvalidArgument, VmemError
-from . import fa_split, tenancy
+from . import fa_split, margin, tenancy
 from .blocks import FreshBlocks
 from .fa import FaReader
 from .fi_reader import FlashInferReader
@@ -111,6 +111,9 @@ class VmemCBCache:
         self.tokens_per_page, self.block_size, self.pages_per_block = g.tokens_per_page, g.block_size, g.pages_per_block
         self.page_bytes, self.max_context, self.rows = g.page_bytes, g.max_context, g.rows
         self.max_requests = options.max_requests
+        # The scheduler's safety margin (a share of the blocks), which vmem checks before each new
+        # request in its place (:mod:`.margin`; the scheduler hands it over when it is built).
+        self.admission_margin = 0.0
         # Prefix sharing: vmem maps a cached prefix's pages into a new row in place of the engine's
         # block sharing, where a block is whole pages (kernel="fa" or "flashinfer": one page's tokens).
         # Flex blocks span several pages' tokens (lcm with its KV block): no sharing there.
@@ -324,10 +327,13 @@ class VmemCBCache:
         """Gives a pending request a row that starts with the cached pages of the longest prefix
         of ``prompt_ids`` the cache holds (:meth:`vmem.KVCache.adopt_prefix`: mapped, not copied,
         at least the last token left to compute); returns the tokens adopted, a multiple of
-        ``block_size`` (0, holding nothing, when none, when no row is free, or when the cached
-        blocks it would map are the memory this round's allocations counted on)."""
+        ``block_size`` (0, holding nothing, when none, when no row is free, when the request
+        waits under the safety margin (:func:`.margin.over_margin`), or when the cached blocks
+        it would map are the memory this round's allocations counted on)."""
         if not self.sharing or request_id in self.table:
             return 0  # a pending request holds no row; one that does keeps what it has
+        if margin.over_margin(self, request_id):
+            return 0  # it waits (the safety margin): adopting would make it active, then preempted
         if self.kv.asleep:
             tenancy.wake(self)
         index = None

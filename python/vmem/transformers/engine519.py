@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .._vmem import VmemError
+from . import margin
 from .cache import VmemCBCache
 from .sizing import VMEM_ATTENTION, measured_memory
 
@@ -154,7 +155,10 @@ class VmemCBCache519(VmemCBCache):
     def can_store_request_tokens(self, state: Any, request_len: int, dry_run: bool = False) -> bool:
         """Whether the request's next ``request_len`` tokens fit; allocates them (all or nothing)
         unless ``dry_run``. False, never an exception (it would kill the engine's loop), when no
-        row or memory is left or the request would pass ``max_context``."""
+        row or memory is left or the request would pass ``max_context``.
+
+        Also False for a new request (holding no row) that waits under the scheduler's safety
+        margin, which vmem checks before each new request (:mod:`.margin`)."""
         try:
             tokens = state.current_len() + request_len
             if tokens > self.max_context:
@@ -167,12 +171,16 @@ class VmemCBCache519(VmemCBCache):
                 return False
             missing = self.blocks_missing(state.request_id, tokens)
             if missing == 0:
+                margin.note_final(self, state)
                 return True
-            if missing > self.get_num_free_blocks():
+            if missing > self.get_num_free_blocks() or (not dry_run and margin.admission_waits(self, state, missing)):
                 return False
             if dry_run:
                 return state.request_id in self.table or len(self.table) < self.max_requests
-            return self.allocate_blocks(missing, state.request_id, 0) == missing
+            if self.allocate_blocks(missing, state.request_id, 0) != missing:
+                return False
+            margin.note_final(self, state)
+            return True
         except Exception:  # noqa: BLE001 - an exception here would kill the engine's loop
             return False
 

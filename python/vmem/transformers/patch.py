@@ -46,6 +46,7 @@ from .carry_over import infer_carry_over_ids
 from .flashinfer import load_flashinfer
 from .graphs import forward_hook, graph_key_hook
 from .kvread import pad_hook
+from .margin import allocation_hook, margin_hook
 from .options import Options
 from .warmup import warmup_hook
 
@@ -258,8 +259,9 @@ class EnginePatch:
     ``_create_batch_processor``, ``generate_batch`` raising on failed requests, and for vmem
     caches the round's metadata before each forward (large prefill rounds without a graph), the
     round's kind in the graph key, every graph they replay captured in the engine's warmup
-    (:mod:`.warmup`), no KV read in any round (:mod:`.kvread`) and a request longer than a row
-    refused when it arrives (:mod:`.admission`); for every cache, async batching's carry-over
+    (:mod:`.warmup`), no KV read in any round (:mod:`.kvread`), a request longer than a row
+    refused when it arrives (:mod:`.admission`) and the scheduler's safety margin checked by the
+    cache before each new request (:mod:`.margin`); for every cache, async batching's carry-over
     ids built in O(requests) (:mod:`.carry_over`)."""
 
     def __init__(self, adapter: ModuleType) -> None:
@@ -313,6 +315,9 @@ class EnginePatch:
         scheduler = importlib.import_module("transformers.generation.continuous_batching.scheduler").Scheduler
         self._set(scheduler, "add_waiting_request",  # a request past a vmem row refused alone (vmem caches)
                   admission_hook(scheduler.add_waiting_request))
+        self._set(scheduler, "__init__", margin_hook(scheduler.__init__))  # its safety margin to vmem's cache
+        if "_allocate_blocks_if_needed" in scheduler.__dict__:  # 5.17: where vmem checks that margin
+            self._set(scheduler, "_allocate_blocks_if_needed", allocation_hook(scheduler._allocate_blocks_if_needed))
 
     def _set(self, owner: Any, name: str, value: Any) -> None:
         self._saved.append((owner, name, owner.__dict__[name]))

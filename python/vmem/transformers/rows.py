@@ -9,16 +9,18 @@ from collections.abc import Iterator
 
 class Row:
     """One request's row: ``index`` (the vmem request id), ``blocks`` held, ``unmapped_from``
-    (the length mapped before this round's growth, ``None`` when it did not grow) and
-    ``computed`` (tokens computed once this round's forward ran)."""
+    (the length mapped before this round's growth, ``None`` when it did not grow), ``computed``
+    (tokens computed once this round's forward ran) and ``final_blocks`` (the blocks it holds by
+    its end at the latest, when its ``max_new_tokens`` says; else ``None``)."""
 
-    __slots__ = ("blocks", "computed", "index", "unmapped_from")
+    __slots__ = ("blocks", "computed", "final_blocks", "index", "unmapped_from")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.blocks = 0
         self.unmapped_from: int | None = None
         self.computed = 0
+        self.final_blocks: int | None = None
 
 
 class RowTable:
@@ -47,6 +49,16 @@ class RowTable:
     def get(self, request_id: str) -> Row | None:
         """The request's row, or ``None``."""
         return self._rows.get(request_id)
+
+    def growth(self) -> int | None:
+        """Blocks the requests holding rows may still take, each up to its ``final_blocks``;
+        ``None`` when one of them does not know its end."""
+        total = 0
+        for row in self._rows.values():
+            if row.final_blocks is None:
+                return None
+            total += max(0, row.final_blocks - row.blocks)
+        return total
 
     def request_ids(self) -> list[str]:
         """The requests holding a row."""

@@ -1,0 +1,166 @@
+"""vmem checks the scheduler's safety margin before each new request on every version: a new
+request waits while the free blocks are under it and another request runs, so the running ones
+have blocks to grow into and nobody is preempted for it; unless every request's end is known and
+the blocks left cover all the growth to come, where the margin would keep blocks nobody takes.
+
+Before: 5.19-5.24's scheduler checks the margin once a round (5.17's before each new request), so
+one round admitted requests until no block was left, the next rounds found none for the running
+requests to grow into, and the newest were preempted (soft reset: their prompts computed again).
+The serving suite's 5.23 run at a tenth of the working set had 14 such preemptions (0 on 5.17);
+on this CPU the same trace, scaled, had 13 on 5.23 and 4 on 5.17 (vmem's checks: 2 on 5.23).
+
+CPU, fp32, tiny models; needs torch and a transformers vmem serves (skipped otherwise, saying why)."""
+
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+import tf_engine as eng  # noqa: E402
+from tf_engine import fake_memory_and_uninstall  # noqa: E402,F401  (autouse: memory faked, patch off after)
+
+eng.skip_unless_served()
+
+from harness import check as h  # noqa: E402
+
+import vmem.transformers as vt  # noqa: E402
+
+TOL = 1e-3
+#: 8 blocks of 256 tokens (4 pages of 64 KiB: llama-gqa per-layer), one the trash row's: 7 to hold
+BLOCKS8 = {"page_size": "64K", "memory": str(8 * eng.TINY_BLOCK), "max_requests": 4, "max_context": 2048}
+
+
+def _serve(lengths: list[int], new: int, cb: dict | None = None) -> tuple[object, dict]:
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(len(lengths), lengths, model.config.vocab_size)
+    with vt.serving(**BLOCKS8):
+        run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, new,
+                           cb_kwargs={"max_batch_tokens": 2048, **(cb or {})})
+    return model, run
+
+
+def test_a_request_waits_under_the_margin_rather_than_being_preempted():
+    """A takes 6 of the 7 blocks (1,450 tokens, no growth in 60 new ones); B (200 tokens) fits in
+    the last block but grows out of it after 56 tokens. The free block is 1/7 of the blocks, under
+    the FIFO scheduler's default margin (0.15): B waits for A, and nothing is preempted. Without the
+    per-request check (5.19+ before), B was admitted beside A, ran out of room and was preempted
+    (1 readmission)."""
+    model, run = _serve([1450, 200], 60)
+    cache = run["cache"]
+    assert cache.num_blocks == 7
+    assert cache.readmissions == 0, f"{cache.readmissions} preemptions: the margin did not hold"
+    assert run["max_running"] == 1, run["max_running"]  # B never ran beside A
+    cmp = h.compare(run, model, 60)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
+
+
+def test_a_request_whose_growth_is_covered_runs_under_the_margin():
+    """The same A, and B of 100 tokens that never grows out of its block (159 with 60 new). Under
+    the margin, but what is left once B holds its block covers every request's growth to its
+    ``max_new_tokens`` (none here): B runs beside A, and nothing is preempted (the engine's own
+    check, 5.17's too, would have held B back)."""
+    model, run = _serve([1450, 100], 60)
+    assert run["cache"].readmissions == 0
+    assert run["max_running"] == 2, run["max_running"]
+    cmp = h.compare(run, model, 60)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
+
+
+def test_requests_run_together_while_above_the_margin():
+    """The same A with room to spare (1,150 tokens: 5 blocks, 2 free = 2/7 above 0.15): B runs
+    beside A, grows into the last block, and nothing is preempted. The margin holds new requests
+    back only when under it."""
+    model, run = _serve([1150, 200], 60)
+    assert run["cache"].readmissions == 0
+    assert run["max_running"] == 2, run["max_running"]
+    cmp = h.compare(run, model, 60)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
+
+
+def test_a_margin_of_zero_admits_until_no_block_is_left():
+    """``safety_margin=0.0`` (the user's choice, as ``PrefillFirstScheduler``'s default): B is
+    admitted beside A with the last block, runs out of room, and the engine preempts it; tokens
+    are still the plain forward's. So the first test's wait is the margin's doing."""
+    model, run = _serve([1450, 200], 60, {"safety_margin": 0.0})
+    assert run["cache"].readmissions >= 1
+    cmp = h.compare(run, model, 60)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
+
+
+@pytest.mark.parametrize(("margin", "expected"), [(None, 0.15), (0.3, 0.3), (0.0, 0.0)])
+def test_the_scheduler_hands_its_margin_to_the_cache(margin, expected):
+    """The cache's ``admission_margin`` is the scheduler's resolved ``safety_margin`` (the FIFO
+    scheduler's default 0.15 when the config leaves it unset), and the scheduler's own is 0; for
+    the engine's own cache nothing changes."""
+    from transformers.generation.continuous_batching.scheduler import FIFOScheduler
+
+    cache = eng.tiny_cache(BLOCKS8)
+    assert cache.admission_margin == 0.0
+    assert FIFOScheduler(cache, margin, 8).safety_margin == expected  # the patch is off: as the engine ships
+    assert cache.admission_margin == 0.0
+    with vt.serving(**BLOCKS8):
+        scheduler = FIFOScheduler(cache, margin, 8)
+        # a cache not vmem's (what 5.17's scheduler reads of one when built)
+        other = FIFOScheduler(types.SimpleNamespace(num_full_attention_groups=1, max_blocks_per_request=0,
+                                                    block_size=256), margin, 8)
+    assert cache.admission_margin == expected and scheduler.safety_margin == 0.0
+    assert other.safety_margin == expected
+
+
+@pytest.mark.skipif(eng.IS_517, reason="5.17's engine allocates through allocate_blocks, not can_store_request_tokens")
+def test_a_pending_request_over_the_margin_gets_no_row_and_no_prefix():
+    """5.19+, the cache alone: with 1 of 7 blocks free and a margin of 0.15, a new request is
+    refused its blocks and finds no cached prefix (adopting one would make it active, and an active
+    request refused blocks is preempted); the running request still grows; once the running
+    request is gone the new one is admitted."""
+    cache = eng.tiny_cache(BLOCKS8)
+    cache.admission_margin = 0.15
+
+    def state(rid: str, length: int) -> types.SimpleNamespace:
+        return types.SimpleNamespace(request_id=rid, current_len=lambda: length)
+
+    assert cache.can_store_request_tokens(state("a", 0), 6 * 256 - 10)
+    assert cache.get_num_free_blocks() == 1
+    assert not cache.can_store_request_tokens(state("b", 0), 100)
+    assert cache.search_prefix_match("b", list(range(300))) == 0
+    assert "b" not in cache.table and cache.get_num_free_blocks() == 1  # nothing held, nothing lost
+    assert cache.can_store_request_tokens(state("b", 0), 100, dry_run=True)  # the engine's probes are not held back
+    assert cache.can_store_request_tokens(state("a", 6 * 256 - 10), 20)  # a running request grows
+    cache.free_blocks("a")
+    assert cache.can_store_request_tokens(state("b", 0), 100)
+
+
+@pytest.mark.skipif(eng.IS_517, reason="5.17's engine allocates through allocate_blocks, not can_store_request_tokens")
+def test_under_the_margin_a_request_is_admitted_when_every_growth_is_covered():
+    """5.19+, the cache alone, 1 of 7 blocks free, a margin of 0.15: with every request's
+    ``max_new_tokens`` known, a new request is admitted when the blocks left once it holds its own
+    cover what all of them can still grow by, and waits otherwise; it waits too when a running
+    request's end is unknown (``max_new_tokens=None``)."""
+
+    def state(rid: str, length: int, prompt: int, new: int | None) -> types.SimpleNamespace:
+        return types.SimpleNamespace(request_id=rid, current_len=lambda: length, initial_tokens=[0] * prompt,
+                                     max_new_tokens=new)
+
+    def cache_with_a(new_a: int | None) -> object:
+        cache = eng.tiny_cache(BLOCKS8)
+        cache.admission_margin = 0.15
+        assert cache.can_store_request_tokens(state("a", 0, 1400, new_a), 1400)  # 6 blocks (1,536 tokens)
+        assert cache.get_num_free_blocks() == 1
+        return cache
+
+    cache = cache_with_a(100)  # a ends at 1,499 tokens: no growth
+    assert cache.table.growth() == 0
+    assert not cache.can_store_request_tokens(state("b", 0, 200, 60), 200)  # b grows into a 2nd block: 0 left
+    assert "b" not in cache.table
+    assert cache.can_store_request_tokens(state("c", 0, 100, 60), 100)  # c ends at 159 tokens: 1 block
+    assert cache.get_num_free_blocks() == 0 and cache.table.growth() == 0
+
+    cache = cache_with_a(200)  # a ends at 1,599 tokens: 1 more block to come
+    assert cache.table.growth() == 1
+    assert not cache.can_store_request_tokens(state("c", 0, 100, 60), 100)  # it would take a's block
+
+    cache = cache_with_a(None)  # a's end unknown
+    assert cache.table.growth() is None
+    assert not cache.can_store_request_tokens(state("c", 0, 100, 60), 100)
+    assert not cache.can_store_request_tokens(state("d", 0, 100, None), 100)
