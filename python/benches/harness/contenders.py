@@ -10,7 +10,8 @@ attention name), ``block_size`` (the engine's block / page tokens, engine caches
 (the engine's CUDA graphs on, async batching off unless ``async``), ``layout``/``kernel``/
 ``deferred_reclaim``/``background_unmap``/``graph_seqlen_k`` (vmem), ``graph_max_tokens`` (vmem and fi-paged),
 ``sharing``, ``optional`` (needs FlashInfer: run only when named), ``compile`` (the engine's
-compiled forward: :func:`compile_config`)."""
+compiled forward: :func:`compile_config`); ``round_copies_before``, ``margin_before`` (a change
+put back for one contender: :func:`round_copies`, :func:`margin_check`)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,13 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     # The engine's compiled forward (Inductor fuses the norms, RoPE and the MLP's elementwise work
     # around the attention, which every contender leaves out), under the same graphs.
     "vmem-token-major-graphs-async-compile": (BOTH, {**_FA_ASYNC, "compile": True}),
+    # ... with the scheduler's safety margin as before the ninth session (the engine's own check:
+    # before each new request on 5.17, once a round on 5.19+), or checked by vmem before each new
+    # request but never let go where every growth is covered (harness.contenders.margin_check).
+    "vmem-token-major-graphs-async-compile-margin-before": (BOTH, {**_FA_ASYNC, "compile": True,
+                                                                   "margin_before": "round"}),
+    "vmem-token-major-graphs-async-compile-margin-only": (BOTH, {**_FA_ASYNC, "compile": True,
+                                                                 "margin_before": "margin"}),
     # ... with the engine's read index and vmem's round copies as before the eighth session's cuts
     # (harness.round_before), for before and after in one run.
     "vmem-token-major-graphs-async-compile-before": (BOTH, {**_FA_ASYNC, "compile": True, "round_copies_before": True}),
@@ -309,6 +317,30 @@ def round_copies(spec: Spec) -> Iterator[None]:
 
     with round_before.patched():
         yield
+
+
+@contextlib.contextmanager
+def margin_check(spec: Spec) -> Iterator[None]:
+    """For a spec with ``margin_before``, vmem's admission as before the ninth session inside the
+    block (:mod:`vmem.transformers.margin`): ``"round"``, the scheduler keeps its safety margin
+    and vmem checks none (5.17: before each new request; 5.19+: once a round); ``"margin"``, vmem
+    checks it before each new request without letting it go where every growth is covered."""
+    from vmem.transformers import margin
+
+    mode = spec.get("margin_before")
+    if not mode:
+        yield
+        return
+    if mode not in ("round", "margin"):
+        raise ValueError(f"margin_before must be 'round' or 'margin', got {mode!r}")
+    name, before = (("take_over", lambda scheduler, cache: None) if mode == "round" else
+                    ("growth_covered", lambda cache, state, missing: False))
+    saved = getattr(margin, name)
+    setattr(margin, name, before)
+    try:
+        yield
+    finally:
+        setattr(margin, name, saved)
 
 
 def _engine_carry_over() -> Any:

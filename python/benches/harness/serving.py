@@ -88,7 +88,7 @@ def run_contender(model: Any, name: str, prompts: list[list[int]], args: Any, bu
     # A contender with CUDA graphs captures them at its engine's start, as a server would, not
     # while the clock runs: the engine's warmup and every decode graph (vmem.transformers.warmup).
     warm = bool(spec.get("graphs")) and getattr(args, "graph_warmup", True)
-    with ct.carry_over(spec), ct.round_copies(spec):
+    with ct.carry_over(spec), ct.round_copies(spec), ct.margin_check(spec):
         run = run_engine(model, spec["attn"], prompts, new, cb_kwargs=kw, serving=opts, primers=primers,
                          record_timestamps=True, inspect=cache_info, timeout=args.timeout, stop_timeout=120,
                          warmup=warm, decode_warmup=warm, name=name, id_prefix="r")
