@@ -31,13 +31,17 @@ TOL = 1e-3
 BLOCKS8 = {"page_size": "64K", "memory": str(8 * eng.TINY_BLOCK), "max_requests": 4, "max_context": 2048}
 
 
-def _serve(lengths: list[int], new: int, cb: dict | None = None) -> tuple[object, dict]:
+def _serve(lengths: list[int], new: int, cb: dict | None = None) -> dict:
+    """Prompts of ``lengths`` served through vmem under :data:`BLOCKS8`, ``new`` tokens each, in
+    rounds of up to 2,048 tokens; the run, once its tokens are checked against a plain forward."""
     model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
     prompts = h.make_prompts(len(lengths), lengths, model.config.vocab_size)
     with vt.serving(**BLOCKS8):
         run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, new,
                            cb_kwargs={"max_batch_tokens": 2048, **(cb or {})})
-    return model, run
+    cmp = h.compare(run, model, new)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
+    return run
 
 
 def test_a_request_waits_under_the_margin_rather_than_being_preempted():
@@ -46,13 +50,11 @@ def test_a_request_waits_under_the_margin_rather_than_being_preempted():
     the FIFO scheduler's default margin (0.15): B waits for A, and nothing is preempted. Without the
     per-request check (5.19+ before), B was admitted beside A, ran out of room and was preempted
     (1 readmission)."""
-    model, run = _serve([1450, 200], 60)
+    run = _serve([1450, 200], 60)
     cache = run["cache"]
     assert cache.num_blocks == 7
     assert cache.readmissions == 0, f"{cache.readmissions} preemptions: the margin did not hold"
     assert run["max_running"] == 1, run["max_running"]  # B never ran beside A
-    cmp = h.compare(run, model, 60)
-    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
 
 
 def test_a_request_whose_growth_is_covered_runs_under_the_margin():
@@ -60,32 +62,24 @@ def test_a_request_whose_growth_is_covered_runs_under_the_margin():
     the margin, but what is left once B holds its block covers every request's growth to its
     ``max_new_tokens`` (none here): B runs beside A, and nothing is preempted (the engine's own
     check, 5.17's too, would have held B back)."""
-    model, run = _serve([1450, 100], 60)
-    assert run["cache"].readmissions == 0
-    assert run["max_running"] == 2, run["max_running"]
-    cmp = h.compare(run, model, 60)
-    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
+    run = _serve([1450, 100], 60)
+    assert (run["cache"].readmissions, run["max_running"]) == (0, 2)
 
 
 def test_requests_run_together_while_above_the_margin():
     """The same A with room to spare (1,150 tokens: 5 blocks, 2 free = 2/7 above 0.15): B runs
     beside A, grows into the last block, and nothing is preempted. The margin holds new requests
     back only when under it."""
-    model, run = _serve([1150, 200], 60)
-    assert run["cache"].readmissions == 0
-    assert run["max_running"] == 2, run["max_running"]
-    cmp = h.compare(run, model, 60)
-    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
+    run = _serve([1150, 200], 60)
+    assert (run["cache"].readmissions, run["max_running"]) == (0, 2)
 
 
 def test_a_margin_of_zero_admits_until_no_block_is_left():
     """``safety_margin=0.0`` (the user's choice, as ``PrefillFirstScheduler``'s default): B is
     admitted beside A with the last block, runs out of room, and the engine preempts it; tokens
     are still the plain forward's. So the first test's wait is the margin's doing."""
-    model, run = _serve([1450, 200], 60, {"safety_margin": 0.0})
+    run = _serve([1450, 200], 60, {"safety_margin": 0.0})
     assert run["cache"].readmissions >= 1
-    cmp = h.compare(run, model, 60)
-    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
 
 
 @pytest.mark.parametrize(("margin", "expected"), [(None, 0.15), (0.3, 0.3), (0.0, 0.0)])
