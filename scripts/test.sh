@@ -32,13 +32,15 @@ TRANSFORMERS_VERSIONS=(
 )
 # The serving core: the version gate and install extra, the engine's own path against vmem's
 # (both layouts, preemption, prefix sharing), CUDA graphs' rounds, the compiled forward, no KV
-# read through the engine.
+# read through the engine, the scheduler's safety margin checked by vmem (where 5.17 and 5.19+
+# schedulers differ).
 SERVING_CORE=(
   test_transformers_versions.py
   test_transformers_cb.py
   test_transformers_graphs.py
   test_transformers_compile.py
   test_transformers_kvread.py
+  test_transformers_margin.py
 )
 
 part_rust() {
