@@ -54,15 +54,15 @@ impl State {
     /// Refuses a step that gives a request a length below the cached blocks it maps (adopted
     /// or published), once it has started: it would compute, and write, positions that lie in
     /// pages other requests and the cache share. Before its first step (length 0, nothing
-    /// pending) an adopted request may be given 0. A claimed id is passed over: its pages may
-    /// still be the unmapping thread's (a freed publisher's, its id handed out again), and the
-    /// step checks it again once it has waited for the claim.
+    /// pending) an adopted request may be given 0. A claimed id given a length is passed over:
+    /// its pages may still be the unmapping thread's (a freed publisher's, its id handed out
+    /// again), and the step waits for the claim and checks it again.
     pub(super) fn check_prefix_lengths(&self, seq_lens: &[u64]) -> Result<()> {
         if !self.prefix.on() {
             return Ok(());
         }
         for (r, &len) in seq_lens.iter().enumerate() {
-            if self.requests.claimed[r] {
+            if len > 0 && self.requests.claimed[r] {
                 continue;
             }
             let held = self.prefix.held_tokens(r);
