@@ -25,6 +25,7 @@ eng.skip_unless_served()
 from harness import check as h  # noqa: E402
 
 import vmem.transformers as vt  # noqa: E402
+from vmem.transformers import margin  # noqa: E402
 
 TOL = 1e-3
 #: 8 blocks of 256 tokens (4 pages of 64 KiB: llama-gqa per-layer), one the trash row's: 7 to hold
@@ -102,59 +103,80 @@ def test_the_scheduler_hands_its_margin_to_the_cache(margin, expected):
     assert other.safety_margin == expected
 
 
-@pytest.mark.skipif(eng.IS_517, reason="5.17's engine allocates through allocate_blocks, not can_store_request_tokens")
+class _Request(types.SimpleNamespace):
+    """What the engine's allocation reads of a request: its id, its length so far
+    (``current_len()``; ``length``), the blocks it holds (5.17's ``allocated_blocks``), its prompt
+    and ``max_new_tokens``."""
+
+    def __init__(self, rid: str, prompt: int = 0, new: int | None = None) -> None:
+        super().__init__(request_id=rid, length=0, allocated_blocks=0, initial_tokens=[0] * prompt,
+                         max_new_tokens=new)
+
+    def current_len(self) -> int:
+        return self.length
+
+
+def _store(cache: object, req: _Request, tokens: int) -> bool:
+    """Asks ``cache`` for ``req``'s next ``tokens`` as the engine does, then counts them as stored
+    when granted: 5.19+'s ``can_store_request_tokens``; 5.17's scheduler's
+    ``_allocate_blocks_if_needed`` under vmem's hook (:func:`vmem.transformers.margin.allocation_hook`)."""
+    if eng.IS_517:
+        from transformers.generation.continuous_batching.scheduler import Scheduler
+
+        scheduler = types.SimpleNamespace(cache=cache, active_requests={}, starved_requests=[])
+        ok = margin.allocation_hook(Scheduler._allocate_blocks_if_needed)(scheduler, req, tokens)
+    else:
+        ok = cache.can_store_request_tokens(req, tokens)
+    if ok:
+        req.length += tokens
+    return ok
+
+
 def test_a_pending_request_over_the_margin_gets_no_row_and_no_prefix():
-    """5.19+, the cache alone: with 1 of 7 blocks free and a margin of 0.15, a new request is
-    refused its blocks and finds no cached prefix (adopting one would make it active, and an active
-    request refused blocks is preempted); the running request still grows; once the running
-    request is gone the new one is admitted."""
+    """The cache alone, through the engine's allocation call: with 1 of 7 blocks free and a margin
+    of 0.15, a new request is refused its blocks and finds no cached prefix (adopting one would
+    make it active, and an active request refused blocks is preempted); the running request still
+    grows; once the running request is gone the new one is admitted."""
     cache = eng.tiny_cache(BLOCKS8)
     cache.admission_margin = 0.15
-
-    def state(rid: str, length: int) -> types.SimpleNamespace:
-        return types.SimpleNamespace(request_id=rid, current_len=lambda: length)
-
-    assert cache.can_store_request_tokens(state("a", 0), 6 * 256 - 10)
+    a, b = _Request("a"), _Request("b")
+    assert _store(cache, a, 6 * 256 - 10)
     assert cache.get_num_free_blocks() == 1
-    assert not cache.can_store_request_tokens(state("b", 0), 100)
+    assert not _store(cache, b, 100)
     assert cache.search_prefix_match("b", list(range(300))) == 0
     assert "b" not in cache.table and cache.get_num_free_blocks() == 1  # nothing held, nothing lost
-    assert cache.can_store_request_tokens(state("b", 0), 100, dry_run=True)  # the engine's probes are not held back
-    assert cache.can_store_request_tokens(state("a", 6 * 256 - 10), 20)  # a running request grows
+    if not eng.IS_517:  # 5.19+'s engine probes lengths with dry runs: they are not held back
+        assert cache.can_store_request_tokens(b, 100, dry_run=True)
+    assert _store(cache, a, 20)  # a running request grows
     cache.free_blocks("a")
-    assert cache.can_store_request_tokens(state("b", 0), 100)
+    assert _store(cache, b, 100)
 
 
-@pytest.mark.skipif(eng.IS_517, reason="5.17's engine allocates through allocate_blocks, not can_store_request_tokens")
 def test_under_the_margin_a_request_is_admitted_when_every_growth_is_covered():
-    """5.19+, the cache alone, 1 of 7 blocks free, a margin of 0.15: with every request's
-    ``max_new_tokens`` known, a new request is admitted when the blocks left once it holds its own
-    cover what all of them can still grow by, and waits otherwise; it waits too when a running
-    request's end is unknown (``max_new_tokens=None``)."""
-
-    def state(rid: str, length: int, prompt: int, new: int | None) -> types.SimpleNamespace:
-        return types.SimpleNamespace(request_id=rid, current_len=lambda: length, initial_tokens=[0] * prompt,
-                                     max_new_tokens=new)
+    """The cache alone, through the engine's allocation call, 1 of 7 blocks free, a margin of 0.15:
+    with every request's ``max_new_tokens`` known, a new request is admitted when the blocks left
+    once it holds its own cover what all of them can still grow by, and waits otherwise; it waits
+    too when a running request's end is unknown (``max_new_tokens=None``)."""
 
     def cache_with_a(new_a: int | None) -> object:
         cache = eng.tiny_cache(BLOCKS8)
         cache.admission_margin = 0.15
-        assert cache.can_store_request_tokens(state("a", 0, 1400, new_a), 1400)  # 6 blocks (1,536 tokens)
+        assert _store(cache, _Request("a", 1400, new_a), 1400)  # 6 blocks (1,536 tokens)
         assert cache.get_num_free_blocks() == 1
         return cache
 
     cache = cache_with_a(100)  # a ends at 1,499 tokens: no growth
     assert cache.table.growth() == 0
-    assert not cache.can_store_request_tokens(state("b", 0, 200, 60), 200)  # b grows into a 2nd block: 0 left
+    assert not _store(cache, _Request("b", 200, 60), 200)  # b grows into a 2nd block: 0 left
     assert "b" not in cache.table
-    assert cache.can_store_request_tokens(state("c", 0, 100, 60), 100)  # c ends at 159 tokens: 1 block
+    assert _store(cache, _Request("c", 100, 60), 100)  # c ends at 159 tokens: 1 block
     assert cache.get_num_free_blocks() == 0 and cache.table.growth() == 0
 
     cache = cache_with_a(200)  # a ends at 1,599 tokens: 1 more block to come
     assert cache.table.growth() == 1
-    assert not cache.can_store_request_tokens(state("c", 0, 100, 60), 100)  # it would take a's block
+    assert not _store(cache, _Request("c", 100, 60), 100)  # it would take a's block
 
     cache = cache_with_a(None)  # a's end unknown
     assert cache.table.growth() is None
-    assert not cache.can_store_request_tokens(state("c", 0, 100, 60), 100)
-    assert not cache.can_store_request_tokens(state("d", 0, 100, None), 100)
+    assert not _store(cache, _Request("c", 100, 60), 100)
+    assert not _store(cache, _Request("d", 100, None), 100)
