@@ -101,9 +101,11 @@ def profile(model: Any, name: str, prompts: list[list[int]], args: Any, kv: dict
         plain.close_round()
     return "\n".join([report(name, r, steps, kernel_us / 1e3, prof, top), "",
                       round_report(rounds.rounds, kernel_us / 1e3), "", tailprobe.slowest(rounds.rounds), "",
+                      tailprobe.slowest(rounds.rounds, "prefill", 3), "",
                       f"again without torch.profiler: {r2['tok_s']:.0f} tok/s, TBT p50 {r2['tbt_p50_ms']:.2f} ms, "
                       f"p99 {r2['tbt_p99_ms']:.2f} ms",
-                      round_report(plain.rounds, None), "", tailprobe.slowest(plain.rounds)])
+                      round_report(plain.rounds, None), "", tailprobe.slowest(plain.rounds), "",
+                      tailprobe.slowest(plain.rounds, "prefill", 3)])
 
 
 #: The name :func:`round_clock` counts the engine's CUDA graph captures under (``calls``).

@@ -13,6 +13,12 @@ the probed calls, inclusive: nothing is taken off the loop part the call happene
   ``vmem_free`` (its ``free_blocks``: a finished request's row given back, its pages unmapped
   after the GPU work queued before) and ``vmem_round`` (``prepare_round``: the round's metadata
   and the kernel's plan);
+* ``schedule`` (the scheduler's ``schedule_batch``), ``batch_tensors`` (the engine's per-request
+  loop building a round's inputs, ``ContinuousBatchingIOs.prepare_batch_tensors``; it holds
+  ``cache_index``), ``cache_index`` (the cache's ``extend_read_and_write_indices``: vmem's round
+  record) and ``h2d`` (the round's inputs copied to the device: async batching's ``transfer_inputs_h2d``, and
+  ``get_model_kwargs``): where a
+  round's ``prepare`` goes;
 * ``device_alloc``/``device_free``/``alloc_retries``: the CUDA caching allocator's ``cudaMalloc``
   and ``cudaFree`` calls (``cudaFree`` synchronizes the device) and retries after freeing its
   cache, from ``torch.cuda.memory_stats`` at the round's open and close.
@@ -32,7 +38,8 @@ from typing import Any
 ALLOCATOR = (("num_device_alloc", "device_alloc"), ("num_device_free", "device_free"),
              ("num_alloc_retries", "alloc_retries"))
 #: The probes :func:`slowest` prints, in order.
-PROBES = ("gc", "sync", "replay", "capturing", "vmem_map", "vmem_free", "vmem_round")
+PROBES = ("gc", "sync", "replay", "capturing", "vmem_map", "vmem_free", "vmem_round", "schedule", "batch_tensors",
+          "cache_index", "h2d")
 
 
 def _module(name: str) -> Any:
@@ -72,6 +79,15 @@ def attach(clock: Any) -> None:
     cache_cls = getattr(_module("vmem.transformers.cache"), "VmemCBCache", None)
     clock.wrap(cache_cls, "flush", "vmem_map", inclusive=True)
     clock.wrap(cache_cls, "free_blocks", "vmem_free", inclusive=True)
+    clock.wrap(cache_cls, "extend_read_and_write_indices", "cache_index", inclusive=True)
+    sched = _module("transformers.generation.continuous_batching.scheduler")
+    for cls in ("FIFOScheduler", "PrefillFirstScheduler"):
+        clock.wrap(getattr(sched, cls, None), "schedule_batch", "schedule", inclusive=True)
+    ios = _module("transformers.generation.continuous_batching.input_outputs")
+    clock.wrap(getattr(ios, "ContinuousBatchingIOs", None), "prepare_batch_tensors", "batch_tensors", inclusive=True)
+    # disjoint calls: async batching's pair transfer, then its device side's kwargs (the sync IOs' own)
+    clock.wrap(getattr(ios, "HostDeviceIOPair", None), "transfer_inputs_h2d", "h2d", inclusive=True)
+    clock.wrap(getattr(ios, "ContinuousBatchingIOs", None), "get_model_kwargs", "h2d", inclusive=True)
     if cuda:
         def stats() -> dict[str, int]:
             s = torch.cuda.memory_stats()
