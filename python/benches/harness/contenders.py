@@ -59,8 +59,6 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     # round of a few requests: see vmem's -q16 below).
     "paged-sdpa-256-graphs-async-compile-q16": ((V517,), {"attn": "paged|sdpa", "block_size": 256, "graphs": True,
                                                           "async": True, "compile": True, "q_pad": 16}),
-    "sdpa-256-graphs-async-compile-q16": ((V519,), {"attn": "sdpa", "block_size": 256, "graphs": True,
-                                                    "async": True, "compile": True, "q_pad": 16}),
     "fi-paged": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256}),
     "fi-paged-graphs": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256, "graphs": True}),
     # The peer with the engine's async batching too (each IO pair plans its own wrappers).
@@ -72,9 +70,6 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
                                          "async": True, "graph_max_tokens": 512}),
     "fi-paged-graphs-async-512-compile": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256, "graphs": True,
                                                  "async": True, "graph_max_tokens": 512, "compile": True}),
-    "fi-paged-graphs-async-512-compile-q16": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256, "graphs": True,
-                                                     "async": True, "graph_max_tokens": 512, "compile": True,
-                                                     "q_pad": 16}),
     "fi-paged-graphs-512": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256, "graphs": True,
                                    "graph_max_tokens": 512}),
     "vmem-per-layer": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "fa"}),
@@ -100,10 +95,9 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     # The engine's compiled forward (Inductor fuses the norms, RoPE and the MLP's elementwise work
     # around the attention, which every contender leaves out), under the same graphs.
     "vmem-token-major-graphs-async-compile": (BOTH, {**_FA_ASYNC, "compile": True}),
-    # ... with rounds padded to 16 or 8 query tokens, not the engine's 64: a decode round of a few
-    # requests runs its weight GEMMs at 16 or 8 rows (more graphs, one per size).
+    # ... with rounds padded to 16 query tokens, not the engine's 64: a decode round of a few
+    # requests runs its weight GEMMs at 16 rows (more graphs, one per size). No gain measured.
     "vmem-token-major-graphs-async-compile-q16": (BOTH, {**_FA_ASYNC, "compile": True, "q_pad": 16}),
-    "vmem-token-major-graphs-async-compile-q8": (BOTH, {**_FA_ASYNC, "compile": True, "q_pad": 8}),
     # ... with the scheduler's safety margin as before the ninth session (the engine's own check:
     # before each new request on 5.17, once a round on 5.19+), or checked by vmem before each new
     # request but never let go where every growth is covered (harness.contenders.margin_check).

@@ -16,9 +16,8 @@ the probed calls, inclusive: nothing is taken off the loop part the call happene
 * ``schedule`` (the scheduler's ``schedule_batch``), ``batch_tensors`` (the engine's per-request
   loop building a round's inputs, ``ContinuousBatchingIOs.prepare_batch_tensors``; it holds
   ``cache_index``), ``cache_index`` (the cache's ``extend_read_and_write_indices``: vmem's round
-  record) and ``h2d`` (the round's inputs copied to the device: async batching's ``transfer_inputs_h2d``, and
-  ``get_model_kwargs``): where a
-  round's ``prepare`` goes;
+  record) and ``h2d`` (the round's inputs copied to the device: async batching's
+  ``transfer_inputs_h2d``, and ``get_model_kwargs``): where a round's ``prepare`` goes;
 * ``device_alloc``/``device_free``/``alloc_retries``: the CUDA caching allocator's ``cudaMalloc``
   and ``cudaFree`` calls (``cudaFree`` synchronizes the device) and retries after freeing its
   cache, from ``torch.cuda.memory_stats`` at the round's open and close.
