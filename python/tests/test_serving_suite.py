@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 from harness import roofline as rf
@@ -272,8 +273,39 @@ def test_tiny_suite_runs_end_to_end_and_merges(tmp_path) -> None:
         median = next(line for line in part.splitlines() if line.startswith("  median round's probes"))
         assert "vmem_map_n 1" in median and "vmem_round_n 1" in median, median
     assert "TBT p50" in plain and "slowest" in plain
+    # the timed window's accounting: the rounds cover the run (CPU: no device events to count)
+    for part in (prof[:prof.index("again without")], plain):
+        line = next(x for x in part.splitlines() if x.startswith("the run's "))
+        wall, rounds = float(line.split()[2]), float(line.split()[6])
+        assert 0 < rounds <= wall * 1.01 and wall - rounds < 0.2 * wall, line
+    assert "GPU busy: no device events in the timed window" in prof
     m = str(tmp_path / "m")
     assert serving_suite.main(["--merge", a, b, "--out", m]) == 0
     merged = json.loads(read(m, "suite.json"))
     assert len(merged["rows"]) == 6 and len(merged["parts"]) == 2
     assert "code" in read(m, "suite.txt")
+
+
+def test_gpu_busy_counts_the_union_inside_the_timed_window() -> None:
+    """Overlapping device events count once in the busy time, events outside the timed mark not
+    at all, and each class its own time."""
+    import torch
+    from harness.engine import TIMED_MARK
+    from harness.stepprofile import gpu_busy, kernel_class
+
+    def ev(name: str, a: float, b: float, cuda: bool = True) -> SimpleNamespace:
+        kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+        return SimpleNamespace(name=name, device_type=kind, time_range=SimpleNamespace(start=a, end=b))
+
+    events = [ev(TIMED_MARK, 1_000, 11_000, cuda=False),
+              ev("nvjet_sm90_tst_144x64", 0, 2_000),  # half inside: 1 ms
+              ev("nvjet_sm90_tst_144x64", 3_000, 6_000),  # 3 ms
+              ev("flash_fwd_kernel", 5_000, 7_000),  # overlaps the last by 1 ms
+              ev("index_elementwise_kernel", 20_000, 21_000)]  # after the window
+    out = gpu_busy(SimpleNamespace(events=lambda: events), plain_wall_s=0.012)
+    assert "5 of 10 ms (50.0%)" in out and "(12 ms): 41.7%" in out, out
+    assert "GEMM 4 ms, attention 2 ms" in out and "KV write" not in out, out
+    assert kernel_class("void at::native::vectorized_elementwise_kernel") == "other"
+    assert kernel_class("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits>") == "attention"
+    assert kernel_class("nvjet_sm90_tst_96x64_64x10_2x1_v_bz_splitK_TNN") == "GEMM"
+    assert "no timed mark" in gpu_busy(SimpleNamespace(events=lambda: events[1:]))

@@ -373,3 +373,17 @@ def test_the_gpu_checks_flashinfer_runs_work_on_the_cpu(monkeypatch):
     assert "same_tokens_as_fa" not in out["graphs"]
     assert gc.RUNS["fi-graphs-async"] == ({"use_cuda_graph": True, "use_async_batching": True},
                                           {"kernel": "flashinfer"})
+
+
+def test_a_compiled_forward_pads_rounds_as_graphs_do():
+    """The engine pads every round under CUDA graphs or a compiled forward; kernel="flashinfer"
+    plans padded rounds as for a graph and sizes its workspace for them (with a compile config
+    and no graphs, a 4-request check on the H200 overflowed the eager workspace: 566 MB of
+    split-KV partials in 207 MB)."""
+    from transformers.generation.configuration_utils import CompileConfig, ContinuousBatchingConfig
+
+    assert not vt_graphs.inputs_padded(ContinuousBatchingConfig())
+    assert vt_graphs.inputs_padded(ContinuousBatchingConfig(use_cuda_graph=True))
+    assert vt_graphs.inputs_padded(ContinuousBatchingConfig(decode_compile_config=CompileConfig()))
+    assert vt_graphs.inputs_padded(ContinuousBatchingConfig(use_cuda_graph=False,
+                                                             varlen_compile_config=CompileConfig()))

@@ -91,6 +91,10 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     "vmem-token-major-fi-graphs-async": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
                                                 "kernel": "flashinfer", "graphs": True, "async": True,
                                                 "optional": True}),
+    # ... and the engine's compiled forward, as the FA contender below.
+    "vmem-token-major-fi-graphs-async-compile": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
+                                                        "kernel": "flashinfer", "graphs": True, "async": True,
+                                                        "compile": True, "optional": True}),
     "vmem-token-major-graphs-async": (BOTH, dict(_FA_ASYNC)),
     # The engine's compiled forward (Inductor fuses the norms, RoPE and the MLP's elementwise work
     # around the attention, which every contender leaves out), under the same graphs.

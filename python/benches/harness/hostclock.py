@@ -53,6 +53,9 @@ class HookClock:
 
     def __init__(self) -> None:
         self.rounds: list[dict[str, Any]] = []
+        #: Loop turns whose ``prepare_next_batch`` ran no forward (nothing to schedule: the engine
+        #: then waits for requests), as ``(opened at, wall)`` in ``perf_counter_ns``.
+        self.idle: list[tuple[int, int]] = []
         self._open: dict[str, Any] | None = None
         self._t_open = 0
         self._stack: list[int] = []
@@ -145,11 +148,14 @@ class HookClock:
 
         @functools.wraps(prepare)
         def prepare_next_batch(*args: Any, **kwargs: Any) -> Any:
-            self.close_round()
+            # One clock reading closes the last round and opens this one, so the probes' own
+            # time (at close and open) is inside a round, and rounds tile the engine's loop.
+            now = time.perf_counter_ns()
+            self.close_round(now)
             self._open = {"kind": None, "sequences": 0, "tokens": 0, "hooks": {}, "calls": {}, "launches": {}}
+            self._t_open = now
             for probe in self.on_open:
                 probe(self._open)
-            self._t_open = time.perf_counter_ns()
             ready = prepare(*args, **kwargs)
             if args and self._open is not None:
                 self._open["real"] = real_round(args[0])
@@ -174,11 +180,15 @@ class HookClock:
 
         return compute_batch
 
-    def close_round(self) -> None:
-        """Files the open round (if it ran a forward) with its wall time."""
+    def close_round(self, now: int | None = None) -> None:
+        """Files the open round (if it ran a forward; else the turn as :attr:`idle`) with its wall
+        time up to ``now`` (``perf_counter_ns``; default: the present)."""
         r, self._open = self._open, None
-        if r is not None and r["kind"] is not None:
-            r["wall_ns"] = time.perf_counter_ns() - self._t_open
+        now = time.perf_counter_ns() if now is None else now
+        if r is not None and r["kind"] is None:
+            self.idle.append((self._t_open, now - self._t_open))
+        elif r is not None:
+            r["t_open_ns"], r["wall_ns"] = self._t_open, now - self._t_open
             for probe in self.on_close:
                 probe(r)
             self.rounds.append(r)

@@ -97,7 +97,7 @@ def run_contender(model: Any, name: str, prompts: list[list[int]], args: Any, bu
     generated = sum(len(r.generated_tokens) for r in timed)
     wall = run["wall_s"]
     out = {
-        "contender": name, "requests": len(timed), "generated_tokens": generated, "wall_s": wall,
+        "contender": name, "requests": len(timed), "generated_tokens": generated, "wall_s": wall, "t0_s": run["t0"],
         "completed": sum(len(r.generated_tokens) == new for r in timed),
         "tok_s": generated / wall, "rounds": run["rounds"], "max_running": run["max_running"],
         "ttft_p50_ms": m["ttft_p50_s"] * 1e3, "ttft_p99_ms": m["ttft_p99_s"] * 1e3,

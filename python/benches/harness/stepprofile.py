@@ -99,12 +99,13 @@ def profile(model: Any, name: str, prompts: list[list[int]], args: Any, kv: dict
         tailprobe.attach(plain)
         r2 = serving.run_contender(model, name, prompts, args, kv, contenders)
         plain.close_round()
-    return "\n".join([report(name, r, steps, kernel_us / 1e3, prof, top), "",
-                      round_report(rounds.rounds, kernel_us / 1e3), "", tailprobe.slowest(rounds.rounds), "",
+    return "\n".join([report(name, r, steps, kernel_us / 1e3, prof, top), "", gpu_busy(prof, r2["wall_s"]), "",
+                      round_report(rounds.rounds, kernel_us / 1e3), timeline(rounds, r), "",
+                      tailprobe.slowest(rounds.rounds), "",
                       tailprobe.slowest(rounds.rounds, "prefill", 3), "",
                       f"again without torch.profiler: {r2['tok_s']:.0f} tok/s, TBT p50 {r2['tbt_p50_ms']:.2f} ms, "
                       f"p99 {r2['tbt_p99_ms']:.2f} ms",
-                      round_report(plain.rounds, None), "", tailprobe.slowest(plain.rounds), "",
+                      round_report(plain.rounds, None), timeline(plain, r2), "", tailprobe.slowest(plain.rounds), "",
                       tailprobe.slowest(plain.rounds, "prefill", 3)])
 
 
@@ -132,6 +133,76 @@ def round_clock() -> Any:
     clock.wrap(ios.ContinuousBatchingIOs, "set_graph", CAPTURE)
     clock.wrap_rounds(api.ContinuousBatchProcessor, runner)
     return clock
+
+
+#: Kernel classes of :func:`gpu_busy`, by the first class a kernel's name matches a pattern of
+#: (lower case; attention first: FlashAttention's split-KV kernels are named ``..._splitkv_...``).
+KERNEL_CLASSES = (("attention", ("flash", "fmha", "attn", "batchdecode", "batchprefill", "merge_state",
+                                "_combine_kernel")),
+                  ("GEMM", ("nvjet", "gemm", "cutlass", "xmma", "cublas")),
+                  ("KV write / index", ("index", "scatter")),
+                  ("copy / fill", ("memcpy", "memset", "copy", "fill")))
+
+
+def kernel_class(name: str) -> str:
+    """The :data:`KERNEL_CLASSES` class of kernel ``name`` (``other`` where none matches)."""
+    low = name.lower()
+    return next((c for c, pats in KERNEL_CLASSES if any(p in low for p in pats)), "other")
+
+
+def gpu_busy(prof: Any, plain_wall_s: float | None = None) -> str:
+    """The GPU's busy time inside the timed phase of the profiled run (the
+    :data:`harness.engine.TIMED_MARK` range): the union of its device events' intervals, and each
+    kernel class's own time (:func:`kernel_class`), against the window and, where given, against
+    ``plain_wall_s`` (the same run without the profiler: the GPU work is the same, so busy over
+    that wall time is a lower bound of the GPU's busy share there)."""
+    from harness.engine import TIMED_MARK
+
+    events = list(prof.events())
+    marks = [e for e in events if e.name == TIMED_MARK]
+    if not marks:
+        return "GPU busy: no timed mark in the profile"
+    lo, hi = marks[-1].time_range.start, marks[-1].time_range.end
+    dev = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    spans = sorted((max(e.time_range.start, lo), min(e.time_range.end, hi), e.name) for e in dev
+                   if e.time_range.end > lo and e.time_range.start < hi)
+    if not spans:
+        return f"GPU busy: no device events in the timed window ({(hi - lo) / 1e3:.0f} ms)"
+    busy, end = 0.0, -math.inf
+    for a, b, _ in spans:  # union of the intervals
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    own: dict[str, float] = {}
+    for a, b, n in spans:
+        own[kernel_class(n)] = own.get(kernel_class(n), 0.0) + (b - a)
+    window = (hi - lo) / 1e3
+    line = (f"GPU busy in the timed window: {busy / 1e3:.0f} of {window:.0f} ms ({busy / 1e3 / window:.1%})")
+    if plain_wall_s:
+        plain = plain_wall_s * 1e3
+        line += f"; of the run without the profiler ({plain:.0f} ms): {busy / 1e3 / plain:.1%}"
+    parts = ", ".join(f"{c} {t / 1e3:.0f} ms" for c, t in sorted(own.items(), key=lambda kv: -kv[1]))
+    return f"{line}\n  device time by class (own, overlaps counted in each): {parts}"
+
+
+def timeline(clock: Any, run: dict[str, Any]) -> str:
+    """Where the run's wall time (``run["t0_s"]`` on, ``run["wall_s"]`` long) went, clipped to it:
+    the engine's rounds, its idle loop turns (``prepare_next_batch`` found nothing to run and the
+    engine waited for requests), the time before its first round, and the rest (between turns)."""
+    t0 = run["t0_s"] * 1e9
+    end = t0 + run["wall_s"] * 1e9
+
+    def inside(start: int, wall: int) -> float:
+        return max(0.0, min(start + wall, end) - max(start, t0)) / 1e6
+
+    opened = [r["t_open_ns"] for r in clock.rounds if "t_open_ns" in r]
+    rounds = sum(inside(r["t_open_ns"], r["wall_ns"]) for r in clock.rounds if "t_open_ns" in r)
+    idle = [inside(a, w) for a, w in clock.idle if inside(a, w) > 0]
+    first = ((min(t for t in opened if t >= t0) - t0) / 1e6) if any(t >= t0 for t in opened) else float("nan")
+    wall = run["wall_s"] * 1e3
+    return (f"the run's {wall:.0f} ms: engine rounds {rounds:.0f} ms, idle loop turns {len(idle)} "
+            f"({sum(idle):.1f} ms, longest {max(idle, default=0.0):.1f}), first round opened at {first:.1f} ms, "
+            f"the rest {wall - rounds - sum(idle):.1f} ms")
 
 
 def round_report(rounds: list[dict[str, Any]], kernel_ms: float | None) -> str:

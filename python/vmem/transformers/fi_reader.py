@@ -49,7 +49,8 @@ class FlashInferReader:
     """The ``kernel="flashinfer"`` reader. ``rows_of(layer)`` gives the layer's ``[rows,
     max_context, Hkv, D]`` K and V views; ``trash_row`` / ``trash_tokens``: the row padded tokens
     write to and its mapped tokens (padded requests read those); ``max_tokens``: the engine's
-    round size; ``graphs``: the engine captures CUDA graphs (the workspace is sized for them)."""
+    round size; ``graphs``: the engine pads its rounds, which are then planned as for a CUDA graph
+    (with graphs or a compiled forward; the workspace is sized for them)."""
 
     def __init__(self, max_context: int, rows_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
                  device: torch.device, num_heads: int, *, trash_row: int | None = None, trash_tokens: int = 1,
