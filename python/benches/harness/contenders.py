@@ -133,6 +133,11 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     # Deferred reclamation: a finished request's row keeps its pages for the next (no unmap, so
     # no device synchronization in the engine's loop when a request ends).
     "vmem-token-major-graphs-async-deferred": (BOTH, {**_FA_ASYNC, "deferred_reclaim": True}),
+    # ... compiled, and with the engine's block sharing off: a finished request's row keeps its
+    # pages for the next request (none went to the prefix cache, which would unmap them), so a
+    # memory-bound run maps and unmaps far less between rounds.
+    "vmem-token-major-graphs-async-compile-deferred-noshare": (BOTH, {**_FA_ASYNC, "compile": True,
+                                                                      "deferred_reclaim": True, "sharing": False}),
     "vmem-token-major-fi-graphs-async-deferred": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major",
                                                          "kernel": "flashinfer", "graphs": True, "async": True,
                                                          "deferred_reclaim": True, "optional": True}),
