@@ -307,5 +307,12 @@ def test_gpu_busy_counts_the_union_inside_the_timed_window() -> None:
     assert "GEMM 4 ms, attention 2 ms" in out and "KV write" not in out, out
     assert kernel_class("void at::native::vectorized_elementwise_kernel") == "other"
     assert kernel_class("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits>") == "attention"
+    assert kernel_class("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, "
+                        "cutlass::bfloat16_t>>") == "attention"
+    assert kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma") == "attention"
+    assert kernel_class("triton_per_fused__scaled_dot_product_cudnn_attention_0") == "attention"
     assert kernel_class("nvjet_sm90_tst_96x64_64x10_2x1_v_bz_splitK_TNN") == "GEMM"
+    assert kernel_class("triton_poi_fused__to_copy_add_mul_rsqrt_0") == "other"
+    assert kernel_class("void at::native::index_elementwise_kernel<128, 4>") == "KV write / index"
+    assert kernel_class("Memcpy HtoD (Pinned -> Device)") == "copy / fill"
     assert "no timed mark" in gpu_busy(SimpleNamespace(events=lambda: events[1:]))

@@ -135,13 +135,17 @@ def round_clock() -> Any:
     return clock
 
 
-#: Kernel classes of :func:`gpu_busy`, by the first class a kernel's name matches a pattern of
-#: (lower case; attention first: FlashAttention's split-KV kernels are named ``..._splitkv_...``).
-KERNEL_CLASSES = (("attention", ("flash", "fmha", "attn", "batchdecode", "batchprefill", "merge_state",
-                                "_combine_kernel")),
+#: Kernel classes of :func:`gpu_busy`: a kernel is in the first class one of whose patterns its
+#: name holds (lower case). Attention comes first: FlashAttention's kernels are templated on CUTLASS
+#: types (``cutlass::bfloat16_t``), which the GEMM class's ``cutlass`` would otherwise take.
+#: Copies and index kernels are matched by ATen's kernel names only, so that Inductor's fused
+#: kernels (``triton_poi_fused__to_copy_...``) stay ``other``.
+KERNEL_CLASSES = (("attention", ("flash_fwd", "pytorch_flash", "flash::", "fmha", "attention", "sdpa",
+                                "batchdecode", "batchprefill", "merge_state", "_combine_kernel")),
                   ("GEMM", ("nvjet", "gemm", "cutlass", "xmma", "cublas")),
-                  ("KV write / index", ("index", "scatter")),
-                  ("copy / fill", ("memcpy", "memset", "copy", "fill")))
+                  ("KV write / index", ("index_elementwise", "index_put", "index_copy", "index_fill",
+                                        "indexfunc", "scatter")),
+                  ("copy / fill", ("memcpy", "memset", "direct_copy", "copy_kernel", "fillfunctor")))
 
 
 def kernel_class(name: str) -> str:
@@ -154,8 +158,9 @@ def gpu_busy(prof: Any, plain_wall_s: float | None = None) -> str:
     """The GPU's busy time inside the timed phase of the profiled run (the
     :data:`harness.engine.TIMED_MARK` range): the union of its device events' intervals, and each
     kernel class's own time (:func:`kernel_class`), against the window and, where given, against
-    ``plain_wall_s`` (the same run without the profiler: the GPU work is the same, so busy over
-    that wall time is a lower bound of the GPU's busy share there)."""
+    ``plain_wall_s`` (the same run without the profiler: an estimate of the GPU's busy share
+    there, as the work is the same; the profiler inflates kernel times a little, and copies on the
+    copy engines may overlap kernels)."""
     from harness.engine import TIMED_MARK
 
     events = list(prof.events())
@@ -188,7 +193,8 @@ def gpu_busy(prof: Any, plain_wall_s: float | None = None) -> str:
 def timeline(clock: Any, run: dict[str, Any]) -> str:
     """Where the run's wall time (``run["t0_s"]`` on, ``run["wall_s"]`` long) went, clipped to it:
     the engine's rounds, its idle loop turns (``prepare_next_batch`` found nothing to run and the
-    engine waited for requests), the time before its first round, and the rest (between turns)."""
+    engine waited for requests), when its first round opened, and the rest: the run's time outside
+    every turn (the wait before the first round included)."""
     t0 = run["t0_s"] * 1e9
     end = t0 + run["wall_s"] * 1e9
 
@@ -202,7 +208,7 @@ def timeline(clock: Any, run: dict[str, Any]) -> str:
     wall = run["wall_s"] * 1e3
     return (f"the run's {wall:.0f} ms: engine rounds {rounds:.0f} ms, idle loop turns {len(idle)} "
             f"({sum(idle):.1f} ms, longest {max(idle, default=0.0):.1f}), first round opened at {first:.1f} ms, "
-            f"the rest {wall - rounds - sum(idle):.1f} ms")
+            f"outside every turn {wall - rounds - sum(idle):.1f} ms")
 
 
 def round_report(rounds: list[dict[str, Any]], kernel_ms: float | None) -> str:
