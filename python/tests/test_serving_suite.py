@@ -289,7 +289,7 @@ def test_tiny_suite_runs_end_to_end_and_merges(tmp_path) -> None:
 def test_gpu_busy_counts_the_union_inside_the_timed_window() -> None:
     """Overlapping device events count once in the busy time, events outside the timed mark not
     at all, and each class its own time."""
-    import torch
+    torch = pytest.importorskip("torch")  # the torch-less stage skips it; the serving stage runs it
     from harness.engine import TIMED_MARK
     from harness.stepprofile import gpu_busy, kernel_class
 
