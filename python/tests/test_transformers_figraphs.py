@@ -308,6 +308,11 @@ def test_flashinfer_with_the_engines_padding_matches_fa(fake_fi, split, monkeypa
     cache = ours["cache"]
     ws = cache.read.wrappers
     assert ws is not None and ws.plans == len(fi_rounds) == ours["rounds"]
+    # sized for padded rounds (graph-mode split partials) though no graph was captured: the
+    # engine pads every round under a compiled forward too (an 8B-x8 prefill overflowed the eager
+    # size on the H200, docs/serving.md)
+    d = cache.read.rows_of(0)[0].shape[-1]
+    assert ws.workspace.numel() == vt_fig.workspace_bytes(True, cache.max_batch_tokens, cache.read.num_heads, d)
     assert all(w.graph for w in ws.wrappers.values()) and all(w.plans for w in fake_fi.made)
     assert {d for _, d, _, _ in ws.wrappers} == {True, False}  # decode and prefill rounds both ran padded
     assert cache.read.page == split and ws.max_pages == OPTS["max_context"] // split
@@ -375,15 +380,17 @@ def test_the_gpu_checks_flashinfer_runs_work_on_the_cpu(monkeypatch):
                                           {"kernel": "flashinfer"})
 
 
-def test_a_compiled_forward_pads_rounds_as_graphs_do():
-    """The engine pads every round under CUDA graphs or a compiled forward; kernel="flashinfer"
-    plans padded rounds as for a graph and sizes its workspace for them (with a compile config
-    and no graphs, a 4-request check on the H200 overflowed the eager workspace: 566 MB of
-    split-KV partials in 207 MB)."""
-    from transformers.generation.configuration_utils import CompileConfig, ContinuousBatchingConfig
 
-    assert not vt_graphs.inputs_padded(ContinuousBatchingConfig())
-    assert vt_graphs.inputs_padded(ContinuousBatchingConfig(use_cuda_graph=True))
-    assert vt_graphs.inputs_padded(ContinuousBatchingConfig(decode_compile_config=CompileConfig()))
-    assert vt_graphs.inputs_padded(ContinuousBatchingConfig(use_cuda_graph=False,
-                                                             varlen_compile_config=CompileConfig()))
+def test_a_padded_round_after_unpadded_ones_is_refused(fake_fi):
+    """The workspace is sized at the first round planned; the engine pads every round or none,
+    so a padded round after unpadded ones is a misuse, refused before FlashInfer could overflow."""
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(2, [9, 20], model.config.vocab_size)
+    with vt.serving(**OPTS, kernel="flashinfer"):
+        run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 3, cb_kwargs={"max_batch_tokens": 64})
+    reader = run["cache"].read
+    d = reader.rows_of(0)[0].shape[-1]
+    assert reader.wrappers.workspace.numel() == vt_fig.workspace_bytes(False, 64, reader.num_heads, d)
+    assert reader._wrappers(False) is reader.wrappers
+    with pytest.raises(vmem.VmemError, match="a padded round after unpadded ones"):
+        reader._wrappers(True)

@@ -44,7 +44,7 @@ from .blocks import FreshBlocks
 from .fa import FaReader
 from .fi_reader import FlashInferReader
 from .flex import FlexReader
-from .graphs import RoundBuffers, check_engine_config, inputs_padded
+from .graphs import RoundBuffers, check_engine_config
 from .options import Options
 from .rounds import Rounds
 from .rows import RowTable
@@ -170,11 +170,10 @@ class VmemCBCache:
         # padded batch (written before each forward; a CUDA graph captures their addresses).
         self.round_buffers = RoundBuffers(cb.max_requests_per_batch, g.max_context, self.trash_row, self.device,
                                           max_tokens=self.max_batch_tokens)
-        self.read: Any = self._reader(config, inputs_padded(cb))
+        self.read: Any = self._reader(config)
 
-    def _reader(self, config: Any, padded: bool) -> Any:
-        """The kernel that reads the rows (``options.kernel``); ``padded``: the engine pads its
-        rounds (CUDA graphs or a compiled forward, :func:`~.graphs.inputs_padded`)."""
+    def _reader(self, config: Any) -> Any:
+        """The kernel that reads the rows (``options.kernel``)."""
         g = self.geometry
         if self.kernel == "fa":
             split = fa_split.splits_for(self.options.split_decode, self.device, g.head_dim, self.dtype)
@@ -184,7 +183,7 @@ class VmemCBCache:
             return FlexReader(self, g.compiled)
         return FlashInferReader(g.max_context, self.kv_rows, self.device, config.num_attention_heads,
                                 trash_row=self.trash_row, trash_tokens=g.block_size,
-                                max_tokens=self.max_batch_tokens, graphs=padded)
+                                max_tokens=self.max_batch_tokens)
 
     def _engine_attributes(self, layers: int) -> None:
         """The attributes the engine reads of a single full-attention group."""

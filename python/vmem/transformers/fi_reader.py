@@ -49,31 +49,39 @@ class FlashInferReader:
     """The ``kernel="flashinfer"`` reader. ``rows_of(layer)`` gives the layer's ``[rows,
     max_context, Hkv, D]`` K and V views; ``trash_row`` / ``trash_tokens``: the row padded tokens
     write to and its mapped tokens (padded requests read those); ``max_tokens``: the engine's
-    round size; ``graphs``: the engine pads its rounds, which are then planned as for a CUDA graph
-    (with graphs or a compiled forward; the workspace is sized for them)."""
+    round size. The wrappers' workspace is sized at the first round planned: for padded rounds
+    (planned as for a CUDA graph, whose split-KV partials need far more) when that round is
+    padded. The engine pads every round or none (its runner's ``pad_inputs``: CUDA graphs or a
+    compiled forward); a padded round after unpadded ones is refused (:class:`VmemError`)."""
 
     def __init__(self, max_context: int, rows_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
                  device: torch.device, num_heads: int, *, trash_row: int | None = None, trash_tokens: int = 1,
-                 max_tokens: int = 0, graphs: bool = False) -> None:
+                 max_tokens: int = 0) -> None:
         self.max_context, self.rows_of, self.num_heads = max_context, rows_of, num_heads
         self.device, self.trash_row, self.trash_tokens = device, trash_row, trash_tokens
-        self.max_tokens, self.graphs = max_tokens, graphs
+        self.max_tokens = max_tokens
         self.page = fi_plan.page_tokens(max_context)  # a row is max_context / page FlashInfer pages
         fi_plan.check_strides(fi_plan.page_view(rows_of(0)[0], self.page))  # every layer's has the same strides
         self._fi = fi_plan.load_flashinfer()
         self.wrappers: WrapperSet | None = None
+        self._sized_padded = False  # the wrappers' workspace holds a padded round's split partials
         self._pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # each layer's page views
         self.scale: Any = _UNKNOWN
 
-    def _wrappers(self) -> WrapperSet | None:
+    def _wrappers(self, padded: bool) -> WrapperSet | None:
+        """The wrappers, made at the first round planned (``padded``: that round is padded)."""
         if self.wrappers is None and fi_plan.kernels_on(self.device):
             k = self.rows_of(0)[0]
             _, _, hkv, d = k.shape
             cuda = self.device.type == "cuda"  # (the CPU tests run stand-in wrappers)
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 0
-            size = workspace_bytes(self.graphs, self.max_tokens, self.num_heads, d, kv_heads=hkv, sms=sms)
+            size = workspace_bytes(padded, self.max_tokens, self.num_heads, d, kv_heads=hkv, sms=sms)
             self.wrappers = WrapperSet(self._fi, self.device, size, self.num_heads, hkv, d, k.dtype,
                                        max_pages=self.max_context // self.page)
+            self._sized_padded = padded
+        elif self.wrappers is not None and padded and not self._sized_padded:
+            raise VmemError("kernel='flashinfer': a padded round after unpadded ones (the workspace was sized for "
+                            "unpadded rounds; the engine pads every round or none)")
         return self.wrappers
 
     def before_forward(self, rnd: Round, *, padded: bool, pair: int, stream: Any) -> None:
@@ -95,7 +103,7 @@ class FlashInferReader:
                                      page=self.page)
         else:
             plan = fi_plan.paged_plan(entries, self.max_context, self.page)
-        wrappers = self._wrappers()
+        wrappers = self._wrappers(state.padded)
         if wrappers is not None:
             state.wrapper = wrappers.plan(plan, pair=state.pair, graph=state.padded, scale=scale, stream=state.stream)
         state.plan, state.scale = plan, scale

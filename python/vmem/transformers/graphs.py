@@ -181,15 +181,6 @@ def graphs_requested(cb: Any) -> bool:
     return any(value) if isinstance(value, tuple | list) else bool(value)
 
 
-def inputs_padded(cb: Any) -> bool:
-    """Whether the engine pads its rounds (its runner's ``pad_inputs``): CUDA graphs
-    (:func:`graphs_requested`) or a compiled forward (a resolved ``varlen_compile_config`` or
-    ``decode_compile_config``, 5.17-5.24). A padded round is planned as for a graph, with or
-    without one (``kernel="flashinfer"`` sizes its workspace for that)."""
-    compiled = any(getattr(cb, name, None) is not None for name in ("varlen_compile_config", "decode_compile_config"))
-    return graphs_requested(cb) or compiled
-
-
 def refuse_graphs(cb: Any, name: str) -> None:
     """Refuses an engine config with CUDA graphs, a compiled forward or async batching for ``name``
     (a cache whose kernel indices are rebuilt on the host every round, e.g. a bench contender)."""
