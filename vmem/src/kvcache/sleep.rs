@@ -131,9 +131,14 @@ impl KvCacheManager {
             return Err(VmemError::LiveRequests { active });
         }
         // Nothing maps outside the lock meanwhile: map_ahead's claims and the background
-        // thread's pass end first.
-        st = self.wait_unclaimed(st, |st| st.requests.claimed.iter().any(|&c| c));
-        while self.mapper.is_some() && st.signals.busy {
+        // thread's pass end first, both at once. Waiting for the pass releases the lock, and a
+        // `map_ahead` may claim a request then (it was awake) and map outside the lock: the
+        // claims are checked again after every wait, or its pages would land after the unmaps.
+        loop {
+            st = self.wait_unclaimed(st, |st| st.requests.claimed.iter().any(|&c| c));
+            if self.mapper.is_none() || !st.signals.busy {
+                break;
+            }
             st = self.shared.wake.wait(st).unwrap_or_else(|e| e.into_inner());
         }
         // Asleep before the first unmap: a failure part-way leaves a cache that refuses to
