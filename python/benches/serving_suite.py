@@ -144,8 +144,13 @@ def profile(args: argparse.Namespace, only: dict[str, list[str]]) -> int:
     from harness import stepprofile, suite
 
     model, w = _first_workload(args, only)
-    text = f"{w.trace}/{w.model}/{w.budget}\n" + stepprofile.profile(model, args.profile, w.prompts, args, w.kv,
-                                                                     suite.registry())
+    try:
+        body = stepprofile.profile(model, args.profile, w.prompts, args, w.kv, suite.registry())
+    except Exception as e:  # the engine's refusal (async batching without CUDA, ...): one line, exit 1
+        print(f"serving_suite: --profile {args.profile} on {w.trace}/{w.model}/{w.budget} failed: "
+              f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    text = f"{w.trace}/{w.model}/{w.budget}\n" + body
     with open(os.path.join(args.out, "profile.txt"), "w") as f:
         f.write(text + "\n")
     print(text)

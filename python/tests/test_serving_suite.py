@@ -225,6 +225,28 @@ def test_suite_merge_refuses_what_is_no_result(tmp_path, capsys) -> None:
     assert "--merge: " in capsys.readouterr().err
 
 
+def test_profile_of_what_the_engine_refuses_stops_with_one_line_and_exit_1(tmp_path, capsys) -> None:
+    """The engine refuses async batching without CUDA: --profile says so in one line on stderr,
+    prints nothing on stdout and writes no profile.txt (before: the engine's traceback)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    if torch.cuda.is_available():
+        pytest.skip("the engine runs async batching on a GPU: nothing to refuse")
+    import serving_suite
+
+    out = tmp_path / "o"
+    rc = serving_suite.main(["--tiny", "--requests", "2", "--new-tokens", "2", "--max-prompt", "50",
+                             "--only", "model=llama3-8b-x8", "--only", "trace=conv",
+                             "--profile", "vmem-token-major-graphs-async", "--out", str(out)])
+    cap = capsys.readouterr()
+    assert rc == 1
+    assert cap.out == ""
+    last = cap.err.strip().splitlines()[-1]
+    assert last.startswith("serving_suite: --profile vmem-token-major-graphs-async on conv/llama3-8b-x8/fits "
+                           "failed: RuntimeError: "), cap.err
+    assert "Traceback" not in cap.err and not (out / "profile.txt").exists()
+
+
 def read(d: str, name: str) -> str:
     with open(os.path.join(d, name)) as f:
         return f.read()
