@@ -147,6 +147,29 @@ pub enum VmemError {
         limit: u64,
     },
 
+    /// A zero-backed KV cache on host memory would need more memory mappings (one per page
+    /// slot) than the process has left under the OS's limit (Linux `vm.max_map_count`),
+    /// keeping `reserve` for the rest of the process; refused before anything is mapped
+    /// ([`check_zero_page_maps`](crate::kvcache::check_zero_page_maps)).
+    #[error(
+        "the zero page needs {slots} memory mappings (one per page slot of every buffer) and \
+         the process holds {maps} of the OS's limit vm.max_map_count = {limit}, which must \
+         also leave {reserve} for the rest of the process; raise the limit (as root: sysctl -w \
+         vm.max_map_count={}), or turn zero_page off, or use larger pages or a smaller \
+         max_batch x max_context",
+        map_count_for(slots.saturating_add(*maps).saturating_add(*reserve))
+    )]
+    ZeroPageMaps {
+        /// The mappings the zero page needs.
+        slots: u64,
+        /// The process's mappings before it (`/proc/self/maps`).
+        maps: u64,
+        /// The limit (`/proc/sys/vm/max_map_count`).
+        limit: u64,
+        /// The mappings kept for the rest of the process.
+        reserve: u64,
+    },
+
     /// The KV cache's virtual buffers could not be reserved (or zero-backed): `max_batch` x
     /// `max_context` x the bytes of K and V a token takes is more virtual memory than the
     /// backend gives. Nothing is left reserved.
@@ -260,4 +283,13 @@ impl VmemError {
 /// several distributions ship).
 fn suggested_map_count(limit: u64) -> u64 {
     limit.saturating_mul(4).max(262_144)
+}
+
+/// The `vm.max_map_count` to suggest for `needed` mappings: the power of two at or above it,
+/// at least 262,144.
+fn map_count_for(needed: u64) -> u64 {
+    needed
+        .checked_next_power_of_two()
+        .unwrap_or(u64::MAX)
+        .max(262_144)
 }

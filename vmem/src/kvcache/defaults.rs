@@ -37,7 +37,8 @@ pub struct PolicyDefaults {
     /// cap ([`default_reclaim_threshold`]).
     pub reclaim_threshold: Option<u64>,
     /// Back unmapped memory with the zero page; `None`: on for host memory as long as its
-    /// mappings fit in half the OS's limit ([`default_zero_page`]), off elsewhere.
+    /// mappings fit in half of what the OS's limit leaves the process ([`default_zero_page`]),
+    /// off elsewhere.
     pub zero_page: Option<bool>,
 }
 
@@ -55,7 +56,7 @@ impl PolicyDefaults {
             .unwrap_or_else(|| default_reclaim_threshold(cfg.memory_cap));
         cfg.zero_page = match self.zero_page {
             Some(on) => on,
-            None => default_zero_page(&cfg, backend, max_map_count())?,
+            None => default_zero_page(&cfg, backend, map_headroom())?,
         };
         Ok(cfg)
     }
@@ -78,16 +79,56 @@ pub fn whole_virtual_size(cfg: &KvConfig) -> Result<u64> {
 
 /// Whether the zero page is on by default: on host memory, where a read past a request's
 /// pages is a SIGSEGV of the reading process, as long as the cache's page slots (one mapping
-/// each) fit in half of `max_map_count`, the OS's limit on mappings; off on the GPU backends
-/// (a kernel reads by length, and a zero slot costs a device synchronization per growth) and
-/// on the simulation (no memory).
-pub fn default_zero_page(cfg: &KvConfig, backend: BackendKind, max_map_count: u64) -> Result<bool> {
+/// each, [`zero_page_slots`]) fit in half of `map_headroom`, the mappings the process may still
+/// make under the OS's limit ([`map_headroom`]: a second cache in the process sees what the
+/// first one holds); off on the GPU backends (a kernel reads by length, and a zero slot costs a
+/// device synchronization per growth) and on the simulation (no memory).
+pub fn default_zero_page(cfg: &KvConfig, backend: BackendKind, map_headroom: u64) -> Result<bool> {
+    let slots = zero_page_slots(cfg)?;
+    Ok(backend == BackendKind::Host && slots <= map_headroom / 2)
+}
+
+/// The memory mappings a zero-backed cache holds before any page is mapped: one per page slot
+/// of every row of every buffer (`u64::MAX` where that overflows).
+pub fn zero_page_slots(cfg: &KvConfig) -> Result<u64> {
     let geo = cfg.validate()?;
-    let slots = (geo.slice_bytes / geo.page_size)
+    Ok((geo.slice_bytes / geo.page_size)
         .checked_mul(cfg.max_batch as u64)
         .and_then(|n| n.checked_mul(geo.buffers as u64))
-        .unwrap_or(u64::MAX);
-    Ok(backend == BackendKind::Host && slots <= max_map_count / 2)
+        .unwrap_or(u64::MAX))
+}
+
+/// The mappings a zero-backed cache on host memory leaves the rest of the process when it is
+/// made ([`check_zero_page_maps`]): its pages, the allocator's arenas, threads' stacks.
+pub const MAP_RESERVE: u64 = 4096;
+
+/// Refuses, before anything is mapped, a zero page on host memory whose slots would take the
+/// process past the OS's limit on mappings, less [`MAP_RESERVE`]
+/// ([`VmemError::ZeroPageMaps`]). At the limit no allocation that needs a new mapping
+/// succeeds, not even the clean-up of the failed call, and Rust aborts the process on a failed
+/// allocation: the check has to come first. Other backends, and a cache without the zero page,
+/// pass.
+pub fn check_zero_page_maps(cfg: &KvConfig, backend: BackendKind) -> Result<()> {
+    if !cfg.zero_page || backend != BackendKind::Host {
+        return Ok(());
+    }
+    let slots = zero_page_slots(cfg)?;
+    let (maps, limit) = (map_count().unwrap_or(0), max_map_count());
+    if slots.saturating_add(maps).saturating_add(MAP_RESERVE) > limit {
+        return Err(VmemError::ZeroPageMaps {
+            slots,
+            maps,
+            limit,
+            reserve: MAP_RESERVE,
+        });
+    }
+    Ok(())
+}
+
+/// The mappings the process may still make: the OS's limit ([`max_map_count`]) less those it
+/// holds now ([`map_count`]; the whole limit where they cannot be counted).
+pub fn map_headroom() -> u64 {
+    max_map_count().saturating_sub(map_count().unwrap_or(0))
 }
 
 /// The OS's limit on memory mappings per process (Linux `vm.max_map_count`;
@@ -97,6 +138,13 @@ pub fn max_map_count() -> u64 {
         .ok()
         .and_then(|s| s.trim().parse().ok())
         .unwrap_or(DEFAULT_MAX_MAP_COUNT)
+}
+
+/// The memory mappings the process holds now: the lines of `/proc/self/maps` (`None` where it
+/// cannot be read). Reads the whole file: for a cache's creation, not for every step.
+pub fn map_count() -> Option<u64> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    Some(maps.lines().count() as u64)
 }
 
 #[cfg(test)]
@@ -149,6 +197,49 @@ mod tests {
         for kind in [BackendKind::Sim, BackendKind::Cuda, BackendKind::Uvm] {
             assert!(!default_zero_page(&cfg, kind, u64::MAX).unwrap());
         }
+    }
+
+    #[test]
+    fn a_zero_page_past_the_mapping_limit_is_refused_before_anything_is_mapped() {
+        // 4 buffers x 64 rows x (max_context / 16) slots of 4 KiB: past the limit whatever the
+        // machine's, with the rows long enough.
+        let limit = max_map_count();
+        let ctx = usize::try_from(limit / 16 + 1).unwrap() * 16;
+        let mut cfg = shape(64, ctx, 4096);
+        cfg.zero_page = true;
+        assert!(zero_page_slots(&cfg).unwrap() > limit);
+        match check_zero_page_maps(&cfg, BackendKind::Host) {
+            Err(VmemError::ZeroPageMaps {
+                slots,
+                maps,
+                limit: l,
+                reserve,
+            }) => {
+                assert_eq!(
+                    (slots, l, reserve),
+                    (zero_page_slots(&cfg).unwrap(), limit, MAP_RESERVE)
+                );
+                assert!(maps > 0, "a process holds some mappings");
+            }
+            other => panic!("not refused: {other:?}"),
+        }
+        let msg = check_zero_page_maps(&cfg, BackendKind::Host)
+            .unwrap_err()
+            .to_string();
+        for part in ["vm.max_map_count", "zero_page off", "sysctl -w"] {
+            assert!(msg.contains(part), "{part:?} not in {msg}");
+        }
+        // Nothing to count: the other backends, or no zero page.
+        assert!(check_zero_page_maps(&cfg, BackendKind::Sim).is_ok());
+        cfg.zero_page = false;
+        assert!(check_zero_page_maps(&cfg, BackendKind::Host).is_ok());
+        // A small one fits.
+        let mut small = shape(4, 1024, KIB64);
+        small.zero_page = true;
+        assert!(check_zero_page_maps(&small, BackendKind::Host).is_ok());
+        // The default leaves it off: it would not fit half of what is left.
+        assert!(!default_zero_page(&cfg, BackendKind::Host, map_headroom()).unwrap());
+        assert!(map_headroom() < limit, "the process's own mappings count");
     }
 
     #[test]

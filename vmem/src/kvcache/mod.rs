@@ -28,8 +28,9 @@ mod unmap;
 pub use blocks::{block_hashes, BlockHash, PrefixStats};
 pub use config::{Geometry, KvConfig, KvConfigBuilder, LayerView, Layout, TensorView, MAX_BATCH};
 pub use defaults::{
-    default_reclaim_threshold, default_zero_page, max_map_count, whole_virtual_size,
-    PolicyDefaults, DEFAULT_MAX_MAP_COUNT,
+    check_zero_page_maps, default_reclaim_threshold, default_zero_page, map_count, map_headroom,
+    max_map_count, whole_virtual_size, zero_page_slots, PolicyDefaults, DEFAULT_MAX_MAP_COUNT,
+    MAP_RESERVE,
 };
 pub use digest::DecisionDigest;
 pub use sleep::ShrinkReport;
@@ -147,6 +148,9 @@ impl KvCacheManager {
     pub fn init(backend: Arc<dyn Backend>, cfg: KvConfig) -> Result<Self> {
         let geo = cfg.validate()?;
         backend.check_page_size(cfg.page_size)?;
+        // Before anything is mapped: at the OS's mapping limit not even a failed init's
+        // clean-up could allocate.
+        check_zero_page_maps(&cfg, backend.kind())?;
         let pool = PagePool::new(backend.clone(), cfg.page_size, cfg.memory_cap, cfg.prealloc)?;
         let buffers = (0..geo.buffers)
             .map(|_| {
