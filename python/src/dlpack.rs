@@ -7,8 +7,10 @@ use dlpark::ffi::{DLDevice, DLDeviceType, DLManagedTensor, DLManagedTensorVersio
 use dlpark::metadata::Fixed;
 use dlpark::python::{export_dlpack, DlpackExporter, ExportRequest};
 use dlpark::{DlpackFlags, Managed, ManagedTensorBase};
+use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 use std::sync::Arc;
+use vmem::backend::BackendKind;
 
 /// One layer's K or V: a strided `[max_batch, max_context, kv_heads, head_dim]` view of
 /// virtual memory, exported through DLPack with no copy.
@@ -74,7 +76,8 @@ impl DlpackExporter for KVTensor {
 
 #[pymethods]
 impl KVTensor {
-    /// DLPack export (a fresh capsule each call).
+    /// DLPack export (a fresh capsule each call); `BufferError` for a view of the simulation
+    /// backend, which has no memory behind it.
     #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
     fn __dlpack__(
         &self,
@@ -84,6 +87,14 @@ impl KVTensor {
         dl_device: Option<(u32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
+        if self.inner.kv.backend().kind() == BackendKind::Sim {
+            // Its addresses have nothing behind them: a consumer's first read was a SIGSEGV.
+            return Err(PyBufferError::new_err(
+                "a view of the simulation backend (backend=\"sim\") has no memory behind it: its \
+                 address, shape and strides are there to check, but it cannot be exported or \
+                 read; use backend=\"host\" for views that can",
+            ));
+        }
         let request = ExportRequest::parse(stream.as_ref(), max_version, dl_device, copy)?;
         export_dlpack(self, py, request)
     }

@@ -34,6 +34,18 @@ def test_dlpack_views_have_the_layouts_shape_and_strides(layout, dtype, np_dtype
     kv.close()
 
 
+def test_a_simulation_view_describes_itself_but_refuses_export():
+    # Before: exported as host memory at an address with nothing behind it, and the first read
+    # of the array was a SIGSEGV.
+    kv = cache(backend="sim")
+    k, _ = kv.layer(0)
+    assert k.shape == (4, 2048, 2, 64) and k.data_ptr > 0 and k.__dlpack_device__() == (1, 0)
+    for export in (lambda: np.from_dlpack(k), lambda: k.__dlpack__(), lambda: k.__dlpack__(max_version=(1, 0))):
+        with pytest.raises(BufferError, match='backend="sim"'):
+            export()
+    kv.close()
+
+
 @pytest.mark.parametrize("layout", ["per-layer", "token-major"])
 def test_writes_through_one_view_are_seen_through_another_and_nowhere_else(layout):
     kv = cache(layout)
@@ -467,6 +479,38 @@ def test_the_zero_page_default_stays_off_where_its_mappings_would_pass_the_os_li
     r = kv.alloc()
     kv.step({r: 300})
     kv.close()
+
+
+def test_zero_page_mappings_count_what_the_process_holds_and_past_the_limit_are_refused_not_aborted():
+    # Before: a cache whose zero page passed vm.max_map_count ended the process (SIGABRT: at
+    # the limit the failed init's clean-up could not allocate), and the default let each cache
+    # take half the limit, blind to other caches. A subprocess, so an abort fails the test.
+    import subprocess
+    import sys
+    code = (
+        "import vmem\n"
+        "limit = int(open('/proc/sys/vm/max_map_count').read())\n"
+        "# 1 layer, 64 KB pages, 1024 tokens of 2 KB: 32 slots in each of 2 buffers, 64 an id\n"
+        "ids = min(limit // 2 // 64 - 64, 65536)\n"
+        "kw = dict(layers=1, kv_heads=8, head_dim=128, dtype='fp16', max_context=1024, page_size='64K',"
+        " device='cpu', overlap=False)\n"
+        "first = vmem.KVCache(max_batch=ids, **kw)\n"
+        "second = vmem.KVCache(max_batch=ids, **kw)  # half of what is left: no room\n"
+        "print(first.config()['zero_page'], second.config()['zero_page'], flush=True)\n"
+        "try:\n"
+        "    vmem.KVCache(max_batch=min(limit // 64 + 1, 65536), zero_page=True, **kw)\n"
+        "except vmem.VmemError as e:\n"
+        "    print(type(e).__name__, e, flush=True)\n"
+        "r = second.alloc()\n"
+        "second.step({r: 100})\n"
+        "print('still serving', flush=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    lines = r.stdout.splitlines()
+    assert lines[0] == "True False", r.stdout
+    assert lines[1].startswith("VmemError the zero page needs ") and "vm.max_map_count" in lines[1], r.stdout
+    assert lines[2] == "still serving", r.stdout
 
 
 @pytest.mark.parametrize(

@@ -45,7 +45,8 @@ class KVCache(MemoryControl):
 
     Placement: ``device`` is ``"cpu"`` (host memory), ``"cuda"``, ``"cuda:N"``, an int ``N``
     or a ``torch.device``; ``backend`` is ``"auto"`` (patched driver, then CUDA, then host
-    memory), ``"cuda"``, ``"uvm"``, ``"host"`` or ``"sim"`` (no memory: views cannot be read).
+    memory), ``"cuda"``, ``"uvm"``, ``"host"`` or ``"sim"`` (no memory: exporting a view raises
+    ``BufferError``).
     With ``device=None`` (the default) ``"auto"`` may fall back to host memory
     (``config()["backend_reason"]`` says why); with a GPU device it must find a GPU
     (:class:`BackendUnavailable` otherwise); ``device="cpu"`` means the host backend.
