@@ -96,13 +96,14 @@ impl Pool {
         default_limit: Option<&str>,
         group: Option<&str>,
     ) -> PyResult<Pool> {
+        // Checked even with a size, which does not read it: a misspelt backend is refused.
+        let choice: BackendChoice = backend
+            .parse()
+            .map_err(|e: vmem::VmemError| setting(format!("backend: {e}")))?;
         let config = match size {
             Some(s) => PoolConfig::new(self::size("size", s)?),
             None => {
                 let reserve = self::size("reserve", reserve)?;
-                let choice: BackendChoice = backend
-                    .parse()
-                    .map_err(|e: vmem::VmemError| setting(format!("backend: {e}")))?;
                 let sel = py
                     .detach(|| open_backend(choice, device))
                     .map_err(|e| setting(format!("backend {backend}: {e}; or give size")))?;

@@ -69,7 +69,9 @@ def test_refusals_are_pool_errors_with_the_clis_messages(p, path):
             p.set_limit("x", bad)
     for kw in (dict(size="0"), dict(size=-1), dict(size=True), dict(size="1G", slots=0), dict(size="1G", slots=2000),
                dict(size="1G", slots="4"), dict(size="1G", default_limit="200%"), dict(size="1G", group="no-such-group-xyz"),
-               dict(size="1G", device=-1), dict(reserve="1P", backend="host")):
+               dict(size="1G", device=-1), dict(reserve="1P", backend="host"),
+               # past 64 bits (an OverflowError naming no argument), a backend that is not one
+               dict(size="1G", slots=2**64), dict(size="1G", device=2**64), dict(size="1G", backend="nope")):
         with pytest.raises(vmem.PoolError):
             pool.create(path + "-new", **kw)
     assert not os.path.exists(path + "-new")

@@ -136,13 +136,14 @@ pub fn run(out: &mut dyn Write, args: &PoolArgs) -> Result<(), CliError> {
             default_limit,
             group,
         } => {
+            // Checked even with --size, which does not read it: a misspelt backend is refused.
+            let choice: BackendChoice = backend
+                .parse()
+                .map_err(|e: vmem::VmemError| setting(format!("--backend: {e}")))?;
             let mut config = match size {
                 Some(s) => PoolConfig::new(size_arg("--size", s)?),
                 None => {
                     let reserve = size_arg("--reserve", reserve)?;
-                    let choice: BackendChoice = backend
-                        .parse()
-                        .map_err(|e: vmem::VmemError| setting(format!("--backend: {e}")))?;
                     let sel = open_backend(choice, *device).map_err(|e| {
                         setting(format!("--backend {backend}: {e}; or give --size"))
                     })?;

@@ -190,6 +190,14 @@ fn bad_input_is_refused_and_changes_nothing() {
             "tenant slots",
         ),
         (
+            "unknown backend with a size",
+            pool(
+                &dir.0.join("z"),
+                &["create", "--size", "1G", "--backend", "nope"],
+            ),
+            "unknown backend \"nope\"",
+        ),
+        (
             "no such group",
             pool(
                 &dir.0.join("z"),

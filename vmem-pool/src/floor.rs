@@ -57,10 +57,12 @@ impl Ledger {
             .map(|i| (self.name_of(i), self.slot(i)[s::FLOOR].load(SeqCst)))
             .filter(|(_, f)| *f > 0)
             .collect();
+        // In 128 bits: floors near 2^64 would saturate at u64::MAX, which a pool of that
+        // total would take for a sum that fits.
         let sum = others
             .iter()
-            .fold(bytes, |acc, (_, f)| acc.saturating_add(*f));
-        if sum > self.total() {
+            .fold(u128::from(bytes), |acc, (_, f)| acc + u128::from(*f));
+        if sum > u128::from(self.total()) {
             let each = others
                 .iter()
                 .map(|(n, f)| format!("{n} {}", format_bytes(*f)))
@@ -70,11 +72,12 @@ impl Ledger {
                 "floor {} of tenant {name:?} would make the floors sum to {} ({sum} bytes), past \
                  the pool's total {} (other floors: {each})",
                 format_bytes(bytes),
-                format_bytes(sum),
+                format_bytes(u64::try_from(sum).unwrap_or(u64::MAX)),
                 format_bytes(self.total())
             )));
         }
-        Ok(sum)
+        // At most the total: it fits.
+        Ok(u64::try_from(sum).unwrap_or(u64::MAX))
     }
 
     /// Sets live tenant `tenant`'s floor (`Floor::NONE` or `0` removes it). Refused above the

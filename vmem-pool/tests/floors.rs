@@ -227,3 +227,28 @@ fn racing_charges_never_eat_into_an_idle_tenants_floor() {
     assert_eq!(idle.pool_room(), 64 * page);
     assert_eq!(fill(&idle, page), (64 * page, Refusal::TenantLimit));
 }
+
+#[test]
+fn floors_near_two_to_the_64_are_summed_without_saturating() {
+    // The sum saturated at u64::MAX: in a pool of that total, two floors of 2^63 + 1 (and a
+    // third) were each accepted, promising 3 x 2^63 bytes.
+    let dir = Scratch::new("floor-huge");
+    let (_path, l) = pool(&dir, u64::MAX);
+    let half = (1 << 63) + 1;
+    let a = l.join_with_floor("a", None, Floor::Bytes(half)).unwrap();
+    let refused = l.join_with_floor("b", None, Floor::Bytes(half));
+    assert!(
+        matches!(&refused, Err(PoolError::InvalidSetting(m)) if m.contains("past the pool's total")),
+        "{:?}",
+        refused.map(|t| t.floor())
+    );
+    let b = l.join("b", None).unwrap();
+    assert!(matches!(
+        l.set_floor("b", Floor::Bytes(half)),
+        Err(PoolError::InvalidSetting(_))
+    ));
+    // What fits is still accepted, up to the total exactly.
+    let ch = l.set_floor("b", Floor::Bytes(u64::MAX - half)).unwrap();
+    assert_eq!((ch.new, ch.floors), (u64::MAX - half, u64::MAX));
+    assert_eq!((a.floor(), b.floor()), (half, u64::MAX - half));
+}
