@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch-tokens", type=int, default=None)
     ap.add_argument("--max-requests", type=int, default=256)
     ap.add_argument("--max-context", type=int, default=8192)
-    ap.add_argument("--page-size", default="2M")
+    ap.add_argument("--page-size", default=None, help="one of vmem's page sizes (default 2M, --tiny 64K)")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--trace", default=default_trace())
     ap.add_argument("--seed", type=int, default=0)

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch-tokens", type=int, default=None, help="default: what the engine picks")
     ap.add_argument("--max-requests", type=int, default=256, help="vmem rows (requests holding KV at once)")
     ap.add_argument("--max-context", type=int, default=8192)
-    ap.add_argument("--page-size", default="2M")
+    ap.add_argument("--page-size", default=None, help="one of vmem's page sizes (default 2M, --tiny 64K)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs per contender (compiles Flex)")
     ap.add_argument("--timeout", type=float, default=540.0)
     ap.add_argument("--trace", default=default_trace())

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
     ap.add_argument("--max-requests", type=int, default=256, help="vmem rows (requests holding KV at once)")
     ap.add_argument("--max-context", type=int, default=8192)
-    ap.add_argument("--page-size", default="2M")
+    ap.add_argument("--page-size", default=None, help="one of vmem's page sizes (default 2M, --tiny 64K)")
     ap.add_argument("--memory-percent", type=float, default=0.9, help="the engine's activation headroom check")
     ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs per contender and model")
     ap.add_argument("--no-graph-warmup", dest="graph_warmup", action="store_false",

@@ -315,6 +315,20 @@ def test_ints_past_64_bits_in_the_constructor_are_invalid_arguments(kw):
         cache(**kw)
 
 
+def test_huge_values_are_refused_in_messages_of_bounded_length():
+    # Before: the whole number went into the message (427 characters for 10**400).
+    kv = cache()
+    r = kv.alloc()
+    for bad in (10**400, -(10**400), 1e300):
+        with pytest.raises(vmem.InvalidArgument, match=r"lengths\[0\] = \d+\.\.\.|lengths\[0\] = -\d+\.\.\.") as e:
+            kv.step({r: bad})
+        assert len(str(e.value)) < 120, str(e.value)
+    with pytest.raises(vmem.InvalidArgument, match="at most 2\\*\\*64 - 1 bytes") as e:
+        cache(memory_cap=10**400)
+    assert len(str(e.value)) < 150, str(e.value)
+    kv.close()
+
+
 @pytest.mark.parametrize(
     "call",
     [lambda kv: kv.free(2**70), lambda kv: kv.layer(2**70), lambda kv: kv.alloc_for(2**64),

@@ -185,7 +185,8 @@ def test_merge_combines_parts_and_a_later_run_replaces_an_earlier(tmp_path) -> N
     (["--tenth", "nan"], "--tenth must be a fraction"),
     (["--check-requests", "-1"], "--check-requests must be at least 0"),
     (["--requests", "2001"], "2000 requests, 2001 asked"),
-    (["--page-size", "bogus"], "--page-size"), (["--timeout", "0"], "--timeout must be more than 0"),
+    (["--page-size", "bogus"], "--page-size"), (["--page-size", "3"], "is not one of vmem's page sizes"),
+    (["--page-size", "4K"], "is not one of vmem's page sizes"), (["--timeout", "0"], "--timeout must be more than 0"),
     (["--max-batch-tokens", "0"], "--max-batch-tokens must be at least 1"),
     (["--out", "/proc/version/x"], "--out '/proc/version/x' cannot be created"),
 ])
@@ -244,7 +245,10 @@ def test_profile_of_what_the_engine_refuses_stops_with_one_line_and_exit_1(tmp_p
     last = cap.err.strip().splitlines()[-1]
     assert last.startswith("serving_suite: --profile vmem-token-major-graphs-async on conv/llama3-8b-x8/fits "
                            "failed: RuntimeError: "), cap.err
-    assert "Traceback" not in cap.err and not (out / "profile.txt").exists()
+    # No traceback of the engine's (which ends in a line "RuntimeError: ..."); a logging handler
+    # left on an earlier test's closed stream may print its own "--- Logging error ---".
+    assert not any(x.startswith("RuntimeError") for x in cap.err.splitlines()), cap.err
+    assert not (out / "profile.txt").exists()
 
 
 def read(d: str, name: str) -> str:

@@ -435,7 +435,7 @@ BAD_FLAGS = [
     ["--requests", "0"], ["--new-tokens", "0"], ["--rounds", "0"], ["--layers", "0"], ["--max-requests", "0"],
     ["--max-context", "0"], ["--max-batch-tokens", "0"], ["--max-batch-tokens", "-5"],
     ["--memory-percent", "0"], ["--memory-percent", "nan"], ["--memory-percent", "7"],
-    ["--page-size", "bogus"], ["--page-size", "0"], ["--timeout", "0"], ["--timeout", "nan"],
+    ["--page-size", "bogus"], ["--page-size", "0"], ["--page-size", "3"], ["--timeout", "0"], ["--timeout", "nan"],
     ["--trace", "/nonexistent/trace.csv"], ["--contenders", ","], ["--out", "/proc/version/x"],
 ]
 

@@ -31,7 +31,7 @@ BAD = [dict(memory="lots"), dict(max_requests=0), dict(page_size="3M"), dict(com
        dict(max_context="8"), dict(max_context=0), dict(max_requests=True), dict(max_requests=2.0),
        dict(page_size="4K"), dict(page_size=3 << 20), dict(page_size=True), dict(memory=-1), dict(memory=0),
        dict(memory=1.5), dict(layout="rows"), dict(kernel="sdpa"), dict(kernel=None), dict(prefix_cache="x"),
-       dict(compile=1), dict(prealloc=None), dict(colour="blue")]
+       dict(compile=1), dict(prealloc=None), dict(colour="blue"), dict(prefix_cache=2**64), dict(memory=2**64)]
 
 
 @pytest.mark.parametrize("bad", BAD, ids=[repr(b) for b in BAD])

@@ -53,9 +53,9 @@ def check_int(name: str, value: Any, *, min: Optional[int] = None, max: Optional
         else:
             raise InvalidArgument(f"{name} must be an int, got {short(value)}")
     if min is not None and value < min:
-        raise InvalidArgument(f"{name} must be >= {min}, got {value}")
+        raise InvalidArgument(f"{name} must be >= {min}, got {short(value)}")
     if max is not None and value > max:
-        raise InvalidArgument(f"{name} must be <= {max}, got {value}")
+        raise InvalidArgument(f"{name} must be <= {max}, got {short(value)}")
     return value
 
 
@@ -102,7 +102,9 @@ def check_size(name: str, value: Any, *, min: int = 0) -> int:
     else:
         raise InvalidArgument(f"{name}: not a size: {short(value)} (an int, or a string like '2M')")
     if n < min:
-        raise InvalidArgument(f"{name} must be at least {min} bytes, got {value!r}")
+        raise InvalidArgument(f"{name} must be at least {min} bytes, got {short(value)}")
+    if n >= 1 << 64:  # what Rust takes: refused here, when the setting is made, not later
+        raise InvalidArgument(f"{name} must be at most 2**64 - 1 bytes, got {short(value)}")
     return n
 
 
@@ -166,11 +168,11 @@ def lengths(lengths: Any, max_batch: int) -> List[int]:
             if isinstance(n, float) and n.is_integer():
                 n = int(n)
             else:
-                raise InvalidArgument(f"lengths[{i}] = {n!r} is not a whole number of tokens")
+                raise InvalidArgument(f"lengths[{i}] = {short(n)} is not a whole number of tokens")
         if n < 0:
-            raise InvalidArgument(f"lengths[{i}] = {n} is negative")
+            raise InvalidArgument(f"lengths[{i}] = {short(n)} is negative")
         if n >= _MAX_LENGTH:
-            raise InvalidArgument(f"lengths[{i}] = {n} is too large")
+            raise InvalidArgument(f"lengths[{i}] = {short(n)} is too large")
         out.append(n)
     if len(out) != max_batch:
         raise InvalidArgument(f"step expects {max_batch} lengths (max batch), got {len(out)}")

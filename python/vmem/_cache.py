@@ -71,8 +71,10 @@ class KVCache(MemoryControl):
     (:meth:`step` first). Not on the patched UVM driver, which maps each page once.
     ``zero_page=None`` (the default) turns it on for host memory, where a read past a
     request's pages would kill the Python process with SIGSEGV (through a NumPy view), as
-    long as the cache's page slots fit in half the OS's limit on mappings
-    (``vm.max_map_count``; one mapping per slot); off on the GPU backends and ``sim``.
+    long as the cache's page slots fit in half of what the OS's limit on mappings
+    (``vm.max_map_count``; one mapping per slot) leaves the process; off on the GPU backends
+    and ``sim``. ``zero_page=True`` past that limit is a :class:`VmemError`, before anything
+    is mapped.
     ``config()["zero_page"]`` says what was chosen (docs/python.md has the measurement).
 
     Prefix sharing: ``prefix_cache`` (bytes, e.g. ``"4G"``; ``None``, the default, is off)

@@ -71,17 +71,21 @@ def check_flags(ap: argparse.ArgumentParser, args: Any, positive: Sequence[str],
                 at_least_zero: Sequence[str] = ()) -> None:
     """Refuses, as usage errors (exit 2, one line naming the flag), before any model is built,
     what a serving bench cannot run: :func:`check_counts`, ``--memory-percent`` outside (0, 1],
-    ``--timeout`` not above 0, a ``--page-size`` vmem cannot parse or 0, a ``--trace`` that is
+    ``--timeout`` not above 0, a ``--page-size`` that is not one of vmem's, a ``--trace`` that is
     no file, an ``--out`` that cannot be created."""
     check_counts(ap, args, positive, at_least_zero)
     check_fraction(ap, "--memory-percent", args.memory_percent)
     check_seconds(ap, "--timeout", args.timeout)
-    try:
-        page = vmem.parse_bytes(args.page_size)
-    except vmem.VmemError as e:
-        ap.error(f"--page-size {args.page_size!r}: {e}")
-    if page == 0:
-        ap.error("--page-size must be more than 0 bytes")
+    if args.page_size is not None:
+        from vmem.transformers import PAGE_SIZES
+
+        try:
+            page = vmem.parse_bytes(args.page_size)
+        except vmem.VmemError as e:
+            ap.error(f"--page-size {args.page_size!r}: {e}")
+        if page not in PAGE_SIZES:
+            ap.error(f"--page-size {args.page_size!r} is not one of vmem's page sizes "
+                     f"({', '.join(f'{p >> 10}K' for p in PAGE_SIZES)})")
     if not os.path.isfile(args.trace):
         ap.error(f"--trace {args.trace!r} is not a file")
     try:
@@ -102,14 +106,15 @@ def trace_lengths(ap: argparse.ArgumentParser, path: str, n: int, cap: int) -> l
 
 def place(ap: argparse.ArgumentParser, args: Any) -> None:
     """Sets ``args.device`` and ``args.dtype``: bf16 on the GPU, or with ``--tiny`` fp32 on the CPU
-    with small pages, context and batch (a smoke test); no GPU without ``--tiny`` is a usage error."""
+    with small pages, context and batch (a smoke test); no GPU without ``--tiny`` is a usage error.
+    ``args.page_size`` given is kept; else 2M on the GPU, 64K with ``--tiny``."""
     import torch
 
     from harness.engine import fake_cpu_memory
 
     if args.tiny:
         args.device, args.dtype = "cpu", torch.float32
-        args.page_size = "64K"
+        args.page_size = args.page_size or "64K"
         args.max_context = min(args.max_context, 2048)
         args.max_batch_tokens = args.max_batch_tokens or 256
         args.max_requests = min(args.max_requests, 8)  # eager Flex on the CPU materializes rows x context scores
@@ -118,3 +123,4 @@ def place(ap: argparse.ArgumentParser, args: Any) -> None:
         if not torch.cuda.is_available():
             ap.error("no GPU: use --tiny for a CPU smoke test")
         args.device, args.dtype = "cuda", torch.bfloat16
+        args.page_size = args.page_size or "2M"
