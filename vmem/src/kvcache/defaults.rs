@@ -141,10 +141,10 @@ pub fn max_map_count() -> u64 {
 }
 
 /// The memory mappings the process holds now: the lines of `/proc/self/maps` (`None` where it
-/// cannot be read). Reads the whole file: for a cache's creation, not for every step.
+/// cannot be read), counted without a heap buffer. Reads the whole file: for a cache's
+/// creation, not for every step.
 pub fn map_count() -> Option<u64> {
-    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    Some(maps.lines().count() as u64)
+    crate::backend::process_map_count()
 }
 
 #[cfg(test)]

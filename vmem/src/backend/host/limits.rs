@@ -3,7 +3,7 @@
 
 use crate::error::VmemError;
 use std::fs::read_to_string;
-use std::io;
+use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 
 /// `MemAvailable` in bytes.
@@ -65,7 +65,7 @@ pub(super) fn cgroup_headroom() -> Option<u64> {
 }
 
 /// The OS's limit on a process's memory mappings (Linux `vm.max_map_count`).
-pub(super) fn max_map_count() -> Option<u64> {
+pub(crate) fn max_map_count() -> Option<u64> {
     read_to_string("/proc/sys/vm/max_map_count")
         .ok()?
         .trim()
@@ -73,11 +73,22 @@ pub(super) fn max_map_count() -> Option<u64> {
         .ok()
 }
 
-/// How many memory mappings this process has now: the lines of `/proc/self/maps` (read only
-/// on the error path: one line per mapping).
-pub(super) fn map_count() -> Option<u64> {
-    let maps = read_to_string("/proc/self/maps").ok()?;
-    Some(maps.lines().count() as u64)
+/// How many memory mappings this process has now: the lines of `/proc/self/maps` (one per
+/// mapping), counted through a buffer on the stack. It is read at the OS's limit on mappings,
+/// where a heap buffer the size of the file may need a mapping the OS refuses, and a failed
+/// allocation aborts the process.
+pub(crate) fn map_count() -> Option<u64> {
+    let mut file = std::fs::File::open("/proc/self/maps").ok()?;
+    let mut buf = [0u8; 16 * 1024];
+    let mut lines = 0u64;
+    loop {
+        match file.read(&mut buf) {
+            Ok(0) => return Some(lines),
+            Ok(n) => lines += buf[..n].iter().filter(|&&b| b == b'\n').count() as u64,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
 }
 
 /// Mappings short of the limit at which an `ENOMEM` is put down to it: a call that fails
@@ -134,6 +145,20 @@ mod tests {
         ] {
             assert!(m.contains(part), "{part:?} not in {m}");
         }
+    }
+
+    #[test]
+    fn the_mapping_count_is_the_lines_of_proc_self_maps() {
+        // A new mapping between the two reads would make them differ: one with nothing else
+        // mapping, in a loop until two agree.
+        let counted = (0..10)
+            .find_map(|_| {
+                let a = map_count()?;
+                let b = read_to_string("/proc/self/maps").ok()?.lines().count() as u64;
+                (a == b).then_some(a)
+            })
+            .expect("map_count agrees with /proc/self/maps");
+        assert!(counted > 4, "{counted}");
     }
 
     #[test]

@@ -330,7 +330,7 @@ fn committable() -> Option<u64> {
     Some(available.saturating_sub(HOST_MEMORY_RESERVE))
 }
 
-mod limits;
+pub(crate) mod limits;
 
 mod sys;
 
