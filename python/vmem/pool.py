@@ -201,7 +201,8 @@ def create(path: Any = None, *, size: Optional[Union[int, str]] = None, reserve:
     ``slots`` tenants at most (1 to 1024); ``default_limit`` for tenants that join without
     one (default: the whole pool); ``group`` (a name or a number) may join and change limits
     (mode 0660; owner-only, 0600, without)."""
-    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 1024:
+    # Past 64 bits cannot cross into Rust, which checks the range (1 to 1024) itself.
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots < 2**64:
         raise PoolError(f"invalid pool setting: slots must be an int from 1 to 1024, got {slots!r}")
     if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < 2**31:
         raise PoolError(f"invalid pool setting: device must be a GPU ordinal (an int >= 0), got {device!r}")

@@ -39,7 +39,9 @@ pub use checked::Checked;
 #[cfg(feature = "cuda")]
 pub use cuda::{cuda_err, CudaBackend, CudaDriver};
 pub use delegate::{Delegate, RawDelegate};
-pub(crate) use host::limits::map_count as process_map_count;
+pub(crate) use host::limits::{
+    map_count as process_map_count, max_map_count as process_max_map_count,
+};
 pub use host::{HostBackend, HostCommit, HostMemory};
 pub use select::{open_backend, BackendChoice, Selected};
 pub use sim::{SimBackend, SimMemory};

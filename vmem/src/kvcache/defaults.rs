@@ -134,10 +134,7 @@ pub fn map_headroom() -> u64 {
 /// The OS's limit on memory mappings per process (Linux `vm.max_map_count`;
 /// [`DEFAULT_MAX_MAP_COUNT`] when it cannot be read).
 pub fn max_map_count() -> u64 {
-    std::fs::read_to_string("/proc/sys/vm/max_map_count")
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(DEFAULT_MAX_MAP_COUNT)
+    crate::backend::process_max_map_count().unwrap_or(DEFAULT_MAX_MAP_COUNT)
 }
 
 /// The memory mappings the process holds now: the lines of `/proc/self/maps` (`None` where it
