@@ -133,11 +133,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--floor and the pool-floor mode go together (--floor 1/6 runs it by default)")
     if ("pool-keep" in args.mode_list) != (args.keep is not None):
         ap.error("--keep and the pool-keep mode go together (--keep 64M runs it by default)")
-    for flag in ("total", "page_size"):
-        try:
-            setattr(args, f"{flag}_bytes", vmem.parse_bytes(getattr(args, flag)))
-        except (vmem.VmemError, TypeError) as e:
-            ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)!r}: {e}")
+    try:
+        args.total_bytes = vmem.parse_bytes(args.total)
+    except (vmem.VmemError, TypeError) as e:
+        ap.error(f"--total {args.total!r}: {e}")
+    args.page_size_bytes = cli.page_bytes(ap, args.page_size)
     try:
         args.floor_bytes = 0 if args.floor is None else tenant_plan.floor_bytes(
             args.floor, args.total_bytes, len(tenant_plan.TENANTS))
@@ -147,11 +147,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.keep_bytes = 0 if args.keep is None else vmem.parse_bytes(args.keep)
     except (vmem.VmemError, TypeError) as e:
         ap.error(f"--keep {args.keep!r}: {e}")
-    from vmem.transformers import PAGE_SIZES
-
-    if args.page_size_bytes not in PAGE_SIZES:
-        ap.error(f"--page-size {args.page_size!r} is not one of vmem's page sizes "
-                 f"({', '.join(f'{p >> 10}K' for p in PAGE_SIZES)})")
     if args.max_context < args.max_prompt + args.new_tokens:
         ap.error(f"--max-context {args.max_context} must hold --max-prompt + --new-tokens "
                  f"= {args.max_prompt + args.new_tokens} tokens")

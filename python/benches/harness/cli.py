@@ -77,21 +77,27 @@ def check_flags(ap: argparse.ArgumentParser, args: Any, positive: Sequence[str],
     check_fraction(ap, "--memory-percent", args.memory_percent)
     check_seconds(ap, "--timeout", args.timeout)
     if args.page_size is not None:
-        from vmem.transformers import PAGE_SIZES
-
-        try:
-            page = vmem.parse_bytes(args.page_size)
-        except vmem.VmemError as e:
-            ap.error(f"--page-size {args.page_size!r}: {e}")
-        if page not in PAGE_SIZES:
-            ap.error(f"--page-size {args.page_size!r} is not one of vmem's page sizes "
-                     f"({', '.join(f'{p >> 10}K' for p in PAGE_SIZES)})")
+        page_bytes(ap, args.page_size)
     if not os.path.isfile(args.trace):
         ap.error(f"--trace {args.trace!r} is not a file")
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as e:
         ap.error(f"--out {args.out!r} cannot be created: {e.strerror}")
+
+
+def page_bytes(ap: argparse.ArgumentParser, text: Any) -> int:
+    """``--page-size``'s bytes: one of vmem's page sizes, else a usage error (exit 2, one line)."""
+    from vmem.transformers import PAGE_SIZES
+
+    try:
+        page = int(vmem.parse_bytes(text))
+    except (vmem.VmemError, TypeError) as e:
+        ap.error(f"--page-size {text!r}: {e}")
+    if page not in PAGE_SIZES:
+        ap.error(f"--page-size {text!r} is not one of vmem's page sizes "
+                 f"({', '.join(f'{p >> 10}K' for p in PAGE_SIZES)})")
+    return page
 
 
 def trace_lengths(ap: argparse.ArgumentParser, path: str, n: int, cap: int) -> list[int]:
