@@ -416,3 +416,37 @@ def test_a_join_is_refused_when_made_not_when_the_cache_joins(kw):
     with pytest.raises(vmem.PoolError, match="invalid pool setting"):
         pool.Join(**kw)
     assert pool.Join("a" * 31, limit="25%").tenant == "a" * 31
+
+
+@pytest.fixture
+def full_fs(tmp_path):
+    """A 4 KiB tmpfs: a filesystem that fills up (a full /dev/shm is the same)."""
+    import subprocess
+
+    d = tmp_path / "full"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): {r.stderr.strip()}")
+    yield d
+    subprocess.run(["umount", str(d)], check=True)
+
+
+def test_a_pool_created_on_a_full_filesystem_is_a_pool_error_and_leaves_nothing(full_fs):
+    """Before, the ledger was written through a mapping of a sparse file and the interpreter died
+    of SIGBUS; run in a child so that a crash is this test's failure, not pytest's."""
+    import subprocess
+    import sys
+
+    code = ("import vmem; from vmem import pool\n"
+            "try:\n"
+            f"    pool.create({str(full_fs / 'p')!r}, size='1G')\n"
+            "except vmem.PoolError as e:\n"
+            "    print('PoolError:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert "PoolError:" in r.stdout and "No space left on device" in r.stdout, r.stdout
+    assert os.listdir(full_fs) == []
+    # One that fits (one slot) is made and opens.
+    assert pool.create(str(full_fs / "small"), size="1G", slots=1).slots == 1
+    assert os.listdir(full_fs) == ["small"]

@@ -302,3 +302,16 @@ fn a_missing_ledger_names_a_create_command_that_works() {
     ok(&vmem(&[&words[1..], &["--size", "64M"][..]].concat()));
     ok(&pool(&p, &["status"]));
 }
+
+/// `create` on a full filesystem (a small tmpfs; a full /dev/shm is the same): before, SIGBUS
+/// (exit 135) and the temporary file left behind.
+#[test]
+fn create_on_a_full_filesystem_fails_with_enospc_and_leaves_nothing() {
+    let Some(fs) = common::Tmpfs::mount("full", "4k") else {
+        return;
+    };
+    let out = pool(&fs.0.join("p"), &["create", "--size", "1G"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert_refused(&out, "full filesystem", "No space left on device");
+    assert_eq!(fs.names(), Vec::<String>::new());
+}

@@ -5,7 +5,7 @@
 use crate::access;
 use crate::config::PoolConfig;
 use crate::error::{PoolError, Result};
-use crate::layout::{self, h, s, HEADER_WORDS, SLOT_WORDS};
+use crate::layout::{self, h, HEADER_WORDS, SLOT_WORDS};
 use crate::ledger::{now_secs, os, Ledger};
 use crate::sys::{self, Mapping};
 use std::fs::File;
@@ -13,7 +13,6 @@ use std::io;
 use std::os::fd::AsFd;
 use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::path::Path;
-use std::sync::atomic::Ordering::SeqCst;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// What a path that is not a regular file is, in words.
@@ -79,39 +78,20 @@ impl Ledger {
             name.to_string_lossy(),
             std::process::id()
         ));
-        let fd = sys::open(&tmp, Some(0o600)).map_err(os("create", &tmp))?;
+        let file = File::from(sys::open(&tmp, Some(0o600)).map_err(os("create", &tmp))?);
         let _cleanup = Unlink(&tmp);
         let mode = match config.group {
             Some(gid) => {
-                sys::fchgrp(fd.as_fd(), gid).map_err(os("chgrp", &tmp))?;
+                sys::fchgrp(file.as_fd(), gid).map_err(os("chgrp", &tmp))?;
                 0o660
             }
             None => 0o600,
         };
-        sys::fchmod(fd.as_fd(), mode).map_err(os("chmod", &tmp))?;
-        let len = layout::file_len(config.slots);
-        sys::set_len(fd.as_fd(), len).map_err(os("ftruncate", &tmp))?;
-        {
-            let map = Mapping::new(fd.as_fd(), len as usize).map_err(os("mmap", &tmp))?;
-            let w = map.words();
-            let header = [
-                layout::MAGIC,
-                layout::VERSION,
-                config.slots,
-                SLOT_WORDS as u64,
-                config.total,
-                config.default_limit,
-                now_secs(),
-            ];
-            for (i, v) in header.into_iter().enumerate() {
-                w[i].store(v, SeqCst);
-            }
-            w[h::SEAL].store(layout::header_seal(w), SeqCst);
-            for i in 0..config.slots as usize {
-                let slot = &w[HEADER_WORDS + i * SLOT_WORDS..][..SLOT_WORDS];
-                slot[s::SEAL].store(layout::slot_seal(slot), SeqCst);
-            }
-        }
+        sys::fchmod(file.as_fd(), mode).map_err(os("chmod", &tmp))?;
+        // Written whole, not sized sparse and written through a mapping: on a full filesystem
+        // a store into a hole of a mapping is a SIGBUS, while a write is ENOSPC.
+        let contents = layout::new_file(config, now_secs());
+        file.write_all_at(&contents, 0).map_err(os("write", &tmp))?;
         match sys::link(&tmp, path) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
@@ -122,7 +102,7 @@ impl Ledger {
             }
             Err(e) => return Err(os("link", path)(e)),
         }
-        Self::from_file(path, File::from(fd))
+        Self::from_file(path, file)
     }
 
     /// Opens the ledger at `path`, checking that it is a regular file this user may use

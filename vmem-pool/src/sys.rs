@@ -91,16 +91,6 @@ pub fn fchgrp(fd: BorrowedFd<'_>, gid: u32) -> io::Result<()> {
     Ok(())
 }
 
-/// Sets the file's length (new bytes read as zeros).
-pub fn set_len(fd: BorrowedFd<'_>, len: u64) -> io::Result<()> {
-    // SAFETY: plain syscall on a descriptor that is open for the call.
-    let rc = unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
 /// Hard-links `from` to `to`, failing with `EEXIST` when `to` exists: how a fully written
 /// ledger appears under its name at once, never half-made.
 pub fn link(from: &Path, to: &Path) -> io::Result<()> {

@@ -389,3 +389,24 @@ fn a_slot_left_half_written_by_a_killed_process_is_repaired_not_called_corrupt()
     poke(&path, 9, 1);
     assert!(matches!(l.status(), Err(PoolError::Corrupt { .. })));
 }
+
+/// A ledger made on a full filesystem (a small tmpfs; a full /dev/shm is the same): before,
+/// its sparse file was written through a mapping and the process died of SIGBUS, leaving the
+/// temporary file behind. Now: "No space left on device", and nothing in the directory.
+#[test]
+fn a_ledger_on_a_full_filesystem_is_an_error_and_leaves_nothing_behind() {
+    let Some(fs) = common::Tmpfs::mount("full", "4k") else {
+        return;
+    };
+    // 64 slots: 8,704 bytes, more than the 4 KiB the filesystem holds.
+    let e = Ledger::create(fs.path("p"), &PoolConfig::new(1 << 30).unwrap()).unwrap_err();
+    assert!(matches!(e, PoolError::Os { .. }), "{e}");
+    assert!(e.to_string().contains("No space left on device"), "{e}");
+    assert_eq!(fs.names(), Vec::<String>::new(), "nothing left behind");
+    // One that fits (one slot: 640 bytes) is made, and works.
+    let config = PoolConfig::new(MIB).unwrap().slots(1).unwrap();
+    let l = Arc::new(Ledger::create(fs.path("small"), &config).unwrap());
+    let t = l.join("a", None).unwrap();
+    t.charge(4096).unwrap();
+    assert_eq!(fs.names(), ["small"]);
+}

@@ -240,3 +240,57 @@ pub fn tenant_main() {
         other => panic!("unknown mode {other}"),
     }
 }
+
+/// A small tmpfs mounted on a fresh directory, unmounted (and the directory removed) on drop:
+/// a filesystem that fills up. `None` where this process may not mount (not root, or no
+/// `CAP_SYS_ADMIN` in a container), with the reason on stderr.
+pub struct Tmpfs(pub PathBuf);
+
+impl Tmpfs {
+    pub fn mount(tag: &str, size: &str) -> Option<Self> {
+        let dir = std::env::temp_dir().join(format!("vmem-tmpfs-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0700"),
+                "tmpfs",
+            ])
+            .arg(&dir)
+            .output();
+        match out {
+            Ok(o) if o.status.success() => Some(Tmpfs(dir)),
+            other => {
+                let _ = std::fs::remove_dir(&dir);
+                eprintln!(
+                    "SKIPPED: cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): {:?}",
+                    other.map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
+                );
+                None
+            }
+        }
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+
+    /// The names in it.
+    pub fn names(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(&self.0)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
