@@ -410,3 +410,30 @@ fn a_ledger_on_a_full_filesystem_is_an_error_and_leaves_nothing_behind() {
     t.charge(4096).unwrap();
     assert_eq!(fs.names(), ["small"]);
 }
+
+/// A ledger corrupt in one slot while another carries a write mark: the check comes first and
+/// nothing is repaired, so "nothing was changed" is true (before, the marked slot was cleared
+/// and then the other reported corrupt).
+#[test]
+fn a_corrupt_ledger_with_a_torn_write_is_refused_before_anything_is_repaired() {
+    let dir = Scratch::new("torn-corrupt");
+    let (path, l) = pool(&dir, 4 * MIB);
+    let l = Arc::new(l);
+    let _t = l.join("a", Some(Limit::Bytes(MIB))).unwrap();
+    let slot = |i: usize, k: usize| 64 + i * 16 + k;
+    // A join cut short in slot 3 (its owner gone), and slot 5 corrupt (a state of 7).
+    poke(&path, slot(3, 1), 4242);
+    poke(&path, slot(3, 2), MIB);
+    poke(&path, 9, 3 + 1);
+    poke(&path, slot(5, 0), 7);
+    let before = bytes(&path);
+    let e = Ledger::open(&path).unwrap_err();
+    assert!(matches!(e, PoolError::Corrupt { .. }), "{e}");
+    assert!(e.to_string().contains("slot 5"), "{e}");
+    assert!(matches!(l.status(), Err(PoolError::Corrupt { .. })));
+    assert!(bytes(&path) == before, "a refused call repaired a slot");
+    // With slot 5 put right, the torn write is repaired as before.
+    poke(&path, slot(5, 0), 0);
+    assert_eq!(l.status().unwrap().tenants.len(), 1);
+    assert_eq!(bytes(&path)[9 * 8..10 * 8], [0u8; 8]);
+}

@@ -1,6 +1,6 @@
 //! The ledger's consistency check, and the repair of a slot a process killed under the
 //! header's lock left half written: the write mark ([`h::WRITING`]), resealing and clearing a
-//! slot.
+//! slot. The check comes first, whole; the repair only after it passed.
 
 use super::admin::Admin;
 use super::{os, Ledger};
@@ -11,9 +11,10 @@ use std::os::fd::AsFd;
 use std::sync::atomic::Ordering::SeqCst;
 
 impl Ledger {
-    /// The consistency checks: header seal, and every slot's state, seal and fields.
+    /// The consistency checks: the header's seal, and every slot's state, seal and fields;
+    /// then the repair of a write a killed process left half done. Every check comes before
+    /// the repair, so a ledger refused as corrupt is left as it was.
     pub(crate) fn check(&self, admin: &Admin<'_>) -> Result<()> {
-        self.repair_torn_write(admin)?;
         let w = self.map.words();
         if layout::header_seal(w) != w[h::SEAL].load(SeqCst)
             || w[h::TOTAL].load(SeqCst) != self.total
@@ -25,44 +26,71 @@ impl Ledger {
         if in_use > self.slots as u64 {
             return Err(self.corrupt(format!("{in_use} slots in use of {}", self.slots)));
         }
-        for i in 0..self.slots {
-            let slot = self.slot(i);
-            let get = |k: usize| slot[k].load(SeqCst);
-            if layout::slot_seal(slot) != get(s::SEAL) {
-                return Err(self.corrupt(format!("slot {i}: its seal does not match")));
-            }
-            match get(s::STATE) {
-                FREE => {
-                    if (0..SLOT_WORDS).any(|k| k != s::SEAL && get(k) != 0) {
-                        return Err(self.corrupt(format!("slot {i}: free but not empty")));
-                    }
-                }
-                LIVE => {
-                    if i as u64 >= in_use {
-                        return Err(self.corrupt(format!("slot {i}: live but not in use")));
-                    }
-                    let name = [0, 1, 2, 3].map(|k| get(s::NAME + k));
-                    if layout::unpack_name(name).is_none() {
-                        return Err(self.corrupt(format!("slot {i}: not a valid tenant name")));
-                    }
-                    let limit = get(s::LIMIT);
-                    if limit == 0 || limit > self.total {
-                        return Err(self.corrupt(format!(
-                            "slot {i}: limit {limit} outside 1..={}",
-                            self.total
-                        )));
-                    }
-                    if get(s::FLOOR) > limit {
-                        return Err(self.corrupt(format!(
-                            "slot {i}: floor {} above its limit {limit}",
-                            get(s::FLOOR)
-                        )));
-                    }
-                }
-                other => return Err(self.corrupt(format!("slot {i}: state {other}"))),
-            }
+        let torn = self.torn_slot()?;
+        for i in (0..self.slots).filter(|&i| Some(i) != torn) {
+            self.check_slot(i, in_use)?;
+        }
+        if let Some(i) = torn {
+            self.repair_torn_write(admin, i)?;
+            self.check_slot(i, in_use)?;
         }
         Ok(())
+    }
+
+    /// Checks slot `i` of a ledger with `in_use` slots in use.
+    fn check_slot(&self, i: usize, in_use: u64) -> Result<()> {
+        let slot = self.slot(i);
+        let get = |k: usize| slot[k].load(SeqCst);
+        if layout::slot_seal(slot) != get(s::SEAL) {
+            return Err(self.corrupt(format!("slot {i}: its seal does not match")));
+        }
+        match get(s::STATE) {
+            FREE => {
+                if (0..SLOT_WORDS).any(|k| k != s::SEAL && get(k) != 0) {
+                    return Err(self.corrupt(format!("slot {i}: free but not empty")));
+                }
+            }
+            LIVE => {
+                if i as u64 >= in_use {
+                    return Err(self.corrupt(format!("slot {i}: live but not in use")));
+                }
+                let name = [0, 1, 2, 3].map(|k| get(s::NAME + k));
+                if layout::unpack_name(name).is_none() {
+                    return Err(self.corrupt(format!("slot {i}: not a valid tenant name")));
+                }
+                let limit = get(s::LIMIT);
+                if limit == 0 || limit > self.total {
+                    return Err(self.corrupt(format!(
+                        "slot {i}: limit {limit} outside 1..={}",
+                        self.total
+                    )));
+                }
+                if get(s::FLOOR) > limit {
+                    return Err(self.corrupt(format!(
+                        "slot {i}: floor {} above its limit {limit}",
+                        get(s::FLOOR)
+                    )));
+                }
+            }
+            other => return Err(self.corrupt(format!("slot {i}: state {other}"))),
+        }
+        Ok(())
+    }
+
+    /// The slot the header's write mark names (see [`h::WRITING`]), if any.
+    fn torn_slot(&self) -> Result<Option<usize>> {
+        let mark = self.map.words()[h::WRITING].load(SeqCst);
+        if mark == 0 {
+            return Ok(None);
+        }
+        match usize::try_from(mark - 1) {
+            Ok(i) if i < self.slots => Ok(Some(i)),
+            _ => Err(self.corrupt(format!(
+                "a write mark for slot {} of {}",
+                mark - 1,
+                self.slots
+            ))),
+        }
     }
 
     /// Marks slot `i` as being written under the header's lock (see [`h::WRITING`]).
@@ -75,23 +103,12 @@ impl Ledger {
         self.map.words()[h::WRITING].store(0, SeqCst);
     }
 
-    /// Repairs the slot a process killed while holding the header's lock was writing (a join,
-    /// a reap, a leave or a limit change cut short between its first store and the seal): a
-    /// slot whose owner is gone is cleared, as reaping would; a live tenant's slot whose
-    /// fields are valid (a limit change cut short) is sealed again. Anything else is corrupt.
-    fn repair_torn_write(&self, admin: &Admin<'_>) -> Result<()> {
-        let mark = self.map.words()[h::WRITING].load(SeqCst);
-        if mark == 0 {
-            return Ok(());
-        }
-        let i = usize::try_from(mark - 1).unwrap_or(usize::MAX);
-        if i >= self.slots {
-            return Err(self.corrupt(format!(
-                "a write mark for slot {} of {}",
-                mark - 1,
-                self.slots
-            )));
-        }
+    /// Repairs slot `i`, which a process killed while holding the header's lock was writing
+    /// (a join, a reap, a leave or a limit change cut short between its first store and the
+    /// seal): a slot whose owner is gone is cleared, as reaping would; a live tenant's slot
+    /// whose fields are valid (a limit change cut short) is sealed again. Anything else is
+    /// corrupt, and left as it is.
+    fn repair_torn_write(&self, admin: &Admin<'_>, i: usize) -> Result<()> {
         let alive = admin.held[i]
             || sys::ofd_locked_elsewhere(self.file.as_fd(), layout::slot_lock_byte(i))
                 .map_err(os("lock test", &self.path))?;
