@@ -315,3 +315,52 @@ fn create_on_a_full_filesystem_fails_with_enospc_and_leaves_nothing() {
     assert_refused(&out, "full filesystem", "No space left on device");
     assert_eq!(fs.names(), Vec::<String>::new());
 }
+
+/// `top` while the ledger is cut short under it (a `truncate`, a full copy over it): before,
+/// SIGBUS; now an error on stderr and exit 1.
+#[test]
+fn top_exits_1_when_the_ledger_is_truncated_under_it() {
+    let dir = Dir::new("pool-top-cut");
+    let p = dir.0.join("pool");
+    ok(&pool(&p, &["create", "--size", "1G"]));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vmem"))
+        .args([
+            "pool",
+            "--ledger",
+            p.to_str().unwrap(),
+            "top",
+            "--interval",
+            "0.1",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    assert!(first.starts_with("pool "), "{first}");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    let t = std::time::Instant::now();
+    let st = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if t.elapsed() > std::time::Duration::from_secs(10) {
+            let _ = child.kill();
+            panic!("top still running 10 s after the ledger was cut");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(st.code(), Some(1), "{st}: {err}");
+    assert!(
+        err.starts_with("error: ") && err.contains("now 0 bytes"),
+        "{err}"
+    );
+}

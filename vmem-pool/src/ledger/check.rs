@@ -11,10 +11,20 @@ use std::os::fd::AsFd;
 use std::sync::atomic::Ordering::SeqCst;
 
 impl Ledger {
-    /// The consistency checks: the header's seal, and every slot's state, seal and fields;
-    /// then the repair of a write a killed process left half done. Every check comes before
-    /// the repair, so a ledger refused as corrupt is left as it was.
+    /// The consistency checks: the file's length (a file cut short under its mapping would
+    /// fault on the first read past its new end), the header's seal, and every slot's state,
+    /// seal and fields; then the repair of a write a killed process left half done. Every
+    /// check comes before the repair, so a ledger refused as corrupt is left as it was.
     pub(crate) fn check(&self, admin: &Admin<'_>) -> Result<()> {
+        let info = sys::fstat(self.file.as_fd()).map_err(os("fstat", &self.path))?;
+        let len = layout::file_len(self.slots as u64);
+        if info.len != len {
+            return Err(self.corrupt(format!(
+                "the file is now {} bytes, a ledger of {} slots has {len}: it was cut short or \
+                 written over under the open ledger",
+                info.len, self.slots
+            )));
+        }
         let w = self.map.words();
         if layout::header_seal(w) != w[h::SEAL].load(SeqCst)
             || w[h::TOTAL].load(SeqCst) != self.total
