@@ -9,7 +9,7 @@ use pyo3::types::PyDict;
 use std::path::PathBuf;
 use std::sync::Arc;
 use vmem::backend::{open_backend, Backend, BackendChoice};
-use vmem::units::parse_bytes;
+use vmem::units::{parse_bytes, quoted};
 use vmem_pool::{
     Floor, Ledger, Limit, PoolBackend, PoolConfig, PoolError as CoreError, PoolStatus,
 };
@@ -35,7 +35,10 @@ fn floor(s: &str) -> PyResult<Floor> {
 
 fn size(flag: &str, s: &str) -> PyResult<u64> {
     if s.trim_start().starts_with('-') {
-        return Err(setting(format!("{flag} {s:?}: a size cannot be negative")));
+        return Err(setting(format!(
+            "{flag} {}: a size cannot be negative",
+            quoted(s)
+        )));
     }
     parse_bytes(s).map_err(|e| setting(format!("{flag}: {e}")))
 }

@@ -450,3 +450,22 @@ def test_a_pool_created_on_a_full_filesystem_is_a_pool_error_and_leaves_nothing(
     # One that fits (one slot) is made and opens.
     assert pool.create(str(full_fs / "small"), size="1G", slots=1).slots == 1
     assert os.listdir(full_fs) == ["small"]
+
+
+def test_names_and_values_of_any_length_are_cut_in_messages(p, path):
+    """A megabyte name, limit or size: refused, and the message quotes only its start (before,
+    the whole megabyte came back in the PoolError)."""
+    huge = "x" * 1_000_000
+    calls = [lambda: pool.Join(huge), lambda: pool.Join("a", limit=huge), lambda: pool.Join("a", floor=huge),
+             lambda: p.set_limit(huge, "1M"), lambda: p.set_floor(huge, "1M"), lambda: p.set_limit("a", huge),
+             lambda: p.set_floor("a", huge), lambda: pool.create(path + "-new", size=huge),
+             lambda: pool.create(path + "-new", size="1G", default_limit=huge),
+             lambda: pool.create(path + "-new", size="1G", group=huge),
+             lambda: pool.create(path + "-new", size="1G", backend=huge),
+             lambda: vmem.KVCache(**SHAPE, pool=huge)]
+    for call in calls:
+        with pytest.raises(vmem.PoolError) as e:
+            call()
+        assert len(str(e.value)) < 300, str(e.value)[:300]
+        assert "xxx" in str(e.value)
+    assert not os.path.exists(path + "-new")

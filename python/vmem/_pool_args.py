@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Tuple
 
 from . import _vmem
+from ._args import short
 from ._vmem import PoolError
 
 MAX_BYTES = (1 << 64) - 1
@@ -35,7 +36,7 @@ def _setting(name: str, value: Any, *, floor: bool) -> str:
     least = 0 if floor else 1
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise PoolError(f"invalid pool setting: {name} must be bytes (an int), a size such as "
-                        f"'{'4G' if floor else '12G'}' or a share such as '25%', got {value!r}")
+                        f"'{'4G' if floor else '12G'}' or a share such as '25%', got {short(value)}")
     if isinstance(value, int):
         if value < least:
             why = "a floor cannot be negative" if floor else "a limit must be at least 1 byte"
@@ -47,16 +48,16 @@ def _setting(name: str, value: Any, *, floor: bool) -> str:
     if text.endswith("%"):
         share = text[:-1].strip()
         if not _whole_share(share) or not least <= int(share) <= 100:
-            raise PoolError(f"invalid pool setting: {name} {value!r}: a share is {least}% to 100%")
+            raise PoolError(f"invalid pool setting: {name} {short(value)}: a share is {least}% to 100%")
         return value
     if floor and text.startswith("-"):
-        raise PoolError(f"invalid pool setting: {name} {value!r}: a floor cannot be negative")
+        raise PoolError(f"invalid pool setting: {name} {short(value)}: a floor cannot be negative")
     try:
         size = int(_vmem.parse_bytes(text))
     except Exception as e:  # the parser's own message says what it reads
-        raise PoolError(f"invalid pool setting: {name} {value!r}: {e}") from None
+        raise PoolError(f"invalid pool setting: {name} {short(value)}: {e}") from None
     if size < least:
-        raise PoolError(f"invalid pool setting: {name} {value!r}: a limit of 0 bytes lets the tenant hold nothing")
+        raise PoolError(f"invalid pool setting: {name} {short(value)}: a limit of 0 bytes lets the tenant hold nothing")
     return value
 
 
@@ -73,14 +74,14 @@ def _floor_within_limit(tenant: str, floor: str, limit: str) -> None:
     size depends on the pool's total: the ledger checks it at join)."""
     (f_share, f), (l_share, lim) = _amount(floor), _amount(limit)
     if f_share == l_share and f > lim:
-        raise PoolError(f"invalid pool setting: floor {floor} of tenant {tenant!r} is above its limit {limit}: "
-                        "a tenant is never kept more room than it may hold")
+        raise PoolError(f"invalid pool setting: floor {short(floor)} of tenant {short(tenant)} is above its limit "
+                        f"{short(limit)}: a tenant is never kept more room than it may hold")
 
 
 def _size(name: str, value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise PoolError(f"invalid pool setting: {name} must be a size (an int or a string such as '60G'), "
-                        f"got {value!r}")
+                        f"got {short(value)}")
     if isinstance(value, int) and value < 0:
-        raise PoolError(f"invalid pool setting: {name} {value!r}: a size cannot be negative")
+        raise PoolError(f"invalid pool setting: {name} {short(value)}: a size cannot be negative")
     return str(value)

@@ -27,6 +27,7 @@ import os
 from typing import Any, Optional, Tuple, Union
 
 from . import _vmem
+from ._args import short
 from ._pool_args import MAX_BYTES as MAX_BYTES  # vmem.pool.MAX_BYTES, as before the parsers moved
 from ._pool_args import _floor, _floor_within_limit, _limit, _size
 from ._vmem import PoolError
@@ -67,7 +68,7 @@ def _path(value: Any) -> str:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str) or not value:
-        raise PoolError(f"invalid pool setting: a ledger path must be a non-empty string, got {value!r}")
+        raise PoolError(f"invalid pool setting: a ledger path must be a non-empty string, got {short(value)}")
     return value
 
 
@@ -171,7 +172,7 @@ class Pool:
         tenant above its new limit gets no new page until it is under it (a vmem cache
         shrinks: :meth:`vmem.KVCache.shrink_to_limit`); a raised limit applies at once."""
         if not isinstance(tenant, str) or not tenant:
-            raise PoolError(f"invalid pool setting: tenant must be a name (a non-empty string), got {tenant!r}")
+            raise PoolError(f"invalid pool setting: tenant must be a name (a non-empty string), got {short(tenant)}")
         return LimitChange(**self._rs.set_limit(tenant, _limit("limit", limit)))
 
     def set_floor(self, tenant: str, floor: Limit) -> FloorChange:
@@ -181,7 +182,7 @@ class Pool:
         tenant's limit, or when the floors would sum past the pool's total; a tenant holding
         more than its floor is not affected (a floor only limits the others' growth)."""
         if not isinstance(tenant, str) or not tenant:
-            raise PoolError(f"invalid pool setting: tenant must be a name (a non-empty string), got {tenant!r}")
+            raise PoolError(f"invalid pool setting: tenant must be a name (a non-empty string), got {short(tenant)}")
         return FloorChange(**self._rs.set_floor(tenant, _floor("floor", floor)))
 
     def reap(self) -> Tuple[Reaped, ...]:
@@ -203,13 +204,13 @@ def create(path: Any = None, *, size: Optional[Union[int, str]] = None, reserve:
     (mode 0660; owner-only, 0600, without)."""
     # Past 64 bits cannot cross into Rust, which checks the range (1 to 1024) itself.
     if isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots < 2**64:
-        raise PoolError(f"invalid pool setting: slots must be an int from 1 to 1024, got {slots!r}")
+        raise PoolError(f"invalid pool setting: slots must be an int from 1 to 1024, got {short(slots)}")
     if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < 2**31:
-        raise PoolError(f"invalid pool setting: device must be a GPU ordinal (an int >= 0), got {device!r}")
+        raise PoolError(f"invalid pool setting: device must be a GPU ordinal (an int >= 0), got {short(device)}")
     if not isinstance(backend, str):
-        raise PoolError(f"invalid pool setting: backend must be 'cuda', 'uvm' or 'host', got {backend!r}")
+        raise PoolError(f"invalid pool setting: backend must be 'cuda', 'uvm' or 'host', got {short(backend)}")
     if group is not None and (isinstance(group, bool) or not isinstance(group, (str, int))):
-        raise PoolError(f"invalid pool setting: group must be a group name or number, got {group!r}")
+        raise PoolError(f"invalid pool setting: group must be a group name or number, got {short(group)}")
     rs = _vmem.Pool.create(
         _path(path), size=None if size is None else _size("size", size), reserve=_size("reserve", reserve),
         backend=backend, device=device, slots=slots,
@@ -238,10 +239,11 @@ class Join:
 
     def __post_init__(self) -> None:
         if not isinstance(self.tenant, str) or not self.tenant.strip():
-            raise PoolError(f"invalid pool setting: tenant must be a name (a non-empty string), got {self.tenant!r}")
+            raise PoolError("invalid pool setting: tenant must be a name (a non-empty string), "
+                            f"got {short(self.tenant)}")
         if len(self.tenant.encode()) > MAX_NAME or not all(c.isascii() and (c.isalnum() or c in "._-")
                                                              for c in self.tenant):
-            raise PoolError(f"invalid pool setting: tenant name {self.tenant!r} must be 1 to {MAX_NAME} bytes of "
+            raise PoolError(f"invalid pool setting: tenant name {short(self.tenant)} must be 1 to {MAX_NAME} bytes of "
                             "letters, digits, '.', '_' and '-' (the ledger's rule)")
         if self.limit is not None:
             _limit("limit", self.limit)
@@ -258,7 +260,7 @@ class Join:
             return value
         if isinstance(value, str):
             return cls(value)
-        raise PoolError(f"invalid pool setting: pool must be a vmem.pool.Join or a tenant name, got {value!r}")
+        raise PoolError(f"invalid pool setting: pool must be a vmem.pool.Join or a tenant name, got {short(value)}")
 
     def args(self) -> Tuple[str, Optional[str], Optional[str], str]:
         """What the Rust module takes: ``(tenant, limit, floor, ledger)``."""

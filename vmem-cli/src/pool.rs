@@ -9,7 +9,7 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::time::Duration;
 use vmem::backend::{open_backend, BackendChoice};
-use vmem::units::{format_bytes, parse_bytes};
+use vmem::units::{format_bytes, parse_bytes, quoted};
 use vmem_pool::{Floor, Ledger, Limit, PoolConfig, PoolError};
 
 /// Where the ledger is when neither `--ledger` nor `VMEM_POOL` says.
@@ -110,7 +110,10 @@ fn setting(why: String) -> CliError {
 
 fn size_arg(flag: &str, s: &str) -> Result<u64, CliError> {
     if s.trim_start().starts_with('-') {
-        return Err(setting(format!("{flag} {s:?}: a size cannot be negative")));
+        return Err(setting(format!(
+            "{flag} {}: a size cannot be negative",
+            quoted(s)
+        )));
     }
     parse_bytes(s).map_err(|e| setting(format!("{flag}: {e}")))
 }

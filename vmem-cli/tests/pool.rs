@@ -364,3 +364,36 @@ fn top_exits_1_when_the_ledger_is_truncated_under_it() {
         "{err}"
     );
 }
+
+/// Tenant names (and limits, sizes, group names) of any length: the message cuts them, as
+/// others are cut; before, a 100 KB name came back whole on one line.
+#[test]
+fn huge_names_and_values_are_cut_in_messages() {
+    let dir = Dir::new("pool-huge");
+    let p = dir.0.join("pool");
+    ok(&pool(&p, &["create", "--size", "1G"]));
+    let huge = "x".repeat(100_000);
+    for args in [
+        vec!["limit", huge.as_str(), "1G"],
+        vec!["floor", huge.as_str(), "1G"],
+        vec!["limit", "a", huge.as_str()],
+        vec!["floor", "a", huge.as_str()],
+    ] {
+        let out = pool(&p, &args);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{}", &err[..err.len().min(300)]);
+        assert!(err.len() < 400, "{} bytes: {}...", err.len(), &err[..300]);
+        assert!(err.contains("xxx\"..."), "{err}");
+    }
+    let z = dir.0.join("z");
+    for args in [
+        vec!["create", "--size", huge.as_str()],
+        vec!["create", "--size", "1G", "--default-limit", huge.as_str()],
+        vec!["create", "--size", "1G", "--group", huge.as_str()],
+    ] {
+        let out = pool(&z, &args);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{}", &err[..err.len().min(300)]);
+        assert!(err.len() < 400, "{} bytes: {}...", err.len(), &err[..300]);
+    }
+}

@@ -3,7 +3,7 @@
 use crate::error::{PoolError, Result};
 use crate::layout::MAX_SLOTS;
 use std::str::FromStr;
-use vmem::units::{format_bytes, parse_bytes};
+use vmem::units::{format_bytes, parse_bytes, quoted};
 
 /// A tenant's limit: bytes, or a share of the pool's total.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,7 +47,7 @@ impl FromStr for Limit {
 
     /// `4G`, `512M`, `1073741824` (bytes) or `25%` (of the pool).
     fn from_str(s: &str) -> Result<Self> {
-        let bad = |why: &str| PoolError::InvalidSetting(format!("limit {s:?}: {why}"));
+        let bad = |why: &str| PoolError::InvalidSetting(format!("limit {}: {why}", quoted(s)));
         match parse_amount("limit", s)? {
             Amount::Percent(0) => Err(bad("a share is 1% to 100%")),
             Amount::Percent(p) => Ok(Limit::Percent(p)),
@@ -97,7 +97,7 @@ fn within_total(what: &str, shown: impl std::fmt::Display, bytes: u64, total: u6
 
 fn parse_amount(what: &str, s: &str) -> Result<Amount> {
     let t = s.trim();
-    let bad = |why: String| PoolError::InvalidSetting(format!("{what} {s:?}: {why}"));
+    let bad = |why: String| PoolError::InvalidSetting(format!("{what} {}: {why}", quoted(s)));
     if let Some(p) = t.strip_suffix('%') {
         let p: u32 = p
             .trim()
@@ -243,11 +243,13 @@ impl PoolConfig {
                     Ok(self.group(gid))
                 }
                 _ => Err(PoolError::InvalidSetting(format!(
-                    "no group named {name:?}"
+                    "no group named {}",
+                    quoted(name)
                 ))),
             },
             Err(e) => Err(PoolError::InvalidSetting(format!(
-                "cannot look up group {name:?}: {e}"
+                "cannot look up group {}: {e}",
+                quoted(name)
             ))),
         }
     }

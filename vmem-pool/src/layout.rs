@@ -201,7 +201,8 @@ pub fn unpack_name(words: [u64; 4]) -> Option<String> {
 pub fn check_name(name: &str) -> Result<(), String> {
     if name.is_empty() || name.len() > MAX_NAME {
         return Err(format!(
-            "tenant name {name:?} must be 1 to {MAX_NAME} bytes long"
+            "tenant name {} must be 1 to {MAX_NAME} bytes long",
+            vmem::units::quoted(name)
         ));
     }
     if !name
@@ -209,7 +210,8 @@ pub fn check_name(name: &str) -> Result<(), String> {
         .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
     {
         return Err(format!(
-            "tenant name {name:?} may hold only letters, digits, '.', '_' and '-'"
+            "tenant name {} may hold only letters, digits, '.', '_' and '-'",
+            vmem::units::quoted(name)
         ));
     }
     Ok(())

@@ -437,3 +437,25 @@ fn a_corrupt_ledger_with_a_torn_write_is_refused_before_anything_is_repaired() {
     assert_eq!(l.status().unwrap().tenants.len(), 1);
     assert_eq!(bytes(&path)[9 * 8..10 * 8], [0u8; 8]);
 }
+
+/// Names of any length: refused with a message of bounded length (before, echoed whole).
+#[test]
+fn huge_names_are_cut_in_messages() {
+    let dir = Scratch::new("huge-names");
+    let (_path, l) = pool(&dir, 4 * MIB);
+    let l = Arc::new(l);
+    let huge = "é".repeat(500_000);
+    let errors = [
+        l.join(&huge, None).unwrap_err(),
+        l.set_limit(&huge, Limit::Bytes(MIB)).unwrap_err(),
+        l.set_floor(&huge, vmem_pool::Floor::NONE).unwrap_err(),
+        huge.parse::<Limit>().unwrap_err(),
+        huge.parse::<vmem_pool::Floor>().unwrap_err(),
+    ];
+    for e in errors {
+        let m = e.to_string();
+        let head: String = m.chars().take(120).collect();
+        assert!(m.len() < 300, "{} bytes: {head}...", m.len());
+        assert!(m.contains("éé\"..."), "{m}");
+    }
+}

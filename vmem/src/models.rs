@@ -85,7 +85,10 @@ impl ModelSpec {
             .copied()
             .ok_or_else(|| {
                 let names: Vec<_> = MODELS.iter().map(|m| m.name).collect();
-                VmemError::InvalidConfig(format!("unknown model {name:?} (known: {names:?})"))
+                VmemError::InvalidConfig(format!(
+                    "unknown model {} (known: {names:?})",
+                    crate::units::quoted(name)
+                ))
             })
     }
 

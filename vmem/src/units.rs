@@ -7,7 +7,12 @@ pub fn parse_bytes(s: &str) -> Result<u64> {
     let t = s.trim();
     let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, suffix) = t.split_at(digits);
-    let bad = || VmemError::InvalidConfig(format!("cannot read size {s:?} (e.g. 64K, 2M, 40GiB)"));
+    let bad = || {
+        VmemError::InvalidConfig(format!(
+            "cannot read size {} (e.g. 64K, 2M, 40GiB)",
+            quoted(s)
+        ))
+    };
     let n: u64 = num.parse().map_err(|_| bad())?;
     let shift = match suffix
         .trim()
@@ -46,6 +51,18 @@ pub fn format_bytes(b: u64) -> String {
     format!("{b}")
 }
 
+/// Most characters of a value a message quotes (see [`quoted`]).
+pub const QUOTED_CHARS: usize = 40;
+
+/// `s` quoted as `{:?}` would, cut to [`QUOTED_CHARS`] characters and marked with `...` when
+/// longer: a message names a value without echoing megabytes of it.
+pub fn quoted(s: &str) -> String {
+    match s.char_indices().nth(QUOTED_CHARS) {
+        None => format!("{s:?}"),
+        Some((end, _)) => format!("{:?}...", &s[..end]),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -63,5 +80,15 @@ mod tests {
         assert_eq!(format_bytes(2 << 20), "2M");
         assert_eq!(format_bytes(1536 << 20), "1.50G");
         assert_eq!(format_bytes(100), "100");
+    }
+
+    #[test]
+    fn long_values_are_cut_where_quoted() {
+        assert_eq!(quoted("ab"), "\"ab\"");
+        let long = "é".repeat(100_000);
+        let q = quoted(&long);
+        assert_eq!(q, format!("{:?}...", "é".repeat(QUOTED_CHARS)));
+        let e = parse_bytes(&long).unwrap_err().to_string();
+        assert!(e.len() < 200, "{e}");
     }
 }

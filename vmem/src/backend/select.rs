@@ -31,7 +31,8 @@ impl std::str::FromStr for BackendChoice {
             "sim" => BackendChoice::Sim,
             _ => {
                 return Err(VmemError::InvalidConfig(format!(
-                    "unknown backend {s:?} (auto, uvm, cuda, host, sim)"
+                    "unknown backend {} (auto, uvm, cuda, host, sim)",
+                    crate::units::quoted(s)
                 )))
             }
         })

@@ -35,7 +35,8 @@ impl std::str::FromStr for Layout {
             "per-layer" => Ok(Layout::PerLayer),
             "token-major" => Ok(Layout::TokenMajor),
             _ => Err(VmemError::InvalidConfig(format!(
-                "unknown layout {s:?} (per-layer, token-major)"
+                "unknown layout {} (per-layer, token-major)",
+                crate::units::quoted(s)
             ))),
         }
     }
