@@ -143,5 +143,6 @@ fn _vmem(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("Asleep", py.get_type::<Asleep>())?;
     m.add("PoolError", py.get_type::<PoolError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("POOL_MIN_BYTES", vmem_pool::MIN_BYTES)?;
     Ok(())
 }

@@ -469,3 +469,25 @@ def test_names_and_values_of_any_length_are_cut_in_messages(p, path):
         assert len(str(e.value)) < 300, str(e.value)[:300]
         assert "xxx" in str(e.value)
     assert not os.path.exists(path + "-new")
+
+
+def test_a_pool_or_a_limit_smaller_than_a_page_is_refused_as_zero_is(p, path):
+    """vmem's smallest page is 64 KiB: a pool, a default limit or a limit that cannot hold one is
+    refused where it is given (before, size=1 and limit=1 were taken, and messages then said "1 can
+    be had")."""
+    assert pool.MIN_BYTES == 64 << 10
+    for kw in (dict(size=1), dict(size="4K"), dict(size=65535), dict(size="1G", default_limit=1),
+               dict(size="1G", default_limit="1K")):
+        with pytest.raises(vmem.PoolError, match="64K"):
+            pool.create(path + "-tiny", **kw)
+    assert not os.path.exists(path + "-tiny")
+    for limit in (1, "1", "65535", 4096):
+        with pytest.raises(vmem.PoolError, match="64K"):
+            pool.Join("a", limit=limit)
+    kv = _cache(path, "llama", limit="1M")
+    for limit in (1, "65535", 65535):
+        with pytest.raises(vmem.PoolError, match="64K"):
+            p.set_limit("llama", limit)
+    assert p.set_limit("llama", "64K").new == 64 << 10
+    kv.close()
+    assert pool.create(path + "-one", size="64K").total == 64 << 10

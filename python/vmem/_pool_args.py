@@ -14,6 +14,9 @@ from ._vmem import PoolError
 MAX_BYTES = (1 << 64) - 1
 """The most bytes a limit or a floor may name (the ledger's words are 64-bit)."""
 
+MIN_BYTES: int = _vmem.POOL_MIN_BYTES
+"""The least a pool or a limit may be: one page of vmem's smallest size (64 KiB)."""
+
 
 def _whole_share(text: str) -> bool:
     """``text`` (a share less its ``%``) is ASCII digits, as the ledger parses them: ``str.isdigit``
@@ -32,17 +35,20 @@ def _floor(name: str, value: Any) -> str:
 
 
 def _setting(name: str, value: Any, *, floor: bool) -> str:
-    """A limit (at least 1 byte or 1%) or a floor (0 allowed: none), as the ledger parses it."""
-    least = 0 if floor else 1
+    """A limit (at least one page, :data:`MIN_BYTES`, or 1%) or a floor (0 allowed: none), as the
+    ledger parses it."""
+    least = 0 if floor else 1  # percent
+    least_bytes = 0 if floor else MIN_BYTES
+    too_small = ("a floor cannot be negative" if floor
+                 else "a limit of less than one page (64K) lets the tenant hold nothing")
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise PoolError(f"invalid pool setting: {name} must be bytes (an int), a size such as "
                         f"'{'4G' if floor else '12G'}' or a share such as '25%', got {short(value)}")
     if isinstance(value, int):
-        if value < least:
-            why = "a floor cannot be negative" if floor else "a limit must be at least 1 byte"
-            raise PoolError(f"invalid pool setting: {name} {value}: {why}")
+        if value < least_bytes:
+            raise PoolError(f"invalid pool setting: {name} {short(value)}: {too_small}")
         if value > MAX_BYTES:
-            raise PoolError(f"invalid pool setting: {name} {value}: more bytes than a 64-bit count holds")
+            raise PoolError(f"invalid pool setting: {name} {short(value)}: more bytes than a 64-bit count holds")
         return str(value)
     text = value.strip()
     if text.endswith("%"):
@@ -56,8 +62,8 @@ def _setting(name: str, value: Any, *, floor: bool) -> str:
         size = int(_vmem.parse_bytes(text))
     except Exception as e:  # the parser's own message says what it reads
         raise PoolError(f"invalid pool setting: {name} {short(value)}: {e}") from None
-    if size < least:
-        raise PoolError(f"invalid pool setting: {name} {short(value)}: a limit of 0 bytes lets the tenant hold nothing")
+    if size < least_bytes:
+        raise PoolError(f"invalid pool setting: {name} {short(value)}: {too_small}")
     return value
 
 

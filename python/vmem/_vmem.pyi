@@ -13,6 +13,7 @@ __all__ = [
     "KVCache",
     "KVTensor",
     "OutOfMemory",
+    "POOL_MIN_BYTES",
     "Pool",
     "PoolError",
     "VmemError",
@@ -22,6 +23,7 @@ __all__ = [
 ]
 
 __version__: str
+POOL_MIN_BYTES: int
 
 class VmemError(RuntimeError): ...
 class OutOfMemory(VmemError): ...

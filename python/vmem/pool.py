@@ -29,6 +29,7 @@ from typing import Any, Optional, Tuple, Union
 from . import _vmem
 from ._args import short
 from ._pool_args import MAX_BYTES as MAX_BYTES  # vmem.pool.MAX_BYTES, as before the parsers moved
+from ._pool_args import MIN_BYTES as MIN_BYTES
 from ._pool_args import _floor, _floor_within_limit, _limit, _size
 from ._vmem import PoolError
 

@@ -365,6 +365,37 @@ fn top_exits_1_when_the_ledger_is_truncated_under_it() {
     );
 }
 
+/// A pool or a limit that cannot hold one page (vmem's smallest is 64 KiB) is refused as a
+/// zero one is; before, `--size 1` made a pool whose messages then said "1 can be had".
+#[test]
+fn pools_and_limits_smaller_than_a_page_are_refused() {
+    let dir = Dir::new("pool-tiny");
+    let p = dir.0.join("pool");
+    for size in ["1", "4K", "65535"] {
+        let out = pool(&p, &["create", "--size", size]);
+        assert_refused(&out, &format!("--size {size}"), "64K");
+        assert!(!p.exists());
+    }
+    for dl in ["1", "1K"] {
+        let out = pool(&p, &["create", "--size", "1G", "--default-limit", dl]);
+        assert_refused(&out, &format!("--default-limit {dl}"), "64K");
+    }
+    ok(&pool(&p, &["create", "--size", "64K"]));
+    std::fs::remove_file(&p).unwrap();
+    ok(&pool(&p, &["create", "--size", "1M"]));
+    let _t = Arc::new(Ledger::open(&p).unwrap())
+        .join("llama", None)
+        .unwrap();
+    let before = std::fs::read(&p).unwrap();
+    // 1 byte, and 1% of 1 MiB (10,485 bytes): neither holds a page.
+    for l in ["1", "65535", "1%"] {
+        let out = pool(&p, &["limit", "llama", l]);
+        assert_refused(&out, &format!("limit {l}"), "64K");
+    }
+    assert_eq!(std::fs::read(&p).unwrap(), before);
+    ok(&pool(&p, &["limit", "llama", "64K"]));
+}
+
 /// Tenant names (and limits, sizes, group names) of any length: the message cuts them, as
 /// others are cut; before, a 100 KB name came back whole on one line.
 #[test]

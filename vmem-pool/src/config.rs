@@ -5,6 +5,10 @@ use crate::layout::MAX_SLOTS;
 use std::str::FromStr;
 use vmem::units::{format_bytes, parse_bytes, quoted};
 
+/// The least a pool's total or a tenant's limit may be: one page of vmem's smallest size
+/// (64 KiB). Less could never hold a page, as zero could not.
+pub const MIN_BYTES: u64 = vmem::backend::KIB64;
+
 /// A tenant's limit: bytes, or a share of the pool's total.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Limit {
@@ -15,14 +19,15 @@ pub enum Limit {
 }
 
 impl Limit {
-    /// The limit in bytes in a pool of `total` bytes; a limit of zero bytes, or one above the
-    /// pool's total, is refused.
+    /// The limit in bytes in a pool of `total` bytes; a limit of less than one page
+    /// ([`MIN_BYTES`]), or one above the pool's total, is refused.
     pub fn resolve(self, total: u64) -> Result<u64> {
         let bytes = self.amount().bytes_in(total);
-        if bytes == 0 {
+        if bytes < MIN_BYTES {
             return Err(PoolError::InvalidSetting(format!(
-                "a limit of {self} is zero bytes: a tenant needs room for at least one page \
-                 (to stop one, stop its process)"
+                "a limit of {self} is {bytes} bytes, less than one page ({}): a tenant needs \
+                 room for at least one (to stop one, stop its process)",
+                format_bytes(MIN_BYTES)
             )));
         }
         within_total("limit", self, bytes, total)
@@ -52,6 +57,10 @@ impl FromStr for Limit {
             Amount::Percent(0) => Err(bad("a share is 1% to 100%")),
             Amount::Percent(p) => Ok(Limit::Percent(p)),
             Amount::Bytes(0) => Err(bad("a limit of 0 bytes lets the tenant hold nothing")),
+            Amount::Bytes(b) if b < MIN_BYTES => Err(bad(&format!(
+                "less than one page ({}): the tenant could hold nothing",
+                format_bytes(MIN_BYTES)
+            ))),
             Amount::Bytes(b) => Ok(Limit::Bytes(b)),
         }
     }
@@ -179,13 +188,19 @@ pub struct PoolConfig {
 }
 
 impl PoolConfig {
-    /// A pool of `total` bytes (at least 1), 64 slots, tenants limited to the whole pool by
-    /// default, owner-only.
+    /// A pool of `total` bytes (at least one page, [`MIN_BYTES`]), 64 slots, tenants
+    /// limited to the whole pool by default, owner-only.
     pub fn new(total: u64) -> Result<Self> {
         if total == 0 {
             return Err(PoolError::InvalidSetting(
                 "a pool of 0 bytes holds nothing".into(),
             ));
+        }
+        if total < MIN_BYTES {
+            return Err(PoolError::InvalidSetting(format!(
+                "a pool of {total} bytes holds no page (the smallest is {})",
+                format_bytes(MIN_BYTES)
+            )));
         }
         Ok(PoolConfig {
             total,
@@ -264,6 +279,8 @@ impl PoolConfig {
 mod tests {
     use super::*;
 
+    const MIB: u64 = 1 << 20;
+
     #[test]
     fn limits_parse_and_bad_ones_are_refused() {
         assert_eq!("4G".parse::<Limit>().unwrap(), Limit::Bytes(4 << 30));
@@ -282,9 +299,9 @@ mod tests {
         ] {
             assert!(bad.parse::<Limit>().is_err(), "{bad:?}");
         }
-        assert_eq!(Limit::Percent(50).resolve(1000).unwrap(), 500);
+        assert_eq!(Limit::Percent(50).resolve(1 << 20).unwrap(), 512 << 10);
         assert!(Limit::Percent(1).resolve(50).is_err(), "rounds to 0 bytes");
-        assert!(Limit::Bytes(1001).resolve(1000).is_err());
+        assert!(Limit::Bytes(MIB + 1).resolve(MIB).is_err());
     }
 
     #[test]
@@ -314,13 +331,16 @@ mod tests {
     #[test]
     fn configs_validate() {
         assert!(PoolConfig::new(0).is_err());
-        assert!(PoolConfig::new(1).unwrap().slots(0).is_err());
-        assert!(PoolConfig::new(1).unwrap().slots(MAX_SLOTS + 1).is_err());
+        let one_page = PoolConfig::new(MIN_BYTES).unwrap();
+        assert!(one_page.clone().slots(0).is_err());
+        assert!(one_page.clone().slots(MAX_SLOTS + 1).is_err());
         assert!(PoolConfig::free_less_reserve(10, 10).is_err());
-        assert_eq!(PoolConfig::free_less_reserve(10, 4).unwrap().total(), 6);
-        assert!(PoolConfig::new(1)
-            .unwrap()
-            .group_named("no-such-group-xyz")
-            .is_err());
+        assert_eq!(
+            PoolConfig::free_less_reserve(MIN_BYTES + 4, 4)
+                .unwrap()
+                .total(),
+            MIN_BYTES
+        );
+        assert!(one_page.group_named("no-such-group-xyz").is_err());
     }
 }

@@ -48,7 +48,7 @@ mod sys;
 mod tenant;
 
 pub use backend::PoolBackend;
-pub use config::{Floor, Limit, PoolConfig, DEFAULT_SLOTS};
+pub use config::{Floor, Limit, PoolConfig, DEFAULT_SLOTS, MIN_BYTES};
 pub use error::{PoolError, Refusal, Result};
 pub use ledger::{Ledger, ADMIN_WAIT};
 pub use status::{FloorChange, LimitChange, PoolStatus, Reaped, TenantStatus};

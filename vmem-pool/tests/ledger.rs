@@ -293,7 +293,7 @@ fn a_lock_held_too_long_fails_busy_rather_than_hanging() {
     assert!(t.elapsed() >= vmem_pool::ADMIN_WAIT);
     assert!(t.elapsed() < vmem_pool::ADMIN_WAIT * 3, "{:?}", t.elapsed());
     assert!(matches!(
-        l.set_limit("a", Limit::Bytes(1)),
+        l.set_limit("a", Limit::Bytes(MIB / 2)),
         Err(PoolError::Busy { .. })
     ));
     // A charge never waits for the lock: one the pool refuses (b holds it all) is refused
@@ -458,4 +458,27 @@ fn huge_names_are_cut_in_messages() {
         assert!(m.len() < 300, "{} bytes: {head}...", m.len());
         assert!(m.contains("éé\"..."), "{m}");
     }
+}
+
+/// A pool or a limit that cannot hold one page (64 KiB, vmem's smallest) is refused as zero
+/// is (before, `PoolConfig::new(1)` and `Limit::Bytes(1)` were taken).
+#[test]
+fn pools_and_limits_smaller_than_a_page_are_refused() {
+    assert_eq!(vmem_pool::MIN_BYTES, 64 << 10);
+    for total in [1, 4096, (64 << 10) - 1] {
+        let e = PoolConfig::new(total).unwrap_err();
+        assert!(e.to_string().contains("64K"), "{e}");
+    }
+    PoolConfig::new(64 << 10).unwrap();
+    for bad in ["1", "4K", "65535"] {
+        let e = bad.parse::<Limit>().unwrap_err();
+        assert!(e.to_string().contains("64K"), "{bad}: {e}");
+    }
+    assert!(Limit::Bytes(1).resolve(MIB).is_err());
+    assert!(Limit::Percent(1).resolve(MIB).is_err(), "10,485 bytes");
+    assert_eq!(Limit::Percent(7).resolve(MIB).unwrap(), 73_400);
+    assert!(PoolConfig::new(MIB)
+        .unwrap()
+        .default_limit(Limit::Bytes(1000))
+        .is_err());
 }
