@@ -87,6 +87,16 @@ enum CliError {
     Output(io::Error),
     /// A pool's ledger or setting (`vmem pool`).
     Pool(vmem_pool::PoolError),
+    /// `vmem pool create` made the ledger at `path` and could not write so: the ledger is
+    /// removed again, unless that failed too (`kept` says why).
+    Unreported {
+        /// The failed write.
+        output: io::Error,
+        /// The ledger's path.
+        path: std::path::PathBuf,
+        /// Why the ledger could not be removed, if it could not.
+        kept: Option<vmem_pool::PoolError>,
+    },
 }
 
 impl std::fmt::Display for CliError {
@@ -95,6 +105,25 @@ impl std::fmt::Display for CliError {
             CliError::Replay(e) => e.fmt(f),
             CliError::Output(e) => write!(f, "writing the output: {e}"),
             CliError::Pool(e) => e.fmt(f),
+            CliError::Unreported {
+                output,
+                path,
+                kept: None,
+            } => write!(
+                f,
+                "writing the output: {output}: the pool was not created (its ledger {} is \
+                 removed again)",
+                path.display()
+            ),
+            CliError::Unreported {
+                output,
+                path,
+                kept: Some(e),
+            } => write!(
+                f,
+                "writing the output: {output}; the pool at {} was created and is kept: {e}",
+                path.display()
+            ),
         }
     }
 }

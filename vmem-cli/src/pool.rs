@@ -169,9 +169,8 @@ pub fn run(out: &mut dyn Write, args: &PoolArgs) -> Result<(), CliError> {
                 config = config.group_named(g).map_err(pool_err)?;
             }
             let ledger = Ledger::create(&path, &config).map_err(pool_err)?;
-            emit(writeln!(
-                out,
-                "created pool {}: {} total, {} tenant slots, default limit {}, {}",
+            let line = format!(
+                "created pool {}: {} total, {} tenant slots, default limit {}, {}\n",
                 path.display(),
                 format_bytes(ledger.total()),
                 ledger.slots(),
@@ -180,7 +179,16 @@ pub fn run(out: &mut dyn Write, args: &PoolArgs) -> Result<(), CliError> {
                     Some(g) => format!("shared with group {g} (mode 0660)"),
                     None => "owner-only (mode 0600)".into(),
                 }
-            ))
+            );
+            // A creation nobody could be told of is undone: a failed command leaves nothing.
+            if let Err(output) = out.write_all(line.as_bytes()).and_then(|()| out.flush()) {
+                return Err(CliError::Unreported {
+                    output,
+                    path: path.clone(),
+                    kept: ledger.remove_unused().err(),
+                });
+            }
+            Ok(())
         }
         PoolCommand::Status { json } => {
             let st = Ledger::open(&path)

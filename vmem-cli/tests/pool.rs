@@ -316,6 +316,39 @@ fn create_on_a_full_filesystem_fails_with_enospc_and_leaves_nothing() {
     assert_eq!(fs.names(), Vec::<String>::new());
 }
 
+/// `create` whose output cannot be written (stdout on /dev/full, or a reader that went
+/// away): before, exit 1 with the pool made all the same. Now the pool is removed again and
+/// the error says so: a failed command leaves nothing.
+#[test]
+fn create_whose_output_cannot_be_written_creates_nothing() {
+    let dir = Dir::new("pool-devfull");
+    let p = dir.0.join("pool");
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_vmem"))
+        .args([
+            "pool",
+            "--ledger",
+            p.to_str().unwrap(),
+            "create",
+            "--size",
+            "1G",
+        ])
+        .stdout(full)
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("No space left on device"), "{err}");
+    assert!(err.contains("not created"), "{err}");
+    assert!(!p.exists(), "the pool was left behind");
+    // With the output written, the same command creates it.
+    ok(&pool(&p, &["create", "--size", "1G"]));
+    assert!(p.exists());
+}
+
 /// `top` while the ledger is cut short under it (a `truncate`, a full copy over it): before,
 /// SIGBUS; now an error on stderr and exit 1.
 #[test]

@@ -114,6 +114,15 @@ pub enum PoolError {
         pid: u64,
     },
 
+    /// The pool has live tenants: its ledger is kept.
+    #[error("{path}: the pool has {tenants} live tenant(s): its ledger is kept")]
+    InUse {
+        /// The path.
+        path: PathBuf,
+        /// Live tenants.
+        tenants: usize,
+    },
+
     /// Every tenant slot is taken by a live tenant.
     #[error("the pool's {slots} tenant slots are all taken")]
     NoFreeSlot {

@@ -105,6 +105,35 @@ impl Ledger {
         Self::from_file(path, file)
     }
 
+    /// Removes the ledger's file, if no tenant is in the pool (dead ones are reaped first;
+    /// else [`PoolError::InUse`]) and its path still names this ledger's file (else
+    /// [`PoolError::NotALedger`]): what undoes a [`Ledger::create`] whose result could not be
+    /// reported. Under the header's lock, so no tenant joins meanwhile through the path.
+    pub fn remove_unused(self) -> Result<()> {
+        let admin = self.admin()?;
+        self.check(&admin)?;
+        self.reap_locked(&admin)?;
+        let tenants = self.tenants();
+        if tenants > 0 {
+            return Err(PoolError::InUse {
+                path: self.path().into(),
+                tenants,
+            });
+        }
+        let ours = sys::fstat(self.file().as_fd()).map_err(os("fstat", self.path()))?;
+        let there = std::fs::symlink_metadata(self.path()).map_err(os("stat", self.path()))?;
+        use std::os::unix::fs::MetadataExt;
+        if (there.dev(), there.ino()) != ours.id {
+            return Err(PoolError::NotALedger {
+                path: self.path().into(),
+                why: "another file took its place: left as it is".into(),
+            });
+        }
+        std::fs::remove_file(self.path()).map_err(os("remove", self.path()))?;
+        drop(admin);
+        Ok(())
+    }
+
     /// Opens the ledger at `path`, checking that it is a regular file this user may use
     /// (its owner, or a member of the group it is granted to) and that it is consistent.
     /// Nothing is written.

@@ -119,6 +119,11 @@ impl Ledger {
         self.live().count()
     }
 
+    /// The open ledger file.
+    pub(crate) fn file(&self) -> &File {
+        &self.file
+    }
+
     pub(crate) fn words(&self) -> &[AtomicU64] {
         self.map.words()
     }

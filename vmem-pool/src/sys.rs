@@ -20,6 +20,8 @@ pub struct FileInfo {
     pub gid: u32,
     /// The length in bytes.
     pub len: u64,
+    /// The device and inode: which file it is.
+    pub id: (u64, u64),
 }
 
 impl FileInfo {
@@ -68,6 +70,7 @@ pub fn fstat(fd: BorrowedFd<'_>) -> io::Result<FileInfo> {
         uid: st.st_uid,
         gid: st.st_gid,
         len: st.st_size as u64,
+        id: (st.st_dev, st.st_ino),
     })
 }
 

@@ -482,3 +482,25 @@ fn pools_and_limits_smaller_than_a_page_are_refused() {
         .default_limit(Limit::Bytes(1000))
         .is_err());
 }
+
+/// `remove_unused` (what undoes a create nobody could be told of): refused while a tenant is
+/// in the pool, or when another file took the ledger's path; else the file is gone.
+#[test]
+fn remove_unused_keeps_a_pool_with_tenants_and_a_file_that_took_its_place() {
+    let dir = Scratch::new("remove");
+    let (path, l) = pool(&dir, 4 * MIB);
+    let l = Arc::new(l);
+    let t = l.join("a", None).unwrap();
+    let e = Ledger::open(&path).unwrap().remove_unused().unwrap_err();
+    assert!(matches!(e, PoolError::InUse { tenants: 1, .. }), "{e}");
+    assert!(path.exists());
+    drop(t);
+    let other = Ledger::open(&path).unwrap();
+    std::fs::rename(&path, dir.path("moved")).unwrap();
+    std::fs::copy(dir.path("moved"), &path).unwrap();
+    let e = other.remove_unused().unwrap_err();
+    assert!(matches!(e, PoolError::NotALedger { .. }), "{e}");
+    assert!(path.exists());
+    Ledger::open(&path).unwrap().remove_unused().unwrap();
+    assert!(!path.exists());
+}
