@@ -491,3 +491,16 @@ def test_a_pool_or_a_limit_smaller_than_a_page_is_refused_as_zero_is(p, path):
     assert p.set_limit("llama", "64K").new == 64 << 10
     kv.close()
     assert pool.create(path + "-one", size="64K").total == 64 << 10
+
+
+def test_a_reservation_past_the_tenants_limit_is_refused_and_keeps_nothing(p, path):
+    """reserve_physical past the limit: OutOfMemory, and the pages made before the refusal go back
+    (before, they stayed, charged to the pool)."""
+    kv = _cache(path, "r", limit="1M")
+    assert kv.reserve_physical("512K") == 8
+    before = (kv.usage()["physical_bytes"], p.status().tenant("r").usage)
+    with pytest.raises(vmem.OutOfMemory):
+        kv.reserve_physical("2M")
+    assert (kv.usage()["physical_bytes"], p.status().tenant("r").usage) == before == (512 << 10, 512 << 10)
+    assert kv.reserve_physical("1M") == 8
+    kv.close()

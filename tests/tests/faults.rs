@@ -122,3 +122,32 @@ fn a_failed_reservation_at_init_frees_what_was_reserved() {
     assert_eq!(host.reserved_ranges(), 0);
     assert_eq!(host.resident_bytes().unwrap(), 0);
 }
+
+/// A reservation or a take that the backend refuses part-way keeps none of the pages it
+/// made: the created count, the free list and the backend's live pages are as before.
+#[test]
+fn a_creation_refused_part_way_keeps_nothing() {
+    let sim = Arc::new(vmem::backend::SimBackend::new());
+    let b = Arc::new(FaultyBackend::new(sim.clone()));
+    let mut p = vmem::pool::PagePool::new(b.clone(), KIB64, 1 << 20, 0).unwrap();
+    assert_eq!(p.set_cap_pages(4).unwrap(), 4);
+    let before = (p.created_pages(), p.free_pages(), p.cap_pages());
+    b.set_plan(FaultPlan {
+        create: Some(3),
+        ..FaultPlan::default()
+    });
+    assert!(matches!(
+        p.set_cap_pages(10),
+        Err(VmemError::InjectedFault(_))
+    ));
+    assert_eq!((p.created_pages(), p.free_pages(), p.cap_pages()), before);
+    assert_eq!(sim.live_pages(), 4);
+    b.set_plan(FaultPlan {
+        create: Some(2),
+        ..FaultPlan::default()
+    });
+    // 4 free pages and 3 to create; the second creation fails.
+    assert!(p.take(7).is_err());
+    assert_eq!((p.created_pages(), p.free_pages()), (4, 4));
+    assert_eq!(sim.live_pages(), 4);
+}

@@ -119,3 +119,28 @@ fn sleep_credits_every_page_to_the_ledger_and_wake_maps_again() {
     drop(m);
     assert_eq!(ledger.status().unwrap().used, 0);
 }
+
+/// `reserve_physical` past the tenant's limit: refused with `OutOfMemory`, and the pages it
+/// made before the refusal are given back (before, they stayed, charged to the ledger).
+#[test]
+fn a_reservation_past_the_limit_is_refused_and_keeps_nothing() {
+    let dir = Scratch::new("manager-reserve");
+    let (ledger, backend, cfg) = tenant(&dir, "r", 10);
+    let cfg = cfg.overlap(false).eager_tokens(0).build();
+    let m = KvCacheManager::init(backend.clone() as Arc<dyn Backend>, cfg).unwrap();
+    assert_eq!(m.reserve_physical(4 * KIB64).unwrap(), 4);
+    let before = (m.pool_pages(), backend.tenant().usage(), ledger.used());
+    match m.reserve_physical(16 * KIB64) {
+        Err(VmemError::OutOfMemory { .. }) => {}
+        other => panic!("16 pages under a limit of 10: {other:?}"),
+    }
+    assert_eq!(
+        (m.pool_pages(), backend.tenant().usage(), ledger.used()),
+        before,
+        "a refused reservation changed the pool or the ledger"
+    );
+    assert_eq!(backend.live_pages(), 4);
+    // What the limit holds is still granted.
+    assert_eq!(m.reserve_physical(10 * KIB64).unwrap(), 6);
+    assert_eq!(backend.tenant().usage(), 10 * KIB64);
+}

@@ -109,31 +109,59 @@ impl PagePool {
     }
 
     /// Takes `n` pages, from the free list first, creating the rest. All or nothing: on error
-    /// every page this call created stays in the pool and nothing is lent.
+    /// nothing is lent, the free pages stay free, and the pages this call created are released
+    /// again (a pool tenant's charge for them goes back).
     pub fn take(&mut self, n: u64) -> Result<Vec<PageHandle>> {
         self.check_available(n)?;
         let from_free = (n as usize).min(self.free.len());
         let mut pages = self.free.split_off(self.free.len() - from_free);
-        if let Err(e) = self.create_into(n - from_free as u64, &mut pages) {
-            self.free.extend(pages);
-            return Err(e);
+        match self.create_all(n - from_free as u64) {
+            Ok(new) => pages.extend(new),
+            Err(e) => {
+                self.free.extend(pages);
+                return Err(e);
+            }
         }
         Ok(pages)
     }
 
-    /// Creates `n` pages into `pages`, counting each as created. On error the pages created
-    /// so far are in `pages`.
-    fn create_into(&mut self, n: u64, pages: &mut Vec<PageHandle>) -> Result<()> {
+    /// Creates `n` pages, counting each as created; all or none: on error the pages made so
+    /// far are released again (one the backend will not release stays on the free list).
+    fn create_all(&mut self, n: u64) -> Result<Vec<PageHandle>> {
+        let mut pages = Vec::new();
         for _ in 0..n {
-            pages.push(self.backend.create_page(self.page_size)?);
-            self.created += 1;
+            match self.backend.create_page(self.page_size) {
+                Ok(p) => {
+                    pages.push(p);
+                    self.created += 1;
+                }
+                Err(e) => {
+                    self.release_made(pages);
+                    return Err(e);
+                }
+            }
         }
-        Ok(())
+        Ok(pages)
+    }
+
+    /// Releases `pages`, made by a call that then failed; a page the backend will not release
+    /// goes to the free list (it is still created).
+    fn release_made(&mut self, pages: Vec<PageHandle>) {
+        for p in pages {
+            match self.backend.release_page(p) {
+                Ok(()) => self.created -= 1,
+                Err(e) => {
+                    tracing::warn!(error = %e, "releasing a page of a failed call failed");
+                    self.free.push(p);
+                }
+            }
+        }
     }
 
     /// Sets the cap to `pages` and creates pages until `pages` are created; a lower cap
     /// releases free pages down to it (lent pages stay). Returns the pages created. On error
-    /// the cap is as before and the pages created so far stay in the pool.
+    /// the cap is as before and the pages this call created are released again: a refused
+    /// reservation (a pool tenant's limit, a full device) keeps nothing.
     ///
     /// Where the backend reports its free memory, more pages than it holds are refused with
     /// [`VmemError::OutOfMemory`] before any is created (an eager host backend would
@@ -160,20 +188,12 @@ impl PagePool {
                 });
             }
         }
-        let old = self.cap_pages;
-        self.cap_pages = pages;
         // Create the difference: pages already on the free list count as created.
-        let mut new = Vec::new();
-        let r = self.create_into(want, &mut new);
+        let new = self.create_all(want)?;
+        self.cap_pages = pages;
         let created = new.len() as u64;
         self.put(new);
-        match r {
-            Ok(()) => Ok(created),
-            Err(e) => {
-                self.cap_pages = old.max(self.created);
-                Err(e)
-            }
-        }
+        Ok(created)
     }
 
     /// Sets the cap to `pages` (at least 1) without creating any page: pages are created on
