@@ -626,3 +626,27 @@ def test_background_unmap_under_threads_racing_gives_every_page_back():
     kv.close()
     with pytest.raises(vmem.Closed):
         kv.wait_unmapped()
+
+
+@pytest.mark.parametrize("backend", ["host", "sim"])
+def test_a_lowered_memory_cap_holds_once_the_pages_come_back(backend):
+    """set_memory_cap("1M") while 4 MiB are mapped: nothing can be released then, but once the
+    requests are freed their pages are, down to the cap, and a new request maps no more than it
+    (before, the cap stayed at 4 MiB for good and two 1 MiB requests were mapped under it)."""
+    kv = vmem.KVCache(layers=2, kv_heads=2, head_dim=64, dtype="fp16", max_batch=4, max_context=1024,
+                      page_size="64K", backend=backend, overlap=False, deferred_reclaim=False, eager_tokens=0,
+                      zero_page=False)
+    ids = [kv.alloc() for _ in range(4)]
+    kv.step({r: 1024 for r in ids})  # 16 pages of 64 KiB each: 4 MiB
+    assert kv.usage()["physical_bytes"] == 4 << 20
+    assert kv.set_memory_cap("1M") == 0  # every page is mapped
+    assert kv.usage()["cap_bytes"] == 1 << 20
+    for r in ids:
+        kv.free(r)
+    assert kv.usage()["physical_bytes"] == 1 << 20, kv.usage()
+    a, b = kv.alloc(), kv.alloc()
+    kv.step({a: 1024})
+    with pytest.raises(vmem.OutOfMemory):
+        kv.step({a: 1024, b: 1024})
+    assert kv.usage()["physical_bytes"] == 1 << 20
+    kv.close()

@@ -13,8 +13,9 @@ pub const MAX_EAGER_PAGES: u64 = 1 << 24;
 /// Physical pages of one size, created through a backend up to a cap in bytes.
 ///
 /// Pages lent out with [`PagePool::take`] belong to the borrower until they come back with
-/// [`PagePool::put`]; the pool counts them, so `free + lent == created` always holds. Dropping
-/// the pool releases the free pages.
+/// [`PagePool::put`]; the pool counts them, so `free + lent == created` always holds. A cap
+/// lowered below what is created holds as the lent pages come back: `put` releases them until
+/// no more are created than the cap. Dropping the pool releases the free pages.
 #[derive(Debug)]
 pub struct PagePool {
     backend: Arc<dyn Backend>,
@@ -88,7 +89,7 @@ impl PagePool {
         self.page_size
     }
 
-    /// The cap, in pages.
+    /// The cap, in pages. Pages lent before it was lowered may exceed it until they come back.
     pub fn cap_pages(&self) -> u64 {
         self.cap_pages
     }
@@ -105,7 +106,9 @@ impl PagePool {
 
     /// Pages that [`PagePool::take`] can hand out now: free ones plus those still creatable.
     pub fn available_pages(&self) -> u64 {
-        self.free.len() as u64 + (self.cap_pages - self.created)
+        // Created past a lowered cap: those pages are released as they come back, so they
+        // are not available.
+        (self.free.len() as u64 + self.cap_pages).saturating_sub(self.created)
     }
 
     /// Takes `n` pages, from the free list first, creating the rest. All or nothing: on error
@@ -173,7 +176,7 @@ impl PagePool {
         if pages < self.created {
             let keep = self.free.len() as u64 - (self.created - pages).min(self.free.len() as u64);
             self.trim(keep)?;
-            self.cap_pages = pages.max(self.created);
+            self.cap_pages = pages;
             return Ok(0);
         }
         let want = pages - self.created;
@@ -198,8 +201,8 @@ impl PagePool {
 
     /// Sets the cap to `pages` (at least 1) without creating any page: pages are created on
     /// demand up to it. A cap below what is created releases free pages down to it; pages
-    /// lent stay (the cap is then what is created, until they come back). Returns the pages
-    /// released.
+    /// lent stay, and are released as they come back ([`PagePool::put`]) until no more are
+    /// created than the cap. Returns the pages released now.
     pub fn set_cap_lazy(&mut self, pages: u64) -> Result<u64> {
         if pages == 0 {
             return Err(VmemError::InvalidConfig("a pool cap of 0 pages".into()));
@@ -207,7 +210,7 @@ impl PagePool {
         let over = self.created.saturating_sub(pages);
         let keep = (self.free.len() as u64).saturating_sub(over);
         let released = self.trim(keep)?;
-        self.cap_pages = pages.max(self.created);
+        self.cap_pages = pages;
         Ok(released)
     }
 
@@ -247,9 +250,19 @@ impl PagePool {
         Ok(())
     }
 
-    /// Returns lent pages to the free list. They must be unmapped.
+    /// Returns lent pages to the free list. They must be unmapped. While more pages are
+    /// created than the cap (it was lowered while they were lent), those that come back are
+    /// released instead (a page the backend will not release stays free, and is tried again
+    /// on the next call).
     pub fn put(&mut self, pages: impl IntoIterator<Item = PageHandle>) {
         self.free.extend(pages);
+        if self.created > self.cap_pages {
+            let over = self.created - self.cap_pages;
+            let keep = (self.free.len() as u64).saturating_sub(over);
+            if let Err(e) = self.trim(keep) {
+                tracing::warn!(error = %e, "releasing pages past a lowered cap failed");
+            }
+        }
     }
 
     /// Releases free pages until at most `keep` remain; returns how many were released.
@@ -326,6 +339,37 @@ mod tests {
         assert_eq!(
             (p.created_pages(), p.free_pages(), p.cap_pages()),
             (32, 32, 32)
+        );
+    }
+
+    #[test]
+    fn a_lowered_cap_holds_once_lent_pages_come_back() {
+        let mut p = pool();
+        p.set_cap_lazy(64).unwrap();
+        let lent = p.take(64).unwrap();
+        assert_eq!(p.set_cap_lazy(16).unwrap(), 0, "every page is lent");
+        assert_eq!(
+            (p.created_pages(), p.cap_pages(), p.available_pages()),
+            (64, 16, 0)
+        );
+        p.put(lent[..40].iter().copied());
+        assert_eq!(
+            (p.created_pages(), p.free_pages()),
+            (24, 0),
+            "released down to the cap"
+        );
+        assert_eq!(p.available_pages(), 0);
+        p.put(lent[40..].iter().copied());
+        assert_eq!((p.created_pages(), p.free_pages()), (16, 16));
+        assert_eq!(p.available_pages(), 16);
+        assert!(p.take(17).is_err());
+        // The eager cap too.
+        let more = p.take(16).unwrap();
+        assert_eq!(p.set_cap_pages(4).unwrap(), 0);
+        p.put(more);
+        assert_eq!(
+            (p.created_pages(), p.free_pages(), p.cap_pages()),
+            (4, 4, 4)
         );
     }
 

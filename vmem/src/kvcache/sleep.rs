@@ -267,6 +267,32 @@ mod tests {
     }
 
     #[test]
+    fn a_cap_lowered_under_mapped_pages_holds_once_they_are_freed() {
+        let kv = manager(None);
+        kv.set_deferred_reclaim(false);
+        let ids: Vec<usize> = (0..4).map(|_| kv.alloc_reqid().unwrap()).collect();
+        kv.step(&[1024; 4]).unwrap(); // 4 pages in each of 4 buffers, 4 requests: 4 MiB
+        assert_eq!(kv.usage().physical_bytes, 4 << 20);
+        assert_eq!(
+            kv.set_memory_cap(1 << 20).unwrap(),
+            0,
+            "every page is mapped"
+        );
+        for r in ids {
+            kv.free_reqid(r).unwrap();
+        }
+        assert_eq!(kv.usage().physical_bytes, 1 << 20);
+        assert_eq!(kv.usage().cap_bytes, 1 << 20);
+        let (a, b) = (kv.alloc_reqid().unwrap(), kv.alloc_reqid().unwrap());
+        let mut lens = [0; 4];
+        lens[a] = 1024;
+        kv.step(&lens).unwrap();
+        lens[b] = 1024;
+        assert!(matches!(kv.step(&lens), Err(VmemError::OutOfMemory { .. })));
+        assert_eq!(kv.usage().physical_bytes, 1 << 20);
+    }
+
+    #[test]
     fn a_lazy_cap_creates_nothing_and_a_step_past_it_reclaims_cached_blocks_first() {
         let kv = manager(Some(64 << 20));
         let tokens: Vec<u32> = (0..1024).collect();
