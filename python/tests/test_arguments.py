@@ -113,8 +113,9 @@ def test_set_deferred_reclaim_takes_a_bool_only(value):
     kv.close()
 
 
-@pytest.mark.parametrize("value", ["ab", b"\x01\x02"])
+@pytest.mark.parametrize("value", ["ab", b"\x01\x02", bytearray(b"\x01\x02"), memoryview(b"\x01\x02")])
 def test_step_of_a_string_is_refused_as_a_whole(value):
+    # A memoryview has tolist(), and was taken as the lengths [1, 2].
     kv = cache()
     with pytest.raises(vmem.InvalidArgument, match="lengths must be"):
         kv.step(value)
@@ -233,3 +234,4 @@ def test_vmem_torch_takes_a_kvcache_only():
     for call in (lambda: vt.layer("kv", 0), lambda: vt.layers(None), lambda: vt.tensors(3)):
         with pytest.raises(vmem.InvalidArgument, match="vmem.KVCache"):
             call()
+

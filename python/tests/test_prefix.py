@@ -247,6 +247,8 @@ def test_token_ids_as_integer_scalars_of_numpy_are_accepted():
     ({1: 2, 3: 4}, "ordered sequence"),                 # a dict's keys went through as ids
     ({1, 2, 3}, "ordered sequence"),                    # a set's order is not a prompt's
     (bytearray(b"abc"), "sequence of token ids"),       # bytes were refused, bytearray not
+    (memoryview(b"ab"), "sequence of token ids"),       # has tolist(): was taken as [97, 98]
+    (memoryview(bytearray(b"ab")).cast("B"), "sequence of token ids"),
     ([_Cuda0d()], "on the CPU"),
     ([2**70], "not a token id"),                        # said "at most 2**64 - 1"
 ])

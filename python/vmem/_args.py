@@ -133,6 +133,9 @@ _MAX_LENGTH = 1 << 63
 def lengths(lengths: Any, max_batch: int) -> List[int]:
     """One length per request id from a list, a dict {id: length}, a NumPy array or a CPU
     tensor."""
+    if isinstance(lengths, (str, bytes, bytearray, memoryview)):
+        # Before the tolist() branch: a memoryview has tolist() (its bytes as ints).
+        raise InvalidArgument(f"lengths must be a list, a dict {{id: length}} or an array, got {short(lengths)}")
     if isinstance(lengths, Mapping):
         out = [0] * max_batch
         for r, n in lengths.items():
@@ -145,8 +148,6 @@ def lengths(lengths: Any, max_batch: int) -> List[int]:
         if device is not None and getattr(device, "type", "cpu") != "cpu":
             raise InvalidArgument("lengths must be on the CPU (a device tensor would sync)")
         lengths = lengths.tolist()
-    elif isinstance(lengths, (str, bytes, bytearray)):
-        raise InvalidArgument(f"lengths must be a list, a dict {{id: length}} or an array, got {short(lengths)}")
     elif not isinstance(lengths, (list, tuple)):
         try:
             lengths = list(lengths)
@@ -183,6 +184,9 @@ def token_ids(tokens: Any) -> List[int]:
     """Token ids as a list of ints from a list, a tuple, a NumPy array or a CPU tensor (1-D),
     or any ordered iterable of ints, NumPy integers or 0-d integer CPU tensors (the Rust side
     checks each is an int in ``0..2**32``)."""
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)):
+        # Before the tolist() branch: a memoryview has tolist() (its bytes as ints).
+        raise InvalidArgument(f"tokens must be a sequence of token ids, got {short(tokens)}")
     if hasattr(tokens, "tolist") and not isinstance(tokens, (list, tuple)):  # arrays, tensors
         device = getattr(tokens, "device", None)
         if device is not None and getattr(device, "type", "cpu") != "cpu":
@@ -196,7 +200,7 @@ def token_ids(tokens: Any) -> List[int]:
         if not isinstance(out, list):
             raise InvalidArgument(f"tokens must be a 1-D sequence of token ids, got {short(tokens)}")
         return out
-    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Iterable):
+    if not isinstance(tokens, Iterable):
         raise InvalidArgument(f"tokens must be a sequence of token ids, got {short(tokens)}")
     if isinstance(tokens, (Mapping, AbstractSet)):
         raise InvalidArgument(f"tokens must be an ordered sequence of token ids, not a {type(tokens).__name__}")
