@@ -235,3 +235,35 @@ def test_vmem_torch_takes_a_kvcache_only():
         with pytest.raises(vmem.InvalidArgument, match="vmem.KVCache"):
             call()
 
+
+SHAPES_PAST_THE_BOUNDS = [
+    # The issue's two: the token-major views (16 GB of them) aborted at once; per-layer buffers
+    # (2 x 10**7 of them, each with its bookkeeping) after 14 s.
+    (dict(layers=10**8, layout="token-major"), "layers"),
+    (dict(layers=10**7, layout="per-layer"), "layers"),
+    # Within the layer bound, but 2 x 1,024 buffers x 65,536 ids of bookkeeping (3 GiB).
+    (dict(layers=1024, max_batch=65536, layout="per-layer"), "max_batch"),
+]
+
+
+@pytest.mark.parametrize("backend", ["sim", "host"])
+@pytest.mark.parametrize("kw, field", SHAPES_PAST_THE_BOUNDS)
+def test_a_shape_past_what_is_allocated_up_front_is_refused_naming_the_field(backend, kw, field):
+    """Run in a child: before, the process aborted ("memory allocation of 16000000000 bytes
+    failed"), which a test in this process could not report."""
+    code = textwrap.dedent(f"""
+        import time, vmem
+        t = time.monotonic()
+        try:
+            vmem.KVCache(**{dict(dict(kv_heads=2, head_dim=64, dtype="fp16", max_batch=4, max_context=1024,
+                                     page_size="64K", backend=backend), **kw)!r})
+            print("MADE")
+        except vmem.InvalidArgument as e:
+            print("REFUSED", round(time.monotonic() - t, 3), e)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.startswith("REFUSED"), r.stdout
+    _, seconds, message = r.stdout.split(" ", 2)
+    assert float(seconds) < 2, r.stdout
+    assert field in message and len(message) < 400, message

@@ -7,6 +7,15 @@ use crate::error::{Result, VmemError};
 /// from init. vLLM's default is 256.
 pub const MAX_BATCH: usize = 1 << 16;
 
+/// The most layers a cache may have: the manager keeps a view (and, per-layer, two buffers)
+/// for every layer from init. The deepest published models have fewer than 200.
+pub const MAX_LAYERS: usize = 1 << 10;
+
+/// The most request slices (buffers x `max_batch`) a cache may have: the manager keeps the
+/// page list of every slice from init, 24 bytes each empty (2^24 of them: 384 MiB). 128 layers
+/// per-layer at 65,536 ids is 2^24; token-major has one buffer.
+pub const MAX_SLICES: u64 = 1 << 24;
+
 /// How K and V of all layers are laid out in virtual memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Layout {
@@ -273,8 +282,8 @@ impl KvConfig {
         }
     }
 
-    /// Checks every field (at most [`MAX_BATCH`] request ids), and that every size computed
-    /// from them fits in 64 bits.
+    /// Checks every field (at most [`MAX_BATCH`] request ids, [`MAX_LAYERS`] layers and
+    /// [`MAX_SLICES`] request slices), and that every size computed from them fits in 64 bits.
     pub fn validate(&self) -> Result<Geometry> {
         let fields = [
             ("layers", self.layers),
@@ -296,6 +305,26 @@ impl KvConfig {
                 "max_batch {} is more than {MAX_BATCH} request ids",
                 self.max_batch
             )));
+        }
+        if self.layers > MAX_LAYERS {
+            // As for max_batch: 10^8 layers passed every size check, then aborted the process
+            // allocating their views ("memory allocation of 16000000000 bytes failed").
+            return Err(VmemError::InvalidConfig(format!(
+                "layers {} is more than {MAX_LAYERS} (the manager keeps every layer's views and \
+                 buffers from init)",
+                self.layers
+            )));
+        }
+        if self.layout == Layout::PerLayer {
+            let slices = 2 * self.layers as u64 * self.max_batch as u64;
+            if slices > MAX_SLICES {
+                return Err(VmemError::InvalidConfig(format!(
+                    "2 x layers {} x max_batch {} = {slices} request slices is more than \
+                     {MAX_SLICES} (each keeps its page list from init): lower max_batch, or use \
+                     the token-major layout (one buffer)",
+                    self.layers, self.max_batch
+                )));
+            }
         }
         if self.page_size == 0 || !self.page_size.is_multiple_of(4096) {
             return Err(VmemError::InvalidConfig(format!(
@@ -420,4 +449,47 @@ pub struct LayerView {
     pub k: TensorView,
     /// The V cache of the layer.
     pub v: TensorView,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(layers: usize, max_batch: usize, layout: Layout) -> KvConfig {
+        KvConfig::builder()
+            .layers(layers)
+            .kv_heads(2)
+            .head_dim(64)
+            .elem_bytes(2)
+            .max_batch(max_batch)
+            .max_context(1024)
+            .page_size(64 << 10)
+            .layout(layout)
+            .build()
+    }
+
+    /// What `init` allocates up front is bounded: shapes past it are refused naming the field
+    /// (before, 10^8 layers aborted the process allocating their views).
+    #[test]
+    fn shapes_past_what_is_allocated_up_front_are_refused_naming_the_field() {
+        for (layers, batch, layout, field) in [
+            (100_000_000, 4, Layout::TokenMajor, "layers"),
+            (10_000_000, 4, Layout::PerLayer, "layers"),
+            (MAX_LAYERS + 1, 1, Layout::TokenMajor, "layers"),
+            (MAX_LAYERS, MAX_BATCH, Layout::PerLayer, "max_batch"),
+            (129, MAX_BATCH, Layout::PerLayer, "max_batch"),
+        ] {
+            match shape(layers, batch, layout).validate() {
+                Err(VmemError::InvalidConfig(m)) => assert!(m.contains(field), "{m}"),
+                other => panic!("{layers} layers x {batch}: {other:?}"),
+            }
+        }
+        for (layers, batch, layout) in [
+            (MAX_LAYERS, MAX_BATCH, Layout::TokenMajor),
+            (128, MAX_BATCH, Layout::PerLayer),
+            (MAX_LAYERS, 8192, Layout::PerLayer),
+        ] {
+            shape(layers, batch, layout).validate().unwrap();
+        }
+    }
 }

@@ -26,7 +26,10 @@ mod state;
 mod unmap;
 
 pub use blocks::{block_hashes, BlockHash, PrefixStats};
-pub use config::{Geometry, KvConfig, KvConfigBuilder, LayerView, Layout, TensorView, MAX_BATCH};
+pub use config::{
+    Geometry, KvConfig, KvConfigBuilder, LayerView, Layout, TensorView, MAX_BATCH, MAX_LAYERS,
+    MAX_SLICES,
+};
 pub use defaults::{
     check_zero_page_maps, default_reclaim_threshold, default_zero_page, map_count, map_headroom,
     max_map_count, whole_virtual_size, zero_page_slots, PolicyDefaults, DEFAULT_MAX_MAP_COUNT,
