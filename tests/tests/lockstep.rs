@@ -170,7 +170,7 @@ fn a_divergent_call_is_caught_naming_the_step() {
             }) => {
                 assert_eq!(step, da[299].steps);
                 assert_eq!(rank, 1);
-                assert_eq!(theirs, db[299].value);
+                assert_eq!(theirs, db[299]);
             }
             other => panic!("{s:?}: expected a lockstep divergence, got {other:?}"),
         }
@@ -248,4 +248,25 @@ fn two_processes_with_the_same_calls_agree() {
     // And a child with another seed does not agree (the pipe carries real digests).
     let other = run(&manager(setup), seed + 1, 300, true, None);
     assert_ne!(other.last(), theirs.last());
+}
+
+/// `check` of no digests at all is an error (before, it passed: nothing differed), and a
+/// divergence message shows values that differ: two ranks whose digests differ only in
+/// their call counts (before: "0x...05 ... 0x...05", the same value twice).
+#[test]
+fn check_refuses_no_digests_and_a_divergence_shows_what_differs() {
+    let d = DecisionDigest::from_words([5, 3, 7]);
+    assert!(matches!(d.check(&[]), Err(VmemError::InvalidConfig(_))));
+    let other = DecisionDigest::from_words([5, 3, 8]);
+    let err = d.check(&[d, other]).unwrap_err();
+    match &err {
+        VmemError::LockstepDivergence {
+            rank, ours, theirs, ..
+        } => {
+            assert_eq!((*rank, *ours, *theirs), (1, d, other));
+        }
+        other => panic!("{other:?}"),
+    }
+    let m = err.to_string();
+    assert!(m.contains("7 calls") && m.contains("8 calls"), "{m}");
 }

@@ -251,8 +251,8 @@ pub enum VmemError {
     /// decision digests (`KvCacheManager::decision_digest`): their caches went out of
     /// lockstep at or before `step`.
     #[error(
-        "lockstep divergence by step {step}: this rank's decision digest {ours:#018x}, \
-         rank {rank}'s {theirs:#018x}"
+        "lockstep divergence by step {step}: this rank's decision digest is {ours}, \
+         rank {rank}'s is {theirs}"
     )]
     LockstepDivergence {
         /// Steps this rank had made when the digests were compared.
@@ -260,9 +260,9 @@ pub enum VmemError {
         /// The first rank whose digest differs.
         rank: usize,
         /// This rank's digest.
-        ours: u64,
+        ours: crate::kvcache::DecisionDigest,
         /// That rank's digest.
-        theirs: u64,
+        theirs: crate::kvcache::DecisionDigest,
     },
 }
 

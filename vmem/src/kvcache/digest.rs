@@ -25,18 +25,36 @@ pub struct DecisionDigest {
     pub calls: u64,
 }
 
+impl std::fmt::Display for DecisionDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:#018x} after {} steps, {} calls",
+            self.value, self.steps, self.calls
+        )
+    }
+}
+
 impl DecisionDigest {
     /// Compares this rank's digest with every rank's (`all[i]` is rank `i`'s, this one's
     /// included, as an all-gather returns them). Fails with
-    /// [`VmemError::LockstepDivergence`] naming the step and the first rank that differs.
+    /// [`VmemError::LockstepDivergence`] naming the step and the first rank that differs, and
+    /// with [`VmemError::InvalidConfig`] when `all` is empty (nothing was compared).
     pub fn check(&self, all: &[DecisionDigest]) -> Result<()> {
+        if all.is_empty() {
+            return Err(VmemError::InvalidConfig(
+                "DecisionDigest::check of no digests: give every rank's, this one's included \
+                 (an all-gather's result)"
+                    .into(),
+            ));
+        }
         match all.iter().position(|d| d != self) {
             None => Ok(()),
             Some(rank) => Err(VmemError::LockstepDivergence {
                 step: self.steps,
                 rank,
-                ours: self.value,
-                theirs: all[rank].value,
+                ours: *self,
+                theirs: all[rank],
             }),
         }
     }
