@@ -29,3 +29,32 @@ def test_same_calls_give_equal_digests_and_a_different_call_shows():
     assert dc[:19] == da[:19] and dc[19] != da[19]
     for kv in (a, b, c):
         kv.close()
+
+
+def test_a_prefix_adoption_shows_in_the_digest():
+    """Two ranks, one adopting a cached 512-token prefix and one none: their digests differ at
+    that call and after the next step (before, both were equal: adoptions were not folded in)."""
+    prompt = list(range(1024))
+
+    def rank(adopt):
+        kv = vmem.KVCache(layers=1, kv_heads=2, head_dim=64, dtype="fp16", max_batch=4, max_context=4096,
+                          page_size="64K", device="cpu", overlap=False, eager_tokens=0, layout="token-major",
+                          prefix_cache="1M")
+        a = kv.alloc()
+        kv.step({a: len(prompt)})
+        kv.publish_prefix(a, prompt)
+        kv.free(a)
+        b = kv.alloc()
+        before = kv.decision_digest()
+        if adopt:
+            assert kv.adopt_prefix(b, prompt[:513]) == 512
+        after = kv.decision_digest()
+        kv.step({b: 600})
+        out = (before, after, kv.decision_digest())
+        kv.close()
+        return out
+
+    adopting, other, same = rank(True), rank(False), rank(True)
+    assert adopting[0] == other[0]
+    assert adopting[1] != other[1] and adopting[2] != other[2]
+    assert adopting == same

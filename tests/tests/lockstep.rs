@@ -250,6 +250,127 @@ fn two_processes_with_the_same_calls_agree() {
     assert_ne!(other.last(), theirs.last());
 }
 
+/// A manager with prefix sharing on (host memory: sharing maps a page at two addresses).
+fn sharing_manager() -> KvCacheManager {
+    let cfg = small_kv(2, BATCH, 4096, KIB64)
+        .memory_cap(256 * KIB64)
+        .overlap(false)
+        .eager_tokens(0)
+        .prefix_cache(Some(64 * KIB64))
+        .build();
+    KvCacheManager::init(Arc::new(HostBackend::new().unwrap()), cfg).unwrap()
+}
+
+/// Both ranks prefill and publish the same 1,024-token prompt, free it, and admit a second
+/// request: what every rank does before the call under test.
+fn published(kv: &KvCacheManager, prompt: &[u32]) -> usize {
+    let a = kv.alloc_reqid().unwrap();
+    let mut lens = vec![0u64; BATCH];
+    lens[a] = prompt.len() as u64;
+    kv.step(&lens).unwrap();
+    assert!(kv.publish_prefix(a, prompt).unwrap() > 0);
+    kv.free_reqid(a).unwrap();
+    kv.alloc_reqid().unwrap()
+}
+
+/// A rank that adopts a cached prefix and one that does not (or adopts another prompt) hold
+/// different digests from that call on (before, adoptions were not in the digest: equal
+/// digests, and the next step's page counts are equal too). Equal adoptions stay equal.
+#[test]
+fn a_prefix_adoption_shows_in_the_digest() {
+    let prompt: Vec<u32> = (0..1024).collect();
+    let other: Vec<u32> = (5000..6024).collect();
+    let (a, b, c) = (sharing_manager(), sharing_manager(), sharing_manager());
+    let (ra, rb, rc) = (
+        published(&a, &prompt),
+        published(&b, &prompt),
+        published(&c, &prompt),
+    );
+    assert_eq!(a.decision_digest(), b.decision_digest());
+    assert_eq!(a.adopt_prefix(ra, &prompt).unwrap(), 512 + 256);
+    assert_eq!(c.adopt_prefix(rc, &prompt).unwrap(), 768);
+    assert_eq!(
+        a.decision_digest(),
+        c.decision_digest(),
+        "the same adoption"
+    );
+    assert_ne!(
+        a.decision_digest(),
+        b.decision_digest(),
+        "an adoption against none"
+    );
+    assert_eq!(b.adopt_prefix(rb, &other).unwrap(), 0);
+    assert_ne!(
+        a.decision_digest(),
+        b.decision_digest(),
+        "768 tokens against 0"
+    );
+    // And after the step to the same length, which maps the same pages on both.
+    let mut lens = vec![0u64; BATCH];
+    lens[ra] = 1024;
+    a.step(&lens).unwrap();
+    b.step(&lens).unwrap();
+    assert_ne!(a.decision_digest(), b.decision_digest());
+}
+
+/// Every call that changes what is mapped, cached or may be created is in the digest: made
+/// on one rank only, it shows.
+#[test]
+fn every_call_that_changes_the_mapping_shows_in_the_digest() {
+    let prompt: Vec<u32> = (0..1024).collect();
+    let second: Vec<u32> = (9000..10024).collect();
+    type Call = fn(&KvCacheManager, usize, &[u32]);
+    let calls: [(&str, Call); 10] = [
+        ("publish_prefix", |kv, r, p| {
+            kv.publish_prefix(r, p).unwrap();
+        }),
+        ("map_ahead", |kv, r, _| {
+            kv.map_ahead(r, 2000).unwrap();
+        }),
+        ("reserve_physical", |kv, _, _| {
+            kv.reserve_physical(64 * KIB64).unwrap();
+        }),
+        ("set_memory_cap", |kv, _, _| {
+            kv.set_memory_cap(128 * KIB64).unwrap();
+        }),
+        ("shrink", |kv, _, _| {
+            kv.shrink(u64::MAX).unwrap();
+        }),
+        ("reclaim_inactive", |kv, _, _| {
+            kv.reclaim_inactive().unwrap();
+        }),
+        ("release_free_pages", |kv, _, _| {
+            kv.release_free_pages().unwrap();
+        }),
+        ("sleep", |kv, _, _| {
+            kv.sleep(true).unwrap();
+        }),
+        ("wake", |kv, _, _| kv.wake()),
+        ("set_deferred_reclaim", |kv, _, _| {
+            kv.set_deferred_reclaim(false)
+        }),
+    ];
+    for (name, call) in calls {
+        let (a, b) = (sharing_manager(), sharing_manager());
+        let (ra, rb) = (published(&a, &prompt), published(&b, &prompt));
+        assert_eq!(ra, rb);
+        // A second prompt computed on both: something for publish_prefix to cache.
+        let mut lens = vec![0u64; BATCH];
+        lens[ra] = 1024;
+        a.step(&lens).unwrap();
+        b.step(&lens).unwrap();
+        assert_eq!(a.decision_digest(), b.decision_digest(), "{name}");
+        call(&a, ra, &second);
+        assert_ne!(
+            a.decision_digest(),
+            b.decision_digest(),
+            "{name} on one rank"
+        );
+        call(&b, rb, &second);
+        assert_eq!(a.decision_digest(), b.decision_digest(), "{name} on both");
+    }
+}
+
 /// `check` of no digests at all is an error (before, it passed: nothing differed), and a
 /// divergence message shows values that differ: two ranks whose digests differ only in
 /// their call counts (before: "0x...05 ... 0x...05", the same value twice).

@@ -13,6 +13,23 @@ const TAG_ALLOC_FOR: u64 = 2;
 const TAG_FREE: u64 = 3;
 pub(super) const TAG_STEP: u64 = 4;
 
+/// The calls besides `alloc_reqid`, `alloc_reqid_for`, `free_reqid` and `step` that change
+/// what is mapped, cached or may be created, as the digest tags them ([`Digest::call`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Call {
+    Adopt = 5,
+    Publish = 6,
+    MapAhead = 7,
+    Reserve = 8,
+    MemoryCap = 9,
+    Shrink = 10,
+    Reclaim = 11,
+    Release = 12,
+    Sleep = 13,
+    Wake = 14,
+    DeferredReclaim = 15,
+}
+
 /// The manager's decisions so far, as ranks compare them: the digest and how many steps and
 /// calls it covers. Equal calls give equal values on every rank and in every process.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -21,7 +38,10 @@ pub struct DecisionDigest {
     pub value: u64,
     /// `step` calls made (failed ones included).
     pub steps: u64,
-    /// `alloc_reqid`, `alloc_reqid_for`, `free_reqid` and `step` calls made.
+    /// Calls folded in: `alloc_reqid`, `alloc_reqid_for`, `free_reqid`, `step`, and every
+    /// other call that changes what is mapped, cached or may be created (prefix adoption
+    /// and publication, `map_ahead`, `reserve_physical`, `set_memory_cap`, `shrink`,
+    /// `reclaim_inactive`, `release_free_pages`, `sleep`, `wake`, `set_deferred_reclaim`).
     pub calls: u64,
 }
 
@@ -128,6 +148,29 @@ impl Digest {
         self.outcome(r, |d, &id| d.word(id as u64));
     }
 
+    /// A call of `kind` with its `args` and its outcome, and what `result` picks of what it
+    /// returned (only what is a pure function of the calls, or what ranks that differ in are
+    /// out of lockstep whatever the cause: the tokens an adoption serves, the blocks a
+    /// publication caches; not page counts the background threads move).
+    pub(super) fn call<T>(
+        &mut self,
+        kind: Call,
+        args: &[u64],
+        r: &Result<T>,
+        result: impl FnOnce(&T) -> Option<u64>,
+    ) {
+        self.d.calls += 1;
+        self.word(kind as u64);
+        for &a in args {
+            self.word(a);
+        }
+        self.outcome(r, |d, v| {
+            if let Some(w) = result(v) {
+                d.word(w);
+            }
+        });
+    }
+
     /// A `free_reqid(req)` and whether it succeeded.
     pub(super) fn free(&mut self, req: usize, r: &Result<()>) {
         self.d.calls += 1;
@@ -153,6 +196,11 @@ fn error_code(e: &VmemError) -> u64 {
         VmemError::SeqLenTooLong { .. } => 7,
         VmemError::BatchLenMismatch { .. } => 8,
         VmemError::ContextTooLong { .. } => 9,
+        VmemError::Asleep => 10,
+        VmemError::LiveRequests { .. } => 11,
+        VmemError::PrefixMisuse { .. } => 12,
+        VmemError::Unsupported { .. } => 13,
+        VmemError::InvalidConfig(_) => 14,
         _ => 100,
     }
 }

@@ -2,6 +2,7 @@
 //! while `step` serves the other requests; the pages come from the page policy's deficit
 //! (`policy.rs`), as `step`'s do.
 
+use super::digest::Call;
 use super::state::State;
 use super::{KvCacheManager, Shared};
 use crate::error::{Result, VmemError};
@@ -23,6 +24,12 @@ impl KvCacheManager {
     ///
     /// [`Backend::replaces_zero_in_place`]: crate::backend::Backend::replaces_zero_in_place
     pub fn map_ahead(&self, req: usize, tokens: u64) -> Result<u64> {
+        let r = self.map_ahead_unrecorded(req, tokens);
+        self.record(|d, _| d.call(Call::MapAhead, &[req as u64, tokens], &r, |_| None));
+        r
+    }
+
+    fn map_ahead_unrecorded(&self, req: usize, tokens: u64) -> Result<u64> {
         /// Pages per backend call: short calls keep the backend's own lock free for `step`.
         /// Measured on the H100 with a 128K-token prefill beside 64 decoding requests
         /// (prefill-overlap): 16 pages gave a worst decode step of 90-97 ms, 4 pages 25-65 ms,

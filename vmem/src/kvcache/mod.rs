@@ -42,6 +42,7 @@ use crate::backend::Backend;
 use crate::buffer::VirtualBuffer;
 use crate::error::{Result, VmemError};
 use crate::pool::PagePool;
+use digest::Call;
 use state::State;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -269,6 +270,12 @@ impl KvCacheManager {
     /// the backend has free (where it can tell) with [`VmemError::OutOfMemory`], before any
     /// page is created.
     pub fn reserve_physical(&self, bytes: u64) -> Result<u64> {
+        let r = self.reserve_physical_unrecorded(bytes);
+        self.record(|d, _| d.call(Call::Reserve, &[bytes], &r, |_| None));
+        r
+    }
+
+    fn reserve_physical_unrecorded(&self, bytes: u64) -> Result<u64> {
         self.geo.check_reservation(self.cfg.max_batch, bytes)?;
         let mut st = self.shared.lock();
         st.check_awake()?;
@@ -287,6 +294,12 @@ impl KvCacheManager {
     /// Unmaps every page of every inactive request into the pool (vAttention's
     /// `step(..., eager_reclaim=True)`). Returns the pages unmapped.
     pub fn reclaim_inactive(&self) -> Result<u64> {
+        let r = self.reclaim_inactive_unrecorded();
+        self.record(|d, _| d.call(Call::Reclaim, &[], &r, |_| None));
+        r
+    }
+
+    fn reclaim_inactive_unrecorded(&self) -> Result<u64> {
         let mut st = self.wait_unmaps(self.shared.lock());
         let mut n = 0;
         for r in 0..self.cfg.max_batch {
@@ -321,6 +334,12 @@ impl KvCacheManager {
     /// pages the next requests map without creating them (a pool tenant between requests).
     /// Returns the pages released.
     pub fn release_free_pages_above(&self, keep: u64) -> Result<u64> {
+        let r = self.release_free_pages_above_unrecorded(keep);
+        self.record(|d, _| d.call(Call::Release, &[keep], &r, |_| None));
+        r
+    }
+
+    fn release_free_pages_above_unrecorded(&self, keep: u64) -> Result<u64> {
         let mut st = self.shared.lock();
         st.pool.trim(keep)
     }
@@ -366,6 +385,11 @@ impl KvCacheManager {
     /// Turns deferred reclamation on or off from now on. Turning it off unmaps no page by
     /// itself: call [`KvCacheManager::reclaim_inactive`] for that.
     pub fn set_deferred_reclaim(&self, on: bool) {
+        self.set_deferred_reclaim_unrecorded(on);
+        self.record(|d, _| d.call(Call::DeferredReclaim, &[u64::from(on)], &Ok(()), |_| None));
+    }
+
+    fn set_deferred_reclaim_unrecorded(&self, on: bool) {
         let mut st = self.shared.lock();
         st.cfg.deferred_reclaim = on;
         st.requests.next_id = st.pick_next_id();

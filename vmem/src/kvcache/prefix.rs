@@ -45,6 +45,7 @@
 //! them first (when nothing is cached, they stay).
 
 use super::blocks::{block_hashes, BlockHash, Entry, PrefixStats};
+use super::digest::Call;
 use super::state::State;
 use super::KvCacheManager;
 use crate::backend::PageHandle;
@@ -256,6 +257,24 @@ impl KvCacheManager {
         hashes: &[BlockHash],
         prompt_tokens: u64,
     ) -> Result<u64> {
+        let r = self.adopt_prefix_hashes_unrecorded(req, hashes, prompt_tokens);
+        self.record(|d, _| {
+            d.call(
+                Call::Adopt,
+                &[req as u64, prompt_tokens, hashes.len() as u64],
+                &r,
+                |&t| Some(t),
+            )
+        });
+        r
+    }
+
+    fn adopt_prefix_hashes_unrecorded(
+        &self,
+        req: usize,
+        hashes: &[BlockHash],
+        prompt_tokens: u64,
+    ) -> Result<u64> {
         let mut st = self.lock_for_prefix(req)?;
         let most = prompt_tokens.saturating_sub(1) / st.prefix.block_tokens;
         let tokens = st.adopt(req, hashes, most)?;
@@ -276,6 +295,19 @@ impl KvCacheManager {
 
     /// [`KvCacheManager::publish_prefix`] with the block hashes computed by the caller.
     pub fn publish_prefix_hashes(&self, req: usize, hashes: &[BlockHash]) -> Result<u64> {
+        let r = self.publish_prefix_hashes_unrecorded(req, hashes);
+        self.record(|d, _| {
+            d.call(
+                Call::Publish,
+                &[req as u64, hashes.len() as u64],
+                &r,
+                |&n| Some(n),
+            )
+        });
+        r
+    }
+
+    fn publish_prefix_hashes_unrecorded(&self, req: usize, hashes: &[BlockHash]) -> Result<u64> {
         let mut st = self.lock_for_prefix(req)?;
         st.publish(req, hashes)
     }

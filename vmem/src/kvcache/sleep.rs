@@ -6,6 +6,7 @@
 //! A tenant of a shared pool (`vmem-pool`) shrinks when an operator lowers its limit: the
 //! pages go back to the backend, which credits the pool.
 
+use super::digest::Call;
 use super::state::State;
 use super::KvCacheManager;
 use crate::error::{Result, VmemError};
@@ -57,6 +58,12 @@ impl KvCacheManager {
     /// On error the pages given back before it stay given back, and every mapping a request
     /// needs is intact.
     pub fn shrink(&self, bytes: u64) -> Result<ShrinkReport> {
+        let r = self.shrink_unrecorded(bytes);
+        self.record(|d, _| d.call(Call::Shrink, &[bytes], &r, |_| None));
+        r
+    }
+
+    fn shrink_unrecorded(&self, bytes: u64) -> Result<ShrinkReport> {
         let page = self.geo.page_size;
         let need = bytes.div_ceil(page);
         let mut st = self.shared.lock();
@@ -96,6 +103,12 @@ impl KvCacheManager {
     /// pages mapped stay (call [`KvCacheManager::shrink`] first to give back more). A pool
     /// tenant sets it to its limit. Returns the pages released.
     pub fn set_memory_cap(&self, bytes: u64) -> Result<u64> {
+        let r = self.set_memory_cap_unrecorded(bytes);
+        self.record(|d, _| d.call(Call::MemoryCap, &[bytes], &r, |_| None));
+        r
+    }
+
+    fn set_memory_cap_unrecorded(&self, bytes: u64) -> Result<u64> {
         let pages = bytes / self.geo.page_size;
         if pages == 0 {
             return Err(VmemError::InvalidConfig(format!(
@@ -122,6 +135,12 @@ impl KvCacheManager {
     /// owner must compute them again from their tokens, or free them). The prefix cache is
     /// emptied. Returns the pages released. Asleep already: releases nothing more, returns 0.
     pub fn sleep(&self, discard: bool) -> Result<u64> {
+        let r = self.sleep_unrecorded(discard);
+        self.record(|d, _| d.call(Call::Sleep, &[u64::from(discard)], &r, |_| None));
+        r
+    }
+
+    fn sleep_unrecorded(&self, discard: bool) -> Result<u64> {
         let mut st = self.shared.lock();
         if st.signals.asleep {
             return Ok(0);
@@ -164,6 +183,11 @@ impl KvCacheManager {
     /// maps what the lengths it is given need; a cache made with `prealloc` does not create
     /// its pages up front again: call `reserve_physical` for that). Awake already: nothing.
     pub fn wake(&self) {
+        self.wake_unrecorded();
+        self.record(|d, _| d.call(Call::Wake, &[], &Ok(()), |_| None));
+    }
+
+    fn wake_unrecorded(&self) {
         let mut st = self.shared.lock();
         if !st.signals.asleep {
             return;
