@@ -315,7 +315,8 @@ class KVCache(MemoryControl):
     # -- state ------------------------------------------------------------------------------
     def decision_digest(self) -> Tuple[int, int, int]:
         """``(value, steps, calls)``: a running digest of the cache's decisions (ids handed
-        out, out-of-memory steps, pages held after each step). Tensor-parallel ranks making
+        out, out-of-memory steps, pages held after each step, prefix adoptions and every other
+        call that changes what is mapped or cached). Tensor-parallel ranks making
         the same calls hold equal digests; compare them every few steps (an all-gather) to
         catch ranks out of lockstep. docs/architecture.md, "Lockstep", says what it covers
         and which settings keep it a pure function of the calls."""
