@@ -504,3 +504,16 @@ def test_a_reservation_past_the_tenants_limit_is_refused_and_keeps_nothing(p, pa
     assert (kv.usage()["physical_bytes"], p.status().tenant("r").usage) == before == (512 << 10, 512 << 10)
     assert kv.reserve_physical("1M") == 8
     kv.close()
+
+
+def test_ledger_paths_as_strings_path_likes_and_bytes_and_a_nul_refused_where_given(path):
+    """bytes paths were refused as "not a string"; a NUL byte passed Join() and failed only when a
+    cache joined, with the NUL printed raw in the message."""
+    import pathlib
+
+    assert pool.create(os.fsencode(path), size="1G").path == path
+    assert pool.open(pathlib.Path(path)).path == path
+    for bad in (path + "\x00x", b"\x00"):
+        for call in (lambda: pool.Join("a", ledger=bad), lambda: pool.open(bad), lambda: pool.create(bad, size="1G")):
+            with pytest.raises(vmem.PoolError, match="NUL byte"):
+                call()

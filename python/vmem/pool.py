@@ -64,12 +64,18 @@ def default_ledger() -> str:
 
 
 def _path(value: Any) -> str:
+    """A ledger path: a string, a path-like object or bytes (as the OS spells it), not empty and
+    without a NUL byte (which no path holds)."""
     if value is None:
         return default_ledger()
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
+    if isinstance(value, bytes):
+        value = os.fsdecode(value)
     if not isinstance(value, str) or not value:
         raise PoolError(f"invalid pool setting: a ledger path must be a non-empty string, got {short(value)}")
+    if "\0" in value:
+        raise PoolError(f"invalid pool setting: a ledger path cannot hold a NUL byte, got {short(value)}")
     return value
 
 

@@ -245,7 +245,8 @@ pub fn run(out: &mut dyn Write, args: &PoolArgs) -> Result<(), CliError> {
         } => {
             if !interval.is_finite() || !(0.1..=3600.0).contains(interval) {
                 return Err(setting(format!(
-                    "--interval {interval}: between 0.1 and 3600 seconds"
+                    "--interval {}: between 0.1 and 3600 seconds",
+                    crate::report::num(*interval)
                 )));
             }
             if *iterations == Some(0) {

@@ -461,3 +461,22 @@ fn huge_names_and_values_are_cut_in_messages() {
         assert!(err.len() < 400, "{} bytes: {}...", err.len(), &err[..300]);
     }
 }
+
+/// Numbers and paths from the command line in messages: `--interval 1e-300` was printed as
+/// 300 digits, and a ledger path longer than any the OS opens (5,000 bytes) whole.
+#[test]
+fn tiny_intervals_and_paths_past_path_max_are_shown_short() {
+    let dir = Dir::new("pool-short");
+    let p = dir.0.join("pool");
+    ok(&pool(&p, &["create", "--size", "1G"]));
+    let out = pool(&p, &["top", "--interval", "1e-300"]);
+    assert_refused(&out, "--interval 1e-300", "--interval 1e-300: between");
+    let long = dir.0.join("a".repeat(5000));
+    for args in [&["create", "--size", "1G"][..], &["status"][..]] {
+        let out = pool(&long, args);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{}", &err[..err.len().min(300)]);
+        assert!(err.len() < 600, "{} bytes", err.len());
+        assert!(err.contains("bytes)"), "{err}");
+    }
+}

@@ -42,14 +42,21 @@ pub enum PoolError {
     InvalidSetting(String),
 
     /// Nothing is at the ledger's path.
-    #[error("no pool ledger at {path}: create one with `vmem pool create --ledger {path}`")]
+    #[error(
+        "no pool ledger at {}: create one with `vmem pool create --ledger {}`",
+        shown(path),
+        shown(path)
+    )]
     NotFound {
         /// The path.
         path: PathBuf,
     },
 
     /// Something is at the path already (creating a ledger never replaces anything).
-    #[error("{path} already exists ({what}): a new pool needs a path that does not")]
+    #[error(
+        "{} already exists ({what}): a new pool needs a path that does not",
+        shown(path)
+    )]
     AlreadyExists {
         /// The path.
         path: PathBuf,
@@ -59,7 +66,7 @@ pub enum PoolError {
 
     /// The path holds something that is not a pool ledger (a directory, a FIFO, a link, a
     /// file of another format).
-    #[error("{path} is not a pool ledger: {why}")]
+    #[error("{} is not a pool ledger: {why}", shown(path))]
     NotALedger {
         /// The path.
         path: PathBuf,
@@ -68,7 +75,7 @@ pub enum PoolError {
     },
 
     /// A ledger of a format version this build does not read.
-    #[error("{path}: ledger format version {found}, this build reads version {supported}{}", version_advice(*found, *supported))]
+    #[error("{}: ledger format version {found}, this build reads version {supported}{}", shown(path), version_advice(*found, *supported))]
     UnsupportedVersion {
         /// The path.
         path: PathBuf,
@@ -79,7 +86,7 @@ pub enum PoolError {
     },
 
     /// The ledger fails its consistency checks; nothing was changed.
-    #[error("{path}: the ledger is corrupt ({why}); nothing was changed. Stop its tenants and create it again")]
+    #[error("{}: the ledger is corrupt ({why}); nothing was changed. Stop its tenants and create it again", shown(path))]
     Corrupt {
         /// The path.
         path: PathBuf,
@@ -88,7 +95,7 @@ pub enum PoolError {
     },
 
     /// This process's user may not join the pool or change it.
-    #[error("{path}: permission denied: {why}")]
+    #[error("{}: permission denied: {why}", shown(path))]
     PermissionDenied {
         /// The path.
         path: PathBuf,
@@ -115,7 +122,10 @@ pub enum PoolError {
     },
 
     /// The pool has live tenants: its ledger is kept.
-    #[error("{path}: the pool has {tenants} live tenant(s): its ledger is kept")]
+    #[error(
+        "{}: the pool has {tenants} live tenant(s): its ledger is kept",
+        shown(path)
+    )]
     InUse {
         /// The path.
         path: PathBuf,
@@ -162,7 +172,7 @@ pub enum PoolError {
 
     /// Another process has held the ledger's lock for too long (it is stopped, or hung);
     /// nothing was changed.
-    #[error("{path}: another process has held the ledger's lock for {waited:?} (stopped or hung?); nothing was changed")]
+    #[error("{}: another process has held the ledger's lock for {waited:?} (stopped or hung?); nothing was changed", shown(path))]
     Busy {
         /// The path.
         path: PathBuf,
@@ -171,7 +181,7 @@ pub enum PoolError {
     },
 
     /// An operating-system call failed.
-    #[error("{op} {path}: {source}")]
+    #[error("{op} {}: {source}", shown(path))]
     Os {
         /// The call.
         op: &'static str,
@@ -181,6 +191,16 @@ pub enum PoolError {
         #[source]
         source: io::Error,
     },
+}
+
+/// A path as a message shows it: whole, unless longer than any path the OS opens
+/// (`PATH_MAX`, 4,096 bytes), which is cut to its first 200 characters.
+pub(crate) fn shown(path: &std::path::Path) -> String {
+    let s = path.display().to_string();
+    match s.char_indices().nth(200) {
+        Some((end, _)) if s.len() > 4096 => format!("{}... ({} bytes)", &s[..end], s.len()),
+        _ => s,
+    }
 }
 
 /// Result alias of the crate.

@@ -57,7 +57,7 @@ impl Ledger {
             });
         }
         let name = path.file_name().ok_or_else(|| {
-            PoolError::InvalidSetting(format!("{} names no file", path.display()))
+            PoolError::InvalidSetting(format!("{} names no file", crate::error::shown(path)))
         })?;
         let dir = match path.parent() {
             Some(d) if !d.as_os_str().is_empty() => d,
@@ -66,7 +66,7 @@ impl Ledger {
         if !dir.is_dir() {
             return Err(PoolError::InvalidSetting(format!(
                 "{} is not a directory: a ledger is created in an existing one",
-                dir.display()
+                crate::error::shown(dir)
             )));
         }
         let nanos = SystemTime::now()
