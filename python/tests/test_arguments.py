@@ -267,3 +267,34 @@ def test_a_shape_past_what_is_allocated_up_front_is_refused_naming_the_field(bac
     _, seconds, message = r.stdout.split(" ", 2)
     assert float(seconds) < 2, r.stdout
     assert field in message and len(message) < 400, message
+
+
+@pytest.mark.parametrize("backend", ["sim", "host"])
+@pytest.mark.parametrize("kw, ops", [
+    # 64 requests of 10**8 tokens: 64 x 400 Mi pages asked of one step.
+    (dict(layers=1, max_context=10**8, max_batch=64), "ids = [kv.alloc() for _ in range(64)]\nkv.step({r: 10**8 for r in ids})"),
+    # A token of 4 TiB: the one eager token of the next id is 64 Mi pages a buffer.
+    (dict(head_dim=2**40, max_context=1, max_batch=4), "kv.step({kv.alloc(): 1})"),
+])
+def test_a_step_past_any_device_is_out_of_memory_at_once_not_a_hang(backend, kw, ops):
+    """The default cap (the whole virtual size) let the simulation create pages for as long as a
+    step or the eager allocation asked: past 60 s and gigabytes, then killed. A pool now holds at
+    most 2**24 pages (1 TiB of 64 KiB pages), so these fail at once with OutOfMemory (or are
+    refused up front on host memory, which cannot reserve such shapes or commit such pages)."""
+    code = textwrap.dedent("""
+        import sys, time, vmem
+        t = time.monotonic()
+        try:
+            kv = vmem.KVCache(**eval(sys.argv[1]))
+            exec(sys.argv[2])
+            print("MAPPED")
+        except (vmem.OutOfMemory, vmem.VmemError) as e:
+            print(type(e).__name__, round(time.monotonic() - t, 3))
+    """)
+    args = dict(dict(kv_heads=2, head_dim=64, dtype="fp16", page_size="64K", backend=backend, overlap=False,
+                     zero_page=False, layers=2), **kw)
+    r = subprocess.run(["prlimit", "--as=6000000000", "--", sys.executable, "-c", code, repr(args), ops],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    name, seconds = r.stdout.split()
+    assert name in ("OutOfMemory", "VmemError") and float(seconds) < 5, r.stdout

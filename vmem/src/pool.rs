@@ -4,11 +4,13 @@ use crate::backend::{Backend, PageHandle};
 use crate::error::{Result, VmemError};
 use std::sync::Arc;
 
-/// Most pages [`PagePool::new`] (pre-allocation) or [`PagePool::set_cap_pages`] create in one
-/// call: 16 Mi pages, 1 TiB of 64 KB pages or 32 TiB of 2 MB ones, more than any GPU holds.
-/// A backend with no memory to run out of (the simulation, a lazy host backend) would
-/// otherwise create pages for as long as asked, with gigabytes of bookkeeping on the way.
-pub const MAX_EAGER_PAGES: u64 = 1 << 24;
+/// Most pages a pool holds: 16 Mi pages, 1 TiB of 64 KB pages or 32 TiB of 2 MB ones, more
+/// than any GPU holds. A larger cap is lowered to it, and [`PagePool::new`] (pre-allocation)
+/// or [`PagePool::set_cap_pages`] refuse to create more at once. A backend with no memory to
+/// run out of (the simulation, a lazy host backend) would otherwise create pages for as long
+/// as asked (a step of 64 requests of 10^8 tokens, the eager pages of a 4 TiB token), with
+/// gigabytes of bookkeeping on the way and the process killed at the end.
+pub const MAX_PAGES: u64 = 1 << 24;
 
 /// Physical pages of one size, created through a backend up to a cap in bytes.
 ///
@@ -52,6 +54,10 @@ impl PagePool {
             )));
         }
         check_eager(prealloc_bytes / page_size, page_size)?;
+        if cap_pages > MAX_PAGES {
+            tracing::debug!(cap_bytes, "memory cap lowered to {MAX_PAGES} pages");
+            cap_pages = MAX_PAGES;
+        }
         if let Some(free) = backend.free_memory() {
             let fit = free / page_size;
             let pre = prealloc_bytes / page_size;
@@ -199,14 +205,15 @@ impl PagePool {
         Ok(created)
     }
 
-    /// Sets the cap to `pages` (at least 1) without creating any page: pages are created on
-    /// demand up to it. A cap below what is created releases free pages down to it; pages
+    /// Sets the cap to `pages` (at least 1; at most [`MAX_PAGES`], to which a larger cap is
+    /// lowered) without creating any page: pages are created on demand up to it. A cap below what is created releases free pages down to it; pages
     /// lent stay, and are released as they come back ([`PagePool::put`]) until no more are
     /// created than the cap. Returns the pages released now.
     pub fn set_cap_lazy(&mut self, pages: u64) -> Result<u64> {
         if pages == 0 {
             return Err(VmemError::InvalidConfig("a pool cap of 0 pages".into()));
         }
+        let pages = pages.min(MAX_PAGES);
         let over = self.created.saturating_sub(pages);
         let keep = (self.free.len() as u64).saturating_sub(over);
         let released = self.trim(keep)?;
@@ -279,11 +286,11 @@ impl PagePool {
     }
 }
 
-/// Refuses to create more than [`MAX_EAGER_PAGES`] pages in one call.
+/// Refuses to create more than [`MAX_PAGES`] pages in one call.
 fn check_eager(pages: u64, page_size: u64) -> Result<()> {
-    if pages > MAX_EAGER_PAGES {
+    if pages > MAX_PAGES {
         return Err(VmemError::InvalidConfig(format!(
-            "creating {pages} pages of {page_size} bytes at once: more than {MAX_EAGER_PAGES} \
+            "creating {pages} pages of {page_size} bytes at once: more than {MAX_PAGES} \
              pages at once is refused"
         )));
     }
@@ -478,7 +485,7 @@ mod tests {
             other => panic!("pre-allocating 16 EiB: {other:?}"),
         }
         let mut p = PagePool::new(b.clone(), KIB64, u64::MAX, 0).unwrap();
-        for pages in [u64::MAX, MAX_EAGER_PAGES + 1] {
+        for pages in [u64::MAX, MAX_PAGES + 1] {
             match p.set_cap_pages(pages) {
                 Err(VmemError::InvalidConfig(msg)) => {
                     assert!(msg.contains("pages at once"), "{msg}")
@@ -487,6 +494,17 @@ mod tests {
             }
         }
         assert_eq!((p.created_pages(), b.live_pages()), (0, 0));
-        assert_eq!(p.cap_pages(), u64::MAX / KIB64);
+        assert_eq!(
+            p.cap_pages(),
+            MAX_PAGES,
+            "a cap past the bound is lowered to it"
+        );
+        p.set_cap_lazy(u64::MAX).unwrap();
+        assert_eq!(p.cap_pages(), MAX_PAGES);
+        // And so no take creates past it, however many pages are asked for.
+        assert!(matches!(
+            p.take(MAX_PAGES + 1),
+            Err(VmemError::OutOfMemory { .. })
+        ));
     }
 }
