@@ -228,6 +228,77 @@ fn bad_input_is_refused_and_changes_nothing() {
             pool(&p, &["top", "--interval", "-1"]),
             "--interval",
         ),
+        (
+            "top interval nan",
+            pool(&p, &["top", "--interval", "nan"]),
+            "--interval",
+        ),
+        (
+            "top interval inf",
+            pool(&p, &["top", "--interval", "inf"]),
+            "--interval",
+        ),
+        (
+            "top interval past an hour",
+            pool(&p, &["top", "--interval", "3600.1"]),
+            "--interval",
+        ),
+        (
+            "top no iterations",
+            pool(&p, &["top", "--iterations", "0"]),
+            "--iterations",
+        ),
+        (
+            "exponent limit",
+            pool(&p, &["limit", "a", "1e9"]),
+            "cannot read size",
+        ),
+        (
+            "hex limit",
+            pool(&p, &["limit", "a", "0x10"]),
+            "cannot read size",
+        ),
+        (
+            "arabic digit share",
+            pool(&p, &["limit", "a", "\u{663}%"]),
+            "whole percentage",
+        ),
+        (
+            "negative zero floor",
+            pool(&p, &["floor", "a", "-0"]),
+            "negative",
+        ),
+        (
+            "slash in a name",
+            pool(&p, &["limit", "a/b", "1G"]),
+            "may hold only",
+        ),
+        (
+            "empty name",
+            pool(&p, &["limit", "", "1G"]),
+            "1 to 31 bytes",
+        ),
+        (
+            "slots 1025",
+            pool(
+                &dir.0.join("z"),
+                &["create", "--size", "1G", "--slots", "1025"],
+            ),
+            "1 to 1024",
+        ),
+        (
+            "group -1 as a number",
+            pool(
+                &dir.0.join("z"),
+                &["create", "--size", "1G", "--group", "4294967295"],
+            ),
+            "no group",
+        ),
+        (
+            "sim has no free memory",
+            pool(&dir.0.join("z"), &["create", "--backend", "sim"]),
+            "give --size",
+        ),
     ];
     for (case, out, want) in &cases {
         assert_refused(out, case, want);
