@@ -33,8 +33,8 @@ impl Digest {
         self.outcome(r, |_, _| {});
         let padded = st.padded_len();
         let buffers = st.buffers.len() as u64;
-        for req in 0..st.requests.active.len() {
-            let (floor, pages) = (st.requests.floor[req], st.pages_of(req));
+        for req in st.requests.ids() {
+            let (floor, pages) = (st.requests.floor(req), st.pages_of(req));
             // Background threads map and unmap on their own time: only what a request must
             // keep is the same on every rank.
             if st.cfg.overlap || st.cfg.background_unmap {

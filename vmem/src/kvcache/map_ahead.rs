@@ -41,7 +41,7 @@ impl KvCacheManager {
             let mut st = self.shared.lock();
             st.check_id(req)?;
             st.check_awake()?;
-            if !st.requests.active[req] {
+            if !st.requests.is_active(req) {
                 return Err(VmemError::InactiveRequest(req));
             }
             if tokens > self.cfg.max_context as u64 {
@@ -51,15 +51,15 @@ impl KvCacheManager {
                     max: self.cfg.max_context as u64,
                 });
             }
-            st = self.wait_unclaimed(st, |st| st.requests.claimed[req]);
+            st = self.wait_unclaimed(st, |st| st.requests.is_claimed(req));
             // Pages the unmapping thread is giving back: waited for when they are needed.
             if st.needs_unmapping_pages(st.deficit(req, tokens)) {
                 st = self.wait_unmaps(st);
                 st.check_awake()?;
-                if !st.requests.active[req] {
+                if !st.requests.is_active(req) {
                     return Err(VmemError::InactiveRequest(req));
                 }
-                st = self.wait_unclaimed(st, |st| st.requests.claimed[req]);
+                st = self.wait_unclaimed(st, |st| st.requests.is_claimed(req));
             }
             // What each buffer is short of: the same deficit `step` computes.
             let plan: Vec<(usize, u64, usize)> = st
@@ -148,7 +148,7 @@ struct Claim<'a> {
 impl<'a> Claim<'a> {
     /// Claims `req`; `st` is the manager's state, locked.
     fn take(shared: &'a Shared, st: &mut State, req: usize) -> Self {
-        st.requests.claimed[req] = true;
+        st.requests.claim(req);
         Claim {
             shared,
             req,
@@ -158,7 +158,7 @@ impl<'a> Claim<'a> {
 
     /// Ends the claim under the lock the caller holds.
     fn release(mut self, st: &mut State) {
-        st.requests.claimed[self.req] = false;
+        st.requests.unclaim(self.req);
         self.held = false;
     }
 }
@@ -166,7 +166,7 @@ impl<'a> Claim<'a> {
 impl Drop for Claim<'_> {
     fn drop(&mut self) {
         if self.held {
-            self.shared.lock().requests.claimed[self.req] = false;
+            self.shared.lock().requests.unclaim(self.req);
             self.shared.wake.notify_all();
         }
     }

@@ -26,9 +26,10 @@ fn run(shared: &Shared) {
             }
             st.signals.work_pending = false;
             st.signals.busy = true;
-            (0..st.requests.active.len())
-                .filter(|&r| st.requests.active[r] && st.requests.lookahead[r] > 0)
-                .map(|r| (r, st.requests.lookahead[r]))
+            st.requests
+                .ids()
+                .filter(|&r| st.requests.is_active(r) && st.requests.lookahead(r) > 0)
+                .map(|r| (r, st.requests.lookahead(r)))
                 .collect()
         };
         // One request per lock hold, so a `step` arriving meanwhile waits for at most one
@@ -38,9 +39,9 @@ fn run(shared: &Shared) {
             if st.signals.shutdown {
                 return;
             }
-            if !st.requests.active[r]
-                || st.requests.lookahead[r] != tokens
-                || st.requests.claimed[r]
+            if !st.requests.is_active(r)
+                || st.requests.lookahead(r) != tokens
+                || st.requests.is_claimed(r)
             {
                 continue;
             }

@@ -21,6 +21,7 @@ mod map_ahead;
 mod mapper;
 mod policy;
 mod prefix;
+mod requests;
 mod sleep;
 mod state;
 mod unmap;
@@ -215,16 +216,15 @@ impl KvCacheManager {
     fn alloc_reqid_unrecorded(&self) -> Result<usize> {
         let mut st = self.shared.lock();
         st.check_awake()?;
-        let id = match st.requests.next_id.filter(|&r| !st.requests.active[r]) {
+        let id = match st.requests.next_id().filter(|&r| !st.requests.is_active(r)) {
             Some(r) => r,
             None => st
                 .pick_next_id()
                 .ok_or(VmemError::TooManyRequests(self.cfg.max_batch))?,
         };
-        st.requests.active[id] = true;
-        st.requests.handed_out[id] = true;
-        st.requests.seq_lens[id] = 0;
-        st.requests.next_id = st.pick_next_id();
+        st.requests.admit(id);
+        let next = st.pick_next_id();
+        st.requests.set_next_id(next);
         self.kick(st);
         Ok(id)
     }
@@ -252,11 +252,10 @@ impl KvCacheManager {
         let id = st
             .best_fit(tokens)
             .ok_or(VmemError::TooManyRequests(self.cfg.max_batch))?;
-        st.requests.active[id] = true;
-        st.requests.handed_out[id] = true;
-        st.requests.seq_lens[id] = 0;
-        if st.requests.next_id == Some(id) {
-            st.requests.next_id = st.pick_next_id();
+        st.requests.admit(id);
+        if st.requests.next_id() == Some(id) {
+            let next = st.pick_next_id();
+            st.requests.set_next_id(next);
         }
         self.kick(st);
         Ok(id)
@@ -303,7 +302,7 @@ impl KvCacheManager {
         let mut st = self.wait_unmaps(self.shared.lock());
         let mut n = 0;
         for r in 0..self.cfg.max_batch {
-            if !st.requests.active[r] {
+            if !st.requests.is_active(r) {
                 n += st.unmap_request(r)?;
             }
         }
@@ -392,7 +391,8 @@ impl KvCacheManager {
     fn set_deferred_reclaim_unrecorded(&self, on: bool) {
         let mut st = self.shared.lock();
         st.cfg.deferred_reclaim = on;
-        st.requests.next_id = st.pick_next_id();
+        let next = st.pick_next_id();
+        st.requests.set_next_id(next);
         self.kick(st);
     }
 
@@ -416,20 +416,15 @@ impl KvCacheManager {
     fn free_reqid_unrecorded(&self, req: usize) -> Result<()> {
         let mut st = self.shared.lock();
         st.check_id(req)?;
-        st = self.wait_unclaimed(st, |st| st.requests.claimed[req]);
-        if !st.requests.active[req] {
-            return Err(if st.requests.handed_out[req] {
+        st = self.wait_unclaimed(st, |st| st.requests.is_claimed(req));
+        if !st.requests.is_active(req) {
+            return Err(if st.requests.was_handed_out(req) {
                 VmemError::DoubleFree(req)
             } else {
                 VmemError::NotAllocated(req)
             });
         }
-        st.requests.active[req] = false;
-        st.requests.seq_lens[req] = 0;
-        st.requests.lookahead[req] = 0;
-        st.requests.pending[req] = 0;
-        st.requests.frees += 1;
-        st.requests.freed_at[req] = st.requests.frees;
+        st.requests.release(req);
         let deferred = st.cfg.deferred_reclaim;
         // A request that maps cached prefix pages is unmapped now even when deferred: the
         // next request of its id would write them.
@@ -442,8 +437,14 @@ impl KvCacheManager {
                 st.unmap_request(req)?;
             }
         }
-        if st.requests.next_id.is_none_or(|r| st.requests.active[r]) || deferred {
-            st.requests.next_id = st.pick_next_id();
+        if st
+            .requests
+            .next_id()
+            .is_none_or(|r| st.requests.is_active(r))
+            || deferred
+        {
+            let next = st.pick_next_id();
+            st.requests.set_next_id(next);
         }
         self.kick(st);
         Ok(())
@@ -473,7 +474,7 @@ impl KvCacheManager {
             seq_lens
                 .iter()
                 .enumerate()
-                .any(|(r, &l)| l > 0 && st.requests.claimed[r])
+                .any(|(r, &l)| l > 0 && st.requests.is_claimed(r))
         };
         // With padded rows every active request is mapped as far as the longest one, so a
         // batched kernel that reads every row up to the batch's length reads mapped memory.
@@ -498,10 +499,10 @@ impl KvCacheManager {
             }
             break needed;
         };
-        let old_pending = std::mem::replace(&mut st.requests.pending, seq_lens.to_vec());
+        let old_pending = st.requests.start_step(seq_lens);
         let available = st.pool.available_pages() + st.reclaimable() + st.unmapping_pages();
         if needed > available {
-            st.requests.pending = old_pending;
+            st.requests.undo_start(old_pending);
             return Err(VmemError::OutOfMemory {
                 needed_pages: needed,
                 available_pages: available,
@@ -514,12 +515,12 @@ impl KvCacheManager {
             .map(|r| (r, target(seq_lens[r])));
         report.sync_pages += st.ensure_all(wants, true)?;
         for (r, &len) in seq_lens.iter().enumerate() {
-            st.requests.seq_lens[r] = len;
-            st.requests.lookahead[r] = if len > 0 {
+            let lookahead = if len > 0 {
                 (target(len) + 1).min(self.cfg.max_context as u64)
             } else {
                 0
             };
+            st.requests.grow(r, len, lookahead);
         }
         if !self.cfg.overlap {
             // No background thread: upkeep happens here, on the critical path.
@@ -573,7 +574,7 @@ impl KvCacheManager {
     pub fn is_active(&self, req: usize) -> Result<bool> {
         let st = self.shared.lock();
         st.check_id(req)?;
-        Ok(st.requests.active[req])
+        Ok(st.requests.is_active(req))
     }
 
     /// Every mapped run of pages, by request and buffer.
@@ -630,11 +631,11 @@ impl KvCacheManager {
         for r in 0..self.cfg.max_batch {
             let bytes = st.pages_of(r) * page;
             u.mapped_bytes += bytes;
-            if st.requests.active[r] {
+            if st.requests.is_active(r) {
                 u.active_requests += 1;
                 u.active_mapped_bytes += bytes;
                 u.kv_bytes +=
-                    st.requests.seq_lens[r] * self.geo.token_bytes * self.geo.buffers as u64;
+                    st.requests.length(r) * self.geo.token_bytes * self.geo.buffers as u64;
             }
         }
         u

@@ -21,7 +21,7 @@ impl State {
     /// Pages still to map so that every buffer holds `tokens` tokens of request `r`.
     pub(super) fn deficit(&self, r: usize, tokens: u64) -> u64 {
         let target = self.geo.pages_for(tokens);
-        if self.requests.floor[r] >= target {
+        if self.requests.floor(r) >= target {
             return 0;
         }
         self.buffer_deficits(r, tokens).map(|(_, k)| k).sum()
@@ -49,9 +49,10 @@ impl State {
         if !self.cfg.pad_rows {
             return 0;
         }
-        (0..self.requests.active.len())
-            .filter(|&q| self.requests.active[q])
-            .map(|q| self.requests.seq_lens[q].max(self.requests.pending[q]))
+        self.requests
+            .ids()
+            .filter(|&q| self.requests.is_active(q))
+            .map(|q| self.requests.length(q).max(self.requests.pending(q)))
             .max()
             .unwrap_or(0)
     }
@@ -59,14 +60,15 @@ impl State {
     /// Tokens request `r` must keep mapped: 0 when inactive, else its current or pending length
     /// (with padded rows, `padded`, from [`State::padded_len`]).
     pub(super) fn keep_tokens(&self, r: usize, padded: u64) -> u64 {
-        if !self.requests.active[r] {
+        if !self.requests.is_active(r) {
             0
         } else if self.cfg.pad_rows {
             padded.max(self.prefix.held_tokens(r))
         } else {
             // An adopted prefix stays mapped before the first step too.
-            self.requests.seq_lens[r]
-                .max(self.requests.pending[r])
+            self.requests
+                .length(r)
+                .max(self.requests.pending(r))
                 .max(self.prefix.held_tokens(r))
         }
     }
@@ -76,8 +78,8 @@ impl State {
     /// `padded` is [`State::padded_len`].
     pub(super) fn excess(&self, r: usize, padded: u64) -> u64 {
         let target = self.geo.pages_for(self.keep_tokens(r, padded));
-        if self.requests.floor[r] >= target {
-            return self.requests.pages[r] - target * self.buffers.len() as u64;
+        if self.requests.floor(r) >= target {
+            return self.requests.pages(r) - target * self.buffers.len() as u64;
         }
         self.buffers
             .iter()
@@ -95,8 +97,9 @@ impl State {
     /// freed request under deferred reclamation, an active request's past its length.
     pub(super) fn excess_pages(&self) -> u64 {
         let padded = self.padded_len();
-        (0..self.requests.active.len())
-            .filter(|&r| !self.requests.claimed[r])
+        self.requests
+            .ids()
+            .filter(|&r| !self.requests.is_claimed(r))
             .map(|r| self.excess(r, padded))
             .sum()
     }
@@ -106,7 +109,7 @@ impl State {
     /// request's, after every inactive one's, and never when only inactive requests may lose
     /// pages.
     pub(super) fn evict_cache_first(&self, victim: Option<usize>, only_inactive: bool) -> bool {
-        !only_inactive && victim.is_none_or(|v| self.requests.active[v])
+        !only_inactive && victim.is_none_or(|v| self.requests.is_active(v))
     }
 
     /// The request whose excess pages reclamation takes next: inactive requests before
@@ -119,17 +122,18 @@ impl State {
         only_inactive: bool,
         padded: u64,
     ) -> Option<usize> {
-        (0..self.requests.active.len())
+        self.requests
+            .ids()
             .filter(|&r| {
                 Some(r) != protect
-                    && !self.requests.claimed[r]
-                    && !(only_inactive && self.requests.active[r])
+                    && !self.requests.is_claimed(r)
+                    && !(only_inactive && self.requests.is_active(r))
                     && self.excess(r, padded) > 0
             })
             .max_by_key(|&r| {
                 (
-                    !self.requests.active[r],
-                    Some(r) != self.requests.next_id,
+                    !self.requests.is_active(r),
+                    Some(r) != self.requests.next_id(),
                     self.excess(r, padded),
                     std::cmp::Reverse(r),
                 )
@@ -172,7 +176,7 @@ impl State {
 
     /// The request ids not handed out.
     fn inactive(&self) -> impl Iterator<Item = usize> + '_ {
-        (0..self.requests.active.len()).filter(|&r| !self.requests.active[r])
+        self.requests.ids().filter(|&r| !self.requests.is_active(r))
     }
 
     /// Where inactive id `r` stands among ids to reuse, lower first (ties: lowest id): with
@@ -180,7 +184,7 @@ impl State {
     /// are most likely back goes first; else 0 for every id.
     fn reuse_order(&self, r: usize) -> u64 {
         if self.cfg.background_unmap {
-            self.requests.freed_at[r]
+            self.requests.freed_at(r)
         } else {
             0
         }

@@ -63,11 +63,11 @@ impl State {
             return Ok(());
         }
         for (r, &len) in seq_lens.iter().enumerate() {
-            if len > 0 && self.requests.claimed[r] {
+            if len > 0 && self.requests.is_claimed(r) {
                 continue;
             }
             let held = self.prefix.held_tokens(r);
-            let started = self.requests.seq_lens[r] > 0 || self.requests.pending[r] > 0;
+            let started = self.requests.length(r) > 0 || self.requests.pending(r) > 0;
             if len < held && (len > 0 || started) {
                 return Err(VmemError::PrefixMisuse {
                     req: r,
@@ -85,8 +85,8 @@ impl State {
     /// Maps the cached prefix of `hashes` (at most `most` blocks) into inactive-range request
     /// `r` (active, nothing computed yet). See [`KvCacheManager::adopt_prefix_hashes`].
     fn adopt(&mut self, r: usize, hashes: &[BlockHash], most: u64) -> Result<u64> {
-        if self.requests.seq_lens[r] > 0
-            || self.requests.pending[r] > 0
+        if self.requests.length(r) > 0
+            || self.requests.pending(r) > 0
             || self.prefix.held_blocks(r) > 0
         {
             return Err(VmemError::PrefixMisuse {
@@ -173,7 +173,7 @@ impl State {
         let bt = self.prefix.block_tokens;
         let m = self.prefix.block_pages as usize;
         let mapped = self.buffers.iter().map(|b| b.mapped(r)).min().unwrap_or(0);
-        let full = (self.requests.seq_lens[r] / bt).min(mapped / m as u64);
+        let full = (self.requests.length(r) / bt).min(mapped / m as u64);
         let start = self.prefix.held_blocks(r);
         let mut n = 0;
         for j in start..full.min(hashes.len() as u64) {
@@ -324,10 +324,10 @@ impl KvCacheManager {
                 what: "share prefixes with prefix caching off (set KvConfig::prefix_cache; prefix_cache= in Python)",
             });
         }
-        if !st.requests.active[req] {
+        if !st.requests.is_active(req) {
             return Err(VmemError::InactiveRequest(req));
         }
-        Ok(self.wait_unclaimed(st, |st| st.requests.claimed[req]))
+        Ok(self.wait_unclaimed(st, |st| st.requests.is_claimed(req)))
     }
 
     /// What the prefix cache holds and has served.

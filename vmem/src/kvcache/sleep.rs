@@ -68,7 +68,7 @@ impl KvCacheManager {
         let need = bytes.div_ceil(page);
         let mut st = self.shared.lock();
         // A request `map_ahead` maps outside the lock is not trimmed under it.
-        st = self.wait_unclaimed(st, |st| st.requests.claimed.iter().any(|&c| c));
+        st = self.wait_unclaimed(st, |st| st.requests.any_claimed());
         let mut report = ShrinkReport::default();
         while report.pages() < need {
             let Some(pages) = st.prefix.evict_one() else {
@@ -145,7 +145,7 @@ impl KvCacheManager {
         if st.signals.asleep {
             return Ok(0);
         }
-        let active = st.requests.active.iter().filter(|&&a| a).count();
+        let active = st.requests.active_count();
         if active > 0 && !discard {
             return Err(VmemError::LiveRequests { active });
         }
@@ -154,7 +154,7 @@ impl KvCacheManager {
         // `map_ahead` may claim a request then (it was awake) and map outside the lock: the
         // claims are checked again after every wait, or its pages would land after the unmaps.
         loop {
-            st = self.wait_unclaimed(st, |st| st.requests.claimed.iter().any(|&c| c));
+            st = self.wait_unclaimed(st, |st| st.requests.any_claimed());
             if self.mapper.is_none() || !st.signals.busy {
                 break;
             }
@@ -163,11 +163,7 @@ impl KvCacheManager {
         // Asleep before the first unmap: a failure part-way leaves a cache that refuses to
         // map (and says so) rather than one half-mapped.
         st.signals.asleep = true;
-        for r in 0..self.cfg.max_batch {
-            st.requests.seq_lens[r] = 0;
-            st.requests.lookahead[r] = 0;
-            st.requests.pending[r] = 0;
-        }
+        st.requests.forget_lengths();
         for r in 0..self.cfg.max_batch {
             st.unmap_request(r)?;
         }

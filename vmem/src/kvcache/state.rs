@@ -2,6 +2,7 @@
 
 use super::blocks::PrefixCache;
 use super::config::{Geometry, KvConfig};
+use super::requests::Requests;
 use crate::backend::PageHandle;
 use crate::buffer::VirtualBuffer;
 use crate::error::{Result, VmemError};
@@ -26,58 +27,6 @@ pub(super) struct State {
     pub(super) prefix: PrefixCache,
     /// The running digest of the manager's decisions (lockstep.rs).
     pub(super) lockstep: super::digest::Digest,
-}
-
-/// The request table: one entry per request id (`0..max_batch`) in each field.
-#[derive(Debug)]
-pub(super) struct Requests {
-    /// Whether each request id is handed out.
-    pub(super) active: Vec<bool>,
-    /// Whether each request id has ever been handed out (a free of one that never was is
-    /// not a second free).
-    pub(super) handed_out: Vec<bool>,
-    /// Length each request had at the last successful step.
-    pub(super) seq_lens: Vec<u64>,
-    /// Pages each request holds, summed over buffers.
-    pub(super) pages: Vec<u64>,
-    /// Fewest pages any buffer holds for each request (fast "already mapped" test).
-    pub(super) floor: Vec<u64>,
-    /// The id `alloc_reqid` hands out next; kept pre-mapped (eager allocation).
-    pub(super) next_id: Option<usize>,
-    /// Lengths the background thread maps for (the next iteration's), per request.
-    pub(super) lookahead: Vec<u64>,
-    /// Lengths the step in progress maps for: never trimmed below, even if the step fails.
-    pub(super) pending: Vec<u64>,
-    /// Requests whose pages `map_ahead` is mapping outside the lock: nothing else maps,
-    /// unmaps or reclaims their pages until it is done.
-    pub(super) claimed: Vec<bool>,
-    /// Requests freed with [`KvConfig::background_unmap`] whose pages the unmapping thread
-    /// has yet to give back (claimed too). Their pages count as the pool's.
-    pub(super) unmapping: Vec<bool>,
-    /// When each request id was last freed, as a count of frees (0: never): with background
-    /// unmapping the id freed longest ago is handed out first (policy.rs).
-    pub(super) freed_at: Vec<u64>,
-    /// Frees so far.
-    pub(super) frees: u64,
-}
-
-impl Requests {
-    fn new(b: usize) -> Self {
-        Requests {
-            active: vec![false; b],
-            handed_out: vec![false; b],
-            seq_lens: vec![0; b],
-            pages: vec![0; b],
-            floor: vec![0; b],
-            next_id: Some(0),
-            lookahead: vec![0; b],
-            pending: vec![0; b],
-            claimed: vec![false; b],
-            unmapping: vec![false; b],
-            freed_at: vec![0; b],
-            frees: 0,
-        }
-    }
 }
 
 /// Signals between the engine's threads and the background thread.
@@ -139,24 +88,25 @@ impl State {
     /// Forgets `n` pages of request `r` that were unmapped outside `trim_request` (a failed
     /// prefix adoption's).
     pub(super) fn forget_pages(&mut self, r: usize, n: u64) {
-        self.requests.pages[r] -= n;
+        self.requests.unmapped(r, n);
         self.refresh_floor(r);
     }
 
     /// Pages request `r` holds in all buffers together.
     pub(super) fn pages_of(&self, r: usize) -> u64 {
-        self.requests.pages[r]
+        self.requests.pages(r)
     }
 
     /// Records pages `map_ahead` mapped at the end of request `r`'s slice in buffer `b`.
     pub(super) fn record_mapped(&mut self, r: usize, b: usize, pages: &[PageHandle]) {
         self.buffers[b].record_mapped(r, pages);
-        self.requests.pages[r] += pages.len() as u64;
+        self.requests.mapped(r, pages.len() as u64);
         self.refresh_floor(r);
     }
 
     pub(super) fn refresh_floor(&mut self, r: usize) {
-        self.requests.floor[r] = self.buffers.iter().map(|b| b.mapped(r)).min().unwrap_or(0);
+        let floor = self.buffers.iter().map(|b| b.mapped(r)).min().unwrap_or(0);
+        self.requests.set_floor(r, floor);
     }
 
     /// Maps pages until every buffer holds `tokens` tokens of request `r`, taking pages from
@@ -182,7 +132,7 @@ impl State {
         // a step where none is allocates nothing.
         let wants: Vec<(usize, u64)> = wants
             .into_iter()
-            .filter(|&(r, tokens)| self.requests.floor[r] < self.geo.pages_for(tokens))
+            .filter(|&(r, tokens)| self.requests.floor(r) < self.geo.pages_for(tokens))
             .collect();
         if wants.is_empty() {
             return Ok(0);
@@ -208,7 +158,7 @@ impl State {
                         self.pool.put(pages);
                         return Err(e);
                     }
-                    self.requests.pages[r] += k;
+                    self.requests.mapped(r, k);
                     mapped += k;
                 }
             }
@@ -264,7 +214,7 @@ impl State {
             tracing::debug!(
                 req = v,
                 pages = n,
-                active = self.requests.active[v],
+                active = self.requests.is_active(v),
                 "reclaimed pages"
             );
         }
@@ -289,7 +239,11 @@ impl State {
         }
         let mut mapped = 0;
         // A next id still being unmapped is pre-mapped by a later upkeep.
-        if let Some(id) = self.requests.next_id.filter(|&r| !self.requests.claimed[r]) {
+        if let Some(id) = self
+            .requests
+            .next_id()
+            .filter(|&r| !self.requests.is_claimed(r))
+        {
             if let Some(eager) = self.eager_tokens(id, threshold_pages) {
                 match self.ensure(id, eager, false) {
                     Ok(n) => mapped += n,
@@ -349,7 +303,7 @@ impl State {
                     max: self.cfg.max_context as u64,
                 });
             }
-            if len > 0 && !self.requests.active[r] {
+            if len > 0 && !self.requests.is_active(r) {
                 return Err(VmemError::InactiveRequest(r));
             }
         }

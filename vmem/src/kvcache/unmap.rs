@@ -80,7 +80,7 @@ impl State {
             n += pages.len() as u64;
             self.pool.put(pages.into_iter().skip(trim.cached));
         }
-        self.requests.pages[r] -= n;
+        self.requests.unmapped(r, n);
         self.refresh_floor(r);
         // On error the cache keeps its references: a block a buffer still maps stays cached
         // (it is never evicted, so never released, under a mapping).
@@ -93,14 +93,13 @@ impl State {
 
     /// Hands freed request `r` to the unmapping thread: claimed until its pages are back.
     pub(super) fn queue_unmap(&mut self, r: usize) {
-        self.requests.claimed[r] = true;
-        self.requests.unmapping[r] = true;
+        self.requests.hand_to_unmapper(r);
         self.signals.unmaps.push(r);
     }
 
     /// Whether the unmapping thread has pages still to give back.
     pub(super) fn unmaps_pending(&self) -> bool {
-        self.requests.unmapping.iter().any(|&u| u)
+        self.requests.any_unmapping()
     }
 
     /// Whether `need` pages are short of what the pool and reclamation can give now, but not of
@@ -113,19 +112,20 @@ impl State {
 
     /// Pages the unmapping thread has yet to give back: the pool's, soon.
     pub(super) fn unmapping_pages(&self) -> u64 {
-        (0..self.requests.unmapping.len())
-            .filter(|&r| self.requests.unmapping[r])
-            .map(|r| self.requests.pages[r])
+        self.requests
+            .ids()
+            .filter(|&r| self.requests.is_unmapping(r))
+            .map(|r| self.requests.pages(r))
             .sum()
     }
 
     /// The fewest pages any buffer of request `r` will hold once pending unmaps are done (0
     /// while it is being unmapped): [`State::settled_pages`]'s counterpart of `floor`.
     pub(super) fn settled_floor(&self, r: usize) -> u64 {
-        if self.requests.unmapping[r] {
+        if self.requests.is_unmapping(r) {
             0
         } else {
-            self.requests.floor[r]
+            self.requests.floor(r)
         }
     }
 
@@ -133,10 +133,10 @@ impl State {
     /// unmapped. Decisions that ranks must take alike (which id goes next) read this, not
     /// how far the unmapping thread has got.
     pub(super) fn settled_pages(&self, r: usize) -> u64 {
-        if self.requests.unmapping[r] {
+        if self.requests.is_unmapping(r) {
             0
         } else {
-            self.requests.pages[r]
+            self.requests.pages(r)
         }
     }
 }
@@ -204,8 +204,7 @@ fn run(shared: &Shared, backend: &dyn Backend) {
                 tracing::warn!(req = r, error = %e, "background unmapping failed");
                 st.signals.unmap_error.get_or_insert(e);
             }
-            st.requests.unmapping[r] = false;
-            st.requests.claimed[r] = false;
+            st.requests.unmapper_done(r);
         }
         drop(st);
         shared.wake.notify_all();
@@ -225,8 +224,7 @@ impl Drop for InFlight<'_> {
         // Its own requests, and those queued since, which no thread will take now.
         let queued = std::mem::take(&mut st.signals.unmaps);
         for &r in self.reqs.iter().chain(&queued) {
-            st.requests.unmapping[r] = false;
-            st.requests.claimed[r] = false;
+            st.requests.unmapper_done(r);
         }
         st.signals.unmapper_dead = true;
         drop(st);
