@@ -13,6 +13,7 @@ use std::io;
 use std::os::fd::AsFd;
 use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// What a path that is not a regular file is, in words.
@@ -32,6 +33,34 @@ fn describe(ft: std::fs::FileType) -> &'static str {
     } else {
         "not a regular file"
     }
+}
+
+/// The bytes of a new ledger of `config`, created at `created` (Unix seconds): the sealed
+/// header, then every slot free and sealed.
+fn new_file(config: &PoolConfig, created: u64) -> Vec<u8> {
+    let words: Vec<AtomicU64> = (0..layout::file_len(config.slots) / 8)
+        .map(|_| AtomicU64::new(0))
+        .collect();
+    let header = [
+        layout::MAGIC,
+        layout::VERSION,
+        config.slots,
+        SLOT_WORDS as u64,
+        config.total,
+        config.default_limit,
+        created,
+    ];
+    for (w, v) in words.iter().zip(header) {
+        w.store(v, Relaxed);
+    }
+    words[h::SEAL].store(layout::header_seal(&words), Relaxed);
+    for slot in words[HEADER_WORDS..].chunks(SLOT_WORDS) {
+        slot[layout::s::SEAL].store(layout::slot_seal(slot), Relaxed);
+    }
+    words
+        .iter()
+        .flat_map(|w| w.load(Relaxed).to_le_bytes())
+        .collect()
 }
 
 /// Removes the temporary file a ledger is built in, whatever happens.
@@ -90,7 +119,7 @@ impl Ledger {
         sys::fchmod(file.as_fd(), mode).map_err(os("chmod", &tmp))?;
         // Written whole, not sized sparse and written through a mapping: on a full filesystem
         // a store into a hole of a mapping is a SIGBUS, while a write is ENOSPC.
-        let contents = layout::new_file(config, now_secs());
+        let contents = new_file(config, now_secs());
         file.write_all_at(&contents, 0).map_err(os("write", &tmp))?;
         match sys::link(&tmp, path) {
             Ok(()) => {}

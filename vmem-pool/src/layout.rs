@@ -141,34 +141,6 @@ pub fn slot_seal(slot: &[AtomicU64]) -> u64 {
     seal(s::SEALED.iter().map(|&i| slot[i].load(Ordering::Acquire)))
 }
 
-/// The bytes of a new ledger of `config`, created at `created` (Unix seconds): the sealed
-/// header, then every slot free and sealed.
-pub(crate) fn new_file(config: &crate::config::PoolConfig, created: u64) -> Vec<u8> {
-    let words: Vec<AtomicU64> = (0..file_len(config.slots) / 8)
-        .map(|_| AtomicU64::new(0))
-        .collect();
-    let header = [
-        MAGIC,
-        VERSION,
-        config.slots,
-        SLOT_WORDS as u64,
-        config.total,
-        config.default_limit,
-        created,
-    ];
-    for (w, v) in words.iter().zip(header) {
-        w.store(v, Ordering::Relaxed);
-    }
-    words[h::SEAL].store(header_seal(&words), Ordering::Relaxed);
-    for slot in words[HEADER_WORDS..].chunks(SLOT_WORDS) {
-        slot[s::SEAL].store(slot_seal(slot), Ordering::Relaxed);
-    }
-    words
-        .iter()
-        .flat_map(|w| w.load(Ordering::Relaxed).to_le_bytes())
-        .collect()
-}
-
 /// A tenant name packed into the four name words.
 pub fn pack_name(name: &str) -> [u64; 4] {
     let mut bytes = [0u8; 32];
