@@ -84,7 +84,8 @@ class MemoryControl:
     def set_memory_cap(self, size: Any) -> int:
         """Sets the cap on physical memory to ``size`` bytes (whole pages, at least one)
         without creating pages; a lower cap releases idle pages down to it (mapped pages stay:
-        :meth:`shrink` gives back more). Returns the pages released."""
+        :meth:`shrink` gives back more), and the pages mapped past it as requests free them,
+        so the cap holds from this call on. Returns the pages released now."""
         return self._rs.set_memory_cap(check_size("size", size, min=1))
 
     def shrink_to_limit(self) -> int:

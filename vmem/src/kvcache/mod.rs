@@ -264,7 +264,8 @@ impl KvCacheManager {
     /// Makes the pool hold `bytes` of physical memory: sets the cap to `bytes` (whole pages)
     /// and creates every page up to it now, so no step pays for creation (vAttention's
     /// `reserve_physical_pages`). Lowering the cap below what is created releases free pages
-    /// down to it; pages mapped to requests stay. Returns the pages created now. More than
+    /// down to it; pages mapped to requests stay, and are released as they are unmapped until
+    /// no more are created than the cap. Returns the pages created now. More than
     /// the cache's virtual size is refused with [`VmemError::InvalidConfig`], and more than
     /// the backend has free (where it can tell) with [`VmemError::OutOfMemory`], before any
     /// page is created.

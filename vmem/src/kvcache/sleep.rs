@@ -100,8 +100,10 @@ impl KvCacheManager {
     /// Sets the cap on physical memory to `bytes` (whole pages, at least one) without creating
     /// pages: they are created on demand up to it, and a step short of pages reclaims (prefix
     /// blocks, freed requests) before it fails. A lower cap releases idle pages down to it;
-    /// pages mapped stay (call [`KvCacheManager::shrink`] first to give back more). A pool
-    /// tenant sets it to its limit. Returns the pages released.
+    /// pages mapped stay (call [`KvCacheManager::shrink`] first to give back more) and are
+    /// released as they are unmapped, until no more are created than the cap: the cap holds
+    /// from this call on. A cap past [`MAX_PAGES`](crate::pool::MAX_PAGES) pages is lowered to
+    /// it. A pool tenant sets it to its limit. Returns the pages released now.
     pub fn set_memory_cap(&self, bytes: u64) -> Result<u64> {
         let r = self.set_memory_cap_unrecorded(bytes);
         self.record(|d, _| d.call(Call::MemoryCap, &[bytes], &r, |_| None));
