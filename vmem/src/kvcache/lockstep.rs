@@ -2,9 +2,13 @@
 //! ranks making the same calls compare (docs/architecture.md, "Lockstep (tensor
 //! parallelism)", says what it covers and why).
 //!
-//! Every `alloc_reqid`, `alloc_reqid_for`, `free_reqid` and `step` folds, under the manager's
-//! lock, the call, its arguments and its outcome into a 64-bit FNV-1a digest: the id handed
-//! out, the error kind (an out-of-memory step among them) and, after a step, the pages each
+//! Every `alloc_reqid`, `alloc_reqid_for`, `free_reqid` and `step`, and every other call that
+//! changes what is mapped, cached or may be created (prefix adoption and publication,
+//! `map_ahead`, `reserve_physical`, `set_memory_cap`, `shrink`, `reclaim_inactive`,
+//! `release_free_pages`, `sleep`, `wake`, `set_deferred_reclaim`: `Digest::call`), folds,
+//! under the manager's lock, the call, its arguments and its outcome into a 64-bit FNV-1a
+//! digest: the id handed out, the error kind (an out-of-memory step among them), the tokens
+//! an adoption serves and the blocks a publication caches, and, after a step, the pages each
 //! request holds in each buffer. Only what is a pure function of the calls goes in: with the
 //! background thread on, the pages it may have mapped early (lookahead, eager allocation) and
 //! what the pages deferred reclamation and best fit choose ids by are timing-dependent: the
@@ -53,9 +57,10 @@ impl KvCacheManager {
     /// The running digest of this manager's decisions: ranks of a tensor-parallel group that
     /// make the same calls hold equal digests, so comparing them every few steps (an
     /// all-gather, then [`DecisionDigest::check`]) catches ranks that went out of lockstep.
-    /// It covers the ids handed out, call outcomes (an out-of-memory step among them) and
-    /// the pages each request holds after each step, as far as these are a pure function of
-    /// the calls; docs/architecture.md, "Lockstep (tensor parallelism)", says exactly what.
+    /// It covers the ids handed out, call outcomes (an out-of-memory step among them), prefix
+    /// adoptions and publications, every other call that changes what is mapped or cached,
+    /// and the pages each request holds after each step, as far as these are a pure function
+    /// of the calls; docs/architecture.md, "Lockstep (tensor parallelism)", says exactly what.
     pub fn decision_digest(&self) -> DecisionDigest {
         self.shared.lock().lockstep.get()
     }
