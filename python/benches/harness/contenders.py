@@ -78,7 +78,7 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     "vmem-per-layer-graphs": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "fa", "graphs": True}),
     "vmem-token-major-graphs": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
                                        "graphs": True}),
-    # FlashInfer is optional (vmem[flashinfer]): run only when named (--contenders), see defaults().
+    # FlashInfer is optional (vmem-kv[flashinfer]): run only when named (--contenders), see defaults().
     "vmem-per-layer-fi": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flashinfer",
                                  "optional": True}),
     "vmem-token-major-fi": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "flashinfer",
@@ -186,7 +186,7 @@ SERVING: dict[str, Spec] = {
     "vmem-per-layer": {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "fa"},
     "vmem-token-major": {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa"},
     "vmem-per-layer-flex": {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flex"},
-    # FlashInfer is optional (vmem[flashinfer]): run only when named (--contenders), see defaults().
+    # FlashInfer is optional (vmem-kv[flashinfer]): run only when named (--contenders), see defaults().
     "vmem-per-layer-fi": {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flashinfer", "optional": True},
     "vmem-token-major-fi": {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "flashinfer", "optional": True},
     # The engine's CUDA graph switch on (use_cuda_graph=True; its padding defaults).
