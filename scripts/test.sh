@@ -113,19 +113,20 @@ transformers_venv() {
   if ! venv_ready "$tf"; then
     rm -rf "$tf"
     echo "   $tf: installing transformers $v (downloads it and its dependencies)" >&2
-    "$torch_venv/bin/python" -m pip install -q --no-cache-dir --target "$tf" "transformers==$v" >&2
-    touch "$tf/.complete"
+    # (A command substitution does not inherit `set -e`: every step says its failure itself.)
+    "$torch_venv/bin/python" -m pip install -q --no-cache-dir --target "$tf" "transformers==$v" >&2 || return 1
+    touch "$tf/.complete" || return 1
   fi
   if ! venv_ready "$venv"; then
     rm -rf "$venv"
-    python3 -m venv --without-pip "$venv"
-    sp=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    torch_sp=$("$torch_venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    python3 -m venv --without-pip "$venv" || return 1
+    sp=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || return 1
+    torch_sp=$("$torch_venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || return 1
     # transformers' folder first (its dependencies win), then the torch venv as a site folder
     # (its own .pth files are read: vmem, torch and the test tools).
-    echo "$tf" > "$sp/a_transformers.pth"
-    echo "import site; site.addsitedir('$torch_sp')" > "$sp/b_torch.pth"
-    touch "$venv/.complete"
+    echo "$tf" > "$sp/a_transformers.pth" || return 1
+    echo "import site; site.addsitedir('$torch_sp')" > "$sp/b_torch.pth" || return 1
+    touch "$venv/.complete" || return 1
   fi
   echo "$venv"
 }
@@ -148,7 +149,7 @@ part_serving() {
     fi
     echo "== Python serving: torch $TORCH_VERSION (CPU) and transformers $v ($what), no test may skip"
     t0=$(date +%s)
-    venv=$(transformers_venv "$v" "$torch_venv")
+    venv=$(transformers_venv "$v" "$torch_venv") || { echo "transformers $v: could not make its venv" >&2; exit 1; }
     "$venv/bin/python" -c "import sys, transformers as t; sys.exit(t.__version__ != '$v' and f'transformers {t.__version__} imported, not $v')"
     log=$LOGS/serving-$v.log
     (cd "$venv" && CUDA_VISIBLE_DEVICES= bin/python -m pytest -rs -p no:cacheprovider \
