@@ -1,9 +1,9 @@
 # Sourced by the scripts that run on the GPU machine (scripts/gpu-pending.sh,
-# scripts/python-gpu.sh, python/benches/*_gpu_run.sh): the carried wheels installed into a site
-# directory of the script's own, and the GPU named.
+# scripts/python-gpu.sh, python/benches/*_gpu_run.sh): wheels built elsewhere installed into a
+# site directory of the script's own, and the GPU named.
 #
-#   gpu_site SITE WHEEL...   installs the wheels into SITE, replacing what is there (--upgrade: a
-#                            warm machine may hold another build, which pip --target would keep),
+#   gpu_site SITE WHEEL...   installs the wheels into SITE, replacing what is there (--upgrade: an
+#                            earlier run may have left another build, which pip --target would keep),
 #                            and points Python at it (PYTHONPATH=SITE, unbuffered output)
 #   gpu_name                 the GPU's name, driver and memory as CSV (nvidia-smi)
 

@@ -1,21 +1,18 @@
 #!/usr/bin/env bash
-# The GPU checks built since the last H100 run and not yet run on a GPU (the session of
-# 2026-11-25 had no device time left). One part per device call, each under 10 minutes; run
+# GPU checks and measurements of the serving work, in four parts of under 10 minutes each; run
 # them in this order, since a FAIL in `check` says whether to trust the numbers of the others.
+# Needs a CUDA GPU with torch and a served transformers, vmem's wheel in .whl/, and for check,
+# suite and profile FlashInfer 0.6.x's wheels (flashinfer-python, apache-tvm-ffi) in .carry/fi/.
 #
-#   here:   scripts/python-gpu.sh build          # vmem's abi3 wheel into .whl/
-#   there:  scripts/gpu-pending.sh check         # carry .whl and .carry/fi
-#           scripts/gpu-pending.sh suite         # carry .whl and .carry/fi
-#           scripts/gpu-pending.sh tenants       # carry .whl
-#           scripts/gpu-pending.sh profile       # carry .whl and .carry/fi
+#   on a build machine:  scripts/python-gpu.sh build    # vmem's abi3 wheel into .whl/
+#   on the GPU machine:  scripts/gpu-pending.sh check|suite|tenants|profile
 #
 #   check    test_gpu.py (FlashInfer over rows included); graphs_check.py with kernel fa and
 #            flashinfer, graphs off/on/async: top-1 agreement with the engine and with FA, tok/s
-#            (FA2 now takes decode-only padded rounds as one sequence per token, max_q = 1)
 #   suite    serving_suite.py, Llama-3-8B shapes x 8, conv trace: fi-paged-graphs beside vmem with
-#            FA + graphs and with FlashInfer + graphs (issue #32's 1.0x target)
+#            FA + graphs and with FlashInfer + graphs
 #   tenants  multitenant_bench.py, bursty mix at 1536M: static, pool and pool-floor (1/6 each),
-#            idle release on by default (issue #33's 3x TTFT p99 target); TENANT_MODES replaces
+#            idle release on by default; TENANT_MODES replaces
 #            the --floor flag (TENANT_MODES="--modes static,pool,pool-keep --keep 128M"),
 #            TENANT_SCENARIOS the scenarios (default bursty), TENANT_TIMEOUT its seconds (540)
 #   profile  serving_suite.py --profile, 8B-x8, conv trace, memory-bound (tenth): per engine round
@@ -25,21 +22,21 @@
 #
 # SUITE_CONTENDERS replaces the suite's contenders, GRAPHS_KERNELS the check's kernels (fa,flashinfer),
 # GRAPHS_TIMEOUT its seconds (330; 0 skips it), CHECK_TIMEOUT and SUITE_TIMEOUT the pytest and suite ones
-# (150, 520: lower them to run two parts in one call), EXTRA_WHEELS more wheels to install (another transformers).
-# Results go to $OUT/<part>/ and are packed into $OUT/<part>.tgz ($OUT returns at most 8 files).
+# (150, 520: lower them to run two parts within 10 minutes), EXTRA_WHEELS more wheels to install (another transformers).
+# Results go to $OUT/<part>/ (default /tmp/vmem-gpu-pending) and are packed into $OUT/<part>.tgz.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 part=${1:-}
 out=${OUT:-/tmp/vmem-gpu-pending}/$part
 case "$part" in check|suite|tenants|profile) ;; *) echo "usage: $0 check|suite|tenants|profile" >&2; exit 2 ;; esac
-[ -n "$(ls .whl/vmem*.whl 2>/dev/null)" ] || { echo "$0: no .whl/vmem*.whl (scripts/python-gpu.sh build, then carry .whl)" >&2; exit 2; }
+[ -n "$(ls .whl/vmem*.whl 2>/dev/null)" ] || { echo "$0: no .whl/vmem*.whl (build it with scripts/python-gpu.sh build and copy .whl/ here)" >&2; exit 2; }
 mkdir -p "$out"
 
 . "$root/scripts/gpu-env.sh"
 wheels=(.whl/vmem*.whl)
 [ "$part" = tenants ] || wheels+=(.carry/fi/*.whl)
-# EXTRA_WHEELS: more wheels for the site, e.g. another transformers (carry it too):
+# EXTRA_WHEELS: more wheels for the site, e.g. another transformers:
 # EXTRA_WHEELS=.carry/tf523/transformers-5.23.0-py3-none-any.whl runs the part on 5.23.
 wheels+=(${EXTRA_WHEELS:-})
 gpu_site /tmp/site-pending "${wheels[@]}" || exit 1

@@ -1,27 +1,28 @@
 #!/usr/bin/env bash
-# The Python package's GPU tests and benchmarks: wheels built here, run on the GPU machine.
+# The Python package's GPU tests and benchmarks: wheels built on a build machine (Rust and
+# maturin), run on a CUDA GPU machine with torch and transformers (no Rust needed there).
 # Tests are in python/tests (test_gpu.py holds the ones that need a GPU; pytest skips them
 # elsewhere); benchmarks are in python/benches.
 #   scripts/python-gpu.sh build      # here: build the abi3 wheel into .whl/
-#   scripts/python-gpu.sh run        # there (carry .whl): install it, run the whole pytest suite
+#   scripts/python-gpu.sh run        # GPU (.whl/ copied): install it, run the whole pytest suite
 #                                    # with torch and transformers (GPU tests included)
-#   scripts/python-gpu.sh bench-gpu  # there (carry .whl): python/benches/gpu_bench.py, decode
+#   scripts/python-gpu.sh bench-gpu  # GPU (.whl/ copied): python/benches/gpu_bench.py, decode
 #                                    # throughput vs DynamicCache/StaticCache and pad_rows vs
 #                                    # zero_page (BENCHES=name,name runs only those)
-#   scripts/python-gpu.sh prefill    # there (carry .whl): TTFT of demand paging (prefill_cost.py)
-#   scripts/python-gpu.sh compiled   # there (carry .whl): VmemCache(static=True) vs StaticCache,
+#   scripts/python-gpu.sh prefill    # GPU (.whl/ copied): TTFT of demand paging (prefill_cost.py)
+#   scripts/python-gpu.sh compiled   # GPU (.whl/ copied): VmemCache(static=True) vs StaticCache,
 #                                    # both compiled by generate (CUDA graphs): compiled_bench.py
 #   scripts/python-gpu.sh bench-build  # here: vmem's wheel and the benchmark helpers' wheel
 #                                    # (python/benches/native, module vmem_bench) into .whl/
-#   scripts/python-gpu.sh bench      # there (carry .whl): the in-process allocation benchmark,
+#   scripts/python-gpu.sh bench      # GPU (.whl/ copied): the in-process allocation benchmark,
 #                                    # vmem vs raw CUDA VMM vs kvcached (alloc_bench.py);
 #                                    # kvcached's PyPI sdist must be in .whl/ (it is built
-#                                    # there, never committed here)
+#                                    # on the GPU machine, never committed)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 
-# There: install the carried wheels into /tmp/site (replacing what an earlier call on a still
-# warm machine left there) and point Python at it; results go to $out.
+# On the GPU machine: install the wheels of .whl/ into /tmp/site (replacing what an earlier run
+# left there) and point Python at it; results go to $out.
 install_wheel() {
   cd "$root"
   out=${OUT:-/tmp/vmem-python-gpu}

@@ -3,12 +3,12 @@
 # #30's done-criterion ("the Python suite passes 20 runs in a row"). Run scripts/test.sh first
 # (it builds the venv), or pass a venv with vmem installed.
 #
-#   scripts/python-repeat.sh [N] [VENV]   # VENV default: target/py-serving, the venv with
-#                                         # torch and the last transformers scripts/test.sh ran
+#   scripts/python-repeat.sh [N] [VENV]   # VENV default: the venv with torch and the newest
+#                                         # transformers scripts/test.sh made (target/venvs/)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 n=${1:-20}
-venv=${2:-$root/target/py-serving}
+venv=${2:-$(ls -d "${VMEM_TEST_VENVS:-$root/target/venvs}"/py*-torch*-transformers* 2>/dev/null | sort -V | tail -1)}
 [ -n "$venv" ] && [ -x "$venv/bin/python" ] || { echo "$0: no venv at $venv (run scripts/test.sh first)" >&2; exit 2; }
 cd "$venv"
 for i in $(seq "$n"); do

@@ -4,7 +4,7 @@ decode rounds; per run the teacher-forced logits against ``DynamicCache`` (max r
 top-1 where decisive), and FlashInfer against FA directly (greedy tokens equal, logits over the
 common prefix). Models: the serving benches' Llama-3-8B shapes (8 layers, bf16, head dim 128,
 GQA 32/8) and the checks' head-dim-64 model in fp16; a float32 model must be refused clearly.
-Exit 1 on a failure. Needs FlashInfer (``pip install "vmem[flashinfer]"``).
+Exit 1 on a failure. Needs FlashInfer (``pip install "vmem-kv[flashinfer]"``).
 
     python3 python/benches/flashinfer_check.py --out DIR
 """

@@ -9,7 +9,7 @@ host time per round split into each vmem hook, the engine's own paged cache's ho
 rest of the engine; ``--profile`` adds cProfile of the engine thread for vmem at the largest
 batch. Writes host_cost.txt, results.json (and profile-*.txt) to ``--out``.
 
-    python python/benches/host_cost.py --out docs/results/host-cost-cpu
+    python python/benches/host_cost.py --out target/host-cost
     python python/benches/host_cost.py --batches 16 --shapes 1b-x16 --repeats 1 --new-tokens 8 --out /tmp/hc
     python python/benches/host_cost.py --device cuda --out OUT     # on a GPU (host_cost_gpu_run.sh)
 

@@ -1,7 +1,7 @@
 """Plots the decode-throughput results of gpu_bench.py (python_gpu.json) as an SVG bar chart:
 tokens/s per cache for each batch and context, normalised to StaticCache (eager).
 
-    python3 python/benches/plot_throughput.py docs/results/python-h100/python_gpu.json out.svg
+    python3 python/benches/plot_throughput.py docs/results/python-package-h100/python_gpu.json out.svg
 
 No plotting library needed: the SVG is written directly.
 """

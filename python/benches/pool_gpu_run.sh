@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU machine's one call for the pool work (docs/multitenant.md): sleep/wake on CUDA
-# (pool_sleep.py), then the pool's Python tests with torch on the machine (host backend).
-# Run from the carried tree (.carry/h-poolpy), with the wheel beside it; results in $OUT.
+# The pool on a CUDA GPU (docs/multitenant.md): sleep/wake (pool_sleep.py), then the pool's Python
+# tests with torch (host backend). Run from the repository root with vmem's wheel in the current
+# folder; results in $OUT.
 set -o pipefail
 . "$(dirname "$0")/../../scripts/gpu-env.sh"
 gpu_site /tmp/site-h-poolpy vmem*.whl || exit 1

@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-DEFAULT_OUT = os.path.join("docs", "results", "serving2-h100")
+DEFAULT_OUT = os.path.join("target", "serving-suite")
 ONLY_KEYS = ("trace", "model", "budget", "contender")
 
 

@@ -1,5 +1,5 @@
 """vmem.transformers across transformers versions: the version gate (5.17.x and 5.19-5.24 served,
-5.18 and anything newer than 5.24 refused, naming the range), the ``vmem[transformers]`` install extra
+5.18 and anything newer than 5.24 refused, naming the range), the ``vmem-kv[transformers]`` install extra
 agreeing with it, one attention name (``vmem``) on every served version, the 5.19-5.24 allocation
 surface, and the default budget on a host whose memory transformers cannot measure (no psutil).
 
@@ -21,7 +21,7 @@ from vmem.transformers import patch
 
 PYPROJECT = os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")
 SERVED = ["5.17.0", "5.17.3", "5.19.0", "5.20.2", "5.21.1", "5.22.2", "5.23.0", "5.23.1", "5.24.0"]
-REFUSED = ["4.57.3", "5.0.0", "5.1.17", "5.16.2", "5.18.0", "5.18.1", "5.25.0", "5.26.1", "6.0.0", "5.170.0"]
+REFUSED = ["4.57.3", "5.0.0", "5.1.17", "5.16.2", "5.18.0", "5.18.1", "5.26.1", "6.0.0", "5.170.0"]
 
 
 @pytest.mark.parametrize("version", SERVED)
@@ -34,7 +34,7 @@ def test_the_gate_serves_5_17_and_5_19_to_5_24(version):
 def test_the_gate_refuses_5_18_and_newer_naming_the_range(version):
     with pytest.raises(vmem.VmemError, match=re.escape(f"this is transformers {version}")) as e:
         patch.adapter_for(version)
-    assert patch.SUPPORTED_RANGE in str(e.value) and "vmem[transformers]" in str(e.value)
+    assert patch.SUPPORTED_RANGE in str(e.value) and "vmem-kv[transformers]" in str(e.value)
 
 
 def _extra_requirement():
@@ -48,7 +48,7 @@ def _extra_requirement():
 
 
 def test_the_install_extra_pins_what_the_gate_serves():
-    """``pip install "vmem[transformers]"`` may only pick a transformers the gate serves, and
+    """``pip install "vmem-kv[transformers]"`` may only pick a transformers the gate serves, and
     takes every line it serves (the newest: 5.24)."""
     tf = _extra_requirement()["transformers"]
     for v in SERVED:

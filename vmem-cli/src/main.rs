@@ -290,6 +290,6 @@ fn run_replay(out: &mut dyn Write, args: &ReplayArgs) -> Result<(), CliError> {
     } else if args.csv {
         report::print_csv(out, &rows)
     } else {
-        report::print_legend(out)
+        report::print_legend(out).and_then(|()| report::print_summary(out, s, &rows))
     })
 }

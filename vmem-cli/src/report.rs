@@ -225,6 +225,36 @@ pub fn print_legend(out: &mut dyn Write) -> io::Result<()> {
     Ok(())
 }
 
+/// The table's meaning in one line, after the legend: the largest and the smallest vmem page
+/// against the blocks, that pages under 2 MB need the driver patch, and the backend it ran on.
+pub fn print_summary(out: &mut dyn Write, s: &Settings, rows: &[Row]) -> io::Result<()> {
+    let pages: Vec<(u64, f64)> = rows
+        .iter()
+        .filter_map(|r| Some((r.page_size?, r.vs_blocks?)))
+        .collect();
+    let (Some(big), Some(small)) = (
+        pages.iter().max_by_key(|p| p.0),
+        pages.iter().min_by_key(|p| p.0),
+    ) else {
+        return Ok(());
+    };
+    let mut line = format!(
+        "In short: vmem's {} pages waste {:.2}x what {}-token blocks waste",
+        format_bytes(big.0),
+        big.1,
+        s.block_tokens
+    );
+    if small.0 != big.0 {
+        line += &format!(", its {} pages {:.2}x", format_bytes(small.0), small.1);
+    }
+    if small.0 < vmem::backend::MIB2 {
+        line += "; pages under 2 MB need the driver patch (CUDA maps 2 MB)";
+    }
+    line += &format!("; this replay ran on the {} backend.", s.backend);
+    writeln!(out)?;
+    writeln!(out, "{line}")
+}
+
 fn row_json(r: &Row) -> serde_json::Value {
     serde_json::json!({
         "allocator": r.allocator,

@@ -38,6 +38,56 @@ fn the_main_command_prints_a_table_of_every_allocator() {
 }
 
 #[test]
+fn the_table_ends_with_one_line_saying_what_it_means() {
+    let out = vmem(&[
+        "--quiet",
+        "--backend",
+        "sim",
+        "--requests",
+        "100",
+        "--page-sizes",
+        "64K,2M",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let s = text(&out.stdout);
+    let last = s.lines().last().unwrap_or_default();
+    let ratio = |label: &str| -> String {
+        let row = s.lines().find(|l| l.starts_with(label)).unwrap();
+        row.split_whitespace().nth(3).unwrap().to_string()
+    };
+    for want in [
+        format!(
+            "vmem's 2M pages waste {} what 16-token blocks waste",
+            ratio("vmem-2M")
+        ),
+        format!("its 64K pages {}", ratio("vmem-64K")),
+        "pages under 2 MB need the driver patch".to_string(),
+        "ran on the sim backend".to_string(),
+    ] {
+        assert!(
+            last.contains(&want),
+            "missing {want:?} in the last line {last:?}"
+        );
+    }
+    // Only 2 MB pages: nothing to say about the driver patch.
+    let out = vmem(&[
+        "--quiet",
+        "--backend",
+        "sim",
+        "--requests",
+        "100",
+        "--page-sizes",
+        "2M",
+    ]);
+    let s = text(&out.stdout);
+    let last = s.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("In short: vmem's 2M pages waste") && !last.contains("driver patch"),
+        "{last}"
+    );
+}
+
+#[test]
 fn identical_runs_print_identical_bytes() {
     for backend in ["sim", "host"] {
         let args = [

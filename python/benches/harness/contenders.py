@@ -78,7 +78,7 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     "vmem-per-layer-graphs": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "fa", "graphs": True}),
     "vmem-token-major-graphs": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
                                        "graphs": True}),
-    # FlashInfer is optional (vmem[flashinfer]): run only when named (--contenders), see defaults().
+    # FlashInfer is optional (vmem-kv[flashinfer]): run only when named (--contenders), see defaults().
     "vmem-per-layer-fi": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flashinfer",
                                  "optional": True}),
     "vmem-token-major-fi": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "flashinfer",
@@ -102,14 +102,14 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     # ... with rounds padded to 16 query tokens, not the engine's 64: a decode round of a few
     # requests runs its weight GEMMs at 16 rows (more graphs, one per size). No gain measured.
     "vmem-token-major-graphs-async-compile-q16": (BOTH, {**_FA_ASYNC, "compile": True, "q_pad": 16}),
-    # ... with the scheduler's safety margin as before the ninth session (the engine's own check:
+    # ... with the scheduler's safety margin as before vmem checked it (9e094b5; the engine's own check:
     # before each new request on 5.17, once a round on 5.19+), or checked by vmem before each new
     # request but never let go where every growth is covered (harness.contenders.margin_check).
     "vmem-token-major-graphs-async-compile-margin-before": (BOTH, {**_FA_ASYNC, "compile": True,
                                                                    "margin_before": "round"}),
     "vmem-token-major-graphs-async-compile-margin-only": (BOTH, {**_FA_ASYNC, "compile": True,
                                                                  "margin_before": "margin"}),
-    # ... with the engine's read index and vmem's round copies as before the eighth session's cuts
+    # ... with the engine's read index and vmem's round copies as before their cuts (253e236, 937b667)
     # (harness.round_before), for before and after in one run.
     "vmem-token-major-graphs-async-compile-before": (BOTH, {**_FA_ASYNC, "compile": True, "round_copies_before": True}),
     # ... with every prefill size graphed (graph_max_tokens=None, as the engine): no prefill forward
@@ -186,7 +186,7 @@ SERVING: dict[str, Spec] = {
     "vmem-per-layer": {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "fa"},
     "vmem-token-major": {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa"},
     "vmem-per-layer-flex": {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flex"},
-    # FlashInfer is optional (vmem[flashinfer]): run only when named (--contenders), see defaults().
+    # FlashInfer is optional (vmem-kv[flashinfer]): run only when named (--contenders), see defaults().
     "vmem-per-layer-fi": {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flashinfer", "optional": True},
     "vmem-token-major-fi": {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "flashinfer", "optional": True},
     # The engine's CUDA graph switch on (use_cuda_graph=True; its padding defaults).
@@ -326,8 +326,8 @@ def carry_over(spec: Spec) -> Iterator[None]:
 
 @contextlib.contextmanager
 def round_copies(spec: Spec) -> Iterator[None]:
-    """For a spec with ``round_copies_before``, vmem's per-round copies as before the eighth
-    session's cuts inside the block (:mod:`harness.round_before`)."""
+    """For a spec with ``round_copies_before``, vmem's per-round copies as before their cuts
+    (253e236, 937b667) inside the block (:mod:`harness.round_before`)."""
     if not spec.get("round_copies_before"):
         yield
         return
@@ -339,7 +339,7 @@ def round_copies(spec: Spec) -> Iterator[None]:
 
 @contextlib.contextmanager
 def margin_check(spec: Spec) -> Iterator[None]:
-    """For a spec with ``margin_before``, vmem's admission as before the ninth session inside the
+    """For a spec with ``margin_before``, vmem's admission as before it checked the margin (9e094b5) inside the
     block (:mod:`vmem.transformers.margin`): ``"round"``, the scheduler keeps its safety margin
     and vmem checks none (5.17: before each new request; 5.19+: once a round); ``"margin"``, vmem
     checks it before each new request without letting it go where every growth is covered."""

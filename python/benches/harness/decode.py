@@ -167,7 +167,7 @@ def padding_cost():
 def main():
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, vmem {vmem.__version__}", flush=True)
     benches = [throughput, padding_cost]
-    # BENCHES=name,name runs only those (a device call has a time limit); default: all.
+    # BENCHES=name,name runs only those (to fit a time limit); default: all.
     only = [c for c in os.environ.get("BENCHES", os.environ.get("CHECKS", "")).split(",") if c]
     unknown = set(only) - {f.__name__ for f in benches}
     if unknown:

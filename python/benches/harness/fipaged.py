@@ -257,7 +257,7 @@ def fi_paged_cache(request: vt.CacheRequest) -> Any:
     on_cuda = torch.device(request.device).type == "cuda"
     if on_cuda and not flashinfer_available(request.device):
         raise vt.InvalidArgument(f"{FI_PAGED_ATTENTION} on CUDA needs FlashInfer (flashinfer-python 0.6.13, "
-                                 "docs/serving.md says how to carry it); the pure-torch reference is for CPU tests")
+                                 "pip install \"vmem-kv[flashinfer]\"); the pure-torch reference is for CPU tests")
     backend = "flashinfer" if on_cuda else "reference"
     cache.fi_setup(request.config, request.dtype, request.device, backend)
     cache.fi_graph_max_tokens = request.options.graph_max_tokens

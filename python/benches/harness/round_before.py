@@ -1,5 +1,5 @@
 """The ``-before`` serving contenders: vmem's per-round copies as they were before issue #32's
-eighth-session cuts, patched in for one contender's run so that before and after run
+read-index cuts (253e236, 937b667), patched in for one contender's run so that before and after run
 interleaved in one process (docs/serving.md, "The engine's read index and vmem's round
 copies"). What is put back:
 

@@ -104,7 +104,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One document of several parts' ``multitenant.json`` (runs split over device calls): the
+    """One document of several parts' ``multitenant.json`` (runs split over several invocations): the
     first part's meta, every part's runs. Parts of other tenants or pool totals, or one run in
     two parts, are a ValueError."""
     if not docs:

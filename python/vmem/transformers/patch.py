@@ -158,7 +158,7 @@ def adapter_for(version: str) -> ModuleType:
     raise VmemError(
         f"vmem.transformers patches transformers' continuous-batching internals and supports transformers "
         f"{SUPPORTED_RANGE}; this is transformers {version}. Install a supported version "
-        f"(pip install \"vmem[transformers]\" picks one) or update vmem."
+        f"(pip install \"vmem-kv[transformers]\" picks one) or update vmem."
     )
 
 
