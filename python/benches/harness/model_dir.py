@@ -112,9 +112,8 @@ def read_marker(path: str) -> dict[str, Any] | None:
 
 def make_tokenizer(vocab_size: int, max_context: int) -> Any:
     """The word-level ``PreTrainedTokenizerFast`` of ``vocab_size`` tokens (module docstring)."""
-    from tokenizers import AddedToken, Tokenizer
+    from tokenizers import AddedToken, Tokenizer, pre_tokenizers
     from tokenizers import models as tok_models
-    from tokenizers import pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size <= FIRST_WORD:
