@@ -69,7 +69,9 @@ class ModelSpec:
 
     @property
     def depth(self) -> int:
-        """The layers the model gets."""
+        """The layers the model gets (a tiny stand-in: those of :func:`harness.models.tiny_config`)."""
+        if self.tiny:
+            return int(self.config().num_hidden_layers)
         return self.layers if self.layers is not None else SHAPES[self.shape]
 
     def config(self) -> Any:
@@ -182,7 +184,8 @@ def _write(spec: ModelSpec, path: str, device: str, log: Any) -> dict[str, Any]:
     t_init = time.perf_counter() - t0
     params = sum(p.numel() for p in model.parameters())
     if log:
-        log(f"model: {spec.shape} x {spec.depth} layers, {params / 1e9:.2f} B parameters, built on {device} "
+        log(f"model: {spec.shape}{' (tiny)' if spec.tiny else ''} x {cfg.num_hidden_layers} layers, "
+            f"{params / 1e9:.2f} B parameters, built on {device} "
             f"in {t_init:.1f} s; saving")
     t1 = time.perf_counter()
     model.generation_config.do_sample = False

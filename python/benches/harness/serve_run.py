@@ -16,24 +16,31 @@ class ServerGone(RuntimeError):
     """The server did not answer, or stopped."""
 
 
+#: what readiness asks, in order: the first to answer 200 means ready (transformers serve 5.17
+#: answers /v1/models with 500)
+READY_PATHS = ("/v1/models", "/health")
+
+
 def wait_ready(base_url: str, api_key: str | None, timeout_s: float, alive: Callable[[], bool] | None = None,
-               path: str = "/v1/models") -> float:
-    """Polls ``base_url + path`` until it answers 200; returns the seconds waited. ``timeout_s``
-    passing, or ``alive()`` turning false (the server's process ended), is :class:`ServerGone`."""
+               paths: tuple[str, ...] = READY_PATHS) -> float:
+    """Polls ``base_url`` + each of ``paths`` until one answers 200; returns the seconds waited.
+    ``timeout_s`` passing, or ``alive()`` turning false (the server's process ended), is
+    :class:`ServerGone`."""
     import httpx
 
     t0 = time.perf_counter()
     last = "no answer"
     while time.perf_counter() - t0 < timeout_s:
         if alive is not None and not alive():
-            raise ServerGone(f"the server stopped before it answered {path}")
-        try:
-            asyncio.run(loadgen.get_json(base_url, path, api_key, timeout_s=5.0))
-            return time.perf_counter() - t0
-        except (httpx.HTTPError, ValueError) as e:
-            last = f"{type(e).__name__}: {e}"[:200]
+            raise ServerGone("the server stopped before it answered")
+        for path in paths:
+            try:
+                asyncio.run(loadgen.get_json(base_url, path, api_key, timeout_s=5.0))
+                return time.perf_counter() - t0
+            except (httpx.HTTPError, ValueError) as e:
+                last = f"{path}: {type(e).__name__}: {e}"[:200]
         time.sleep(0.5)
-    raise ServerGone(f"{base_url}{path} did not answer 200 within {timeout_s:.0f} s ({last})")
+    raise ServerGone(f"{base_url} did not answer 200 within {timeout_s:.0f} s ({last})")
 
 
 def warmup(cfg: loadgen.ClientConfig, prompts: Prompts, n: int, prompt_len: int = 16, output_len: int = 8) -> None:
