@@ -3,7 +3,7 @@ on one model directory and one KV budget, over request rates from light to past 
 vmem-serve against the same engine in-process at the same load (harness/serve_compare.py).
 
     python3 python/benches/serve_compare.py --servers tf --rates 0.5x,1x,1.5x,2x --out target/cmp-tf
-    python3 python/benches/serve_compare.py --servers vmem --capacity 0.9 --rates 0.5x,1x,1.5x,2x,4x --out target/cmp-vmem
+    python3 python/benches/serve_compare.py --servers vmem --capacity 0.9 --rates 0.5x,1x,2x,4x --out target/cmp-vmem
     python3 python/benches/serve_compare.py --parts overhead --out target/cmp-overhead
     python3 python/benches/serve_compare.py --merge target/cmp-tf target/cmp-vmem target/cmp-overhead --out target/cmp
 

@@ -26,22 +26,23 @@ TINY_KV = "16M"
 MODELS_ROOT = os.path.join(os.environ.get("TMPDIR", "/tmp"), "vmem-bench-models")
 
 
-def add_flags(ap: argparse.ArgumentParser, shape: str, layers: int | None, kv: str) -> None:
-    """The flags every driver takes (model, KV budget, servers, outputs) and the client's."""
+def add_flags(ap: argparse.ArgumentParser, shape: str, layers: int | None, kv: str, kv_flag: str = "--kv-memory",
+              kv_help: str = "the KV budget of each server") -> None:
+    """The flags every driver takes (model, KV budget as ``kv_flag``, servers, outputs) and the
+    client's."""
     ap.add_argument("--shape", default=shape, help=f"the model's shape, one of {sorted(model_dir.SHAPES)}")
     ap.add_argument("--layers", type=int, default=layers, help="its layers (default: full depth)")
     ap.add_argument("--dtype", default="bf16", help=f"its weights' dtype, one of {model_dir.DTYPES}")
     ap.add_argument("--model-dir", default=None, help="the model directory, made there if absent (default: "
                                                       f"{MODELS_ROOT}/<shape>...)")
-    ap.add_argument("--kv-memory", default=None, help=f"the KV budget of each server, a size (default {kv}, "
-                                                      f"--tiny {TINY_KV})")
+    ap.add_argument(kv_flag, dest="kv_memory", default=None, help=f"{kv_help}, a size (default {kv}, --tiny {TINY_KV})")
     ap.add_argument("--block-size", type=int, default=256, help="transformers serve's KV block tokens")
     ap.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to start")
     ap.add_argument("--vmem-serve-cmd", default=None, help="how vmem-serve is started (default: "
                                                            f"{sys.executable} -m vmem.server)")
     ap.add_argument("--vmem-serve-args", default="", help="more arguments of vmem-serve (one string)")
     ap.add_argument("--tf-serve-args", default="", help="more arguments of transformers serve (one string)")
-    ap.set_defaults(kv_default=kv)
+    ap.set_defaults(kv_default=kv, kv_flag=kv_flag)
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke test, not a measurement")
     ap.add_argument("--out", default=None)
     serve_cli.add_client_flags(ap)
@@ -57,9 +58,9 @@ def check_flags(ap: argparse.ArgumentParser, args: Any, default_out: str) -> Non
     try:
         args.kv_bytes = int(vmem.parse_bytes(args.kv_memory))
     except (vmem.VmemError, TypeError) as e:
-        ap.error(f"--kv-memory {args.kv_memory!r}: {e}")
+        ap.error(f"{args.kv_flag} {args.kv_memory!r}: {e}")
     if args.kv_bytes < 1 << 20:
-        ap.error(f"--kv-memory {args.kv_memory!r} is under 1 MiB")
+        ap.error(f"{args.kv_flag} {args.kv_memory!r} is under 1 MiB")
     if args.block_size < 1:
         ap.error(f"--block-size must be at least 1, got {args.block_size}")
     if not 0 < args.ready_timeout < math.inf:

@@ -99,24 +99,28 @@ class Server:
         return self
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM to the process group, SIGKILL to it after ``timeout_s``; returns the exit code."""
+        """SIGTERM to the server (as a process manager stops it: the server stops its own
+        children), SIGKILL to its whole process group after ``timeout_s`` or once it exited
+        (what outlived it); returns its exit code (negative: the signal that ended it)."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            self._signal(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                self._signal(signal.SIGKILL)
+                self._kill_group()
                 self.proc.wait()
-        self._signal(signal.SIGKILL)  # children that outlived the leader
-        self.exit_code = self.proc.returncode
+        self._kill_group()
+        if self.exit_code is None:
+            self.exit_code = self.proc.returncode
         return self.exit_code
 
-    def _signal(self, sig: int) -> None:
+    def _kill_group(self) -> None:
         assert self.proc is not None
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
     def tail(self, lines: int = 15) -> str:
         """The log's last ``lines`` lines."""
