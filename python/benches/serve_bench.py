@@ -54,6 +54,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="replay the trace's timestamps in this window (seconds of its clock)")
     ap.add_argument("--time-scale", type=float, default=1.0, help="--trace-window: replay this many times faster")
     serve_cli.add_client_flags(ap)
+    ap.add_argument("--ready-timeout", type=float, default=10.0, help="seconds to wait for the server to answer")
     ap.add_argument("--label", default=None, help="the runs' label (default: the model)")
     ap.add_argument("--strict", action="store_true", help="exit 1 if any request failed or was cut")
     ap.add_argument("--out", default=os.environ.get("OUT") or DEFAULT_OUT)
@@ -63,6 +64,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.base_url = loadgen.check_loopback(args.base_url, args.allow_remote)
     except ValueError as e:
         ap.error(f"--base-url: {e}")
+    if not 0 < args.ready_timeout < float("inf"):
+        ap.error(f"--ready-timeout must be a number of seconds above 0, got {args.ready_timeout}")
     if args.num_prompts < 1:
         ap.error(f"--num-prompts must be at least 1, got {args.num_prompts}")
     if not 0 < args.burstiness < float("inf"):
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(2)
 
     try:
-        serve_run.wait_ready(args.base_url, args.api_key, 10.0)
+        serve_run.wait_ready(args.base_url, args.api_key, args.ready_timeout)
         model = args.model or (loadgen.served_models(args.base_url, args.api_key) or [None])[0]
     except httpx.HTTPError as e:
         print(f"serve_bench.py: {args.base_url}/v1/models: {e}: give --model", file=sys.stderr)
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace_window is not None:
         plans = [(f"window {args.trace_window} x{args.time_scale:g}", args.window_requests)]
     else:
-        plans = [(rate, workload.rate_requests(args.trace, args.num_prompts, rate, args.seed, args.burstiness,
+        plans = [(f"{rate:g}", workload.rate_requests(args.trace, args.num_prompts, rate, args.seed, args.burstiness,
                                                args.max_prompt, args.max_output, args.output_len))
                  for rate in args.rates]
     for rate, reqs in plans:

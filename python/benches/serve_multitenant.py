@@ -75,7 +75,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--metrics-every must be above 0, got {args.metrics_every}")
     args.specs = [model_dir.ModelSpec(t.shape, None if args.tiny else t.layers, args.tiny,
                                       "fp32" if args.tiny else args.dtype, t.seed) for t in tenant_plan.TENANTS]
-    args.model_dirs = [serve_drivers.default_model_dir(s) for s in args.specs]
+    args.model_dirs = [serve_drivers.default_model_dir(s, args.models_root) for s in args.specs]
+    for s, d in zip(args.specs, args.model_dirs):
+        have = model_dir.read_marker(d)
+        if have is not None and have.get("spec") != model_dir.asdict(s):
+            ap.error(f"--models-root: {d!r} holds a model made from {have.get('spec')}")
     return args
 
 

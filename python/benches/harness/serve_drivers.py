@@ -33,8 +33,9 @@ def add_flags(ap: argparse.ArgumentParser, shape: str, layers: int | None, kv: s
     ap.add_argument("--shape", default=shape, help=f"the model's shape, one of {sorted(model_dir.SHAPES)}")
     ap.add_argument("--layers", type=int, default=layers, help="its layers (default: full depth)")
     ap.add_argument("--dtype", default="bf16", help=f"its weights' dtype, one of {model_dir.DTYPES}")
-    ap.add_argument("--model-dir", default=None, help="the model directory, made there if absent (default: "
-                                                      f"{MODELS_ROOT}/<shape>...)")
+    ap.add_argument("--model-dir", default=None, help="the model directory, made there if absent (default: a "
+                                                      "directory under --models-root named after the model)")
+    ap.add_argument("--models-root", default=MODELS_ROOT, help="where model directories go by default")
     ap.add_argument(kv_flag, dest="kv_memory", default=None, help=f"{kv_help}, a size (default {kv}, --tiny {TINY_KV})")
     ap.add_argument("--block-size", type=int, default=256, help="transformers serve's KV block tokens")
     ap.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to start")
@@ -70,7 +71,7 @@ def check_flags(ap: argparse.ArgumentParser, args: Any, default_out: str) -> Non
                                         "fp32" if args.tiny else args.dtype)
     except ValueError as e:
         ap.error(f"--shape/--layers/--dtype: {e}")
-    args.model_dir = args.model_dir or default_model_dir(args.spec)
+    args.model_dir = args.model_dir or default_model_dir(args.spec, args.models_root)
     have = model_dir.read_marker(args.model_dir)
     if have is not None and have.get("spec") != model_dir.asdict(args.spec):
         ap.error(f"--model-dir {args.model_dir!r} holds a model made from {have.get('spec')}, not these flags")
@@ -96,10 +97,10 @@ def check_flags(ap: argparse.ArgumentParser, args: Any, default_out: str) -> Non
         args.device = "cuda"
 
 
-def default_model_dir(spec: model_dir.ModelSpec) -> str:
-    """Where the model of ``spec`` goes when no ``--model-dir`` is given."""
-    tag = f"{spec.shape}{'-tiny' if spec.tiny else ''}-x{spec.depth}-{spec.dtype}-s{spec.seed}-c{spec.max_context}"
-    return os.path.join(MODELS_ROOT, tag)
+def default_model_dir(spec: model_dir.ModelSpec, root: str = MODELS_ROOT) -> str:
+    """Where the model of ``spec`` goes under ``root`` when no ``--model-dir`` is given."""
+    depth = "tiny" if spec.tiny else f"x{spec.depth}"
+    return os.path.join(root, f"{spec.shape}-{depth}-{spec.dtype}-s{spec.seed}-c{spec.max_context}")
 
 
 def ensure_model(spec: model_dir.ModelSpec, path: str, device: str) -> dict[str, Any]:

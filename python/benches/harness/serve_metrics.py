@@ -116,4 +116,4 @@ def reason_of(error: str) -> str:
         return error.split(":", 1)[0]
     if error.startswith("timeout"):
         return "timeout"
-    return error.split(":", 1)[0][:60]
+    return error.split(":", 1)[0][:100]

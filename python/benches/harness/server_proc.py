@@ -62,7 +62,8 @@ def split_args(text: str | None) -> list[str]:
 class Server:
     """A server process: ``argv`` run with its output to ``log_path``, in a new session (its own
     process group, so its children stop with it), answering at ``http://127.0.0.1:port``.
-    A context manager: started and waited for on entering, stopped on leaving."""
+    A context manager: started and waited for on entering (unless started already), stopped on
+    leaving."""
 
     def __init__(self, name: str, argv: Sequence[str], port: int, log_path: str, env: dict[str, str] | None = None,
                  ready_timeout_s: float = 600.0, api_key: str | None = None) -> None:
@@ -84,7 +85,9 @@ class Server:
     def start(self) -> Server:
         """Starts the process and waits until ``/v1/models`` answers 200; a process that stops or
         does not answer within ``ready_timeout_s`` is :class:`harness.serve_run.ServerGone` (with
-        its log's last lines), the process stopped."""
+        its log's last lines), the process stopped. Started twice is a RuntimeError."""
+        if self.proc is not None:
+            raise RuntimeError(f"{self.name} was started already")
         with open(self.log_path, "ab") as log:
             log.write(f"$ {shlex.join(self.argv)}\n".encode())
             log.flush()
@@ -140,7 +143,7 @@ class Server:
         return tree_rss(self.proc.pid)
 
     def __enter__(self) -> Server:
-        return self.start()
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
