@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_run.wait_ready(args.base_url, args.api_key, args.ready_timeout)
         model = args.model or (loadgen.served_models(args.base_url, args.api_key) or [None])[0]
     except httpx.HTTPError as e:
-        print(f"serve_bench.py: {args.base_url}/v1/models: {e}: give --model", file=sys.stderr)
+        print(f"serve_bench.py: {args.base_url}/v1/models: {str(e).splitlines()[0]}: give --model", file=sys.stderr)
         return 1
     except serve_run.ServerGone as e:
         print(f"serve_bench.py: {e}", file=sys.stderr)

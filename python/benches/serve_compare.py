@@ -84,6 +84,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if not args.part_list or ("sweep" in args.part_list and not args.server_list):
         ap.error("--parts/--servers name nothing to run")
     args.server_list.sort(key=lambda s: s != "tf")  # the baseline first: its saturation rate
+    if "sweep" in args.part_list and "tf" in args.server_list:
+        serve_drivers.check_tf_serve(ap, "--servers tf")
     try:
         args.rates = sc.parse_rates(args.rates)
     except ValueError as e:

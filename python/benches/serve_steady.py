@@ -67,6 +67,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         return args
     if args.server not in serve_drivers.KINDS:
         ap.error(f"--server {args.server!r}: one of {serve_drivers.KINDS}")
+    if args.server == "tf":
+        serve_drivers.check_tf_serve(ap, "--server tf")
     for flag in ("--rate", "--duration", "--sample-every"):
         v = getattr(args, flag[2:].replace("-", "_"))
         if not 0 < v < math.inf:

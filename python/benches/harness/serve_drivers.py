@@ -97,6 +97,28 @@ def check_flags(ap: argparse.ArgumentParser, args: Any, default_out: str) -> Non
         args.device = "cuda"
 
 
+#: the oldest transformers whose ``transformers serve`` the drivers run. 5.17's takes its sampling
+#: settings from the first request for every later one, loads the model at the first request,
+#: answers /v1/models with 500, and on the CPU closed a fresh server's first stream after ~55 s;
+#: 5.24 and 5.25 ran here (5.23 is the version the issue's tries of its serve were made on)
+TF_SERVE_MIN = (5, 23)
+
+
+def check_tf_serve(ap: argparse.ArgumentParser, flag: str) -> None:
+    """Refuses, as a usage error, running ``transformers serve`` (``flag`` names it) on a
+    transformers older than :data:`TF_SERVE_MIN`."""
+    import transformers
+
+    try:
+        have = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+    except ValueError:
+        return
+    if have < TF_SERVE_MIN:
+        ap.error(f"{flag}: the drivers run transformers serve from transformers "
+                 f"{'.'.join(map(str, TF_SERVE_MIN))} (installed: {transformers.__version__}, whose serve takes "
+                 "every request's sampling from the first one)")
+
+
 def default_model_dir(spec: model_dir.ModelSpec, root: str = MODELS_ROOT) -> str:
     """Where the model of ``spec`` goes under ``root`` when no ``--model-dir`` is given."""
     depth = "tiny" if spec.tiny else f"x{spec.depth}"
