@@ -74,7 +74,10 @@ part_serving() {
   # run checks which version it imported. No pip cache: nothing is downloaded twice.
   t0=$(date +%s)
   echo "== Python serving: one venv with torch $TORCH_VERSION (CPU) at $venv"
-  make_venv "$venv" --no-cache-dir "torch==$TORCH_VERSION" numpy pytest mypy psutil  # psutil: the multi-tenant bench watches its processes
+  # psutil: the multi-tenant bench watches its processes; fastapi, uvicorn, httpx, openai, accelerate:
+  # the serving benches' load generator, its fake server and `transformers serve` (test_serve_bench*)
+  make_venv "$venv" --no-cache-dir "torch==$TORCH_VERSION" numpy pytest mypy psutil \
+    fastapi uvicorn httpx openai accelerate
   echo "   venv ready in $(( $(date +%s) - t0 ))s"
   local entry what tests
   for entry in "${TRANSFORMERS_VERSIONS[@]}"; do
