@@ -39,6 +39,8 @@ from harness import loadgen, serve_cli, serve_report, serve_run, tenant_plan, wo
 from harness.log import log
 
 DEFAULT_OUT = os.path.join("target", "serve-bench")
+#: the most requests one run sends (their prompts are made before its clock starts)
+MAX_PROMPTS = 100_000
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -66,8 +68,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--base-url: {e}")
     if not 0 < args.ready_timeout < float("inf"):
         ap.error(f"--ready-timeout must be a number of seconds above 0, got {args.ready_timeout}")
-    if args.num_prompts < 1:
-        ap.error(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    if not 1 <= args.num_prompts <= MAX_PROMPTS:
+        ap.error(f"--num-prompts must be in [1, {MAX_PROMPTS}], got {args.num_prompts}")
     if not 0 < args.burstiness < float("inf"):
         ap.error(f"--burstiness must be above 0, got {args.burstiness}")
     if args.trace_window is not None and args.request_rate is not None:
@@ -100,6 +102,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    try:
+        return measure(args)
+    except KeyboardInterrupt:
+        print("serve_bench.py: interrupted", file=sys.stderr)
+        return 130
+
+
+def measure(args: Any) -> int:
+    """The runs of parsed ``args``: the server reached, warmed up, each rate served, the results
+    written; the exit code."""
     import httpx
 
     def fail(msg: str) -> None:
@@ -108,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         serve_run.wait_ready(args.base_url, args.api_key, args.ready_timeout)
-        model = args.model or (loadgen.served_models(args.base_url, args.api_key) or [None])[0]
+        model = args.model or next((str(m) for m in loadgen.served_models(args.base_url, args.api_key)), None)
     except httpx.HTTPError as e:
         print(f"serve_bench.py: {args.base_url}/v1/models: {str(e).splitlines()[0]}: give --model", file=sys.stderr)
         return 1
@@ -144,7 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         m = runs[-1]["metrics"]
         log(f"{label} @ {rate}: {m['completed']} done, {m['failed']} failed, {m['output_throughput']:.1f} tok/s, "
             f"TTFT p99 {m['p99_ttft_ms']:.1f} ms")
-    write(args, label, model, runs)
+    try:
+        write(args, label, model, runs)
+    except OSError as e:
+        print(f"serve_bench.py: cannot write the results under {args.out!r}: {e}", file=sys.stderr)
+        return 1
     bad = any(r["metrics"]["failed"] or r["metrics"]["cancelled"] or r["metrics"]["not_sent"] for r in runs)
     return 1 if args.strict and bad else 0
 

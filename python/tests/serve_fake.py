@@ -1,7 +1,7 @@
 """A fake OpenAI-compatible server with known timings and failures, for the load generator's
-tests (not a test module; it needs fastapi and uvicorn). It streams ``max_tokens`` tokens, the first ``ttft`` seconds after the
-request arrived (``slow_ttft`` for a prompt of ``slow_from`` tokens or more), the next ones
-``itl`` seconds apart; then a chunk with ``finish_reason``, one with the usage, and
+tests (not a test module; it needs fastapi and uvicorn). It streams ``max_tokens`` tokens, the
+first ``ttft`` seconds after the request arrived (``slow_ttft`` for a prompt of ``slow_from``
+tokens or more), the next ones ``itl`` seconds apart; then a chunk with ``finish_reason``, one with the usage, and
 ``data: [DONE]``. Every ``fail_every``-th completion request gets a 500, every ``drop_every``-th
 stream stops after two tokens without an end, every ``error_every``-th sends an ``error`` event.
 Without ``ignore_eos`` or ``generation_config`` in the body an answer stops after ``eos_after``

@@ -12,7 +12,6 @@ import statistics
 import sys
 
 import pytest
-
 from harness import loadgen, serve_metrics, serve_steady, tenant_plan, trace, workload
 from harness import serve_multitenant as smt
 
@@ -48,44 +47,57 @@ def run(base_url: str, reqs, **cfg):
 # --- the metrics, against known timings ------------------------------------------------------------
 
 def test_metrics_are_vllms_definitions_on_known_timings() -> None:
-    """Three fast requests (prompt 10: first token after 0.15 s) and three slow ones (prompt 80:
-    0.6 s), 5 tokens each 0.04 s apart, all at once: TTFT, TPOT, ITL, E2EL, throughputs and
-    goodput are what the server's timings make them."""
-    ttft, slow, itl, n = 0.15, 0.6, 0.04, 5
+    """Three fast requests (prompt 10: first token 0.1 s after the request) and three slow ones
+    (prompt 80: 1.0 s), 5 tokens each 0.05 s apart, all at once. Each time is bounded below by
+    the server's schedule (it never sends early) and above by it plus a shared machine's delays;
+    the metrics are recomputed from each request's own times with vLLM's formulas; goodput at
+    TTFT <= 500 ms counts the fast three."""
+    ttft, slow, itl, n = 0.1, 1.0, 0.05, 5
+    late = 0.35  # what a loaded CI machine may add to a time
     reqs = [workload.Request(i, 0.0, 10 if i < 3 else 80, n, i) for i in range(6)]
     with fake(ttft=ttft, slow_ttft=slow, slow_from=50, itl=itl) as srv:
         res = loadgen.run_sync(reqs, ids_prompts(), loadgen.ClientConfig(srv.base_url, "fake"))
-        bodies = srv.app.state.bodies
-    tol = 0.09  # a shared CI machine's scheduling
+        bodies = list(srv.app.state.bodies)
     assert all(o.ok and o.tokens == n and o.events == n for o in res.outcomes), [o.error for o in res.outcomes]
     for o, r in zip(res.outcomes, reqs):
         want = ttft if r.prompt_len < 50 else slow
-        assert want - 0.01 <= o.ttft_s <= want + tol, (r, o.ttft_s)
-        assert len(o.itl_s) == n - 1 and all(itl - 0.01 <= g <= itl + tol for g in o.itl_s), o.itl_s
+        assert want - 0.005 <= o.ttft_s <= want + late, (r, o.ttft_s)
+        assert len(o.itl_s) == n - 1 and all(g >= 0 for g in o.itl_s)
+        # the last token leaves the server at ttft + (n - 1) * itl at the earliest
+        assert want + (n - 1) * itl - 0.005 <= o.latency_s <= want + (n - 1) * itl + late
         assert o.latency_s == pytest.approx(o.ttft_s + sum(o.itl_s), abs=1e-6)  # E2EL: to the last token
         assert o.prompt_tokens == r.prompt_len and o.finish_reason == "length"
     # every body asked for a stream with usage, greedy, the length forced (ignore_eos)
-    assert all(b["stream"] and b["stream_options"] == {"include_usage": True} and b["ignore_eos"] is True
-               and b["temperature"] == 0.0 and b["max_tokens"] == n for b in bodies)
-    m = serve_metrics.summarize(reqs, res, {"ttft": 300})
+    assert len(bodies) == 6 and all(
+        b["stream"] and b["stream_options"] == {"include_usage": True} and b["ignore_eos"] is True
+        and b["temperature"] == 0.0 and b["max_tokens"] == n for b in bodies)
+    m = serve_metrics.summarize(reqs, res, {"ttft": 500})
     assert m["completed"] == 6 and m["failed"] == 0 and m["wrong_length"] == 0
     assert m["total_output_tokens"] == 30 and m["total_input_tokens"] == 3 * 10 + 3 * 80
     d = res.duration_s
-    assert slow + (n - 1) * itl - 0.01 <= d <= slow + (n - 1) * itl + 2 * tol
+    assert slow + (n - 1) * itl - 0.005 <= d <= slow + (n - 1) * itl + late
+    assert d >= max(o.sent_s + o.latency_s for o in res.outcomes) - 1e-6
     assert m["request_throughput"] == pytest.approx(6 / d)
     assert m["output_throughput"] == pytest.approx(30 / d)
     assert m["total_token_throughput"] == pytest.approx((30 + 270) / d)
-    # TPOT per request (E2EL - TTFT) / (tokens - 1): the mean gap of each
-    tpots = [(o.latency_s - o.ttft_s) / (n - 1) for o in res.outcomes]
-    assert m["mean_tpot_ms"] == pytest.approx(statistics.mean(tpots) * 1e3)
-    assert itl * 1e3 - 10 <= m["median_tpot_ms"] <= (itl + tol) * 1e3
-    # ITL pooled: 6 x 4 gaps; TTFT median between the two groups (linear, as numpy)
+    # TPOT per request (E2EL - TTFT) / (tokens - 1), then mean/median/p99 over requests
+    tpots = sorted((o.latency_s - o.ttft_s) / (n - 1) * 1e3 for o in res.outcomes)
+    assert m["mean_tpot_ms"] == pytest.approx(statistics.mean(tpots))
+    assert m["median_tpot_ms"] == pytest.approx((tpots[2] + tpots[3]) / 2)
+    assert m["p99_tpot_ms"] == pytest.approx(tpots[4] + 0.95 * (tpots[5] - tpots[4]))
+    assert itl * 1e3 * 0.5 <= m["median_tpot_ms"] <= (itl + late) * 1e3
+    # ITL pooled: all 6 x 4 gaps (a late token shortens the gap after it; their sum stays)
+    gaps = sorted(g * 1e3 for o in res.outcomes for g in o.itl_s)
+    assert len(gaps) == 24 and m["mean_itl_ms"] == pytest.approx(statistics.mean(gaps))
+    assert m["p90_itl_ms"] == pytest.approx(gaps[20] + 0.7 * (gaps[21] - gaps[20]))
+    # TTFT: the median between the two groups (linear, as numpy), p99 near the slowest
     ttfts = sorted(o.ttft_s * 1e3 for o in res.outcomes)
     assert m["median_ttft_ms"] == pytest.approx((ttfts[2] + ttfts[3]) / 2)
     assert m["p99_ttft_ms"] == pytest.approx(ttfts[4] + 0.95 * (ttfts[5] - ttfts[4]))
-    # goodput at TTFT <= 300 ms: the three fast requests; at TPOT <= 1 ms: none
+    # goodput at TTFT <= 500 ms: the three fast requests; at TPOT <= 1 ms: none
     assert m["good_requests"] == 3 and m["request_goodput"] == pytest.approx(3 / d)
     assert serve_metrics.summarize(reqs, res, {"tpot": 1})["good_requests"] == 0
+    assert serve_metrics.summarize(reqs, res, {"ttft": 5000, "tpot": 1})["good_requests"] == 0  # every SLO met
     assert serve_metrics.summarize(reqs, res, {"ttft": 5000, "tpot": 1000, "e2el": 5000})["good_requests"] == 6
 
 
@@ -100,6 +112,10 @@ def test_chat_endpoint_and_generation_config_force() -> None:
                for b in bodies)
     # a server that stops at its EOS: the answers are short, and counted as such
     assert short["completed"] == 2 and short["wrong_length"] == 2 and short["total_output_tokens"] == 2
+
+
+def test_usage_counts_that_are_no_counts_are_not_taken() -> None:
+    assert [loadgen.count(v) for v in (3, 0, -1, True, "3", 2.0, None)] == [3, 0, None, None, None, None, None]
 
 
 def test_tpot_and_goodput_of_one_token_answers() -> None:
@@ -138,8 +154,8 @@ def test_requests_are_sent_at_their_arrival_times() -> None:
         res, m = run(srv.base_url, reqs)
     assert m["completed"] == 30
     late = [o.sent_s - r.at_s for r, o in zip(reqs, res.outcomes)]
-    assert all(-0.001 <= d <= 0.08 for d in late), late
-    assert res.outcomes[-1].sent_s == pytest.approx(reqs[-1].at_s, abs=0.08)
+    assert all(-0.001 <= d <= 0.25 for d in late), late  # never early; late by a loaded machine's delays
+    assert sorted(late)[len(late) // 2] <= 0.05
 
 
 def test_trace_lengths_are_the_rows_capped_and_cycled(tmp_path) -> None:
@@ -242,6 +258,8 @@ def test_only_loopback_is_load_tested() -> None:
     ["--trace", "/nonexistent.csv"], ["--endpoint", "embeddings"], ["--prompts", "words"], ["--burstiness", "0"],
     ["--max-output", "0"], ["--warmup", "-1"], ["--tokenizer", "/nonexistent"],
     ["--model", "m", "--prompts", "ids"],  # no vocabulary to draw ids from
+    ["--num-prompts", "100001"], ["--api-key", "two words"], ["--trace", os.path.join(TESTS, "serve_fake.py")],
+    ["--trace", "/dev/null"],
 ])
 def test_bad_flags_are_one_usage_line_before_any_request(flags, tmp_path, capsys) -> None:
     import serve_bench
@@ -276,7 +294,10 @@ def test_serve_bench_end_to_end_on_the_fake(tmp_path, capsys) -> None:
     assert rc == 0
     out = capsys.readouterr().out
     assert "fake at http://127.0.0.1" in out and " 40 |" in out and " inf |" in out
-    doc = json.loads((tmp_path / "serve_bench.json").read_text())
+    def strict(c: str) -> None:
+        raise ValueError(f"not strict JSON: {c}")
+
+    doc = json.loads((tmp_path / "serve_bench.json").read_text(), parse_constant=strict)
     assert [r["rate"] for r in doc["runs"]] == ["40", "inf"]
     for r in doc["runs"]:
         assert r["metrics"]["completed"] == 8 and r["metrics"]["good_requests"] == 8

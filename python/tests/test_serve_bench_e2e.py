@@ -31,9 +31,8 @@ def tiny_dir(tmp_path_factory) -> str:
 
 
 def test_a_model_directory_loads_and_its_text_is_exact(tiny_dir, tmp_path, capsys) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     import make_model_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
@@ -200,7 +199,7 @@ def test_serve_compare_and_steady_with_a_fake_vmem_serve(tiny_dir, tmp_path, cap
                              "--vmem-serve-cmd", fake_cmd("--itl", "0.001"), "--out", str(tmp_path / "c")])
     assert rc == 0
     doc = json.loads((tmp_path / "c" / "serve_compare.json").read_text())
-    assert [(r["rate_text"], round(r["rate_req_s"], 3), r["metrics"]["requests"]) for r in doc["runs"]] == \
+    assert [(r["rate_text"], round(float(r["rate_req_s"]), 3), r["metrics"]["requests"]) for r in doc["runs"]] == \
         [("inf", float("inf"), 6), ("0.5x", 10.0, 5), ("1x", 20.0, 6)]
     assert doc["capacity"]["vmem"] > 0 and doc["meta"]["tf_blocks"] == (16 << 20) // (256 * 1024)
     assert running(f"{FAKE} --itl") == []  # its one server stopped

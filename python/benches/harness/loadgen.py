@@ -149,6 +149,11 @@ def headers(cfg: ClientConfig) -> dict[str, str]:
     return h
 
 
+def count(v: Any) -> int | None:
+    """A token count of the server's usage: an int of at least 0, else ``None`` (not counted)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
 def token_event(chunk: dict[str, Any], chat: bool) -> tuple[bool, str | None]:
     """Whether stream ``chunk`` carries a token, and its ``finish_reason`` (module docstring)."""
     choices = chunk.get("choices") or []
@@ -203,8 +208,8 @@ async def send(client: Any, cfg: ClientConfig, prompt: str | list[int], max_toke
                     return out
                 usage = chunk.get("usage")
                 if isinstance(usage, dict):
-                    out.output_tokens = usage.get("completion_tokens")
-                    out.prompt_tokens = usage.get("prompt_tokens")
+                    out.output_tokens = count(usage.get("completion_tokens"))
+                    out.prompt_tokens = count(usage.get("prompt_tokens"))
                 is_token, finish = token_event(chunk, chat)
                 if is_token:
                     if out.ttft_s is None:

@@ -58,6 +58,13 @@ def check_client_flags(ap: argparse.ArgumentParser, args: Any) -> None:
     if not os.path.isfile(args.trace):
         ap.error(f"--trace {args.trace!r} is not a file")
     try:
+        workload.trace_lengths(args.trace, 1, args.max_prompt, args.max_output, args.output_len)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        ap.error(f"--trace {args.trace!r}: {e}")
+    if args.api_key is not None and (not args.api_key or not args.api_key.isprintable() or " " in args.api_key
+                                     or not args.api_key.isascii()):
+        ap.error("--api-key must be printable ASCII with no spaces")
+    try:
         args.slo = serve_metrics.parse_slo(args.goodput)
     except ValueError as e:
         ap.error(f"--goodput: {e}")

@@ -159,29 +159,46 @@ def inprocess(p: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in out.items() if isinstance(v, (int, float, str, type(None)))}
 
 
+def ratio(a: Any, b: Any) -> str:
+    """``a / b`` as ``2.50x``; ``n/a`` when either is missing or ``b`` is 0."""
+    try:
+        return f"{float(a) / float(b):.2f}x"
+    except (TypeError, ValueError, ZeroDivisionError):
+        return "n/a"
+
+
+def num(v: Any, fmt: str = ".1f") -> str:
+    """``v`` formatted, ``n/a`` when it is no number."""
+    try:
+        return format(float(v), fmt)
+    except (TypeError, ValueError):
+        return "n/a"
+
+
 def comparison(doc: dict[str, Any]) -> list[str]:
-    """The lines that state the targets: saturation rates and their ratio; at the baseline's
-    saturation rate (``1x``) and beyond, TTFT p99 and throughput of each; the overhead."""
+    """The lines that state the targets: saturation rates and their ratio; at each multiple of the
+    baseline's saturation rate (``1x`` and beyond), TTFT p99 and throughput of each; the overhead."""
     cap = doc["capacity"]
     lines = []
     runs = {(r["server"], r["rate_text"]): r["metrics"] for r in doc["runs"]}
     inf = {s: runs.get((s, "inf")) for s in ("vmem", "tf")}
-    if inf["tf"] and inf["vmem"] and cap.get("tf") and cap.get("vmem"):
-        lines.append(f"saturation rate (rate inf): vmem {cap['vmem']:.3f} req/s, tf {cap['tf']:.3f} req/s; "
-                     f"output tok/s vmem {inf['vmem']['output_throughput']:.1f} / tf "
-                     f"{inf['tf']['output_throughput']:.1f} = "
-                     f"{inf['vmem']['output_throughput'] / inf['tf']['output_throughput']:.2f}x (target >= 3x)")
+    if inf["tf"] and inf["vmem"]:
+        v, t = inf["vmem"]["output_throughput"], inf["tf"]["output_throughput"]
+        lines.append(f"saturation rate (rate inf): vmem {num(cap.get('vmem'), '.3f')} req/s, tf "
+                     f"{num(cap.get('tf'), '.3f')} req/s; output tok/s vmem {num(v)} / tf {num(t)} = {ratio(v, t)} "
+                     "(target >= 3x)")
     for text in sorted({t for s, t in runs if t.endswith("x")}, key=lambda t: float(t[:-1])):
         v, t = runs.get(("vmem", text)), runs.get(("tf", text))
         if v and t:
-            lines.append(f"at {text} tf's saturation rate: TTFT p99 tf {t['p99_ttft_ms']:.0f} ms / vmem "
-                         f"{v['p99_ttft_ms']:.0f} ms = {t['p99_ttft_ms'] / v['p99_ttft_ms']:.2f}x (target >= 3x at "
-                         f"1x); output tok/s vmem/tf = {v['output_throughput'] / t['output_throughput']:.2f}x")
+            tok = ratio(v["output_throughput"], t["output_throughput"])
+            lines.append(f"at {text} tf's saturation rate: TTFT p99 tf {num(t['p99_ttft_ms'], '.0f')} ms / vmem "
+                         f"{num(v['p99_ttft_ms'], '.0f')} ms = {ratio(t['p99_ttft_ms'], v['p99_ttft_ms'])} (target "
+                         f">= 3x at 1x); output tok/s vmem/tf = {tok}")
     o = doc.get("overhead")
     if o:
-        server = o["server"]["metrics"]["output_throughput"]
-        lines.append(f"server overhead: vmem-serve {server:.1f} tok/s / in-process {o['inprocess']['tok_s']:.1f} "
-                     f"tok/s = {o['server_over_inprocess']:.3f} (target >= 0.9)")
+        server, inproc = o["server"]["metrics"]["output_throughput"], o["inprocess"]["tok_s"]
+        lines.append(f"server overhead: vmem-serve {num(server)} tok/s / in-process {num(inproc)} tok/s = "
+                     f"{num(o['server_over_inprocess'], '.3f')} (target >= 0.9)")
     return lines
 
 
@@ -195,7 +212,7 @@ def write(out_dir: str, doc: dict[str, Any]) -> str:
     text = serve_report.text(rows, notes, title=head, cols=COLUMNS)
     serve_report.save(out_dir, NAME, doc, text)
     series: dict[str, list[tuple[float, float, str]]] = {}
-    for r in sorted(doc["runs"], key=lambda r: r["rate_req_s"]):
+    for r in sorted(doc["runs"], key=lambda r: float(r["rate_req_s"])):
         m = r["metrics"]
         series.setdefault(r["server"], []).append((m["output_throughput"], m["p99_ttft_ms"], r["rate_text"]))
     serve_report.write_svg(os.path.join(out_dir, f"{NAME}.svg"), serve_report.line_svg(

@@ -48,11 +48,24 @@ def text(rows: Sequence[Mapping[str, Any]], extra: Sequence[str] = (), title: st
     return "\n".join([format_table(rows, cols, title=title), *extra])
 
 
+def plain(v: Any) -> Any:
+    """``v`` with NaN as ``None`` and infinities as ``"inf"``/``"-inf"`` (strict JSON), through
+    dicts, lists and tuples."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, Mapping):
+        return {str(k): plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [plain(x) for x in v]
+    return v
+
+
 def save(out_dir: str, name: str, doc: Mapping[str, Any], table: str) -> None:
-    """Writes ``doc`` to ``out_dir/name.json`` and ``table`` to ``out_dir/name.txt`` (each
-    replaced whole: written beside, then renamed)."""
+    """Writes ``doc`` to ``out_dir/name.json`` (strict JSON: :func:`plain`) and ``table`` to
+    ``out_dir/name.txt`` (each replaced whole: written beside, then renamed)."""
     os.makedirs(out_dir, exist_ok=True)
-    for ext, data in (("json", json.dumps(doc, indent=1, default=str) + "\n"), ("txt", table + "\n")):
+    text = json.dumps(plain(doc), indent=1, default=str, allow_nan=False)
+    for ext, data in (("json", text + "\n"), ("txt", table + "\n")):
         path = os.path.join(out_dir, f"{name}.{ext}")
         with open(path + ".tmp", "w") as f:
             f.write(data)
