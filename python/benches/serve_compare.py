@@ -3,7 +3,7 @@ on one model directory and one KV budget, over request rates from light to past 
 vmem-serve against the same engine in-process at the same load (harness/serve_compare.py).
 
     python3 python/benches/serve_compare.py --servers tf --rates 0.5x,1x,1.5x,2x --out target/cmp-tf
-    python3 python/benches/serve_compare.py --servers vmem --capacity 0.9 --rates 0.5x,1x,2x,4x --out target/cmp-vmem
+    python3 python/benches/serve_compare.py --servers vmem --capacity 0.9 --rates inf,1x,2x,4x --out target/cmp-vmem
     python3 python/benches/serve_compare.py --parts overhead --out target/cmp-overhead
     python3 python/benches/serve_compare.py --merge target/cmp-tf target/cmp-vmem target/cmp-overhead --out target/cmp
 
@@ -14,10 +14,11 @@ Both servers load that directory on the GPU with ``--kv-memory`` of KV each: vme
 holding the same bytes. Requests: the trace's rows (prompts capped at ``--max-prompt``, answers
 at ``--max-output``, forced to length), text prompts of exact length, streamed.
 
-Part ``sweep`` (per server of ``--servers``, transformers serve first): rate ``inf`` first (every
-request queued at once: the server's saturation rate, the requests/s it sustains at most), then
-each of ``--rates``, Poisson arrivals; a rate ``Nx`` is N times transformers serve's saturation
-rate (measured by this command's own ``inf`` run, or ``--capacity``). A run at rate r sends about
+Part ``sweep`` (per server of ``--servers``, transformers serve first): each of ``--rates``,
+``inf`` first (every request queued at once: the server's saturation rate, the requests/s it
+sustains at most), then Poisson arrivals; a rate ``Nx`` is N times transformers serve's
+saturation rate, given with ``--capacity`` or measured by an ``inf`` run of transformers serve
+that this command then makes first. A run at rate r sends about
 ``--rate-seconds`` of arrivals (``--min-prompts`` to ``--num-prompts`` requests). Part
 ``overhead``: ``--overhead-requests`` prompts x ``--overhead-tokens`` tokens, all at once,
 through vmem-serve and through the engine in-process with vmem (``--inproc-contender``); the
@@ -106,6 +107,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if "overhead" in args.part_list:
         from harness import contenders as ct
 
+        import vmem
+        import vmem.transformers as vt
+
+        try:
+            vt.install()  # refused on a transformers vmem does not serve
+            vt.uninstall()
+        except vmem.VmemError as e:
+            ap.error(f"--parts overhead: {e}")
         try:
             ct.spec(args.inproc_contender)
         except ValueError as e:
@@ -124,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.out, exist_ok=True)
         print(sc.write(args.out, doc))
         return 0
-    marker = serve_drivers.ensure_model(args.spec, args.model_dir, args.device)
+    try:
+        marker = serve_drivers.ensure_model(args.spec, args.model_dir, args.device)
+    except serve_drivers.ModelDirError as e:
+        log(f"serve_compare.py: {e}")
+        return 1
     blocks = serve_drivers.tf_blocks(args.kv_bytes, args.block_size, marker["kv_token_bytes"])
     meta = {"model": f"{args.spec.shape} x {marker['layers']} layers ({args.spec.dtype}, random weights)",
             "model_dir": args.model_dir, "device": serve_drivers.device_name(), "versions": serve_drivers.versions(),

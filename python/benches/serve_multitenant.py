@@ -94,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.out, exist_ok=True)
         print(smt.write(args.out, doc))
         return 0
-    markers = [serve_drivers.ensure_model(s, d, args.device) for s, d in zip(args.specs, args.model_dirs)]
+    try:
+        markers = [serve_drivers.ensure_model(s, d, args.device) for s, d in zip(args.specs, args.model_dirs)]
+    except serve_drivers.ModelDirError as e:
+        log(f"serve_multitenant.py: {e}")
+        return 1
     doc: dict[str, Any] = {
         "meta": {"tenants": [dict(vars(t)) for t in tenant_plan.TENANTS], "model_dirs": args.model_dirs,
                  "total_bytes": args.total_bytes, "window_s": args.window, "time_scale": args.time_scale,

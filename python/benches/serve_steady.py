@@ -91,7 +91,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def run(args: Any) -> int:
     """The run itself (foreground, or the background child)."""
     st.write_status(args.out, state="building", pid=os.getpid())
-    marker = serve_drivers.ensure_model(args.spec, args.model_dir, args.device)
+    try:
+        marker = serve_drivers.ensure_model(args.spec, args.model_dir, args.device)
+    except serve_drivers.ModelDirError as e:
+        log(f"serve_steady.py: {e}")
+        st.write_status(args.out, state="failed", why=str(e))
+        return 1
     prompts = serve_drivers.prompts(args, marker)
     reqs = st.steady_requests(args.trace, args.rate, args.duration, args.seed, args.max_prompt, args.max_output,
                               args.output_len)

@@ -194,7 +194,7 @@ def test_serve_compare_and_steady_with_a_fake_vmem_serve(tiny_dir, tmp_path, cap
     with pytest.raises(SystemExit) as e:
         serve_compare.main([*common, "--servers", "vmem", "--out", str(tmp_path / "c0")])
     assert e.value.code == 2
-    rc = serve_compare.main([*common, "--servers", "vmem", "--capacity", "20", "--rates", "0.5x,1x",
+    rc = serve_compare.main([*common, "--servers", "vmem", "--capacity", "20", "--rates", "0.5x,inf,1x",
                              "--num-prompts", "6", "--min-prompts", "3", "--rate-seconds", "0.5",
                              "--vmem-serve-cmd", fake_cmd("--itl", "0.001"), "--out", str(tmp_path / "c")])
     assert rc == 0
@@ -203,6 +203,31 @@ def test_serve_compare_and_steady_with_a_fake_vmem_serve(tiny_dir, tmp_path, cap
         [("inf", float("inf"), 6), ("0.5x", 10.0, 5), ("1x", 20.0, 6)]
     assert doc["capacity"]["vmem"] > 0 and doc["meta"]["tf_blocks"] == (16 << 20) // (256 * 1024)
     assert running(f"{FAKE} --itl") == []  # its one server stopped
+    # the overhead part: the engine in process (a child) with vmem, then the server, at one load;
+    # where vmem does not serve this transformers, a usage error naming it
+    served = True
+    try:
+        import vmem.transformers as vt
+
+        vt.install()
+        vt.uninstall()
+    except Exception:  # noqa: BLE001 (VmemError: not served)
+        served = False
+    argv = [*common, "--parts", "overhead", "--overhead-requests", "4", "--overhead-tokens", "4",
+            "--inproc-contender", "vmem-token-major", "--inproc-max-requests", "4", "--inproc-max-context", "1024",
+            "--vmem-serve-cmd", fake_cmd("--itl", "0.001"), "--out", str(tmp_path / "o")]
+    if not served:
+        with pytest.raises(SystemExit) as e:
+            serve_compare.main(argv)
+        assert e.value.code == 2 and "--parts overhead: " in capsys.readouterr().err
+    else:
+        assert serve_compare.main(argv) == 0
+        o = json.loads((tmp_path / "o" / "serve_compare.json").read_text())["overhead"]
+        assert o["inprocess"]["generated_tokens"] == 16 and o["inprocess"]["tok_s"] > 0
+        assert o["server"]["metrics"]["completed"] == 4 and o["server"]["metrics"]["total_output_tokens"] == 16
+        assert o["server_over_inprocess"] == pytest.approx(o["server"]["metrics"]["output_throughput"]
+                                                           / o["inprocess"]["tok_s"])
+        assert "server overhead: vmem-serve" in capsys.readouterr().out
     # a server that fails one request in three: the steady run says FAILED and exits 1
     rc = serve_steady.main([*common, "--server", "vmem", "--rate", "10", "--duration", "2", "--warm-skip", "0.5",
                             "--sample-every", "0.2", "--vmem-serve-cmd", fake_cmd("--fail-every", "3"),

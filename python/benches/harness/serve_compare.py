@@ -75,8 +75,8 @@ def sweep(kind: str, args: Any, marker: dict[str, Any], doc: dict[str, Any], sav
         cfg = serve_drivers.client(kind, args, srv.base_url, serve_drivers.served_model(srv, args.model_dir))
         serve_run.warmup(cfg, prompts, args.warmup)
         todo = list(args.rates)
-        if not any(k is None and t == "inf" for t, k in todo):
-            todo.insert(0, ("inf", None))
+        if kind == "tf" and args.capacity is None and not any(t == "inf" for t, _ in todo):
+            todo.insert(0, ("inf", None))  # its saturation rate: what the Nx rates are multiples of
         todo.sort(key=lambda r: (r[0] != "inf",))
         for text, k in todo:
             capacity = doc["capacity"].get("tf") if args.capacity is None else args.capacity
@@ -136,6 +136,7 @@ def inprocess(p: dict[str, Any]) -> dict[str, Any]:
     ``p["contender"]`` of :mod:`harness.contenders` on ``p["kv_bytes"]``), every prompt at once,
     ``p["new_tokens"]`` each (:func:`harness.serving.run_contender`, what ``generate_batch`` does,
     graphs captured before the clock). Returns tok/s, wall and TTFT/TBT percentiles."""
+    os.environ.update(serve_drivers.SERVER_ENV)  # before transformers is imported
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -20,6 +20,9 @@ from harness.log import log
 KINDS = ("vmem", "tf")
 #: how each kind forces an answer's length (transformers serve refuses unknown fields)
 FORCE = {"vmem": "ignore-eos", "tf": "generation-config"}
+#: the environment of every server and in-process engine: output unbuffered, nothing fetched from
+#: the Hub (the model directories are local; transformers 5.25 would fetch kernels by default)
+SERVER_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "USE_HUB_KERNELS": "NO"}
 #: the KV budget of a --tiny run
 TINY_KV = "16M"
 #: where model directories go by default
@@ -71,6 +74,12 @@ def check_flags(ap: argparse.ArgumentParser, args: Any, default_out: str) -> Non
                                         "fp32" if args.tiny else args.dtype)
     except ValueError as e:
         ap.error(f"--shape/--layers/--dtype: {e}")
+    cfg = args.spec.config()
+    args.kv_token_bytes = model_dir.kv_token_bytes(cfg, 4 if args.spec.dtype == "fp32" else 2)
+    try:
+        tf_blocks(args.kv_bytes, args.block_size, args.kv_token_bytes)
+    except ValueError as e:
+        ap.error(f"{args.kv_flag}/--block-size: {e}")
     args.model_dir = args.model_dir or default_model_dir(args.spec, args.models_root)
     have = model_dir.read_marker(args.model_dir)
     if have is not None and have.get("spec") != model_dir.asdict(args.spec):
@@ -129,10 +138,17 @@ def ensure_model(spec: model_dir.ModelSpec, path: str, device: str) -> dict[str,
     """The model directory of ``spec`` at ``path``, made there (weights built on ``device``) unless
     it is there already; logs how long it took."""
     t0 = time.perf_counter()
-    doc = model_dir.build(spec, path, device, log)
+    try:
+        doc = model_dir.build(spec, path, device, log)
+    except OSError as e:
+        raise ModelDirError(f"cannot make the model directory {path}: {e}") from e
     log(f"model {path}: {'reused' if doc['reused'] else 'made'} in {time.perf_counter() - t0:.1f} s "
         f"({doc['bytes'] / 2**30:.2f} GiB, {doc['kv_token_bytes']} KV bytes a token)")
     return doc
+
+
+class ModelDirError(RuntimeError):
+    """A model directory could not be made (a full disk, no permission)."""
 
 
 def tf_blocks(kv_bytes: int, block_size: int, token_bytes: int) -> int:
@@ -152,7 +168,7 @@ def start_server(kind: str, args: Any, models: list[tuple[str, str]], kv_bytes: 
     path)``; ``tf`` takes one, served under its path) with ``kv_bytes`` of KV; its log at
     ``args.out/log_name``. One that does not start is :class:`harness.serve_run.ServerGone`."""
     port = server_proc.free_port()
-    env = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = dict(SERVER_ENV)
     if kind == "tf":
         if len(models) != 1:
             raise ValueError("transformers serve is started with one model")
