@@ -114,6 +114,19 @@ def test_chat_endpoint_and_generation_config_force() -> None:
     assert short["completed"] == 2 and short["wrong_length"] == 2 and short["total_output_tokens"] == 2
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 101])
+def test_the_linear_percentile_is_numpys_default(n: int) -> None:
+    """vLLM reports numpy's default percentile (linear interpolation); so does the load generator."""
+    np = pytest.importorskip("numpy")
+    from harness import stats
+
+    xs = [float(x) for x in np.random.default_rng(n).normal(size=n)]
+    for q in (0, 1, 50, 90, 99, 99.9, 100):
+        assert stats.percentile(xs, q, "linear") == pytest.approx(float(np.percentile(xs, q)), abs=1e-12)
+    with pytest.raises(ValueError, match="method"):
+        stats.percentile(xs, 50, "midpoint")
+
+
 def test_usage_counts_that_are_no_counts_are_not_taken() -> None:
     assert [loadgen.count(v) for v in (3, 0, -1, True, "3", 2.0, None)] == [3, 0, None, None, None, None, None]
 
