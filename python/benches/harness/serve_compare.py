@@ -209,7 +209,7 @@ def write(out_dir: str, doc: dict[str, Any]) -> str:
     notes = [n for r in doc["runs"] for n in r["notes"]] + comparison(doc)
     head = (f"{doc['meta']['model']} on {doc['meta']['device']}, KV {doc['meta']['kv_bytes'] / 2**30:.2f} GiB each "
             f"(transformers serve: {doc['meta']['tf_blocks']} blocks of {doc['meta']['block_size']}); "
-            f"{doc['meta']['versions']}")
+            + ", ".join(f"{k} {v}" for k, v in doc["meta"]["versions"].items()))
     text = serve_report.text(rows, notes, title=head, cols=COLUMNS)
     serve_report.save(out_dir, NAME, doc, text)
     series: dict[str, list[tuple[float, float, str]]] = {}
