@@ -144,7 +144,7 @@ def run(args: Any) -> int:
 
 
 def background(argv: list[str], args: Any) -> int:
-    """Starts this command without ``--background`` in a session of its own, its output in
+    """Starts this command without ``--background`` detached (a process group of its own), its output in
     ``args.out/steady.log``; returns once its load runs (0), or it failed (1)."""
     st.write_status(args.out, state="building", pid=None, why=None, passed=None)
     child = [sys.executable, os.path.abspath(__file__), *[a for a in argv if a != "--background"], "--child"]

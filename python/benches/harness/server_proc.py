@@ -60,7 +60,7 @@ def split_args(text: str | None) -> list[str]:
 
 
 class Server:
-    """A server process: ``argv`` run with its output to ``log_path``, in a new session (its own
+    """A server process: ``argv`` run with its output to ``log_path``, detached (its own
     process group, so its children stop with it), answering at ``http://127.0.0.1:port``.
     A context manager: started and waited for on entering (unless started already), stopped on
     leaving."""
