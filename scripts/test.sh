@@ -61,8 +61,9 @@ part_rust() {
   cargo test --workspace 2>&1 | tee "$LOGS/rust.log"
 }
 
-# venv_ready DIR: true when DIR was completed by an earlier run (its packages are kept).
-venv_ready() { [ -f "$1/.complete" ]; }
+# venv_ready DIR [PACKAGE...]: true when DIR was completed by an earlier run with the same
+# PACKAGE... (its packages are kept; a changed list makes it again).
+venv_ready() { local d=$1; shift; [ -f "$d/.complete" ] && [ "$(cat "$d/.complete")" = "$*" ]; }
 
 # new_venv DIR PACKAGE...: a venv at DIR with PACKAGE... installed (a half-made one is removed
 # first), marked complete once everything is in.
@@ -73,13 +74,13 @@ new_venv() {
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
   "$venv/bin/python" -m pip install -q --no-cache-dir "$@"
-  touch "$venv/.complete"
+  echo "$*" > "$venv/.complete"
 }
 
 # keep_or_make DIR PACKAGE...: DIR as an earlier run left it, or a new venv of PACKAGE....
 keep_or_make() {
   local venv=$1 t0
-  if venv_ready "$venv"; then
+  if venv_ready "$@"; then
     echo "   $venv: kept from an earlier run (remove the folder to make it again)"
   else
     t0=$(date +%s)
@@ -136,7 +137,11 @@ part_serving() {
   echo "== Python serving: torch $TORCH_VERSION (CPU) at $torch_venv"
   # torch from PyPI brings the CUDA libraries (~5 GB installed): one torch venv, kept; each
   # transformers version is a folder of its own beside it.
-  keep_or_make "$torch_venv" "torch==$TORCH_VERSION" numpy pytest mypy psutil "maturin>=1.5,<2"  # psutil: the multi-tenant bench watches its processes
+  # psutil: the multi-tenant bench watches its processes; fastapi, uvicorn, httpx, openai,
+  # prometheus-client, accelerate: vmem-serve, the serving benches' load generator, its fake
+  # server and `transformers serve` (test_server*, test_serve_bench*)
+  keep_or_make "$torch_venv" "torch==$TORCH_VERSION" numpy pytest mypy psutil "maturin>=1.5,<2" \
+    fastapi uvicorn httpx openai prometheus-client accelerate
   install_vmem "$torch_venv"
   local entry v what tests venv log t0 only=" ${VMEM_TEST_TRANSFORMERS:-} "
   for entry in "${TRANSFORMERS_VERSIONS[@]}"; do
