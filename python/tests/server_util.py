@@ -4,6 +4,7 @@ free port; reading its metrics. Every wait is bounded."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -22,6 +23,57 @@ CHAT_TEMPLATE = ("{{ bos_token }} {% for m in messages %}{{ m['role'] }} : {{ m[
                  "{% if add_generation_prompt %}assistant :{% endif %}")
 #: How long a server may take to start (imports, model load) on a busy 2-core machine.
 START_TIMEOUT = 120.0
+#: The tiny servers' vmem options: 64 KiB pages (the host backend), 4 rows of 256 tokens, 8 MiB.
+TINY_ARGS = ["--page-size", "64K", "--memory", "8M", "--max-requests", "4", "--max-context", "256",
+             "--log-level", "warning"]
+
+
+def require() -> None:
+    """Skips the calling module, saying why, where the server cannot run: no torch or
+    transformers (the torch-less stage), a transformers vmem does not serve, or the server's
+    dependencies (the serving stage installs them)."""
+    import pytest
+
+    pytest.importorskip("torch", reason="torch is not installed: the server tests run in scripts/test.sh serving")
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    for name in ("fastapi", "uvicorn", "httpx", "prometheus_client", "openai", "tokenizers"):
+        pytest.importorskip(name, reason=f"{name} is not installed (pip install 'vmem[server]' openai)")
+    import tf_engine
+
+    tf_engine.skip_unless_served()
+
+
+def generate(path: str, prompt: List[int], max_new_tokens: int) -> List[int]:
+    """``generate()``'s greedy tokens for ``prompt`` with the model at ``path`` (its own
+    attention, a DynamicCache), stopping at EOS as the server does."""
+    import torch
+
+    model = _model(path)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+@functools.lru_cache(maxsize=4)
+def _model(path: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def client(url: str, key: str = "none", timeout: float = 60.0) -> Any:
+    """The official OpenAI client for the server at ``url``, retries off."""
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=timeout)
 
 
 def vocabulary() -> List[str]:

@@ -45,6 +45,7 @@ class StreamOptions(_Strict):
 
 
 class TextPart(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")  # other part types are refused by name below
     type: str
     text: Optional[str] = None
 
@@ -175,13 +176,15 @@ def _refuse_unless(cond: bool, param: str, why: str) -> None:
                           code="unsupported_parameter")
 
 
-def _params(req: _Common, max_tokens: Optional[int], choices_per_n: int) -> Params:
+def _params(req: _Common, max_tokens: Optional[int], choices_per_n: int, max_tokens_param: str = "max_tokens"
+            ) -> Params:
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_CHOICES // max(1, choices_per_n):
         raise bad_request(f"Invalid value for 'n': {n}; it must be from 1 to {MAX_CHOICES // max(1, choices_per_n)} "
                           f"(at most {MAX_CHOICES} choices a request)", param="n")
     if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"Invalid value for 'max_tokens': {max_tokens}; it must be at least 1", param="max_tokens")
+        raise bad_request(f"Invalid value for '{max_tokens_param}': {max_tokens}; it must be at least 1",
+                          param=max_tokens_param)
     temperature = 1.0 if req.temperature is None else req.temperature
     if not 0.0 <= temperature <= MAX_TEMPERATURE:
         raise bad_request(f"Invalid value for 'temperature': {temperature}; it must be from 0 to {MAX_TEMPERATURE}",
@@ -263,7 +266,8 @@ def chat_job(body: Dict[str, Any]) -> Job:
         if m.name is not None:
             msg["name"] = m.name
         messages.append(msg)
+    given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = _params(req, max_tokens, 1)
+    params = _params(req, max_tokens, 1, given)
     return Job(model=req.model, params=params, stream=bool(req.stream),
                include_usage=bool(req.stream_options and req.stream_options.include_usage), messages=messages)

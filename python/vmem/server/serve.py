@@ -89,20 +89,22 @@ def serve_one(opts: ServerOptions, access_log: bool) -> int:
     from .engine import Engine
 
     spec = opts.models[0]
-    engine = Engine(opts, spec)
-    try:
-        chosen = engine.prepare()
-    except InvalidArgument as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return USAGE
-    except (OSError, ValueError) as e:
-        print(f"{PROG}: error: cannot load {spec.path}: {e}", file=sys.stderr)
-        return 1
     try:
         sock = bind(opts)
     except OSError as e:
         print(f"{PROG}: error: cannot listen on {opts.uds or f'{opts.host}:{opts.port}'}: {e.strerror or e}",
               file=sys.stderr)
+        return 1
+    engine = Engine(opts, spec)
+    try:
+        chosen = engine.prepare()
+    except InvalidArgument as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sock.close()
+        return USAGE
+    except (OSError, ValueError) as e:
+        print(f"{PROG}: error: cannot load {spec.path}: {e}", file=sys.stderr)
+        sock.close()
         return 1
     try:
         engine.load(chosen)
