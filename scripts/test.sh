@@ -74,7 +74,10 @@ part_serving() {
   # run checks which version it imported. No pip cache: nothing is downloaded twice.
   t0=$(date +%s)
   echo "== Python serving: one venv with torch $TORCH_VERSION (CPU) at $venv"
-  make_venv "$venv" --no-cache-dir "torch==$TORCH_VERSION" numpy pytest mypy psutil  # psutil: the multi-tenant bench watches its processes
+  # psutil: the multi-tenant bench watches its processes; fastapi, uvicorn, httpx, prometheus-client:
+  # vmem-serve (the server extra's), openai: its tests' client.
+  make_venv "$venv" --no-cache-dir "torch==$TORCH_VERSION" numpy pytest mypy psutil \
+    "fastapi>=0.135" "uvicorn>=0.30" "httpx>=0.27" "prometheus-client>=0.20" openai
   echo "   venv ready in $(( $(date +%s) - t0 ))s"
   local entry what tests
   for entry in "${TRANSFORMERS_VERSIONS[@]}"; do

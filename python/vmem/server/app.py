@@ -134,6 +134,7 @@ class ModelApp:
         job = protocol.chat_job(body) if chat else protocol.completion_job(body)
         self._check_model(job.model)
         self.engine.check_ready()
+        self.engine.sampling(job.params)  # 400 now for sampling a greedy-only server refuses
         if chat:
             assert job.messages is not None
             prompts = [await self._tokenize(self._encode_chat, job.messages)]

@@ -31,6 +31,8 @@ from .options import ModelSpec, ServerOptions
 from .protocol import Params
 
 _log = logging.getLogger("vmem.server")
+#: Temperatures below this are greedy (vLLM's sampling epsilon): scores divided by less overflow.
+GREEDY_BELOW = 1e-5
 
 
 class Request:
@@ -46,18 +48,18 @@ class Request:
         self.delivered = 0
         self.output: Any = None
         self.sent = 0
-        self.error: Optional[str] = None
+        self.error: Optional[ApiError] = None
         self.done = False
         self._event = asyncio.Event()
 
     def _update(self, output: Any) -> None:
         self.output = output
         if output.error is not None:
-            self.error = str(output.error)
+            self.error = ApiError(500, f"The engine failed the request: {output.error}", code="engine_error")
         self._event.set()
 
-    def _fail(self, why: str) -> None:
-        self.error = why
+    def _fail(self, error: ApiError) -> None:
+        self.error = error
         self._event.set()
 
     async def next(self) -> Tuple[List[int], bool]:
@@ -65,7 +67,7 @@ class Request:
         whether the request finished. Raises :class:`ApiError` (500) if the engine failed it."""
         while True:
             if self.error is not None:
-                raise ApiError(500, f"The engine failed the request: {self.error}", code="engine_error")
+                raise self.error
             out = self.output
             if out is not None:
                 tokens = out.generated_tokens
@@ -189,6 +191,8 @@ class Engine:
                                                      else opts.async_batching == "on")}
         if opts.max_batch_tokens is not None:
             cb["max_batch_tokens"] = opts.max_batch_tokens
+        if opts.sampling == "full":  # the engine's share of free memory when logits processors run (it
+            cb["max_memory_percent"] = 0.8  # decides before the server installs its own)
         config = GenerationConfig(do_sample=False, eos_token_id=self.eos, pad_token_id=pad,
                                   max_new_tokens=self.max_context)
         manager = model.init_continuous_batching(generation_config=config,
@@ -251,7 +255,7 @@ class Engine:
         self.dead = why
         _log.error("vmem-serve: %s; failing %d request(s)", why, len(self._requests))
         for request in list(self._requests.values()):
-            request._fail(why)
+            request._fail(ApiError(500, f"The engine failed the request: {why}", code="engine_error"))
         if self.on_dead is not None:
             self.on_dead(why)
 
@@ -294,22 +298,38 @@ class Engine:
                               code="context_length_exceeded")
         return max_tokens
 
+    def sampling(self, params: Params) -> Tuple[float, float]:
+        """A request's temperature (0: greedy) and top-p: its own, else the server's defaults
+        (the model's generation config where it samples, else 1; greedy under ``--sampling
+        greedy``). A temperature under :data:`GREEDY_BELOW` is greedy: dividing by it would
+        overflow the scores. 400 for sampling asked of a greedy-only server."""
+        greedy_only = self.opts.sampling == "greedy"
+        t = params.temperature
+        if t is None:
+            t = 0.0 if greedy_only else self.default_temperature
+        if t < GREEDY_BELOW:
+            t = 0.0
+        if t > 0 and greedy_only:
+            raise bad_request("This server runs greedy decoding only (--sampling greedy): give temperature 0",
+                              param="temperature")
+        return t, self.default_top_p if params.top_p is None else params.top_p
+
     def submit(self, ids: List[int], max_tokens: int, params: Params, seed: Optional[int], streaming: bool) -> Request:
         """Hands one choice to the engine (:meth:`admit` first)."""
         from .sampling import request_kwargs
 
-        temperature = params.temperature
-        if temperature > 0 and self.opts.sampling == "greedy":
-            raise bad_request("This server runs greedy decoding only (--sampling greedy): give temperature 0",
-                              param="temperature")
+        temperature, top_p = self.sampling(params)
         if temperature > 0 and seed is None:
             seed = random.getrandbits(63)
         request = Request(f"{self.spec.name}-{next(self._ids)}", len(ids), max_tokens, streaming)
         self._requests[request.id] = request
-        kwargs = request_kwargs(temperature, params.top_p, seed) if self.opts.sampling == "full" else {}
-        self.manager.add_request(ids, request_id=request.id, max_new_tokens=max_tokens, streaming=streaming,
-                                 record_timestamps=not streaming, eos_token_id=-1 if params.ignore_eos else self.eos,
-                                 **kwargs)
+        kwargs = request_kwargs(temperature, top_p, seed) if self.opts.sampling == "full" else {}
+        added = self.manager.add_request(ids, request_id=request.id, max_new_tokens=max_tokens, streaming=streaming,
+                                         record_timestamps=not streaming,
+                                         eos_token_id=-1 if params.ignore_eos else self.eos, **kwargs)
+        if added is None:  # the manager takes no request any more (stopping, or its thread died)
+            del self._requests[request.id]
+            raise unavailable(5, "The model's engine is not taking requests (it is stopping)")
         self.last_activity = time.monotonic()
         self.metrics.prompt_tokens.inc(len(ids))
         return request
@@ -375,10 +395,24 @@ class Engine:
         _log.info("vmem-serve: model %s idle for %.0f s: asleep, %d bytes released", self.spec.name, idle, released)
         return released
 
-    def close(self, timeout: float) -> None:
-        """Stops the manager (after the server drained) and the dispatcher."""
+    def abort(self, why: str) -> None:
+        """Ends every request in flight with a 503 (the drain's deadline passed); each is
+        cancelled in the engine as its handler releases it."""
         self._closing = True
-        if self.manager is not None and self.manager.is_running():
-            self.manager.stop(block=True, timeout=timeout)
+        if self._requests:
+            _log.warning("vmem-serve: %s: %d request(s) in flight end with 503", why, len(self._requests))
+        for request in list(self._requests.values()):
+            request._fail(unavailable(5, f"The server is shutting down ({why})"))
+
+    def close(self, timeout: float, hard: bool = False) -> None:
+        """Stops the manager (after the server drained: it finishes what it holds, ``timeout``
+        seconds at most, then stops hard; ``hard``: at once) and the dispatcher."""
+        self._closing = True
+        manager = self.manager
+        if manager is not None and manager.is_running():
+            manager.stop(block=True, timeout=timeout, hard_stop=hard)
+            if manager.is_running():  # still busy after the timeout: its thread would keep the process alive
+                _log.error("vmem-serve: the engine did not stop in %.0f s: stopping it hard", timeout)
+                manager.stop(block=True, timeout=10, hard_stop=True)
         if self._dispatcher is not None:
             self._dispatcher.join(timeout=5)

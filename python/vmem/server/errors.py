@@ -37,9 +37,16 @@ def bad_request(message: str, param: Optional[str] = None, code: Optional[str] =
     return ApiError(400, message, param=param, code=code)
 
 
+def echo(value: Any, most: int = 80) -> str:
+    """A value of the request as a message quotes it: cut to ``most`` characters (a message
+    never echoes a request's megabytes)."""
+    text = str(value)
+    return text if len(text) <= most else text[:most - 3] + "..."
+
+
 def unknown_model(model: Any) -> ApiError:
     """The 404 for a ``model`` the server does not serve."""
-    return ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    return ApiError(404, f"The model `{echo(model)}` does not exist.", param="model", code="model_not_found")
 
 
 def busy(retry_after: int, why: str) -> ApiError:

@@ -99,12 +99,12 @@ class ChatRequest(_Common):
 @dataclasses.dataclass(frozen=True)
 class Params:
     """What a request asks of each of its choices: ``max_tokens`` (``None``: up to the context),
-    ``temperature`` (0: greedy), ``top_p``, ``seed``, ``stop`` strings, ``ignore_eos``, and ``n``
-    choices per prompt."""
+    ``temperature`` (0: greedy; ``None``: the server's default), ``top_p`` (``None``: the
+    default), ``seed``, ``stop`` strings, ``ignore_eos``, and ``n`` choices per prompt."""
 
     max_tokens: Optional[int]
-    temperature: float
-    top_p: float
+    temperature: Optional[float]
+    top_p: Optional[float]
     seed: Optional[int]
     stop: Tuple[str, ...]
     ignore_eos: bool
@@ -185,12 +185,11 @@ def _params(req: _Common, max_tokens: Optional[int], choices_per_n: int, max_tok
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"Invalid value for '{max_tokens_param}': {max_tokens}; it must be at least 1",
                           param=max_tokens_param)
-    temperature = 1.0 if req.temperature is None else req.temperature
-    if not 0.0 <= temperature <= MAX_TEMPERATURE:
+    temperature, top_p = req.temperature, req.top_p
+    if temperature is not None and not 0.0 <= temperature <= MAX_TEMPERATURE:
         raise bad_request(f"Invalid value for 'temperature': {temperature}; it must be from 0 to {MAX_TEMPERATURE}",
                           param="temperature")
-    top_p = 1.0 if req.top_p is None else req.top_p
-    if not 0.0 < top_p <= 1.0:
+    if top_p is not None and not 0.0 < top_p <= 1.0:
         raise bad_request(f"Invalid value for 'top_p': {top_p}; it must be more than 0 and at most 1", param="top_p")
     if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
         raise bad_request(f"Invalid value for 'seed': {req.seed}; it must be a signed 64-bit integer", param="seed")

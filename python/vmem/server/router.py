@@ -133,9 +133,10 @@ class Router:
         return await asyncio.get_running_loop().run_in_executor(None, render_families, families)
 
 
-def make_router_app(router: Router, on_all_ready: Any) -> FastAPI:
+def make_router_app(router: Router, on_all_ready: Any, on_failed: Any) -> FastAPI:
     """The router's app; its lifespan starts the model processes and stops them after the
-    router drained."""
+    router drained. ``on_all_ready()`` once every model served once; ``on_failed(name)`` when a
+    model's process exits before it was ever ready."""
     opts = router.opts
 
     @contextlib.asynccontextmanager
@@ -143,8 +144,20 @@ def make_router_app(router: Router, on_all_ready: Any) -> FastAPI:
         tasks = [asyncio.ensure_future(w.supervise()) for w in router.workers.values()]
 
         async def announce() -> None:
-            await asyncio.gather(*(w.ready_once.wait() for w in router.workers.values()))
-            on_all_ready()
+            ready: asyncio.Future[Any] = asyncio.ensure_future(
+                asyncio.gather(*(w.ready_once.wait() for w in router.workers.values())))
+            failed: List[asyncio.Future[Any]] = [asyncio.ensure_future(w.failed.wait())
+                                                 for w in router.workers.values()]
+            done, _ = await asyncio.wait([ready, *failed], return_when=asyncio.FIRST_COMPLETED)
+            for f in failed:
+                f.cancel()
+            if ready in done:
+                on_all_ready()
+            else:
+                ready.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await ready
+                on_failed(next(n for n, w in router.workers.items() if w.failed.is_set()))
 
         announcer = asyncio.ensure_future(announce())
         try:
@@ -203,18 +216,25 @@ def _budget(limit: Any, total: int) -> int:
 def serve_many(opts: ServerOptions, access_log: bool) -> int:
     """The router and its model processes; the exit status."""
     path = opts.pool_ledger or vpool.default_ledger()
-    created = not os.path.exists(path)
-    try:
-        ledger = vpool.create(path, size=opts.memory) if created else vpool.open(path)
-    except vpool.PoolError as e:
-        print(f"{PROG}: error: the KV pool at {path}: {e}", file=sys.stderr)
-        return 1
     try:
         sock = bind(opts)
     except OSError as e:
         print(f"{PROG}: error: cannot listen on {opts.host}:{opts.port}: {e.strerror or e}", file=sys.stderr)
         return 1
-    sockets = tempfile.mkdtemp(prefix="vmem-serve-")  # 0700: the model processes' sockets are the router's
+    created = not os.path.lexists(path)
+    try:
+        ledger = vpool.create(path, size=opts.memory) if created else vpool.open(path)
+        sockets = tempfile.mkdtemp(prefix="vmem-serve-")  # 0700: the model processes' sockets are the router's
+    except (vpool.PoolError, OSError) as e:
+        print(f"{PROG}: error: the KV pool at {path}: {e}", file=sys.stderr)
+        sock.close()
+        if created and os.path.lexists(path):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        return 1
+    if not created:
+        _log.warning("vmem-serve: joining the existing pool at %s (%d bytes%s)", path, ledger.total,
+                     "" if ledger.total == opts.memory else f"; --memory {opts.memory} is each model's cap only")
     try:
         workers = {}
         for m in opts.models:
@@ -228,9 +248,19 @@ def serve_many(opts: ServerOptions, access_log: bool) -> int:
             print(f"{PROG}: ready at {url_of(sock, opts)} (models {', '.join(workers)}; pool {path})",
                   file=sys.stderr, flush=True)
 
-        server = make_server(make_router_app(router, ready), opts, access_log, lambda: None)
+        holder: Dict[str, Any] = {}
+
+        def failed(name: str) -> None:
+            print(f"{PROG}: error: model {name} could not start (its process's error is above); stopping",
+                  file=sys.stderr, flush=True)
+            server = holder["server"]
+            server.exit_code = 1
+            server.should_exit = True
+
+        server = holder["server"] = make_server(make_router_app(router, ready, failed), opts, access_log,
+                                                lambda: None)
         server.run(sockets=[sock])
-        return int(server.exit_code)
+        return int(server.exit_code) or (1 if server.force_exit else 0)
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
         if created:

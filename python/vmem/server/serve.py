@@ -47,11 +47,15 @@ def url_of(sock: socket.socket, opts: ServerOptions) -> str:
     return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
-def make_server(app: Any, opts: ServerOptions, access_log: bool, on_ready: Any) -> Any:
+def make_server(app: Any, opts: ServerOptions, access_log: bool, on_ready: Any, on_deadline: Any = None) -> Any:
     """A uvicorn server for ``app`` whose SIGTERM and SIGINT drain, then return (uvicorn's own
     handler raises the signal again after the drain, which would end the process with the
-    signal's status, not 0); ``on_ready()`` runs once it accepts connections. Its ``exit_code``
-    is what the process should exit with."""
+    signal's status, not 0); ``on_ready()`` runs once it accepts connections, ``on_deadline()``
+    (on the event loop) when ``--drain-timeout`` seconds of draining passed, so requests still in
+    flight can be answered (503) before uvicorn cancels what is left. Its ``exit_code`` is what
+    the process should exit with."""
+    import asyncio
+
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -61,9 +65,13 @@ def make_server(app: Any, opts: ServerOptions, access_log: bool, on_ready: Any) 
         def capture_signals(self) -> Iterator[None]:
             server: Any = self  # uvicorn's fields (typed Any where uvicorn is not installed)
 
+            loop = asyncio.get_running_loop()
+
             def handle(sig: int, frame: Any) -> None:
                 if server.should_exit and sig == signal.SIGINT:
                     server.force_exit = True  # a second Ctrl-C: stop waiting
+                if not server.should_exit and on_deadline is not None:
+                    loop.call_soon_threadsafe(loop.call_later, opts.drain_timeout, on_deadline)
                 server.should_exit = True
 
             previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -79,7 +87,7 @@ def make_server(app: Any, opts: ServerOptions, access_log: bool, on_ready: Any) 
                 on_ready()
 
     config = uvicorn.Config(app, log_level=opts.log_level, access_log=access_log, lifespan="on",
-                            timeout_graceful_shutdown=max(1, int(opts.drain_timeout)), timeout_keep_alive=30)
+                            timeout_graceful_shutdown=int(opts.drain_timeout) + 5, timeout_keep_alive=30)
     return _Server(config)
 
 
@@ -126,10 +134,13 @@ def serve_one(opts: ServerOptions, access_log: bool) -> int:
     def ready() -> None:
         print(f"{PROG}: ready at {url_of(sock, opts)} (model {spec.name})", file=sys.stderr, flush=True)
 
-    server = make_server(app, opts, access_log, ready)
+    server = make_server(app, opts, access_log, ready, lambda: engine.abort("the drain timeout passed"))
     holder["server"] = server
     server.run(sockets=[sock])
     if opts.uds is not None:
         with contextlib.suppress(OSError):
             os.unlink(opts.uds)
+    if server.force_exit:  # a second SIGINT: no drain, no lifespan shutdown; the engine stops now
+        engine.close(timeout=2.0, hard=True)
+        return 1
     return int(server.exit_code) or (0 if engine.dead is None else 1)

@@ -1,8 +1,9 @@
 """The model processes behind the router: one per model, each a one-model ``vmem-serve`` on a
 private Unix socket, joined to the router's vmem pool as the tenant named after its model.
 
-A :class:`Worker` starts its process, waits until it answers ``/health``, and starts it again
-when it exits while the router is not stopping (after the pool reaped the dead tenant, so its
+A :class:`Worker` starts its process, waits until it answers ``/health`` (a process that exits
+before it was ever ready, a model that cannot load, stops the router: nothing would fix it), and
+starts it again when it exits while the router is not stopping (after the pool reaped the dead tenant, so its
 memory is back in the ledger and its name free), with a backoff from 1 s doubling to 30 s (reset
 once a process ran a minute). Requests to a model that is starting again get 503 with
 Retry-After (:mod:`.router`).
@@ -54,6 +55,9 @@ class Worker:
         self.client = client_for(socket_path)
         self.stopping = False
         self.ready_once = asyncio.Event()
+        #: Set when the process exited before it was ever ready (a model that cannot load): the
+        #: router stops rather than start it again and again.
+        self.failed = asyncio.Event()
 
     @property
     def ready(self) -> bool:
@@ -100,6 +104,11 @@ class Worker:
             self.last_exit = code
             if self.stopping:
                 break
+            if not self.ready_once.is_set():
+                _log.error("vmem-serve: model %s's process exited with %s before it was ready", self.name, code)
+                self.state = "failed"
+                self.failed.set()
+                return
             self.state = "restarting"
             self.restarts += 1
             await self.client.aclose()  # its pooled connections went with the process
