@@ -141,6 +141,9 @@ def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(api):
     assert len({alone, sample(8), sample(9), sample(10)}) > 1, "different seeds sampled the same text"
     greedy = api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=NEW, temperature=0).choices[0].text
     assert sample(11) != greedy or sample(12) != greedy
+    # A temperature too small to divide by (the scores would overflow) is greedy.
+    tiny = api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=NEW, temperature=1e-38, seed=5)
+    assert tiny.choices[0].text == greedy
 
 
 def test_n_choices(api):
