@@ -30,6 +30,17 @@ def byte_bpe():
 TEXTS = ["héllo wörld 🎉 ça va", "狐狸 jumps over 🎉🎉 the café", "plain ascii text"]
 
 
+@pytest.fixture(params=["rust", "python"], autouse=True)
+def decoder(request, monkeypatch):
+    """Both paths: the tokenizers library's DecodeStream, and the two-decode fallback (slow
+    tokenizers, older tokenizers)."""
+    import vmem.server.text as text
+
+    if request.param == "python":
+        monkeypatch.setattr(text, "DecodeStream", None)
+    return request.param
+
+
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("step", [1, 2, 5])
 def test_pieces_add_up_to_the_whole_decode(byte_bpe, text, step):

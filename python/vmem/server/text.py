@@ -1,12 +1,13 @@
 """Generated tokens to text, as they come: incremental detokenization (each new token costs a
 decode of a few tokens, not of the whole output) and stop strings.
 
-:class:`TextStream` keeps two offsets into the tokens, as vLLM's detokenizer does: the text of
-``tokens[prefix:read]`` was already emitted; decoding ``tokens[prefix:]`` and taking what it
-adds gives the new text, held back while it ends in an incomplete character (U+FFFD) so a
-multi-byte character is never split. The first offsets sit a few tokens into the prompt, so
-tokenizers that decide a token's leading space from its neighbour decode the first generated
-token as they would inside the text.
+:class:`TextStream` uses the tokenizers library's own incremental decoder (``DecodeStream``, in
+Rust) where the tokenizer is a fast one. Otherwise it keeps two offsets into the tokens, as
+vLLM's detokenizer does: the text of ``tokens[prefix:read]`` was already emitted; decoding
+``tokens[prefix:]`` and taking what it adds gives the new text, held back while it ends in an
+incomplete character (U+FFFD). Either way a multi-byte character is never split, and decoding
+starts a few tokens into the prompt, so tokenizers that decide a token's leading space from its
+neighbour decode the first generated token as they would inside the text.
 
 Stop strings are found in the text, never emitted: text that could still be the start of a
 stop string is held back until the next tokens say it is not.
@@ -15,6 +16,11 @@ stop string is held back until the next tokens say it is not.
 from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Tuple
+
+try:  # tokenizers >= 0.22: incremental decoding with a context
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # older tokenizers: the two-decode path
+    DecodeStream = None
 
 #: Prompt tokens decoded before the first generated one (context for its leading space).
 CONTEXT_TOKENS = 5
@@ -27,6 +33,13 @@ class TextStream:
     def __init__(self, tokenizer: Any, prompt: Sequence[int], stops: Sequence[str]) -> None:
         self.tokenizer = tokenizer
         self.tokens: List[int] = list(prompt[-CONTEXT_TOKENS:])
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream: Any = None
+        if DecodeStream is not None and self._backend is not None:
+            try:
+                self._stream = DecodeStream(ids=list(self.tokens), skip_special_tokens=True)
+            except TypeError:  # a DecodeStream that takes no context
+                self._stream = None
         self.prefix = 0
         self.read = len(self.tokens)
         self.stops = tuple(stops)
@@ -53,8 +66,11 @@ class TextStream:
         if self.stopped:
             return ""
         for token in new_tokens:
-            self.tokens.append(token)
-            self.pending += self._new_text()
+            if self._stream is not None:
+                self.pending += self._stream.step(self._backend, token) or ""
+            else:
+                self.tokens.append(token)
+                self.pending += self._new_text()
             if self.stops:
                 cut = _first_stop(self.pending, self.stops)
                 if cut is not None:
