@@ -23,6 +23,7 @@ import openai  # noqa: E402
 
 from vmem import pool  # noqa: E402
 
+KEY = "router-key"
 PROMPT = "w1 w2 w3"
 NEW = 8
 POOL = 32 << 20
@@ -39,7 +40,7 @@ def router(models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router")
     ledger = str(tmp / "pool")
     args = ["--model", f"a={models['a']}", "--model", f"b={models['b']}", *su.TINY_ARGS, "--memory", str(POOL),
-            "--pool-ledger", ledger, "--limit", "a=50%", "--floor", "b=1M", "--idle-sleep", "2"]
+            "--pool-ledger", ledger, "--limit", "a=50%", "--floor", "b=1M", "--idle-sleep", "2", "--api-key", KEY]
     s = su.Server(args, str(tmp / "log")).wait_ready()
     s.ledger = ledger
     yield s
@@ -53,9 +54,12 @@ def expected(models, name):
     return tok.decode(su.generate(models[name], tok(PROMPT)["input_ids"], NEW), skip_special_tokens=True)
 
 
+def api(router, timeout=30.0):
+    return su.client(router.url, KEY, timeout=timeout)
+
+
 def ask(router, name, **kw):
-    return su.client(router.url, timeout=30).completions.create(model=name, prompt=PROMPT, max_tokens=NEW,
-                                                                temperature=0, **kw)
+    return api(router).completions.create(model=name, prompt=PROMPT, max_tokens=NEW, temperature=0, **kw)
 
 
 def health(router):
@@ -66,13 +70,16 @@ def test_requests_are_routed_by_model(router, models):
     assert ask(router, "a").choices[0].text.strip() == expected(models, "a")
     assert ask(router, "b").choices[0].text.strip() == expected(models, "b")
     assert expected(models, "a") != expected(models, "b")
-    chunks = list(su.client(router.url).chat.completions.create(
+    chunks = list(api(router).chat.completions.create(
         model="b", messages=[{"role": "user", "content": PROMPT}], max_tokens=NEW, temperature=0, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant" and len(chunks) > 2
-    assert sorted(m.id for m in su.client(router.url).models.list().data) == ["a", "b"]
+    assert sorted(m.id for m in api(router).models.list().data) == ["a", "b"]
+    with pytest.raises(openai.AuthenticationError):  # the router checks the key before forwarding
+        su.client(router.url, "wrong").completions.create(model="a", prompt=PROMPT, max_tokens=2)
     with pytest.raises(openai.NotFoundError):
         ask(router, "c")
-    status, _, body = su.post_json(router.url + "/v1/completions", None, raw=b"{nope")
+    status, _, body = su.post_json(router.url + "/v1/completions", None, raw=b"{nope",
+                                   headers={"Authorization": f"Bearer {KEY}"})
     assert status == 400 and body["error"]["code"] == "invalid_json"
     with pytest.raises(openai.BadRequestError) as e:  # the model process's own checks, passed on
         ask(router, "a", top_p=0)
@@ -92,7 +99,13 @@ def test_the_pool_holds_both_models_as_tenants_with_their_limits(router):
 
 def test_a_killed_model_is_started_again_while_the_other_serves(router, models):
     a_pid = health(router)["a"]["pid"]
+    stream = api(router).completions.create(model="a", prompt=PROMPT, max_tokens=200, stream=True,
+                                        extra_body={"ignore_eos": True})
+    next(iter(stream))
     os.kill(a_pid, signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="stopped during the stream"):  # its stream ends with an error event
+        for _ in stream:
+            pass
     t0 = time.monotonic()
     saw_503 = False
     while time.monotonic() - t0 < 90:
