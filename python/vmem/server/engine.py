@@ -17,7 +17,6 @@ the same, every request in flight fails and the server exits non-zero (:attr:`En
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import itertools
 import logging
 import random
@@ -112,96 +111,19 @@ class Engine:
 
     # -- loading (blocking, before the server listens) ------------------------------------------
     def prepare(self) -> Dict[str, Any]:
-        """What can be checked before loading the weights: the model's config (its context) and
-        the vmem cache's options, returned checked (:class:`vmem.InvalidArgument` otherwise, a
-        usage error). A path that holds no model is an ``OSError`` (transformers')."""
-        from transformers import AutoConfig
+        """The checked vmem options for :meth:`load` (:func:`.loader.check`: nothing loaded)."""
+        from . import loader
 
-        import vmem.transformers as vt
-        from vmem.pool import Join
-
-        from .._vmem import InvalidArgument
-
-        opts, spec = self.opts, self.spec
-        config = AutoConfig.from_pretrained(spec.path, trust_remote_code=opts.trust_remote_code)
-        longest = getattr(config.get_text_config(), "max_position_embeddings", None)
-        if opts.max_context is None and not longest:
-            raise InvalidArgument(f"the config of {spec.path} gives no max_position_embeddings: give --max-context")
-        if opts.max_context is not None and longest and opts.max_context > longest:
-            raise InvalidArgument(f"--max-context {opts.max_context} is past the model's max_position_embeddings "
-                                  f"({longest}): its positions were never trained there")
-        context = opts.max_context or int(longest or 0)
-        chosen: Dict[str, Any] = {"page_size": opts.page_size, "layout": opts.layout, "kernel": opts.kernel,
-                                  "max_requests": opts.max_requests, "max_context": context, "memory": opts.memory}
-        if opts.pool_ledger is not None:
-            chosen["pool"] = Join(spec.name, limit=spec.limit, floor=spec.floor, ledger=opts.pool_ledger)
-        known = set(vt.Options.names())
-        for name, value in opts.vmem_options:
-            if name not in known or name in ("pool",):
-                raise InvalidArgument(f"--vmem-option {name}: not an option of vmem.transformers.Options "
-                                      f"(known: {', '.join(sorted(known - {'pool'}))})")
-            chosen[name] = value
-        vt.Options(**chosen)  # checked now, before any weight is read
-        return chosen
+        return loader.check(self.opts, self.spec)
 
     def load(self, vmem_options: Dict[str, Any]) -> None:
-        """Loads the tokenizer and the model on vmem's cache (``vmem_options``: from
-        :meth:`prepare`), starts the manager (warmed up) and its dispatcher thread."""
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
+        """Loads the model and starts its manager (:func:`.loader.load`)."""
+        from . import loader
 
-        import vmem.transformers as vt
-
-        from .sampling import SamplingProcessors
-
-        opts, spec = self.opts, self.spec
-        device = opts.device if opts.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: CUDA is not available here")
-        on_cuda = device.startswith("cuda")
-        for flag, value in (("--cuda-graphs", opts.cuda_graphs), ("--async-batching", opts.async_batching)):
-            if value == "on" and not on_cuda:
-                raise ValueError(f"{flag} on needs a CUDA device (the model runs on {device})")
-        dtype: Any = "auto" if opts.dtype == "auto" else getattr(torch, opts.dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=opts.trust_remote_code)
-        vt.install(**vmem_options)
-        placed: Dict[str, Any] = {}
-        if importlib.util.find_spec("accelerate") is not None:  # loads the weights straight onto the device
-            placed["device_map"] = device
-        model = AutoModelForCausalLM.from_pretrained(
-            spec.path, attn_implementation="vmem", dtype=dtype, use_kernels=False,
-            trust_remote_code=opts.trust_remote_code, **placed)
-        if not placed:
-            model = model.to(device)
-        if not on_cuda and model.dtype in (torch.float16, torch.bfloat16) and opts.dtype == "auto":
-            model = model.to(torch.float32)  # half precision on the CPU: slow, and not every op has it
-        self.model = model.eval()
-        self.vocab = int(model.get_input_embeddings().num_embeddings)
-        self.max_context = int(vmem_options["max_context"])
-        gen = model.generation_config
-        eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
-        self.eos = eos if eos is not None else -1
-        pad = gen.pad_token_id if gen.pad_token_id is not None else (self.tokenizer.pad_token_id or 0)
-        if gen.do_sample:  # the model's own sampling defaults, as vLLM takes them
-            self.default_temperature = float(gen.temperature if gen.temperature is not None else 1.0)
-            self.default_top_p = float(gen.top_p if gen.top_p is not None else 1.0)
-        cb: Dict[str, Any] = {"allow_block_sharing": opts.prefix_caching, "max_queue_size": 0,
-                              "use_cuda_graph": on_cuda if opts.cuda_graphs == "auto" else opts.cuda_graphs == "on",
-                              "use_async_batching": (on_cuda if opts.async_batching == "auto"
-                                                     else opts.async_batching == "on")}
-        if opts.max_batch_tokens is not None:
-            cb["max_batch_tokens"] = opts.max_batch_tokens
-        if opts.sampling == "full":  # the engine's share of free memory when logits processors run (it
-            cb["max_memory_percent"] = 0.8  # decides before the server installs its own)
-        config = GenerationConfig(do_sample=False, eos_token_id=self.eos, pad_token_id=pad,
-                                  max_new_tokens=self.max_context)
-        manager = model.init_continuous_batching(generation_config=config,
-                                                 continuous_batching_config=ContinuousBatchingConfig(**cb))
-        if opts.sampling == "full":
-            manager.logit_processor = SamplingProcessors()
-        manager.warmup()
-        manager.start()
-        self.manager = manager
+        m = loader.load(self.opts, self.spec, vmem_options)
+        self.tokenizer, self.model, self.manager = m.tokenizer, m.model, m.manager
+        self.vocab, self.max_context, self.eos = m.vocab, m.max_context, m.eos
+        self.default_temperature, self.default_top_p = m.default_temperature, m.default_top_p
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Starts delivering the engine's outputs to ``loop`` (the server's, once it runs)."""
