@@ -105,9 +105,12 @@ class Exchange:
                 parts.append(await c.step(self.eos))
             return "".join(parts)
 
+        tasks = [asyncio.ensure_future(run(c)) for c in self.choices]
         try:
-            texts = await asyncio.gather(*(run(c) for c in self.choices))
-        finally:
+            texts = await asyncio.gather(*tasks)
+        finally:  # an error in one choice, or the client gone: the others stop too
+            for t in tasks:
+                t.cancel()
             self.release()
         if self.chat:
             choices = [{"index": c.index, "message": {"role": "assistant", "content": t}, "logprobs": None,
