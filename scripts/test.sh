@@ -137,11 +137,11 @@ part_serving() {
   echo "== Python serving: torch $TORCH_VERSION (CPU) at $torch_venv"
   # torch from PyPI brings the CUDA libraries (~5 GB installed): one torch venv, kept; each
   # transformers version is a folder of its own beside it.
-  # psutil: the multi-tenant bench watches its processes; fastapi, uvicorn, httpx, openai,
-  # prometheus-client, accelerate: vmem-serve, the serving benches' load generator, its fake
-  # server and `transformers serve` (test_server*, test_serve_bench*)
+  # psutil: the multi-tenant bench watches its processes; fastapi, uvicorn, httpx,
+  # prometheus-client: vmem-serve (the server extra's); openai: its tests' client; accelerate:
+  # `transformers serve` and loading straight to the device (test_server*, test_serve_bench*)
   keep_or_make "$torch_venv" "torch==$TORCH_VERSION" numpy pytest mypy psutil "maturin>=1.5,<2" \
-    fastapi uvicorn httpx openai prometheus-client accelerate
+    "fastapi>=0.135" "uvicorn>=0.30" "httpx>=0.27" "prometheus-client>=0.20" openai accelerate
   install_vmem "$torch_venv"
   local entry v what tests venv log t0 only=" ${VMEM_TEST_TRANSFORMERS:-} "
   for entry in "${TRANSFORMERS_VERSIONS[@]}"; do

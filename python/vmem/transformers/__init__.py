@@ -27,9 +27,11 @@ docs/serving.md says how they work together.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Optional
 
 from .. import InvalidArgument, VmemError, parse_bytes
+from .._memory import TenantSelf
 from . import patch, tenancy
 from .attention import flex_paged_attention, paged_attention
 from .cache import VmemCBCache
@@ -58,6 +60,7 @@ __all__ = [
     "SUPPORTED_TRANSFORMERS",
     "VMEM_ATTENTION",
     "CacheRequest",
+    "EngineStats",
     "FaVarlenIndex",
     "InvalidArgument",
     "Options",
@@ -76,6 +79,7 @@ __all__ = [
     "register_cache",
     "serving",
     "sleep",
+    "stats",
     "uninstall",
     "unregister_cache",
     "wake",
@@ -95,6 +99,35 @@ def sleep(manager: Any) -> int:
 def wake(manager: Any) -> None:
     """Wakes the vmem cache under ``manager`` (see :func:`sleep`); nothing when awake."""
     tenancy.wake(_engine_cache(manager))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """What the vmem cache under a serving engine holds at one moment (:func:`stats`):
+    ``requests`` holding KV (rows in use), ``mapped_bytes`` (pages mapped, a page several rows
+    share once, the trash row's included), ``physical_bytes`` (pages made: mapped, kept for
+    later, cached prefixes), ``budget_bytes`` (the cache's cap), ``preemptions`` (requests
+    admitted again after a preemption), ``asleep`` (:func:`sleep`), and ``tenant`` (its pool
+    slot as :meth:`vmem.KVCache.tenant` reads it, or ``None`` outside a pool)."""
+
+    requests: int
+    mapped_bytes: int
+    physical_bytes: int
+    budget_bytes: int
+    preemptions: int
+    asleep: bool
+    tenant: Optional[TenantSelf]
+
+
+def stats(manager: Any) -> EngineStats:
+    """:class:`EngineStats` of the vmem cache under ``manager`` (a started continuous-batching
+    manager, or its :class:`VmemCBCache`), read without waiting for the engine or vmem's
+    unmapping thread (counters and atomics; safe from any thread, e.g. a metrics endpoint's)."""
+    cache = _engine_cache(manager)
+    usage = cache.kv.usage()
+    return EngineStats(requests=len(cache.table), mapped_bytes=int(cache.distinct_mapped_bytes()),
+                       physical_bytes=int(usage["physical_bytes"]), budget_bytes=int(usage["cap_bytes"]),
+                       preemptions=int(cache.readmissions), asleep=bool(cache.kv.asleep), tenant=cache.kv.tenant())
 
 
 def _engine_cache(target: Any) -> VmemCBCache:
