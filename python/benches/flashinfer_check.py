@@ -25,7 +25,7 @@ from harness.models import SERVING_TOKENS, llama3_8b_config, random_model
 
 import vmem
 import vmem.transformers as vt
-from vmem.transformers.fi_reader import FlashInferReader
+from vmem.kernels.fi_reader import FlashInferReader
 
 TOL = 0.04  # bf16/fp16, relative to the largest logit (serving_check.py's tolerance)
 NEW = 16

@@ -375,10 +375,10 @@ def zero_slots_under_queued_reads():
 
 
 def flashinfer_rows():
-    from vmem.transformers.fa import FaReader
-    from vmem.transformers.fi_reader import FlashInferReader
-    from vmem.transformers.flashinfer import paged_plan, paged_reference
-    from vmem.transformers.rounds import Round
+    from vmem.kernels.fa import FaReader
+    from vmem.kernels.fi_reader import FlashInferReader
+    from vmem.kernels.flashinfer import paged_plan, paged_reference
+    from vmem.kernels.rounds import Round
 
     g = torch.Generator(device="cuda").manual_seed(0)
     rounds = {"decode": [(5, 3000, 1), (0, 17, 1), (3, 1023, 1), (1, 4000, 1)],
@@ -603,8 +603,8 @@ def test_cb_compile(kernel):
 
 
 def split_decode():
-    from vmem.transformers import fa_split
-    from vmem.transformers.graphs import RoundBuffers
+    from vmem.kernels import fa_split
+    from vmem.kernels.buffers import RoundBuffers
 
     torch.manual_seed(0)
     hq, hkv, d, mc, slots = 32, 8, 128, 4096, 64

@@ -15,9 +15,9 @@ from vmem.transformers import (
     Options,
     VmemCBCache,
     block_tokens,
-    flex_paged_attention,
     install,
 )
+from vmem.transformers import paged_attention as flex_paged_attention
 
 import vmem
 from harness.check import compare, cross_compare, make_prompts, run_engine

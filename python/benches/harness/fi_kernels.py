@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from harness.fi_plan import PagedRound, reference_paged_attention
-from vmem.transformers.fi_graphs import share_int_workspace
+from vmem.kernels.fi_graphs import share_int_workspace
 
 #: The least float workspace (split-KV partials) FlashInfer's wrappers get.
 WORKSPACE_BYTES = 1 << 30
@@ -52,7 +52,7 @@ class FlashInferKernel:
     """FlashInfer's paged wrappers: per IO pair of the engine (async batching keeps two), one eager
     wrapper per kind and one per graph shape in ``use_cuda_graph`` mode (fixed batch size and
     buffers), all over one float workspace; a pair's wrappers share one int workspace and pinned
-    staging buffer (:func:`vmem.transformers.fi_graphs.share_int_workspace`): round N + 1 is
+    staging buffer (:func:`vmem.kernels.fi_graphs.share_int_workspace`): round N + 1 is
     planned while round N may still wait to run, and never into the buffers of N's pair."""
 
     def __init__(self, heads: tuple[int, int, int], page_size: int, dtype: torch.dtype, device: Any,

@@ -103,7 +103,8 @@ def instrument(clock: HookClock, model: Any, hooks: bool, vmem_attn: str, native
     runner = importlib.import_module("transformers.generation.continuous_batching.model_runner").ModelRunner
     if hooks:
         import vmem.transformers as vt
-        from vmem.transformers import fa, graphs, tenancy
+        from vmem.kernels import buffers, fa
+        from vmem.transformers import graphs, tenancy
 
         clock.wrap(api.ContinuousBatchProcessor, "prepare_next_batch", "engine.prepare")
         clock.wrap(api.ContinuousBatchProcessor, "update_batch", "engine.update")
@@ -114,7 +115,7 @@ def instrument(clock: HookClock, model: Any, hooks: bool, vmem_attn: str, native
         clock.wrap_all(vt.cache_class(), [(m, f"vmem.{m}") for m in VMEM_METHODS])
         for mod, fns in ((tenancy, VMEM_FUNCTIONS["tenancy"]), (graphs, VMEM_FUNCTIONS["graphs"])):
             clock.wrap_all(mod, [(f, f"vmem.{f}") for f in fns])
-        clock.wrap(graphs.RoundBuffers, "fill", "vmem.RoundBuffers.fill")
+        clock.wrap(buffers.RoundBuffers, "fill", "vmem.RoundBuffers.fill")
         clock.wrap(fa.FaReader, "__call__", "vmem.reader")
         clock.wrap(fa, "fa_varlen_reference", "cpu.fa_reference")
         clock.wrap(torch, "index_select", "cpu.index_select")
@@ -158,7 +159,7 @@ def run_one(model: Any, name: str, batch: int, args: Any, mode: str, profile: bo
         stats = pstats.Stats(prof, stream=s).sort_stats("tottime")
         s.write("== vmem's code and the engine's scheduling and batch preparation (host work; the "
                 "kernels' CPU stand-ins excluded), by own time:\n")
-        stats.print_stats(r"vmem/(?!transformers/fa\.py:\d+\(fa_varlen_reference)|continuous_batching/|_vmem",
+        stats.print_stats(r"vmem/(?!kernels/fa\.py:\d+\(fa_varlen_reference)|continuous_batching/|_vmem",
                           args.profile_top)
         s.write("\n== everything, by own time (the CPU kernels first: FA's CPU reference, the model's ops):\n")
         stats.print_stats(args.profile_top)

@@ -7,7 +7,7 @@ copies"). What is put back:
   on 5.19+, the cache's ``read_cache_limit = None`` and ``max_tokens_read`` of every row: the
   engine fills and copies its whole ``read_index`` buffer every round that reads;
 * each round's metadata copied from pageable memory, and the whole ``3 x capacity + 2``-entry
-  buffer of :class:`~vmem.transformers.graphs.RoundBuffers` rather than the round's ``3 P + 2``
+  buffer of :class:`~vmem.kernels.buffers.RoundBuffers` rather than the round's ``3 P + 2``
   (re-added beside the cut's own copy, which stays: the layout changed with the cut).
 
 Not put back: the split plan's list building (``fa_split.SplitBuffers.fill``), a few µs a round.
@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 import vmem.transformers as vt
-from vmem.transformers import graphs
+from vmem.kernels import buffers
 
 
 def _pageable_copy_on_stream(buffer: torch.Tensor, host: torch.Tensor, stream: Any) -> None:
-    """``graphs.copy_on_stream`` before the cut: the copy from pageable memory."""
+    """``buffers.copy_on_stream`` before the cut: the copy from pageable memory."""
     if buffer.device.type != "cuda":
         buffer.copy_(host)
         return
@@ -47,9 +47,9 @@ def patched() -> Iterator[None]:
     cache_cls = vt.cache_class()
     saved = [(runner, "maybe_pad_inputs", runner.__dict__["maybe_pad_inputs"]),
              (cache_cls, "__init__", cache_cls.__dict__["__init__"]),
-             (graphs.RoundBuffers, "fill", graphs.RoundBuffers.__dict__["fill"]),
-             (graphs, "copy_on_stream", graphs.copy_on_stream)]
-    init, fill = cache_cls.__init__, graphs.RoundBuffers.fill
+             (buffers.RoundBuffers, "fill", buffers.RoundBuffers.__dict__["fill"]),
+             (buffers, "copy_on_stream", buffers.copy_on_stream)]
+    init, fill = cache_cls.__init__, buffers.RoundBuffers.fill
 
     def cache_init(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
@@ -66,8 +66,8 @@ def patched() -> Iterator[None]:
 
     runner.maybe_pad_inputs = runner.maybe_pad_inputs.__wrapped__
     cache_cls.__init__ = cache_init
-    graphs.RoundBuffers.fill = whole_fill
-    graphs.copy_on_stream = _pageable_copy_on_stream
+    buffers.RoundBuffers.fill = whole_fill
+    buffers.copy_on_stream = _pageable_copy_on_stream
     try:
         yield
     finally:
