@@ -1,16 +1,17 @@
 """fi-paged on the GPU: correctness against the engine's own path, then a throughput smoke run
 against the engine's best native configuration, on the installed transformers (5.17 or 5.19+).
 
-    python3 benches/fipaged_check.py --out DIR [--requests 32 --new 64 --rounds 2] [--decisive 20]
-    python3 benches/fipaged_check.py --out DIR --device cpu --tiny --decisive 20   # the script's CPU test
+    python3 python/benches/fipaged_check.py --out DIR [--requests 32 --new 64 --rounds 2] [--decisive 20]
+    python3 python/benches/fipaged_check.py --out DIR --device cpu --tiny --decisive 20   # its CPU test
 
 Model: Llama-3-8B shapes, 8 layers, bf16, random weights. Correctness: greedy tokens of every
-request under ``fi-paged`` (eager), ``fi-paged-graphs`` and ``fi-paged-graphs-async`` (also against
-``fi-paged-graphs``: ``identical_to_sync``) against the engine's own eager path
-(``paged|sdpa`` on 5.17, ``sdpa`` on 5.19+), and, eager runs only (a forward hook sees no graph
-replay), the largest logit difference over each request's common prefix relative to the largest
-logit, and the top-1 agreement of those logits. Throughput: the contenders interleaved in one
-process, ``--rounds`` times, the same prompts and KV blocks; tok/s = generated tokens / wall time.
+request under ``fi-paged`` (eager) and the peer as the serving suite runs it
+(``fi-paged-graphs-async-512-compile``: CUDA graphs, async batching, the compiled forward) against
+the engine's own eager path (``paged|sdpa`` on 5.17, ``sdpa`` on 5.19+), and, eager runs only (a
+forward hook sees no graph replay), the largest logit difference over each request's common
+prefix relative to the largest logit, and the top-1 agreement of those logits. Throughput: the
+contenders and the engine's best interleaved in one process, ``--rounds`` times, the same prompts
+and KV blocks; tok/s = generated tokens / wall time.
 FlashInfer JIT-compiles each kernel variant on first use: a warm-up run of every contender
 comes first. Writes ``fipaged_<version>.json`` into ``--out``.
 
@@ -32,15 +33,16 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import vmem.transformers as vt
+from harness import check as h
+from harness import cli
+from harness import contenders as ct
+from harness.engine import run_engine
+from harness.models import llama3_8b_config, random_model
+from harness.trace import random_prompts
 
-from harness import check as h  # noqa: E402
-from harness import contenders as ct  # noqa: E402
-from harness.engine import run_engine  # noqa: E402
-from harness.models import llama3_8b_config, random_model  # noqa: E402
-from harness.trace import random_prompts  # noqa: E402
-
-import vmem.transformers as vt  # noqa: E402
+#: the peer as the serving suite runs it
+PEER = "fi-paged-graphs-async-512-compile"
 
 
 def cb_kwargs(name: str, blocks: int, mbt: int) -> dict:
@@ -49,13 +51,15 @@ def cb_kwargs(name: str, blocks: int, mbt: int) -> dict:
     kw = {key: sp["block_size"], "num_blocks": blocks, "max_batch_tokens": mbt, "max_memory_percent": 0.95,
           "use_cuda_graph": bool(sp.get("graphs")), "use_async_batching": bool(sp.get("async")),
           "allow_block_sharing": False}
-    return kw
+    return {**kw, **(ct.compile_config() if sp.get("compile") else {})}
 
 
 def serve(model, name, prompts, new, blocks, mbt, capture=False):
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    run = run_engine(model, ct.spec(name)["attn"], prompts, new, cb_kwargs=cb_kwargs(name, blocks, mbt),
+    sp = ct.spec(name)
+    opts = {"graph_max_tokens": sp["graph_max_tokens"]} if sp.get("graph_max_tokens") else None
+    run = run_engine(model, ct.attention(sp), prompts, new, cb_kwargs=cb_kwargs(name, blocks, mbt), serving=opts,
                      capture_logits=capture, record_timestamps=True, timeout=240, name=name, id_prefix="r")
     gen = {rid: list(run["results"][rid].generated_tokens) for rid in run["ids"]}
     toks = sum(len(g) for g in gen.values())
@@ -121,8 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     t = time.perf_counter()
     failed: dict = {}
     out["failed"] = failed
-    contenders = [n for n in (native, "fi-paged", "fi-paged-graphs", "fi-paged-graphs-async", native + "-graphs")
-                  if graphs or not ct.spec(n).get("graphs")]
+    contenders = [n for n in (native, "fi-paged", PEER, ct.engine_best()) if graphs or not ct.spec(n).get("graphs")]
     for name in contenders:  # JIT and graph warm-up
         try:
             serve(model, name, prompts[:4], 8, args.blocks, args.max_batch_tokens)
@@ -134,7 +137,6 @@ def main(argv: list[str] | None = None) -> None:
 
     ref, ref_gen, _ = serve(model, native, prompts, args.new, args.blocks, args.max_batch_tokens, capture=True)
     checks: dict = {}
-    gens: dict = {}
     out["correctness_vs"] = native
     out["correctness"] = checks
     if args.decisive:
@@ -149,14 +151,10 @@ def main(argv: list[str] | None = None) -> None:
             failed[name] = repr(e)[:2000]
             print("FAILED", name, repr(e)[:2000], flush=True)
             continue
-        gens[name] = gen
         same = sum(gen[r] == ref_gen[r] for r in ref_gen)
         first = [next((k for k, (x, y) in enumerate(zip(gen[r], ref_gen[r])) if x != y), None) for r in ref_gen]
         c = {"identical_requests": same, "requests": len(ref_gen), "backend": row["backend"],
              "first_divergence": [f for f in first if f is not None]}
-        if name.endswith("-async") and name[: -len("-async")] in gens:  # the same graphs, synchronous
-            sync = gens[name[: -len("-async")]]
-            c["identical_to_sync"] = sum(gen[r] == sync[r] for r in ref_gen)
         if not ct.spec(name).get("graphs"):
             c["max_rel_logit_err"], c["top1_agree"], c["compared"] = logit_diff(run, ref)
             if args.decisive:
@@ -166,8 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         dump(args.out, version, out)
     out["throughput"] = rows = []
 
-    names = [n for n in (native + "-graphs", "fi-paged-graphs", "fi-paged-graphs-async", native, "fi-paged")
-             if n in contenders and n not in failed]
+    names = [n for n in (ct.engine_best(), PEER, native, "fi-paged") if n in contenders and n not in failed]
     for r in range(args.rounds):
         for name in names:
             try:

@@ -14,9 +14,8 @@ batch. Writes host_cost.txt, results.json (and profile-*.txt) to ``--out``.
     python python/benches/host_cost.py --device cuda --out OUT     # on a GPU (host_cost_gpu_run.sh)
 
 Contenders (``--contenders``): ``native`` (the engine's paged cache: ``paged-sdpa-256`` on 5.17,
-``sdpa-256`` on 5.19+), any vmem contender of harness/contenders.py (``vmem-token-major``,
-``vmem-per-layer``), and ``NAME@before``: that contender with the code this issue's cuts replaced
-(harness/hostcost_before.py), for the before/after numbers of one run.
+``sdpa-256`` on 5.19+) and any vmem contender of harness/contenders.py (``vmem-token-major``,
+``vmem-per-layer``).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(hc.SHAPES), help="comma-separated: " + ", ".join(hc.SHAPES))
     ap.add_argument("--batches", type=int_list, default=[16, 64, 256], help="decode batch sizes (requests)")
-    ap.add_argument("--contenders", default="native,vmem-token-major@before,vmem-token-major")
+    ap.add_argument("--contenders", default="native,vmem-token-major")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats (order reversed every other)")
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--prompt-min", type=int, default=16)
@@ -58,10 +57,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     names = [c for c in args.contenders.split(",") if c]
     offered = cont.offered()
     for c in names:
-        base = c.removesuffix("@before")
-        if c != "native" and (base not in offered or not cont.is_vmem(cont.spec(base))):
+        if c != "native" and (c not in offered or not cont.is_vmem(cont.spec(c))):
             ap.error(f"--contenders: {c!r} is neither 'native' nor a vmem contender of this version "
-                     f"({', '.join(n for n in offered if n.startswith('vmem-'))}), optionally with '@before'")
+                     f"({', '.join(n for n in offered if n.startswith('vmem-'))})")
     if not names:
         ap.error("--contenders: none given")
     args.contender_list = [hc.native_name() if c == "native" else c for c in names]
@@ -104,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                         log(f"{shape} b{batch} {name} {mode}: {len(run['rounds'])} rounds, {run['wall_s']:.2f} s")
                         runs.append(run)
         if args.profile:
-            name = next((c for c in args.contender_list if cont.is_vmem(cont.spec(c.removesuffix("@before")))
-                         and not c.endswith("@before")), None)
+            name = next((c for c in args.contender_list if cont.is_vmem(cont.spec(c))), None)
             if name is not None:
                 run = hc.run_one(model, name, max(args.batches), args, "plain", profile=True)
                 with open(os.path.join(args.out, f"profile-{shape}-b{max(args.batches)}.txt"), "w") as f:

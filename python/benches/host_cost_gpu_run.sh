@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# One device call (<= 10 minutes) for issue #32's host-cost cuts on a GPU (docs/serving.md, "Host
-# cost per round"): host_cost.py with --device cuda, the cuts against the code before them
-# (vmem-token-major@before) and the engine's own paged cache, interleaved. NOT RUN YET: written in
-# a session without GPU time. Run from the repository root with vmem built for the machine (the
-# wheel beside it, as pool_gpu_run.sh does, or an editable install); results in $OUT.
+# One device call (<= 10 minutes) for the host cost per engine round on a GPU (docs/serving.md,
+# "Host cost per round"): host_cost.py with --device cuda, vmem against the engine's own paged
+# cache, interleaved. Run from the repository root with vmem built for the machine (the wheel
+# beside it, as pool_gpu_run.sh does, or an editable install); results in $OUT.
 set -o pipefail
 . "$(dirname "$0")/../../scripts/gpu-env.sh"
 export PYTHONUNBUFFERED=1

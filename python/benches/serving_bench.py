@@ -7,7 +7,7 @@ new tokens each, EOS ignored), one KV memory budget, contenders interleaved (ord
 every other round):
 
 * ``paged-sdpa-16``, ``paged-sdpa-256``: the engine's ``PagedAttentionCache`` with ``paged|sdpa``
-  (its gather + SDPA), blocks of 16 and 256 tokens;
+  (its gather + SDPA), blocks of 16 and 256 tokens (5.19+: ``sdpa-256``, its own path);
 * ``paged-flex-256``: the same cache read in place by ``paged|blockflex`` (the block table fed to
   the FlexAttention core vmem uses);
 * ``vmem-per-layer``, ``vmem-token-major``: ``paged|vmem``, 2 MB pages, read in place by
@@ -43,9 +43,9 @@ from harness import contenders as ct
 from harness.table import format_table
 from harness.trace import default_trace, random_prompts
 
-#: the contenders this transformers serves (harness.contenders.serving); by default those of SERVING
+#: the contenders this transformers serves (harness.contenders.serving); by default all but the optional ones
 CONTENDERS = ct.serving()
-DEFAULT = [n for n in ct.defaults(CONTENDERS) if n in ct.SERVING]
+DEFAULT = ct.defaults(CONTENDERS)
 
 
 def main(argv: list[str] | None = None) -> int:

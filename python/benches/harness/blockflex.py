@@ -18,12 +18,10 @@ import torch
 
 import vmem.kernels as vk
 import vmem.transformers as vt
+from harness.contenders import BLOCKFLEX_ATTENTION
 from vmem.kernels.flex import FlexReader
 from vmem.kernels.rounds import Rounds
 from vmem.transformers.graphs import refuse_graphs
-
-#: The attention name that selects the engine's paged cache read by the Flex core.
-BLOCKFLEX_ATTENTION = "paged|blockflex"
 
 _classes: list[Any] = []
 

@@ -131,7 +131,7 @@ def run_one(model: Any, name: str, batch: int, args: Any, mode: str, profile: bo
     Returns the rounds the clock filed, and with ``profile`` the engine thread's cProfile text."""
     import vmem.transformers as vt
 
-    spec = cont.spec(name.split("@")[0])
+    spec = cont.spec(name)
     cfg = model.config
     token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
     # Every request fits one 256-token block; a quarter more lets the engine's safety margin (0.15 of its
@@ -145,7 +145,7 @@ def run_one(model: Any, name: str, batch: int, args: Any, mode: str, profile: bo
     vt.install()  # the engine patch first: the clock wraps what the engine will call
     clock = HookClock()
     prof = cProfile.Profile() if profile else None
-    with variant(name), clock:  # the variant's code first: the clock wraps what will run
+    with clock:
         instrument(clock, model, mode == "hooks", cont.VMEM_ATTENTION, native_attn_name())
         if prof is not None:
             _profile_loop(clock, prof)
@@ -183,18 +183,6 @@ def _profile_loop(clock: HookClock, prof: cProfile.Profile) -> None:
 
     mgr._run_generation_loop = loop
     clock.on_restore(lambda: setattr(mgr, "_run_generation_loop", original))
-
-
-def variant(name: str) -> Any:
-    """The code a contender runs: ``name@before`` the code before this issue's cuts
-    (:mod:`harness.hostcost_before`), anything else the package as it is."""
-    import contextlib
-
-    if name.endswith("@before"):
-        from harness import hostcost_before
-
-        return hostcost_before.patched()
-    return contextlib.nullcontext()
 
 
 def setup(device: str) -> None:
