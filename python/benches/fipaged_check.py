@@ -32,14 +32,14 @@ import sys
 import time
 
 import torch
-
-import vmem.transformers as vt
 from harness import check as h
 from harness import cli
 from harness import contenders as ct
 from harness.engine import run_engine
 from harness.models import llama3_8b_config, random_model
 from harness.trace import random_prompts
+
+import vmem.transformers as vt
 
 #: the peer as the serving suite runs it
 PEER = "fi-paged-graphs-async-512-compile"
@@ -89,7 +89,7 @@ def teacher_forced(run, model, new):
             "counts_ok": c["counts_ok"]}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--requests", type=int, default=32)
@@ -98,9 +98,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--max-batch-tokens", type=int, default=1024)
     ap.add_argument("--decisive", type=float, default=0.0, help="output head scale; 0: off (as measured)")
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="2-layer fp32 model, prompts of 20-200 tokens")
     args = ap.parse_args(argv)
+    cli.check_counts(ap, args, ["--requests", "--new", "--rounds", "--blocks", "--max-batch-tokens"],
+                     most={"--requests": 2000, "--new": 4096, "--rounds": 1000, "--blocks": 1 << 20})
+    if not 0 <= args.decisive < float("inf"):
+        ap.error(f"--decisive must be a finite number of at least 0, got {args.decisive}")
+    longest = (200 if args.tiny else 900) + args.new
+    if args.blocks * 256 < longest + 256:
+        ap.error(f"--blocks {args.blocks} of 256 tokens cannot hold the longest request ({longest} tokens) "
+                 "and the engine's spare block")
+    if args.device == "cuda":
+        cli.need_gpu(ap, "fipaged_check.py --device cuda (--device cpu --tiny runs on the CPU)")
+    cli.check_out(ap, args.out)
     import transformers
 
     vt.install()
@@ -183,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     out["ratios_vs_native_graphs" if graphs else "ratios_vs_native"] = ratios
     print(json.dumps({"best": best, "ratios": ratios}), flush=True)
     dump(args.out, version, out)
+    return 1 if failed else 0
 
 
 def dump(folder: str, version: str, out: dict) -> None:
@@ -192,4 +204,4 @@ def dump(folder: str, version: str, out: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

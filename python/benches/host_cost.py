@@ -25,6 +25,7 @@ import json
 import os
 import sys
 
+from harness import cli
 from harness import contenders as cont
 from harness import hostcost as hc
 from harness import hostcost_report as report
@@ -63,9 +64,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if not names:
         ap.error("--contenders: none given")
     args.contender_list = [hc.native_name() if c == "native" else c for c in names]
-    for flag in ("repeats", "new_tokens", "prompt_min", "max_batch_tokens", "profile_top"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be at least 1")
+    cli.check_counts(ap, args, ["--repeats", "--new-tokens", "--prompt-min", "--max-batch-tokens", "--profile-top"],
+                     most={"--repeats": 1000, "--max-batch-tokens": 1 << 20})
+    if max(args.batches) > 4096:
+        ap.error(f"--batches: at most 4096 requests, got {max(args.batches)}")
     if args.prompt_max < args.prompt_min or args.prompt_max + args.new_tokens > hc.MAX_CONTEXT:
         ap.error(f"--prompt-max must be at least --prompt-min and, with --new-tokens, at most {hc.MAX_CONTEXT}")
     if args.device == "cuda":
@@ -73,8 +75,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
         if not torch.cuda.is_available():
             ap.error("--device cuda: no CUDA device here")
-    if args.timeout <= 0:
-        ap.error("--timeout must be positive")
+    cli.check_seconds(ap, "--timeout", args.timeout)
+    cli.check_out(ap, args.out)
     return args
 
 

@@ -18,7 +18,24 @@ Run on the GPU machine with the bench wheel and kvcached as `scripts/python-gpu.
 sets them up (PYTHONPATH=/tmp/site:/tmp/kvcached, LD_PRELOAD of the compiler's libstdc++).
 """
 
-from harness import overhead
+from __future__ import annotations
+
+import argparse
+import sys
+
+from harness import cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.parse_args(argv)
+    cli.need_modules(ap, "manager_overhead.py", ["vmem_bench", "kvcached"])
+    cli.need_gpu(ap, "manager_overhead.py")
+    from harness import overhead
+
+    overhead.main()
+    return 0
+
 
 if __name__ == "__main__":
-    overhead.main()
+    sys.exit(main())

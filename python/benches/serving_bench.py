@@ -37,11 +37,12 @@ import json
 import os
 import sys
 
-import vmem.transformers as vt
 from harness import cli, serving
 from harness import contenders as ct
 from harness.table import format_table
 from harness.trace import default_trace, random_prompts
+
+import vmem.transformers as vt
 
 #: the contenders this transformers serves (harness.contenders.serving); by default all but the optional ones
 CONTENDERS = ct.serving()
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                                "--max-batch-tokens", "--max-requests", "--max-context"], ["--warmup"])
     lengths = cli.trace_lengths(ap, args.trace, args.requests, args.max_prompt)
     cli.place(ap, args)
+    if any(ct.is_vmem(CONTENDERS[n]) for n in names):
+        cli.check_fits(ap, args)
     vt.install()
 
     model = serving.serving_model(args)

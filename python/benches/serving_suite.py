@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from harness import clean, suite
+    from harness import contenders as ct
 
     args.trace = suite.TRACES["conv"]  # what cli.check_flags looks at; every trace is checked below
     reg = suite.registry()
@@ -108,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         cli.names(ap, "--profile", args.profile, [n for n in known["contender"] if not clean.is_clean(n)])
     names = only.get("contender", suite.default_contenders())
     cli.place(ap, args)
+    if any(ct.is_vmem(suite.registry()[n]) for n in names):
+        cli.check_fits(ap, args)
     from harness import roofline
 
     import vmem.transformers as vt

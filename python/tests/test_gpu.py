@@ -486,10 +486,6 @@ def test_fp8_consumer():
 def cb_graphs():
     """transformers' continuous batching with CUDA graphs on (kernel="fa", both layouts, async
     batching too): greedy tokens identical to graphs off, graphs replayed, nothing left mapped."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
     from harness import check as hc
     from harness import engine as he
 
@@ -539,12 +535,7 @@ def cb_compile(kernel: str = "fa"):
     Dynamo's graphs compiled; compiled without graphs, top-1 agreement with a plain forward at
     every decisive position (bf16: Inductor's fused norms round differently from eager, so a
     near tie may flip against an uncompiled run). Nothing left mapped."""
-    import sys
-    from pathlib import Path
-
     import transformers
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
     from harness import check as hc
     from harness import engine as he
 

@@ -384,8 +384,8 @@ def test_the_clean_worker_imports_no_vmem_and_the_suite_refuses_a_row_that_did()
 
 def test_the_defaults_run_the_engines_best_in_both_processes() -> None:
     pytest.importorskip("transformers")
-    from harness import suite
     from harness import contenders as ct
+    from harness import suite
 
     names, reg = suite.default_contenders(), suite.registry()
     best = ct.engine_best()

@@ -16,6 +16,7 @@ share the GPU.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import sys
@@ -84,10 +85,8 @@ class CleanEngine:
     def close(self) -> None:
         """Ends the worker (asks, then terminates it after 30 s)."""
         if self._proc.is_alive():
-            try:
+            with contextlib.suppress(OSError, ValueError):  # the pipe may be gone with the worker
                 self._conn.send(("stop", {}))
-            except (OSError, ValueError):
-                pass
             self._proc.join(30)
             if self._proc.is_alive():
                 self._proc.terminate()
