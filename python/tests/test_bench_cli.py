@@ -65,8 +65,6 @@ CASES = [
     ("kernel_study", ["--tol", "inf"], "--tol must be a finite number above 0"),
     ("kernel_study", ["--contexts", "1024", "--prefill-q", "1024"], "--prefill-q 1024 must be below"),
     ("kernel_study", ["--batches", "1,99999999"], "--batches: at most"),
-    ("manager_overhead", ["--nope"], "unrecognized arguments: --nope"),
-    ("manager_overhead", [], "needs the 'vmem_bench' module"),
     ("multitenant_bench", ["--merge", "{tmp}/no.json"], "--merge '"),
     ("multitenant_bench", ["--tiny", "--total", "64G"], "--tiny's pool lives in host memory"),
     ("multitenant_bench", ["--tiny", "--max-rows", "100000"], "--max-rows must be at most 4096"),

@@ -296,8 +296,9 @@ def test_gpu_check_script_runs_on_the_cpu(tmp_path):
 
     import fipaged_check
 
-    assert fipaged_check.main(["--out", str(tmp_path), "--device", "cpu", "--tiny", "--decisive", "20", "--requests", "4",
-                        "--new", "4", "--rounds", "1", "--blocks", "64", "--max-batch-tokens", "64"])
+    assert fipaged_check.main(["--out", str(tmp_path), "--device", "cpu", "--tiny", "--decisive", "20",
+                               "--requests", "4", "--new", "4", "--rounds", "1", "--blocks", "64",
+                               "--max-batch-tokens", "64"]) == 0
     out = json.loads((tmp_path / f"fipaged_{transformers.__version__}.json").read_text())
     assert not out["failed"], out["failed"]
     fi = out["correctness"]["fi-paged"]

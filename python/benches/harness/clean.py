@@ -17,7 +17,6 @@ share the GPU.
 from __future__ import annotations
 
 import contextlib
-import gc
 import multiprocessing
 import sys
 import traceback
@@ -131,14 +130,8 @@ def _model(state: dict[str, Any], config: Any, dtype: Any, device: str, seed: in
 def _run(state: dict[str, Any], name: str, spec: dict[str, Any], prompts: list[list[int]], args: Any,
          budget: dict[str, int], new_tokens: int | None) -> dict[str, Any]:
     from harness import serving
-    from harness.memwatch import MemWatch, used_bytes
 
-    gc.collect()
-    _empty_cache()
-    idle = used_bytes()
-    with MemWatch() as mw:
-        r = serving.run_contender(state["model"], name, prompts, args, budget, {name: spec}, new_tokens=new_tokens)
-    r["device_mb"] = (mw.peak - idle) / 2**20 if mw.peak is not None and idle is not None else None
+    r = serving.run_measured(state["model"], name, prompts, args, budget, {name: spec}, new_tokens=new_tokens)
     r["vmem_modules"] = vmem_modules()
     return r
 
@@ -149,13 +142,6 @@ def _warm_up(state: dict[str, Any], name: str, spec: dict[str, Any], prompts: li
 
     serving.warm_up(state["model"], [name], prompts, args, budget, {name: spec}, times=times)
     return vmem_modules()
-
-
-def _empty_cache() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 _OPS = {"model": _model, "run": _run, "warm_up": _warm_up}

@@ -116,6 +116,23 @@ def run_contender(model: Any, name: str, prompts: list[list[int]], args: Any, bu
     return out
 
 
+def run_measured(model: Any, name: str, prompts: list[list[int]], args: Any, budget: dict[str, int],
+                 contenders: dict[str, ct.Spec], new_tokens: int | None = None) -> dict[str, Any]:
+    """:func:`run_contender` with ``device_mb``: the peak of ``cudaMemGetInfo``'s used bytes
+    during the run, sampled by :class:`harness.memwatch.MemWatch`, less the level right before it
+    (``None`` without CUDA)."""
+    from harness.memwatch import MemWatch, used_bytes
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    idle = used_bytes()
+    with MemWatch() as mw:
+        r = run_contender(model, name, prompts, args, budget, contenders, new_tokens=new_tokens)
+    r["device_mb"] = (mw.peak - idle) / 2**20 if mw.peak is not None and idle is not None else None
+    return r
+
+
 def serving_model(args: Any) -> Any:
     """The serving benches' model: Llama-3-8B shapes with ``args.layers`` layers (context 8,192),
     or with ``args.tiny`` the tiny Llama; random weights on ``args.device`` in ``args.dtype``."""

@@ -118,7 +118,6 @@ def run_one(model: Any, w: Workload, name: str, args: Any, shape: rf.ModelShape,
     ``NAME@clean`` one served by ``worker``, a process without vmem, which measures it the same
     way). A run that fails is a row with ``error`` and 0 requests completed (the suite goes on)."""
     from harness import serving
-    from harness.memwatch import MemWatch, used_bytes
 
     row: dict[str, Any] = {"contender": name, "trace": w.trace, "model": w.model, "budget": w.budget, "round": rnd,
                            "kv_budget_mb": w.kv["kv_bytes"] / 2**20, "requests": len(w.prompts)}
@@ -132,12 +131,7 @@ def run_one(model: Any, w: Workload, name: str, args: Any, shape: rf.ModelShape,
                 raise RuntimeError(f"vmem was imported in the vmem-free process: {r['vmem_modules'][:5]}")
             row["vmem_modules"] = r["vmem_modules"]
         else:
-            gc.collect()
-            _empty_cache()
-            idle = used_bytes()
-            with MemWatch() as mw:
-                r = serving.run_contender(model, name, w.prompts, args, w.kv, registry())
-            r["device_mb"] = (mw.peak - idle) / 2**20 if mw.peak is not None and idle is not None else None
+            r = serving.run_measured(model, name, w.prompts, args, w.kv, registry())
     except Exception as e:  # one contender's failure is a row, not the end of the suite
         row.update(error=f"{type(e).__name__}: {e}"[:500], completed=0)
         print(f"{name} {w.trace}/{w.model}/{w.budget}: FAILED {row['error']}", flush=True)
