@@ -34,9 +34,25 @@ Needs the `vmem_bench` wheel (python/benches/native) beside vmem's and kvcached 
 (scripts/python-gpu.sh bench-build here, bench there).
 """
 
+from __future__ import annotations
+
+import argparse
 import sys
 
-from harness import alloc
+from harness import cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=cli.default_out(), help="alloc_bench.json's directory (default $OUT or /tmp)")
+    args = ap.parse_args(argv)
+    cli.need_modules(ap, "alloc_bench.py", ["vmem_bench", "kvcached"])
+    cli.need_gpu(ap, "alloc_bench.py")
+    cli.check_out(ap, args.out)
+    from harness import alloc
+
+    return alloc.main(args.out)
+
 
 if __name__ == "__main__":
-    sys.exit(alloc.main())
+    sys.exit(main())

@@ -44,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     cli.check_counts(ap, args, ["--requests", "--new-tokens", "--rounds", "--prompt-cap", "--layers"])
     cli.check_fraction(ap, "--max-memory-percent", args.max_memory_percent)
     cli.check_seconds(ap, "--timeout-s", args.timeout_s)
+    cli.check_counts(ap, args, ["--prompt-cap"], most={"--prompt-cap": 1 << 20})
+    if max(args.block_sizes) > (1 << 20):
+        ap.error(f"--block-sizes: at most {1 << 20} tokens, got {max(args.block_sizes)}")
+    if args.trace is not None:
+        cli.check_in_file(ap, args.trace, "--trace")
+    cli.check_out(ap, args.out)
     cap = args.prompt_cap
     if args.tiny:
         args.requests, args.new_tokens, cap = min(args.requests, 8), min(args.new_tokens, 8), 64

@@ -27,9 +27,24 @@ KV memory: the static cache's tensors vs vmem's physical pages plus its zero pag
 table; writes JSON to $OUT/compiled.json.
 """
 
+from __future__ import annotations
+
+import argparse
 import sys
 
-from harness import compiled
+from harness import cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=cli.default_out(), help="compiled.json's directory (default $OUT or /tmp)")
+    args = ap.parse_args(argv)
+    cli.need_gpu(ap, "compiled_bench.py")
+    cli.check_out(ap, args.out)
+    from harness import compiled
+
+    return compiled.main(args.out)
+
 
 if __name__ == "__main__":
-    sys.exit(compiled.main())
+    sys.exit(main())

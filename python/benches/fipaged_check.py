@@ -1,16 +1,17 @@
 """fi-paged on the GPU: correctness against the engine's own path, then a throughput smoke run
 against the engine's best native configuration, on the installed transformers (5.17 or 5.19+).
 
-    python3 benches/fipaged_check.py --out DIR [--requests 32 --new 64 --rounds 2] [--decisive 20]
-    python3 benches/fipaged_check.py --out DIR --device cpu --tiny --decisive 20   # the script's CPU test
+    python3 python/benches/fipaged_check.py --out DIR [--requests 32 --new 64 --rounds 2] [--decisive 20]
+    python3 python/benches/fipaged_check.py --out DIR --device cpu --tiny --decisive 20   # its CPU test
 
 Model: Llama-3-8B shapes, 8 layers, bf16, random weights. Correctness: greedy tokens of every
-request under ``fi-paged`` (eager), ``fi-paged-graphs`` and ``fi-paged-graphs-async`` (also against
-``fi-paged-graphs``: ``identical_to_sync``) against the engine's own eager path
-(``paged|sdpa`` on 5.17, ``sdpa`` on 5.19+), and, eager runs only (a forward hook sees no graph
-replay), the largest logit difference over each request's common prefix relative to the largest
-logit, and the top-1 agreement of those logits. Throughput: the contenders interleaved in one
-process, ``--rounds`` times, the same prompts and KV blocks; tok/s = generated tokens / wall time.
+request under ``fi-paged`` (eager) and the peer as the serving suite runs it
+(``fi-paged-graphs-async-512-compile``: CUDA graphs, async batching, the compiled forward) against
+the engine's own eager path (``paged|sdpa`` on 5.17, ``sdpa`` on 5.19+), and, eager runs only (a
+forward hook sees no graph replay), the largest logit difference over each request's common
+prefix relative to the largest logit, and the top-1 agreement of those logits. Throughput: the
+contenders and the engine's best interleaved in one process, ``--rounds`` times, the same prompts
+and KV blocks; tok/s = generated tokens / wall time.
 FlashInfer JIT-compiles each kernel variant on first use: a warm-up run of every contender
 comes first. Writes ``fipaged_<version>.json`` into ``--out``.
 
@@ -31,16 +32,17 @@ import sys
 import time
 
 import torch
+from harness import check as h
+from harness import cli
+from harness import contenders as ct
+from harness.engine import run_engine
+from harness.models import llama3_8b_config, random_model
+from harness.trace import random_prompts
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import vmem.transformers as vt
 
-from harness import check as h  # noqa: E402
-from harness import contenders as ct  # noqa: E402
-from harness.engine import run_engine  # noqa: E402
-from harness.models import llama3_8b_config, random_model  # noqa: E402
-from harness.trace import random_prompts  # noqa: E402
-
-import vmem.transformers as vt  # noqa: E402
+#: the peer as the serving suite runs it
+PEER = "fi-paged-graphs-async-512-compile"
 
 
 def cb_kwargs(name: str, blocks: int, mbt: int) -> dict:
@@ -49,13 +51,15 @@ def cb_kwargs(name: str, blocks: int, mbt: int) -> dict:
     kw = {key: sp["block_size"], "num_blocks": blocks, "max_batch_tokens": mbt, "max_memory_percent": 0.95,
           "use_cuda_graph": bool(sp.get("graphs")), "use_async_batching": bool(sp.get("async")),
           "allow_block_sharing": False}
-    return kw
+    return {**kw, **(ct.compile_config() if sp.get("compile") else {})}
 
 
 def serve(model, name, prompts, new, blocks, mbt, capture=False):
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    run = run_engine(model, ct.spec(name)["attn"], prompts, new, cb_kwargs=cb_kwargs(name, blocks, mbt),
+    sp = ct.spec(name)
+    opts = {"graph_max_tokens": sp["graph_max_tokens"]} if sp.get("graph_max_tokens") else None
+    run = run_engine(model, ct.attention(sp), prompts, new, cb_kwargs=cb_kwargs(name, blocks, mbt), serving=opts,
                      capture_logits=capture, record_timestamps=True, timeout=240, name=name, id_prefix="r")
     gen = {rid: list(run["results"][rid].generated_tokens) for rid in run["ids"]}
     toks = sum(len(g) for g in gen.values())
@@ -85,7 +89,7 @@ def teacher_forced(run, model, new):
             "counts_ok": c["counts_ok"]}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--requests", type=int, default=32)
@@ -94,9 +98,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--max-batch-tokens", type=int, default=1024)
     ap.add_argument("--decisive", type=float, default=0.0, help="output head scale; 0: off (as measured)")
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="2-layer fp32 model, prompts of 20-200 tokens")
     args = ap.parse_args(argv)
+    cli.check_counts(ap, args, ["--requests", "--new", "--rounds", "--blocks", "--max-batch-tokens"],
+                     most={"--requests": 2000, "--new": 4096, "--rounds": 1000, "--blocks": 1 << 20})
+    if not 0 <= args.decisive < float("inf"):
+        ap.error(f"--decisive must be a finite number of at least 0, got {args.decisive}")
+    longest = (200 if args.tiny else 900) + args.new
+    if args.blocks * 256 < longest + 256:
+        ap.error(f"--blocks {args.blocks} of 256 tokens cannot hold the longest request ({longest} tokens) "
+                 "and the engine's spare block")
+    if args.device == "cuda":
+        cli.need_gpu(ap, "fipaged_check.py --device cuda (--device cpu --tiny runs on the CPU)")
+    cli.check_out(ap, args.out)
     import transformers
 
     vt.install()
@@ -121,8 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     t = time.perf_counter()
     failed: dict = {}
     out["failed"] = failed
-    contenders = [n for n in (native, "fi-paged", "fi-paged-graphs", "fi-paged-graphs-async", native + "-graphs")
-                  if graphs or not ct.spec(n).get("graphs")]
+    contenders = [n for n in (native, "fi-paged", PEER, ct.engine_best()) if graphs or not ct.spec(n).get("graphs")]
     for name in contenders:  # JIT and graph warm-up
         try:
             serve(model, name, prompts[:4], 8, args.blocks, args.max_batch_tokens)
@@ -134,7 +148,6 @@ def main(argv: list[str] | None = None) -> None:
 
     ref, ref_gen, _ = serve(model, native, prompts, args.new, args.blocks, args.max_batch_tokens, capture=True)
     checks: dict = {}
-    gens: dict = {}
     out["correctness_vs"] = native
     out["correctness"] = checks
     if args.decisive:
@@ -149,14 +162,10 @@ def main(argv: list[str] | None = None) -> None:
             failed[name] = repr(e)[:2000]
             print("FAILED", name, repr(e)[:2000], flush=True)
             continue
-        gens[name] = gen
         same = sum(gen[r] == ref_gen[r] for r in ref_gen)
         first = [next((k for k, (x, y) in enumerate(zip(gen[r], ref_gen[r])) if x != y), None) for r in ref_gen]
         c = {"identical_requests": same, "requests": len(ref_gen), "backend": row["backend"],
              "first_divergence": [f for f in first if f is not None]}
-        if name.endswith("-async") and name[: -len("-async")] in gens:  # the same graphs, synchronous
-            sync = gens[name[: -len("-async")]]
-            c["identical_to_sync"] = sum(gen[r] == sync[r] for r in ref_gen)
         if not ct.spec(name).get("graphs"):
             c["max_rel_logit_err"], c["top1_agree"], c["compared"] = logit_diff(run, ref)
             if args.decisive:
@@ -166,8 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         dump(args.out, version, out)
     out["throughput"] = rows = []
 
-    names = [n for n in (native + "-graphs", "fi-paged-graphs", "fi-paged-graphs-async", native, "fi-paged")
-             if n in contenders and n not in failed]
+    names = [n for n in (ct.engine_best(), PEER, native, "fi-paged") if n in contenders and n not in failed]
     for r in range(args.rounds):
         for name in names:
             try:
@@ -186,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     out["ratios_vs_native_graphs" if graphs else "ratios_vs_native"] = ratios
     print(json.dumps({"best": best, "ratios": ratios}), flush=True)
     dump(args.out, version, out)
+    return 1 if failed else 0
 
 
 def dump(folder: str, version: str, out: dict) -> None:
@@ -195,4 +204,4 @@ def dump(folder: str, version: str, out: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 import transformers
 from harness import check as h
+from harness import cli
 from harness.models import SERVING_TOKENS, llama3_8b_config, random_model
 
 import vmem
 import vmem.transformers as vt
-from vmem.transformers.fi_reader import FlashInferReader
+from vmem.kernels.fi_reader import FlashInferReader
 
 TOL = 0.04  # bf16/fp16, relative to the largest logit (serving_check.py's tolerance)
 NEW = 16
@@ -66,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="flashinfer-check-out")
     args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    cli.need_modules(ap, "flashinfer_check.py", ["flashinfer"])
+    cli.need_gpu(ap, "flashinfer_check.py")
+    cli.check_out(ap, args.out)
     import flashinfer
 
     meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,

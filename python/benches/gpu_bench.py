@@ -11,10 +11,34 @@ Writes results to $OUT (or /tmp) as JSON (python_gpu.json).
     buffer as the floor; a decode loop with masked SDPA over [:, :longest], interleaved
     rounds; step time and mapped memory.
 
-BENCHES=name,name runs only those.
+``--benches name,name`` (or ``BENCHES=name,name``) runs only those; ``--out DIR`` (or ``$OUT``).
 """
 
-from harness import decode
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from harness import cli
+
+#: the benchmarks (harness.decode.BENCHES)
+BENCHES = ("throughput", "padding_cost")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--benches", default=os.environ.get("BENCHES", ""),
+                    help=f"comma-separated, of {list(BENCHES)} (default $BENCHES, else all)")
+    ap.add_argument("--out", default=cli.default_out(), help="python_gpu.json's directory (default $OUT or /tmp)")
+    args = ap.parse_args(argv)
+    only = cli.names(ap, "--benches", args.benches, BENCHES, allow_none=True)
+    cli.need_gpu(ap, "gpu_bench.py")
+    cli.check_out(ap, args.out)
+    from harness import decode
+
+    return decode.main(args.out, only)
+
 
 if __name__ == "__main__":
-    decode.main()
+    sys.exit(main())

@@ -32,6 +32,7 @@ import time
 import torch
 import transformers
 from harness import check as h
+from harness import cli
 from harness import engine as he
 from harness.models import llama3_8b_config, random_model
 
@@ -143,7 +144,7 @@ def bench(model, args):
     return table
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bench-requests", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -151,12 +152,13 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--kernels", default="fa", help="fa (default) or fa,flashinfer (needs FlashInfer)")
-    args = ap.parse_args()
-    if args.bench_requests < 1 or args.repeats < 1 or args.new_tokens < 1:
-        ap.error("--bench-requests, --repeats and --new-tokens must be positive")
-    kernels = args.kernels.split(",")
-    if not kernels or "fa" not in kernels or set(kernels) - {"fa", "flashinfer"}:
+    args = ap.parse_args(argv)
+    cli.check_counts(ap, args, ["--bench-requests", "--new-tokens", "--max-batch-tokens", "--repeats"],
+                     most={"--bench-requests": 2000, "--new-tokens": 2048, "--repeats": 1000})
+    kernels = cli.names(ap, "--kernels", args.kernels, ["fa", "flashinfer"])
+    if "fa" not in kernels:
         ap.error(f"--kernels: fa or fa,flashinfer (FlashInfer's runs are compared with FA's), got {args.kernels!r}")
+    cli.need_gpu(ap, "graphs_check.py")
     args.kernels = kernels
     names = [n for n in RUNS if n not in FI_RUNS or "flashinfer" in kernels]
     print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name(0))

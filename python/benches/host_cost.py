@@ -14,9 +14,8 @@ batch. Writes host_cost.txt, results.json (and profile-*.txt) to ``--out``.
     python python/benches/host_cost.py --device cuda --out OUT     # on a GPU (host_cost_gpu_run.sh)
 
 Contenders (``--contenders``): ``native`` (the engine's paged cache: ``paged-sdpa-256`` on 5.17,
-``sdpa-256`` on 5.19+), any vmem contender of harness/contenders.py (``vmem-token-major``,
-``vmem-per-layer``), and ``NAME@before``: that contender with the code this issue's cuts replaced
-(harness/hostcost_before.py), for the before/after numbers of one run.
+``sdpa-256`` on 5.19+) and any vmem contender of harness/contenders.py (``vmem-token-major``,
+``vmem-per-layer``).
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ import json
 import os
 import sys
 
+from harness import cli
 from harness import contenders as cont
 from harness import hostcost as hc
 from harness import hostcost_report as report
@@ -37,7 +37,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(hc.SHAPES), help="comma-separated: " + ", ".join(hc.SHAPES))
     ap.add_argument("--batches", type=int_list, default=[16, 64, 256], help="decode batch sizes (requests)")
-    ap.add_argument("--contenders", default="native,vmem-token-major@before,vmem-token-major")
+    ap.add_argument("--contenders", default="native,vmem-token-major")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats (order reversed every other)")
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--prompt-min", type=int, default=16)
@@ -58,16 +58,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     names = [c for c in args.contenders.split(",") if c]
     offered = cont.offered()
     for c in names:
-        base = c.removesuffix("@before")
-        if c != "native" and (base not in offered or not cont.is_vmem(cont.spec(base))):
+        if c != "native" and (c not in offered or not cont.is_vmem(cont.spec(c))):
             ap.error(f"--contenders: {c!r} is neither 'native' nor a vmem contender of this version "
-                     f"({', '.join(n for n in offered if n.startswith('vmem-'))}), optionally with '@before'")
+                     f"({', '.join(n for n in offered if n.startswith('vmem-'))})")
     if not names:
         ap.error("--contenders: none given")
     args.contender_list = [hc.native_name() if c == "native" else c for c in names]
-    for flag in ("repeats", "new_tokens", "prompt_min", "max_batch_tokens", "profile_top"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be at least 1")
+    cli.check_counts(ap, args, ["--repeats", "--new-tokens", "--prompt-min", "--max-batch-tokens", "--profile-top"],
+                     most={"--repeats": 1000, "--max-batch-tokens": 1 << 20})
+    if max(args.batches) > 4096:
+        ap.error(f"--batches: at most 4096 requests, got {max(args.batches)}")
     if args.prompt_max < args.prompt_min or args.prompt_max + args.new_tokens > hc.MAX_CONTEXT:
         ap.error(f"--prompt-max must be at least --prompt-min and, with --new-tokens, at most {hc.MAX_CONTEXT}")
     if args.device == "cuda":
@@ -75,8 +75,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
         if not torch.cuda.is_available():
             ap.error("--device cuda: no CUDA device here")
-    if args.timeout <= 0:
-        ap.error("--timeout must be positive")
+    cli.check_seconds(ap, "--timeout", args.timeout)
+    cli.check_out(ap, args.out)
     return args
 
 
@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                         log(f"{shape} b{batch} {name} {mode}: {len(run['rounds'])} rounds, {run['wall_s']:.2f} s")
                         runs.append(run)
         if args.profile:
-            name = next((c for c in args.contender_list if cont.is_vmem(cont.spec(c.removesuffix("@before")))
-                         and not c.endswith("@before")), None)
+            name = next((c for c in args.contender_list if cont.is_vmem(cont.spec(c))), None)
             if name is not None:
                 run = hc.run_one(model, name, max(args.batches), args, "plain", profile=True)
                 with open(os.path.join(args.out, f"profile-{shape}-b{max(args.batches)}.txt"), "w") as f:

@@ -73,8 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     cli.check_fraction(ap, "--mem-frac", args.mem_frac)
     for flag in ("--region-s", "--budget-s"):
         cli.check_seconds(ap, flag, getattr(args, flag[2:].replace("-", "_")))
-    if not args.tol > 0:  # NaN included
-        ap.error(f"--tol must be more than 0, got {args.tol}")
+    cli.check_positive(ap, "--tol", args.tol)
+    for flag in ("--batches", "--contexts", "--prefill-batches"):
+        if max(cli.int_list(cli.value(args, flag))) > (1 << 20):
+            ap.error(f"{flag}: at most {1 << 20}, got {cli.value(args, flag)}")
+    if not args.tiny and args.prefill_q >= min(cli.int_list(args.contexts)):  # --tiny sets its own shapes
+        ap.error(f"--prefill-q {args.prefill_q} must be below the shortest of --contexts {args.contexts}")
+    cli.check_out(ap, args.out)
     return study(args)
 
 

@@ -101,10 +101,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     if args.merge is not None:
-        try:
-            os.makedirs(args.out, exist_ok=True)
-        except OSError as e:
-            ap.error(f"--out {args.out!r} cannot be created: {e.strerror}")
+        for path in args.merge:
+            cli.check_in_file(ap, path, "--merge")
+        cli.check_out(ap, args.out)
         return args
     tiny = args.tiny
     for flag, gpu, cpu in (("total", "3G", "24M"), ("max_prompt", 2048, 48), ("new_tokens", 32, 4),
@@ -151,16 +150,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--max-context {args.max_context} must hold --max-prompt + --new-tokens "
                  f"= {args.max_prompt + args.new_tokens} tokens")
     check_share(ap, args)
-    try:
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as e:
-        ap.error(f"--out {args.out!r} cannot be created: {e.strerror}")
+    cli.check_out(ap, args.out)
+    if tiny and args.total_bytes > TINY_MOST:
+        ap.error(f"--total {args.total}: --tiny's pool lives in host memory, at most {TINY_MOST >> 30} GiB")
     if not tiny:
         import torch
 
         if not torch.cuda.is_available():
             ap.error("no GPU: use --tiny for a CPU smoke test")
+        if args.total_bytes > torch.cuda.mem_get_info()[1]:
+            ap.error(f"--total {args.total}: more than the GPU's {torch.cuda.mem_get_info()[1] >> 20} MiB")
     return args
+
+
+#: the largest ``--total`` of a ``--tiny`` run (its pool is host memory)
+TINY_MOST = 4 << 30
 
 
 def check_share(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -6,12 +6,31 @@ tokens/s per cache for each batch and context, normalised to StaticCache (eager)
 No plotting library needed: the SVG is written directly.
 """
 
+from __future__ import annotations
+
+import argparse
 import sys
 
-from harness import plot
+from harness import cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", metavar="PYTHON_GPU_JSON", help="gpu_bench.py's python_gpu.json")
+    ap.add_argument("svg", metavar="OUT_SVG", help="the chart to write")
+    args = ap.parse_args(argv)
+    cli.check_in_file(ap, args.results, "PYTHON_GPU_JSON")
+    cli.check_out_file(ap, args.svg, "OUT_SVG")
+    from harness import plot
+
+    try:
+        text = plot.svg(args.results)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # not gpu_bench.py's results
+        ap.error(f"PYTHON_GPU_JSON {args.results!r} holds no throughput results: {type(e).__name__}: {e}")
+    with open(args.svg, "w") as f:
+        f.write(text)
+    return 0
+
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        print(f"usage: {sys.argv[0]} PYTHON_GPU_JSON OUT_SVG", file=sys.stderr)
-        sys.exit(2)
-    plot.main(sys.argv[1], sys.argv[2])
+    sys.exit(main())

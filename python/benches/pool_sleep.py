@@ -17,13 +17,20 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
+from harness import cli
 
 import vmem
 from vmem import pool
+
+#: the host pool of ``--device cpu``
+HOST_POOL = 16 << 30
+#: bytes of one token's K or V in one layer (Llama-3-8B: 8 KV heads of 128, bf16)
+TOKEN_BYTES = 8 * 128 * 2
 
 
 def mem_free(device: str) -> int:
@@ -35,15 +42,26 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    ap.add_argument("--out", default=None, help="a JSON file of the results (also printed)")
+    a = ap.parse_args(argv)
+    cli.check_counts(ap, a, ["--layers", "--requests", "--tokens", "--repeats"],
+                     most={"--layers": 1024, "--requests": 4096, "--tokens": 1 << 20, "--repeats": 1000})
+    if a.out is not None:
+        cli.check_out_file(ap, a.out)
+    if a.device == "cuda":
+        cli.need_gpu(ap, "pool_sleep.py --device cuda")
+    need = 2 * a.layers * a.requests * a.tokens * TOKEN_BYTES
+    room = HOST_POOL if a.device == "cpu" else torch.cuda.mem_get_info()[0] - (8 << 30)
+    if need > room:
+        ap.error(f"--layers x --requests x --tokens need {need / 2**30:.1f} GiB of KV, more than the pool's "
+                 f"{max(room, 0) / 2**30:.1f} GiB")
     dev = a.device
     gib = 1 << 30
     out: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "layers": a.layers,
@@ -93,7 +111,7 @@ def main() -> None:
             before_graph = float(static)
         try:
             kv.sleep()
-            raise SystemExit("sleep with live requests was not refused")
+            raise RuntimeError("sleep with live requests was not refused")
         except vmem.InvalidArgument:
             pass
         sleeps, wakes, freed, after = [], [], [], []
@@ -144,7 +162,8 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

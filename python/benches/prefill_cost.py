@@ -12,7 +12,24 @@ Interleaved: each round runs every mode for every length, order shuffled; median
 2-4. Prints TTFT per mode and the ratio to ``premapped``; writes JSON to $OUT.
 """
 
-from harness import prefill
+from __future__ import annotations
+
+import argparse
+import sys
+
+from harness import cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=cli.default_out(), help="prefill_cost.json's directory (default $OUT or /tmp)")
+    args = ap.parse_args(argv)
+    cli.need_gpu(ap, "prefill_cost.py")
+    cli.check_out(ap, args.out)
+    from harness import prefill
+
+    return prefill.main(args.out)
+
 
 if __name__ == "__main__":
-    prefill.main()
+    sys.exit(main())

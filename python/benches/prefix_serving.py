@@ -34,11 +34,12 @@ import os
 import sys
 from typing import Any
 
-import vmem.transformers as vt
 from harness import cli, prefix, serving
 from harness.contenders import PREFIX as CONTENDERS
 from harness.table import format_table
 from harness.trace import default_trace
+
+import vmem.transformers as vt
 
 COLUMNS = ["contender", "round", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "tbt_p99_ms", "prefix_hit_tokens",
            "kv_peak_in_use_mb", "kv_peak_mapped_mb", "max_running", "preemptions", "wall_s"]
@@ -72,12 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     names = cli.names(ap, "--contenders", args.contenders, list(CONTENDERS))
     cli.check_flags(ap, args, ["--requests", "--groups", "--system", "--max-suffix", "--new-tokens", "--rounds",
                                "--layers", "--max-batch-tokens", "--max-requests", "--max-context"])
-    if args.tol is not None and not args.tol > 0:  # NaN included
-        ap.error(f"--tol must be more than 0, got {args.tol}")
+    if args.tol is not None:
+        cli.check_positive(ap, "--tol", args.tol)
     if args.groups > args.requests:
         ap.error(f"--groups {args.groups} is more than --requests {args.requests}")
-    if args.kv_gib is not None and not args.kv_gib > 0:
-        ap.error(f"--kv-gib must be more than 0, got {args.kv_gib}")
+    if args.kv_gib is not None:
+        cli.check_positive(ap, "--kv-gib", args.kv_gib)
     suffixes = cli.trace_lengths(ap, args.trace, max(args.requests, prefix.CHECK_REQUESTS), args.max_suffix)
     cli.place(ap, args)
     if args.system + args.max_suffix + args.new_tokens > args.max_context:

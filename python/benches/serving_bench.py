@@ -7,7 +7,7 @@ new tokens each, EOS ignored), one KV memory budget, contenders interleaved (ord
 every other round):
 
 * ``paged-sdpa-16``, ``paged-sdpa-256``: the engine's ``PagedAttentionCache`` with ``paged|sdpa``
-  (its gather + SDPA), blocks of 16 and 256 tokens;
+  (its gather + SDPA), blocks of 16 and 256 tokens (5.19+: ``sdpa-256``, its own path);
 * ``paged-flex-256``: the same cache read in place by ``paged|blockflex`` (the block table fed to
   the FlexAttention core vmem uses);
 * ``vmem-per-layer``, ``vmem-token-major``: ``paged|vmem``, 2 MB pages, read in place by
@@ -37,15 +37,16 @@ import json
 import os
 import sys
 
-import vmem.transformers as vt
 from harness import cli, serving
 from harness import contenders as ct
 from harness.table import format_table
 from harness.trace import default_trace, random_prompts
 
-#: the contenders this transformers serves (harness.contenders.serving); by default those of SERVING
+import vmem.transformers as vt
+
+#: the contenders this transformers serves (harness.contenders.serving); by default all but the optional ones
 CONTENDERS = ct.serving()
-DEFAULT = [n for n in ct.defaults(CONTENDERS) if n in ct.SERVING]
+DEFAULT = ct.defaults(CONTENDERS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                                "--max-batch-tokens", "--max-requests", "--max-context"], ["--warmup"])
     lengths = cli.trace_lengths(ap, args.trace, args.requests, args.max_prompt)
     cli.place(ap, args)
+    if any(ct.is_vmem(CONTENDERS[n]) for n in names):
+        cli.check_fits(ap, args)
     vt.install()
 
     model = serving.serving_model(args)

@@ -39,8 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.archs = ",".join(cli.names(ap, "--archs", args.archs, ARCHS, allow_none=True))  # none: kernel checks only
     cli.check_counts(ap, args, ["--requests", "--new-tokens"])
-    if args.tol is not None and not args.tol > 0:  # NaN included
-        ap.error(f"--tol must be more than 0, got {args.tol}")
+    cli.check_counts(ap, args, ["--requests", "--new-tokens"], most={"--requests": 1000, "--new-tokens": 4096})
+    if args.tol is not None:
+        cli.check_positive(ap, "--tol", args.tol)
+    cli.check_out(ap, args.out)
     if not args.tiny and not torch.cuda.is_available():
         ap.error("no GPU: use --tiny for a CPU smoke test")
     return cb_check.run(args)

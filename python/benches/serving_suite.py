@@ -1,22 +1,24 @@
-"""The serving suite (issue #32 items 5 and 6): one command runs every workload and writes the
-table and the plot.
+"""The serving suite: one command runs every workload and writes the table and the plot.
 
 Workloads: two traces (the bundled Azure conversation and code traces, first ``--requests``,
-prompts capped at ``--max-prompt``, random token ids of those lengths), two models (Llama-3-8B
-shapes x 8 layers; Llama-3.2-1B shapes at its full 16 layers; random bf16 weights), two KV
-budgets (``fits``: every request at once; ``tenth``: ``--tenth`` of the working set, memory
-bound), and the contenders of harness/contenders.py the running transformers version offers
-(all by default), interleaved per workload in one process. Before any run the bf16 matmul peak
-and the copy bandwidth are measured; each row carries its roofline lower bound
-(harness/roofline.py) and the fraction of it reached, its device memory as ``cudaMemGetInfo``
-sees it (the peak sampled during the run minus the idle level before it), and its tok/s over
-the engine's best native contender's and over ``fi-paged``'s. A few requests per contender are
-first checked against a plain forward (top-1 agreement, ``--check-requests``).
+prompts capped at ``--max-prompt``, random token ids of those lengths), three models (the
+headline first: Llama-3-8B shapes at its full 32 layers; the same shapes x 8 layers;
+Llama-3.2-1B shapes at its full 16 layers; random bf16 weights), two KV budgets (``fits``:
+every request at once; ``tenth``: ``--tenth`` of the working set, memory bound), and the
+contenders of harness/contenders.py the running transformers version offers (all by default),
+interleaved per workload in one process, and the engine's best again in a process where vmem was
+never imported (``NAME@clean``, harness/clean.py; any engine contender can be named so). Before
+any run the bf16 matmul peak and the copy bandwidth are measured; each row carries its roofline
+lower bound (harness/roofline.py) and the fraction of it reached, its device memory as
+``cudaMemGetInfo`` sees it (the peak sampled during the run minus the idle level before it), and
+its tok/s over the engine's best native contender's (with vmem installed, without it, the
+better of the two) and over ``fi-paged``'s. A few requests per contender are first checked
+against a plain forward (top-1 agreement, ``--check-requests``).
 
 Writes suite.json, suite.txt and suite.svg to ``--out``. ``--only KEY=A,B`` (KEY: trace, model,
 budget, contender; repeatable) runs a part, ``--merge OUT1 OUT2 ...`` combines parts into
 ``--out``. ``--profile CONTENDER`` profiles that contender on the first selected workload
-instead (profile.txt). ``--tiny`` runs tiny fp32 models on the CPU (a smoke test).
+instead (profile.txt). ``--tiny`` runs each model's tiny fp32 stand-in on the CPU (a smoke test).
 """
 
 from __future__ import annotations
@@ -52,8 +54,6 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"run a part: KEY one of {list(ONLY_KEYS)} (repeatable)")
     ap.add_argument("--merge", nargs="+", metavar="OUT", help="combine these outputs' suite.json into --out")
     ap.add_argument("--profile", metavar="CONTENDER", help="profile one contender on the first selected workload")
-    ap.add_argument("--memory", metavar="A,B", help="where these contenders' device memory is at the end of a run "
-                    "on the first selected workload (memory.txt)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt", type=int, default=4000)
@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         print(suite_report.table(rows, checks))
         return 0
 
-    from harness import suite
+    from harness import clean, suite
+    from harness import contenders as ct
 
     args.trace = suite.TRACES["conv"]  # what cli.check_flags looks at; every trace is checked below
     reg = suite.registry()
@@ -105,13 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     for t in only.get("trace", known["trace"]):
         cli.trace_lengths(ap, suite.TRACES[t], args.requests, args.max_prompt)
     if args.profile is not None:
-        cli.names(ap, "--profile", args.profile, known["contender"])
-    if args.memory is not None:
-        args.memory = cli.names(ap, "--memory", args.memory, known["contender"])
-        if args.tiny:
-            ap.error("--memory reads CUDA's caching allocator: it needs a GPU, not --tiny")
-    names = only.get("contender", known["contender"])
+        cli.names(ap, "--profile", args.profile, [n for n in known["contender"] if not clean.is_clean(n)])
+    names = only.get("contender", suite.default_contenders())
     cli.place(ap, args)
+    if any(ct.is_vmem(suite.registry()[n]) for n in names):
+        cli.check_fits(ap, args)
     from harness import roofline
 
     import vmem.transformers as vt
@@ -119,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     vt.install()
     if args.profile:
         return profile(args, only)
-    if args.memory:
-        return memory(args, only)
     t = time.perf_counter()
     small = {"n": 256, "copy_mib": 16, "reps": 3} if args.tiny else {}
     peaks = roofline.measure_peaks(args.device, args.dtype, **small)
@@ -172,42 +169,6 @@ def _first_workload(args: argparse.Namespace, only: dict[str, list[str]]) -> tup
     lens = [r.prompt_len for r in load_trace(suite.TRACES[trace], args.requests, args.max_prompt)]
     prompts = random_prompts(lens, config.vocab_size, args.seed)
     return model, suite.workload(trace, model_name, budget, prompts, shape, args, suite._page_bytes(args.page_size))
-
-
-def memory(args: argparse.Namespace, only: dict[str, list[str]]) -> int:
-    """``--memory``: each contender served once on the first selected workload; at the end of the
-    run, before its engine stops, the caching allocator's segments by stream and pool."""
-    import gc
-
-    import torch
-    from harness import memsnapshot, serving, suite
-    from harness.memwatch import used_bytes
-
-    model, w = _first_workload(args, only)
-    text = [f"{w.trace}/{w.model}/{w.budget}"]
-    info = serving.cache_info
-    for name in args.memory:
-        gc.collect()
-        torch.cuda.empty_cache()
-        idle = used_bytes()
-        seen: dict[str, Any] = {}
-
-        def at_end(cache: Any, seen: dict[str, Any] = seen) -> dict[str, Any]:
-            seen["report"] = memsnapshot.report(torch.cuda.memory_snapshot(), used_bytes())
-            return info(cache)
-
-        serving.cache_info = at_end
-        try:
-            r = serving.run_contender(model, name, w.prompts, args, w.kv, suite.registry())
-        finally:
-            serving.cache_info = info
-        text.append(f"\n{name}: {r['tok_s']:.0f} tok/s; used before the run {(idle or 0) / 2**20:.1f} MB\n"
-                    + seen.get("report", "no snapshot (the run ended before its last result)"))
-    out = "\n".join(text)
-    with open(os.path.join(args.out, "memory.txt"), "w") as f:
-        f.write(out + "\n")
-    print(out)
-    return 0
 
 
 def run_meta(args: argparse.Namespace) -> dict:

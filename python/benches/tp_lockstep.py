@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from harness.lockstep import launch
+from harness import cli
+
+import vmem
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--steps", type=int, default=2000)
@@ -36,7 +38,22 @@ def main() -> int:
                    help="with --overlap, not lockstep-safe (docs/architecture.md)")
     p.add_argument("--diverge-at", type=int, default=None,
                    help="rank 1 adds 300 tokens to one request at this step (must fail)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    cli.check_counts(p, args, ["--world", "--steps", "--every", "--batch", "--diverge-at"], ["--seed"],
+                     least={"--world": 2}, most={"--world": 64, "--steps": 10**7, "--every": 10**7,
+                                                 "--batch": 1024, "--diverge-at": args.steps})
+    page = 64 << 10 if args.device == "cpu" else 2 << 20
+    if args.cap is not None:
+        try:
+            cap = int(vmem.parse_bytes(args.cap))
+        except (vmem.VmemError, TypeError, ValueError) as e:
+            p.error(f"--cap {args.cap!r}: {e}")
+        if cap < 2 * 2 * page:  # K and V of the 2 layers, one page each
+            p.error(f"--cap {args.cap!r} holds less than one page of K and V per layer ({4 * page} bytes)")
+    if args.device == "cuda":
+        cli.need_gpu(p, "tp_lockstep.py --device cuda")
+    from harness.lockstep import launch
+
     return launch(args)
 
 

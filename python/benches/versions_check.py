@@ -5,6 +5,7 @@ and DynamicCache (teacher-forced logits, top-1, greedy tokens). Exit 1 on a fail
     python3 python/benches/versions_check.py      # a GPU machine, transformers 5.19-5.24
 """
 
+import argparse
 import json
 import sys
 import time
@@ -12,6 +13,7 @@ import time
 import torch
 import transformers
 from harness import check as h
+from harness import cli
 
 import vmem.transformers as vt
 
@@ -38,7 +40,10 @@ def run(model, prompts, theirs, opts):
             "secs": round(time.time() - t0, 1)}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.parse_args(argv)
+    cli.need_gpu(ap, "versions_check.py")
     print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name(0))
     vt.install(memory="2GiB", max_requests=16, max_context=4096)
     model = h.make_model("llama-gqa", torch.bfloat16, "cuda", size="small", logit_scale=20.0)

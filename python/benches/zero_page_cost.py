@@ -9,14 +9,28 @@ token needs, so every page crossing is in it), then frees them. Timed: the const
 interleave the contenders (order reversed every other round); the first round is dropped.
 Ratios are on / off of the medians over rounds.
 
-    python3 python/benches/zero_page_cost.py [--rounds 7]   # CPU only; prints a table, JSON to $OUT
+    python3 python/benches/zero_page_cost.py [--rounds 7] [--out DIR]   # CPU only; a table, JSON to DIR
 """
 
-import argparse
+from __future__ import annotations
 
-from harness import zero_page
+import argparse
+import sys
+
+from harness import cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds, the first dropped (at least 2)")
+    ap.add_argument("--out", default=cli.default_out(), help="zero_page_cost.json's directory (default $OUT or /tmp)")
+    args = ap.parse_args(argv)
+    cli.check_counts(ap, args, ["--rounds"], least={"--rounds": 2}, most={"--rounds": 1000})  # the first is dropped
+    cli.check_out(ap, args.out)
+    from harness import zero_page
+
+    return zero_page.main(args.rounds, args.out)
+
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=7)
-    zero_page.main(ap.parse_args())
+    sys.exit(main())

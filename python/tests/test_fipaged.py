@@ -4,6 +4,8 @@ attention over the engine's own pool (5.17's per-layer pool, 5.19+'s cross-layer
 one), end to end against the engine's own sdpa path; and the version-aware contender registry.
 FlashInfer's kernels themselves need a GPU: python/benches/fipaged_check.py runs them there."""
 
+import sys
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (CI has no torch)")
@@ -13,10 +15,12 @@ import tf_engine as eng
 eng.skip_unless_served()
 
 from harness import check as h
-from harness import contenders, fi_plan, fipaged
+from harness import contenders, fipaged
 from tf_engine import graphed  # noqa: F401  (a fixture)
 
 import vmem.transformers as vt
+from vmem.kernels import fi_graphs
+from vmem.kernels import flashinfer as vk_fi
 
 TOL = 1e-4
 NEW = 4
@@ -42,23 +46,24 @@ def _dense(q, k, v, scale):
 
 
 def test_plan_decode_pads_one_request_per_token():
-    rnd = fi_plan.plan_round([(5, 1, [3]), (16, 1, [1, 7])], page_size=16, trash_page=9, num_q_tokens=4, num_seqs=4)
-    assert rnd.decode and rnd.batch == 4
+    rnd = fipaged.plan_round([(5, 1, [3]), (16, 1, [1, 7])], page_size=16, trash_page=9, num_q_tokens=4, num_seqs=4)
+    assert isinstance(rnd, vk_fi.PagedPlan)  # the package's plan: its wrappers and reference take it
+    assert rnd.decode and rnd.kv_last_page_len.numel() == 4 and rnd.total_q == 4 and rnd.page_size == 16
     assert rnd.qo_indptr.tolist() == [0, 1, 2, 3, 4]
     assert rnd.kv_indptr.tolist() == [0, 1, 3, 4, 5]
     assert rnd.kv_indices.tolist() == [3, 1, 7, 9, 9]
-    assert rnd.last_page_len.tolist() == [6, 1, 1, 1]
+    assert rnd.kv_last_page_len.tolist() == [6, 1, 1, 1]
 
 
 def test_plan_prefill_pads_sequences_and_tokens():
     # 2 real requests (20 + 3 tokens), the engine padded to 32 tokens and 4 sequences
-    rnd = fi_plan.plan_round([(0, 20, [4, 2, 8]), (30, 3, [1, 5, 6])], page_size=16, trash_page=0,
+    rnd = fipaged.plan_round([(0, 20, [4, 2, 8]), (30, 3, [1, 5, 6])], page_size=16, trash_page=0,
                              num_q_tokens=32, num_seqs=4)
-    assert not rnd.decode and rnd.batch == 5
+    assert not rnd.decode and rnd.kv_last_page_len.numel() == 5 and rnd.total_q == 32
     assert rnd.qo_indptr.tolist() == [0, 20, 23, 23, 23, 32]
     assert rnd.kv_indptr.tolist() == [0, 2, 5, 6, 7, 8]  # 20 tokens need 2 of the 3 pages listed
     assert rnd.kv_indices.tolist() == [4, 2, 1, 5, 6, 0, 0, 0]
-    assert rnd.last_page_len.tolist() == [4, 1, 1, 1, 9]
+    assert rnd.kv_last_page_len.tolist() == [4, 1, 1, 1, 9]
 
 
 @pytest.mark.parametrize("bad", [
@@ -68,8 +73,8 @@ def test_plan_prefill_pads_sequences_and_tokens():
     dict(requests=[(0, 0, [1])], num_q_tokens=0),  # an empty query
 ])
 def test_plan_refuses_what_it_cannot_express(bad):
-    with pytest.raises(fi_plan.PlanError):
-        fi_plan.plan_round(page_size=16, trash_page=0, **bad)
+    with pytest.raises(fipaged.PlanError):
+        fipaged.plan_round(page_size=16, trash_page=0, **bad)
 
 
 def test_reference_matches_dense_attention_over_scattered_pages():
@@ -85,8 +90,8 @@ def test_reference_matches_dense_attention_over_scattered_pages():
         cursor += n
     total = sum(q for _, q, _ in reqs)
     q = torch.randn(total + 5, hq, d, generator=g)
-    rnd = fi_plan.plan_round(reqs, page, 39, total + 5, num_seqs=6)
-    out = fi_plan.reference_paged_attention(rnd, q, pool_k, pool_v, 0.25)
+    rnd = fipaged.plan_round(reqs, page, 39, total + 5, num_seqs=6)
+    out = vk_fi.paged_reference(q, pool_k, pool_v, rnd, 0.25)
     start = 0
     for past, query, pages in reqs:
         k = pool_k[pages].reshape(-1, hkv, d)[:past + query]
@@ -108,6 +113,7 @@ def test_fi_paged_matches_engine_sdpa(arch):
     ours = h.run_engine(model, fipaged.FI_PAGED_ATTENTION, prompts, NEW, cb_kwargs=cbk, stagger=stagger)
     cache = ours["cache"]
     assert isinstance(cache, fipaged.FiPagedMixin) and cache.fi_backend_name == "reference"
+    assert cache.fi_wrappers is None
     assert cache.page_size == 32
     cmp = h.compare(ours, model, NEW)
     assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
@@ -184,71 +190,61 @@ def test_the_async_peer_asks_for_graphs_and_async_batching():
     async batching without CUDA, so its tokens are checked on the GPU by fipaged_check.py)."""
     args = type("A", (), {"max_requests": 8, "page_size": "2M", "max_context": 1024})()
     budget = {"kv_bytes": 64 << 20, "token_bytes": 4096}
-    kw, opts = contenders.contender_config(None, contenders.spec("fi-paged-graphs-async"), args, budget)
-    assert kw["use_cuda_graph"] is True and kw["use_async_batching"] is True and opts == {}
-    kw, _ = contenders.contender_config(None, contenders.spec("fi-paged-graphs"), args, budget)
-    assert kw["use_async_batching"] is False
+    kw, opts = contenders.contender_config(None, contenders.spec("fi-paged-graphs-async-512-compile"), args, budget)
+    assert kw["use_cuda_graph"] is True and kw["use_async_batching"] is True and opts == {"graph_max_tokens": 512}
+    assert kw["varlen_compile_config"].fullgraph is False and kw["num_blocks"] == (64 << 20) // (256 * 4096)
+    kw, opts = contenders.contender_config(None, contenders.spec("fi-paged"), args, budget)
+    assert "use_cuda_graph" not in kw and "use_async_batching" not in kw and opts == {}
 
 
-class _StubWrapper:
-    """What FlashInferKernel uses of a FlashInfer 0.6 paged wrapper: the constructor, its own int
-    workspace and pinned staging buffer, ``reset_workspace_buffer`` and ``plan``."""
+def test_fi_paged_plans_into_the_packages_flashinfer_wrappers(graphed, monkeypatch):
+    """Where FlashInfer's kernels run (a stand-in FlashInfer here, following its graph-mode rules),
+    fi-paged plans every round, before its forward, into vmem's own
+    :class:`~vmem.kernels.fi_graphs.WrapperSet` (no second set of wrappers in the harness): padded
+    rounds into graph-mode wrappers, one per kind and padded size, over a workspace sized for
+    padded rounds; the tokens are those of the reference run."""
+    from test_transformers_figraphs import FakeFlashInfer
+    from tf_engine import forced_padding
 
-    def __init__(self, workspace, layout, **kw):
-        self.kw, self.plans = kw, 0
-        self._int_workspace_buffer, self._pin_memory_int_workspace_buffer = torch.zeros(8), torch.zeros(8)
-
-    def reset_workspace_buffer(self, float_workspace, int_workspace):
-        self._int_workspace_buffer, self._pin_memory_int_workspace_buffer = int_workspace, torch.zeros(8)
-
-    def plan(self, *args, **kw):
-        self.plans += 1
-
-
-def test_each_io_pair_plans_into_wrappers_of_its_own(monkeypatch):
-    """FlashInferKernel (stub FlashInfer): the same graph shape planned for pair 0 and pair 1 gets
-    two wrappers with distinct fixed buffers; a pair's wrappers share one int workspace and one
-    pinned staging buffer, the two pairs' are distinct."""
-    import sys
-    import types
-
-    from harness import fi_kernels
-
-    stub = types.ModuleType("flashinfer")
-    stub.BatchDecodeWithPagedKVCacheWrapper = stub.BatchPrefillWithPagedKVCacheWrapper = _StubWrapper
-    monkeypatch.setitem(sys.modules, "flashinfer", stub)
-    monkeypatch.setattr(fi_kernels, "workspace_bytes", lambda *a: 16)
-    k = fi_kernels.FlashInferKernel((4, 2, 8), 16, torch.float32, "cpu", 64)
-    k.max_pages = 8
-    decode = fi_plan.plan_round([(5, 1, [0]), (20, 1, [1, 2])], 16, 7, 4, 4)
-    prefill = fi_plan.plan_round([(0, 3, [3])], 16, 7, 8, 4)
-    got = {}
-    for pair in (0, 1, 0, 1):
-        for rnd in (decode, prefill):
-            k.plan(rnd, True, 0.5, pair)
-            got.setdefault((pair, rnd.decode), k.current)
-            assert got[(pair, rnd.decode)] is k.current  # one wrapper per pair and shape
-    assert len(k.wrappers) == 4 and all(w.plans == 2 for w in k.wrappers.values())
-    assert got[(0, True)] is not got[(1, True)]
-    assert got[(0, True)].kw["paged_kv_indices_buffer"] is not got[(1, True)].kw["paged_kv_indices_buffer"]
-    for pair in (0, 1):
-        assert got[(pair, True)]._int_workspace_buffer is got[(pair, False)]._int_workspace_buffer
-        assert got[(pair, True)]._pin_memory_int_workspace_buffer is got[(pair, False)]._pin_memory_int_workspace_buffer
-    assert got[(0, True)]._pin_memory_int_workspace_buffer is not got[(1, True)]._pin_memory_int_workspace_buffer
+    fake = FakeFlashInfer()
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
+    cbk = dict(max_batch_tokens=48, num_blocks=128, q_padding_interval_size=8, **eng.engine_block(32))
+    with forced_padding():
+        plain = h.run_engine(model, fipaged.FI_PAGED_ATTENTION, prompts, NEW, cb_kwargs=cbk)
+        monkeypatch.setitem(sys.modules, "flashinfer", fake.module)
+        monkeypatch.setattr(vk_fi, "kernels_on", lambda device: True)
+        monkeypatch.setattr(fi_graphs, "WORKSPACE_BYTES", 1 << 10)  # no 128 MiB of CPU memory for a stand-in
+        graphed.clear()
+        ours = h.run_engine(model, fipaged.FI_PAGED_ATTENTION, prompts, NEW, cb_kwargs=cbk)
+    cache = ours["cache"]
+    ws = cache.fi_wrappers
+    assert isinstance(ws, fi_graphs.WrapperSet) and cache.fi_backend_name == "flashinfer"
+    assert ws.plans == len(graphed) > 0 and sum(w.plans for w in fake.made) == ws.plans
+    assert all(w.graph for w in ws.wrappers.values()) and {d for _, d, _, _ in ws.wrappers} == {True, False}
+    cfg = model.config
+    assert ws.workspace.numel() == fi_graphs.workspace_bytes(True, cache.max_batch_tokens, cfg.num_attention_heads,
+                                                             cfg.head_dim)
+    assert ws.max_pages == -(-cfg.max_position_embeddings // cache.page_size) + 1
+    assert [list(ours["results"][r].generated_tokens) for r in ours["ids"]] == \
+        [list(plain["results"][r].generated_tokens) for r in plain["ids"]]
+    cmp = h.compare(ours, model, NEW)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
 
 
 def test_contenders_offer_only_what_this_version_serves():
     names = contenders.offered()
-    assert "fi-paged" in names and "fi-paged-graphs" in names
+    assert "fi-paged" in names and "fi-paged-graphs-async-512-compile" in names
     if eng.IS_517:
-        assert {"paged-sdpa-256", "paged-sdpa-256-graphs", "paged-flex-256"} <= set(names)
-        assert "sdpa-256-graphs" not in names
+        assert {"paged-sdpa-256", "paged-sdpa-256-graphs-async-compile", "paged-flex-256"} <= set(names)
+        assert "sdpa-256-graphs-async-compile" not in names
     else:
-        assert {"sdpa-256", "sdpa-256-graphs"} <= set(names)
+        assert {"sdpa-256", "sdpa-256-graphs-async-compile"} <= set(names)
         assert not any(n.startswith("paged-") for n in names)
+    assert contenders.engine_best() in names and contenders.is_engine_native("x", contenders.spec(contenders.engine_best()))
     for name in names:
         assert contenders.spec(name)["attn"]
-    refused = "sdpa-256-graphs" if eng.IS_517 else "paged-flex-256"
+    refused = "sdpa-256-graphs-async-compile" if eng.IS_517 else "paged-flex-256"
     with pytest.raises(ValueError, match=f"{refused}.*transformers {transformers.__version__}"):
         contenders.spec(refused)
     with pytest.raises(ValueError, match="unknown contender"):
@@ -300,8 +296,9 @@ def test_gpu_check_script_runs_on_the_cpu(tmp_path):
 
     import fipaged_check
 
-    fipaged_check.main(["--out", str(tmp_path), "--device", "cpu", "--tiny", "--decisive", "20", "--requests", "4",
-                        "--new", "4", "--rounds", "1", "--blocks", "64", "--max-batch-tokens", "64"])
+    assert fipaged_check.main(["--out", str(tmp_path), "--device", "cpu", "--tiny", "--decisive", "20",
+                               "--requests", "4", "--new", "4", "--rounds", "1", "--blocks", "64",
+                               "--max-batch-tokens", "64"]) == 0
     out = json.loads((tmp_path / f"fipaged_{transformers.__version__}.json").read_text())
     assert not out["failed"], out["failed"]
     fi = out["correctness"]["fi-paged"]
@@ -309,13 +306,3 @@ def test_gpu_check_script_runs_on_the_cpu(tmp_path):
     tf = fi["teacher_forced"]
     assert tf["counts_ok"] and tf["max_rel_err"] < TOL and tf["decisive"] > 0 and tf["top1_agree"] == tf["decisive"]
     assert {r["contender"] for r in out["throughput"]} == {"fi-paged", "paged-sdpa-256" if eng.IS_517 else "sdpa-256"}
-
-
-def test_flashinfer_workspace_holds_the_padded_rounds_partials():
-    """Graph mode's prefill partials for 8,192 tokens of 32 x 128 heads took 2,684,354,560 bytes on
-    the H100 and overflowed a fixed 1 GiB workspace; the size now follows the engine's round."""
-    from harness.fi_kernels import WORKSPACE_BYTES, workspace_bytes
-
-    assert workspace_bytes(8192, 32, 128) >= 2_684_354_560 + 20 * 8192 * 32 * 4
-    assert workspace_bytes(1, 32, 128) == WORKSPACE_BYTES
-    assert workspace_bytes(16384, 32, 128) > workspace_bytes(8192, 32, 128)

@@ -375,10 +375,10 @@ def zero_slots_under_queued_reads():
 
 
 def flashinfer_rows():
-    from vmem.transformers.fa import FaReader
-    from vmem.transformers.fi_reader import FlashInferReader
-    from vmem.transformers.flashinfer import paged_plan, paged_reference
-    from vmem.transformers.rounds import Round
+    from vmem.kernels.fa import FaReader
+    from vmem.kernels.fi_reader import FlashInferReader
+    from vmem.kernels.flashinfer import paged_plan, paged_reference
+    from vmem.kernels.rounds import Round
 
     g = torch.Generator(device="cuda").manual_seed(0)
     rounds = {"decode": [(5, 3000, 1), (0, 17, 1), (3, 1023, 1), (1, 4000, 1)],
@@ -486,10 +486,6 @@ def test_fp8_consumer():
 def cb_graphs():
     """transformers' continuous batching with CUDA graphs on (kernel="fa", both layouts, async
     batching too): greedy tokens identical to graphs off, graphs replayed, nothing left mapped."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
     from harness import check as hc
     from harness import engine as he
 
@@ -539,12 +535,7 @@ def cb_compile(kernel: str = "fa"):
     Dynamo's graphs compiled; compiled without graphs, top-1 agreement with a plain forward at
     every decisive position (bf16: Inductor's fused norms round differently from eager, so a
     near tie may flip against an uncompiled run). Nothing left mapped."""
-    import sys
-    from pathlib import Path
-
     import transformers
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
     from harness import check as hc
     from harness import engine as he
 
@@ -603,8 +594,8 @@ def test_cb_compile(kernel):
 
 
 def split_decode():
-    from vmem.transformers import fa_split
-    from vmem.transformers.graphs import RoundBuffers
+    from vmem.kernels import fa_split
+    from vmem.kernels.buffers import RoundBuffers
 
     torch.manual_seed(0)
     hq, hkv, d, mc, slots = 32, 8, 128, 4096, 64

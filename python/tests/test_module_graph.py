@@ -103,3 +103,43 @@ def test_the_extension_has_no_import_circle():
 
 def test_vmem_pool_has_no_import_circle():
     assert _circle(_rust_graph(ROOT.parent / "vmem-pool" / "src")) == []
+
+
+def _imports_of(text: str, module: str, package: bool = False) -> Set[str]:
+    """Every absolute module name the source ``text`` of ``module`` imports (relative imports
+    resolved from its package; ``package``: it is a package's ``__init__``), and each name
+    taken from one as ``module.name``."""
+    parts = module.split(".") if package else module.split(".")[:-1]
+    names: Set[str] = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom):
+            base = ".".join(parts[: len(parts) - node.level + 1]) if node.level else ""
+            target = ".".join(p for p in (base, node.module or "") if p)
+            names.add(target)
+            names.update(f"{target}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def _engine_imports(names: Set[str]) -> List[str]:
+    return sorted(n for n in names if n.split(".")[0] == "transformers" or n.startswith("vmem.transformers"))
+
+
+def test_the_kernels_know_no_engine():
+    """vmem.kernels (the readers) import neither transformers nor vmem's engine glue, so another
+    engine can serve with them; the glue imports them, never the other way."""
+    kernels = sorted((ROOT / "vmem" / "kernels").glob("*.py"))
+    assert len(kernels) > 5
+    for f in kernels:
+        module = "vmem.kernels" if f.name == "__init__.py" else f"vmem.kernels.{f.stem}"
+        bad = _engine_imports(_imports_of(f.read_text(), module, package=f.name == "__init__.py"))
+        assert not bad, f"{f.name} imports {bad}"
+
+
+def test_the_layer_check_sees_an_import_of_the_glue():
+    """The check above can fail: a kernel's relative or absolute import of the engine is seen."""
+    text = "from ..transformers.options import Options\nfrom .. import transformers\nimport transformers.cache_utils\n"
+    assert _engine_imports(_imports_of(text, "vmem.kernels.fa")) == [
+        "transformers.cache_utils", "vmem.transformers", "vmem.transformers.options", "vmem.transformers.options.Options"]
+    assert _engine_imports(_imports_of("from .fa import FaReader\n", "vmem.kernels", package=True)) == []

@@ -258,7 +258,9 @@ def test_merge_flag_joins_parts_and_refuses_bad_files(tmp_path, capsys) -> None:
     assert "4.00x" in (tmp_path / "merged" / "multitenant.txt").read_text()
     assert multitenant_bench.main(["--merge", parts[0], parts[0], "--out", str(tmp_path / "m2")]) == 1
     assert "two parts" in capsys.readouterr().err
-    assert multitenant_bench.main(["--merge", str(tmp_path / "absent.json"), "--out", str(tmp_path / "m3")]) == 1
+    with pytest.raises(SystemExit) as e:  # a missing input file: a usage error, before anything is written
+        multitenant_bench.main(["--merge", str(tmp_path / "absent.json"), "--out", str(tmp_path / "m3")])
+    assert e.value.code == 2 and "--merge '" in capsys.readouterr().err and not (tmp_path / "m3").exists()
 
 
 def test_a_tenant_killed_from_outside_ends_the_bench_with_exit_1(tmp_path) -> None:

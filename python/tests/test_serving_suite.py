@@ -122,9 +122,10 @@ def test_ratios_take_the_engine_best_native_and_fi_paged_per_workload(monkeypatc
     pytest.importorskip("transformers")
     from harness import suite
 
+    ct = suite.ct
     reg = {"paged-sdpa-256": {"attn": "paged|sdpa"}, "paged-sdpa-16": {"attn": "paged|sdpa"},
-           "paged-flex-256": {"attn": suite.BLOCKFLEX_ATTENTION}, "fi-paged": {"attn": "paged|fi"},
-           "vmem-token-major": {"attn": "vmem"}}
+           "paged-flex-256": {"attn": ct.BLOCKFLEX_ATTENTION}, "fi-paged": {"attn": ct.FI_PAGED_ATTENTION},
+           "vmem-token-major": {"attn": ct.VMEM_ATTENTION}}
     monkeypatch.setattr(suite, "registry", lambda: reg)
 
     def row(name: str, tok: float | None, budget: str = "fits") -> dict:
@@ -178,8 +179,7 @@ def test_merge_combines_parts_and_a_later_run_replaces_an_earlier(tmp_path) -> N
     (["--only", "color=red"], "expected KEY=NAME"),
     (["--only", "trace="], "--only trace names none"),
     (["--profile", "nope"], "--profile: unknown 'nope'"),
-    (["--memory", "vmem-token-major,nope"], "--memory: unknown 'nope'"), (["--memory", ","], "--memory names none"),
-    (["--memory", "vmem-token-major"], "--memory reads CUDA's caching allocator: it needs a GPU, not --tiny"),
+    (["--profile", "paged-sdpa-256@clean"], "--profile: unknown 'paged-sdpa-256@clean'"),
     (["--requests", "0"], "--requests must be at least 1"),
     (["--tenth", "0"], "--tenth must be a fraction"),
     (["--tenth", "nan"], "--tenth must be a fraction"),
@@ -199,22 +199,6 @@ def test_suite_refuses_bad_flags_with_one_usage_line(flags, match, tmp_path, cap
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2, last
     assert match in last, last
-
-
-def test_memory_report_groups_segments_by_stream_and_pool() -> None:
-    from harness import memsnapshot
-
-    mb = 2**20
-    snap = [{"stream": 0, "segment_pool_id": (0, 0), "total_size": 2 * mb, "allocated_size": mb},
-            {"stream": 0xA, "segment_pool_id": (0, 1), "total_size": 20 * mb, "allocated_size": 0},
-            {"stream": 0xA, "segment_pool_id": (0, 1), "total_size": 30 * mb, "allocated_size": 5 * mb},
-            {"stream": 0xB, "segment_pool_id": (0, 1), "total_size": 4 * mb, "allocated_size": 4 * mb}]
-    assert memsnapshot.groups(snap) == {(0, (0, 0)): [1, 2 * mb, mb, 2 * mb],
-                                        (0xA, (0, 1)): [2, 50 * mb, 5 * mb, 30 * mb],
-                                        (0xB, (0, 1)): [1, 4 * mb, 4 * mb, 4 * mb]}
-    lines = memsnapshot.report(snap, 100 * mb).splitlines()
-    assert lines[1].split() == ["a", "(0,", "1)", "2", "50.0", "5.0", "30.0"]  # the largest group first
-    assert lines[-1] == "reserved in all 56.0 MB, allocated 10.0 MB; cudaMemGetInfo used 100.0 MB"
 
 
 def test_suite_merge_refuses_what_is_no_result(tmp_path, capsys) -> None:
@@ -238,12 +222,12 @@ def test_profile_of_what_the_engine_refuses_stops_with_one_line_and_exit_1(tmp_p
     out = tmp_path / "o"
     rc = serving_suite.main(["--tiny", "--requests", "2", "--new-tokens", "2", "--max-prompt", "50",
                              "--only", "model=llama3-8b-x8", "--only", "trace=conv",
-                             "--profile", "vmem-token-major-graphs-async", "--out", str(out)])
+                             "--profile", "vmem-token-major-graphs-async-compile", "--out", str(out)])
     cap = capsys.readouterr()
     assert rc == 1
     assert cap.out == ""
     last = cap.err.strip().splitlines()[-1]
-    assert last.startswith("serving_suite: --profile vmem-token-major-graphs-async on conv/llama3-8b-x8/fits "
+    assert last.startswith("serving_suite: --profile vmem-token-major-graphs-async-compile on conv/llama3-8b-x8/fits "
                            "failed: RuntimeError: "), cap.err
     # No traceback of the engine's (which ends in a line "RuntimeError: ..."); a logging handler
     # left on an earlier test's closed stream may print its own "--- Logging error ---".
@@ -265,23 +249,34 @@ def test_tiny_suite_runs_end_to_end_and_merges(tmp_path) -> None:
 
     # the engine's own cache under the name the installed transformers serves (5.19+: no paged|)
     native = "paged-sdpa-256" if ct.family() == ct.V517 else "sdpa-256"
+    clean = native + "@clean"  # the same contender in a process where vmem was never imported
     common = ["--tiny", "--requests", "4", "--new-tokens", "3", "--max-prompt", "100", "--check-requests", "2",
               "--check-tokens", "3", "--only", "model=llama3-8b-x8",
               "--only", f"contender={native},vmem-per-layer"]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    assert serving_suite.main([*common, "--only", "trace=conv", "--out", a]) == 0
+    assert serving_suite.main([*common[:-1], f"contender={native},vmem-per-layer,{clean}", "--only", "trace=conv",
+                               "--out", a]) == 0
     data = json.loads(read(a, "suite.json"))
     rows = data["rows"]
     assert [(r["contender"], r["budget"]) for r in rows] == [
-        (native, "fits"), ("vmem-per-layer", "fits"), (native, "tenth"), ("vmem-per-layer", "tenth")]
+        (native, "fits"), ("vmem-per-layer", "fits"), (clean, "fits"),
+        (native, "tenth"), ("vmem-per-layer", "tenth"), (clean, "tenth")]
     for r in rows:
+        cell = [x for x in rows if x["budget"] == r["budget"]]
+        inside, apart = cell[0]["tok_s"], cell[2]["tok_s"]
         assert r["completed"] == 4 and r["requests"] == 4 and r["tok_s"] > 0, r
         assert r["bound_s"] > 0 and r["roofline"] == pytest.approx(r["bound_s"] / r["wall_s"])
-        assert r["vs_engine_best"] == pytest.approx(r["tok_s"] / rows[0 if r["budget"] == "fits" else 2]["tok_s"])
+        assert r["vs_engine"] == pytest.approx(r["tok_s"] / inside)
+        assert r["vs_engine_clean"] == pytest.approx(r["tok_s"] / apart)
+        assert r["vs_engine_best"] == pytest.approx(r["tok_s"] / max(inside, apart))
         assert r["vs_fi_paged"] is None and r["device_mb"] is None  # no fi-paged here; no CUDA
-    assert rows[0]["kv_budget_mb"] > rows[2]["kv_budget_mb"]
+    # the worker's own sys.modules after each run: no vmem module was ever imported there
+    assert [r["vmem_modules"] for r in rows if r["contender"] == clean] == [[], []]
+    assert all("vmem_modules" not in r for r in rows if r["contender"] != clean)
+    assert rows[0]["kv_budget_mb"] > rows[3]["kv_budget_mb"]
     assert {c["contender"]: c["top1_agree"] == c["decisive"] > 0 for c in data["checks"]} == {
-        native: True, "vmem-per-layer": True}
+        native: True, "vmem-per-layer": True}  # the @clean row runs the engine's code checked here
+    assert clean in read(a, "suite.txt") and "vs_engine_clean" in read(a, "suite.txt")
     assert data["parts"][0]["peaks"]["matmul_flops"] > 0
     for name in ("suite.txt", "suite.svg"):
         assert os.path.getsize(os.path.join(a, name)) > 0
@@ -318,7 +313,7 @@ def test_tiny_suite_runs_end_to_end_and_merges(tmp_path) -> None:
     m = str(tmp_path / "m")
     assert serving_suite.main(["--merge", a, b, "--out", m]) == 0
     merged = json.loads(read(m, "suite.json"))
-    assert len(merged["rows"]) == 6 and len(merged["parts"]) == 2
+    assert len(merged["rows"]) == 8 and len(merged["parts"]) == 2
     assert "code" in read(m, "suite.txt")
 
 
@@ -352,3 +347,51 @@ def test_gpu_busy_counts_the_union_inside_the_timed_window() -> None:
     assert kernel_class("void at::native::index_elementwise_kernel<128, 4>") == "KV write / index"
     assert kernel_class("Memcpy HtoD (Pinned -> Device)") == "copy / fill"
     assert "no timed mark" in gpu_busy(SimpleNamespace(events=lambda: events[1:]))
+
+
+def test_the_clean_worker_imports_no_vmem_and_the_suite_refuses_a_row_that_did() -> None:
+    """The check written into a ``@clean`` result: the worker's ``sys.modules`` after the run
+    holds no vmem module; the same check in this process (which imported vmem) names it, and a
+    result naming one is refused as the row's error, not reported as the engine's."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from harness import clean, suite
+    from harness import contenders as ct
+    from harness import roofline as rf
+    from harness.trace import random_prompts
+
+    assert "vmem" in clean.vmem_modules()
+    native = "paged-sdpa-256" if ct.family() == ct.V517 else "sdpa-256"
+    config = suite.model_config("llama3-8b-x8", tiny=True)
+    prompts = random_prompts([20, 9], config.vocab_size, 0)
+    args = SimpleNamespace(new_tokens=2, memory_percent=0.9, timeout=120.0, graph_warmup=True, tenth=0.1,
+                           max_batch_tokens=64)
+    shape = rf.ModelShape.from_config(config, 4)
+    w = suite.workload("conv", "llama3-8b-x8", "fits", prompts, shape, args, 64 << 10)
+    peaks = rf.Peaks(matmul_flops=1e9, copy_bytes=1e9)
+    with clean.CleanEngine(config, torch.float32, "cpu") as worker:
+        row = suite.run_one(None, w, native + clean.SUFFIX, args, shape, peaks, 0, worker)
+    assert "error" not in row and row["vmem_modules"] == [] and row["completed"] == 2, row
+
+    class Leaky:
+        def run(self, *a, **k):
+            return {**row, "vmem_modules": ["vmem", "vmem.transformers"]}
+
+    bad = suite.run_one(None, w, native + clean.SUFFIX, args, shape, peaks, 0, Leaky())
+    assert bad["completed"] == 0 and "vmem was imported in the vmem-free process" in bad["error"], bad
+    assert clean.is_clean(native + "@clean") and clean.base(native + "@clean") == native
+
+
+def test_the_defaults_run_the_engines_best_in_both_processes() -> None:
+    pytest.importorskip("transformers")
+    from harness import contenders as ct
+    from harness import suite
+
+    names, reg = suite.default_contenders(), suite.registry()
+    best = ct.engine_best()
+    assert best in names and best + "@clean" in names and all(n in reg for n in names)
+    assert reg[best + "@clean"] == reg[best] and suite.is_engine_native(best + "@clean", reg[best + "@clean"])
+    assert not any(n.endswith("@clean") for n in reg if not suite.is_engine_native(n, reg[n]))
+    assert suite.MODELS[0] == "llama3-8b" and suite.model_config("llama3-8b", False).num_hidden_layers == 32
+    assert [suite.model_config(m, False).num_hidden_layers for m in suite.MODELS] == [32, 8, 16]
+    assert [suite.model_config(m, True).num_hidden_layers for m in suite.MODELS] == [8, 2, 4]

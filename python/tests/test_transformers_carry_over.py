@@ -55,15 +55,3 @@ def test_in_place_only_while_installed():
     assert io.ContinuousBatchingAsyncIOs.infer_carry_over_ids is infer_carry_over_ids
     vt.uninstall()
     assert io.ContinuousBatchingAsyncIOs.infer_carry_over_ids is ENGINES
-
-
-def test_the_bench_contender_with_the_engines_ids_gets_them_for_its_run_only():
-    from harness import contenders as ct
-
-    vt.install(**eng.TINY_OPTS)
-    cls = io.ContinuousBatchingAsyncIOs
-    with ct.carry_over(ct.spec("vmem-token-major-graphs-async-engine-carry")):
-        assert cls.infer_carry_over_ids is ENGINES
-    assert cls.infer_carry_over_ids is infer_carry_over_ids
-    with ct.carry_over(ct.spec("vmem-token-major-graphs-async")):
-        assert cls.infer_carry_over_ids is infer_carry_over_ids

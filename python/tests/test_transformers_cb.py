@@ -21,7 +21,7 @@ from harness import check as h
 
 import vmem
 import vmem.transformers as vt
-from vmem.transformers import fa as vt_fa
+from vmem.kernels import fa as vt_fa
 from vmem.transformers import patch as vt_patch
 
 TOL = 1e-4  # fp32 on the CPU, relative to the largest logit
@@ -253,7 +253,7 @@ def test_fa_varlen_indices_match_per_request_attention(seed):
     k4 = torch.full((rows, ctx, hkv, d), float("nan"))
     v4 = torch.full((rows, ctx, hkv, d), float("nan"))
     entries = eng.random_mixed_round(g, k4, v4)
-    idx = vt.fa_varlen_indices(entries, ctx)
+    idx = vt_fa.fa_varlen_indices(entries, ctx)
     total = sum(e[2] for e in entries)
     assert idx.total_q == total and idx.max_q == max(e[2] for e in entries)
     assert idx.max_k == max(p + q for _, p, q in entries)
@@ -264,7 +264,7 @@ def test_fa_varlen_indices_match_per_request_attention(seed):
     q = torch.randn(total, hq, d, generator=g)
     kf, vf = k4.view(rows * ctx, hkv, d), v4.view(rows * ctx, hkv, d)
     scale = 0.3
-    got = vt.fa_varlen_reference(q, kf, vf, idx.to("cpu"), scale)
+    got = vt_fa.fa_varlen_reference(q, kf, vf, idx.to("cpu"), scale)
     assert torch.isfinite(got).all()
     start = 0
     for row, past, ql in entries:
@@ -275,11 +275,11 @@ def test_fa_varlen_indices_match_per_request_attention(seed):
 
 def test_fa_varlen_indices_refuse_bad_entries():
     with pytest.raises(vmem.VmemError):
-        vt.fa_varlen_indices([], 16)
+        vt_fa.fa_varlen_indices([], 16)
     with pytest.raises(vmem.VmemError):
-        vt.fa_varlen_indices([(0, 10, 7)], 16)  # past + q past the row
+        vt_fa.fa_varlen_indices([(0, 10, 7)], 16)  # past + q past the row
     with pytest.raises(vmem.VmemError):
-        vt.fa_varlen_indices([(0, 0, 0)], 16)  # a request without queries
+        vt_fa.fa_varlen_indices([(0, 0, 0)], 16)  # a request without queries
 
 
 def test_compiled_flex_refuses_a_cache_past_32_bit_offsets():

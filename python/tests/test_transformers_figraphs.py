@@ -25,8 +25,9 @@ from tf_engine import forced_padding
 
 import vmem
 import vmem.transformers as vt
-from vmem.transformers import fi_graphs as vt_fig
-from vmem.transformers import flashinfer as vt_fi
+from vmem.kernels import fa as vk_fa
+from vmem.kernels import fi_graphs as vt_fig
+from vmem.kernels import flashinfer as vt_fi
 from vmem.transformers import graphs as vt_graphs
 
 OPTS = dict(page_size="64K", max_requests=8, max_context=1024, memory="16M")
@@ -193,7 +194,7 @@ def test_the_padded_plan_reads_what_the_unpadded_one_reads(decode, page, trash_t
     q = torch.randn(real + 11, hq, d, generator=g)
     got = vt_fi.paged_reference(q, vt_fi.page_view(k4, page), vt_fi.page_view(v4, page), plan, 0.3)
     flat = [t.as_strided((rows * ctx, hkv, d), t.stride()[1:]) for t in (k4, v4)]
-    want = vt.fa_varlen_reference(q[:real], *flat, vt.fa_varlen_indices(entries, ctx).to("cpu"), 0.3)
+    want = vk_fa.fa_varlen_reference(q[:real], *flat, vk_fa.fa_varlen_indices(entries, ctx).to("cpu"), 0.3)
     torch.testing.assert_close(got[:real], want, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(got).all()
 
@@ -346,8 +347,8 @@ def test_flashinfer_padded_on_the_cpu_runs_the_reference_over_the_padded_plan(mo
 
 
 def test_a_layer_with_another_scale_is_refused(fake_fi):
-    from vmem.transformers.fi_reader import FlashInferReader
-    from vmem.transformers.rounds import Round
+    from vmem.kernels.fi_reader import FlashInferReader
+    from vmem.kernels.rounds import Round
 
     k4, v4 = torch.randn(3, 16, 2, 8), torch.randn(3, 16, 2, 8)
     reader = FlashInferReader(16, lambda layer: (k4, v4), torch.device("cpu"), 4, trash_row=2, trash_tokens=4)

@@ -24,8 +24,9 @@ from harness import check as h
 
 import vmem
 import vmem.transformers as vt
-from vmem.transformers import flashinfer as vt_fi
-from vmem.transformers.fi_reader import FlashInferReader
+from vmem.kernels import fa as vk_fa
+from vmem.kernels import flashinfer as vt_fi
+from vmem.kernels.fi_reader import FlashInferReader
 from vmem.transformers.sizing import Geometry
 
 OPTS = dict(page_size="64K", max_requests=4, max_context=1024, memory="8M")
@@ -202,7 +203,7 @@ def test_paged_plan_of_a_mixed_round_reads_what_fa_reads(seed, strided):
     got = vt_fi.paged_reference(q, k4, v4, plan, scale)
     assert torch.isfinite(got).all()
     flat = [t.as_strided((rows * ctx, hkv, d), t.stride()[1:]) for t in (k4, v4)]
-    want = vt.fa_varlen_reference(q, *flat, vt.fa_varlen_indices(entries, ctx).to("cpu"), scale)
+    want = vk_fa.fa_varlen_reference(q, *flat, vk_fa.fa_varlen_indices(entries, ctx).to("cpu"), scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -226,7 +227,7 @@ def test_rows_read_as_pages_read_what_fa_reads(seed, page):
     q = torch.randn(plan.total_q, hq, d, generator=g)
     got = vt_fi.paged_reference(q, vt_fi.page_view(k4, page), vt_fi.page_view(v4, page), plan, 0.3)
     flat = [t.as_strided((rows * ctx, hkv, d), t.stride()[1:]) for t in (k4, v4)]
-    want = vt.fa_varlen_reference(q, *flat, vt.fa_varlen_indices(entries, ctx).to("cpu"), 0.3)
+    want = vk_fa.fa_varlen_reference(q, *flat, vk_fa.fa_varlen_indices(entries, ctx).to("cpu"), 0.3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

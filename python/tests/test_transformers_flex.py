@@ -1,4 +1,4 @@
-"""vmem.transformers.flex's CPU reference against torch's own (eager) FlexAttention, for block
+"""vmem.kernels.flex's CPU reference against torch's own (eager) FlexAttention, for block
 masks of the three kinds the reader builds: rows (decode), broadcast decode and packed."""
 
 import pytest
@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 pytest.importorskip("transformers", reason="transformers is not installed")
 
-from vmem.transformers.flex import blockwise_reference
+from vmem.kernels.flex import blockwise_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

@@ -21,6 +21,7 @@ from harness import check as h
 
 import vmem
 import vmem.transformers as vt
+from vmem.kernels import fa as vk_fa
 from vmem.transformers import attention as vt_attention
 from vmem.transformers import graphs as vt_graphs
 from vmem.transformers.cache import VmemCBCache
@@ -319,8 +320,8 @@ def test_a_padded_decode_round_is_one_sequence_per_token_with_max_q_1():
         k[r * mc: r * mc + p + 1].normal_()
         v[r * mc: r * mc + p + 1].normal_()
     q = torch.randn(16, hq, d)
-    padded = vt.fa_varlen_reference(q, k, v, meta, 0.1)
-    unpadded = vt.fa_varlen_reference(q[:3], k, v, plain, 0.1)
+    padded = vk_fa.fa_varlen_reference(q, k, v, meta, 0.1)
+    unpadded = vk_fa.fa_varlen_reference(q[:3], k, v, plain, 0.1)
     assert torch.equal(padded[:3], unpadded) and torch.equal(padded[3:], torch.zeros(13, hq, d))
 
 
@@ -403,20 +404,20 @@ def test_the_bench_graph_contenders_pass_the_engines_graph_switch():
 
     args = types.SimpleNamespace(max_requests=8, max_context=1024, page_size="2M")
     budget = {"kv_bytes": 1 << 30, "token_bytes": 4096}
-    for name in ("vmem-per-layer-graphs", "vmem-token-major-graphs", "paged-sdpa-256-graphs"):
-        kw, opts = ct.contender_config(None, ct.SERVING[name], args, budget)
-        assert kw["use_cuda_graph"] is True, name
+    for name in ("vmem-token-major-graphs-async-compile", ct.engine_best(), "fi-paged-graphs-async-512-compile"):
+        kw, opts = ct.contender_config(None, ct.spec(name), args, budget)
+        assert kw["use_cuda_graph"] is True and kw["use_async_batching"] is True, name
+        assert kw["varlen_compile_config"].fullgraph is False, name
         assert opts.get("kernel", "fa") == "fa"
-    kw, _ = ct.contender_config(None, ct.SERVING["vmem-per-layer"], args, budget)
+    kw, _ = ct.contender_config(None, ct.spec("vmem-per-layer"), args, budget)
     assert "use_cuda_graph" not in kw  # the harness's default (off) stays
-    # FlashInfer under graphs (optional: FlashInfer), one with async batching too; both versions.
-    for name in ("vmem-per-layer-fi-graphs", "vmem-token-major-fi-graphs", "vmem-token-major-fi-graphs-async"):
-        spec = ct.spec(name)
-        kw, opts = ct.contender_config(None, spec, args, budget)
-        assert kw["use_cuda_graph"] is True and opts["kernel"] == "flashinfer" and spec["optional"], name
-        assert kw.get("use_async_batching", False) == name.endswith("-async") and name in ct.offered()
-        assert name not in ct.defaults(ct.serving())  # run only when named
+    # FlashInfer under graphs (optional: FlashInfer), with async batching and the compiled forward; both versions.
+    name = "vmem-token-major-fi-graphs-async-compile"
+    spec = ct.spec(name)
+    kw, opts = ct.contender_config(None, spec, args, budget)
+    assert kw["use_cuda_graph"] is True and opts["kernel"] == "flashinfer" and spec["optional"], name
+    assert kw["use_async_batching"] is True and name in ct.offered()
+    assert name not in ct.defaults({n: ct.spec(n) for n in ct.offered()})  # run only when named
+    assert "vmem-token-major-fi" not in ct.defaults(ct.serving())
     # FA + graphs + async: a default contender (no optional dependency)
-    kw, opts = ct.contender_config(None, ct.spec("vmem-token-major-graphs-async"), args, budget)
-    assert kw["use_cuda_graph"] is True and kw["use_async_batching"] is True and opts["kernel"] == "fa"
-    assert not ct.spec("vmem-token-major-graphs-async").get("optional")
+    assert not ct.spec("vmem-token-major-graphs-async-compile").get("optional")

@@ -1,4 +1,4 @@
-"""``kernel="fa"``'s padded decode rounds split along the keys (:mod:`vmem.transformers.fa_split`):
+"""``kernel="fa"``'s padded decode rounds split along the keys (:mod:`vmem.kernels.fa_split`):
 the slot plan covers every request's keys exactly once, the split attention equals the unsplit
 one, the Triton merge equals the reference (run by Triton's interpreter on the CPU), greedy
 tokens under the engine's padding path equal those with the option off and the engine's own,
@@ -25,9 +25,9 @@ from harness import check as h  # noqa: E402
 
 import vmem  # noqa: E402
 import vmem.transformers as vt  # noqa: E402
-from vmem.transformers import fa_split  # noqa: E402
-from vmem.transformers.fa import fa_varlen_reference  # noqa: E402
-from vmem.transformers.graphs import RoundBuffers  # noqa: E402
+from vmem.kernels import fa_split  # noqa: E402
+from vmem.kernels.buffers import RoundBuffers  # noqa: E402
+from vmem.kernels.fa import fa_varlen_reference  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -90,8 +90,8 @@ def test_the_triton_merge_equals_the_reference():
     pytest.importorskip("triton", reason="Triton is not installed")
     code = """
 import torch
-from vmem.transformers import fa_split
-from vmem.transformers._triton_combine import combine_slots
+from vmem.kernels import fa_split
+from vmem.kernels._triton_combine import combine_slots
 torch.manual_seed(0)
 fa_split.MIN_KEYS = 4
 lengths, slots = [50, 3, 17, 1], 12

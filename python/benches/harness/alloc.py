@@ -27,7 +27,8 @@ N = max(RUNS)
 ROTATING = ["raw per page", "raw per page + sync", "raw batched", "vmem per page", "vmem batched"]
 
 
-def main():
+def main(out_dir: str) -> int:
+    """Every contender, interleaved; the tables printed, alloc_bench.json written to ``out_dir``."""
     sets = []
     for _ in range(len(ROTATING)):
         vm = bench.VmemPages(N, 0)
@@ -157,8 +158,7 @@ def main():
               "(>1: the second is faster):", flush=True)
         for k, v in rs.items():
             print(f"{n:<6}   {k:<44} {v:6.3f}", flush=True)
-    out = os.environ.get("OUT", "/tmp")
-    with open(os.path.join(out, "alloc_bench.json"), "w") as fh:
+    with open(os.path.join(out_dir, "alloc_bench.json"), "w") as fh:
         json.dump({"rows": rows, "ratios": ratios}, fh, indent=1)
     kva.close()
     sets.clear()

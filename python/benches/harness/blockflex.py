@@ -1,6 +1,6 @@
 """The ``paged|blockflex`` contender: transformers' own ``PagedAttentionCache`` (its blocks, block
 table and memory sizing unchanged) read in place through its block table by the same FlexAttention
-core as ``paged|vmem`` (:mod:`vmem.transformers.flex`): the fair "block table vs contiguous rows"
+core as ``paged|vmem`` (:mod:`vmem.kernels.flex`): the fair "block table vs contiguous rows"
 comparison. A bench contender, not part of the product: it plugs in through the public
 :func:`vmem.transformers.register_cache`, as any other cache would.
 
@@ -16,13 +16,12 @@ from typing import Any
 
 import torch
 
+import vmem.kernels as vk
 import vmem.transformers as vt
+from harness.contenders import BLOCKFLEX_ATTENTION
+from vmem.kernels.flex import FlexReader
+from vmem.kernels.rounds import Rounds
 from vmem.transformers.graphs import refuse_graphs
-from vmem.transformers.flex import FlexReader
-from vmem.transformers.rounds import Rounds
-
-#: The attention name that selects the engine's paged cache read by the Flex core.
-BLOCKFLEX_ATTENTION = "paged|blockflex"
 
 _classes: list[Any] = []
 
@@ -52,8 +51,8 @@ def recording_cache_class(engine_cache: Any) -> Any:
                                           read_index: Any, write_index: Any) -> None:
             super().extend_read_and_write_indices(request_id, past_length, query_length, None, write_index)
             blocks = self.group_cache_managers[0].block_table[request_id]
-            per = self.block_size // vt.KV_BLOCK
-            n_kv = -(-(past_length + query_length) // vt.KV_BLOCK)
+            per = self.block_size // vk.KV_BLOCK
+            n_kv = -(-(past_length + query_length) // vk.KV_BLOCK)
             kv = [b * per + j for b in blocks for j in range(per)][:n_kv]
             self.rounds.record(0, past_length, query_length, (kv, blocks))
 
@@ -75,9 +74,9 @@ def blockflex_cache(request: vt.CacheRequest) -> Any:
                                  "run it under 5.17")
     cb = request.continuous_batching_config
     refuse_graphs(cb, BLOCKFLEX_ATTENTION)
-    if cb.block_size % vt.KV_BLOCK:
+    if cb.block_size % vk.KV_BLOCK:
         raise vt.InvalidArgument(f"{BLOCKFLEX_ATTENTION}: block_size {cb.block_size} must be a multiple of "
-                                 f"FlexAttention's KV block ({vt.KV_BLOCK})")
+                                 f"FlexAttention's KV block ({vk.KV_BLOCK})")
     cb.allow_block_sharing = False
     cb.max_blocks_per_request = 0
     cache = request.build_engine_cache(recording_cache_class(request.engine_cache))

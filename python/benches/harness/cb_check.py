@@ -15,15 +15,16 @@ from vmem.transformers import (
     Options,
     VmemCBCache,
     block_tokens,
-    flex_paged_attention,
     install,
 )
+from vmem.transformers import paged_attention as flex_paged_attention
 
 import vmem
 from harness.check import compare, cross_compare, make_prompts, run_engine
 from harness.contenders import (
     CHECK,
     VMEM_ATTENTION,
+    attention,
     is_vmem,
     is_vmem_cache,
     vmem_options,
@@ -273,7 +274,7 @@ def run(args: Any) -> int:
             if is_vmem(spec):
                 check(name, spec["attn"], base, vmem_options(spec))
             else:
-                check(name, spec["attn"], dict(base, block_size=spec["block_size"], num_blocks=nblocks // 16), {})
+                check(name, attention(spec), dict(base, block_size=spec["block_size"], num_blocks=nblocks // 16), {})
         c = model.config
         hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         page_b = vmem.parse_bytes(page)

@@ -1,11 +1,14 @@
-"""Command-line pieces the benches share: name lists, flag checks (usage errors,
-exit 2, one line, before any model is built) and where a run goes (GPU, or ``--tiny`` on the CPU)."""
+"""Command-line pieces the benches share: name lists, flag checks (usage errors, exit 2, one
+line naming the flag, before any model is built or any measurement starts: zero, negative, huge,
+NaN, a missing input file, an ``--out`` that cannot be written) and where a run goes (GPU, or
+``--tiny`` on the CPU). Every script checks its flags here, none with copies of its own."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import vmem
@@ -44,15 +47,99 @@ def names(ap: argparse.ArgumentParser, flag: str, spec: str, known: Sequence[str
     return out
 
 
+#: The largest count a flag takes unless it names a smaller one: a signed 32-bit int, what torch,
+#: the engine and vmem's bindings take without overflowing.
+MOST = 2**31 - 1
+#: The largest value of the flags the benches share, where a larger one is a typo or cannot be
+#: built (a model of 10**5 layers, 10**9 rows); a script's own ``most`` overrides.
+COMMON_MOST = {"--rounds": 1000, "--repeats": 1000, "--reps": 10_000, "--warmup": 100, "--layers": 128,
+               "--max-requests": 4096, "--max-rows": 4096, "--max-batch-tokens": 1 << 20, "--max-context": 1 << 20,
+               "--new-tokens": 1 << 20, "--max-prompt": 1 << 20, "--check-requests": 1000, "--check-tokens": 4096}
+
+
+def value(args: Any, flag: str) -> Any:
+    """The value of ``--flag-name`` in ``args``."""
+    return getattr(args, flag[2:].replace("-", "_"))
+
+
 def check_counts(ap: argparse.ArgumentParser, args: Any, positive: Sequence[str],
-                 at_least_zero: Sequence[str] = ()) -> None:
+                 at_least_zero: Sequence[str] = (), most: Mapping[str, int] | None = None,
+                 least: Mapping[str, int] | None = None) -> None:
     """Refuses, as a usage error (exit 2, one line naming the flag), a count in ``positive``
-    below 1 or in ``at_least_zero`` below 0 (a ``None`` default passes)."""
+    below 1 (or its ``least``) or in ``at_least_zero`` below 0, or above its ``most`` (default
+    :data:`MOST`; a ``None`` default passes)."""
     for flag in [*positive, *at_least_zero]:
-        v = getattr(args, flag[2:].replace("-", "_"))
-        least = 1 if flag in positive else 0
-        if v is not None and v < least:
-            ap.error(f"{flag} must be at least {least}, got {v}")
+        v = value(args, flag)
+        low = (least or {}).get(flag, 1 if flag in positive else 0)
+        top = (most or {}).get(flag, COMMON_MOST.get(flag, MOST))
+        if v is not None and v < low:
+            ap.error(f"{flag} must be at least {low}, got {v}")
+        if v is not None and v > top:
+            ap.error(f"{flag} must be at most {top}, got {v}")
+
+
+def check_out(ap: argparse.ArgumentParser, path: str, flag: str = "--out") -> str:
+    """Makes the output directory ``path`` and checks a file can be written there; else a usage
+    error naming ``flag``. Returns ``path``."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        ap.error(f"{flag} {path!r} cannot be created or written: {e.strerror or e}")
+    return path
+
+
+def check_out_file(ap: argparse.ArgumentParser, path: str, flag: str = "--out") -> str:
+    """Checks that the output file ``path`` can be written (its directory exists and takes a
+    file; ``path`` is no directory) without writing it; else a usage error naming ``flag``."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        ap.error(f"{flag} {path!r} is a directory, not a file")
+    if not os.path.isdir(parent):
+        ap.error(f"{flag} {path!r}: the directory {parent!r} does not exist")
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        ap.error(f"{flag} {path!r} cannot be written: {e.strerror or e}")
+    return path
+
+
+def check_in_file(ap: argparse.ArgumentParser, path: str, flag: str) -> str:
+    """Checks that the input file ``path`` exists and can be read; else a usage error."""
+    if not os.path.isfile(path):
+        ap.error(f"{flag} {path!r} is not a file")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        ap.error(f"{flag} {path!r} cannot be read: {e.strerror or e}")
+    return path
+
+
+def default_out() -> str:
+    """The output directory of the scripts that write to ``$OUT``: ``$OUT``, else /tmp."""
+    return os.environ.get("OUT") or "/tmp"
+
+
+def need_modules(ap: argparse.ArgumentParser, what: str, modules: Sequence[str]) -> None:
+    """A usage error naming the first of ``modules`` that cannot be imported here (looked up,
+    not imported)."""
+    import importlib.util
+
+    for name in modules:
+        if importlib.util.find_spec(name) is None:
+            ap.error(f"{what} needs the {name!r} module, which is not installed here "
+                     "(scripts/python-gpu.sh bench-build builds vmem_bench; kvcached is pip-installed there)")
+
+
+def need_gpu(ap: argparse.ArgumentParser, what: str = "this benchmark") -> None:
+    """A usage error where torch sees no CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        ap.error(f"no GPU: {what} runs on CUDA only")
 
 
 def check_fraction(ap: argparse.ArgumentParser, flag: str, value: float) -> None:
@@ -61,10 +148,23 @@ def check_fraction(ap: argparse.ArgumentParser, flag: str, value: float) -> None
         ap.error(f"{flag} must be a fraction in (0, 1], got {value}")
 
 
-def check_seconds(ap: argparse.ArgumentParser, flag: str, value: float) -> None:
-    """Refuses, as a usage error, ``value`` of ``flag`` not above 0 seconds (NaN included)."""
+#: The longest a timed flag may ask for: a week (an infinite or absurd wait is a typo).
+MOST_SECONDS = 7 * 24 * 3600.0
+
+
+def check_seconds(ap: argparse.ArgumentParser, flag: str, value: float, most: float = MOST_SECONDS) -> None:
+    """Refuses, as a usage error, ``value`` of ``flag`` not above 0 seconds or above ``most``
+    (NaN and infinity included)."""
     if not value > 0:
         ap.error(f"{flag} must be more than 0 seconds, got {value}")
+    if not value <= most:
+        ap.error(f"{flag} must be at most {most:g} seconds, got {value}")
+
+
+def check_positive(ap: argparse.ArgumentParser, flag: str, value: float) -> None:
+    """Refuses, as a usage error, ``value`` of ``flag`` not a finite number above 0."""
+    if not 0 < value < float("inf"):
+        ap.error(f"{flag} must be a finite number above 0, got {value}")
 
 
 def check_flags(ap: argparse.ArgumentParser, args: Any, positive: Sequence[str],
@@ -78,12 +178,16 @@ def check_flags(ap: argparse.ArgumentParser, args: Any, positive: Sequence[str],
     check_seconds(ap, "--timeout", args.timeout)
     if args.page_size is not None:
         page_bytes(ap, args.page_size)
-    if not os.path.isfile(args.trace):
-        ap.error(f"--trace {args.trace!r} is not a file")
-    try:
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as e:
-        ap.error(f"--out {args.out!r} cannot be created: {e.strerror}")
+    check_in_file(ap, args.trace, "--trace")
+    check_out(ap, args.out)
+
+
+def check_fits(ap: argparse.ArgumentParser, args: Any) -> None:
+    """Refuses, as a usage error, ``--max-prompt`` + ``--new-tokens`` past ``--max-context`` (vmem's
+    row: such a request would be refused when it arrives)."""
+    if args.max_prompt + args.new_tokens > args.max_context:
+        ap.error(f"--max-prompt {args.max_prompt} + --new-tokens {args.new_tokens} pass --max-context "
+                 f"{args.max_context} (a vmem row)")
 
 
 def page_bytes(ap: argparse.ArgumentParser, text: Any) -> int:

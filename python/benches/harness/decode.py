@@ -7,7 +7,6 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -18,7 +17,8 @@ from harness.models import LLAMA_TOKENS, llama3_8b_config, random_model
 from harness.stats import percentile
 from harness.trace import prompt_lengths
 
-OUT = os.environ.get("OUT", "/tmp")
+#: the benchmarks, by name (``--benches`` picks some)
+BENCHES = ("throughput", "padding_cost")
 FAILS = []
 RESULTS = {}
 
@@ -164,14 +164,10 @@ def padding_cost():
     RESULTS["padding_cost"] = rows_out
 
 
-def main():
+def main(out_dir: str, only: list[str]) -> int:
+    """The benchmarks of ``only`` (all when empty), results in ``out_dir``; 1 if one failed."""
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, vmem {vmem.__version__}", flush=True)
     benches = [throughput, padding_cost]
-    # BENCHES=name,name runs only those (to fit a time limit); default: all.
-    only = [c for c in os.environ.get("BENCHES", os.environ.get("CHECKS", "")).split(",") if c]
-    unknown = set(only) - {f.__name__ for f in benches}
-    if unknown:
-        sys.exit(f"unknown benchmarks {sorted(unknown)}")
     for f in benches:
         if only and f.__name__ not in only:
             continue
@@ -185,7 +181,7 @@ def main():
             check(f.__name__, False, f"raised {type(e).__name__}: {e}")
         print(f"-- {f.__name__}: {time.perf_counter() - t:.1f} s", flush=True)
     name = "python_gpu.json" if not only else f"python_gpu-{'-'.join(only)}.json"
-    with open(os.path.join(OUT, name), "w") as fh:
+    with open(os.path.join(out_dir, name), "w") as fh:
         json.dump({"results": RESULTS, "failures": FAILS}, fh, indent=1)
     print("ALL PYTHON GPU BENCHMARKS RAN" if not FAILS else f"FAILED: {FAILS}")
-    sys.exit(1 if FAILS else 0)
+    return 1 if FAILS else 0

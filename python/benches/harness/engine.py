@@ -96,13 +96,13 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
 
     ``cb_kwargs``: the ``ContinuousBatchingConfig``; ``serving``: options of
     ``vmem.transformers.serving`` held from making the manager until it stopped (its thread
-    builds the cache; ``None``: none);
+    builds the cache; ``None`` or empty: none, and vmem is not imported);
     ``stagger[i]``: add request ``i`` only after that many results (streamed tokens or finished
     requests) came back, so requests join mid-run; ``primers``: serve the first ``primers``
     prompts to the end first, and start the clock after them; ``request_kwargs``: more
     ``add_request`` arguments; ``warmup``: ``manager.warmup()`` before ``start`` (what
     ``generate_batch`` does), with ``workload_hints`` from the prompts; ``decode_warmup``: then
-    every decode graph captured for a cache not vmem's (:func:`vmem.transformers.warmup.capture_graphs`,
+    every decode graph captured for a cache not vmem's (:func:`harness.graphwarm.capture`,
     and every varlen graph up to the fi-paged peer's ``graph_max_tokens``; vmem's caches get it
     from ``warmup``); ``inspect(cache)``: called
     once after the last result, before the engine stops, its dict returned as ``cache_info``.
@@ -128,7 +128,7 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
     run: dict[str, Any] = {"ids": ids, "prompts": prompts, "results": {}, "streamed": {}, "error": None,
                            "gpu_allocated_before_bytes": torch.cuda.memory_allocated() if torch.cuda.is_available() else 0}
     observer = Observer(model, capture_logits, on_round)
-    if serving is None:
+    if not serving:
         options: Any = contextlib.nullcontext()
     else:
         import vmem.transformers as vt
@@ -143,12 +143,12 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
             mgr.warmup()
         cache = getattr(mgr.batch_processor, "cache", None)
         if decode_warmup and cache is not None and getattr(cache, "round_buffers", None) is None:
-            from vmem.transformers.warmup import capture_graphs
+            from harness import graphwarm
 
             limit = getattr(cache, "fi_graph_max_tokens", None) or 0  # the fi-paged peer's graph_max_tokens
-            capture_graphs(mgr.batch_processor.model_runner, model,
-                           max_context=int(getattr(model.config, "max_position_embeddings", 0) or 0),
-                           varlen_tokens=limit, every_varlen=bool(limit))
+            graphwarm.capture(mgr.batch_processor.model_runner, model,
+                              max_context=int(getattr(model.config, "max_position_embeddings", 0) or 0),
+                              varlen_tokens=limit)
         run["init_s"] = time.perf_counter() - t_init
         if warmup:
             # the cache, the engine's buffers, the graphs (0 without CUDA)

@@ -8,9 +8,11 @@ gather, with the engine's CUDA graphs: what vLLM and SGLang do, in the same engi
   ``page_size`` tokens every ``2 * layers`` pages) with page id = block id x that stride.
 * **Planned once per round, outside any graph.** The cache records each request's
   ``(past, query, blocks)`` as the engine prepares the round; a wrapper of
-  ``ModelRunner.compute_batch`` turns them into FlashInfer's arguments (:mod:`harness.fi_plan`;
-  the kernels: :mod:`harness.fi_kernels`)
-  and plans, on the compute stream, before the forward runs, is captured or is replayed.
+  ``ModelRunner.compute_batch`` turns them into FlashInfer's arguments (:func:`plan_round`, a
+  :class:`vmem.kernels.flashinfer.PagedPlan` over the pool's pages) and plans them, on the compute
+  stream, before the forward runs, is captured or is replayed, into the wrappers vmem's own
+  ``kernel="flashinfer"`` builds (:class:`vmem.kernels.fi_graphs.WrapperSet`: one per IO pair and
+  kind, and in graph mode one per padded size, over one workspace sized for padded rounds).
   Decode rounds: ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)``; prefill and
   mixed rounds: ``BatchPrefillWithPagedKVCacheWrapper`` (causal).
 * **CUDA graphs.** The engine's own graphs (``use_cuda_graph=True``) capture the forward; each
@@ -18,17 +20,16 @@ gather, with the engine's CUDA graphs: what vLLM and SGLang do, in the same engi
   size fixed per key, as FlashInfer demands) and is re-planned before every replay. The engine
   keys its varlen graphs by ``(T, kv read, max k)``, which a decode round and a mixed round can
   share: the patched ``_get_graph_key`` adds the round's kind.
-* **Async batching.** Each of the engine's two IO pairs plans into wrappers of its own
-  (:class:`harness.fi_kernels.FlashInferKernel`), so planning round N + 1 never writes what
-  round N, queued on the compute stream, still reads: the peer gets what vmem's
-  ``kernel="flashinfer"`` gets.
+* **Async batching.** Each of the engine's two IO pairs plans into wrappers of its own, so
+  planning round N + 1 never writes what round N, queued on the compute stream, still reads: the
+  peer gets what vmem's ``kernel="flashinfer"`` gets, from the same code.
 * **Attention name.** ``fipaged``, registered through vmem's public
   :func:`vmem.transformers.register_cache` with its own attention function. On 5.19+
   ``switch_to_cb_friendly_attn`` refuses names other than ``paged|eager``, ``sdpa`` or flash
   ones; vmem's installed engine patch (:mod:`vmem.transformers.engine519`) lets registered names
   through unchanged, which is the way a harness registers a contender there.
 
-On the CPU (tests) the same plan runs through :func:`harness.fi_plan.reference_paged_attention`;
+On the CPU (tests) the same plan runs through :func:`vmem.kernels.flashinfer.paged_reference`;
 on CUDA without FlashInfer the contender is refused (never silently the slow reference). On 5.24
 the models call ``cache.update`` before the attention: the 5.19+ class's ``update`` hands the cache
 to the attention instead of gathering, as vmem's engine519 does (checked on the CPU only).
@@ -37,18 +38,71 @@ to the attention instead of gathering, as vmem's engine519 does (checked on the 
 from __future__ import annotations
 
 import contextlib
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 import vmem.transformers as vt
-from harness.fi_kernels import FlashInferKernel, ReferenceKernel, flashinfer_available
-from harness.fi_plan import plan_round
+from harness.contenders import FI_PAGED_ATTENTION
+from vmem.kernels import fi_graphs
+from vmem.kernels import flashinfer as fi
 from vmem.transformers.graphs import without_varlen_graph
 
-#: The attention name of ``fi-paged`` (no ``flash``/``sdpa``/``flex_attention`` in it).
-FI_PAGED_ATTENTION = "fipaged"
 _classes: dict[Any, Any] = {}
+#: One request of a round: ``(past, query, pages)``, ``query`` new tokens after ``past`` cached
+#: ones, its K/V in ``pages`` (the pool's page ids, in order).
+Request = tuple[int, int, Sequence[int]]
+
+
+class PlanError(ValueError):
+    """A round the plan cannot express (the contender's bug or a misuse, never the user's data)."""
+
+
+def plan_round(requests: Sequence[Request], page_size: int, trash_page: int, num_q_tokens: int,
+               num_seqs: int | None = None) -> fi.PagedPlan:
+    """FlashInfer's arguments for one round of the engine's (the round's query tokens are the
+    engine's packed ``[T]``, request after request; with CUDA graphs the engine pads ``T`` and the
+    number of sequences, ``num_seqs``, default the requests):
+
+    * **decode** (every request one new token): one FlashInfer request per query token, padding
+      tokens included (each reads one token of the trash page): batch size ``T``.
+    * **prefill / mixed**: the engine's ``num_seqs`` (padded with empty requests, ``qo_len`` 0,
+      one trash token) plus one request that holds the padding tokens (as many trash tokens as
+      padding tokens, so it is causal-valid; its output is never read): batch ``num_seqs + 1``,
+      fixed per graph key, as FlashInfer's graph mode demands.
+
+    :class:`PlanError` on a request whose pages do not hold ``past + query`` tokens, or padding
+    the round cannot hold."""
+    if page_size <= 0:
+        raise PlanError(f"page_size must be positive, got {page_size}")
+    total = 0
+    for past, query, pages in requests:
+        if query <= 0 or past < 0 or len(pages) < math.ceil((past + query) / page_size):
+            raise PlanError(f"request (past={past}, query={query}) with {len(pages)} pages of {page_size} tokens")
+        total += query
+    pad = num_q_tokens - total
+    seqs = len(requests) if num_seqs is None else num_seqs
+    if pad < 0 or seqs < len(requests):
+        raise PlanError(f"{len(requests)} requests of {total} tokens in a round of {num_q_tokens} tokens, "
+                        f"{seqs} sequences")
+    decode = bool(requests) and all(q == 1 for _, q, _ in requests)
+    # (queries, keys, pages) of every FlashInfer request: the real ones, then the padding (decode:
+    # one request per padding token, each reading one trash token; else empty sequences and one
+    # request holding the padding tokens)
+    extra = [(1, 1)] * pad if decode else [(0, 1)] * (seqs - len(requests)) + [(pad, max(pad, 1))]
+    reqs = [(q, past + q, list(pages[:math.ceil((past + q) / page_size)])) for past, q, pages in requests]
+    reqs += [(q, kv, [trash_page] * math.ceil(kv / page_size)) for q, kv in extra]
+    qo, indptr, last = [0], [0], []
+    for q, kv, pages in reqs:
+        qo.append(qo[-1] + q)
+        indptr.append(indptr[-1] + len(pages))
+        last.append(kv - (len(pages) - 1) * page_size)
+    i32 = torch.int32
+    return fi.PagedPlan(torch.tensor(qo, dtype=i32), torch.tensor(indptr, dtype=i32),
+                        torch.tensor([p for _, _, pages in reqs for p in pages], dtype=i32),
+                        torch.tensor(last, dtype=i32), page_size, decode, qo[-1])
 
 
 class FiPagedMixin:
@@ -61,40 +115,63 @@ class FiPagedMixin:
     #: this peer alike): prefill rounds of more padded tokens run without a CUDA graph.
     fi_graph_max_tokens: int | None = None
 
-    def fi_setup(self, config: Any, dtype: torch.dtype, device: Any, backend: str) -> None:
+    def fi_setup(self, config: Any, dtype: torch.dtype, device: Any) -> None:
+        """The round's state and, where FlashInfer's kernels run (CUDA), its wrappers: vmem's
+        :class:`~vmem.kernels.fi_graphs.WrapperSet` over a workspace sized for padded rounds of the
+        engine's ``max_batch_tokens`` (as every graph contender pads), each request's index
+        buffers holding the most pages a request or the padding can list."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        heads = (config.num_attention_heads, self._kv_heads(), head_dim)
-        self.fi_round: list[tuple[int, int, list[int]]] = []
+        self.fi_round: list[Request] = []
         self.fi_scale = getattr(config, "attention_multiplier", None) or head_dim ** -0.5
-        cls = FlashInferKernel if backend == "flashinfer" else ReferenceKernel
+        self.fi_current: tuple[fi.PagedPlan, Any] | None = None
+        self.fi_wrappers: fi_graphs.WrapperSet | None = None
+        self.fi_backend_name = "reference"
+        if not fi.kernels_on(torch.device(device)):
+            return
+        try:
+            flashinfer = fi.load_flashinfer()
+        except vt.InvalidArgument:
+            raise vt.InvalidArgument(f"{FI_PAGED_ATTENTION} on CUDA needs FlashInfer ({fi.FLASHINFER_RANGE}); the "
+                                     "pure-torch reference is for CPU tests") from None
+        heads, kv_heads = config.num_attention_heads, self._kv_heads()
         max_tokens = int(getattr(self, "max_batch_tokens", 0) or 0)  # the engine's round size (graph padding)
-        self.fi_backend = cls(heads, self.page_size, dtype, device, max_tokens)
-        self.fi_backend.max_pages = self.total_pages()
-        self.fi_backend_name = backend
+        longest = max(int(getattr(config, "max_position_embeddings", 0) or 0), max_tokens, 1)
+        self.fi_wrappers = fi_graphs.WrapperSet(
+            flashinfer, torch.device(device), fi_graphs.workspace_bytes(True, max_tokens, heads, head_dim), heads,
+            kv_heads, head_dim, dtype, max_pages=-(-longest // self.page_size) + 1)
+        self.fi_backend_name = "flashinfer"
 
     def fi_record(self, request_id: str, past_length: int, query_length: int) -> None:
         self.fi_round.append((past_length, query_length, self._blocks(request_id)))
 
     def fi_plan(self, batch_data: dict[str, Any], graph: bool, pair: int = 0) -> None:
-        """Plans the round the engine just prepared (outside any graph capture) for IO pair
-        ``pair``."""
+        """Plans the round the engine just prepared (outside any graph capture, on the current
+        stream: the compute stream) for IO pair ``pair``."""
         t = int(batch_data["input_ids"].shape[-1])
         seqs = int(batch_data["cu_seq_lens_q"].numel()) - 1
         entries, self.fi_round = self.fi_round, []  # taken first: a refused round never leaks into the next
-        rnd = plan_round(entries, self.page_size, self.trash_page, t, seqs)
-        self.fi_kind = "decode" if rnd.decode else "prefill"
-        self.fi_backend.plan(rnd, graph, self.fi_scale, pair)
+        plan = plan_round(entries, self.page_size, self.trash_page, t, seqs)
+        self.fi_kind = "decode" if plan.decode else "prefill"
+        wrapper = None if self.fi_wrappers is None else \
+            self.fi_wrappers.plan(plan, pair=pair, graph=graph, scale=self.fi_scale)
+        self.fi_current = plan, wrapper
 
     def fi_run(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                write_index: torch.Tensor) -> torch.Tensor:
         """Writes the layer's new K/V in place (the engine's write indices), reads every request
         through the plan: ``[1, T, Hq, D]``."""
+        if self.fi_current is None:
+            raise vt.VmemError(f"{FI_PAGED_ATTENTION}: a forward with no round planned (the engine's "
+                               "compute_batch is not the harness's)")
+        plan, wrapper = self.fi_current
         k_flat, v_flat, k_pages, v_pages = self._layer_views(layer)
         t = query.shape[2]
         k_flat.index_copy_(0, write_index[:t], key.transpose(1, 2).squeeze(0))
         v_flat.index_copy_(0, write_index[:t], value.transpose(1, 2).squeeze(0))
         q = query.transpose(1, 2).squeeze(0).contiguous()
-        return self.fi_backend.run(q, k_pages, v_pages).unsqueeze(0)
+        if wrapper is None:
+            return fi.paged_reference(q, k_pages, v_pages, plan, self.fi_scale).unsqueeze(0)
+        return wrapper.run(q, (k_pages, v_pages)).unsqueeze(0)
 
 
 def _class_517(engine_cache: Any) -> Any:
@@ -110,9 +187,6 @@ def _class_517(engine_cache: Any) -> Any:
 
         def _kv_heads(self) -> int:
             return int(self.key_cache[0].shape[1])
-
-        def total_pages(self) -> int:
-            return int(self.key_cache[0].shape[0]) // self.block_size
 
         def _blocks(self, request_id: str) -> list[int]:
             return list(self.group_cache_managers[0].block_table[request_id])
@@ -149,9 +223,6 @@ def _class_519(engine_cache: Any) -> Any:
 
         def _kv_heads(self) -> int:
             return int(self.fi_alloc.num_key_value_heads)
-
-        def total_pages(self) -> int:
-            return int(next(iter(self.fi_alloc._kv_page_views.values()))[0].shape[0])
 
         def _blocks(self, request_id: str) -> list[int]:
             return [b * self.pages_stride for b in self.fi_alloc.block_table[request_id]]
@@ -254,12 +325,7 @@ def fi_paged_cache(request: vt.CacheRequest) -> Any:
     if cls is None:
         cls = _classes[request.engine_cache] = make(request.engine_cache)
     cache = request.build_engine_cache(cls)
-    on_cuda = torch.device(request.device).type == "cuda"
-    if on_cuda and not flashinfer_available(request.device):
-        raise vt.InvalidArgument(f"{FI_PAGED_ATTENTION} on CUDA needs FlashInfer (flashinfer-python 0.6.13, "
-                                 "pip install \"vmem-kv[flashinfer]\"); the pure-torch reference is for CPU tests")
-    backend = "flashinfer" if on_cuda else "reference"
-    cache.fi_setup(request.config, request.dtype, request.device, backend)
+    cache.fi_setup(request.config, request.dtype, request.device)
     cache.fi_graph_max_tokens = request.options.graph_max_tokens
     _install_hooks()
     return cache

@@ -103,7 +103,8 @@ def instrument(clock: HookClock, model: Any, hooks: bool, vmem_attn: str, native
     runner = importlib.import_module("transformers.generation.continuous_batching.model_runner").ModelRunner
     if hooks:
         import vmem.transformers as vt
-        from vmem.transformers import fa, graphs, tenancy
+        from vmem.kernels import buffers, fa
+        from vmem.transformers import graphs, tenancy
 
         clock.wrap(api.ContinuousBatchProcessor, "prepare_next_batch", "engine.prepare")
         clock.wrap(api.ContinuousBatchProcessor, "update_batch", "engine.update")
@@ -114,7 +115,7 @@ def instrument(clock: HookClock, model: Any, hooks: bool, vmem_attn: str, native
         clock.wrap_all(vt.cache_class(), [(m, f"vmem.{m}") for m in VMEM_METHODS])
         for mod, fns in ((tenancy, VMEM_FUNCTIONS["tenancy"]), (graphs, VMEM_FUNCTIONS["graphs"])):
             clock.wrap_all(mod, [(f, f"vmem.{f}") for f in fns])
-        clock.wrap(graphs.RoundBuffers, "fill", "vmem.RoundBuffers.fill")
+        clock.wrap(buffers.RoundBuffers, "fill", "vmem.RoundBuffers.fill")
         clock.wrap(fa.FaReader, "__call__", "vmem.reader")
         clock.wrap(fa, "fa_varlen_reference", "cpu.fa_reference")
         clock.wrap(torch, "index_select", "cpu.index_select")
@@ -130,7 +131,7 @@ def run_one(model: Any, name: str, batch: int, args: Any, mode: str, profile: bo
     Returns the rounds the clock filed, and with ``profile`` the engine thread's cProfile text."""
     import vmem.transformers as vt
 
-    spec = cont.spec(name.split("@")[0])
+    spec = cont.spec(name)
     cfg = model.config
     token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
     # Every request fits one 256-token block; a quarter more lets the engine's safety margin (0.15 of its
@@ -144,7 +145,7 @@ def run_one(model: Any, name: str, batch: int, args: Any, mode: str, profile: bo
     vt.install()  # the engine patch first: the clock wraps what the engine will call
     clock = HookClock()
     prof = cProfile.Profile() if profile else None
-    with variant(name), clock:  # the variant's code first: the clock wraps what will run
+    with clock:
         instrument(clock, model, mode == "hooks", cont.VMEM_ATTENTION, native_attn_name())
         if prof is not None:
             _profile_loop(clock, prof)
@@ -158,7 +159,7 @@ def run_one(model: Any, name: str, batch: int, args: Any, mode: str, profile: bo
         stats = pstats.Stats(prof, stream=s).sort_stats("tottime")
         s.write("== vmem's code and the engine's scheduling and batch preparation (host work; the "
                 "kernels' CPU stand-ins excluded), by own time:\n")
-        stats.print_stats(r"vmem/(?!transformers/fa\.py:\d+\(fa_varlen_reference)|continuous_batching/|_vmem",
+        stats.print_stats(r"vmem/(?!kernels/fa\.py:\d+\(fa_varlen_reference)|continuous_batching/|_vmem",
                           args.profile_top)
         s.write("\n== everything, by own time (the CPU kernels first: FA's CPU reference, the model's ops):\n")
         stats.print_stats(args.profile_top)
@@ -182,18 +183,6 @@ def _profile_loop(clock: HookClock, prof: cProfile.Profile) -> None:
 
     mgr._run_generation_loop = loop
     clock.on_restore(lambda: setattr(mgr, "_run_generation_loop", original))
-
-
-def variant(name: str) -> Any:
-    """The code a contender runs: ``name@before`` the code before this issue's cuts
-    (:mod:`harness.hostcost_before`), anything else the package as it is."""
-    import contextlib
-
-    if name.endswith("@before"):
-        from harness import hostcost_before
-
-        return hostcost_before.patched()
-    return contextlib.nullcontext()
 
 
 def setup(device: str) -> None:

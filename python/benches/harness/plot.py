@@ -5,10 +5,13 @@ import json
 COLORS = {"dynamic": "#888888", "static": "#1f77b4", "vmem-per-layer": "#d62728", "vmem-token-major": "#ff7f0e"}
 
 
-def main(src, dst):
-    """Writes the SVG of ``src`` (python_gpu.json) to ``dst``."""
+def svg(src: str) -> str:
+    """The SVG of ``src`` (python_gpu.json); ``ValueError`` (or ``KeyError``) for a file that holds
+    no throughput rows."""
     with open(src) as f:
         rows = json.load(f)["results"]["throughput"]
+    if not isinstance(rows, list) or not rows:
+        raise ValueError("no throughput rows")
     groups = []
     for r in rows:
         key = (r["batch"], r["context"])
@@ -45,6 +48,5 @@ def main(src, dst):
         out.append(f'<rect x="{x}" y="{H-28}" width="12" height="12" fill="{COLORS[c]}"/>')
         out.append(f'<text x="{x+16}" y="{H-18}">{c}</text>')
     out.append("</svg>")
-    with open(dst, "w") as f:
-        f.write("\n".join(out) + "\n")
+    return "\n".join(out) + "\n"
 

@@ -9,16 +9,17 @@ import threading
 import time
 
 import torch
-from vmem.hf import VmemCache
 
 from harness.models import LLAMA_TOKENS, llama3_8b_config, random_model
+from vmem.hf import VmemCache
 
 LENGTHS = [1024, 4096, 16384, 65536]
 ROUNDS = 4
 ITERATION_S = 0.025
 
 
-def main():
+def main(out_dir: str) -> int:
+    """Every length and mode, interleaved; the table printed, prefill_cost.json written to ``out_dir``."""
     cfg = llama3_8b_config(32, vocab=32000, max_position_embeddings=65536 + 64, tokens=LLAMA_TOKENS)
     model = random_model(cfg, torch.bfloat16, "cuda")
     times = {(n, m): [] for n in LENGTHS for m in ["premapped", "synchronous", "map_ahead"]}
@@ -62,5 +63,6 @@ def main():
         mp = statistics.median(mapping[n])
         rows.append({"tokens": n, "map_s": mp, "premapped_s": pre, "synchronous_s": syn, "map_ahead_s": ahe})
         print(f"{n:>7} {mp * 1e3:>8.1f} {pre * 1e3:>13.1f} {syn * 1e3:>9.1f} {syn / pre:>9.3f} {ahe * 1e3:>13.1f} {ahe / pre:>10.3f}", flush=True)
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "prefill_cost.json"), "w") as fh:
+    with open(os.path.join(out_dir, "prefill_cost.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
+    return 0

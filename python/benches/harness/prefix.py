@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from harness.check import compare, cross_compare, run_engine
-from harness.contenders import PREFIX, contender_config, is_vmem_cache
+from harness.contenders import PREFIX, attention, contender_config, is_vmem_cache
 from harness.trace import random_prompts
 
 #: requests of the correctness check on the GPU (6 with ``--tiny``)
@@ -46,7 +46,7 @@ def check(model: Any, args: Any, budget: dict[str, int], suffixes: list[int], to
         for name in filter(None, (shared_name, plain_name)):
             spec = PREFIX[name]
             extra, opts = contender_config(model, spec, args, budget, max_requests=32)
-            runs[name] = run_engine(model, spec["attn"], prompts, new, cb_kwargs=dict(cbk, **extra),
+            runs[name] = run_engine(model, attention(spec), prompts, new, cb_kwargs=dict(cbk, **extra),
                                     serving=opts, stagger=stagger)
             # Keep what is needed of the cache, and let its memory go before the next run.
             cache = runs[name].pop("cache")

@@ -1,5 +1,6 @@
 """One contender served through :func:`harness.engine.run_engine` on one KV budget, timed: what
-serving_bench.py and prefix_serving.py measure per run."""
+serving_bench.py, prefix_serving.py and the serving suite measure per run. Imports no vmem: the
+engine's own contenders run from here in a process without it (:mod:`harness.clean`)."""
 
 from __future__ import annotations
 
@@ -88,10 +89,9 @@ def run_contender(model: Any, name: str, prompts: list[list[int]], args: Any, bu
     # A contender with CUDA graphs captures them at its engine's start, as a server would, not
     # while the clock runs: the engine's warmup and every decode graph (vmem.transformers.warmup).
     warm = bool(spec.get("graphs")) and getattr(args, "graph_warmup", True)
-    with ct.carry_over(spec), ct.round_copies(spec), ct.margin_check(spec):
-        run = run_engine(model, spec["attn"], prompts, new, cb_kwargs=kw, serving=opts, primers=primers,
-                         record_timestamps=True, inspect=cache_info, timeout=args.timeout, stop_timeout=120,
-                         warmup=warm, decode_warmup=warm, name=name, id_prefix="r")
+    run = run_engine(model, ct.attention(spec), prompts, new, cb_kwargs=kw, serving=opts, primers=primers,
+                     record_timestamps=True, inspect=cache_info, timeout=args.timeout, stop_timeout=120,
+                     warmup=warm, decode_warmup=warm, name=name, id_prefix="r")
     timed = [run["results"][rid] for rid in run["ids"][primers:]]
     m = serving_metrics(run["t0"], [r.created_time for r in timed], [r.timestamps or [] for r in timed])
     generated = sum(len(r.generated_tokens) for r in timed)
@@ -114,6 +114,23 @@ def run_contender(model: Any, name: str, prompts: list[list[int]], args: Any, bu
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
+
+
+def run_measured(model: Any, name: str, prompts: list[list[int]], args: Any, budget: dict[str, int],
+                 contenders: dict[str, ct.Spec], new_tokens: int | None = None) -> dict[str, Any]:
+    """:func:`run_contender` with ``device_mb``: the peak of ``cudaMemGetInfo``'s used bytes
+    during the run, sampled by :class:`harness.memwatch.MemWatch`, less the level right before it
+    (``None`` without CUDA)."""
+    from harness.memwatch import MemWatch, used_bytes
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    idle = used_bytes()
+    with MemWatch() as mw:
+        r = run_contender(model, name, prompts, args, budget, contenders, new_tokens=new_tokens)
+    r["device_mb"] = (mw.peak - idle) / 2**20 if mw.peak is not None and idle is not None else None
+    return r
 
 
 def serving_model(args: Any) -> Any:

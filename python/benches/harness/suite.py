@@ -1,7 +1,8 @@
-"""The serving suite's workloads and runs (issue #32 items 5 and 6): two traces, two models, two
-KV budgets, every contender of the registry asked for, interleaved per workload in one process;
-each row with its device memory, its roofline bound and its ratios to the engine's best and to
-``fi-paged``. serving_suite.py parses the flags and calls :func:`run_suite`."""
+"""The serving suite's workloads and runs: two traces, three models, two KV budgets, every
+contender of the registry asked for, interleaved per workload; each row with its device memory,
+its roofline bound and its ratios to the engine's best (served with vmem installed, and in a
+process where vmem was never imported: ``NAME@clean``, :mod:`harness.clean`) and to ``fi-paged``.
+serving_suite.py parses the flags and calls :func:`run_suite`."""
 
 from __future__ import annotations
 
@@ -11,16 +12,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from harness import clean
 from harness import contenders as ct
 from harness import roofline as rf
-from harness.blockflex import BLOCKFLEX_ATTENTION
 from harness.trace import default_trace, repo_root
 
 #: the suite's traces, by name (they travel with the repository)
 TRACES = {"conv": default_trace(),
           "code": f"{repo_root()}/vmem-cli/data/traces/azure-code-2023-first2000.csv"}
-#: the suite's models: Llama-3-8B shapes x 8 layers, and a smaller model at its full depth
-MODELS = ("llama3-8b-x8", "llama3.2-1b")
+#: the suite's models, the headline first: Llama-3-8B's shapes at its full depth (32 layers), the
+#: same shapes at 8 layers, and Llama-3.2-1B's at its full depth (16)
+MODELS = ("llama3-8b", "llama3-8b-x8", "llama3.2-1b")
+#: each model's layers, and those of its tiny CPU stand-in (``--tiny``: as deep relative to the others)
+LAYERS = {"llama3-8b": (32, 8), "llama3-8b-x8": (8, 2), "llama3.2-1b": (16, 4)}
 #: the KV budgets: every request's KV at once, and about a tenth of that (memory-bound)
 BUDGETS = ("fits", "tenth")
 #: the FlashInfer paged peer the ratios are taken against
@@ -31,28 +35,36 @@ ENGINE_BLOCK = 256
 
 def registry() -> dict[str, ct.Spec]:
     """The serving contenders the running transformers version offers, by name (the catalog's
-    entries for this version: the engine's own, vmem's, fi-paged's)."""
-    return {name: ct.spec(name) for name in ct.offered()}
+    entries for this version: the engine's own, vmem's, fi-paged's), and each engine-native one
+    again as ``NAME@clean`` (served in a process without vmem)."""
+    reg = {name: ct.spec(name) for name in ct.offered()}
+    return {**reg, **{name + clean.SUFFIX: sp for name, sp in reg.items() if ct.is_engine_native(name, sp)}}
+
+
+def default_contenders() -> list[str]:
+    """The contenders the suite runs when none are named: every one this version offers, and the
+    engine's best again in a process without vmem."""
+    return [*ct.offered(), ct.engine_best() + clean.SUFFIX]
 
 
 def is_engine_native(name: str, spec: ct.Spec) -> bool:
-    """Whether ``spec`` is one of the engine's own attentions over its own cache: not vmem, not
-    an attention the harness registers (``paged|blockflex``, FlashInfer's ``fi-*``)."""
-    return not ct.is_vmem(spec) and spec["attn"] != BLOCKFLEX_ATTENTION and not name.startswith("fi-")
+    """Whether ``spec`` is one of the engine's own attentions over its own cache (in either process)."""
+    return ct.is_engine_native(name, spec)
 
 
 def model_config(name: str, tiny: bool) -> Any:
-    """The config of model ``name`` (context 8,192); ``tiny``: a 2-layer (8B stand-in) or 4-layer
-    (1B stand-in) tiny Llama for the CPU."""
+    """The config of model ``name`` (context 8,192); ``tiny``: its tiny Llama stand-in for the
+    CPU (:data:`LAYERS`)."""
     from harness.models import SERVING_TOKENS, llama3_8b_config, llama32_1b_config, tiny_llama_config
 
+    layers, tiny_layers = LAYERS[name]
     if tiny:
         cfg = tiny_llama_config()
-        cfg.num_hidden_layers = 2 if name == MODELS[0] else 4
+        cfg.num_hidden_layers = tiny_layers
         return cfg
-    if name == MODELS[0]:
-        return llama3_8b_config(8, max_position_embeddings=8192, tokens=SERVING_TOKENS)
-    return llama32_1b_config(16, max_position_embeddings=8192, tokens=SERVING_TOKENS)
+    if name.startswith("llama3-8b"):
+        return llama3_8b_config(layers, max_position_embeddings=8192, tokens=SERVING_TOKENS)
+    return llama32_1b_config(layers, max_position_embeddings=8192, tokens=SERVING_TOKENS)
 
 
 def granule_tokens(shape: rf.ModelShape, page_bytes: int) -> int:
@@ -101,21 +113,25 @@ def workload(trace: str, model_name: str, budget: str, prompts: list[list[int]],
 
 
 def run_one(model: Any, w: Workload, name: str, args: Any, shape: rf.ModelShape, peaks: rf.Peaks,
-            rnd: int) -> dict[str, Any]:
-    """Contender ``name`` on ``w``, timed, its device memory watched: one result row. A run that
-    fails is a row with ``error`` and 0 requests completed (the suite goes on)."""
+            rnd: int, worker: clean.CleanEngine | None = None) -> dict[str, Any]:
+    """Contender ``name`` on ``w``, timed, its device memory watched: one result row (a
+    ``NAME@clean`` one served by ``worker``, a process without vmem, which measures it the same
+    way). A run that fails is a row with ``error`` and 0 requests completed (the suite goes on)."""
     from harness import serving
-    from harness.memwatch import MemWatch, used_bytes
 
-    gc.collect()
-    _empty_cache()
-    idle = used_bytes()
     row: dict[str, Any] = {"contender": name, "trace": w.trace, "model": w.model, "budget": w.budget, "round": rnd,
                            "kv_budget_mb": w.kv["kv_bytes"] / 2**20, "requests": len(w.prompts)}
     t = time.perf_counter()
     try:
-        with MemWatch() as mw:
-            r = serving.run_contender(model, name, w.prompts, args, w.kv, registry())
+        if clean.is_clean(name):
+            if worker is None:
+                raise RuntimeError("no vmem-free worker for a @clean contender")
+            r = worker.run(name, registry()[name], w.prompts, args, w.kv)
+            if r["vmem_modules"]:
+                raise RuntimeError(f"vmem was imported in the vmem-free process: {r['vmem_modules'][:5]}")
+            row["vmem_modules"] = r["vmem_modules"]
+        else:
+            r = serving.run_measured(model, name, w.prompts, args, w.kv, registry())
     except Exception as e:  # one contender's failure is a row, not the end of the suite
         row.update(error=f"{type(e).__name__}: {e}"[:500], completed=0)
         print(f"{name} {w.trace}/{w.model}/{w.budget}: FAILED {row['error']}", flush=True)
@@ -123,8 +139,7 @@ def run_one(model: Any, w: Workload, name: str, args: Any, shape: rf.ModelShape,
     row.update({k: r.get(k) for k in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tbt_p50_ms", "tbt_p99_ms", "completed",
                                       "generated_tokens", "wall_s", "preemptions", "kv_reserved_mb",
                                       "kv_peak_mapped_mb", "max_running", "rounds", "warmup_mb",
-                                      "graphs_at_start", "graphs_at_end")})
-    row["device_mb"] = (mw.peak - idle) / 2**20 if mw.peak is not None and idle is not None else None
+                                      "graphs_at_start", "graphs_at_end", "device_mb")})
     bound = rf.lower_bound(shape, w.bound, peaks)
     row.update(bound_s=bound["bound_s"], bound_prefill_s=bound["prefill_s"], bound_decode_s=bound["decode_s"],
                roofline=bound["bound_s"] / r["wall_s"] if r["wall_s"] > 0 else None)
@@ -134,23 +149,26 @@ def run_one(model: Any, w: Workload, name: str, args: Any, shape: rf.ModelShape,
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Per workload (trace, model, budget) and round: each row's tok/s over the best engine-native
-    contender's (``vs_engine_best``) and over the best ``fi-paged*``'s (``vs_fi_paged``); ``None`` where
-    that contender did not run or failed."""
+    """Per workload (trace, model, budget) and round, each row's tok/s over: the best engine-native
+    contender's served with vmem installed (``vs_engine``), the best served in the process without
+    vmem (``vs_engine_clean``), the better of the two (``vs_engine_best``), and the best
+    ``fi-paged*``'s (``vs_fi_paged``); ``None`` where that contender did not run or failed."""
     reg = registry()
     cells: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         cells.setdefault((r["trace"], r["model"], r["budget"], r.get("round", 0)), []).append(r)
     for cell in cells.values():
         ok = [r for r in cell if r.get("tok_s")]
-        native = [r["tok_s"] for r in ok
-                  if r["contender"] in reg and is_engine_native(r["contender"], reg[r["contender"]])]
-        best = max(native, default=None)
+        native = [r for r in ok if r["contender"] in reg and is_engine_native(r["contender"], reg[r["contender"]])]
+        inside = max((r["tok_s"] for r in native if not clean.is_clean(r["contender"])), default=None)
+        apart = max((r["tok_s"] for r in native if clean.is_clean(r["contender"])), default=None)
+        best = max((x for x in (inside, apart) if x), default=None)
         fi = max((r["tok_s"] for r in ok if r["contender"].startswith(FI_PAGED)), default=None)
         for r in cell:
             tok = r.get("tok_s")
-            r["vs_engine_best"] = tok / best if tok and best else None
-            r["vs_fi_paged"] = tok / fi if tok and fi else None
+            for key, ref in (("vs_engine", inside), ("vs_engine_clean", apart), ("vs_engine_best", best),
+                             ("vs_fi_paged", fi)):
+                r[key] = tok / ref if tok and ref else None
 
 
 def agreement(model: Any, name: str, args: Any, kv: dict[str, int], n: int, new_tokens: int) -> dict[str, Any]:
@@ -161,6 +179,7 @@ def agreement(model: Any, name: str, args: Any, kv: dict[str, int], n: int, new_
     from harness.trace import random_prompts
 
     spec = registry()[name]
+    attn = ct.attention(spec)
     prompts = random_prompts([min(512, 16 + 37 * i) for i in range(n)], model.config.vocab_size, seed=7)
     kw: dict[str, Any] = {"max_batch_tokens": kv["max_batch_tokens"], "use_cuda_graph": False}
     extra, opts = ct.contender_config(model, spec, args, kv)
@@ -174,7 +193,7 @@ def agreement(model: Any, name: str, args: Any, kv: dict[str, int], n: int, new_
     kw["use_cuda_graph"] = False
     kw["use_async_batching"] = False
     try:
-        run = check.run_engine(model, spec["attn"], prompts, new_tokens, cb_kwargs=kw, serving=opts,
+        run = check.run_engine(model, attn, prompts, new_tokens, cb_kwargs=kw, serving=opts,
                                timeout=args.timeout, name=name)
         c = check.compare(run, model, new_tokens)
     except Exception as e:
@@ -194,38 +213,59 @@ def run_suite(args: Any, names: list[str], only: dict[str, list[str]], peaks: rf
     rows: list[dict[str, Any]] = []
     checks: list[dict[str, Any]] = []
     page_bytes = _page_bytes(args.page_size)
+    reg = registry()
     for model_name in only.get("model", list(MODELS)):
         config = model_config(model_name, args.tiny)
         model = random_model(config, args.dtype, args.device)
         shape = rf.ModelShape.from_config(config, model.dtype.itemsize)
-        warmed = False
-        for trace in only.get("trace", list(TRACES)):
-            lens = [r.prompt_len for r in load_trace(TRACES[trace], args.requests, args.max_prompt)]
-            prompts = random_prompts(lens, config.vocab_size, args.seed)
-            for budget in only.get("budget", list(BUDGETS)):
-                w = workload(trace, model_name, budget, prompts, shape, args, page_bytes)
-                print(f"== {trace}/{model_name}/{budget}: KV budget {w.kv['kv_bytes'] / 2**20:.0f} MiB "
-                      f"({w.bound.budget_tokens} tokens), {len(prompts)} requests", flush=True)
-                if not warmed:
-                    for name in names:  # one contender failing its warm-up must not stop the others
-                        try:
-                            serving.warm_up(model, [name], prompts, args, w.kv, registry(), times=args.warmup)
-                        except Exception as e:  # its timed runs then record the error in their rows
-                            print(f"warm-up {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
-                    for name in names if args.check_requests else []:
-                        checks.append({"model": model_name, **agreement(model, name, args, w.kv,
-                                                                        args.check_requests, args.check_tokens)})
-                        print(f"check {name}: {checks[-1]}", flush=True)
-                    warmed = True
-                for rnd in range(args.rounds):
-                    for name in names if rnd % 2 == 0 else names[::-1]:
-                        rows.append(run_one(model, w, name, args, shape, peaks, rnd))
-                        add_ratios(rows)
-                        on_row(rows, checks)
+        worker = _worker(config, args) if any(clean.is_clean(n) for n in names) else None
+        try:
+            warmed = False
+            for trace in only.get("trace", list(TRACES)):
+                lens = [r.prompt_len for r in load_trace(TRACES[trace], args.requests, args.max_prompt)]
+                prompts = random_prompts(lens, config.vocab_size, args.seed)
+                for budget in only.get("budget", list(BUDGETS)):
+                    w = workload(trace, model_name, budget, prompts, shape, args, page_bytes)
+                    print(f"== {trace}/{model_name}/{budget}: KV budget {w.kv['kv_bytes'] / 2**20:.0f} MiB "
+                          f"({w.bound.budget_tokens} tokens), {len(prompts)} requests", flush=True)
+                    if not warmed:
+                        for name in names:  # one contender failing its warm-up must not stop the others
+                            try:
+                                if clean.is_clean(name):
+                                    if worker is not None:
+                                        worker.warm_up(name, reg[name], prompts, args, w.kv, times=args.warmup)
+                                else:
+                                    serving.warm_up(model, [name], prompts, args, w.kv, reg, times=args.warmup)
+                            except Exception as e:  # its timed runs then record the error in their rows
+                                print(f"warm-up {name} failed: {type(e).__name__}: {e}"[:300], flush=True)
+                        # the @clean rows run the engine's own code as checked in-process
+                        for name in [n for n in names if not clean.is_clean(n)] if args.check_requests else []:
+                            checks.append({"model": model_name, **agreement(model, name, args, w.kv,
+                                                                            args.check_requests, args.check_tokens)})
+                            print(f"check {name}: {checks[-1]}", flush=True)
+                        warmed = True
+                    for rnd in range(args.rounds):
+                        for name in names if rnd % 2 == 0 else names[::-1]:
+                            rows.append(run_one(model, w, name, args, shape, peaks, rnd, worker))
+                            add_ratios(rows)
+                            on_row(rows, checks)
+        finally:
+            if worker is not None:
+                worker.close()
         del model
         gc.collect()
         _empty_cache()
     return rows
+
+
+def _worker(config: Any, args: Any) -> clean.CleanEngine | None:
+    """The vmem-free worker for one model (``None``, said once, when it cannot start: its rows then
+    record the error)."""
+    try:
+        return clean.CleanEngine(config, args.dtype, args.device)
+    except Exception as e:  # noqa: BLE001 - the @clean rows say so
+        print(f"the vmem-free worker did not start: {type(e).__name__}: {e}"[:500], flush=True)
+        return None
 
 
 def _page_bytes(text: str) -> int:

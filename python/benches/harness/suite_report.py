@@ -14,7 +14,7 @@ from harness.table import format_table
 #: the table's columns, in order
 COLUMNS = ["contender", "trace", "model", "budget", "round", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "tbt_p50_ms",
            "tbt_p99_ms", "device_mb", "kv_budget_mb", "completed", "requests", "preemptions", "bound_s", "wall_s",
-           "roofline", "vs_engine_best", "vs_fi_paged"]
+           "roofline", "vs_engine", "vs_engine_clean", "vs_engine_best", "vs_fi_paged"]
 #: bar colours, by contender, in the order first seen
 PALETTE = ["#d62728", "#ff7f0e", "#1f77b4", "#888888", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf",
            "#bcbd22"]
@@ -22,7 +22,9 @@ PALETTE = ["#d62728", "#ff7f0e", "#1f77b4", "#888888", "#2ca02c", "#9467bd", "#8
 
 def table(rows: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
     """suite.txt: the rows, failures with their errors, and the top-1 checks."""
-    text = format_table(rows, COLUMNS, title="serving suite (tok/s generated; roofline = bound_s / wall_s)")
+    text = format_table(rows, COLUMNS, title="serving suite (tok/s generated; roofline = bound_s / wall_s; "
+                        "vs_engine: over the engine's best with vmem installed, vs_engine_clean: in a process "
+                        "without vmem (@clean), vs_engine_best: the better of the two)")
     failed = [r for r in rows if r.get("error")]
     if failed:
         text += "\n\nfailed runs:\n" + "\n".join(

@@ -3,7 +3,6 @@ What is measured and how: the script's docstring."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -41,37 +40,38 @@ def run(zero_page: bool, layout: str, page: str, B: int, start: int, end: int) -
                 "mapping_steps": len(mapping), "steps": len(steps)}
 
 
-def main(args: argparse.Namespace) -> None:
-    """Every cell, ``args.rounds`` interleaved rounds; prints the ratios, writes
-    ``zero_page_cost.json`` to ``$OUT`` (default /tmp)."""
+def main(rounds: int, out_dir: str) -> int:
+    """Every cell, ``rounds`` interleaved rounds (the first dropped); prints the ratios, writes
+    ``zero_page_cost.json`` to ``out_dir``."""
     B, start, end = 8, 1, 4096
     cells = [("per-layer", "64K"), ("per-layer", "2M"), ("token-major", "2M")]
-    out = []
+    rows = []
     for layout, page in cells:
         per = {False: [], True: []}
-        for rnd in range(args.rounds):
+        for rnd in range(rounds):
             order = [False, True] if rnd % 2 == 0 else [True, False]
             for zp in order:
                 res = run(zp, layout, page, B, start, end)
                 if rnd > 0:
                     per[zp].append(res)
-        row = {"layout": layout, "page": page, "batch": B, "tokens": end, "rounds": args.rounds - 1}
+        row = {"layout": layout, "page": page, "batch": B, "tokens": end, "rounds": rounds - 1}
         for key in ["init_s", "growth_s", "free_s", "step_med_s", "step_p99_s", "mapping_step_med_s"]:
             off = statistics.median(r[key] for r in per[False])
             on = statistics.median(r[key] for r in per[True])
             row[key] = {"off": off, "on": on, "ratio": on / off}
         row["mapping_steps"] = per[True][0]["mapping_steps"]
-        out.append(row)
+        rows.append(row)
         print(f"{layout:<11} {page:>3} B={B} 1..{end} tokens, {row['mapping_steps']} steps map pages, "
-              f"{args.rounds - 1} rounds (median; zero_page on / off):")
+              f"{rounds - 1} rounds (median; zero_page on / off):")
         for key, unit, scale in [("init_s", "ms", 1e3), ("growth_s", "ms", 1e3), ("free_s", "ms", 1e3),
                                  ("step_med_s", "us", 1e6), ("step_p99_s", "us", 1e6),
                                  ("mapping_step_med_s", "us", 1e6)]:
             c = row[key]
             print(f"  {key:<19} off {c['off'] * scale:10.1f} {unit}  on {c['on'] * scale:10.1f} {unit}  x{c['ratio']:.3f}",
                   flush=True)
-    path = os.path.join(os.environ.get("OUT", "/tmp"), "zero_page_cost.json")
+    path = os.path.join(out_dir, "zero_page_cost.json")
     with open(path, "w") as fh:
-        json.dump(out, fh, indent=1)
+        json.dump(rows, fh, indent=1)
     print(f"wrote {path}")
+    return 0
 

@@ -14,15 +14,39 @@ or, scoped (the options are bound to the engine's manager created inside the blo
         manager = model.init_continuous_batching(generation_config)
     manager.start()
 
-Modules: :mod:`.patch` (version gate, cache factory, :func:`register_cache`), the adapters
-:mod:`.engine517` and :mod:`.engine519` (what differs between transformers versions), :mod:`.options`,
-:mod:`.sizing`, :mod:`.cache` (:class:`VmemCBCache`), :mod:`.rows`, :mod:`.rounds`,
-:mod:`.attention`, :mod:`.fa`, :mod:`.flex`, :mod:`.flashinfer`, :mod:`.fi_reader` and :mod:`.fi_graphs`
-(``kernel="flashinfer"``, with CUDA graphs: FlashInfer imported only when chosen), :mod:`.graphs` (CUDA
-graphs' static round metadata), :mod:`.generate`
-(:class:`VmemCache`), :mod:`.tenancy` (a shared pool's tenant: ``Options.pool``; :func:`sleep` and
-:func:`wake`);
-docs/serving.md says how they work together.
+The engine glue lives here; the readers it serves with, which know no engine, are
+:mod:`vmem.kernels` (that package's docstring has their table). docs/serving.md says how the
+parts work together.
+
+====================  ===========================================================================
+module                job
+====================  ===========================================================================
+:mod:`.patch`         the version gate (``adapter_for``), the cache factory and the registry of
+                      caches by attention name (``register_cache``), the options in force and
+                      their binding to the engine's manager; the only code that patches
+                      transformers (``EnginePatch``)
+:mod:`.engine517`     the adapter for 5.17.x: the engine's cache signature, its attention-name
+                      check, results per prompt
+:mod:`.engine519`     the adapter for 5.19-5.24, and ``VmemCBCache519``, the token-based
+                      allocation surface those versions call
+:mod:`.options`       ``Options``: frozen, validated once at ``install()``/``serving()``
+:mod:`.sizing`        the geometry: tokens per page, the engine's block, rows, blocks of the
+                      budget, int32 limits
+:mod:`.cache`         ``VmemCBCache``: rows, mapping, prefix sharing, the allocation surface
+                      5.17's engine calls
+:mod:`.tenancy`       the cache as a pool tenant (``Options.pool``), sleep and wake
+:mod:`.attention`     the attention function the engine calls: K/V written in place, the
+                      cache's reader called
+:mod:`.graphs`        a round's metadata written before the forward, the round's kind in the
+                      engine's graph key; the engine's graph switches supported or refused
+:mod:`.compiled`      what of the engine's compiled forward a vmem cache supports
+:mod:`.warmup`        every CUDA graph a vmem cache replays, captured in the engine's warmup
+:mod:`.kvread`        no KV-read bookkeeping in any round (the kernels read rows in place)
+:mod:`.admission`     a request longer than a row refused when it arrives
+:mod:`.margin`        the scheduler's safety margin, checked by the cache before each new request
+:mod:`.carry_over`    async batching's carry-over ids in O(requests)
+:mod:`.generate`      ``VmemCache``, a ``generate()`` cache (``vmem.hf`` re-exports it)
+====================  ===========================================================================
 """
 
 from __future__ import annotations
@@ -33,9 +57,8 @@ from typing import Any, Optional
 from .. import InvalidArgument, VmemError, parse_bytes
 from .._memory import TenantSelf
 from . import patch, tenancy
-from .attention import flex_paged_attention, paged_attention
+from .attention import paged_attention
 from .cache import VmemCBCache
-from .fa import FaVarlenIndex, fa_varlen_indices, fa_varlen_reference
 from .options import KERNELS, LAYOUTS, PAGE_SIZES, Options
 from .patch import (
     SUPPORTED_RANGE,
@@ -48,20 +71,17 @@ from .patch import (
     uninstall,
     unregister_cache,
 )
-from .sizing import KV_BLOCK, Q_BLOCK, VMEM_ATTENTION, block_tokens
+from .sizing import VMEM_ATTENTION, block_tokens
 
 __all__ = [
     "KERNELS",
-    "KV_BLOCK",
     "LAYOUTS",
     "PAGE_SIZES",
-    "Q_BLOCK",
     "SUPPORTED_RANGE",
     "SUPPORTED_TRANSFORMERS",
     "VMEM_ATTENTION",
     "CacheRequest",
     "EngineStats",
-    "FaVarlenIndex",
     "InvalidArgument",
     "Options",
     "VmemCBCache",
@@ -69,9 +89,6 @@ __all__ = [
     "VmemError",
     "block_tokens",
     "cache_class",
-    "fa_varlen_indices",
-    "fa_varlen_reference",
-    "flex_paged_attention",
     "install",
     "options",
     "paged_attention",

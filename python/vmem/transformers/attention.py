@@ -14,7 +14,7 @@ layers around it and calls it eagerly, so the round it reads comes from the cach
 call, never baked in as the first round's constants.
 
 A cache served through this function provides ``kv_layer(layer) -> (K, V)`` (flat views),
-``rounds`` (a :class:`~vmem.transformers.rounds.Rounds` its ``extend_read_and_write_indices``
+``rounds`` (a :class:`~vmem.kernels.rounds.Rounds` its ``extend_read_and_write_indices``
 records into) and ``read(layer, round, query, K, V, scaling, gqa) -> [1, T, Hq, D]``.
 """
 
@@ -49,6 +49,3 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     rnd = cache.rounds.close()
     return read(layer, rnd, query, k_cache, v_cache, scaling, query.shape[1] != key.shape[1]), None
 
-
-#: The name the benches and older code use for :func:`paged_attention`.
-flex_paged_attention = paged_attention

@@ -39,15 +39,17 @@ import torch
 
 from .. import KVCache
 from .._vmem import InvalidArgument, VmemError
-from . import fa_split, margin, tenancy
-from .blocks import FreshBlocks
-from .fa import FaReader
-from .fi_reader import FlashInferReader
-from .flex import FlexReader
-from .graphs import RoundBuffers, check_engine_config
+from ..kernels import fa_split
+from ..kernels.blocks import FreshBlocks
+from ..kernels.buffers import RoundBuffers
+from ..kernels.fa import FaReader
+from ..kernels.fi_reader import FlashInferReader
+from ..kernels.flex import FlexReader
+from ..kernels.rounds import Rounds
+from ..kernels.rows import RowTable
+from . import margin, tenancy
+from .graphs import check_engine_config
 from .options import Options
-from .rounds import Rounds
-from .rows import RowTable
 from .sizing import VMEM_ATTENTION, Geometry, measured_memory
 
 _log = logging.getLogger(__name__)

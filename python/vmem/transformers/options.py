@@ -111,7 +111,7 @@ class Options:
       once (``True`` with ``pool`` is refused).
     * ``split_decode``: with ``kernel="fa"``, a padded (CUDA-graph) decode round deals its
       sequence slots to its requests by length, each slot a run of one request's keys, and merges
-      the runs (flash-decoding, :mod:`~vmem.transformers.fa_split`): a round of a few long
+      the runs (flash-decoding, :mod:`~vmem.kernels.fa_split`): a round of a few long
       requests then keeps the GPU busy. ``None`` (default): on where it can run (the CPU, or CUDA
       with a head dim that is a power of two and Triton able to build its merge kernel, tried
       once when the cache is built); ``True``: on, and an error saying why where it cannot;

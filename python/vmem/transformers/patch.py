@@ -39,11 +39,11 @@ from typing import Any
 import torch
 
 from .._vmem import InvalidArgument, VmemError
+from ..kernels.flashinfer import load_flashinfer
 from . import tenancy
 from .admission import admission_hook
 from .attention import paged_attention
 from .carry_over import infer_carry_over_ids
-from .flashinfer import load_flashinfer
 from .graphs import forward_hook, graph_key_hook
 from .kvread import pad_hook
 from .margin import allocation_hook, margin_hook

@@ -12,14 +12,12 @@ from typing import Any
 import torch
 
 from .._vmem import InvalidArgument
-from .flashinfer import check_model
+from ..kernels.flashinfer import check_model
+from ..kernels.flex import KV_BLOCK
 from .options import Options
 
 #: The attention name that selects the vmem cache.
 VMEM_ATTENTION = "vmem"
-#: FlexAttention's KV block and Q block (tokens).
-KV_BLOCK = 128
-Q_BLOCK = 128
 
 
 def find_dims(config: Any) -> tuple[int, int, int]:

@@ -17,7 +17,7 @@ a whole KV block and masks scores, and a NaN bit pattern would still poison ``p 
 On the CPU (not compiled) :func:`blockwise_reference` computes what Flex computes for the same
 BlockMask, one Q block at a time over only the KV blocks it lists: its memory and time follow the
 tokens in flight, not ``rows x max_context`` (eager Flex is not used: its internal tracing crashed
-in the engine's thread on the second engine run of a process, torch 2.11). Version-free.
+in the engine's thread on the second engine run of a process, torch 2.11). Engine-free.
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ from typing import Any
 import torch
 
 from .rounds import Round
-from .sizing import KV_BLOCK, Q_BLOCK
+
+#: FlexAttention's KV block and Q block (tokens).
+KV_BLOCK = 128
+Q_BLOCK = 128
 
 _compiled_flex: list[Any] = []
 

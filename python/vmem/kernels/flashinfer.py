@@ -20,7 +20,7 @@ This module holds what the reader (:mod:`.fi_reader`) and the CUDA-graph planner
 optional (``pip install "vmem-kv[flashinfer]"``): imported only by :func:`load_flashinfer`, never by
 ``import vmem.transformers``. Its kernels need a CUDA GPU (:func:`kernels_on`), float16/bfloat16
 and head dims 64 or 128 (what was verified); on the CPU the reader runs :func:`paged_reference`,
-which interprets the same arrays. Version-free.
+which interprets the same arrays. Engine-free.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ indices built from them once, at the forward's first layer, then reused by every
 
 The round is opened by the first request the engine prepares (:meth:`Rounds.record`) and closed
 by the forward (:meth:`Rounds.close`): a request recorded after that opens the next round.
-Version-free.
+Engine-free.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ Entry = tuple[int, int, int, Any]
 
 class Round:
     """One round's ``entries``, ``index`` (a kernel's own indices; ``None`` until built) and
-    ``meta`` (the round in the cache's static buffers, :class:`~vmem.transformers.graphs.RoundMeta`,
+    ``meta`` (the round in the cache's static buffers, :class:`~vmem.kernels.buffers.RoundMeta`,
     written before the forward by the engine hook; ``None`` outside it)."""
 
     __slots__ = ("entries", "index", "meta")

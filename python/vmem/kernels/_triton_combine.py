@@ -1,6 +1,6 @@
-"""The CUDA side of :func:`vmem.transformers.fa_split.combine`: one Triton kernel merging each
+"""The CUDA side of :func:`vmem.kernels.fa_split.combine`: one Triton kernel merging each
 request's slot outputs by their log-sum-exps. Imported only on CUDA (Triton ships with torch's
-CUDA builds); :func:`vmem.transformers.fa_split.combine_reference` is what it must equal.
+CUDA builds); :func:`vmem.kernels.fa_split.combine_reference` is what it must equal.
 """
 
 from __future__ import annotations

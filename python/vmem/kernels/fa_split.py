@@ -14,11 +14,11 @@ one slot, the rest go by length (never a slot for fewer than :data:`MIN_KEYS` ke
 before (the same grid: nothing to capture anew, the same graph), returning each slot's output and
 log-sum-exp, and :func:`combine` merges a request's slots (softmax-weighted by their
 log-sum-exps). The slot plan is data, written before the forward into a static buffer
-(:class:`SplitBuffers`, beside :class:`~vmem.transformers.graphs.RoundBuffers`): a replayed graph
+(:class:`SplitBuffers`, beside :class:`~vmem.kernels.buffers.RoundBuffers`): a replayed graph
 reads the round's plan, whatever the plan captured.
 
 On CUDA :func:`combine` is one Triton kernel (head dims a power of two); elsewhere, and as the
-reference the tests compare it with, plain tensor ops. Version-free.
+reference the tests compare it with, plain tensor ops. Engine-free.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .._vmem import InvalidArgument, VmemError
+from .buffers import copy_on_stream, int32_tensor
 
 #: No slot gets fewer keys than this (FlashAttention-2's key block is 64 to 128 tokens for head
 #: dims up to 256: a shorter run leaves a block mostly idle, and its partial costs a combine).
@@ -129,8 +130,6 @@ class SplitBuffers:
     def fill(self, entries: list[tuple[int, int, int]], slots: int, max_context: int, stream: Any) -> SplitRound:
         """Plans a padded decode round of ``entries`` (``(row, past, 1)`` per request) over
         ``slots`` slots and writes the plan (on ``stream``, as the round's metadata is)."""
-        from .graphs import copy_on_stream, int32_tensor
-
         if slots > self.capacity:
             raise VmemError(f"a decode round of {slots} slots; the split buffers hold {self.capacity}")
         lengths = [past + q for _, past, q in entries]

@@ -1,4 +1,4 @@
-"""Zeroing the blocks a round's step mapped, for every row at once. Version-free.
+"""Zeroing the blocks a round's step mapped, for every row at once. Engine-free.
 
 Fresh pages hold anything (a freed row's K/V, NaN bit patterns), and a kernel that reads a tile
 past a request's length multiplies what it masked by what the page holds, so a block is zeroed

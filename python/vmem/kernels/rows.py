@@ -1,5 +1,5 @@
 """The cache's one table of rows: which request holds which vmem row, how many blocks, how far it
-is mapped and how far computed. Version-free bookkeeping; the cache maps and unmaps.
+is mapped and how far computed. Engine-free bookkeeping; the cache maps and unmaps.
 """
 
 from __future__ import annotations

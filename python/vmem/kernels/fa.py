@@ -9,7 +9,7 @@ only ``cu_seqlens_k[b]`` as request ``b``'s start when ``seqused_k`` is given, s
 be sorted, and its loads past ``seqused_k`` are predicated off: it reads only the blocks the
 engine allocated for a request. FA needs float16/bfloat16 and a head dim that is a multiple of 8
 up to 256 on CUDA; on the CPU :func:`fa_varlen_reference` computes the same per request.
-Version-free.
+Engine-free.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from .._vmem import VmemError
 from . import fa_split
-from .graphs import capturing, int32_tensor
+from .buffers import capturing, int32_tensor
 from .rounds import Round
 
 
@@ -79,7 +79,7 @@ def fa_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
     ``seqused_k``), in plain tensor ops, from the host indices: per request ``b``, its queries
     ``q[cu_q[b]:cu_q[b+1]]`` attend ``k[cu_k[b] : cu_k[b] + used[b]]``, bottom-right causal;
     GQA by head groups. ``q`` ``[T, Hq, D]``, ``k``/``v`` ``[N, Hkv, D]``; returns ``[T, Hq, D]``.
-    ``index``: a :class:`FaVarlenIndex` or a :class:`~vmem.transformers.graphs.RoundMeta`; a
+    ``index``: a :class:`FaVarlenIndex` or a :class:`~vmem.kernels.buffers.RoundMeta`; a
     padded sequence reads nothing and its query (a decode round's padded token), like a padded
     token past ``cu_q[n]``, gets zeros (FA writes zeros where ``seqused_k`` is 0).
     The CPU path of ``kernel="fa"`` (FlashAttention is CUDA-only)."""
@@ -104,10 +104,10 @@ def fa_varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
 
 class FaReader:
     """The ``kernel="fa"`` reader of a vmem cache: one varlen call per layer (the reference on the
-    CPU) over the round's :class:`~vmem.transformers.graphs.RoundMeta` (the static buffers the
+    CPU) over the round's :class:`~vmem.kernels.buffers.RoundMeta` (the static buffers the
     engine hook wrote before the forward: what a CUDA graph captures), or, for a round run
     outside the hook (never while capturing), a :class:`FaVarlenIndex` built at the first layer.
-    With ``splits`` (:class:`~vmem.transformers.fa_split.SplitBuffers`), a padded decode round's
+    With ``splits`` (:class:`~vmem.kernels.fa_split.SplitBuffers`), a padded decode round's
     keys are dealt over its sequence slots (:mod:`.fa_split`), planned before the forward."""
 
     def __init__(self, max_context: int, splits: Any = None) -> None:

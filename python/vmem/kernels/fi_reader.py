@@ -1,13 +1,13 @@
 """The ``kernel="flashinfer"`` reader of a vmem cache: plans each round once, before its forward
 (the engine hook's :meth:`FlashInferReader.before_forward`, outside any CUDA-graph capture, on
 the compute stream), and runs FlashInfer's paged wrappers per layer; on the CPU it runs
-:func:`~vmem.transformers.flashinfer.paged_reference` over the same plan. Version-free.
+:func:`~vmem.kernels.flashinfer.paged_reference` over the same plan. Engine-free.
 
-* An unpadded round (no graphs) plans :func:`~vmem.transformers.flashinfer.paged_plan` into the
+* An unpadded round (no graphs) plans :func:`~vmem.kernels.flashinfer.paged_plan` into the
   IO pair's eager wrapper (decode or prefill).
 * A padded round (the engine's CUDA graphs) plans
-  :func:`~vmem.transformers.fi_graphs.padded_paged_plan` into the graph-mode wrapper of its
-  padded batch, kind and IO pair (:class:`~vmem.transformers.fi_graphs.WrapperSet`): a replay
+  :func:`~vmem.kernels.fi_graphs.padded_paged_plan` into the graph-mode wrapper of its
+  padded batch, kind and IO pair (:class:`~vmem.kernels.fi_graphs.WrapperSet`): a replay
   reads what this plan wrote into the wrapper's fixed buffers.
 * The softmax scale is a plan argument, and the engine passes it only to the attention: the
   first round of a cache plans at its first layer (never while a graph is captured: the engine
@@ -24,15 +24,15 @@ import torch
 
 from .._vmem import VmemError
 from . import flashinfer as fi_plan
+from .buffers import capturing
 from .fi_graphs import WrapperSet, padded_paged_plan, workspace_bytes
-from .graphs import capturing
 from .rounds import Round
 
 _UNKNOWN = object()  # the scale before any layer ran
 
 
 class PlannedRound:
-    """One round as the reader runs it: ``plan`` (a :class:`~vmem.transformers.flashinfer.PagedPlan`,
+    """One round as the reader runs it: ``plan`` (a :class:`~vmem.kernels.flashinfer.PagedPlan`,
     ``None`` until planned), ``wrapper`` (``None`` on the CPU), ``scale`` it was planned with,
     ``padded``, ``pair`` (the engine's IO pair) and ``stream`` (the compute stream)."""
 

@@ -1,6 +1,6 @@
 """``kernel="flashinfer"`` under the engine's CUDA graphs and async batching: the plan padded to
 the engine's padded round, and FlashInfer's wrappers, in their CUDA-graph mode with fixed index
-buffers, one per padded size, round kind and IO pair. Version-free.
+buffers, one per padded size, round kind and IO pair. Engine-free.
 
 FlashInfer's graph mode (``use_cuda_graph=True``) fixes a wrapper's batch size and its index
 buffers (``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``); ``plan()`` runs on
@@ -53,7 +53,7 @@ WORKSPACE_BYTES = 128 << 20
 def workspace_bytes(graphs: bool, max_tokens: int, q_heads: int, head_dim: int, *, kv_heads: int = 0,
                     sms: int = 0) -> int:
     """The float workspace of one cache's wrappers. FlashInfer splits a request's keys at its
-    pages (:data:`~vmem.transformers.flashinfer.SPLIT_TOKENS` tokens over a vmem row) when a
+    pages (:data:`~vmem.kernels.flashinfer.SPLIT_TOKENS` tokens over a vmem row) when a
     round leaves SMs idle, as the fi-paged contender's do, and keeps the split results there.
 
     * Outside graphs its planner makes at most about ``2 x sms / kv_heads`` split units, each
@@ -86,8 +86,8 @@ def padded_paged_plan(entries: list[tuple[int, int, int]], max_context: int, *, 
                       tokens: int, sequences: int, page: int | None = None) -> PagedPlan:
     """The plan of a padded round (see the module doc): ``entries`` ``(row, past, q)`` per
     request in the engine's query order, ``tokens`` and ``sequences`` the engine's padded
-    counts, ``page`` the tokens of a page (:func:`~vmem.transformers.flashinfer.paged_plan`'s).
-    The real requests' entries are :func:`~vmem.transformers.flashinfer.paged_plan`'s,
+    counts, ``page`` the tokens of a page (:func:`~vmem.kernels.flashinfer.paged_plan`'s).
+    The real requests' entries are :func:`~vmem.kernels.flashinfer.paged_plan`'s,
     unchanged; the padded ones follow, every one on ``trash_row``."""
     page = max_context if page is None else page
     plan = paged_plan(entries, max_context, page)

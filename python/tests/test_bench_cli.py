@@ -1,0 +1,167 @@
+"""Every bench script's flags (python/benches/*.py): zero, negative, huge, the wrong type, NaN and
+infinity, a missing input file, an ``--out`` that cannot be written, no GPU for a GPU-only script:
+each is a usage error, exit 2, one line ``SCRIPT: error: ...`` naming the flag, before any model is
+built or any measurement starts (python/benches/README.md promises it; harness/cli.py checks).
+Before, ``zero_page_cost.py --rounds 0``, ``plot_throughput.py no.json o.svg``, ``pool_sleep.py
+--requests 0`` (and ``--out`` in a missing directory, found only after the whole run) and
+``tp_lockstep.py --every 0`` ended in tracebacks, and most scripts took no ``argv`` at all. Also:
+every script is in the README, once."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+BENCHES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "benches"))
+SCRIPTS = sorted(f[:-3] for f in os.listdir(BENCHES) if f.endswith(".py"))
+BAD_OUT = "/proc/version/x"  # under a file: no directory can be made there, root or not
+
+torch = pytest.importorskip("torch", reason="the scripts import torch")
+pytest.importorskip("transformers", reason="the serving scripts import transformers")
+GPU = torch.cuda.is_available()
+
+
+def _json(tmp_path, text: str) -> str:
+    p = tmp_path / "r.json"
+    p.write_text(text)
+    return str(p)
+
+
+#: (script, argv, what the error line says); ``{tmp}`` is the test's own directory, ``{json}`` a
+#: JSON file without throughput rows. Cases marked ``cpu`` expect the refusal a CPU host gives.
+CASES = [
+    ("alloc_bench", ["--nope"], "unrecognized arguments: --nope"),
+    ("alloc_bench", [], "needs the 'vmem_bench' module"),
+    ("cb_baseline", ["--tiny", "--trace", "{tmp}/no.csv"], "--trace"),
+    ("cb_baseline", ["--tiny", "--layers", "100000"], "--layers must be at most 128"),
+    ("cb_baseline", ["--tiny", "--block-sizes", "99999999"], "--block-sizes: at most"),
+    ("cb_baseline", ["--tiny", "--out", BAD_OUT], "--out '/proc/version/x' cannot be created"),
+    ("compiled_bench", ["--out"], "argument --out: expected one argument"),
+    ("compiled_bench", [], "no GPU: compiled_bench.py runs on CUDA only", "cpu"),
+    ("fipaged_check", ["--out", "{tmp}/o", "--requests", "0"], "--requests must be at least 1"),
+    ("fipaged_check", ["--out", "{tmp}/o", "--new", "x"], "argument --new: invalid int value"),
+    ("fipaged_check", ["--out", "{tmp}/o", "--decisive", "nan"], "--decisive must be a finite number"),
+    ("fipaged_check", ["--out", "{tmp}/o", "--blocks", "1"], "--blocks 1 of 256 tokens cannot hold"),
+    ("fipaged_check", ["--out", "{tmp}/o", "--rounds", "99999"], "--rounds must be at most 1000"),
+    ("fipaged_check", ["--out", BAD_OUT, "--device", "cpu", "--tiny"], "--out '/proc/version/x' cannot be"),
+    ("fipaged_check", ["--out", "{tmp}/o"], "no GPU: fipaged_check.py --device cuda", "cpu"),
+    ("flashinfer_check", [], "needs the 'flashinfer' module"),
+    ("gpu_bench", ["--benches", "nope"], "--benches: unknown 'nope'"),
+    ("gpu_bench", [], "no GPU: gpu_bench.py runs on CUDA only", "cpu"),
+    ("graphs_check", ["--repeats", "0"], "--repeats must be at least 1"),
+    ("graphs_check", ["--bench-requests", "99999"], "--bench-requests must be at most 2000"),
+    ("graphs_check", ["--kernels", "flashinfer"], "--kernels: fa or fa,flashinfer"),
+    ("graphs_check", ["--kernels", "fa,nope"], "--kernels: unknown 'nope'"),
+    ("graphs_check", [], "no GPU: graphs_check.py runs on CUDA only", "cpu"),
+    ("host_cost", ["--out", "{tmp}/o", "--repeats", "100000"], "--repeats must be at most 1000"),
+    ("host_cost", ["--out", "{tmp}/o", "--batches", "100000"], "--batches: at most 4096 requests"),
+    ("host_cost", ["--out", "{tmp}/o", "--timeout", "inf"], "--timeout must be at most"),
+    ("host_cost", ["--out", BAD_OUT], "--out '/proc/version/x' cannot be created"),
+    ("kernel_study", ["--out", BAD_OUT], "--out '/proc/version/x' cannot be created"),
+    ("kernel_study", ["--tol", "inf"], "--tol must be a finite number above 0"),
+    ("kernel_study", ["--contexts", "1024", "--prefill-q", "1024"], "--prefill-q 1024 must be below"),
+    ("kernel_study", ["--batches", "1,99999999"], "--batches: at most"),
+    ("multitenant_bench", ["--merge", "{tmp}/no.json"], "--merge '"),
+    ("multitenant_bench", ["--tiny", "--total", "64G"], "--tiny's pool lives in host memory"),
+    ("multitenant_bench", ["--tiny", "--max-rows", "100000"], "--max-rows must be at most 4096"),
+    ("multitenant_bench", ["--tiny", "--out", BAD_OUT], "--out '/proc/version/x' cannot be created"),
+    ("plot_throughput", ["{tmp}/no.json", "{tmp}/o.svg"], "PYTHON_GPU_JSON '"),
+    ("plot_throughput", ["{json}", "{tmp}/no/o.svg"], "OUT_SVG '"),
+    ("plot_throughput", ["{json}", "{tmp}"], "is a directory, not a file"),
+    ("plot_throughput", ["{json}", "{tmp}/o.svg"], "holds no throughput results"),
+    ("plot_throughput", [], "the following arguments are required"),
+    ("pool_sleep", ["--requests", "0"], "--requests must be at least 1"),
+    ("pool_sleep", ["--device", "cpu", "--out", "{tmp}/no/x.json"], "--out '"),
+    ("pool_sleep", ["--device", "cpu", "--tokens", "x"], "argument --tokens: invalid int value"),
+    ("pool_sleep", ["--device", "cpu", "--layers", "64", "--requests", "64", "--tokens", "65536"],
+     "more than the pool's 16.0 GiB"),
+    ("pool_sleep", ["--device", "cuda"], "no GPU: pool_sleep.py --device cuda", "cpu"),
+    ("prefill_cost", [], "no GPU: prefill_cost.py runs on CUDA only", "cpu"),
+    ("prefix_serving", ["--tiny", "--kv-gib", "nan", "--out", "{tmp}/o"], "--kv-gib must be a finite number"),
+    ("prefix_serving", ["--tiny", "--tol", "-1", "--out", "{tmp}/o"], "--tol must be a finite number"),
+    ("prefix_serving", ["--tiny", "--layers", "100000", "--out", "{tmp}/o"], "--layers must be at most 128"),
+    ("prefix_serving", ["--tiny", "--trace", "{tmp}/no.csv", "--out", "{tmp}/o"], "--trace '"),
+    ("serving_bench", ["--tiny", "--layers", "100000", "--out", "{tmp}/o"], "--layers must be at most 128"),
+    ("serving_bench", ["--tiny", "--max-prompt", "200", "--new-tokens", "5000", "--out", "{tmp}/o"],
+     "pass --max-context 2048"),
+    ("serving_bench", ["--tiny", "--timeout", "nan", "--out", "{tmp}/o"], "--timeout must be more than 0"),
+    ("serving_check", ["--tiny", "--out", BAD_OUT], "--out '/proc/version/x' cannot be created"),
+    ("serving_check", ["--tiny", "--tol", "inf", "--out", "{tmp}/o"], "--tol must be a finite number"),
+    ("serving_check", ["--tiny", "--requests", "5000", "--out", "{tmp}/o"], "--requests must be at most 1000"),
+    ("serving_suite", ["--tiny", "--rounds", "5000", "--out", "{tmp}/o"], "--rounds must be at most 1000"),
+    ("serving_suite", ["--tiny", "--max-prompt", "100", "--new-tokens", "4000", "--out", "{tmp}/o"],
+     "pass --max-context 2048"),
+    ("serving_suite", ["--tiny", "--timeout", "inf", "--out", "{tmp}/o"], "--timeout must be at most"),
+    ("serving_suite", ["--tiny", "--only", "model=llama3-8b-x32", "--out", "{tmp}/o"], "--only model: unknown"),
+    ("tp_lockstep", ["--every", "0"], "--every must be at least 1"),
+    ("tp_lockstep", ["--world", "1000"], "--world must be at most 64"),
+    ("tp_lockstep", ["--steps", "10", "--diverge-at", "11"], "--diverge-at must be at most 10"),
+    ("tp_lockstep", ["--cap", "x"], "--cap 'x'"),
+    ("tp_lockstep", ["--device", "cuda"], "no GPU: tp_lockstep.py --device cuda", "cpu"),
+    ("versions_check", ["--nope"], "unrecognized arguments: --nope"),
+    ("versions_check", [], "no GPU: versions_check.py runs on CUDA only", "cpu"),
+    ("zero_page_cost", ["--rounds", "0"], "--rounds must be at least 2"),
+    ("zero_page_cost", ["--rounds", "1"], "--rounds must be at least 2"),
+    ("zero_page_cost", ["--rounds", "1e9"], "argument --rounds: invalid int value"),
+    ("zero_page_cost", ["--rounds", "100000"], "--rounds must be at most 1000"),
+    ("zero_page_cost", ["--out", BAD_OUT], "--out '/proc/version/x' cannot be created"),
+]
+
+
+def _argv(argv: list[str], tmp_path) -> list[str]:
+    json_file = _json(tmp_path, '{"results": {}}')
+    return [a.replace("{tmp}", str(tmp_path)).replace("{json}", json_file) for a in argv]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}:{' '.join(c[1]) or '-'}" for c in CASES])
+def test_a_bad_flag_is_one_usage_line_before_any_work(case, tmp_path, capsys, monkeypatch) -> None:
+    script, argv, want = case[:3]
+    if len(case) > 3 and GPU:
+        pytest.skip("a GPU is here: the no-GPU refusal does not apply")
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.delenv("BENCHES", raising=False)
+    mod = __import__(script)
+    with pytest.raises(SystemExit) as e:
+        mod.main(_argv(argv, tmp_path))
+    err = capsys.readouterr()
+    last = err.err.strip().splitlines()[-1]
+    assert e.value.code == 2, err.err[-2000:]
+    assert ": error: " in last, last
+    assert want in last, last
+    assert "Traceback" not in err.err and err.out == "", (err.out[-500:], err.err[-500:])
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())  # nothing written
+
+
+def test_every_script_has_a_case_and_a_readme_line() -> None:
+    """Each script is tried above, and named once in the benches README's table of scripts."""
+    assert {c[0] for c in CASES} == set(SCRIPTS), set(SCRIPTS) ^ {c[0] for c in CASES}
+    with open(os.path.join(BENCHES, "README.md")) as f:
+        readme = f.read()
+    scripts = readme[readme.index("## Scripts"):readme.index("## harness/")]
+    rows = re.findall(r"^\| `([\w.]+\.(?:py|sh))` \|", scripts, flags=re.M)
+    shell = sorted(f for f in os.listdir(BENCHES) if f.endswith(".sh"))
+    assert sorted(rows) == sorted([s + ".py" for s in SCRIPTS] + shell), sorted(set(rows) ^ set(
+        [s + ".py" for s in SCRIPTS] + shell))
+
+
+@pytest.mark.parametrize("argv", [
+    ["zero_page_cost.py", "--rounds", "0"],
+    ["plot_throughput.py", "no.json", "o.svg"],
+    ["pool_sleep.py", "--requests", "0"],
+    ["pool_sleep.py", "--device", "cpu", "--out", "no/such/dir/x.json"],
+    ["tp_lockstep.py", "--every", "0"],
+])
+def test_the_reported_scripts_exit_2_with_one_line_as_a_user_runs_them(argv, tmp_path) -> None:
+    """issue #48 item 9, as a user runs them: ``python3 python/benches/X.py ...`` from another
+    directory, exit 2, the usage and one error line on stderr, nothing on stdout, no traceback."""
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    r = subprocess.run([sys.executable, os.path.join(BENCHES, argv[0]), *argv[1:]], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert lines[0].startswith(f"usage: {argv[0]}") and lines[-1].startswith(f"{argv[0]}: error: "), r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == "" and not os.listdir(tmp_path), r.stderr
