@@ -337,10 +337,13 @@ def test_idle_release_waits_while_a_request_is_queued_or_waiting():
     kv = Kv()
     kv._rs = types.SimpleNamespace(tenant=lambda: dict(pool_total=100, pool_used=0, usage=0, pool_tenants=1),
                                    pool_reap=lambda: 0)
-    cache = types.SimpleNamespace(kv=kv, table={}, options=types.SimpleNamespace(pool_idle_s=0.0))
+    from vmem.transformers import hooks
+
+    cache = object.__new__(vt.VmemCBCache)  # a vmem cache (its type is what the hook recognises), these fields only
+    cache.__dict__.update(kv=kv, table={}, options=types.SimpleNamespace(pool_idle_s=0.0))
     proc = types.SimpleNamespace(cache=cache, input_queue=queue.Queue(),
                                  scheduler=types.SimpleNamespace(waiting_requests={}))
-    turn = tenancy.round_or_wait(lambda self: False)
+    turn = hooks.round_or_wait(lambda self: False)
     proc.input_queue.put("req-1")
     turn(proc)
     assert Kv.shrinks == 0, "released with a request in the input queue"

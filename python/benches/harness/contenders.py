@@ -23,7 +23,6 @@ import vmem.transformers as vt
 from harness.blockflex import BLOCKFLEX_ATTENTION
 from harness.fipaged import FI_PAGED_ATTENTION
 from vmem.transformers import VMEM_ATTENTION
-from vmem.transformers.carry_over import infer_carry_over_ids
 
 Spec = dict[str, Any]
 
@@ -306,15 +305,14 @@ def compile_config(spec: Spec) -> dict[str, Any]:
 @contextlib.contextmanager
 def carry_over(spec: Spec) -> Iterator[None]:
     """For a spec with ``engine_carry_over``, the engine's own ``infer_carry_over_ids`` in place
-    inside the block (vmem.transformers' otherwise, for every contender)."""
+    inside the block (vmem.transformers' otherwise, for vmem's caches)."""
     if not spec.get("engine_carry_over"):
         yield
         return
     from transformers.generation.continuous_batching import input_outputs as io
 
     if _ENGINE_CARRY_OVER is None:
-        raise RuntimeError("harness.contenders was imported after vmem.transformers.install(): the engine's own "
-                           "carry-over ids are not at hand")
+        raise RuntimeError("transformers is not installed: the engine's own carry-over ids are not at hand")
     cls = io.ContinuousBatchingAsyncIOs
     saved = cls.__dict__["infer_carry_over_ids"]
     cls.infer_carry_over_ids = _ENGINE_CARRY_OVER
@@ -362,13 +360,13 @@ def margin_check(spec: Spec) -> Iterator[None]:
 
 
 def _engine_carry_over() -> Any:
-    """The engine's ``infer_carry_over_ids`` as imported (``None`` if vmem's is in place already)."""
+    """The engine's ``infer_carry_over_ids`` (the one vmem's hook wraps, when it is in place)."""
     try:
         from transformers.generation.continuous_batching import input_outputs as io
     except ImportError:
         return None
     fn = io.ContinuousBatchingAsyncIOs.__dict__.get("infer_carry_over_ids")
-    return None if fn is infer_carry_over_ids else fn
+    return getattr(fn, "__wrapped__", fn)
 
 
 def is_vmem_cache(cache: Any) -> bool:

@@ -21,10 +21,15 @@ parts work together.
 ====================  ===========================================================================
 module                job
 ====================  ===========================================================================
-:mod:`.patch`         the version gate (``adapter_for``), the cache factory and the registry of
-                      caches by attention name (``register_cache``), the options in force and
-                      their binding to the engine's manager; the only code that patches
-                      transformers (``EnginePatch``)
+:mod:`.versions`      the version gate: the served transformers releases, told apart by number
+:mod:`.patches`       the table of every engine member vmem replaces or wraps (owner, member,
+                      versions, parameters, what goes there and why, whom it acts for), the
+                      one loop that applies and restores it: ``install``, ``uninstall``,
+                      ``serving``
+:mod:`.hooks`         what the table puts in place of each engine member (for a vmem cache,
+                      or a registered attention name; the engine's member for any other)
+:mod:`.registry`      caches by attention name (``register_cache``), the options in force and
+                      their binding to the engine's manager, the cache factory's body
 :mod:`.engine517`     the adapter for 5.17.x: the engine's cache signature, its attention-name
                       check, results per prompt
 :mod:`.engine519`     the adapter for 5.19-5.24, and ``VmemCBCache519``, the token-based
@@ -41,7 +46,6 @@ module                job
                       engine's graph key; the engine's graph switches supported or refused
 :mod:`.compiled`      what of the engine's compiled forward a vmem cache supports
 :mod:`.warmup`        every CUDA graph a vmem cache replays, captured in the engine's warmup
-:mod:`.kvread`        no KV-read bookkeeping in any round (the kernels read rows in place)
 :mod:`.admission`     a request longer than a row refused when it arrives
 :mod:`.margin`        the scheduler's safety margin, checked by the cache before each new request
 :mod:`.carry_over`    async batching's carry-over ids in O(requests)
@@ -54,29 +58,20 @@ from __future__ import annotations
 from typing import Any
 
 from .. import InvalidArgument, VmemError, parse_bytes
-from . import patch, tenancy
+from . import tenancy, versions
 from .attention import paged_attention
 from .cache import VmemCBCache
 from .options import KERNELS, LAYOUTS, PAGE_SIZES, Options
-from .patch import (
-    SUPPORTED_RANGE,
-    SUPPORTED_TRANSFORMERS,
-    CacheRequest,
-    install,
-    options,
-    register_cache,
-    serving,
-    uninstall,
-    unregister_cache,
-)
+from .patches import install, serving, uninstall
+from .registry import CacheRequest, options, register_cache, unregister_cache
 from .sizing import VMEM_ATTENTION, block_tokens
+from .versions import SUPPORTED_RANGE
 
 __all__ = [
     "KERNELS",
     "LAYOUTS",
     "PAGE_SIZES",
     "SUPPORTED_RANGE",
-    "SUPPORTED_TRANSFORMERS",
     "VMEM_ATTENTION",
     "CacheRequest",
     "InvalidArgument",
@@ -126,18 +121,11 @@ def _engine_cache(target: Any) -> VmemCBCache:
                     "(start the manager, with attn_implementation='vmem', first)")
 
 
-def _vmem_cache(request: CacheRequest) -> VmemCBCache:
-    return request.cache_class(request.config, request.continuous_batching_config, request.device,
-                               dtype=request.dtype, options=request.options, tp_size=request.tp_size)
-
-
-def cache_class() -> type:
-    """vmem's cache class for the installed transformers (:class:`VmemCBCache` on 5.17, its 5.19-5.24
-    subclass there); :class:`VmemError` on a version vmem does not serve."""
-    return patch.adapter_for(patch._transformers_version()).cache_class()
-
-
-register_cache(VMEM_ATTENTION, _vmem_cache)
+def cache_class() -> type[VmemCBCache]:
+    """vmem's cache class for the installed transformers (:class:`VmemCBCache` on 5.17, its
+    5.19-5.24 subclass there); :class:`VmemError` on a version vmem does not serve."""
+    cache: type[VmemCBCache] = versions.adapter_for(versions.installed()).cache_class()
+    return cache
 
 
 def __getattr__(name: str) -> Any:

@@ -6,13 +6,12 @@ that limit: on 5.17 a prompt longer than the row reached the forward (``bad roun
 one a little shorter filled its row mid-prefill (``No requests can be scheduled``), and either
 error stopped the engine's loop, failing every request in flight. The engine adds each new
 request through ``Scheduler.add_waiting_request`` inside a ``try`` that fails only that request
-on an exception (5.17 and 5.19-5.24 alike); :func:`admission_hook` raises there, before the
+on an exception (5.17 and 5.19-5.24 alike); :func:`.hooks.refuse_past_a_row` raises there, before the
 request holds anything, when the tokens it will store pass the row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from .._vmem import InvalidArgument
@@ -36,17 +35,3 @@ def check_fits(state: Any, max_context: int) -> None:
             f"request {state.request_id!r} needs {need} tokens of KV ({len(state.initial_tokens)} of prompt and "
             f"max_new_tokens={state.max_new_tokens}), more than a vmem row holds (max_context={max_context}): "
             "shorten it or raise max_context")
-
-
-def admission_hook(add: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """The engine's ``Scheduler.add_waiting_request``; for a vmem cache (one with a
-    ``max_context``) it first refuses a request whose tokens pass the row (:func:`check_fits`).
-    Other caches: unchanged."""
-
-    def vmem_add_waiting_request(self: Any, state: Any) -> Any:
-        max_context = getattr(getattr(self, "cache", None), "max_context", None)
-        if isinstance(max_context, int):
-            check_fits(state, max_context)
-        return add(self, state)
-
-    return vmem_add_waiting_request

@@ -10,8 +10,8 @@ decode round of six requests, where the rest of the engine's preparation of that
 about 0.5 ms. :func:`infer_carry_over_ids` builds the same tensor from a fill and one indexed
 write of the requests' entries.
 
-It replaces the engine's method for every cache while vmem is installed (the tensor is the
-same; the engine's caches and the benchmark's other contenders get it too).
+:func:`.hooks.fast_carry_over` puts it in place for a vmem cache only; every other cache (the engine's
+own, a benchmark's contenders) keeps the engine's method as it ships.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The adapter for transformers 5.19-5.24's continuous-batching engine: the patch (cache factory,
-attention name, options bound to the manager, ``generate_batch`` raising on failed requests) and
-:class:`VmemCBCache519`, the allocation surface those versions call, over the version-free
+"""The adapter for transformers 5.19-5.24's continuous-batching engine: its cache signature and
+attention-name check (which the patch table, :mod:`.patches`, puts in place on those versions)
+and :class:`VmemCBCache519`, the allocation surface those versions call, over the version-free
 :class:`~vmem.transformers.cache.VmemCBCache`.
 
 What changed from 5.17 (checked against the 5.19.0, 5.20.2, 5.21.1, 5.22.2, 5.23.0 and 5.24.0
@@ -33,13 +33,12 @@ import copy
 import importlib
 import inspect
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .._vmem import VmemError
-from . import margin
+from . import margin, registry
 from .cache import VmemCBCache
 from .sizing import VMEM_ATTENTION, measured_memory
 
@@ -110,7 +109,7 @@ class VmemCBCache519(VmemCBCache):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # The kernels read the rows in place: no round needs the engine's gather indices
-        # (``kvread.py``). A read limit of 0: the scheduler counts no KV read against the round's
+        # (:func:`.hooks.no_kv_read`). A read limit of 0: the scheduler counts no KV read against the round's
         # budget, so ``max_tokens_read`` need not hold every row; it sizes the engine's int64
         # ``read_index`` buffers (host and device, each IO pair) and bounds its search for the
         # longest request and its ``max_length_k`` buckets: one row.
@@ -229,12 +228,12 @@ class VmemCBCache519(VmemCBCache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """5.24: the model calls this before its attention function (which then gets no cache):
+        """5.24+: the model calls this before its attention function (which then gets no cache):
         hands the cache to the attention through ``kwargs`` (the model passes them on), which
         writes the new K/V and reads every request's in place, as on 5.19-5.23; returns the new
         K/V unchanged."""
         if kwargs is None:
-            raise VmemError(f"{VMEM_ATTENTION}: update() needs the attention's kwargs (transformers 5.24's call)")
+            raise VmemError(f"{VMEM_ATTENTION}: update() needs the attention's kwargs (transformers 5.24+'s call)")
         kwargs["cache"] = self
         return key_states, value_states
 
@@ -246,30 +245,32 @@ class VmemCBCache519(VmemCBCache):
         """Nothing to copy (no forks)."""
 
 
-def cache_class() -> Any:
+def cache_class() -> type[VmemCBCache519]:
     """vmem's cache class for this engine."""
     return VmemCBCache519
 
 
-def cache_factory(original: Any, build: Callable[[Any, dict[str, Any]], Any]) -> Any:
-    """The replacement for ``continuous_api.PagedAttentionCache``: ``build(original, kwargs)``."""
+def cache_factory(original: type) -> Any:
+    """The replacement for ``continuous_api.PagedAttentionCache``: the cache registered for the
+    model's attention name, else ``original`` built as the engine calls it (:func:`.registry.build`)."""
 
     def PagedAttentionCache(config: Any, continuous_batching_config: Any, device: Any, distributed_helper: Any,
                             dtype: torch.dtype = torch.float16, model_supports_logits_to_keep: bool = False) -> Any:
-        return build(original, {"config": config, "continuous_batching_config": continuous_batching_config,
-                                "device": device, "distributed_helper": distributed_helper, "dtype": dtype,
-                                "model_supports_logits_to_keep": model_supports_logits_to_keep})
+        return registry.build(VmemCBCache519, original, {
+            "config": config, "continuous_batching_config": continuous_batching_config, "device": device,
+            "distributed_helper": distributed_helper, "dtype": dtype,
+            "model_supports_logits_to_keep": model_supports_logits_to_keep})
 
     return PagedAttentionCache
 
 
-def attention_check(original: Any, registered: Callable[[Any], bool]) -> Any:
+def attention_check(original: Any) -> Any:
     """``ContinuousBatchingManager.switch_to_cb_friendly_attn``, letting a registered name
     (``vmem``) through unchanged (the engine would switch it to flash, or refuse it); every other
     name as the engine does."""
 
     def switch_to_cb_friendly_attn(self: Any, model: Any, auto_switch_to_flash: bool = True) -> None:
-        if registered(model.config._attn_implementation):
+        if registry.registered(model.config._attn_implementation):
             return None
         return original(self, model, auto_switch_to_flash)
 

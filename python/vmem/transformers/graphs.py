@@ -3,9 +3,9 @@
 the engine's graph key, and what of the engine's graph switches a vmem cache supports. Version-free.
 
 * A decode-only padded round and a mixed round of the same padded size are different graphs:
-  :func:`graph_key_hook` adds the round's kind (``cache.round_kind``) to the engine's graph key,
+  :func:`.hooks.graph_key` adds the round's kind (``cache.round_kind``) to the engine's graph key,
   and drops from it the engine's padded KV read, which vmem's forward does not depend on.
-* :func:`forward_hook` wraps the engine's ``ModelRunner.compute_batch``: the round's metadata is
+* :func:`.hooks.write_round_first` wraps the engine's ``ModelRunner.compute_batch``: the round's metadata is
   written before every forward, graphed or not (one path); a reader with a host-side plan
   (``kernel="flashinfer"``) plans it there too, on the compute stream, outside any capture.
 * Padded tokens write at the trash row: the engine's ``write_trash_index``, the cache's
@@ -15,7 +15,7 @@ the engine's graph key, and what of the engine's graph switches a vmem cache sup
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from .._vmem import InvalidArgument
 from ..kernels.rounds import Round
 from .compiled import check_compile, refuse_compile
 
-#: The round kinds a padded round's graph key carries (:func:`graph_key_hook`).
+#: The round kinds a padded round's graph key carries (:func:`.hooks.graph_key`).
 DECODE, VARLEN = "decode", "varlen"
 
 
@@ -114,28 +114,6 @@ def prepare_round(cache: Any, batch_data: dict[str, Any], padded: bool, stream: 
     return rnd
 
 
-def forward_hook(compute_batch: Callable[..., Any]) -> Callable[..., Any]:
-    """The engine's ``ModelRunner.compute_batch``, writing a vmem cache's round metadata first
-    (for any other cache, the engine's own); a padded varlen round of more query tokens than
-    ``graph_max_tokens`` runs without the engine's CUDA graph."""
-
-    def vmem_compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> Any:
-        cache = self.cache
-        if getattr(cache, "round_buffers", None) is None:
-            return compute_batch(self, model, batch_data)
-        io = self.inputs_and_outputs
-        rnd = prepare_round(cache, batch_data, bool(self.pad_inputs), io.compute_stream,
-                            pair=int(getattr(io, "current_pair", 0)))
-        limit = cache.options.graph_max_tokens
-        if limit is None or cache.round_kind != VARLEN or rnd.meta.total_q <= limit \
-                or not getattr(self, "use_cuda_graph_varlen", False):
-            return compute_batch(self, model, batch_data)
-        with without_varlen_graph(self):  # a large prefill round: run it, capture nothing
-            return compute_batch(self, model, batch_data)
-
-    return vmem_compute_batch
-
-
 @contextlib.contextmanager
 def without_varlen_graph(runner: Any) -> Iterator[None]:
     """The engine's ``runner`` (a ``ModelRunner``) runs varlen forwards without a CUDA graph
@@ -153,35 +131,3 @@ def without_varlen_graph(runner: Any) -> Iterator[None]:
             yield
     finally:
         runner.use_cuda_graph_varlen = saved
-
-
-def graph_key_hook(get_graph_key: Callable[..., Any]) -> Callable[..., Any]:
-    """The engine's ``ContinuousBatchingIOs._get_graph_key``, for a vmem cache's padded round
-    keyed by what vmem's forward depends on. The engine keys a varlen graph by ``(padded tokens,
-    padded KV read, padded max_seqlen_k)`` (5.19+ names the last ``max_length_k``); for vmem:
-
-    * the round's kind is added: a decode-only round and a mixed round of one padded size run
-      differently (FA's ``max_q = 1``, FlashInfer's decode or prefill wrapper);
-    * the padded KV read is dropped: it sizes the engine's gather (``read_index``), which vmem
-      neither fills nor reads (its kernels read the rows in place), and it grows with every
-      request's context, so each new bucket meant one more graph to capture (the fi-paged peer's
-      is capped by its pool). Dropping it did not change vmem's time-between-tokens p99 on the
-      H200 (docs/serving.md): the slow rounds behind that tail are not these captures alone;
-    * with ``graph_seqlen_k="context"`` the ``max_seqlen_k`` bucket is dropped too: the kernel
-      is given the row length, the same for every graph.
-
-    Unpadded rounds (no kind) and other caches keep the engine's key."""
-
-    def vmem_graph_key(self: Any) -> Any:
-        key = get_graph_key(self)
-        cache = getattr(self, "cache", None)
-        kind = getattr(cache, "round_kind", None)
-        if kind is None:
-            return key
-        if getattr(self, "use_block_table", False) or len(key) < 2:  # a fast path's key: tokens only
-            return (*key, kind)
-        options = getattr(cache, "options", None)
-        seqlen_k = () if getattr(options, "graph_seqlen_k", "bucket") == "context" else tuple(key[2:])
-        return (key[0], *seqlen_k, kind)
-
-    return vmem_graph_key

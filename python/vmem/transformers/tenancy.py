@@ -15,7 +15,7 @@
   idle tenant holds its trash row's block, that reserve and its prefix cache only; after
   ``Options.pool_idle_s`` seconds with no live request (:func:`release_when_idle`, each loop
   turn) it gives back the prefix cache too, down to its trash row's block.
-* **Waiting for room** (:func:`round_or_wait`): a tenant with no request running whose next
+* **Waiting for room** (:func:`.hooks.round_or_wait`): a tenant with no request running whose next
   request finds no room because the pool's *other* tenants hold it waits for them (the engine's
   loop asks again every 0.1 s) instead of stopping with the engine's "No requests can be
   scheduled and no requests can be offloaded"; after :data:`ROOM_WAIT_S` without room it stops
@@ -173,42 +173,12 @@ def release_when_idle(cache: Any, now: Callable[[], float] = time.monotonic, pen
     return given
 
 
-def _pending(processor: Any) -> bool:
+def pending(processor: Any) -> bool:
     """Whether the engine's processor has a request not yet in the cache's table: in its input
     queue (not drained yet this turn) or waiting in its scheduler (both 5.17 and 5.19+)."""
     q = getattr(processor, "input_queue", None)
     waiting = getattr(getattr(processor, "scheduler", None), "waiting_requests", None)
     return bool(waiting) or (q is not None and not q.empty())
-
-
-def round_or_wait(prepare: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    """The engine's ``ContinuousBatchProcessor.prepare_next_batch``, giving room back first when
-    the pool runs low (:func:`yield_room`) or the tenant has been idle for ``pool_idle_s``
-    (:func:`release_when_idle`), and for a pool tenant starved by
-    its neighbours: no round this time (the loop waits up to 0.1 s and asks again) rather than the
-    engine's fatal error, for up to :data:`ROOM_WAIT_S`. Any other cache, error or wait: unchanged."""
-
-    def vmem_prepare_next_batch(self: Any) -> bool:
-        cache = getattr(self, "cache", None)
-        yield_room(cache)  # each loop turn, idle or not: room the pool's other tenants may need
-        release_when_idle(cache, pending=_pending(self))  # and what an idle tenant has kept for pool_idle_s
-        try:
-            ready = prepare(self)
-        except RuntimeError as e:
-            if cache is None or STUCK not in str(e) or not others_hold_room(cache):
-                raise
-            since = getattr(cache, "_room_wait_since", None) or time.monotonic()
-            if time.monotonic() - since > ROOM_WAIT_S:
-                raise
-            if since != getattr(cache, "_room_wait_since", None):
-                _log.info("pool tenant waits for room its neighbours hold (up to %.0f s)", ROOM_WAIT_S)
-            cache._room_wait_since = since
-            return False
-        if cache is not None and ready:
-            cache._room_wait_since = None
-        return ready
-
-    return vmem_prepare_next_batch
 
 
 def on_round(cache: Any) -> None:

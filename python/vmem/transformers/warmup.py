@@ -4,7 +4,7 @@ warmup.
 The engine's ``ModelRunner.warmup`` (``manager.warmup()``; ``generate_batch`` calls it by
 default) captures its varlen graph at the largest size and the graphs of its decode fast path.
 vmem's decode rounds do not take that path: they run the varlen forward, keyed by
-:func:`~vmem.transformers.graphs.graph_key_hook` with the round's kind. Without this module
+:func:`.hooks.graph_key` with the round's kind. Without this module
 their graphs were captured while serving, the first time each key came up: a round that
 captures takes 20-40 ms where a replay takes about 3 (H200, Llama-3-8B shapes x 8 layers; four
 of the five slowest decode rounds of a memory-bound run, docs/serving.md).
@@ -22,7 +22,7 @@ real round of that size cannot be scheduled either, unless its requests share pr
 The fake requests go through the engine's own warmup helpers, as its own warmup's do, and are
 freed before it returns.
 
-:func:`warmup_hook` runs this in place of the engine's warmup for vmem caches; other caches
+:func:`.hooks.capture_vmem_graphs` runs this in place of the engine's warmup for vmem caches; other caches
 keep the engine's warmup as it is. The function works on any cache, so a benchmark can give
 another contender the same decode rounds.
 """
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -174,31 +174,3 @@ def _fake_round(runner: Any, model: Any, mr: Any, requests: int, q: int, past: i
     finally:
         for fs in states:
             cache.free_blocks(fs.state.request_id)
-
-
-def warmup_hook(warmup: Callable[..., Any]) -> Callable[..., Any]:
-    """The engine's ``ModelRunner.warmup``; for a vmem cache (one with round buffers)
-    :func:`capture_graphs` in place of the engine's own rounds: the largest round that runs
-    without a graph, then the largest varlen round (every graphed varlen size with
-    ``graph_max_tokens``), then every decode round. The engine's own rounds do not suit vmem:
-    its varlen round asks for as many past tokens as the whole budget holds, more than a vmem row
-    (refused, with the engine's warning that the graph pool may fragment), and vmem has no decode
-    fast path for its decode rounds. Either way the cache then
-    forgets the fake requests' admissions (``readmissions`` counts preemptions while serving)."""
-
-    def vmem_warmup(self: Any, model: Any) -> Any:
-        table = getattr(self.cache, "table", None)
-        try:
-            if getattr(self.cache, "round_buffers", None) is None:
-                return warmup(self, model)
-            limit = self.cache.options.graph_max_tokens  # varlen rounds above it run without a graph
-            rounds = capture_graphs(self, model, varlen_tokens=min(limit or self.cache.max_batch_tokens,
-                                                                   self.cache.max_batch_tokens),
-                                    every_varlen=limit is not None, eager_first=True)
-            logger.info("vmem: %d warmup rounds run to capture their CUDA graphs", rounds)
-            return None
-        finally:
-            if table is not None:  # the fake requests' ids recur each round: not preemptions
-                table.forget_admissions()
-
-    return vmem_warmup
