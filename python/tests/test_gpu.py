@@ -441,7 +441,7 @@ def flashinfer_rows():
 
 
 def test_flashinfer_rows():
-    pytest.importorskip("flashinfer", reason="FlashInfer is not installed (pip install \"vmem[flashinfer]\")")
+    pytest.importorskip("flashinfer", reason="FlashInfer is not installed (pip install \"vmem-kv[flashinfer]\")")
     flashinfer_rows()
 
 
@@ -598,7 +598,7 @@ def cb_compile(kernel: str = "fa"):
 def test_cb_compile(kernel):
     pytest.importorskip("transformers", reason="transformers is not installed")
     if kernel == "flashinfer":
-        pytest.importorskip("flashinfer", reason="FlashInfer is not installed (vmem[flashinfer])")
+        pytest.importorskip("flashinfer", reason="FlashInfer is not installed (vmem-kv[flashinfer])")
     cb_compile(kernel)
 
 

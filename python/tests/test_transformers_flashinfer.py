@@ -71,7 +71,7 @@ def test_importing_vmem_transformers_does_not_import_flashinfer(tmp_path):
 
 def test_a_missing_flashinfer_is_refused_at_install_and_serving(no_flashinfer):
     vt.install(**OPTS)
-    with pytest.raises(vmem.InvalidArgument, match=r'pip install "vmem\[flashinfer\]"'):
+    with pytest.raises(vmem.InvalidArgument, match=r'pip install "vmem-kv\[flashinfer\]"'):
         vt.install(kernel="flashinfer")
     assert vt.options().kernel == "fa"  # nothing changed
     with pytest.raises(vmem.InvalidArgument, match=r"kernel='fa'"), vt.serving(kernel="flashinfer"):

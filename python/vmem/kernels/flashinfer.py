@@ -17,7 +17,7 @@ the end of its keys, so query ``j`` of ``q`` sees ``past + j + 1`` keys).
 This module holds what the reader (:mod:`.fi_reader`) and the CUDA-graph planner
 (:mod:`.fi_graphs`) share: the plan's four arrays, from one pure function of the round,
 :func:`paged_plan`, their CPU reference :func:`paged_reference`, and the checks. FlashInfer is
-optional (``pip install "vmem[flashinfer]"``): imported only by :func:`load_flashinfer`, never by
+optional (``pip install "vmem-kv[flashinfer]"``): imported only by :func:`load_flashinfer`, never by
 ``import vmem.transformers``. Its kernels need a CUDA GPU (:func:`kernels_on`), float16/bfloat16
 and head dims 64 or 128 (what was verified); on the CPU the reader runs :func:`paged_reference`,
 which interprets the same arrays. Engine-free.
@@ -33,10 +33,10 @@ import torch
 
 from .._vmem import InvalidArgument, VmemError
 
-#: The FlashInfer versions this reader was verified with (``vmem[flashinfer]`` pins the same).
+#: The FlashInfer versions this reader was verified with (``vmem-kv[flashinfer]`` pins the same).
 FLASHINFER_RANGE = ">=0.6.13,<0.7"
 #: The install command a missing FlashInfer's error names.
-INSTALL_HINT = 'pip install "vmem[flashinfer]"'
+INSTALL_HINT = 'pip install "vmem-kv[flashinfer]"'
 #: Dtypes and head dims ``kernel="flashinfer"`` serves (verified on the H100).
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)

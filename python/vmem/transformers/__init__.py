@@ -1,4 +1,4 @@
-"""vmem memory under transformers' continuous-batching engine (transformers 5.17.x and 5.19-5.24),
+"""vmem memory under transformers' continuous-batching engine (transformers 5.17.x and 5.19-5.25),
 and a ``generate()`` cache.
 
 Three lines serve with vmem::
@@ -13,6 +13,12 @@ or, scoped (the options are bound to the engine's manager created inside the blo
     with vmem.transformers.serving(layout="token-major", memory="20GiB"):
         manager = model.init_continuous_batching(generation_config)
     manager.start()
+
+On transformers 5.25, ``from_pretrained`` replaces some layers with kernels from the Hub by
+default (it needs the ``kernels`` package); ``from_pretrained(name, attn_implementation="vmem",
+use_kernels=False)`` (or ``USE_HUB_KERNELS=NO`` in the environment) keeps the model's own
+layers. An MLA model (DeepSeek-V2/V3: ``kv_lora_rank`` in its config) is refused
+(:class:`~vmem.InvalidArgument`): vmem has no latent layout yet.
 
 The engine glue lives here; the readers it serves with, which know no engine, are
 :mod:`vmem.kernels` (that package's docstring has their table). docs/serving.md says how the
@@ -32,7 +38,7 @@ module                job
                       their binding to the engine's manager, the cache factory's body
 :mod:`.engine517`     the adapter for 5.17.x: the engine's cache signature, its attention-name
                       check, results per prompt
-:mod:`.engine519`     the adapter for 5.19-5.24, and ``VmemCBCache519``, the token-based
+:mod:`.engine519`     the adapter for 5.19-5.25, and ``VmemCBCache519``, the token-based
                       allocation surface those versions call
 :mod:`.options`       ``Options``: frozen, validated once at ``install()``/``serving()``
 :mod:`.sizing`        the geometry: tokens per page, the engine's block, rows, blocks of the
@@ -123,7 +129,7 @@ def _engine_cache(target: Any) -> VmemCBCache:
 
 def cache_class() -> type[VmemCBCache]:
     """vmem's cache class for the installed transformers (:class:`VmemCBCache` on 5.17, its
-    5.19-5.24 subclass there); :class:`VmemError` on a version vmem does not serve."""
+    5.19-5.25 subclass there); :class:`VmemError` on a version vmem does not serve."""
     cache: type[VmemCBCache] = versions.adapter_for(versions.installed()).cache_class()
     return cache
 

@@ -6,7 +6,7 @@ that limit: on 5.17 a prompt longer than the row reached the forward (``bad roun
 one a little shorter filled its row mid-prefill (``No requests can be scheduled``), and either
 error stopped the engine's loop, failing every request in flight. The engine adds each new
 request through ``Scheduler.add_waiting_request`` inside a ``try`` that fails only that request
-on an exception (5.17 and 5.19-5.24 alike); :func:`.hooks.refuse_past_a_row` raises there, before the
+on an exception (5.17 and 5.19-5.25 alike); :func:`.hooks.refuse_past_a_row` raises there, before the
 request holds anything, when the tokens it will store pass the row.
 """
 

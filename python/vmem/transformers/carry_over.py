@@ -1,6 +1,6 @@
 """The engine's async batching, its carry-over ids built in time proportional to the requests.
 
-With async batching (5.17 and 5.19-5.24) the engine schedules round N+1 before round N's tokens
+With async batching (5.17 and 5.19-5.25) the engine schedules round N+1 before round N's tokens
 are known, and each round it computes which of round N's new tokens feed round N+1's inputs:
 ``ContinuousBatchingAsyncIOs.infer_carry_over_ids``, an int32 tensor of ``max_batch_tokens``
 entries, -1 but where a request of round N has its new token in round N+1. The engine builds it

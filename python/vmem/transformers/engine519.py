@@ -1,10 +1,10 @@
-"""The adapter for transformers 5.19-5.24's continuous-batching engine: its cache signature and
+"""The adapter for transformers 5.19-5.25's continuous-batching engine: its cache signature and
 attention-name check (which the patch table, :mod:`.patches`, puts in place on those versions)
 and :class:`VmemCBCache519`, the allocation surface those versions call, over the version-free
 :class:`~vmem.transformers.cache.VmemCBCache`.
 
-What changed from 5.17 (checked against the 5.19.0, 5.20.2, 5.21.1, 5.22.2, 5.23.0 and 5.24.0
-wheels; ``docs/serving.md``):
+What changed from 5.17 (checked against the 5.19.0, 5.20.2, 5.21.1, 5.22.2, 5.23.0, 5.24.0 and
+5.25.0 wheels; ``docs/serving.md``):
 
 * the engine builds its cache with keywords ``(config, continuous_batching_config, device,
   distributed_helper, dtype, model_supports_logits_to_keep)``;
@@ -24,7 +24,10 @@ wheels; ``docs/serving.md``):
   ``bytes_per_sector``;
 * 5.24 moved the cache update into the models: they call ``cache.update(k, v, layer_idx,
   kwargs=kwargs)`` before the attention function, which no longer gets the cache; vmem's
-  ``update`` hands the cache on through those kwargs and leaves the writing to the attention.
+  ``update`` hands the cache on through those kwargs and leaves the writing to the attention;
+* 5.25 serves MLA models (``config.kv_lora_rank``: one latent row per token, passed to
+  ``update`` as two single-head latents), which vmem refuses (:func:`.sizing.check_model`); the
+  members vmem replaces and reads are otherwise as in 5.24.
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ class _Pool:
 
 
 class VmemCBCache519(VmemCBCache):
-    """:class:`VmemCBCache` with the allocation surface of transformers 5.19-5.24's engine."""
+    """:class:`VmemCBCache` with the allocation surface of transformers 5.19-5.25's engine."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -29,7 +29,7 @@ DECODE, VARLEN = "decode", "varlen"
 
 
 def graphs_requested(cb: Any) -> bool:
-    """Whether the engine's config turns CUDA graphs on (5.17-5.24: ``cuda_graph_booleans`` once
+    """Whether the engine's config turns CUDA graphs on (5.17-5.25: ``cuda_graph_booleans`` once
     resolved; before that ``use_cuda_graph``, a bool or a ``(varlen, decode)`` pair)."""
     if hasattr(cb, "cuda_graph_booleans"):
         try:

@@ -163,10 +163,10 @@ def no_kv_read(maybe_pad_inputs: Callable[..., tuple[int, int]]) -> Callable[...
     its scheduler budgets the keys a round reads so that buffer holds them. vmem's kernels read
     the rows in place and never look at ``read_index``. Yet the engine copies the *whole* buffer
     to the device in any round whose ``max_kv_read`` is above 0, and a round with CUDA graphs is
-    padded to at least one ``kv_padding_interval_size`` even when it reads nothing (5.17-5.24).
+    padded to at least one ``kv_padding_interval_size`` even when it reads nothing (5.17-5.25).
     So for a vmem cache every round's ``max_kv_read`` is 0, padded or not: ``read_index`` is
     neither filled nor copied, and the round's graph key (built without the KV read,
-    :func:`graph_key`) is unchanged. On 5.19-5.24 the cache also sets ``read_cache_limit = 0``
+    :func:`graph_key`) is unchanged. On 5.19-5.25 the cache also sets ``read_cache_limit = 0``
     (the scheduler counts no read against the round's budget), which lets its
     ``max_tokens_read``, the size of that buffer, be one row."""
 

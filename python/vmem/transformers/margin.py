@@ -3,7 +3,7 @@ where no running request can need the blocks it keeps.
 
 The engine's FIFO scheduler keeps a share of the blocks free (``safety_margin``, 0.15 by
 default) for running requests to grow into: while fewer are free, it admits no new request
-beside running ones. 5.17 checks that before each new request; 5.19-5.24 once a round, so one
+beside running ones. 5.17 checks that before each new request; 5.19-5.25 once a round, so one
 round can admit requests until no block is left, and the next rounds preempt the newest for
 room to grow (a soft reset: a vmem cache has no CPU pool to offload to, so the request's prompt
 is computed again; 14 preemptions in the serving suite's 5.23 run at a tenth of the working set,

@@ -40,7 +40,7 @@ from typing import Any
 from ..kernels.flashinfer import load_flashinfer
 from . import engine517, engine519, hooks, registry, versions
 from .options import Options
-from .sizing import VMEM_ATTENTION
+from .sizing import VMEM_ATTENTION, check_kv_layout
 
 #: Scopes: the replacement acts for a vmem cache only / for a model with a registered attention name only.
 VMEM_CACHE, VMEM_NAME = "vmem cache", "registered name"
@@ -63,7 +63,7 @@ class Versions:
         return f"5.{self.first}" if self.first == self.last else f"5.{self.first}-5.{self.last}"
 
 
-ALL, V517, V519 = Versions(17, 24), Versions(17, 17), Versions(19, 24)
+ALL, V517, V519 = Versions(17, 25), Versions(17, 17), Versions(19, 25)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +92,7 @@ class Patch:
         return mod if self.owner is None else getattr(mod, self.owner)
 
 
-#: Every engine member vmem replaces or wraps. 5.18 is not served; 5.19-5.24 share one surface.
+#: Every engine member vmem replaces or wraps. 5.18 is not served; 5.19-5.25 share one surface.
 PATCHES: tuple[Patch, ...] = (
     Patch("continuous_api", None, "PagedAttentionCache", V517,
           ("config", "continuous_batching_config", "device", "distributed_helper", "tp_plan", "dtype"), VMEM_NAME,
@@ -110,8 +110,8 @@ PATCHES: tuple[Patch, ...] = (
           "and may switch to flash)", engine519.attention_check),
     Patch("continuous_api", "ContinuousBatchingManager", "__init__", ALL,
           ("self", "model", "generation_config", "continuous_batching_config", "workload_hints"), VMEM_NAME,
-          "the model checked (the registered cache's check) and the options in force bound to the manager, in "
-          "the caller's thread",
+          "the model checked (the registered cache's check: vmem refuses MLA) and the options in force bound to "
+          "the manager, in the caller's thread",
           hooks.bind_options),
     Patch("continuous_api", "ContinuousBatchingManager", "_create_batch_processor", ALL, ("self",), VMEM_NAME,
           "the cache built (in the engine's thread) with the options bound to the manager",
@@ -231,7 +231,7 @@ def install(**opts: Any) -> None:
     """Applies the patch table for the installed transformers and registers every registered
     attention name with it; ``opts`` (validated here, :class:`Options`) become the options in
     force for engines created afterwards, on top of those of earlier calls. Idempotent; refuses
-    a transformers outside 5.17.x and 5.19-5.24 (:class:`~vmem.VmemError`, nothing patched), and
+    a transformers outside 5.17.x and 5.19-5.25 (:class:`~vmem.VmemError`, nothing patched), and
     ``kernel="flashinfer"`` without FlashInfer installed."""
     release = versions.check(versions.installed())
     with _lock:
@@ -264,4 +264,4 @@ def serving(**opts: Any) -> Iterator[Options]:
 
 registry.register_cache(VMEM_ATTENTION, lambda request: request.cache_class(
     request.config, request.continuous_batching_config, request.device, dtype=request.dtype,
-    options=request.options, tp_size=request.tp_size))
+    options=request.options, tp_size=request.tp_size), check=check_kv_layout)

@@ -20,8 +20,26 @@ from .options import Options
 VMEM_ATTENTION = "vmem"
 
 
+def check_kv_layout(config: Any) -> None:
+    """Refuses (:class:`~vmem.InvalidArgument`) a model whose KV a vmem row cannot hold: an MLA
+    model (DeepSeek-V2/V3 style, ``config.kv_lora_rank`` set) caches one compressed latent per
+    token, not ``num_key_value_heads x head_dim`` keys and values, and vmem has no latent layout
+    yet (sized by heads, its rows would hold the wrong bytes). Runs in the caller's thread when
+    the engine's manager is made for ``attn_implementation="vmem"``, and again when the cache is
+    built."""
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    rank = getattr(text, "kv_lora_rank", None)
+    if rank:
+        raise InvalidArgument(
+            f"{VMEM_ATTENTION}: {type(text).__name__} is an MLA model (kv_lora_rank={rank!r}: one compressed "
+            "latent per token, not per-head keys and values); vmem has no latent layout yet: serve it with the "
+            "engine's own cache (attn_implementation='sdpa' or a flash one)")
+
+
 def find_dims(config: Any) -> tuple[int, int, int]:
-    """``(layers, kv_heads, head_dim)`` of a transformers model config."""
+    """``(layers, kv_heads, head_dim)`` of a transformers model config (an MLA model is refused:
+    :func:`check_kv_layout`)."""
+    check_kv_layout(config)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

@@ -3,7 +3,7 @@
 vmem replaces members of transformers' continuous-batching internals (:mod:`.patches`), which
 move from release to release: each served release was read and tested, and any other is
 refused with :class:`~vmem.VmemError` naming the range, never served on trust. The range:
-5.17.x, and 5.19 to 5.24 (5.18 rewrote the cache but kept the old attention names: not served).
+5.17.x, and 5.19 to 5.25 (5.18 rewrote the cache but kept the old attention names: not served).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from types import ModuleType
 from .._vmem import VmemError
 from . import engine517, engine519
 
-#: The served ``(major, minor)`` release lines: 5.17, and 5.19 to 5.24.
-SERVED = ((5, 17), *((5, m) for m in range(19, 25)))
+#: The served ``(major, minor)`` release lines: 5.17, and 5.19 to 5.25.
+SERVED = ((5, 17), *((5, m) for m in range(19, 26)))
 #: The served range in words, for messages and docs.
-SUPPORTED_RANGE = "5.17.x or 5.19-5.24"
+SUPPORTED_RANGE = "5.17.x or 5.19-5.25"
 #: What to install for a served transformers (pip picks one in the range).
-INSTALL_HINT = 'pip install "vmem[transformers]"'
+INSTALL_HINT = 'pip install "vmem-kv[transformers]"'
 
 _RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.\d+)?(?:(?:a|b|rc|\.post|\.dev)\d*)*(?:\+[\w.]+)?")
 
@@ -59,5 +59,5 @@ def installed() -> str:
 
 def adapter_for(version: str) -> ModuleType:
     """The adapter module for transformers ``version``: :mod:`.engine517` for 5.17.x,
-    :mod:`.engine519` for 5.19-5.24; :class:`~vmem.VmemError` naming the range otherwise."""
+    :mod:`.engine519` for 5.19-5.25; :class:`~vmem.VmemError` naming the range otherwise."""
     return engine517 if check(version) == (5, 17) else engine519

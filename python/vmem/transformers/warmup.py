@@ -38,7 +38,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-#: The smallest ``max_seqlen_k`` bucket the engine pads a graph round to (5.17-5.24).
+#: The smallest ``max_seqlen_k`` bucket the engine pads a graph round to (5.17-5.25).
 MIN_BUCKET = 1024
 
 
