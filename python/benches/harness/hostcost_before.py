@@ -6,7 +6,7 @@ host-cost cuts, patched in for one run so that before and after run interleaved 
   kernels per row that grew), now one ``index_fill_`` per layer's K and V for all rows;
 * ``distinct_mapped_bytes``: two dict-building calls (``usage()``, ``prefix_stats()``), now one
   call returning an int (``KVCache.distinct_mapped_bytes``);
-* ``budget_blocks`` / ``yield_room``: read the tenant slot (a dict) even outside a pool;
+* ``Tenant.budget_blocks`` / ``Tenant.yield_room``: read the tenant slot (a dict) even outside a pool;
 * ``paged_attention``: sliced the write index twice per layer.
 """
 
@@ -21,10 +21,10 @@ from vmem.transformers import tenancy
 
 def flush(self: Any) -> None:
     with self.lock:
-        tenancy.on_round(self)
+        self.tenant.on_round()
         if not self.table.dirty:
             return
-        tenancy.step(self)
+        self.tenant.step()
     for index, old, new in self.table.mapped():
         for k, v in zip(self._k4, self._v4):
             k[index, old:new].zero_()
@@ -38,18 +38,18 @@ def distinct_mapped_bytes(self: Any) -> int:
     return mapped - int(self.kv.prefix_stats()["shared_savings_bytes"]) if self.sharing else mapped
 
 
-def budget_blocks(cache: Any) -> int:
-    t = cache.kv._rs.tenant()
+def budget_blocks(tenant: Any) -> int:
+    t = tenant.kv._rs.tenant()
     if t is None:
-        return int(cache.num_blocks)
-    block = int(cache.geometry.block_bytes)
+        return int(tenant.blocks)
+    block = int(tenant.block_bytes)
     room = min(int(t["limit"]), int(t["pool_total"]) - int(t["pool_used"]) + int(t["usage"]))
-    return min(int(cache.num_blocks), room // block - 1)
+    return min(int(tenant.blocks), room // block - 1)
 
 
-def yield_room(cache: Any) -> int:
-    kv = getattr(cache, "kv", None)
-    if kv is None or kv.asleep:
+def yield_room(tenant: Any, now: Any = None) -> int:
+    kv = tenant.kv
+    if kv.asleep:
         return 0
     t = kv._rs.tenant()
     if t is None:
@@ -94,8 +94,8 @@ def patched() -> Iterator[None]:
 
     put(cls, "flush", flush)
     put(cls, "distinct_mapped_bytes", distinct_mapped_bytes)
-    put(tenancy, "budget_blocks", budget_blocks)
-    put(tenancy, "yield_room", yield_room)
+    put(tenancy.Tenant, "budget_blocks", budget_blocks)
+    put(tenancy.Tenant, "yield_room", yield_room)
     keys = (VMEM_ATTENTION, f"paged|{VMEM_ATTENTION}")
     attention = {k: AttentionInterface._global_mapping[k] for k in keys}
     for k in keys:

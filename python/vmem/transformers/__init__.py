@@ -64,7 +64,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import InvalidArgument, VmemError, parse_bytes
-from . import tenancy, versions
+from . import versions
 from .attention import paged_attention
 from .cache import VmemCBCache
 from .options import KERNELS, LAYOUTS, PAGE_SIZES, Options
@@ -107,12 +107,12 @@ def sleep(manager: Any) -> int:
     addresses stay; the next request wakes it (its first round maps again), or :func:`wake`.
     Returns the bytes released. Refused (:class:`InvalidArgument`, nothing released) while
     requests hold KV: let them finish first."""
-    return tenancy.sleep(_engine_cache(manager))
+    return _engine_cache(manager).tenant.sleep()
 
 
 def wake(manager: Any) -> None:
     """Wakes the vmem cache under ``manager`` (see :func:`sleep`); nothing when awake."""
-    tenancy.wake(_engine_cache(manager))
+    _engine_cache(manager).tenant.wake()
 
 
 def _engine_cache(target: Any) -> VmemCBCache:

@@ -47,10 +47,11 @@ from ..kernels.fi_reader import FlashInferReader
 from ..kernels.flex import FlexReader
 from ..kernels.rounds import Rounds
 from ..kernels.rows import RowTable
-from . import margin, tenancy
+from . import margin
 from .graphs import check_engine_config
 from .options import Options
 from .sizing import VMEM_ATTENTION, Geometry, measured_memory
+from .tenancy import Tenant
 
 _log = logging.getLogger(__name__)
 _DEFAULT_OPTIONS = Options()
@@ -131,7 +132,7 @@ class VmemCBCache:
             zero_page=on_cpu or (self.kernel == "flex" and not g.compiled),
             prefix_cache=g.prefix_cap(self.sharing, options.prefix_cache), pool=options.pool,
         )
-        self.lock = threading.Lock()  # a round's mapping against sleep (tenancy.py)
+        self.lock = threading.Lock()  # a round's mapping against sleep (the tenant's)
         if int(self.kv.config()["tokens_per_page"]) != g.tokens_per_page:
             raise VmemError(f"vmem reports {self.kv.config()['tokens_per_page']} tokens per page, "
                             f"expected {g.tokens_per_page}")
@@ -141,9 +142,12 @@ class VmemCBCache:
         # The trash row: padded tokens write at its first position; one block, always mapped.
         self.table = RowTable(g.rows, g.block_size)
         self.trash_row = self.kv.alloc()
-        self.table.lengths[self.trash_row] = g.block_size
+        self.table.keep_mapped(self.trash_row, g.block_size)
         self.kv.step(self.table.lengths)
         self.num_blocks = g.blocks - 1  # what requests can hold
+        # Its standing in a pool (Options.pool) and its sleep: only the tenant writes that state.
+        self.tenant = Tenant(self.kv, self.table, self.lock, blocks=self.num_blocks, block_bytes=g.block_bytes,
+                             idle_after=options.pool_idle_s)
         # The engine's per-round KV-read budget: the kernels read rows in place, so a round may read
         # every token of every row (shared pages once per reader); it does not size memory.
         self.num_pages = g.rows * g.max_context
@@ -227,7 +231,7 @@ class VmemCBCache:
     def get_num_free_blocks(self) -> int:
         """Blocks not held by any request (exact). With sharing, a block several requests map
         counts once, and cached blocks no request maps count as free (a step evicts them)."""
-        budget = tenancy.budget_blocks(self)  # num_blocks, or fewer in a pool (its limit, its room)
+        budget = self.tenant.budget_blocks()  # num_blocks, or fewer in a pool (its limit, its room)
         if not self.sharing:
             return budget - self.table.used_blocks
         # Pages freed rows keep (deferred reclamation), and a reused row's past its request's
@@ -254,7 +258,7 @@ class VmemCBCache:
             if n_blocks <= 0:
                 return 0
             if self.kv.asleep:
-                tenancy.wake(self)  # a request after sleep(): the cache wakes for it
+                self.tenant.wake()  # a request after sleep(): the cache wakes for it
             if n_blocks > self.get_num_free_blocks():
                 return None
             row = self.table.get(request_id)
@@ -290,10 +294,10 @@ class VmemCBCache:
         """Maps what this round's allocations need (one ``step`` for every row), then zeroes the
         newly mapped blocks (fresh pages hold anything, NaN bit patterns included)."""
         with self.lock:
-            tenancy.on_round(self)  # wakes a sleeping cache; in a pool, follows its limit
+            self.tenant.on_round()  # wakes a sleeping cache; in a pool, follows its limit
             if not self.table.dirty:
                 return
-            tenancy.step(self)
+            self.tenant.step()
         self.fresh.zero(self.table.mapped())
         self.steps += 1
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.distinct_mapped_bytes())
@@ -336,7 +340,7 @@ class VmemCBCache:
         if margin.over_margin(self, request_id):
             return 0  # it waits (the safety margin): adopting would make it active, then preempted
         if self.kv.asleep:
-            tenancy.wake(self)
+            self.tenant.wake()
         index = None
         try:
             # Under deferred reclamation, the freed row holding the fewest pages: adopting a cached

@@ -14,7 +14,6 @@ Version-free: the parts that differ between transformers versions are the adapte
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -74,34 +73,28 @@ def check_generate_batch(generate: Callable[..., Any], expected: Callable[[int, 
 
 # -- VMEM_CACHE: the loop, the runner, the IOs, the scheduler -----------------------------------
 def round_or_wait(prepare: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    """``ContinuousBatchProcessor.prepare_next_batch``; for a vmem cache, giving room back first
-    when the pool runs low (:func:`.tenancy.yield_room`) or the tenant has been idle for
-    ``pool_idle_s`` (:func:`.tenancy.release_when_idle`), and for a pool tenant starved by its
-    neighbours: no round this time (the loop waits up to 0.1 s and asks again) rather than the
-    engine's fatal error, for up to :data:`.tenancy.ROOM_WAIT_S`. Any other error or wait:
-    unchanged."""
+    """``ContinuousBatchProcessor.prepare_next_batch``; for a vmem cache, its tenant gives room
+    back first when the pool runs low (:meth:`.tenancy.Tenant.yield_room`) or it has been idle
+    for ``pool_idle_s`` (:meth:`.tenancy.Tenant.release_when_idle`), and a pool tenant starved
+    by its neighbours gets no round this time (the loop waits up to 0.1 s and asks again) rather
+    than the engine's fatal error, for up to :data:`.tenancy.ROOM_WAIT_S`
+    (:meth:`.tenancy.Tenant.waits_for_room`). Any other error: unchanged."""
 
     def vmem_prepare_next_batch(self: Any) -> bool:
-        engine_cache = getattr(self, "cache", None)
-        if not isinstance(engine_cache, VmemCBCache):
+        cache = getattr(self, "cache", None)
+        if not isinstance(cache, VmemCBCache):
             return prepare(self)
-        cache: Any = engine_cache  # (its wait is a Tenant's field in the next change)
-        tenancy.yield_room(cache)  # each loop turn, idle or not: room the pool's other tenants may need
-        tenancy.release_when_idle(cache, pending=tenancy.pending(self))  # what an idle tenant kept for pool_idle_s
+        tenant = cache.tenant
+        tenant.yield_room()  # each loop turn, idle or not: room the pool's other tenants may need
+        tenant.release_when_idle(pending=tenancy.pending(self))  # what an idle tenant kept for pool_idle_s
         try:
             ready = prepare(self)
         except RuntimeError as e:
-            if tenancy.STUCK not in str(e) or not tenancy.others_hold_room(cache):
+            if not tenant.waits_for_room(e):
                 raise
-            since = getattr(cache, "_room_wait_since", None) or time.monotonic()
-            if time.monotonic() - since > tenancy.ROOM_WAIT_S:
-                raise
-            if since != getattr(cache, "_room_wait_since", None):
-                _log.info("pool tenant waits for room its neighbours hold (up to %.0f s)", tenancy.ROOM_WAIT_S)
-            cache._room_wait_since = since
             return False
         if ready:
-            cache._room_wait_since = None
+            tenant.room_found()
         return ready
 
     return vmem_prepare_next_batch
