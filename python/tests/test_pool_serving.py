@@ -258,6 +258,58 @@ def test_sleep_releases_every_page_to_the_pool_and_the_next_batch_wakes_it(ledge
         vt.sleep(object())
 
 
+def test_sleep_right_after_start_waits_for_the_engine_to_build_its_cache(monkeypatch):
+    """``vt.sleep(manager)`` right after ``manager.start()`` said to start the manager: the
+    engine's thread builds the cache after start() returns. It now waits for it (the build
+    slowed to 0.5 s here); a manager never started, one on the engine's own cache and a build
+    slower than BUILD_WAIT_S each get their own error."""
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    gen = transformers.GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cls = vt.cache_class()
+    built = cls.__init__
+    delay = [0.5]
+
+    def slow_init(self, *a, **k):
+        time.sleep(delay[0])
+        built(self, *a, **k)
+
+    monkeypatch.setattr(cls, "__init__", slow_init)
+    with vt.serving(**OPTS):
+        model.set_attn_implementation(vt.VMEM_ATTENTION)
+        mgr = model.init_continuous_batching(generation_config=gen)
+    with pytest.raises(vmem.VmemError, match=r"start it \(manager.start\(\)\) first"):
+        vt.sleep(mgr)
+    mgr.start()
+    try:
+        released = vt.sleep(mgr)  # at once: the cache is not built yet
+        cache = mgr.batch_processor.cache
+        assert isinstance(cache, vt.VmemCBCache) and cache.kv.asleep and released > 0
+        assert cache.kv.usage()["physical_bytes"] == 0
+        vt.wake(mgr)
+        assert not cache.kv.asleep and cache.kv.usage()["mapped_bytes"] == cache.trash_bytes()
+    finally:
+        mgr.stop(block=True)
+    delay[0] = 3.0
+    monkeypatch.setattr(vt, "BUILD_WAIT_S", 0.3)
+    with vt.serving(**OPTS):
+        slow = model.init_continuous_batching(generation_config=gen)
+    slow.start()
+    try:
+        with pytest.raises(vmem.VmemError, match=r"has not built its cache yet \(0.3 s after the call\)"):
+            vt.wake(slow)
+    finally:
+        slow.stop(block=True)
+    monkeypatch.setattr(vt, "BUILD_WAIT_S", 60.0)
+    model.set_attn_implementation(eng.ENGINE_SDPA)
+    theirs = model.init_continuous_batching(generation_config=gen)
+    theirs.start()
+    try:
+        with pytest.raises(vmem.VmemError, match="PagedAttentionCache, not a vmem cache"):
+            vt.sleep(theirs)
+    finally:
+        theirs.stop(block=True)
+
+
 def _collect(mgr, prompts, prefix):
     ids = [f"{prefix}{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):

@@ -42,10 +42,12 @@ module                job
                       allocation surface those versions call
 :mod:`.options`       ``Options``: frozen, validated once at ``install()``/``serving()``
 :mod:`.sizing`        the geometry: tokens per page, the engine's block, rows, blocks of the
-                      budget, int32 limits
+                      budget, int32 limits; what a model and options are refused for, checked
+                      in the caller's thread when the engine's manager is made
 :mod:`.cache`         ``VmemCBCache``: rows, mapping, prefix sharing, the allocation surface
                       5.17's engine calls
-:mod:`.tenancy`       the cache as a pool tenant (``Options.pool``), sleep and wake
+:mod:`.tenancy`       ``Tenant``: the cache's standing in a shared pool (``Options.pool``:
+                      its budget, giving room back, waiting for room) and its sleep and wake
 :mod:`.attention`     the attention function the engine calls: K/V written in place, the
                       cache's reader called
 :mod:`.graphs`        a round's metadata written before the forward, the round's kind in the
@@ -61,6 +63,8 @@ module                job
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 from .. import InvalidArgument, VmemError, parse_bytes
@@ -100,13 +104,18 @@ __all__ = [
 ]
 
 
+#: Seconds :func:`sleep` and :func:`wake` wait for a started manager's engine to build its cache.
+BUILD_WAIT_S = 60.0
+
+
 def sleep(manager: Any) -> int:
     """Releases every page of the vmem cache under ``manager`` (a started continuous-batching
     manager, or its :class:`VmemCBCache`) while no request runs, as vLLM's sleep level 1:
     in a pool, the memory is credited to the ledger at once. The engine, its rows and tensor
     addresses stay; the next request wakes it (its first round maps again), or :func:`wake`.
-    Returns the bytes released. Refused (:class:`InvalidArgument`, nothing released) while
-    requests hold KV: let them finish first."""
+    Returns the bytes released. Right after ``manager.start()`` it waits (up to
+    :data:`BUILD_WAIT_S`) for the engine's thread to build the cache. Refused
+    (:class:`InvalidArgument`, nothing released) while requests hold KV: let them finish first."""
     return _engine_cache(manager).tenant.sleep()
 
 
@@ -115,16 +124,32 @@ def wake(manager: Any) -> None:
     _engine_cache(manager).tenant.wake()
 
 
-def _engine_cache(target: Any) -> VmemCBCache:
+def _engine_cache(target: Any, now: Callable[[], float] = time.monotonic,
+                  pause: Callable[[float], None] = time.sleep) -> VmemCBCache:
     """The vmem cache behind ``target``: a :class:`VmemCBCache`, or a continuous-batching manager
-    whose engine runs on one (started, with its cache built)."""
+    whose engine runs on one. A started manager whose engine has not built its cache yet (its
+    thread builds it after ``start()`` returns) is waited for, up to :data:`BUILD_WAIT_S`;
+    :class:`VmemError` saying which when the manager was never started (or its engine stopped),
+    its cache is not built in time, or it is not vmem's."""
     if isinstance(target, VmemCBCache):
         return target
-    cache = getattr(getattr(target, "batch_processor", None), "cache", None)
-    if isinstance(cache, VmemCBCache):
-        return cache
-    raise VmemError(f"{target!r} is neither a vmem engine cache nor a manager running on one "
-                    "(start the manager, with attn_implementation='vmem', first)")
+    if not hasattr(target, "batch_processor"):
+        raise VmemError(f"{type(target).__name__} is neither a vmem engine cache nor a continuous-batching manager "
+                        "(model.init_continuous_batching(), with attn_implementation='vmem')")
+    deadline = now() + BUILD_WAIT_S
+    while (cache := getattr(target.batch_processor, "cache", None)) is None:
+        running = getattr(target, "is_running", None)
+        if not (callable(running) and running()):
+            raise VmemError("the manager has no cache: start it (manager.start()) first; a manager whose engine "
+                            "stopped has none either")
+        if now() >= deadline:
+            raise VmemError(f"the manager's engine has not built its cache yet ({BUILD_WAIT_S:g} s after the call); "
+                            "try again once it serves")
+        pause(0.01)
+    if not isinstance(cache, VmemCBCache):
+        raise VmemError(f"the manager's engine runs on {type(cache).__name__}, not a vmem cache: load the model with "
+                        "attn_implementation='vmem' after vmem.transformers.install()")
+    return cache
 
 
 def cache_class() -> type[VmemCBCache]:

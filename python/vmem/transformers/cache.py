@@ -50,7 +50,7 @@ from ..kernels.rows import RowTable
 from . import margin
 from .graphs import check_engine_config
 from .options import Options
-from .sizing import VMEM_ATTENTION, Geometry, measured_memory
+from .sizing import VMEM_ATTENTION, Geometry, check_full_attention, measured_memory
 from .tenancy import Tenant
 
 _log = logging.getLogger(__name__)
@@ -91,9 +91,7 @@ class VmemCBCache:
                  options: Options | None = None, tp_size: int = 1) -> None:
         cb = continuous_batching_config
         check_engine_config(cb, VMEM_ATTENTION, options.kernel if options is not None else _DEFAULT_OPTIONS.kernel)
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types and any(t != "full_attention" for t in layer_types):
-            raise InvalidArgument(f"{VMEM_ATTENTION} supports full-attention models only, not {set(layer_types)}")
+        check_full_attention(config)
         if tp_size != 1:
             raise InvalidArgument(f"{VMEM_ATTENTION}: tensor parallelism is not supported yet (issue #24)")
         options = _DEFAULT_OPTIONS if options is None else options

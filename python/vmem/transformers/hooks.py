@@ -28,13 +28,15 @@ _log = logging.getLogger(__name__)
 # -- VMEM_NAME: the manager -------------------------------------------------------------------
 def bind_options(init: Callable[..., None]) -> Callable[..., None]:
     """``ContinuousBatchingManager.__init__``, for a model with a registered attention name:
-    refuses a model its cache cannot serve (the check registered with it) and binds the
-    options in force (the caller's thread) to the manager, before the engine's own init."""
+    refuses a model its cache cannot serve with the options in force (the check registered with
+    it: for vmem's, what its cache would refuse of the model and the options, so that it is
+    refused here, in the caller's thread, not in the engine's) and binds those options to the
+    manager, before the engine's own init."""
 
     def vmem_manager_init(self: Any, model: Any, *args: Any, **kwargs: Any) -> None:
         name = getattr(getattr(model, "config", None), "_attn_implementation", None)
         if registry.registered(name):
-            registry.check_model(name, model.config)
+            registry.check_model(name, model, registry.options())
             registry.bind(self)
         init(self, model, *args, **kwargs)
 

@@ -40,7 +40,7 @@ from typing import Any
 from ..kernels.flashinfer import load_flashinfer
 from . import engine517, engine519, hooks, registry, versions
 from .options import Options
-from .sizing import VMEM_ATTENTION, check_kv_layout
+from .sizing import VMEM_ATTENTION, check_servable
 
 #: Scopes: the replacement acts for a vmem cache only / for a model with a registered attention name only.
 VMEM_CACHE, VMEM_NAME = "vmem cache", "registered name"
@@ -264,4 +264,4 @@ def serving(**opts: Any) -> Iterator[Options]:
 
 registry.register_cache(VMEM_ATTENTION, lambda request: request.cache_class(
     request.config, request.continuous_batching_config, request.device, dtype=request.dtype,
-    options=request.options, tp_size=request.tp_size), check=check_kv_layout)
+    options=request.options, tp_size=request.tp_size), check=check_servable)

@@ -60,8 +60,9 @@ class CacheRequest:
 
 #: ``factory(request: CacheRequest) -> cache``.
 CacheFactory = Callable[[CacheRequest], Any]
-#: ``check(config)``: raises :class:`~vmem.InvalidArgument` for a model the cache cannot serve.
-ModelCheck = Callable[[Any], None]
+#: ``check(model, options)``: raises :class:`~vmem.InvalidArgument` for a model the cache cannot serve
+#: with those options.
+ModelCheck = Callable[[Any, Options], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +95,10 @@ def register_cache(attention_name: str, factory: CacheFactory, *, attention: Cal
     """Serves ``attention_name`` (``name`` or ``paged|name``, the same) with the cache ``factory``
     builds (from a :class:`CacheRequest`) and the attention function ``attention`` (default:
     :func:`~vmem.transformers.attention.paged_attention`, which writes new K/V through the
-    cache's ``kv_layer`` and reads with its ``read``). ``check(config)``, when given, runs in the
-    caller's thread when the engine's manager is made for such a model, and refuses a model the
-    cache cannot serve (:class:`~vmem.InvalidArgument`) before the engine starts. Takes effect
+    cache's ``kv_layer`` and reads with its ``read``). ``check(model, options)``, when given,
+    runs in the caller's thread when the engine's manager is made for such a model, with the
+    options bound to it, and refuses a model the cache cannot serve with them
+    (:class:`~vmem.InvalidArgument`) before the engine starts. Takes effect
     for engines built afterwards; registering a name again replaces it. The name should not
     contain ``flash``, ``sdpa`` or ``flex_attention`` (the engine keys behaviour on those
     substrings)."""
@@ -122,11 +124,12 @@ def registered(attention_name: Any) -> bool:
     return attention_key(attention_name) in _registry
 
 
-def check_model(attention_name: Any, config: Any) -> None:
-    """Runs the model check registered with ``attention_name``'s cache, if any."""
+def check_model(attention_name: Any, model: Any, opts: Options) -> None:
+    """Runs the model check registered with ``attention_name``'s cache, if any, on ``model``
+    served with ``opts``."""
     entry = _registry.get(attention_key(attention_name) or "")
     if entry is not None and entry.check is not None:
-        entry.check(config)
+        entry.check(model, opts)
 
 
 def _register_attention(key: str, fn: Callable[..., Any]) -> None:

@@ -136,6 +136,43 @@ class Geometry:
         return self.cap if prefix_cache is None else prefix_cache
 
 
+#: The most pages vmem creates in one call (the core's ``vmem::pool::MAX_EAGER_PAGES``): a cache
+#: that makes its pages up front (``prealloc``) may not need more.
+MAX_EAGER_PAGES = 1 << 24
+#: A budget for :func:`check_servable` to build the geometry with when none is given (the
+#: engine's default is measured only when the cache is built): every check but the budget's.
+_ANY_BUDGET = 1 << 62
+
+
+def check_full_attention(config: Any) -> None:
+    """Refuses (:class:`~vmem.InvalidArgument`) a model with layers other than full attention
+    (sliding windows, linear attention): each request's row holds every token of every layer."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise InvalidArgument(f"{VMEM_ATTENTION} supports full-attention models only, not {set(layer_types)}")
+
+
+def check_servable(model: Any, options: Options) -> None:
+    """What vmem's engine cache would refuse of ``model`` served with ``options``, refused now:
+    run in the caller's thread when the engine's manager is made (the engine builds its cache
+    later, in its own thread, where a refusal fails every request instead of the call). The
+    model's text config, dtype and device are the engine's for the cache: an MLA model, layers
+    other than full attention, and the geometry's refusals (a page that holds no whole token,
+    ``memory`` under two blocks, FlashAttention's dtypes, head dims and int32 offsets, Flex's,
+    FlashInfer's), and pages made up front past :data:`MAX_EAGER_PAGES`."""
+    config = model.config.get_text_config() if callable(getattr(model.config, "get_text_config", None)) \
+        else model.config
+    check_kv_layout(config)
+    check_full_attention(config)
+    memory = options.memory
+    g = Geometry(config, model.dtype, torch.device(model.device), options, _ANY_BUDGET if memory is None else memory)
+    pages = g.cap // g.page_bytes
+    if memory is not None and options.prealloc and options.pool is None and pages > MAX_EAGER_PAGES:
+        raise InvalidArgument(
+            f"memory={memory} bytes are {pages} pages of {g.page_bytes} bytes made up front (prealloc), more than the "
+            f"{MAX_EAGER_PAGES} vmem makes at once: lower memory, raise page_size, or pass prealloc=False")
+
+
 def measured_memory(breakdown: Any, device: torch.device) -> int:
     """The memory the engine sees on its device (``breakdown``: transformers'
     ``get_device_and_memory_breakdown``), for the default budget; :class:`InvalidArgument` saying
