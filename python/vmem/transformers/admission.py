@@ -12,12 +12,15 @@ request holds anything, when the tokens it will store pass the row.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .._vmem import InvalidArgument
 
+if TYPE_CHECKING:
+    from transformers.generation.continuous_batching.requests import RequestState
 
-def tokens_to_store(state: Any) -> int:
+
+def tokens_to_store(state: RequestState) -> int:
     """KV tokens a request stores by its end: its prompt and every generated token but the
     last (the last is sampled, never fed back). ``max_new_tokens=None`` (no limit) counts as one
     token: then only the prompt can be checked up front."""
@@ -26,7 +29,7 @@ def tokens_to_store(state: Any) -> int:
     return len(state.initial_tokens) + new - 1
 
 
-def check_fits(state: Any, max_context: int) -> None:
+def check_fits(state: RequestState, max_context: int) -> None:
     """Raises :class:`vmem.InvalidArgument`, naming the request and the option to raise, when
     ``state`` would store more tokens than a row of ``max_context`` holds."""
     need = tokens_to_store(state)

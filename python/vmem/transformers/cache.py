@@ -33,7 +33,7 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,6 +52,11 @@ from .graphs import check_engine_config
 from .options import Options
 from .sizing import VMEM_ATTENTION, Geometry, check_full_attention, measured_memory
 from .tenancy import Tenant
+
+if TYPE_CHECKING:
+    from transformers.configuration_utils import PreTrainedConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.requests import RequestState
 
 _log = logging.getLogger(__name__)
 _DEFAULT_OPTIONS = Options()
@@ -87,7 +92,8 @@ class VmemCBCache:
 
     flat_kv = True
 
-    def __init__(self, config: Any, continuous_batching_config: Any, device: Any, *, dtype: torch.dtype,
+    def __init__(self, config: PreTrainedConfig, continuous_batching_config: ContinuousBatchingConfig,
+                 device: torch.device | str, *, dtype: torch.dtype,
                  options: Options | None = None, tp_size: int = 1) -> None:
         cb = continuous_batching_config
         check_engine_config(cb, VMEM_ATTENTION, options.kernel if options is not None else _DEFAULT_OPTIONS.kernel)
@@ -176,7 +182,7 @@ class VmemCBCache:
                                           max_tokens=self.max_batch_tokens)
         self.read: Any = self._reader(config)
 
-    def _reader(self, config: Any) -> Any:
+    def _reader(self, config: PreTrainedConfig) -> FaReader | FlexReader | FlashInferReader:
         """The kernel that reads the rows (``options.kernel``)."""
         g = self.geometry
         if self.kernel == "fa":
@@ -203,7 +209,8 @@ class VmemCBCache:
         self._total_prefix_length = 0
 
     @staticmethod
-    def default_budget(config: Any, cb: Any, dtype: torch.dtype, device: torch.device, token_bytes: int
+    def default_budget(config: PreTrainedConfig, cb: ContinuousBatchingConfig, dtype: torch.dtype, device: torch.device,
+                       token_bytes: int
                        ) -> tuple[int, int]:
         """``(bytes, max_batch_tokens)`` the engine (5.17) would give its own paged cache."""
         # Typed Any: the engine's memory handler and its helpers differ between transformers versions.
@@ -359,7 +366,7 @@ class VmemCBCache:
         self._total_prefix_length += got
         return got
 
-    def mark_shareable_blocks_as_complete(self, state: Any, num_complete_blocks: int) -> None:
+    def mark_shareable_blocks_as_complete(self, state: RequestState, num_complete_blocks: int) -> None:
         """Publishes the full blocks the request has computed (its tokens so far, up to what this
         round's forward wrote) to vmem's prefix cache (:meth:`vmem.KVCache.publish_prefix`)."""
         if not self.sharing or num_complete_blocks == 0:

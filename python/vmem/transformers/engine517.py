@@ -12,12 +12,18 @@ the patch maps a registered bare name (``vmem``) to its ``paged|`` form instead.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import registry
 from .cache import VmemCBCache
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from transformers.generation.configuration_utils import GenerationConfig
+    from transformers.modeling_utils import PreTrainedModel
 
 
 def cache_class() -> type[VmemCBCache]:
@@ -38,12 +44,14 @@ def cache_factory(original: type) -> Any:
     return PagedAttentionCache
 
 
-def attention_check(original: Any) -> Any:
+def attention_check(original: Callable[..., None]) -> Callable[..., None]:
     """``ContinuousBatchingManager.switch_to_cb_friendly_attn``, with a registered bare name
     (``vmem``) switched to its ``paged|`` form (restored by the manager's ``stop``), never to
     flash; every other name as the engine does."""
 
-    def switch_to_cb_friendly_attn(self: Any, model: Any) -> None:
+    # self: 5.17's manager, typed Any: the lint checks against the newest transformers, whose manager
+    # declares _original_attn_impl as None
+    def switch_to_cb_friendly_attn(self: Any, model: PreTrainedModel) -> None:
         name = model.config._attn_implementation
         if isinstance(name, str) and not name.startswith("paged|") and registry.registered(name):
             model.set_attn_implementation(f"paged|{name}")
@@ -54,6 +62,6 @@ def attention_check(original: Any) -> Any:
     return switch_to_cb_friendly_attn
 
 
-def expected_results(prompts: int, generation_config: Any) -> int:
+def expected_results(prompts: int, generation_config: GenerationConfig) -> int:
     """Results ``generate_batch`` returns: one per prompt (5.17 returns no forked children)."""
     return prompts

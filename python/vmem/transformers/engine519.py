@@ -36,7 +36,7 @@ import copy
 import importlib
 import inspect
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,15 @@ from .._vmem import VmemError
 from . import margin, registry
 from .cache import VmemCBCache
 from .sizing import VMEM_ATTENTION, measured_memory
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from transformers.configuration_utils import PreTrainedConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+    from transformers.generation.continuous_batching.requests import RequestState
+    from transformers.modeling_utils import PreTrainedModel
 
 FULL_ATTENTION = "full_attention"
 _log = logging.getLogger(__name__)
@@ -125,7 +134,8 @@ class VmemCBCache519(VmemCBCache):
         self._past_context: set[str] = set()
 
     @staticmethod
-    def default_budget(config: Any, cb: Any, dtype: torch.dtype, device: torch.device, token_bytes: int
+    def default_budget(config: PreTrainedConfig, cb: ContinuousBatchingConfig, dtype: torch.dtype, device: torch.device,
+                       token_bytes: int
                        ) -> tuple[int, int]:
         """``(bytes, max_batch_tokens)`` the engine would give its own paged cache, were it read by
         a kernel that needs no attention mask and no repeated KV heads (as vmem's): the engine's
@@ -154,7 +164,7 @@ class VmemCBCache519(VmemCBCache):
         row = self.table.get(request_id)
         return max(0, -(-tokens // self.block_size) - (0 if row is None else row.blocks))
 
-    def can_store_request_tokens(self, state: Any, request_len: int, dry_run: bool = False) -> bool:
+    def can_store_request_tokens(self, state: RequestState, request_len: int, dry_run: bool = False) -> bool:
         """Whether the request's next ``request_len`` tokens fit; allocates them (all or nothing)
         unless ``dry_run``. False, never an exception (it would kill the engine's loop), when no
         row or memory is left or the request would pass ``max_context``.
@@ -218,14 +228,14 @@ class VmemCBCache519(VmemCBCache):
         """Frees every request (after the engine's warmup)."""
         self.free_all_requests(clear_ledgers=True)
 
-    def count_new_complete_blocks(self, state: Any, request_len: int) -> dict[str, int]:
+    def count_new_complete_blocks(self, state: RequestState, request_len: int) -> dict[str, int]:
         """Blocks the next forward over ``request_len`` tokens completes (published after it)."""
         if not self.sharing:
             return {}
         n = (state.current_len() % self.block_size + request_len) // self.block_size
         return {FULL_ATTENTION: n} if n else {}
 
-    def mark_complete_blocks(self, state: Any, complete_blocks: dict[str, int]) -> None:
+    def mark_complete_blocks(self, state: RequestState, complete_blocks: dict[str, int]) -> None:
         """Publishes the request's full blocks to vmem's prefix cache."""
         self.mark_shareable_blocks_as_complete(state, (complete_blocks or {}).get(FULL_ATTENTION, 0))
 
@@ -240,7 +250,7 @@ class VmemCBCache519(VmemCBCache):
         kwargs["cache"] = self
         return key_states, value_states
 
-    def prepare_fork_request(self, src_state: Any, dst_req_ids: list[str], copy_src_and_dst: Any) -> list[str]:
+    def prepare_fork_request(self, src_state: RequestState, dst_req_ids: list[str], copy_src_and_dst: Any) -> list[str]:
         """No forks: the engine makes the children fresh requests."""
         return []
 
@@ -267,12 +277,13 @@ def cache_factory(original: type) -> Any:
     return PagedAttentionCache
 
 
-def attention_check(original: Any) -> Any:
+def attention_check(original: Callable[..., None]) -> Callable[..., None]:
     """``ContinuousBatchingManager.switch_to_cb_friendly_attn``, letting a registered name
     (``vmem``) through unchanged (the engine would switch it to flash, or refuse it); every other
     name as the engine does."""
 
-    def switch_to_cb_friendly_attn(self: Any, model: Any, auto_switch_to_flash: bool = True) -> None:
+    def switch_to_cb_friendly_attn(self: ContinuousBatchingManager, model: PreTrainedModel,
+                                   auto_switch_to_flash: bool = True) -> None:
         if registry.registered(model.config._attn_implementation):
             return None
         return original(self, model, auto_switch_to_flash)
@@ -280,7 +291,7 @@ def attention_check(original: Any) -> Any:
     return switch_to_cb_friendly_attn
 
 
-def expected_results(prompts: int, generation_config: Any) -> int:
+def expected_results(prompts: int, generation_config: GenerationConfig) -> int:
     """Results ``generate_batch`` returns: one per prompt and return sequence (5.19+ returns the
     children too; vmem runs them as fresh requests)."""
     return prompts * (getattr(generation_config, "num_return_sequences", None) or 1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,11 +24,15 @@ from .._vmem import InvalidArgument
 from ..kernels.rounds import Round
 from .compiled import check_compile, refuse_compile
 
+if TYPE_CHECKING:
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+
 #: The round kinds a padded round's graph key carries (:func:`.hooks.graph_key`).
 DECODE, VARLEN = "decode", "varlen"
 
 
-def graphs_requested(cb: Any) -> bool:
+def graphs_requested(cb: ContinuousBatchingConfig) -> bool:
     """Whether the engine's config turns CUDA graphs on (5.17-5.25: ``cuda_graph_booleans`` once
     resolved; before that ``use_cuda_graph``, a bool or a ``(varlen, decode)`` pair)."""
     if hasattr(cb, "cuda_graph_booleans"):
@@ -40,7 +44,7 @@ def graphs_requested(cb: Any) -> bool:
     return any(value) if isinstance(value, tuple | list) else bool(value)
 
 
-def refuse_graphs(cb: Any, name: str) -> None:
+def refuse_graphs(cb: ContinuousBatchingConfig, name: str) -> None:
     """Refuses an engine config with CUDA graphs, a compiled forward or async batching for ``name``
     (a cache whose kernel indices are rebuilt on the host every round, e.g. a bench contender)."""
     if graphs_requested(cb):
@@ -60,7 +64,7 @@ _NOT_REPLAYABLE = {
 }
 
 
-def check_engine_config(cb: Any, name: str, kernel: str) -> None:
+def check_engine_config(cb: ContinuousBatchingConfig, name: str, kernel: str) -> None:
     """What vmem's cache supports of the engine's graph switches: CUDA graphs and async batching
     with ``kernel="fa"`` (its metadata is in :class:`RoundBuffers`) and ``kernel="flashinfer"``
     (planned before the forward into the fixed buffers of FlashInfer's CUDA-graph wrappers, one
@@ -115,7 +119,7 @@ def prepare_round(cache: Any, batch_data: dict[str, Any], padded: bool, stream: 
 
 
 @contextlib.contextmanager
-def without_varlen_graph(runner: Any) -> Iterator[None]:
+def without_varlen_graph(runner: ModelRunner) -> Iterator[None]:
     """The engine's ``runner`` (a ``ModelRunner``) runs varlen forwards without a CUDA graph
     inside the block (none captured, none replayed); its ``use_cuda_graph_varlen`` is put back
     after. The forward's tensors come from the graphs' memory pool (``runner.mem_pool``), as the

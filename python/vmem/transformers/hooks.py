@@ -15,12 +15,27 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import admission, carry_over, graphs, margin, registry, tenancy, warmup
 from .cache import VmemCBCache
+
+if TYPE_CHECKING:
+    from transformers.generation.configuration_utils import GenerationConfig
+    from transformers.generation.continuous_batching.continuous_api import (
+        ContinuousBatchingManager,
+        ContinuousBatchProcessor,
+    )
+    from transformers.generation.continuous_batching.input_outputs import (
+        ContinuousBatchingAsyncIOs,
+        ContinuousBatchingIOs,
+    )
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+    from transformers.generation.continuous_batching.requests import RequestState
+    from transformers.generation.continuous_batching.scheduler import Scheduler
+    from transformers.modeling_utils import PreTrainedModel
 
 _log = logging.getLogger(__name__)
 
@@ -33,7 +48,7 @@ def bind_options(init: Callable[..., None]) -> Callable[..., None]:
     refused here, in the caller's thread, not in the engine's) and binds those options to the
     manager, before the engine's own init."""
 
-    def vmem_manager_init(self: Any, model: Any, *args: Any, **kwargs: Any) -> None:
+    def vmem_manager_init(self: ContinuousBatchingManager, model: PreTrainedModel, *args: Any, **kwargs: Any) -> None:
         name = getattr(getattr(model, "config", None), "_attn_implementation", None)
         if registry.registered(name):
             registry.check_model(name, model, registry.options())
@@ -43,11 +58,12 @@ def bind_options(init: Callable[..., None]) -> Callable[..., None]:
     return vmem_manager_init
 
 
-def build_with_bound_options(create: Callable[[Any], Any]) -> Callable[[Any], Any]:
+def build_with_bound_options(create: Callable[[ContinuousBatchingManager], ContinuousBatchProcessor]
+                             ) -> Callable[[ContinuousBatchingManager], ContinuousBatchProcessor]:
     """``ContinuousBatchingManager._create_batch_processor`` (the engine's thread, at ``start()``),
     building the cache with the options bound to the manager when it was made."""
 
-    def vmem_create_batch_processor(self: Any) -> Any:
+    def vmem_create_batch_processor(self: ContinuousBatchingManager) -> ContinuousBatchProcessor:
         opts = registry.bound_options(self)
         if opts is None:
             return create(self)
@@ -57,12 +73,15 @@ def build_with_bound_options(create: Callable[[Any], Any]) -> Callable[[Any], An
     return vmem_create_batch_processor
 
 
-def check_generate_batch(generate: Callable[..., Any], expected: Callable[[int, Any], int]) -> Callable[..., Any]:
+def check_generate_batch(generate: Callable[..., dict[str, Any]], expected: Callable[[int, GenerationConfig], int]
+                         ) -> Callable[..., dict[str, Any]]:
     """``ContinuousMixin.generate_batch``, raising :class:`~vmem.VmemError` for a registered name
     when requests failed or never came back (``expected(prompts, generation_config)`` results;
     the engine logs its thread's error and returns them as if done)."""
 
-    def vmem_generate_batch(self: Any, inputs: Any, generation_config: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def vmem_generate_batch(self: PreTrainedModel, inputs: list[list[int]],
+                            generation_config: GenerationConfig | None = None, *args: Any, **kwargs: Any
+                            ) -> dict[str, Any]:
         results = generate(self, inputs, generation_config, *args, **kwargs)
         name = getattr(self.config, "_attn_implementation", None)
         if inputs and registry.registered(name):
@@ -74,7 +93,7 @@ def check_generate_batch(generate: Callable[..., Any], expected: Callable[[int, 
 
 
 # -- VMEM_CACHE: the loop, the runner, the IOs, the scheduler -----------------------------------
-def round_or_wait(prepare: Callable[[Any], bool]) -> Callable[[Any], bool]:
+def round_or_wait(prepare: Callable[[ContinuousBatchProcessor], bool]) -> Callable[[ContinuousBatchProcessor], bool]:
     """``ContinuousBatchProcessor.prepare_next_batch``; for a vmem cache, its tenant gives room
     back first when the pool runs low (:meth:`.tenancy.Tenant.yield_room`) or it has been idle
     for ``pool_idle_s`` (:meth:`.tenancy.Tenant.release_when_idle`), and a pool tenant starved
@@ -82,7 +101,7 @@ def round_or_wait(prepare: Callable[[Any], bool]) -> Callable[[Any], bool]:
     than the engine's fatal error, for up to :data:`.tenancy.ROOM_WAIT_S`
     (:meth:`.tenancy.Tenant.waits_for_room`). Any other error: unchanged."""
 
-    def vmem_prepare_next_batch(self: Any) -> bool:
+    def vmem_prepare_next_batch(self: ContinuousBatchProcessor) -> bool:
         cache = getattr(self, "cache", None)
         if not isinstance(cache, VmemCBCache):
             return prepare(self)
@@ -102,12 +121,12 @@ def round_or_wait(prepare: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return vmem_prepare_next_batch
 
 
-def write_round_first(compute_batch: Callable[..., Any]) -> Callable[..., Any]:
+def write_round_first(compute_batch: Callable[..., None]) -> Callable[..., None]:
     """``ModelRunner.compute_batch``, for a vmem cache writing the round's metadata first
     (:func:`.graphs.prepare_round`); a padded varlen round of more query tokens than
     ``graph_max_tokens`` runs without the engine's CUDA graph (:func:`.graphs.without_varlen_graph`)."""
 
-    def vmem_compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> Any:
+    def vmem_compute_batch(self: ModelRunner, model: torch.nn.Module, batch_data: dict[str, Any]) -> None:
         cache = self.cache
         if not isinstance(cache, VmemCBCache):
             return compute_batch(self, model, batch_data)
@@ -124,7 +143,7 @@ def write_round_first(compute_batch: Callable[..., Any]) -> Callable[..., Any]:
     return vmem_compute_batch
 
 
-def capture_vmem_graphs(engine_warmup: Callable[..., Any]) -> Callable[..., Any]:
+def capture_vmem_graphs(engine_warmup: Callable[..., None]) -> Callable[..., None]:
     """``ModelRunner.warmup``; for a vmem cache :func:`.warmup.capture_graphs` in place of the
     engine's own rounds: the largest round that runs without a graph, then the largest varlen
     round (every graphed varlen size with ``graph_max_tokens``), then every decode round. The
@@ -133,7 +152,7 @@ def capture_vmem_graphs(engine_warmup: Callable[..., Any]) -> Callable[..., Any]
     pool may fragment), and vmem has no decode fast path for its decode rounds. The cache then
     forgets the fake requests' admissions (``readmissions`` counts preemptions while serving)."""
 
-    def vmem_warmup(self: Any, model: Any) -> Any:
+    def vmem_warmup(self: ModelRunner, model: torch.nn.Module) -> None:
         cache = self.cache
         if not isinstance(cache, VmemCBCache):
             return engine_warmup(self, model)
@@ -165,7 +184,7 @@ def no_kv_read(maybe_pad_inputs: Callable[..., tuple[int, int]]) -> Callable[...
     (the scheduler counts no read against the round's budget), which lets its
     ``max_tokens_read``, the size of that buffer, be one row."""
 
-    def vmem_maybe_pad_inputs(self: Any, num_q_tokens: int, max_kv_read: int,
+    def vmem_maybe_pad_inputs(self: ModelRunner, num_q_tokens: int, max_kv_read: int,
                               use_decode_fast_path: bool) -> tuple[int, int]:
         if not isinstance(getattr(self, "cache", None), VmemCBCache):
             return maybe_pad_inputs(self, num_q_tokens, max_kv_read, use_decode_fast_path)
@@ -175,7 +194,8 @@ def no_kv_read(maybe_pad_inputs: Callable[..., tuple[int, int]]) -> Callable[...
     return vmem_maybe_pad_inputs
 
 
-def graph_key(get_graph_key: Callable[..., Any]) -> Callable[..., Any]:
+def graph_key(get_graph_key: Callable[[ContinuousBatchingIOs], tuple[Any, ...]]
+              ) -> Callable[[ContinuousBatchingIOs], tuple[Any, ...]]:
     """``ContinuousBatchingIOs._get_graph_key``, for a vmem cache's padded round keyed by what
     vmem's forward depends on. The engine keys a varlen graph by ``(padded tokens, padded KV
     read, padded max_seqlen_k)`` (5.19+ names the last ``max_length_k``); for vmem:
@@ -192,7 +212,7 @@ def graph_key(get_graph_key: Callable[..., Any]) -> Callable[..., Any]:
 
     Unpadded rounds (no kind) and other caches keep the engine's key."""
 
-    def vmem_graph_key(self: Any) -> Any:
+    def vmem_graph_key(self: ContinuousBatchingIOs) -> tuple[Any, ...]:
         cache = getattr(self, "cache", None)
         if not isinstance(cache, VmemCBCache):
             return get_graph_key(self)
@@ -208,11 +228,12 @@ def graph_key(get_graph_key: Callable[..., Any]) -> Callable[..., Any]:
     return vmem_graph_key
 
 
-def fast_carry_over(infer: Callable[[Any], torch.Tensor]) -> Callable[[Any], torch.Tensor]:
+def fast_carry_over(infer: Callable[[ContinuousBatchingAsyncIOs], torch.Tensor]
+                    ) -> Callable[[ContinuousBatchingAsyncIOs], torch.Tensor]:
     """``ContinuousBatchingAsyncIOs.infer_carry_over_ids``: for a vmem cache (the IO pair's host
     side's) :func:`.carry_over.infer_carry_over_ids`, the same ids in O(requests)."""
 
-    def vmem_infer_carry_over_ids(self: Any) -> torch.Tensor:
+    def vmem_infer_carry_over_ids(self: ContinuousBatchingAsyncIOs) -> torch.Tensor:
         cache = getattr(self.io_pairs[self.current_pair].host_io, "cache", None)
         if not isinstance(cache, VmemCBCache):
             return infer(self)
@@ -221,11 +242,11 @@ def fast_carry_over(infer: Callable[[Any], torch.Tensor]) -> Callable[[Any], tor
     return vmem_infer_carry_over_ids
 
 
-def refuse_past_a_row(add: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+def refuse_past_a_row(add: Callable[[Scheduler, RequestState], Any]) -> Callable[[Scheduler, RequestState], Any]:
     """``Scheduler.add_waiting_request``; for a vmem cache it first refuses a request whose tokens
     pass the row (:func:`.admission.check_fits`): that request fails alone."""
 
-    def vmem_add_waiting_request(self: Any, state: Any) -> Any:
+    def vmem_add_waiting_request(self: Scheduler, state: RequestState) -> Any:
         cache = getattr(self, "cache", None)
         if isinstance(cache, VmemCBCache):
             admission.check_fits(state, cache.max_context)
@@ -238,7 +259,7 @@ def margin_to_cache(init: Callable[..., None]) -> Callable[..., None]:
     """``Scheduler.__init__``; then, for a vmem cache, :func:`.margin.take_over` (each scheduler
     class has resolved its default margin by then)."""
 
-    def vmem_scheduler_init(self: Any, cache: Any, *args: Any, **kwargs: Any) -> None:
+    def vmem_scheduler_init(self: Scheduler, cache: Any, *args: Any, **kwargs: Any) -> None:
         init(self, cache, *args, **kwargs)
         if isinstance(cache, VmemCBCache):
             margin.take_over(self, cache)
@@ -246,14 +267,15 @@ def margin_to_cache(init: Callable[..., None]) -> Callable[..., None]:
     return vmem_scheduler_init
 
 
-def margin_before_allocation(allocate: Callable[[Any, Any, int], bool]) -> Callable[[Any, Any, int], bool]:
+def margin_before_allocation(allocate: Callable[[Scheduler, RequestState, int], bool]
+                             ) -> Callable[[Scheduler, RequestState, int], bool]:
     """5.17's ``Scheduler._allocate_blocks_if_needed(state, len_next_tokens)``: for a vmem cache,
     a new request that :func:`.margin.admission_waits` gets nothing (the scheduler moves on to
     the next candidate), and an admitted one's end is noted (:func:`.margin.note_final`). The
     blocks a new request lacks are counted as the engine counts them (it may ask one more than
     the tokens fill)."""
 
-    def vmem_allocate_blocks_if_needed(self: Any, state: Any, len_next_tokens: int) -> bool:
+    def vmem_allocate_blocks_if_needed(self: Scheduler, state: RequestState, len_next_tokens: int) -> bool:
         cache = self.cache
         if not isinstance(cache, VmemCBCache):
             return allocate(self, state, len_next_tokens)

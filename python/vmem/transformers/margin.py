@@ -23,10 +23,14 @@ active, and an active request refused its blocks is preempted.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers.generation.continuous_batching.requests import RequestState
+    from transformers.generation.continuous_batching.scheduler import Scheduler
 
 
-def final_tokens(state: Any) -> int | None:
+def final_tokens(state: RequestState | Any) -> int | None:
     """KV tokens a request stores by its end at the latest (its prompt and every generated token
     but the last), or ``None`` when it has no ``max_new_tokens`` (no limit) or is not a request
     state."""
@@ -37,7 +41,7 @@ def final_tokens(state: Any) -> int | None:
     return len(prompt) + max(new, 1) - 1
 
 
-def note_final(cache: Any, state: Any) -> None:
+def note_final(cache: Any, state: RequestState) -> None:
     """Records on the request's row the blocks it holds by its end at the latest, once known."""
     row = cache.table.get(state.request_id)
     if row is not None and row.final_blocks is None and (final := final_tokens(state)) is not None:
@@ -51,7 +55,7 @@ def over_margin(cache: Any, request_id: str) -> bool:
             and max(0, cache.get_num_free_blocks()) < cache.admission_margin * cache.num_blocks)
 
 
-def growth_covered(cache: Any, state: Any, missing: int) -> bool:
+def growth_covered(cache: Any, state: RequestState, missing: int) -> bool:
     """Whether the blocks left once the new request ``state`` holds its ``missing`` cover what it
     and every request holding a row can still grow by (each up to its ``max_new_tokens``; False
     when one of them has none)."""
@@ -62,13 +66,13 @@ def growth_covered(cache: Any, state: Any, missing: int) -> bool:
     return cache.get_num_free_blocks() - missing >= growth + own
 
 
-def admission_waits(cache: Any, state: Any, missing: int) -> bool:
+def admission_waits(cache: Any, state: RequestState, missing: int) -> bool:
     """Whether the new request ``state``, lacking ``missing`` blocks, waits: it is
     :func:`over_margin` and its growth is not :func:`growth_covered`."""
     return over_margin(cache, state.request_id) and not growth_covered(cache, state, missing)
 
 
-def take_over(scheduler: Any, cache: Any) -> None:
+def take_over(scheduler: Scheduler, cache: Any) -> None:
     """The scheduler's ``safety_margin`` to the cache, the scheduler's own set to 0."""
     cache.admission_margin = float(scheduler.safety_margin)
     scheduler.safety_margin = 0.0

@@ -31,7 +31,10 @@ from .attention import paged_attention
 from .options import Options
 
 if TYPE_CHECKING:
-    from transformers import ContinuousBatchingConfig, PretrainedConfig
+    from transformers.configuration_utils import PreTrainedConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+    from transformers.modeling_utils import PreTrainedModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +46,7 @@ class CacheRequest:
     version) and ``build_engine_cache()`` to get the engine's own cache for the same call (a
     contender that records what the engine's cache does)."""
 
-    config: PretrainedConfig
+    config: PreTrainedConfig
     continuous_batching_config: ContinuousBatchingConfig
     device: torch.device | str
     dtype: torch.dtype
@@ -124,7 +127,7 @@ def registered(attention_name: Any) -> bool:
     return attention_key(attention_name) in _registry
 
 
-def check_model(attention_name: Any, model: Any, opts: Options) -> None:
+def check_model(attention_name: Any, model: PreTrainedModel, opts: Options) -> None:
     """Runs the model check registered with ``attention_name``'s cache, if any, on ``model``
     served with ``opts``."""
     entry = _registry.get(attention_key(attention_name) or "")
@@ -178,12 +181,12 @@ def in_force(opts: Options) -> Iterator[Options]:
         _serving.reset(token)
 
 
-def bind(manager: Any) -> None:
+def bind(manager: ContinuousBatchingManager) -> None:
     """Binds the options in force now (in the caller's thread) to the engine's ``manager``."""
     _managers[manager] = options()
 
 
-def bound_options(manager: Any) -> Options | None:
+def bound_options(manager: ContinuousBatchingManager) -> Options | None:
     """The options bound to ``manager`` (``None``: it was made for no registered name, or before
     vmem was installed)."""
     return _managers.get(manager)

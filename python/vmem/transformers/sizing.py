@@ -7,7 +7,7 @@ Version-free: the engine-specific parts (the default budget, the engine's config
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,11 +16,15 @@ from ..kernels.flashinfer import check_model
 from ..kernels.flex import KV_BLOCK
 from .options import Options
 
+if TYPE_CHECKING:
+    from transformers.configuration_utils import PreTrainedConfig
+    from transformers.modeling_utils import PreTrainedModel
+
 #: The attention name that selects the vmem cache.
 VMEM_ATTENTION = "vmem"
 
 
-def check_kv_layout(config: Any) -> None:
+def check_kv_layout(config: PreTrainedConfig) -> None:
     """Refuses (:class:`~vmem.InvalidArgument`) a model whose KV a vmem row cannot hold: an MLA
     model (DeepSeek-V2/V3 style, ``config.kv_lora_rank`` set) caches one compressed latent per
     token, not ``num_key_value_heads x head_dim`` keys and values, and vmem has no latent layout
@@ -36,7 +40,7 @@ def check_kv_layout(config: Any) -> None:
             "engine's own cache (attn_implementation='sdpa' or a flash one)")
 
 
-def find_dims(config: Any) -> tuple[int, int, int]:
+def find_dims(config: PreTrainedConfig) -> tuple[int, int, int]:
     """``(layers, kv_heads, head_dim)`` of a transformers model config (an MLA model is refused:
     :func:`check_kv_layout`)."""
     check_kv_layout(config)
@@ -64,7 +68,7 @@ class Geometry:
     blocks), ``blocks`` (what the budget holds, the trash row's block included), ``cap`` (bytes
     of those blocks), ``compiled`` (the Flex kernel is compiled)."""
 
-    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device, options: Options,
+    def __init__(self, config: PreTrainedConfig, dtype: torch.dtype, device: torch.device, options: Options,
                  memory_bytes: int) -> None:
         layers, kv_heads, head_dim = find_dims(config)
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
@@ -105,7 +109,7 @@ class Geometry:
         self._check_int32(kernel)
 
     @staticmethod
-    def token_bytes_of(config: Any, dtype: torch.dtype) -> int:
+    def token_bytes_of(config: PreTrainedConfig, dtype: torch.dtype) -> int:
         """Bytes of one token's K and V in every layer."""
         layers, kv_heads, head_dim = find_dims(config)
         return 2 * layers * kv_heads * head_dim * dtype.itemsize
@@ -144,7 +148,7 @@ MAX_EAGER_PAGES = 1 << 24
 _ANY_BUDGET = 1 << 62
 
 
-def check_full_attention(config: Any) -> None:
+def check_full_attention(config: PreTrainedConfig) -> None:
     """Refuses (:class:`~vmem.InvalidArgument`) a model with layers other than full attention
     (sliding windows, linear attention): each request's row holds every token of every layer."""
     layer_types = getattr(config, "layer_types", None)
@@ -152,7 +156,7 @@ def check_full_attention(config: Any) -> None:
         raise InvalidArgument(f"{VMEM_ATTENTION} supports full-attention models only, not {set(layer_types)}")
 
 
-def check_servable(model: Any, options: Options) -> None:
+def check_servable(model: PreTrainedModel, options: Options) -> None:
     """What vmem's engine cache would refuse of ``model`` served with ``options``, refused now:
     run in the caller's thread when the engine's manager is made (the engine builds its cache
     later, in its own thread, where a refusal fails every request instead of the call). The

@@ -32,9 +32,14 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+from .cache import VmemCBCache
+
+if TYPE_CHECKING:
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +47,7 @@ logger = logging.getLogger(__name__)
 MIN_BUCKET = 1024
 
 
-def padded_sizes(runner: Any, most: int) -> list[tuple[int, int]]:
+def padded_sizes(runner: ModelRunner, most: int) -> list[tuple[int, int]]:
     """``(n, padded)`` for each size the engine's ``runner`` pads a round of 1 to ``most``
     query tokens to: the fewest tokens ``n`` that pad to it."""
     out: list[tuple[int, int]] = []
@@ -57,7 +62,7 @@ def padded_sizes(runner: Any, most: int) -> list[tuple[int, int]]:
     return out
 
 
-def decode_sizes(runner: Any) -> list[tuple[int, int]]:
+def decode_sizes(runner: ModelRunner) -> list[tuple[int, int]]:
     """``(requests, padded tokens)`` for each padded size of a decode round the engine's
     ``runner`` can run: the fewest requests that pad to it (fewest fake requests to map)."""
     return padded_sizes(runner, int(runner.cb_config.max_requests_per_batch or 0))
@@ -90,7 +95,7 @@ def _pairs(io: Any, async_ios: Any) -> Iterator[None]:
             io.swap_io_pairs()
 
 
-def _largest_eager_round(runner: Any, model: Any, mr: Any) -> int:
+def _largest_eager_round(runner: ModelRunner, cache: VmemCBCache, model: torch.nn.Module, mr: Any) -> int:
     """One fake prefill round of the most query tokens a round can carry (``max_batch_tokens``, or
     what the KV budget holds), run without a graph, when that is above ``graph_max_tokens``; 1 if
     it ran. Such rounds run in the graphs' memory pool
@@ -99,8 +104,7 @@ def _largest_eager_round(runner: Any, model: Any, mr: Any) -> int:
     growing sizes each reserved more (the pool held 1,504 MB, 64 MB of it in use, after a
     memory-bound run on 5.23; the engine's own warmup runs its largest round first for the same
     reason). Run first, the largest one sizes the pool, and every later round and graph fits in
-    what it freed."""
-    cache = runner.cache
+    what it freed. ``cache``: the runner's, a vmem cache."""
     limit = cache.options.graph_max_tokens
     bs, mc = int(cache.block_size), int(cache.max_context)
     tokens = min(int(cache.max_batch_tokens), int(cache.num_blocks) * bs)
@@ -115,8 +119,8 @@ def _largest_eager_round(runner: Any, model: Any, mr: Any) -> int:
 
 
 @torch.no_grad()  # as the engine's warmup (called outside it, too: a benchmark's other contenders)
-def capture_graphs(runner: Any, model: Any, max_context: int | None = None, *, varlen_tokens: int = 0,
-                   every_varlen: bool = False, eager_first: bool = False) -> int:
+def capture_graphs(runner: ModelRunner, model: torch.nn.Module, max_context: int | None = None, *,
+                   varlen_tokens: int = 0, every_varlen: bool = False, eager_first: bool = False) -> int:
     """Runs fake rounds through ``runner`` (the engine's ``ModelRunner``) on ``model`` so that
     each CUDA graph they key is captured now; returns the rounds run. On each IO pair: with
     ``varlen_tokens``, first the largest varlen round of at most that many query tokens (one
@@ -137,8 +141,8 @@ def capture_graphs(runner: Any, model: Any, max_context: int | None = None, *, v
     kv_buckets, decode = buckets(cache, max_context), [n for n, _ in decode_sizes(runner)]
     rounds = 0
     for _ in _pairs(io, mr.ContinuousBatchingAsyncIOs):
-        if eager_first:
-            rounds += _largest_eager_round(runner, model, mr)
+        if eager_first and isinstance(cache, VmemCBCache):
+            rounds += _largest_eager_round(runner, cache, model, mr)
         for q in varlen:
             for bucket in kv_buckets if every_varlen else [0]:
                 rounds += _fake_round(runner, model, mr, 1, q=q, past=bucket // 2)
@@ -148,7 +152,7 @@ def capture_graphs(runner: Any, model: Any, max_context: int | None = None, *, v
     return rounds
 
 
-def _fake_round(runner: Any, model: Any, mr: Any, requests: int, q: int, past: int) -> int:
+def _fake_round(runner: ModelRunner, model: torch.nn.Module, mr: Any, requests: int, q: int, past: int) -> int:
     """One round of ``requests`` fake requests of ``q`` query tokens (1: decoding) after ``past``
     tokens each; 1 if it ran."""
     cache, io = runner.cache, runner.inputs_and_outputs
@@ -162,7 +166,7 @@ def _fake_round(runner: Any, model: Any, mr: Any, requests: int, q: int, past: i
         padded_q, padded_kv = runner.maybe_pad_inputs(num_q_tokens=requests * q, max_kv_read=requests * (past + q),
                                                       use_decode_fast_path=False)
         io.prepare_batch_tensors(states, runner.logit_processor, False, padded_q, padded_kv, use_padding=True)
-        runner.compute_batch(model, io.get_model_kwargs(use_padding=True))
+        runner.compute_batch(model, cast(dict, io.get_model_kwargs(use_padding=True)))  # (a dict, typed apart)
         return 1
     except Exception as e:  # as the engine's own warmup: a round not captured now is captured when it comes
         pending = getattr(cache, "rounds", None)
