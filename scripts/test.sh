@@ -28,16 +28,16 @@ cd "$root"
 
 TORCH_VERSION=2.11.0
 # The transformers versions vmem.transformers is tested on, each in a venv of its own, and what
-# runs on each: "all", the whole Python suite but
-# the GPU tests, for the oldest and the newest vmem serves (5.17.x's adapter; the 5.19-5.24
-# one's newest); "core", SERVING_CORE, for the oldest of the 5.19-5.24 range and 5.23, the
-# version the GPU machine's numbers are taken on (the whole suite on every version took 28 of
-# CI's 60 minutes).
+# runs on each: "all", the whole Python suite but the GPU tests, for the oldest and the newest
+# vmem serves (5.17.x's adapter; the 5.19-5.25 one's newest); "core", SERVING_CORE (the patch
+# table's check included), for the oldest of the 5.19-5.25 range, 5.23 and 5.24 (the whole
+# suite on every version took 28 of CI's 60 minutes).
 TRANSFORMERS_VERSIONS=(
   5.17.0:all
   5.19.0:core
   5.23.0:core
-  5.24.0:all
+  5.24.0:core
+  5.25.0:all
 )
 # The serving core: the version gate and install extra, the engine's own path against vmem's
 # (both layouts, preemption, prefix sharing), CUDA graphs' rounds, the compiled forward, no KV

@@ -29,6 +29,18 @@ def _cache(path, name, limit=None, **kw):
     return vmem.KVCache(**dict(SHAPE, **kw), pool=pool.Join(name, limit=limit, ledger=path))
 
 
+def _tenant_of(kv):
+    """The :class:`~vmem.transformers.tenancy.Tenant` a vmem engine cache over ``kv`` owns
+    (yield_room reads nothing but ``kv``)."""
+    import threading
+
+    from vmem.kernels.rows import RowTable
+    from vmem.transformers.tenancy import Tenant
+
+    return Tenant(kv, RowTable(SHAPE["max_batch"], 256), threading.Lock(), blocks=0, block_bytes=PAGE,
+                  idle_after=None)
+
+
 # -- the ledger ------------------------------------------------------------------------------------
 def test_vmem_pool_keeps_its_public_names_and_their_home():
     # The parsers of limits, floors and sizes live in a private module; what users import from
@@ -251,16 +263,15 @@ def test_a_cache_that_fails_to_start_leaves_the_pool_and_a_bad_join_changes_noth
 
 def test_a_tenant_gives_back_its_unmapped_pages_when_the_pool_runs_low(path):
     """A tenant's prefix cache (blocks no request maps) would hold room another tenant needs:
-    once the pool's free room is below 1/LOW_WATER of its total, tenancy.yield_room gives back
+    once the pool's free room is below 1/LOW_WATER of its total, Tenant.yield_room gives back
     what no request maps (the live request keeps its pages); with room enough it does nothing."""
-    import types
 
     pytest.importorskip("torch")
     from vmem.transformers import tenancy
 
     pool.create(path, size=FULL * 2, slots=4)  # room for two full requests
     kv = _cache(path, "a", prefix_cache="1M")
-    engine = types.SimpleNamespace(kv=kv)
+    tenant = _tenant_of(kv)
     a = kv.alloc()
     kv.step({a: 1024})
     kv.publish_prefix(a, list(range(1024)))
@@ -269,16 +280,16 @@ def test_a_tenant_gives_back_its_unmapped_pages_when_the_pool_runs_low(path):
     kv.step({b: 256})  # 4 pages, live
     assert kv.prefix_stats()["unmapped_bytes"] > 0
     held = kv.tenant().usage
-    assert tenancy.yield_room(engine) == 0 and kv.tenant().usage == held, "room enough: nothing given"
+    assert tenant.yield_room() == 0 and kv.tenant().usage == held, "room enough: nothing given"
     other = _cache(path, "b")
     c = other.alloc()
     other.step({c: 600})  # 12 pages, the rest of the pool: its free room falls below 1/8 of its total
     status = pool.open(path).status()
     assert status.total - status.used < status.total // tenancy.LOW_WATER
-    given = tenancy.yield_room(engine)
+    given = tenant.yield_room()
     assert given > 0 and kv.tenant().usage == held - given
     assert kv.request_pages(b) == [1] * 4, "the live request keeps its pages"
-    assert tenancy.yield_room(engine) == 0, "nothing unmapped is left to give"
+    assert tenant.yield_room() == 0, "nothing unmapped is left to give"
     other.close()
     kv.close()
 
@@ -290,7 +301,6 @@ def test_a_tenant_holding_cache_past_a_fair_share_leaves_one_free(path):
     cache within its share gives nothing; with a share free nobody does. (Before, tenants
     yielded only below 1/LOW_WATER free: none of these gives would have happened.)"""
     import itertools
-    import types
 
     pytest.importorskip("torch")
     from vmem.transformers import tenancy
@@ -298,7 +308,7 @@ def test_a_tenant_holding_cache_past_a_fair_share_leaves_one_free(path):
     pool.create(path, size=FULL * 3, slots=4)
     a, b, c = (_cache(path, n, prefix_cache="2M") for n in "abc")
     assert a.tenant().pool_tenants == 3
-    eng = {kv: types.SimpleNamespace(kv=kv) for kv in (a, b, c)}
+    eng = {kv: _tenant_of(kv) for kv in (a, b, c)}
     share, quarter = FULL, FULL // 4
     ids = itertools.count()
 
@@ -316,21 +326,21 @@ def test_a_tenant_holding_cache_past_a_fair_share_leaves_one_free(path):
     cache(a, 512)  # a: one and a half shares of cache
     cache(c, 512)  # c: half a share of cache
     assert (a.tenant().usage, c.tenant().usage, free()) == (6 * quarter, 2 * quarter, share)
-    assert all(tenancy.yield_room(eng[kv]) == 0 for kv in (a, b, c)), "a share free: nothing given"
+    assert all(eng[kv].yield_room() == 0 for kv in (a, b, c)), "a share free: nothing given"
 
     r = b.alloc()
     b.step({r: 256})  # a quarter share, live: 3/4 share free (above 1/LOW_WATER, below a share)
     assert FULL * 3 // tenancy.LOW_WATER <= free() == 3 * quarter
-    assert tenancy.yield_room(eng[c]) == 0 and c.tenant().usage == 2 * quarter, "c is within its share"
-    assert tenancy.yield_room(eng[b]) == 0
-    assert tenancy.yield_room(eng[a]) == quarter and free() == share, "enough to free a share"
-    assert a.tenant().usage == 5 * quarter and tenancy.yield_room(eng[a]) == 0
+    assert eng[c].yield_room() == 0 and c.tenant().usage == 2 * quarter, "c is within its share"
+    assert eng[b].yield_room() == 0
+    assert eng[a].yield_room() == quarter and free() == share, "enough to free a share"
+    assert a.tenant().usage == 5 * quarter and eng[a].yield_room() == 0
 
     b.step({r: 768})  # b maps a half share more: half a share free, a a quarter above its share
     assert FULL * 3 // tenancy.LOW_WATER <= free() == 2 * quarter
-    assert tenancy.yield_room(eng[a]) == quarter, "only down to its own share, though a share is not free"
+    assert eng[a].yield_room() == quarter, "only down to its own share, though a share is not free"
     assert a.tenant().usage == share and free() == 3 * quarter
-    assert tenancy.yield_room(eng[a]) == 0 and tenancy.yield_room(eng[c]) == 0
+    assert eng[a].yield_room() == 0 and eng[c].yield_room() == 0
     for kv in (c, b, a):
         kv.close()
 
@@ -338,12 +348,11 @@ def test_a_tenant_holding_cache_past_a_fair_share_leaves_one_free(path):
 def test_a_survivor_reaps_a_killed_tenant_without_anyone_reading_the_status(path):
     """A tenant process killed with SIGKILL leaves its usage in the ledger until someone reaps
     it; nobody's charge is refused (the engine asks only for the room its budget shows) and no
-    operator may be watching. A surviving tenant's loop turn (tenancy.yield_room) reaps it,
+    operator may be watching. A surviving tenant's loop turn (Tenant.yield_room) reaps it,
     at most every REAP_EVERY_S: the room is back, read through the survivor's own slot."""
     import signal
     import subprocess
     import sys
-    import types
 
     pytest.importorskip("torch")
     from vmem.transformers import tenancy
@@ -356,15 +365,15 @@ def test_a_survivor_reaps_a_killed_tenant_without_anyone_reading_the_status(path
     try:
         assert proc.stdout.readline().strip() == "held"
         kv = _cache(path, "survivor")
-        engine = types.SimpleNamespace(kv=kv)
+        tenant = _tenant_of(kv)
         assert kv.tenant().pool_used == FULL and kv.tenant().pool_tenants == 2
+        clock = [100.0]
+        tenant.yield_room(now=lambda: clock[0])  # a loop turn reaps (nobody dead yet): not again before REAP_EVERY_S
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        clock = [100.0]
-        engine._reaped_at = clock[0]  # reaped just now: not again before REAP_EVERY_S
-        tenancy.yield_room(engine, now=lambda: clock[0] + tenancy.REAP_EVERY_S / 2)
+        tenant.yield_room(now=lambda: clock[0] + tenancy.REAP_EVERY_S / 2)
         assert kv.tenant().pool_used == FULL and kv.tenant().pool_tenants == 2, "dead, not reaped yet"
-        tenancy.yield_room(engine, now=lambda: clock[0] + tenancy.REAP_EVERY_S)
+        tenant.yield_room(now=lambda: clock[0] + tenancy.REAP_EVERY_S)
         t = kv.tenant()
         assert (t.pool_used, t.pool_tenants) == (0, 1), "reaped by the survivor's loop turn"
         assert [x.name for x in pool.open(path).status().tenants] == ["survivor"]
@@ -379,7 +388,6 @@ def test_a_ledger_corrupted_under_running_tenants_is_logged_by_their_reap_not_ra
     under the running tenants) is logged once and nothing is reaped, and serving goes on: the
     tenant's loop turn returns, its pages stay mapped, its next step maps more."""
     import logging
-    import types
 
     pytest.importorskip("torch")
     from vmem.transformers import tenancy
@@ -391,11 +399,11 @@ def test_a_ledger_corrupted_under_running_tenants_is_logged_by_their_reap_not_ra
     with open(path, "r+b") as f:  # the header's seal (word 7): what the check verifies first
         f.seek(7 * 8)
         f.write((12345).to_bytes(8, "little"))
-    engine = types.SimpleNamespace(kv=kv)
+    tenant = _tenant_of(kv)
     clock = iter(range(0, 100))
     with caplog.at_level(logging.WARNING, logger=tenancy.__name__):
         for _ in range(3):
-            assert tenancy.yield_room(engine, now=lambda: float(next(clock))) == 0
+            assert tenant.yield_room(now=lambda: float(next(clock))) == 0
     warned = [rec for rec in caplog.records if "not reaped" in rec.getMessage()]
     assert len(warned) == 1 and "changed" in warned[0].getMessage(), caplog.text
     kv.step({r: 1024})

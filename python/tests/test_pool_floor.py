@@ -40,20 +40,21 @@ def test_an_idle_tenants_floor_keeps_room_from_a_busy_ones_cache(path):
 
 
 def test_the_engines_budget_leaves_the_other_tenants_floors(path):
-    """tenancy.budget_blocks counts the room another tenant's floor keeps as taken."""
-    import types
+    """Tenant.budget_blocks counts the room another tenant's floor keeps as taken."""
+    import threading
 
     pytest.importorskip("torch")
-    from vmem.transformers import tenancy
+    from vmem.kernels.rows import RowTable
+    from vmem.transformers.tenancy import Tenant
 
     p = pool.create(path, size=32 * PAGE, slots=4)
     kv = _cache(path, "engine")
-    engine = types.SimpleNamespace(kv=kv, num_blocks=1000, geometry=types.SimpleNamespace(block_bytes=PAGE))
-    assert tenancy.budget_blocks(engine) == 31
+    tenant = Tenant(kv, RowTable(2, 256), threading.Lock(), blocks=1000, block_bytes=PAGE, idle_after=None)
+    assert tenant.budget_blocks() == 31
     other = _cache(path, "other", floor=8 * PAGE)
-    assert tenancy.budget_blocks(engine) == 23
+    assert tenant.budget_blocks() == 23
     p.set_floor("other", "50%")
-    assert tenancy.budget_blocks(engine) == 15
+    assert tenant.budget_blocks() == 15
     other.close()
     kv.close()
 

@@ -71,25 +71,25 @@ def test_a_limit_lowered_mid_run_evicts_the_prefix_cache_then_preempts_and_outpu
     assert free["cache"].readmissions == 0
 
     rounds = {"n": 0, "four": None, "changed_at": None, "first_preemption": None, "evicted_at_preemption": None}
-    real = tenancy.on_round
+    real = tenancy.Tenant.on_round
 
-    def on_round(cache):
-        real(cache)
+    def on_round(tenant):
+        real(tenant)
         rounds["n"] += 1
-        block = cache.geometry.block_bytes
-        unmapped = cache.kv.prefix_stats()["unmapped_bytes"]
-        if rounds["four"] is None and len(cache.table) == 4:
+        block = tenant.block_bytes
+        unmapped = tenant.kv.prefix_stats()["unmapped_bytes"]
+        if rounds["four"] is None and len(tenant.table) == 4:
             rounds["four"] = rounds["n"]
         if rounds["changed_at"] is None and rounds["four"] and rounds["n"] == rounds["four"] + 20:
             rounds["unmapped"] = unmapped // block
-            rounds["held"] = cache.kv.tenant().usage // block
+            rounds["held"] = tenant.kv.tenant().usage // block
             ledger.set_limit("svc", 11 * block)  # 10 blocks for requests (one needs 7 at most), 1 for the trash row
             rounds["changed_at"] = rounds["n"]
-        if rounds["first_preemption"] is None and cache.readmissions > 0:
+        if rounds["first_preemption"] is None and tenant.table.readmissions > 0:
             rounds["first_preemption"] = rounds["n"]
-            rounds["evicted_at_preemption"] = cache.kv.prefix_stats()["evicted_blocks"]
+            rounds["evicted_at_preemption"] = tenant.kv.prefix_stats()["evicted_blocks"]
 
-    monkeypatch.setattr(tenancy, "on_round", on_round)
+    monkeypatch.setattr(tenancy.Tenant, "on_round", on_round)
     run = _run(model, prompts, new=LONG, primers=1, pool=pool.Join("svc", ledger=ledger.path))
     cache = run["cache"]
     assert run["error"] is None, run["error"]
@@ -114,14 +114,14 @@ def test_a_pool_limit_bounds_the_engines_blocks_and_a_raised_one_grows_at_once(l
     run = _run(model, prompts, pool=pool.Join("small", limit=8 * block, ledger=ledger.path))
     cache = run["cache"]
     assert run["error"] is None and len(run["results"]) == 3
-    assert tenancy.budget_blocks(cache) == 7
+    assert cache.tenant.budget_blocks() == 7
     # Idle: the trash row's block and the prefix cache's unmapped blocks, no idle reserve.
     u = cache.kv.usage()
     assert u["pool_free_pages"] == 0, u
     assert cache.kv.tenant().usage == cache.trash_bytes() + cache.kv.prefix_stats()["unmapped_bytes"]
     assert ledger.status().tenant("small").peak <= 8 * block
     ledger.set_limit("small", 20 * block)
-    assert tenancy.budget_blocks(cache) == 19
+    assert cache.tenant.budget_blocks() == 19
 
 
 def test_pool_keep_holds_made_pages_between_requests_and_the_pool_takes_them_back_when_idle(ledger):
@@ -132,16 +132,18 @@ def test_pool_keep_holds_made_pages_between_requests_and_the_pool_takes_them_bac
     prompts = _prompts(model.config.vocab_size)[:3]
     block = 64 * 1024  # token-major, 64K pages: one page a block
     join = pool.Join("keeper", ledger=ledger.path)
-    run = _run(model, prompts, pool=join, pool_keep=3 * block, pool_idle_s=None, prefix_cache=0)
+    run = _run(model, prompts, pool=join, pool_keep=3 * block, pool_idle_s=3600, prefix_cache=0)
     cache = run["cache"]
     assert run["error"] is None and len(run["results"]) == 3
     u = cache.kv.usage()
     assert u["pool_free_pages"] == 3, u
     assert cache.kv.tenant().usage == cache.trash_bytes() + 3 * block
     made = u["pool_created_pages"]
-    # Given back when idle (pool_idle_s): only the trash row stays.
-    cache.options = cache.options.replace(pool_idle_s=0)
-    assert tenancy.release_when_idle(cache) == 3 * block
+    # Given back when idle for pool_idle_s (the loop turns of an hour, on a clock of the test's own): only the
+    # trash row stays.
+    t0 = time.monotonic()
+    assert cache.tenant.release_when_idle(now=lambda: t0) == 0  # idle, not yet for an hour
+    assert cache.tenant.release_when_idle(now=lambda: t0 + 3600) == 3 * block
     assert cache.kv.tenant().usage == cache.trash_bytes() and cache.kv.usage()["pool_created_pages"] == made - 3
     free = _run(model, prompts, prefix_cache=0)
     assert _tokens(run) == _tokens(free)
@@ -160,11 +162,15 @@ KV_SHAPE = dict(layers=1, kv_heads=1, head_dim=64, dtype="fp16", max_batch=2, ma
 
 
 def _tenant(path, name, limit=None):
+    """A pool tenant (an engine cache's :class:`~vmem.transformers.tenancy.Tenant`) whose one
+    request grew to 1,024 tokens (its round's step not taken yet), and that request's vmem row."""
+    from vmem.kernels.rows import RowTable
+
     kv = vmem.KVCache(**KV_SHAPE, pool=pool.Join(name, limit=limit, ledger=path))
+    table = RowTable(KV_SHAPE["max_batch"], 512)
     row = kv.alloc()
-    lengths = [0] * KV_SHAPE["max_batch"]
-    lengths[row] = 1024
-    return types.SimpleNamespace(kv=kv, table=types.SimpleNamespace(lengths=lengths)), row
+    table.grow(table.admit("r", row), 2)  # 1,024 tokens
+    return tenancy.Tenant(kv, table, threading.Lock(), blocks=8, block_bytes=4 * PAGE, idle_after=None), row
 
 
 def test_a_round_whose_room_a_neighbour_took_waits_for_it_instead_of_failing(tmp_path):
@@ -176,7 +182,7 @@ def test_a_round_whose_room_a_neighbour_took_waits_for_it_instead_of_failing(tmp
     pool.create(path, size=6 * PAGE)
     ours, _ = _tenant(path, "ours")
     theirs, row = _tenant(path, "theirs")
-    theirs.kv.step(theirs.table.lengths)
+    theirs.step()
 
     def give_back():
         time.sleep(0.3)
@@ -186,7 +192,7 @@ def test_a_round_whose_room_a_neighbour_took_waits_for_it_instead_of_failing(tmp
     t0 = time.monotonic()
     helper = threading.Thread(target=give_back)
     helper.start()
-    tenancy.step(ours)
+    ours.step()
     helper.join()
     assert time.monotonic() - t0 >= 0.3
     assert ours.kv.tenant().usage == 4 * PAGE
@@ -198,16 +204,16 @@ def test_a_round_refused_by_its_own_limit_or_past_the_wait_stops_with_out_of_mem
     alone, _ = _tenant(path, "alone", limit=2 * PAGE)  # its own limit: nothing to wait for
     pauses = []
     with pytest.raises(vmem.OutOfMemory):
-        tenancy.step(alone, pause=pauses.append)
+        alone.step(pause=pauses.append)
     assert pauses == [] and alone.kv.tenant().usage == 0
     alone.kv.close()
     ours, _ = _tenant(path, "ours")
     theirs, _ = _tenant(path, "theirs")
-    theirs.kv.step(theirs.table.lengths)  # and never gives it back
+    theirs.step()  # and never gives it back
     monkeypatch.setattr(tenancy, "STEP_WAIT_S", 0.1)
     t0 = time.monotonic()
     with pytest.raises(vmem.OutOfMemory):
-        tenancy.step(ours)
+        ours.step()
     # It holds at most the 2 free pages it made trying (kept for its next step), nothing past the pool.
     assert 0.1 <= time.monotonic() - t0 < 5 and ours.kv.tenant().usage <= 2 * PAGE
 
@@ -219,8 +225,8 @@ def test_sleep_releases_every_page_to_the_pool_and_the_next_batch_wakes_it(ledge
     model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
     prompts = _prompts(model.config.vocab_size)[:3]
     gen = transformers.GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-    model.set_attn_implementation(vt.VMEM_ATTENTION)
     with vt.serving(**dict(OPTS, pool=pool.Join("sleeper", ledger=ledger.path))):
+        model.set_attn_implementation(vt.VMEM_ATTENTION)  # (registered with transformers once installed)
         mgr = model.init_continuous_batching(generation_config=gen)
         mgr.start()
         try:
@@ -250,6 +256,58 @@ def test_sleep_releases_every_page_to_the_pool_and_the_next_batch_wakes_it(ledge
             mgr.stop(block=True)
     with pytest.raises(vmem.VmemError, match="neither a vmem engine cache"):
         vt.sleep(object())
+
+
+def test_sleep_right_after_start_waits_for_the_engine_to_build_its_cache(monkeypatch):
+    """``vt.sleep(manager)`` right after ``manager.start()`` said to start the manager: the
+    engine's thread builds the cache after start() returns. It now waits for it (the build
+    slowed to 0.5 s here); a manager never started, one on the engine's own cache and a build
+    slower than BUILD_WAIT_S each get their own error."""
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    gen = transformers.GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cls = vt.cache_class()
+    built = cls.__init__
+    delay = [0.5]
+
+    def slow_init(self, *a, **k):
+        time.sleep(delay[0])
+        built(self, *a, **k)
+
+    monkeypatch.setattr(cls, "__init__", slow_init)
+    with vt.serving(**OPTS):
+        model.set_attn_implementation(vt.VMEM_ATTENTION)
+        mgr = model.init_continuous_batching(generation_config=gen)
+    with pytest.raises(vmem.VmemError, match=r"start it \(manager.start\(\)\) first"):
+        vt.sleep(mgr)
+    mgr.start()
+    try:
+        released = vt.sleep(mgr)  # at once: the cache is not built yet
+        cache = mgr.batch_processor.cache
+        assert isinstance(cache, vt.VmemCBCache) and cache.kv.asleep and released > 0
+        assert cache.kv.usage()["physical_bytes"] == 0
+        vt.wake(mgr)
+        assert not cache.kv.asleep and cache.kv.usage()["mapped_bytes"] == cache.trash_bytes()
+    finally:
+        mgr.stop(block=True)
+    delay[0] = 3.0
+    monkeypatch.setattr(vt, "BUILD_WAIT_S", 0.3)
+    with vt.serving(**OPTS):
+        slow = model.init_continuous_batching(generation_config=gen)
+    slow.start()
+    try:
+        with pytest.raises(vmem.VmemError, match=r"has not built its cache yet \(0.3 s after the call\)"):
+            vt.wake(slow)
+    finally:
+        slow.stop(block=True)
+    monkeypatch.setattr(vt, "BUILD_WAIT_S", 60.0)
+    model.set_attn_implementation(eng.ENGINE_SDPA)
+    theirs = model.init_continuous_batching(generation_config=gen)
+    theirs.start()
+    try:
+        with pytest.raises(vmem.VmemError, match="PagedAttentionCache, not a vmem cache"):
+            vt.sleep(theirs)
+    finally:
+        theirs.stop(block=True)
 
 
 def _collect(mgr, prompts, prefix):
@@ -337,10 +395,15 @@ def test_idle_release_waits_while_a_request_is_queued_or_waiting():
     kv = Kv()
     kv._rs = types.SimpleNamespace(tenant=lambda: dict(pool_total=100, pool_used=0, usage=0, pool_tenants=1),
                                    pool_reap=lambda: 0)
-    cache = types.SimpleNamespace(kv=kv, table={}, options=types.SimpleNamespace(pool_idle_s=0.0))
+    from vmem.kernels.rows import RowTable
+    from vmem.transformers import hooks
+
+    cache = object.__new__(vt.VmemCBCache)  # a vmem cache (its type is what the hook recognises), its tenant only
+    cache.__dict__.update(tenant=tenancy.Tenant(kv, RowTable(1, 1), threading.Lock(), blocks=0, block_bytes=1,
+                                                idle_after=0.0))
     proc = types.SimpleNamespace(cache=cache, input_queue=queue.Queue(),
                                  scheduler=types.SimpleNamespace(waiting_requests={}))
-    turn = tenancy.round_or_wait(lambda self: False)
+    turn = hooks.round_or_wait(lambda self: False)
     proc.input_queue.put("req-1")
     turn(proc)
     assert Kv.shrinks == 0, "released with a request in the input queue"

@@ -26,6 +26,7 @@ from harness import check as h  # noqa: E402
 import vmem  # noqa: E402
 import vmem.transformers as vt  # noqa: E402
 from vmem.transformers import admission  # noqa: E402
+from vmem.transformers import hooks  # noqa: E402
 
 MAX_CONTEXT = eng.TINY_OPTS["max_context"]  # 1,024
 
@@ -91,8 +92,8 @@ def test_tokens_to_store_and_the_check():
 
 def test_other_caches_are_not_checked():
     added = []
-    hook = admission.admission_hook(lambda self, state: added.append(state))
-    engine_scheduler = types.SimpleNamespace(cache=types.SimpleNamespace())  # no max_context: the engine's cache
+    hook = hooks.refuse_past_a_row(lambda self, state: added.append(state))
+    engine_scheduler = types.SimpleNamespace(cache=types.SimpleNamespace(max_context=10))  # not vmem's: the engine's
     long = types.SimpleNamespace(request_id="r", initial_tokens=[1] * 10**6, max_new_tokens=5)
     hook(engine_scheduler, long)
     assert added == [long]
@@ -106,8 +107,7 @@ def test_warmup_rounds_are_not_counted_as_preemptions():
         cache.free_blocks("__warmup_DECODING_0__")
     assert cache.readmissions == 2
     runner = types.SimpleNamespace(cache=cache)
-    from vmem.transformers.warmup import warmup_hook
-    warmup_hook(lambda self, model: None)(runner, None)  # this cache has no graphs: the engine's own warmup
+    hooks.capture_vmem_graphs(lambda self, model: None)(runner, None)  # no graphs (no padding): no round
     assert cache.readmissions == 0
     assert cache.allocate_blocks(1, "__warmup_DECODING_0__", 0) == 1  # seen before the warmup ended: not counted
     assert cache.readmissions == 0

@@ -49,9 +49,26 @@ def test_the_same_ids_as_the_engines(seed):
     assert int((got >= 0).sum()) == len(carried)  # the check can fail: each carried request once
 
 
-def test_in_place_only_while_installed():
-    assert io.ContinuousBatchingAsyncIOs.infer_carry_over_ids is ENGINES
+def test_in_place_only_while_installed_and_only_for_a_vmem_cache(monkeypatch):
+    """Installed, the engine's member is vmem's hook over the engine's own; the hook gives vmem's
+    ids for a vmem cache and the engine's for any other (the engine's baseline runs as shipped)."""
+    from vmem.transformers import carry_over
+    from vmem.transformers.cache import VmemCBCache
+
+    cls = io.ContinuousBatchingAsyncIOs
+    assert cls.infer_carry_over_ids is ENGINES
     vt.install(**eng.TINY_OPTS)
-    assert io.ContinuousBatchingAsyncIOs.infer_carry_over_ids is infer_carry_over_ids
+    hooked = cls.__dict__["infer_carry_over_ids"]
+    assert hooked is not ENGINES and hooked.__wrapped__ is ENGINES
+    vmems = torch.full((4,), 7, dtype=torch.int32)
+    monkeypatch.setattr(carry_over, "infer_carry_over_ids", lambda self: vmems)
+    ios = _ios({"a": 0, "b": 1}, {"b": 0, "c": 1}, 4, 0)
+    for pair in ios.io_pairs:
+        pair.host_io.cache = object.__new__(VmemCBCache)
+    assert hooked(ios) is vmems
+    for pair in ios.io_pairs:
+        pair.host_io.cache = object()  # the engine's own cache
+    assert torch.equal(hooked(ios), ENGINES(ios)) and torch.equal(hooked(ios), torch.tensor([1, -1, -1, -1],
+                                                                                             dtype=torch.int32))
     vt.uninstall()
-    assert io.ContinuousBatchingAsyncIOs.infer_carry_over_ids is ENGINES
+    assert cls.infer_carry_over_ids is ENGINES

@@ -22,7 +22,7 @@ from harness import check as h
 import vmem
 import vmem.transformers as vt
 from vmem.kernels import fa as vt_fa
-from vmem.transformers import patch as vt_patch
+from vmem.transformers import versions as vt_versions
 
 TOL = 1e-4  # fp32 on the CPU, relative to the largest logit
 NEW = 4
@@ -211,7 +211,7 @@ def test_refuses_flex_graphs_and_unknown_version(monkeypatch):
     with pytest.raises(vmem.InvalidArgument, match="CUDA graphs with kernel='flex'"):
         vt.cache_class()(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**dict(OPTS, kernel="flex")))
     vt.uninstall()
-    monkeypatch.setattr(vt_patch, "_transformers_version", lambda: "5.18.0")
+    monkeypatch.setattr(vt_versions, "installed", lambda: "5.18.0")
     with pytest.raises(vmem.VmemError, match="5.18.0"):
         vt.install()
 

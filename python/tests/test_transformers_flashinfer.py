@@ -85,13 +85,13 @@ def test_a_missing_flashinfer_is_refused_at_install_and_serving(no_flashinfer):
 def test_a_refused_serving_block_patches_nothing(no_flashinfer, bad):
     """serving() validated its options only after install(): a refused block (FlashInfer missing,
     a bad option) left the engine patched and the attention names registered, though it never ran."""
-    from vmem.transformers import patch
+    from vmem.transformers import patches
 
     vt.uninstall()
-    assert not patch._engine
+    assert not patches.installed()
     with pytest.raises(vmem.InvalidArgument), vt.serving(**bad):
         pytest.fail("the block ran")
-    assert not patch._engine, "the refused block installed the engine patch"
+    assert not patches.installed(), "the refused block installed the engine patch"
     assert vt.options() == vt.Options()
 
 

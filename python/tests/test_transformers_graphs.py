@@ -25,6 +25,7 @@ from vmem.kernels import fa as vk_fa
 from vmem.transformers import attention as vt_attention
 from vmem.transformers import graphs as vt_graphs
 from vmem.transformers.cache import VmemCBCache
+from vmem.transformers import hooks as vt_hooks
 
 TOL = 1e-4
 NEW = 5
@@ -333,8 +334,13 @@ def test_the_graph_key_carries_a_vmem_rounds_kind_and_the_patch_installs_it():
         def key(self):
             return (64, 512, 1024)
 
-    hooked = vt_graphs.graph_key_hook(Io.key)
-    vmem_cache = type("C", (), {"round_kind": "decode", "options": vt.Options(graph_seqlen_k="bucket")})()
+    def vmem_cache_with(**fields):  # a vmem cache (its type is what the hook recognises), these fields only
+        cache = object.__new__(VmemCBCache)
+        cache.__dict__.update(fields)
+        return cache
+
+    hooked = vt_hooks.graph_key(Io.key)
+    vmem_cache = vmem_cache_with(round_kind="decode", options=vt.Options(graph_seqlen_k="bucket"))
     # (padded tokens, padded KV read, max_seqlen_k): the KV read (512), which vmem never reads, is
     # dropped; the kind is added
     assert hooked(Io(vmem_cache)) == (64, 1024, "decode")
@@ -343,9 +349,11 @@ def test_the_graph_key_carries_a_vmem_rounds_kind_and_the_patch_installs_it():
     vmem_cache.round_kind = None  # an unpadded round: the engine's key
     assert hooked(Io(vmem_cache)) == (64, 512, 1024)
     assert hooked(Io(object())) == (64, 512, 1024)  # any other cache: the engine's key
-    fast = Io(type("C", (), {"round_kind": "decode", "options": vt.Options()})())
+    other = type("C", (), {"round_kind": "decode", "options": vt.Options()})()  # vmem's fields, not its type
+    assert hooked(Io(other)) == (64, 512, 1024)
+    fast = Io(vmem_cache_with(round_kind="decode", options=vt.Options()))
     fast.use_block_table, fast.key = True, lambda: (64,)
-    assert vt_graphs.graph_key_hook(lambda io: io.key())(fast) == (64, "decode")  # a fast path's key
+    assert vt_hooks.graph_key(lambda io: io.key())(fast) == (64, "decode")  # a fast path's key
     from transformers.generation.continuous_batching import input_outputs as cb_io
 
     vt.uninstall()

@@ -137,8 +137,8 @@ def test_outside_a_pool_the_scheduler_reads_no_tenant_slot(monkeypatch):
     rs = _CountingRs(cache.kv._rs)
     monkeypatch.setattr(cache.kv, "_rs", rs)
     assert [cache.get_num_free_blocks() for _ in range(5)] == [cache.num_blocks] * 5
-    assert tenancy.yield_room(cache) == 0 and tenancy.budget_blocks(cache) == cache.num_blocks
-    assert tenancy.release_when_idle(cache) == 0  # each loop turn, as yield_room
+    assert cache.tenant.yield_room() == 0 and cache.tenant.budget_blocks() == cache.num_blocks
+    assert cache.tenant.release_when_idle() == 0  # each loop turn, as yield_room
     assert "tenant" not in rs.calls and "is_asleep" not in rs.calls, rs.calls
 
 
@@ -151,16 +151,16 @@ def test_in_a_pool_the_budget_follows_the_limit_without_building_the_tenant_dict
                    pool=vmem.pool.Join("t", limit=8 * 65536, ledger=ledger.path))
     rs = _CountingRs(cache.kv._rs)
     monkeypatch.setattr(cache.kv, "_rs", rs)
-    assert tenancy.budget_blocks(cache) == 7 == cache.get_num_free_blocks()
+    assert cache.tenant.budget_blocks() == 7 == cache.get_num_free_blocks()
     ledger.set_limit("t", 20 * 65536)
-    assert tenancy.budget_blocks(cache) == 19
+    assert cache.tenant.budget_blocks() == 19
     other = vmem.KVCache(layers=2, kv_heads=1, head_dim=64, dtype="float32", max_batch=2, max_context=65536,
                          page_size="64K", backend="host", pool=vmem.pool.Join("o", limit=64 << 20, ledger=ledger.path),
                          overlap=False, eager_tokens=0)  # no mapping in the background between two reads
     other.step({other.alloc(): 64512})  # the neighbour takes all but 1 MB of the pool
     t = rs._rs.tenant()  # read past the counter
     room = t["pool_room"] + t["usage"]  # no floors here: the pool's free room plus its own
-    assert room // 65536 - 1 < 19 and tenancy.budget_blocks(cache) == room // 65536 - 1
+    assert room // 65536 - 1 < 19 and cache.tenant.budget_blocks() == room // 65536 - 1
     assert rs.calls.get("pool_room") == 4 and "tenant" not in rs.calls, rs.calls
     other.close()
     cache.kv.close()
@@ -176,14 +176,14 @@ def test_host_cost_bench_measures_the_cuts_and_puts_the_engine_back(tmp_path):
 
     vt.install()
     cls = vt.cache_class()
-    before = (cls.__dict__.get("flush"), cls.__dict__.get("distinct_mapped_bytes"), tenancy.budget_blocks,
-              tenancy.yield_room, api.ContinuousBatchProcessor.__dict__["prepare_next_batch"],
+    before = (cls.__dict__.get("flush"), cls.__dict__.get("distinct_mapped_bytes"), tenancy.Tenant.budget_blocks,
+              tenancy.Tenant.yield_room, api.ContinuousBatchProcessor.__dict__["prepare_next_batch"],
               AttentionInterface._global_mapping[vt.VMEM_ATTENTION], torch.Tensor.zero_)
     out = tmp_path / "hc"
     rc = host_cost.main(["--shapes", "8b-x8", "--batches", "4", "--repeats", "1", "--new-tokens", "4",
                          "--prompt-max", "40", "--out", str(out)])
-    after = (cls.__dict__.get("flush"), cls.__dict__.get("distinct_mapped_bytes"), tenancy.budget_blocks,
-             tenancy.yield_room, api.ContinuousBatchProcessor.__dict__["prepare_next_batch"],
+    after = (cls.__dict__.get("flush"), cls.__dict__.get("distinct_mapped_bytes"), tenancy.Tenant.budget_blocks,
+             tenancy.Tenant.yield_room, api.ContinuousBatchProcessor.__dict__["prepare_next_batch"],
              AttentionInterface._global_mapping[vt.VMEM_ATTENTION], torch.Tensor.zero_)
     assert rc == 0
     assert all(a is b for a, b in zip(after, before)), "a patch was left in place"

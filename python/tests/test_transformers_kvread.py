@@ -82,9 +82,12 @@ def test_the_cache_counts_no_read_against_the_round_budget():
 def test_a_padded_round_keeps_no_kv_read_for_a_vmem_cache_only(vmem_cache):
     """The engine pads a graphed round's KV read to at least one interval, even a read of 0: for
     a vmem cache the installed ``maybe_pad_inputs`` gives 0; for any other, the engine's."""
-    cache = SimpleNamespace(max_batch_tokens=64, max_tokens_read=4096, num_pages=4096)
-    if vmem_cache:
-        cache.round_buffers = object()
+    fields = dict(max_batch_tokens=64, max_tokens_read=4096, num_pages=4096, round_buffers=object())
+    if vmem_cache:  # a vmem cache: its type is what the hook recognises
+        cache = object.__new__(vt.VmemCBCache)
+        cache.__dict__.update(fields)
+    else:  # another cache, though it has the same fields
+        cache = SimpleNamespace(**fields)
     runner = SimpleNamespace(pad_inputs=True, cache=cache,
                              cb_config=SimpleNamespace(q_padding_interval_size=16, kv_padding_interval_size=256))
     with vt.serving(**OPTS):

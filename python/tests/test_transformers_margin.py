@@ -25,7 +25,7 @@ eng.skip_unless_served()
 from harness import check as h  # noqa: E402
 
 import vmem.transformers as vt  # noqa: E402
-from vmem.transformers import margin  # noqa: E402
+from vmem.transformers import hooks  # noqa: E402
 
 TOL = 1e-3
 #: 8 blocks of 256 tokens (4 pages of 64 KiB: llama-gqa per-layer), one the trash row's: 7 to hold
@@ -119,12 +119,12 @@ class _Request(types.SimpleNamespace):
 def _store(cache: object, req: _Request, tokens: int) -> bool:
     """Asks ``cache`` for ``req``'s next ``tokens`` as the engine does, then counts them as stored
     when granted: 5.19+'s ``can_store_request_tokens``; 5.17's scheduler's
-    ``_allocate_blocks_if_needed`` under vmem's hook (:func:`vmem.transformers.margin.allocation_hook`)."""
+    ``_allocate_blocks_if_needed`` under vmem's hook (:func:`vmem.transformers.hooks.margin_before_allocation`)."""
     if eng.IS_517:
         from transformers.generation.continuous_batching.scheduler import Scheduler
 
         scheduler = types.SimpleNamespace(cache=cache, active_requests={}, starved_requests=[])
-        ok = margin.allocation_hook(Scheduler._allocate_blocks_if_needed)(scheduler, req, tokens)
+        ok = hooks.margin_before_allocation(Scheduler._allocate_blocks_if_needed)(scheduler, req, tokens)
     else:
         ok = cache.can_store_request_tokens(req, tokens)
     if ok:

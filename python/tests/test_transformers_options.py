@@ -48,12 +48,125 @@ def test_install_refuses_a_bad_option_in_the_callers_thread(bad):
 
 
 def test_rows_times_context_past_int32_is_refused_at_install():
-    """install(max_requests=300000, max_context=8192) was accepted; FlashAttention's int32 row
+    """install(max_requests=65535, max_context=32768) was accepted; FlashAttention's int32 row
     starts overflow, and the error came in the engine's thread."""
     with pytest.raises(vmem.InvalidArgument, match="int32"):
-        vt.install(max_requests=300000, max_context=8192)
-    vt.install(max_requests=300000, max_context=8192, kernel="flex")  # Flex's limit depends on the model
-    vt.install(max_requests=2**31 // 8192 - 2, max_context=8192, kernel="fa")  # just below
+        vt.install(max_requests=65535, max_context=32768)
+    vt.install(max_requests=65535, max_context=32768, kernel="flex")  # Flex's limit depends on the model
+    vt.install(max_requests=2**31 // 32768 - 2, max_context=32768, kernel="fa")  # just below
+
+
+def test_more_requests_than_vmem_has_request_ids_are_refused_at_install():
+    """max_requests=300000 (with kernel="flex", or any max_context under FA's int32 limit) was
+    accepted, and the engine's thread failed building the cache: a cache's rows, the trash row
+    included, are vmem request ids, at most 65,536."""
+    for n in (65536, 300000, 2**31 - 2):
+        with pytest.raises(vmem.InvalidArgument, match="max_requests must be <= 65535"):
+            vt.install(max_requests=n, max_context=16, kernel="flex")
+    vt.install(max_requests=65535, max_context=16)
+    kv = vmem.KVCache(layers=1, kv_heads=1, head_dim=8, dtype="fp16", max_batch=vt.options().max_requests + 1,
+                      max_context=16, page_size="64K", backend="sim")  # the core takes what the bound lets through
+    kv.close()
+    with pytest.raises(vmem.InvalidArgument, match="65536 request ids"):
+        vmem.KVCache(layers=1, kv_heads=1, head_dim=8, dtype="fp16", max_batch=65537, max_context=16, page_size="64K",
+                     backend="sim")
+
+
+# -- every option, refused in the caller's thread with bad values of every kind (issue 48 item 15) ---------------
+def _bad_values():
+    """Per option, values it must refuse: NumPy scalars (ints, bools, floats), strings for
+    numbers and booleans, floats, huge ints, bools for numbers, the wrong type."""
+    np = pytest.importorskip("numpy")
+    huge = [10**30, 2**64, -(2**63)]
+    numbers = [np.bool_(True), np.float64(8.0), np.float32(8.0), 8.0, 1.5, float("nan"), "8", "true", True, b"8", [8]]
+    flags = [1, 0, np.int64(1), np.float64(1.0), 1.0, "true", "True", "False", "no", "", b"1", [True]]
+    sizes = [-1, np.int64(-1), np.bool_(True), np.float64(8e6), 8e6, "lots", "true", "-8M", "8 M B", True, b"8M"] + huge
+    return {
+        "layout": ["Per-layer", "per_layer", "", np.str_("rows"), np.int64(0), np.bool_(True), True, 1.0, None, b"per-layer"],
+        "page_size": [0, 1, 3 << 20, "4K", "3M", "true", np.int64(65536), np.uint64(2 << 20), np.float64(65536.0),
+                      65536.0, None, *sizes],
+        "max_requests": [0, -1, np.int64(0), np.int64(-1), np.int64(2**40), np.uint64(2**40), 65536, None, *numbers, *huge],
+        "max_context": [0, -1, np.int64(0), np.int64(-3), np.int64(2**40), 2**31, *numbers, *huge],
+        "memory": [0, np.int64(8 << 20), *sizes],
+        "prealloc": [None, *flags],
+        "compile": flags,
+        "kernel": ["FA", "flash", "sdpa", "", None, np.str_("flex "), np.bool_(True), 1, True],
+        "prefix_cache": [np.int64(1), 1.5, *sizes],
+        "graph_seqlen_k": ["Bucket", "", None, 1, True, np.bool_(False)],
+        "graph_max_tokens": [0, -1, np.int64(0), 2**31, *numbers, *huge],
+        "pool": [np.int64(2), np.bool_(True), 1.5, True, "", "x" * 32, "a b", b"svc", 10**30, ["svc"]],
+        "pool_idle_s": [-1, -0.5, np.float64(-1.0), np.int64(-5), float("nan"), np.float64("nan"), float("inf"),
+                        "2", "true", True, np.bool_(True), 10**400, b"2"],
+        "pool_keep": [None, np.int64(1), 1.5, *sizes],
+        "deferred_reclaim": [None, *flags],
+        "background_unmap": flags,
+        "split_decode": flags,
+    }
+
+
+def test_every_option_is_walked():
+    assert set(_bad_values()) == set(vt.Options.names())
+
+
+@pytest.mark.parametrize("name", vt.Options.names())
+def test_every_option_refuses_bad_values_of_every_kind_in_the_callers_thread(name):
+    """Options(), install() and serving() refuse each bad value of each option where it is
+    given (InvalidArgument naming the option; a pool name the ledger refuses: PoolError), and a
+    refused call changes nothing: the options in force stay, serving() patches nothing and does
+    not run its block."""
+    from vmem.transformers import patches
+
+    for bad in _bad_values()[name]:
+        errors = (vmem.PoolError, vmem.InvalidArgument) if name == "pool" else vmem.InvalidArgument
+        with pytest.raises(errors) as e:
+            vt.Options(**{name: bad})
+        assert name in str(e.value) or name == "pool", (bad, str(e.value))
+        vt.uninstall()
+        vt.install(memory="64M")
+        with pytest.raises(errors):
+            vt.install(**{name: bad})
+        assert vt.options() == vt.Options(memory="64M"), bad
+        vt.uninstall()
+        with pytest.raises(errors):
+            with vt.serving(**{name: bad}):
+                pytest.fail(f"the serving block ran with {name}={bad!r}")
+        assert not patches.installed() and vt.options() == vt.Options(), bad
+
+
+def test_numpy_scalars_that_are_values_become_python_ones():
+    """A NumPy int where an int goes and a NumPy bool where a bool goes are taken, as Python's
+    own (an Options never holds a NumPy scalar the engine would carry around)."""
+    np = pytest.importorskip("numpy")
+    o = vt.Options(max_requests=np.int64(8), max_context=np.uint32(1024), graph_max_tokens=np.int16(64),
+                   prealloc=np.bool_(False), compile=np.bool_(True), split_decode=np.bool_(False))
+    assert (o.max_requests, o.max_context, o.graph_max_tokens) == (8, 1024, 64)
+    assert (o.prealloc, o.compile, o.split_decode) == (False, True, False)
+    for v in (o.max_requests, o.max_context, o.graph_max_tokens, o.prealloc, o.compile, o.split_decode):
+        assert type(v) in (int, bool), type(v)
+
+
+def test_what_needs_the_model_is_refused_when_the_manager_is_made():
+    """A budget of one byte (or of a page: less than two blocks of this model) passed every
+    option check and was refused in the engine's thread, at start(), failing every request; so
+    were pages made up front past what vmem makes at once. Both are refused where the engine's
+    manager is made (init_continuous_batching, generate_batch), in the caller's thread, naming
+    the option; nothing is started."""
+    model = h.make_model("llama-gqa", torch.float32, "cpu")
+    gen = transformers.GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    vt.install(page_size="64K", max_requests=4, max_context=1024)
+    model.set_attn_implementation(vt.VMEM_ATTENTION)
+    for memory, why in ((1, "hold 0 blocks"), ("64K", "hold 0 blocks"), (2**63, "made up front")):
+        with vt.serving(memory=memory):
+            with pytest.raises(vmem.InvalidArgument, match=why):
+                model.init_continuous_batching(generation_config=gen)
+            with pytest.raises(vmem.InvalidArgument, match=why):
+                model.generate_batch([[5, 6, 7]], generation_config=gen)
+    with vt.serving(memory=2**63, prealloc=False):  # nothing made up front: a cap, taken
+        m = model.init_continuous_batching(generation_config=gen)
+    assert not m.is_running()
+    with vt.serving(memory="8M"):
+        out = model.generate_batch([[5, 6, 7]], generation_config=gen)
+    assert [len(r.generated_tokens) for r in out.values()] == [2]
 
 
 def test_serving_blocks_nest_and_stay_in_their_thread():

@@ -1,15 +1,20 @@
-"""vmem.transformers across transformers versions: the version gate (5.17.x and 5.19-5.24 served,
-5.18 and anything newer than 5.24 refused, naming the range), the ``vmem-kv[transformers]`` install extra
-agreeing with it, one attention name (``vmem``) on every served version, the 5.19-5.24 allocation
-surface, and the default budget on a host whose memory transformers cannot measure (no psutil).
+"""vmem.transformers across transformers versions: the version gate (5.17.x and 5.19-5.25 served,
+5.18 and anything newer than 5.25 refused, naming the range), the ``transformers`` install extra
+agreeing with it, the patch table against the installed engine (every target there, with the
+parameters the table expects; every member restored by uninstall; other caches left to the
+engine's code), one attention name (``vmem``) on every served version, the 5.19-5.25 allocation
+surface, MLA models refused, and the default budget on a host whose memory transformers cannot
+measure (no psutil).
 
 The gate and extra tests need torch but not transformers; the others run on the CPU under
-whichever served transformers the venv has (CI runs them under 5.17 and 5.23)."""
+whichever served transformers the venv has (CI runs them under every version it installs)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
+import types
 import warnings
 
 import pytest
@@ -17,24 +22,26 @@ import pytest
 pytest.importorskip("torch", reason="torch is not installed (vmem.transformers needs it)")
 
 import vmem
-from vmem.transformers import patch
+from vmem.transformers import versions
 
 PYPROJECT = os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")
-SERVED = ["5.17.0", "5.17.3", "5.19.0", "5.20.2", "5.21.1", "5.22.2", "5.23.0", "5.23.1", "5.24.0"]
-REFUSED = ["4.57.3", "5.0.0", "5.1.17", "5.16.2", "5.18.0", "5.18.1", "5.26.1", "6.0.0", "5.170.0"]
+SERVED = ["5.17.0", "5.17.3", "5.19.0", "5.20.2", "5.21.1", "5.22.2", "5.23.0", "5.23.1", "5.24.0", "5.25.0", "5.25.2"]
+REFUSED = ["4.57.3", "5.0.0", "5.1.17", "5.16.2", "5.18.0", "5.18.1", "5.26.0", "5.26.1", "6.0.0", "5.170.0", "5.250.0",
+           "5.2", "five", "", "5.25.0-x", "15.25.0"]
 
 
 @pytest.mark.parametrize("version", SERVED)
-def test_the_gate_serves_5_17_and_5_19_to_5_24(version):
-    adapter = patch.adapter_for(version)
+def test_the_gate_serves_5_17_and_5_19_to_5_25(version):
+    adapter = versions.adapter_for(version)
     assert adapter.__name__.endswith("engine517" if version.startswith("5.17.") else "engine519")
 
 
 @pytest.mark.parametrize("version", REFUSED)
 def test_the_gate_refuses_5_18_and_newer_naming_the_range(version):
-    with pytest.raises(vmem.VmemError, match=re.escape(f"this is transformers {version}")) as e:
-        patch.adapter_for(version)
-    assert patch.SUPPORTED_RANGE in str(e.value) and "vmem-kv[transformers]" in str(e.value)
+    with pytest.raises(vmem.VmemError, match=re.escape(f"this is transformers {version}.")) as e:
+        versions.adapter_for(version)
+    assert versions.SUPPORTED_RANGE in str(e.value) and 'pip install "vmem-kv[transformers]"' in str(e.value)
+    assert "5.25" in versions.SUPPORTED_RANGE
 
 
 def _extra_requirement():
@@ -49,7 +56,7 @@ def _extra_requirement():
 
 def test_the_install_extra_pins_what_the_gate_serves():
     """``pip install "vmem-kv[transformers]"`` may only pick a transformers the gate serves, and
-    takes every line it serves (the newest: 5.24)."""
+    takes every line it serves (the newest: 5.25)."""
     tf = _extra_requirement()["transformers"]
     for v in SERVED:
         assert tf.specifier.contains(v), v
@@ -84,7 +91,7 @@ OPTS = {"page_size": "64K", "max_requests": 4, "max_context": 1024, "memory": "8
 
 @pytest.mark.parametrize("name", ["vmem", "paged|vmem"])
 def test_one_attention_name_serves_on_every_version(name, tiny):
-    """``attn_implementation="vmem"`` on 5.17 and 5.19-5.24 alike (5.23's engine refused any name
+    """``attn_implementation="vmem"`` on 5.17 and 5.19-5.25 alike (5.23's engine refused any name
     but paged|eager, sdpa or a flash one; 5.17 knew only paged|vmem), and ``paged|vmem`` still
     works; greedy tokens equal the engine's own path's, and the model keeps the name it had."""
     import torch
@@ -164,7 +171,7 @@ class _State:
 
 
 def _cache_519(**kw):
-    """A 5.19-5.24 cache (its allocation surface is plain Python: it runs under 5.17 too)."""
+    """A 5.19-5.25 cache (its allocation surface is plain Python: it runs under 5.17 too)."""
     _engine()
     import torch
     import transformers
@@ -261,3 +268,168 @@ def test_vmem_is_never_switched_to_flash(tiny, monkeypatch):
     finally:
         m.stop(block=True, timeout=30)
     assert model.config._attn_implementation == "vmem"
+
+
+# -- the patch table against the installed engine -----------------------------------------------------
+def _rows():
+    eng = _engine()
+    from vmem.transformers import patches
+
+    return patches, patches.patches_for(versions.check(eng.VERSION))
+
+
+def test_every_target_of_the_table_is_there_with_the_parameters_it_expects():
+    """For the installed transformers, each row that applies names a member the engine defines
+    itself (in the class's or module's own ``__dict__``) with exactly the parameters the table
+    says; one row per member; every served release has rows for each member vmem needs."""
+    patches, rows = _rows()
+    assert len(rows) == (14 if versions.release(transformers_version()) == (5, 17) else 13)
+    targets = [p.target for p in rows]
+    assert len(set(targets)) == len(targets), targets
+    for p in rows:
+        member = p.holder().__dict__.get(p.member)
+        assert member is not None, f"{p.target} is not defined in transformers {transformers_version()}"
+        params = tuple(inspect.signature(member).parameters)
+        assert params == p.params, f"{p.target}: the table expects {p.params}, transformers has {params}"
+    assert patches.target_problems(versions.check(transformers_version())) == []
+    for release in versions.SERVED:  # the members every served release must have replaced
+        names = {p.target for p in patches.patches_for(release)}
+        assert {"continuous_api.PagedAttentionCache", "continuous_api.ContinuousBatchingManager.__init__",
+                "continuous_api.ContinuousBatchingManager.switch_to_cb_friendly_attn",
+                "model_runner.ModelRunner.compute_batch", "scheduler.Scheduler.__init__"} <= names, release
+
+
+def transformers_version():
+    import transformers
+
+    return transformers.__version__
+
+
+def test_a_moved_target_is_reported(monkeypatch):
+    """The check can fail: a member gone, or one whose parameters changed, is named."""
+    patches, rows = _rows()
+    release = versions.check(transformers_version())
+    runner = next(p for p in rows if p.member == "maybe_pad_inputs").holder()
+    monkeypatch.delattr(runner, "maybe_pad_inputs")
+    monkeypatch.setattr(runner, "warmup", lambda self, model, extra=None: None)
+    problems = patches.target_problems(release)
+    assert len(problems) == 2, problems
+    assert "ModelRunner.maybe_pad_inputs: not defined there" in problems[0] + problems[1]
+    assert "('self', 'model', 'extra')" in problems[0] + problems[1]
+
+
+def test_no_row_acts_for_every_cache():
+    patches, _ = _rows()
+    assert {p.scope for p in patches.PATCHES} <= {patches.VMEM_CACHE, patches.VMEM_NAME}
+    assert all(p.puts and p.versions.first <= p.versions.last for p in patches.PATCHES)
+
+
+def test_uninstall_restores_every_member_and_install_is_idempotent(tiny):
+    import vmem.transformers as vt
+
+    _, rows = _rows()
+    vt.uninstall()
+    originals = {p.target: p.holder().__dict__[p.member] for p in rows}
+    vt.install()
+    vt.install(**OPTS)  # again: nothing applied twice
+    for p in rows:
+        now = p.holder().__dict__[p.member]
+        assert now is not originals[p.target] and now.__wrapped__ is originals[p.target], p.target
+    vt.uninstall()
+    for p in rows:
+        assert p.holder().__dict__[p.member] is originals[p.target], p.target
+
+
+def test_an_unknown_version_is_refused_before_anything_is_patched(tiny, monkeypatch):
+    import vmem.transformers as vt
+
+    _, rows = _rows()
+    vt.uninstall()
+    originals = {p.target: p.holder().__dict__[p.member] for p in rows}
+    monkeypatch.setattr(versions, "installed", lambda: "5.26.0")
+    with pytest.raises(vmem.VmemError, match="5.26.0"):
+        vt.install()
+    assert all(p.holder().__dict__[p.member] is originals[p.target] for p in rows)
+
+
+def test_every_row_leaves_other_caches_and_models_to_the_engine(tiny):
+    """Called with the engine's own cache (not a VmemCBCache, though it has every field vmem's
+    has) and a model on ``sdpa``, each replacement calls the engine's member with the same
+    arguments and returns what it returns: installing vmem changes nothing for them."""
+    _, rows = _rows()
+    config = types.SimpleNamespace(_attn_implementation="sdpa")
+    model = types.SimpleNamespace(config=config)
+    other = types.SimpleNamespace(max_context=64, round_kind="decode", round_buffers=object(), admission_margin=0.1,
+                                  table={}, kv=None, options=None)
+    pair = types.SimpleNamespace(host_io=types.SimpleNamespace(cache=other))
+    me = type("Engine", (), {})()  # the engine's manager, scheduler, runner or IOs
+    me.__dict__.update(cache=other, config=config, io_pairs=[pair, pair], current_pair=0, generation_config=None)
+    for p in rows:
+        engine_member = p.holder().__dict__[p.member]
+        signature = inspect.signature(engine_member)
+        seen = []
+
+        def original(*args, _signature=signature, **kwargs):
+            seen.append(_signature.bind(*args, **kwargs).arguments)
+            return "engine's"
+
+        values = {"self": me, "config": config, "model": model, "cache": other, "inputs": [[1, 2]], "kwargs": None}
+        args = [values.get(name, object()) for name in p.params if name != "kwargs"]
+        got = p.make(original)(*args)
+        assert len(seen) == 1, f"{p.target}: the engine's member ran {len(seen)} times"
+        assert list(seen[0].values()) == args, f"{p.target}: the engine's member got other arguments"
+        if p.member != "__init__":
+            assert got == "engine's", p.target
+
+
+def test_an_mla_model_is_refused_with_invalid_argument(tiny):
+    """DeepSeek-V3-style models (``kv_lora_rank``: one compressed latent per token, which 5.25
+    serves in continuous batching) are refused before the engine starts, in the caller's thread,
+    on every version; the cache refuses them too, and so does VmemCache for generate()."""
+    import torch
+    import transformers
+
+    import vmem.transformers as vt
+
+    config_cls = getattr(transformers, "DeepseekV3Config", None)
+    if config_cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no DeepseekV3Config")
+    cfg = config_cls(vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                     q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                     num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                     max_position_embeddings=256)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    vt.install(**OPTS)
+    model.set_attn_implementation(vt.VMEM_ATTENTION)
+    gen = transformers.GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with pytest.raises(vmem.InvalidArgument, match="MLA.*kv_lora_rank=16"):
+        model.generate_batch([[5, 6, 7]], generation_config=gen)
+    with pytest.raises(vmem.InvalidArgument, match="MLA"):
+        model.init_continuous_batching(generation_config=gen)
+    cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64)
+    with pytest.raises(vmem.InvalidArgument, match="MLA"):
+        vt.cache_class()(model.config, cb, "cpu", dtype=torch.float32, options=vt.Options(**OPTS))
+    with pytest.raises(vmem.InvalidArgument, match="MLA"):
+        vt.VmemCache(model.config, 1, 64, device="cpu", backend="host")
+    if versions.release(transformers.__version__) >= (5, 25):  # the engine's own cache serves it (latents)
+        model.set_attn_implementation("sdpa")
+        out = model.generate_batch([[5, 6, 7]], generation_config=gen)
+        assert [len(r.generated_tokens) for r in out.values()] == [2]
+
+
+def test_the_benches_build_models_without_hub_kernels():
+    """transformers 5.25 kernelizes ``from_pretrained`` models with hub kernels by default; the
+    benches' model builder pins them off (``USE_HUB_KERNELS=NO``) so vmem and the engine run the
+    same non-attention code, and its models are not kernelized."""
+    _engine()
+    import torch
+    from harness import models
+
+    assert os.environ.get("USE_HUB_KERNELS") == "NO"
+    model = models.random_model(models.check_config("llama-gqa"), torch.float32, "cpu")
+    assert getattr(model, "use_kernels", False) is False
+    from transformers.integrations import hub_kernels
+
+    if callable(getattr(hub_kernels, "_kernels_enabled", None)):  # 5.25+: what from_pretrained asks first
+        assert hub_kernels._kernels_enabled() is False

@@ -274,5 +274,5 @@ def test_the_largest_eager_round_fits_the_rows_and_the_budget(monkeypatch, cache
                         max_context=cache["mc"], max_batch_tokens=cache["tokens"], num_blocks=cache["blocks"],
                         rows=cache["rows"])
     runner = SimpleNamespace(cache=c, cb_config=SimpleNamespace(max_requests_per_batch=32))
-    ran = vw._largest_eager_round(runner, None, None)
+    ran = vw._largest_eager_round(runner, c, None, None)
     assert runs == ([] if expected is None else [expected]) and ran == len(runs)

@@ -13,11 +13,11 @@ import pytest
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 import vmem  # noqa: E402
-from vmem.transformers import patch as _patch  # noqa: E402
+from vmem.transformers import versions as _versions  # noqa: E402
 
 VERSION = transformers.__version__
 try:
-    ADAPTER = _patch.adapter_for(VERSION)
+    ADAPTER = _versions.adapter_for(VERSION)
 except vmem.VmemError:
     ADAPTER = None
 #: Whether vmem.transformers serves the installed transformers.
@@ -31,7 +31,7 @@ ENGINE_SDPA = "paged|sdpa" if IS_517 else "sdpa"
 def skip_unless_served() -> None:
     """Skips the calling test module when vmem does not serve this transformers, saying why."""
     if not SERVED:
-        pytest.skip(f"vmem.transformers serves transformers {_patch.SUPPORTED_RANGE}, not {VERSION}",
+        pytest.skip(f"vmem.transformers serves transformers {_versions.SUPPORTED_RANGE}, not {VERSION}",
                     allow_module_level=True)
 
 

@@ -48,7 +48,7 @@ MAX_CONTEXT = 1024
 VMEM_METHODS = ("get_num_free_blocks", "will_allocation_be_successful", "allocate_blocks", "free_blocks",
                 "extend_read_and_write_indices", "get_seqlens_k", "flush", "distinct_mapped_bytes",
                 "search_prefix_match", "mark_shareable_blocks_as_complete")
-VMEM_FUNCTIONS = {"tenancy": ("budget_blocks", "yield_room", "on_round", "step"), "graphs": ("prepare_round",)}
+VMEM_FUNCTIONS = {"Tenant": ("budget_blocks", "yield_room", "on_round", "step"), "graphs": ("prepare_round",)}
 #: Tensor ops vmem's hooks and the engine's cache call: one kernel launch each on the GPU (on the CPU
 #: the kernel itself runs in the call: charged as a kernel, counted as a launch).
 TENSOR_OPS = ("index_copy_", "zero_", "index_fill_", "copy_")
@@ -113,7 +113,7 @@ def instrument(clock: HookClock, model: Any, hooks: bool, vmem_attn: str, native
         for op in TENSOR_OPS:
             clock.wrap(torch.Tensor, op, f"cpu.{op}")
         clock.wrap_all(vt.cache_class(), [(m, f"vmem.{m}") for m in VMEM_METHODS])
-        for mod, fns in ((tenancy, VMEM_FUNCTIONS["tenancy"]), (graphs, VMEM_FUNCTIONS["graphs"])):
+        for mod, fns in ((tenancy.Tenant, VMEM_FUNCTIONS["Tenant"]), (graphs, VMEM_FUNCTIONS["graphs"])):
             clock.wrap_all(mod, [(f, f"vmem.{f}") for f in fns])
         clock.wrap(buffers.RoundBuffers, "fill", "vmem.RoundBuffers.fill")
         clock.wrap(fa.FaReader, "__call__", "vmem.reader")

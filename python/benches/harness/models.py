@@ -1,10 +1,18 @@
 """The one model builder of the benchmarks (random weights, configs made in code: no downloads),
 and the configs it builds: Llama-3-8B shapes, a tiny Llama for CPU smoke tests, and the four
-architectures of the continuous-batching correctness checks."""
+architectures of the continuous-batching correctness checks.
+
+Hub kernels are pinned off (``USE_HUB_KERNELS=NO``, set when this module is imported, before any
+model is made): transformers 5.25 replaces layers of a ``from_pretrained`` model with kernels from
+the Hub by default (``use_kernels``), and a bench must run vmem and the engine on the same
+non-attention code. Models built here (``from_config``) are never kernelized either."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+os.environ["USE_HUB_KERNELS"] = "NO"
 
 #: the checks' architectures: Llama GQA, Qwen2 with qkv bias, Mistral, head dim 64 with tied embeddings
 ARCHS = ("llama-gqa", "qwen2-bias", "mistral", "hd64-tied")
@@ -91,6 +99,8 @@ def random_model(config: Any, dtype: Any, device: Any, seed: int = 0, attn: str 
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+    if getattr(model, "use_kernels", False):  # 5.25+: hub kernels pinned off (see the module doc)
+        raise RuntimeError("the model was kernelized with hub kernels; the benches run without them")
     return model.eval()
 
 

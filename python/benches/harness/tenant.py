@@ -242,7 +242,7 @@ class RoundLog:
     the gap from one round to the next (longer rounds: the GPU shared with busier neighbours;
     gaps over :attr:`IDLE_GAP_S`, under the engine's 0.1 s wait for requests, are taken for that
     wait and left out, so are rounds slower than that) and, in a pool, the rounds whose room
-    (:func:`vmem.transformers.tenancy.budget_blocks` and its trash row's block) was below a
+    (:meth:`vmem.transformers.tenancy.Tenant.budget_blocks` and its trash row's block) was below a
     static third (``third`` bytes): rounds where the neighbours held memory a partition would
     have kept for this tenant."""
 
@@ -254,11 +254,9 @@ class RoundLog:
 
     def record(self, cache: Any) -> None:
         """Files a round of ``cache``'s engine starting now (the engine's round hook)."""
-        from vmem.transformers import tenancy
-
         self.starts.append(time.perf_counter())
         if cache.options.pool is not None:  # the budget leaves out the trash row's block: count it
-            room = (tenancy.budget_blocks(cache) + 1) * int(cache.geometry.block_bytes)
+            room = (cache.tenant.budget_blocks() + 1) * int(cache.geometry.block_bytes)
             self.short += room < self.third
 
     def summary(self) -> dict[str, Any]:

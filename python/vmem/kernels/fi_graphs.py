@@ -7,7 +7,7 @@ buffers (``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``); ``
 the host and writes the round into those buffers (and the wrapper's own scheduling workspace),
 so a graph captured over ``run()`` reads whatever the last ``plan()`` wrote. The engine keys its
 graphs by the padded round (tokens ``T``, KV read, ``max_seqlen_k``) and vmem adds the round's
-kind (:func:`~vmem.transformers.graphs.graph_key_hook`), so one padded plan shape per key:
+kind (the engine glue's graph key does), so one padded plan shape per key:
 
 * **decode** (every request one query token): one FlashInfer request per token of the padded
   round, batch ``T``: the real requests (row, ``past + 1``), then one per padded token reading

@@ -73,6 +73,12 @@ class RowTable:
         self._seen.add(request_id)
         return row
 
+    def keep_mapped(self, index: int, tokens: int) -> None:
+        """Row ``index`` (held by no request: the trash row padded tokens write to) is mapped for
+        ``tokens`` tokens at every step."""
+        self.lengths[index] = tokens
+        self.dirty = True
+
     def forget_admissions(self) -> None:
         """Forgets which requests were ever admitted (after the engine's warmup, whose fake
         requests reuse their ids run after run: they are no preemptions)."""

@@ -6,19 +6,21 @@ that limit: on 5.17 a prompt longer than the row reached the forward (``bad roun
 one a little shorter filled its row mid-prefill (``No requests can be scheduled``), and either
 error stopped the engine's loop, failing every request in flight. The engine adds each new
 request through ``Scheduler.add_waiting_request`` inside a ``try`` that fails only that request
-on an exception (5.17 and 5.19-5.24 alike); :func:`admission_hook` raises there, before the
+on an exception (5.17 and 5.19-5.25 alike); :func:`.hooks.refuse_past_a_row` raises there, before the
 request holds anything, when the tokens it will store pass the row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .._vmem import InvalidArgument
 
+if TYPE_CHECKING:
+    from transformers.generation.continuous_batching.requests import RequestState
 
-def tokens_to_store(state: Any) -> int:
+
+def tokens_to_store(state: RequestState) -> int:
     """KV tokens a request stores by its end: its prompt and every generated token but the
     last (the last is sampled, never fed back). ``max_new_tokens=None`` (no limit) counts as one
     token: then only the prompt can be checked up front."""
@@ -27,7 +29,7 @@ def tokens_to_store(state: Any) -> int:
     return len(state.initial_tokens) + new - 1
 
 
-def check_fits(state: Any, max_context: int) -> None:
+def check_fits(state: RequestState, max_context: int) -> None:
     """Raises :class:`vmem.InvalidArgument`, naming the request and the option to raise, when
     ``state`` would store more tokens than a row of ``max_context`` holds."""
     need = tokens_to_store(state)
@@ -36,17 +38,3 @@ def check_fits(state: Any, max_context: int) -> None:
             f"request {state.request_id!r} needs {need} tokens of KV ({len(state.initial_tokens)} of prompt and "
             f"max_new_tokens={state.max_new_tokens}), more than a vmem row holds (max_context={max_context}): "
             "shorten it or raise max_context")
-
-
-def admission_hook(add: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """The engine's ``Scheduler.add_waiting_request``; for a vmem cache (one with a
-    ``max_context``) it first refuses a request whose tokens pass the row (:func:`check_fits`).
-    Other caches: unchanged."""
-
-    def vmem_add_waiting_request(self: Any, state: Any) -> Any:
-        max_context = getattr(getattr(self, "cache", None), "max_context", None)
-        if isinstance(max_context, int):
-            check_fits(state, max_context)
-        return add(self, state)
-
-    return vmem_add_waiting_request

@@ -33,7 +33,7 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,10 +47,16 @@ from ..kernels.fi_reader import FlashInferReader
 from ..kernels.flex import FlexReader
 from ..kernels.rounds import Rounds
 from ..kernels.rows import RowTable
-from . import margin, tenancy
+from . import margin
 from .graphs import check_engine_config
 from .options import Options
-from .sizing import VMEM_ATTENTION, Geometry, measured_memory
+from .sizing import VMEM_ATTENTION, Geometry, check_full_attention, measured_memory
+from .tenancy import Tenant
+
+if TYPE_CHECKING:
+    from transformers.configuration_utils import PreTrainedConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.requests import RequestState
 
 _log = logging.getLogger(__name__)
 _DEFAULT_OPTIONS = Options()
@@ -86,13 +92,12 @@ class VmemCBCache:
 
     flat_kv = True
 
-    def __init__(self, config: Any, continuous_batching_config: Any, device: Any, *, dtype: torch.dtype,
+    def __init__(self, config: PreTrainedConfig, continuous_batching_config: ContinuousBatchingConfig,
+                 device: torch.device | str, *, dtype: torch.dtype,
                  options: Options | None = None, tp_size: int = 1) -> None:
         cb = continuous_batching_config
         check_engine_config(cb, VMEM_ATTENTION, options.kernel if options is not None else _DEFAULT_OPTIONS.kernel)
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types and any(t != "full_attention" for t in layer_types):
-            raise InvalidArgument(f"{VMEM_ATTENTION} supports full-attention models only, not {set(layer_types)}")
+        check_full_attention(config)
         if tp_size != 1:
             raise InvalidArgument(f"{VMEM_ATTENTION}: tensor parallelism is not supported yet (issue #24)")
         options = _DEFAULT_OPTIONS if options is None else options
@@ -131,7 +136,7 @@ class VmemCBCache:
             zero_page=on_cpu or (self.kernel == "flex" and not g.compiled),
             prefix_cache=g.prefix_cap(self.sharing, options.prefix_cache), pool=options.pool,
         )
-        self.lock = threading.Lock()  # a round's mapping against sleep (tenancy.py)
+        self.lock = threading.Lock()  # a round's mapping against sleep (the tenant's)
         if int(self.kv.config()["tokens_per_page"]) != g.tokens_per_page:
             raise VmemError(f"vmem reports {self.kv.config()['tokens_per_page']} tokens per page, "
                             f"expected {g.tokens_per_page}")
@@ -141,9 +146,12 @@ class VmemCBCache:
         # The trash row: padded tokens write at its first position; one block, always mapped.
         self.table = RowTable(g.rows, g.block_size)
         self.trash_row = self.kv.alloc()
-        self.table.lengths[self.trash_row] = g.block_size
+        self.table.keep_mapped(self.trash_row, g.block_size)
         self.kv.step(self.table.lengths)
         self.num_blocks = g.blocks - 1  # what requests can hold
+        # Its standing in a pool (Options.pool) and its sleep: only the tenant writes that state.
+        self.tenant = Tenant(self.kv, self.table, self.lock, blocks=self.num_blocks, block_bytes=g.block_bytes,
+                             idle_after=options.pool_idle_s)
         # The engine's per-round KV-read budget: the kernels read rows in place, so a round may read
         # every token of every row (shared pages once per reader); it does not size memory.
         self.num_pages = g.rows * g.max_context
@@ -174,7 +182,7 @@ class VmemCBCache:
                                           max_tokens=self.max_batch_tokens)
         self.read: Any = self._reader(config)
 
-    def _reader(self, config: Any) -> Any:
+    def _reader(self, config: PreTrainedConfig) -> FaReader | FlexReader | FlashInferReader:
         """The kernel that reads the rows (``options.kernel``)."""
         g = self.geometry
         if self.kernel == "fa":
@@ -201,7 +209,8 @@ class VmemCBCache:
         self._total_prefix_length = 0
 
     @staticmethod
-    def default_budget(config: Any, cb: Any, dtype: torch.dtype, device: torch.device, token_bytes: int
+    def default_budget(config: PreTrainedConfig, cb: ContinuousBatchingConfig, dtype: torch.dtype, device: torch.device,
+                       token_bytes: int
                        ) -> tuple[int, int]:
         """``(bytes, max_batch_tokens)`` the engine (5.17) would give its own paged cache."""
         # Typed Any: the engine's memory handler and its helpers differ between transformers versions.
@@ -227,7 +236,7 @@ class VmemCBCache:
     def get_num_free_blocks(self) -> int:
         """Blocks not held by any request (exact). With sharing, a block several requests map
         counts once, and cached blocks no request maps count as free (a step evicts them)."""
-        budget = tenancy.budget_blocks(self)  # num_blocks, or fewer in a pool (its limit, its room)
+        budget = self.tenant.budget_blocks()  # num_blocks, or fewer in a pool (its limit, its room)
         if not self.sharing:
             return budget - self.table.used_blocks
         # Pages freed rows keep (deferred reclamation), and a reused row's past its request's
@@ -254,7 +263,7 @@ class VmemCBCache:
             if n_blocks <= 0:
                 return 0
             if self.kv.asleep:
-                tenancy.wake(self)  # a request after sleep(): the cache wakes for it
+                self.tenant.wake()  # a request after sleep(): the cache wakes for it
             if n_blocks > self.get_num_free_blocks():
                 return None
             row = self.table.get(request_id)
@@ -290,10 +299,10 @@ class VmemCBCache:
         """Maps what this round's allocations need (one ``step`` for every row), then zeroes the
         newly mapped blocks (fresh pages hold anything, NaN bit patterns included)."""
         with self.lock:
-            tenancy.on_round(self)  # wakes a sleeping cache; in a pool, follows its limit
+            self.tenant.on_round()  # wakes a sleeping cache; in a pool, follows its limit
             if not self.table.dirty:
                 return
-            tenancy.step(self)
+            self.tenant.step()
         self.fresh.zero(self.table.mapped())
         self.steps += 1
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.distinct_mapped_bytes())
@@ -336,7 +345,7 @@ class VmemCBCache:
         if margin.over_margin(self, request_id):
             return 0  # it waits (the safety margin): adopting would make it active, then preempted
         if self.kv.asleep:
-            tenancy.wake(self)
+            self.tenant.wake()
         index = None
         try:
             # Under deferred reclamation, the freed row holding the fewest pages: adopting a cached
@@ -357,7 +366,7 @@ class VmemCBCache:
         self._total_prefix_length += got
         return got
 
-    def mark_shareable_blocks_as_complete(self, state: Any, num_complete_blocks: int) -> None:
+    def mark_shareable_blocks_as_complete(self, state: RequestState, num_complete_blocks: int) -> None:
         """Publishes the full blocks the request has computed (its tokens so far, up to what this
         round's forward wrote) to vmem's prefix cache (:meth:`vmem.KVCache.publish_prefix`)."""
         if not self.sharing or num_complete_blocks == 0:

@@ -1,6 +1,6 @@
 """The engine's async batching, its carry-over ids built in time proportional to the requests.
 
-With async batching (5.17 and 5.19-5.24) the engine schedules round N+1 before round N's tokens
+With async batching (5.17 and 5.19-5.25) the engine schedules round N+1 before round N's tokens
 are known, and each round it computes which of round N's new tokens feed round N+1's inputs:
 ``ContinuousBatchingAsyncIOs.infer_carry_over_ids``, an int32 tensor of ``max_batch_tokens``
 entries, -1 but where a request of round N has its new token in round N+1. The engine builds it
@@ -10,8 +10,8 @@ decode round of six requests, where the rest of the engine's preparation of that
 about 0.5 ms. :func:`infer_carry_over_ids` builds the same tensor from a fill and one indexed
 write of the requests' entries.
 
-It replaces the engine's method for every cache while vmem is installed (the tensor is the
-same; the engine's caches and the benchmark's other contenders get it too).
+:func:`.hooks.fast_carry_over` puts it in place for a vmem cache only; every other cache (the engine's
+own, a benchmark's contenders) keeps the engine's method as it ships.
 """
 
 from __future__ import annotations

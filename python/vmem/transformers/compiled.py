@@ -13,12 +13,15 @@ any compiled forward, for a cache (a bench contender) whose attention is traced.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._vmem import InvalidArgument
 
+if TYPE_CHECKING:
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-def refuse_compile(cb: Any, name: str) -> None:
+
+def refuse_compile(cb: ContinuousBatchingConfig, name: str) -> None:
     """Refuses a compiled forward for a cache whose attention reads its round from Python state
     inside the traced forward (a bench contender), which ``torch.compile`` would bake in as
     constants of the first round."""
@@ -30,13 +33,13 @@ def refuse_compile(cb: Any, name: str) -> None:
         )
 
 
-def _compile_configs(cb: Any) -> list[Any]:
+def _compile_configs(cb: ContinuousBatchingConfig) -> list[Any]:
     """The engine's compile configs that are set (varlen, decode)."""
     return [c for c in (getattr(cb, "varlen_compile_config", None), getattr(cb, "decode_compile_config", None))
             if c is not None]
 
 
-def check_compile(cb: Any, name: str, kernel: str) -> None:
+def check_compile(cb: ContinuousBatchingConfig, name: str, kernel: str) -> None:
     """What vmem's cache supports of a compiled forward (the engine's ``varlen_compile_config`` or
     ``decode_compile_config``): Dynamo compiles the model's layers around vmem's attention, which
     it leaves out (:func:`~vmem.transformers.attention.paged_attention` is

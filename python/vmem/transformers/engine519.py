@@ -1,10 +1,10 @@
-"""The adapter for transformers 5.19-5.24's continuous-batching engine: the patch (cache factory,
-attention name, options bound to the manager, ``generate_batch`` raising on failed requests) and
-:class:`VmemCBCache519`, the allocation surface those versions call, over the version-free
+"""The adapter for transformers 5.19-5.25's continuous-batching engine: its cache signature and
+attention-name check (which the patch table, :mod:`.patches`, puts in place on those versions)
+and :class:`VmemCBCache519`, the allocation surface those versions call, over the version-free
 :class:`~vmem.transformers.cache.VmemCBCache`.
 
-What changed from 5.17 (checked against the 5.19.0, 5.20.2, 5.21.1, 5.22.2, 5.23.0 and 5.24.0
-wheels; ``docs/serving.md``):
+What changed from 5.17 (checked against the 5.19.0, 5.20.2, 5.21.1, 5.22.2, 5.23.0, 5.24.0 and
+5.25.0 wheels; ``docs/serving.md``):
 
 * the engine builds its cache with keywords ``(config, continuous_batching_config, device,
   distributed_helper, dtype, model_supports_logits_to_keep)``;
@@ -24,7 +24,10 @@ wheels; ``docs/serving.md``):
   ``bytes_per_sector``;
 * 5.24 moved the cache update into the models: they call ``cache.update(k, v, layer_idx,
   kwargs=kwargs)`` before the attention function, which no longer gets the cache; vmem's
-  ``update`` hands the cache on through those kwargs and leaves the writing to the attention.
+  ``update`` hands the cache on through those kwargs and leaves the writing to the attention;
+* 5.25 serves MLA models (``config.kv_lora_rank``: one latent row per token, passed to
+  ``update`` as two single-head latents), which vmem refuses (:func:`.sizing.check_model`); the
+  members vmem replaces and reads are otherwise as in 5.24.
 """
 
 from __future__ import annotations
@@ -33,15 +36,23 @@ import copy
 import importlib
 import inspect
 import logging
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._vmem import VmemError
-from . import margin
+from . import margin, registry
 from .cache import VmemCBCache
 from .sizing import VMEM_ATTENTION, measured_memory
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from transformers.configuration_utils import PreTrainedConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+    from transformers.generation.continuous_batching.requests import RequestState
+    from transformers.modeling_utils import PreTrainedModel
 
 FULL_ATTENTION = "full_attention"
 _log = logging.getLogger(__name__)
@@ -105,12 +116,12 @@ class _Pool:
 
 
 class VmemCBCache519(VmemCBCache):
-    """:class:`VmemCBCache` with the allocation surface of transformers 5.19-5.24's engine."""
+    """:class:`VmemCBCache` with the allocation surface of transformers 5.19-5.25's engine."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # The kernels read the rows in place: no round needs the engine's gather indices
-        # (``kvread.py``). A read limit of 0: the scheduler counts no KV read against the round's
+        # (:func:`.hooks.no_kv_read`). A read limit of 0: the scheduler counts no KV read against the round's
         # budget, so ``max_tokens_read`` need not hold every row; it sizes the engine's int64
         # ``read_index`` buffers (host and device, each IO pair) and bounds its search for the
         # longest request and its ``max_length_k`` buckets: one row.
@@ -123,7 +134,8 @@ class VmemCBCache519(VmemCBCache):
         self._past_context: set[str] = set()
 
     @staticmethod
-    def default_budget(config: Any, cb: Any, dtype: torch.dtype, device: torch.device, token_bytes: int
+    def default_budget(config: PreTrainedConfig, cb: ContinuousBatchingConfig, dtype: torch.dtype, device: torch.device,
+                       token_bytes: int
                        ) -> tuple[int, int]:
         """``(bytes, max_batch_tokens)`` the engine would give its own paged cache, were it read by
         a kernel that needs no attention mask and no repeated KV heads (as vmem's): the engine's
@@ -152,7 +164,7 @@ class VmemCBCache519(VmemCBCache):
         row = self.table.get(request_id)
         return max(0, -(-tokens // self.block_size) - (0 if row is None else row.blocks))
 
-    def can_store_request_tokens(self, state: Any, request_len: int, dry_run: bool = False) -> bool:
+    def can_store_request_tokens(self, state: RequestState, request_len: int, dry_run: bool = False) -> bool:
         """Whether the request's next ``request_len`` tokens fit; allocates them (all or nothing)
         unless ``dry_run``. False, never an exception (it would kill the engine's loop), when no
         row or memory is left or the request would pass ``max_context``.
@@ -216,29 +228,29 @@ class VmemCBCache519(VmemCBCache):
         """Frees every request (after the engine's warmup)."""
         self.free_all_requests(clear_ledgers=True)
 
-    def count_new_complete_blocks(self, state: Any, request_len: int) -> dict[str, int]:
+    def count_new_complete_blocks(self, state: RequestState, request_len: int) -> dict[str, int]:
         """Blocks the next forward over ``request_len`` tokens completes (published after it)."""
         if not self.sharing:
             return {}
         n = (state.current_len() % self.block_size + request_len) // self.block_size
         return {FULL_ATTENTION: n} if n else {}
 
-    def mark_complete_blocks(self, state: Any, complete_blocks: dict[str, int]) -> None:
+    def mark_complete_blocks(self, state: RequestState, complete_blocks: dict[str, int]) -> None:
         """Publishes the request's full blocks to vmem's prefix cache."""
         self.mark_shareable_blocks_as_complete(state, (complete_blocks or {}).get(FULL_ATTENTION, 0))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """5.24: the model calls this before its attention function (which then gets no cache):
+        """5.24+: the model calls this before its attention function (which then gets no cache):
         hands the cache to the attention through ``kwargs`` (the model passes them on), which
         writes the new K/V and reads every request's in place, as on 5.19-5.23; returns the new
         K/V unchanged."""
         if kwargs is None:
-            raise VmemError(f"{VMEM_ATTENTION}: update() needs the attention's kwargs (transformers 5.24's call)")
+            raise VmemError(f"{VMEM_ATTENTION}: update() needs the attention's kwargs (transformers 5.24+'s call)")
         kwargs["cache"] = self
         return key_states, value_states
 
-    def prepare_fork_request(self, src_state: Any, dst_req_ids: list[str], copy_src_and_dst: Any) -> list[str]:
+    def prepare_fork_request(self, src_state: RequestState, dst_req_ids: list[str], copy_src_and_dst: Any) -> list[str]:
         """No forks: the engine makes the children fresh requests."""
         return []
 
@@ -246,37 +258,40 @@ class VmemCBCache519(VmemCBCache):
         """Nothing to copy (no forks)."""
 
 
-def cache_class() -> Any:
+def cache_class() -> type[VmemCBCache519]:
     """vmem's cache class for this engine."""
     return VmemCBCache519
 
 
-def cache_factory(original: Any, build: Callable[[Any, dict[str, Any]], Any]) -> Any:
-    """The replacement for ``continuous_api.PagedAttentionCache``: ``build(original, kwargs)``."""
+def cache_factory(original: type) -> Any:
+    """The replacement for ``continuous_api.PagedAttentionCache``: the cache registered for the
+    model's attention name, else ``original`` built as the engine calls it (:func:`.registry.build`)."""
 
     def PagedAttentionCache(config: Any, continuous_batching_config: Any, device: Any, distributed_helper: Any,
                             dtype: torch.dtype = torch.float16, model_supports_logits_to_keep: bool = False) -> Any:
-        return build(original, {"config": config, "continuous_batching_config": continuous_batching_config,
-                                "device": device, "distributed_helper": distributed_helper, "dtype": dtype,
-                                "model_supports_logits_to_keep": model_supports_logits_to_keep})
+        return registry.build(VmemCBCache519, original, {
+            "config": config, "continuous_batching_config": continuous_batching_config, "device": device,
+            "distributed_helper": distributed_helper, "dtype": dtype,
+            "model_supports_logits_to_keep": model_supports_logits_to_keep})
 
     return PagedAttentionCache
 
 
-def attention_check(original: Any, registered: Callable[[Any], bool]) -> Any:
+def attention_check(original: Callable[..., None]) -> Callable[..., None]:
     """``ContinuousBatchingManager.switch_to_cb_friendly_attn``, letting a registered name
     (``vmem``) through unchanged (the engine would switch it to flash, or refuse it); every other
     name as the engine does."""
 
-    def switch_to_cb_friendly_attn(self: Any, model: Any, auto_switch_to_flash: bool = True) -> None:
-        if registered(model.config._attn_implementation):
+    def switch_to_cb_friendly_attn(self: ContinuousBatchingManager, model: PreTrainedModel,
+                                   auto_switch_to_flash: bool = True) -> None:
+        if registry.registered(model.config._attn_implementation):
             return None
         return original(self, model, auto_switch_to_flash)
 
     return switch_to_cb_friendly_attn
 
 
-def expected_results(prompts: int, generation_config: Any) -> int:
+def expected_results(prompts: int, generation_config: GenerationConfig) -> int:
     """Results ``generate_batch`` returns: one per prompt and return sequence (5.19+ returns the
     children too; vmem runs them as fresh requests)."""
     return prompts * (getattr(generation_config, "num_return_sequences", None) or 1)

@@ -38,6 +38,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import InvalidArgument, KVCache
 from .. import torch as vmem_torch
+from .sizing import check_kv_layout
 
 __all__ = ["VmemCache", "VmemLayer"]
 
@@ -174,6 +175,7 @@ class VmemCache(Cache):
         static: bool = False,
     ) -> None:
         cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        check_kv_layout(cfg)
         layer_types = getattr(cfg, "layer_types", None)
         if layer_types and any(t != "full_attention" for t in layer_types):
             raise InvalidArgument(f"VmemCache supports full-attention layers only, not {set(layer_types)}")

@@ -3,9 +3,9 @@
 the engine's graph key, and what of the engine's graph switches a vmem cache supports. Version-free.
 
 * A decode-only padded round and a mixed round of the same padded size are different graphs:
-  :func:`graph_key_hook` adds the round's kind (``cache.round_kind``) to the engine's graph key,
+  :func:`.hooks.graph_key` adds the round's kind (``cache.round_kind``) to the engine's graph key,
   and drops from it the engine's padded KV read, which vmem's forward does not depend on.
-* :func:`forward_hook` wraps the engine's ``ModelRunner.compute_batch``: the round's metadata is
+* :func:`.hooks.write_round_first` wraps the engine's ``ModelRunner.compute_batch``: the round's metadata is
   written before every forward, graphed or not (one path); a reader with a host-side plan
   (``kernel="flashinfer"``) plans it there too, on the compute stream, outside any capture.
 * Padded tokens write at the trash row: the engine's ``write_trash_index``, the cache's
@@ -15,8 +15,8 @@ the engine's graph key, and what of the engine's graph switches a vmem cache sup
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,12 +24,16 @@ from .._vmem import InvalidArgument
 from ..kernels.rounds import Round
 from .compiled import check_compile, refuse_compile
 
-#: The round kinds a padded round's graph key carries (:func:`graph_key_hook`).
+if TYPE_CHECKING:
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+
+#: The round kinds a padded round's graph key carries (:func:`.hooks.graph_key`).
 DECODE, VARLEN = "decode", "varlen"
 
 
-def graphs_requested(cb: Any) -> bool:
-    """Whether the engine's config turns CUDA graphs on (5.17-5.24: ``cuda_graph_booleans`` once
+def graphs_requested(cb: ContinuousBatchingConfig) -> bool:
+    """Whether the engine's config turns CUDA graphs on (5.17-5.25: ``cuda_graph_booleans`` once
     resolved; before that ``use_cuda_graph``, a bool or a ``(varlen, decode)`` pair)."""
     if hasattr(cb, "cuda_graph_booleans"):
         try:
@@ -40,7 +44,7 @@ def graphs_requested(cb: Any) -> bool:
     return any(value) if isinstance(value, tuple | list) else bool(value)
 
 
-def refuse_graphs(cb: Any, name: str) -> None:
+def refuse_graphs(cb: ContinuousBatchingConfig, name: str) -> None:
     """Refuses an engine config with CUDA graphs, a compiled forward or async batching for ``name``
     (a cache whose kernel indices are rebuilt on the host every round, e.g. a bench contender)."""
     if graphs_requested(cb):
@@ -60,7 +64,7 @@ _NOT_REPLAYABLE = {
 }
 
 
-def check_engine_config(cb: Any, name: str, kernel: str) -> None:
+def check_engine_config(cb: ContinuousBatchingConfig, name: str, kernel: str) -> None:
     """What vmem's cache supports of the engine's graph switches: CUDA graphs and async batching
     with ``kernel="fa"`` (its metadata is in :class:`RoundBuffers`) and ``kernel="flashinfer"``
     (planned before the forward into the fixed buffers of FlashInfer's CUDA-graph wrappers, one
@@ -114,30 +118,8 @@ def prepare_round(cache: Any, batch_data: dict[str, Any], padded: bool, stream: 
     return rnd
 
 
-def forward_hook(compute_batch: Callable[..., Any]) -> Callable[..., Any]:
-    """The engine's ``ModelRunner.compute_batch``, writing a vmem cache's round metadata first
-    (for any other cache, the engine's own); a padded varlen round of more query tokens than
-    ``graph_max_tokens`` runs without the engine's CUDA graph."""
-
-    def vmem_compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> Any:
-        cache = self.cache
-        if getattr(cache, "round_buffers", None) is None:
-            return compute_batch(self, model, batch_data)
-        io = self.inputs_and_outputs
-        rnd = prepare_round(cache, batch_data, bool(self.pad_inputs), io.compute_stream,
-                            pair=int(getattr(io, "current_pair", 0)))
-        limit = cache.options.graph_max_tokens
-        if limit is None or cache.round_kind != VARLEN or rnd.meta.total_q <= limit \
-                or not getattr(self, "use_cuda_graph_varlen", False):
-            return compute_batch(self, model, batch_data)
-        with without_varlen_graph(self):  # a large prefill round: run it, capture nothing
-            return compute_batch(self, model, batch_data)
-
-    return vmem_compute_batch
-
-
 @contextlib.contextmanager
-def without_varlen_graph(runner: Any) -> Iterator[None]:
+def without_varlen_graph(runner: ModelRunner) -> Iterator[None]:
     """The engine's ``runner`` (a ``ModelRunner``) runs varlen forwards without a CUDA graph
     inside the block (none captured, none replayed); its ``use_cuda_graph_varlen`` is put back
     after. The forward's tensors come from the graphs' memory pool (``runner.mem_pool``), as the
@@ -153,35 +135,3 @@ def without_varlen_graph(runner: Any) -> Iterator[None]:
             yield
     finally:
         runner.use_cuda_graph_varlen = saved
-
-
-def graph_key_hook(get_graph_key: Callable[..., Any]) -> Callable[..., Any]:
-    """The engine's ``ContinuousBatchingIOs._get_graph_key``, for a vmem cache's padded round
-    keyed by what vmem's forward depends on. The engine keys a varlen graph by ``(padded tokens,
-    padded KV read, padded max_seqlen_k)`` (5.19+ names the last ``max_length_k``); for vmem:
-
-    * the round's kind is added: a decode-only round and a mixed round of one padded size run
-      differently (FA's ``max_q = 1``, FlashInfer's decode or prefill wrapper);
-    * the padded KV read is dropped: it sizes the engine's gather (``read_index``), which vmem
-      neither fills nor reads (its kernels read the rows in place), and it grows with every
-      request's context, so each new bucket meant one more graph to capture (the fi-paged peer's
-      is capped by its pool). Dropping it did not change vmem's time-between-tokens p99 on the
-      H200 (docs/serving.md): the slow rounds behind that tail are not these captures alone;
-    * with ``graph_seqlen_k="context"`` the ``max_seqlen_k`` bucket is dropped too: the kernel
-      is given the row length, the same for every graph.
-
-    Unpadded rounds (no kind) and other caches keep the engine's key."""
-
-    def vmem_graph_key(self: Any) -> Any:
-        key = get_graph_key(self)
-        cache = getattr(self, "cache", None)
-        kind = getattr(cache, "round_kind", None)
-        if kind is None:
-            return key
-        if getattr(self, "use_block_table", False) or len(key) < 2:  # a fast path's key: tokens only
-            return (*key, kind)
-        options = getattr(cache, "options", None)
-        seqlen_k = () if getattr(options, "graph_seqlen_k", "bucket") == "context" else tuple(key[2:])
-        return (key[0], *seqlen_k, kind)
-
-    return vmem_graph_key

@@ -3,31 +3,34 @@ where no running request can need the blocks it keeps.
 
 The engine's FIFO scheduler keeps a share of the blocks free (``safety_margin``, 0.15 by
 default) for running requests to grow into: while fewer are free, it admits no new request
-beside running ones. 5.17 checks that before each new request; 5.19-5.24 once a round, so one
+beside running ones. 5.17 checks that before each new request; 5.19-5.25 once a round, so one
 round can admit requests until no block is left, and the next rounds preempt the newest for
 room to grow (a soft reset: a vmem cache has no CPU pool to offload to, so the request's prompt
 is computed again; 14 preemptions in the serving suite's 5.23 run at a tenth of the working set,
 0 on 5.17).
 
-vmem takes the check over on every version (:func:`margin_hook`): the scheduler's margin goes
+vmem takes the check over on every version (:func:`.hooks.margin_to_cache`): the scheduler's margin goes
 to the cache (``admission_margin``) and the scheduler's own becomes 0. A new request (one
 holding no row) then waits while another holds a row and the free blocks are under the margin
 (:func:`over_margin`), as on 5.17, unless every request's end is known (``max_new_tokens``)
 and what is left once the new one holds its blocks covers all the growth still to come
 (:func:`growth_covered`): then no growth can run short, and the margin would only keep blocks
 free that nobody takes. 5.19+ asks in ``can_store_request_tokens``; 5.17 in its scheduler's
-``_allocate_blocks_if_needed`` (:func:`allocation_hook`). A pending request finds no cached
+``_allocate_blocks_if_needed`` (:func:`.hooks.margin_before_allocation`). A pending request finds no cached
 prefix while over the margin (the cache's ``search_prefix_match``): adopting one would make it
 active, and an active request refused its blocks is preempted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers.generation.continuous_batching.requests import RequestState
+    from transformers.generation.continuous_batching.scheduler import Scheduler
 
 
-def final_tokens(state: Any) -> int | None:
+def final_tokens(state: RequestState | Any) -> int | None:
     """KV tokens a request stores by its end at the latest (its prompt and every generated token
     but the last), or ``None`` when it has no ``max_new_tokens`` (no limit) or is not a request
     state."""
@@ -38,7 +41,7 @@ def final_tokens(state: Any) -> int | None:
     return len(prompt) + max(new, 1) - 1
 
 
-def note_final(cache: Any, state: Any) -> None:
+def note_final(cache: Any, state: RequestState) -> None:
     """Records on the request's row the blocks it holds by its end at the latest, once known."""
     row = cache.table.get(state.request_id)
     if row is not None and row.final_blocks is None and (final := final_tokens(state)) is not None:
@@ -52,7 +55,7 @@ def over_margin(cache: Any, request_id: str) -> bool:
             and max(0, cache.get_num_free_blocks()) < cache.admission_margin * cache.num_blocks)
 
 
-def growth_covered(cache: Any, state: Any, missing: int) -> bool:
+def growth_covered(cache: Any, state: RequestState, missing: int) -> bool:
     """Whether the blocks left once the new request ``state`` holds its ``missing`` cover what it
     and every request holding a row can still grow by (each up to its ``max_new_tokens``; False
     when one of them has none)."""
@@ -63,51 +66,13 @@ def growth_covered(cache: Any, state: Any, missing: int) -> bool:
     return cache.get_num_free_blocks() - missing >= growth + own
 
 
-def admission_waits(cache: Any, state: Any, missing: int) -> bool:
+def admission_waits(cache: Any, state: RequestState, missing: int) -> bool:
     """Whether the new request ``state``, lacking ``missing`` blocks, waits: it is
     :func:`over_margin` and its growth is not :func:`growth_covered`."""
     return over_margin(cache, state.request_id) and not growth_covered(cache, state, missing)
 
 
-def take_over(scheduler: Any, cache: Any) -> None:
+def take_over(scheduler: Scheduler, cache: Any) -> None:
     """The scheduler's ``safety_margin`` to the cache, the scheduler's own set to 0."""
     cache.admission_margin = float(scheduler.safety_margin)
     scheduler.safety_margin = 0.0
-
-
-def margin_hook(init: Callable[..., None]) -> Callable[..., None]:
-    """The engine's ``Scheduler.__init__``; then, for a cache with an ``admission_margin``
-    (vmem's), :func:`take_over` (each scheduler class has resolved its default by then). Other
-    caches: unchanged."""
-
-    def vmem_scheduler_init(self: Any, cache: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, cache, *args, **kwargs)
-        if hasattr(cache, "admission_margin"):
-            take_over(self, cache)
-
-    vmem_scheduler_init.__wrapped__ = init  # type: ignore[attr-defined]
-    return vmem_scheduler_init
-
-
-def allocation_hook(allocate: Callable[[Any, Any, int], bool]) -> Callable[[Any, Any, int], bool]:
-    """5.17's ``Scheduler._allocate_blocks_if_needed(state, len_next_tokens)``: for a vmem cache,
-    a new request that :func:`admission_waits` gets nothing (the scheduler moves on to the next
-    candidate), and an admitted one's end is noted (:func:`note_final`). The blocks a new
-    request lacks are counted as the engine counts them (it may ask one more than the tokens
-    fill). Other caches: unchanged."""
-
-    def vmem_allocate_blocks_if_needed(self: Any, state: Any, len_next_tokens: int) -> bool:
-        cache = self.cache
-        if not hasattr(cache, "admission_margin"):
-            return allocate(self, state, len_next_tokens)
-        if state.request_id not in cache.table:
-            missing = (len_next_tokens + 1) // cache.block_size + 1  # 5.17's count for a request holding none
-            if admission_waits(cache, state, missing):
-                return False
-        ok = allocate(self, state, len_next_tokens)
-        if ok:
-            note_final(cache, state)
-        return ok
-
-    vmem_allocate_blocks_if_needed.__wrapped__ = allocate  # type: ignore[attr-defined]
-    return vmem_allocate_blocks_if_needed

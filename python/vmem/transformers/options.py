@@ -48,6 +48,9 @@ POOL_IDLE_S = 2.0
 #: Contexts (tokens) above this cannot be indexed with the int32 positions the engine and the
 #: kernels use.
 MAX_CONTEXT = 2**31 - 1
+#: The most requests a cache holds at once: its rows (and the trash row) are vmem request ids,
+#: at most 65,536 (the core's ``vmem::kvcache::MAX_BATCH``).
+MAX_REQUESTS = (1 << 16) - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +60,8 @@ class Options:
     * ``layout``: ``"per-layer"`` (default) or ``"token-major"``;
     * ``page_size``: bytes of one page, an int or a string (``"2M"``, the default; ``"64K"``,
       ``"128K"``, ``"256K"`` need the host backend or the patched driver);
-    * ``max_requests``: requests holding KV at once (rows), default 256;
+    * ``max_requests``: requests holding KV at once (rows), default 256, at most
+      :data:`MAX_REQUESTS`;
     * ``max_context``: tokens per request; ``None`` (default): the model's
       ``max_position_embeddings``;
     * ``memory``: bytes of KV pages; ``None`` (default): what the engine would give its own
@@ -147,7 +151,7 @@ class Options:
             known = ", ".join(f"{p >> 10}K" for p in PAGE_SIZES)
             raise InvalidArgument(f"page_size must be one of vmem's page sizes ({known}), got {self.page_size!r}")
         set_(self, "page_size", page)
-        set_(self, "max_requests", check_positive_int("max_requests", self.max_requests, max=2**31 - 2))
+        set_(self, "max_requests", check_positive_int("max_requests", self.max_requests, max=MAX_REQUESTS))
         if self.max_context is not None:
             set_(self, "max_context", check_positive_int("max_context", self.max_context, max=MAX_CONTEXT))
         set_(self, "memory", check_optional_size("memory", self.memory, min=1))

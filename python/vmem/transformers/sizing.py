@@ -7,7 +7,7 @@ Version-free: the engine-specific parts (the default budget, the engine's config
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,12 +16,34 @@ from ..kernels.flashinfer import check_model
 from ..kernels.flex import KV_BLOCK
 from .options import Options
 
+if TYPE_CHECKING:
+    from transformers.configuration_utils import PreTrainedConfig
+    from transformers.modeling_utils import PreTrainedModel
+
 #: The attention name that selects the vmem cache.
 VMEM_ATTENTION = "vmem"
 
 
-def find_dims(config: Any) -> tuple[int, int, int]:
-    """``(layers, kv_heads, head_dim)`` of a transformers model config."""
+def check_kv_layout(config: PreTrainedConfig) -> None:
+    """Refuses (:class:`~vmem.InvalidArgument`) a model whose KV a vmem row cannot hold: an MLA
+    model (DeepSeek-V2/V3 style, ``config.kv_lora_rank`` set) caches one compressed latent per
+    token, not ``num_key_value_heads x head_dim`` keys and values, and vmem has no latent layout
+    yet (sized by heads, its rows would hold the wrong bytes). Runs in the caller's thread when
+    the engine's manager is made for ``attn_implementation="vmem"``, and again when the cache is
+    built."""
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    rank = getattr(text, "kv_lora_rank", None)
+    if rank:
+        raise InvalidArgument(
+            f"{VMEM_ATTENTION}: {type(text).__name__} is an MLA model (kv_lora_rank={rank!r}: one compressed "
+            "latent per token, not per-head keys and values); vmem has no latent layout yet: serve it with the "
+            "engine's own cache (attn_implementation='sdpa' or a flash one)")
+
+
+def find_dims(config: PreTrainedConfig) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of a transformers model config (an MLA model is refused:
+    :func:`check_kv_layout`)."""
+    check_kv_layout(config)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -46,7 +68,7 @@ class Geometry:
     blocks), ``blocks`` (what the budget holds, the trash row's block included), ``cap`` (bytes
     of those blocks), ``compiled`` (the Flex kernel is compiled)."""
 
-    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device, options: Options,
+    def __init__(self, config: PreTrainedConfig, dtype: torch.dtype, device: torch.device, options: Options,
                  memory_bytes: int) -> None:
         layers, kv_heads, head_dim = find_dims(config)
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
@@ -87,7 +109,7 @@ class Geometry:
         self._check_int32(kernel)
 
     @staticmethod
-    def token_bytes_of(config: Any, dtype: torch.dtype) -> int:
+    def token_bytes_of(config: PreTrainedConfig, dtype: torch.dtype) -> int:
         """Bytes of one token's K and V in every layer."""
         layers, kv_heads, head_dim = find_dims(config)
         return 2 * layers * kv_heads * head_dim * dtype.itemsize
@@ -116,6 +138,43 @@ class Geometry:
         if not sharing:
             return None
         return self.cap if prefix_cache is None else prefix_cache
+
+
+#: The most pages vmem creates in one call (the core's ``vmem::pool::MAX_EAGER_PAGES``): a cache
+#: that makes its pages up front (``prealloc``) may not need more.
+MAX_EAGER_PAGES = 1 << 24
+#: A budget for :func:`check_servable` to build the geometry with when none is given (the
+#: engine's default is measured only when the cache is built): every check but the budget's.
+_ANY_BUDGET = 1 << 62
+
+
+def check_full_attention(config: PreTrainedConfig) -> None:
+    """Refuses (:class:`~vmem.InvalidArgument`) a model with layers other than full attention
+    (sliding windows, linear attention): each request's row holds every token of every layer."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise InvalidArgument(f"{VMEM_ATTENTION} supports full-attention models only, not {set(layer_types)}")
+
+
+def check_servable(model: PreTrainedModel, options: Options) -> None:
+    """What vmem's engine cache would refuse of ``model`` served with ``options``, refused now:
+    run in the caller's thread when the engine's manager is made (the engine builds its cache
+    later, in its own thread, where a refusal fails every request instead of the call). The
+    model's text config, dtype and device are the engine's for the cache: an MLA model, layers
+    other than full attention, and the geometry's refusals (a page that holds no whole token,
+    ``memory`` under two blocks, FlashAttention's dtypes, head dims and int32 offsets, Flex's,
+    FlashInfer's), and pages made up front past :data:`MAX_EAGER_PAGES`."""
+    config = model.config.get_text_config() if callable(getattr(model.config, "get_text_config", None)) \
+        else model.config
+    check_kv_layout(config)
+    check_full_attention(config)
+    memory = options.memory
+    g = Geometry(config, model.dtype, torch.device(model.device), options, _ANY_BUDGET if memory is None else memory)
+    pages = g.cap // g.page_bytes
+    if memory is not None and options.prealloc and options.pool is None and pages > MAX_EAGER_PAGES:
+        raise InvalidArgument(
+            f"memory={memory} bytes are {pages} pages of {g.page_bytes} bytes made up front (prealloc), more than the "
+            f"{MAX_EAGER_PAGES} vmem makes at once: lower memory, raise page_size, or pass prealloc=False")
 
 
 def measured_memory(breakdown: Any, device: torch.device) -> int:

@@ -4,7 +4,7 @@ warmup.
 The engine's ``ModelRunner.warmup`` (``manager.warmup()``; ``generate_batch`` calls it by
 default) captures its varlen graph at the largest size and the graphs of its decode fast path.
 vmem's decode rounds do not take that path: they run the varlen forward, keyed by
-:func:`~vmem.transformers.graphs.graph_key_hook` with the round's kind. Without this module
+:func:`.hooks.graph_key` with the round's kind. Without this module
 their graphs were captured while serving, the first time each key came up: a round that
 captures takes 20-40 ms where a replay takes about 3 (H200, Llama-3-8B shapes x 8 layers; four
 of the five slowest decode rounds of a memory-bound run, docs/serving.md).
@@ -22,7 +22,7 @@ real round of that size cannot be scheduled either, unless its requests share pr
 The fake requests go through the engine's own warmup helpers, as its own warmup's do, and are
 freed before it returns.
 
-:func:`warmup_hook` runs this in place of the engine's warmup for vmem caches; other caches
+:func:`.hooks.capture_vmem_graphs` runs this in place of the engine's warmup for vmem caches; other caches
 keep the engine's warmup as it is. The function works on any cache, so a benchmark can give
 another contender the same decode rounds.
 """
@@ -31,18 +31,23 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from .cache import VmemCBCache
+
+if TYPE_CHECKING:
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+
 logger = logging.getLogger(__name__)
 
-#: The smallest ``max_seqlen_k`` bucket the engine pads a graph round to (5.17-5.24).
+#: The smallest ``max_seqlen_k`` bucket the engine pads a graph round to (5.17-5.25).
 MIN_BUCKET = 1024
 
 
-def padded_sizes(runner: Any, most: int) -> list[tuple[int, int]]:
+def padded_sizes(runner: ModelRunner, most: int) -> list[tuple[int, int]]:
     """``(n, padded)`` for each size the engine's ``runner`` pads a round of 1 to ``most``
     query tokens to: the fewest tokens ``n`` that pad to it."""
     out: list[tuple[int, int]] = []
@@ -57,7 +62,7 @@ def padded_sizes(runner: Any, most: int) -> list[tuple[int, int]]:
     return out
 
 
-def decode_sizes(runner: Any) -> list[tuple[int, int]]:
+def decode_sizes(runner: ModelRunner) -> list[tuple[int, int]]:
     """``(requests, padded tokens)`` for each padded size of a decode round the engine's
     ``runner`` can run: the fewest requests that pad to it (fewest fake requests to map)."""
     return padded_sizes(runner, int(runner.cb_config.max_requests_per_batch or 0))
@@ -90,7 +95,7 @@ def _pairs(io: Any, async_ios: Any) -> Iterator[None]:
             io.swap_io_pairs()
 
 
-def _largest_eager_round(runner: Any, model: Any, mr: Any) -> int:
+def _largest_eager_round(runner: ModelRunner, cache: VmemCBCache, model: torch.nn.Module, mr: Any) -> int:
     """One fake prefill round of the most query tokens a round can carry (``max_batch_tokens``, or
     what the KV budget holds), run without a graph, when that is above ``graph_max_tokens``; 1 if
     it ran. Such rounds run in the graphs' memory pool
@@ -99,8 +104,7 @@ def _largest_eager_round(runner: Any, model: Any, mr: Any) -> int:
     growing sizes each reserved more (the pool held 1,504 MB, 64 MB of it in use, after a
     memory-bound run on 5.23; the engine's own warmup runs its largest round first for the same
     reason). Run first, the largest one sizes the pool, and every later round and graph fits in
-    what it freed."""
-    cache = runner.cache
+    what it freed. ``cache``: the runner's, a vmem cache."""
     limit = cache.options.graph_max_tokens
     bs, mc = int(cache.block_size), int(cache.max_context)
     tokens = min(int(cache.max_batch_tokens), int(cache.num_blocks) * bs)
@@ -115,8 +119,8 @@ def _largest_eager_round(runner: Any, model: Any, mr: Any) -> int:
 
 
 @torch.no_grad()  # as the engine's warmup (called outside it, too: a benchmark's other contenders)
-def capture_graphs(runner: Any, model: Any, max_context: int | None = None, *, varlen_tokens: int = 0,
-                   every_varlen: bool = False, eager_first: bool = False) -> int:
+def capture_graphs(runner: ModelRunner, model: torch.nn.Module, max_context: int | None = None, *,
+                   varlen_tokens: int = 0, every_varlen: bool = False, eager_first: bool = False) -> int:
     """Runs fake rounds through ``runner`` (the engine's ``ModelRunner``) on ``model`` so that
     each CUDA graph they key is captured now; returns the rounds run. On each IO pair: with
     ``varlen_tokens``, first the largest varlen round of at most that many query tokens (one
@@ -137,8 +141,8 @@ def capture_graphs(runner: Any, model: Any, max_context: int | None = None, *, v
     kv_buckets, decode = buckets(cache, max_context), [n for n, _ in decode_sizes(runner)]
     rounds = 0
     for _ in _pairs(io, mr.ContinuousBatchingAsyncIOs):
-        if eager_first:
-            rounds += _largest_eager_round(runner, model, mr)
+        if eager_first and isinstance(cache, VmemCBCache):
+            rounds += _largest_eager_round(runner, cache, model, mr)
         for q in varlen:
             for bucket in kv_buckets if every_varlen else [0]:
                 rounds += _fake_round(runner, model, mr, 1, q=q, past=bucket // 2)
@@ -148,7 +152,7 @@ def capture_graphs(runner: Any, model: Any, max_context: int | None = None, *, v
     return rounds
 
 
-def _fake_round(runner: Any, model: Any, mr: Any, requests: int, q: int, past: int) -> int:
+def _fake_round(runner: ModelRunner, model: torch.nn.Module, mr: Any, requests: int, q: int, past: int) -> int:
     """One round of ``requests`` fake requests of ``q`` query tokens (1: decoding) after ``past``
     tokens each; 1 if it ran."""
     cache, io = runner.cache, runner.inputs_and_outputs
@@ -162,7 +166,7 @@ def _fake_round(runner: Any, model: Any, mr: Any, requests: int, q: int, past: i
         padded_q, padded_kv = runner.maybe_pad_inputs(num_q_tokens=requests * q, max_kv_read=requests * (past + q),
                                                       use_decode_fast_path=False)
         io.prepare_batch_tensors(states, runner.logit_processor, False, padded_q, padded_kv, use_padding=True)
-        runner.compute_batch(model, io.get_model_kwargs(use_padding=True))
+        runner.compute_batch(model, cast(dict, io.get_model_kwargs(use_padding=True)))  # (a dict, typed apart)
         return 1
     except Exception as e:  # as the engine's own warmup: a round not captured now is captured when it comes
         pending = getattr(cache, "rounds", None)
@@ -174,31 +178,3 @@ def _fake_round(runner: Any, model: Any, mr: Any, requests: int, q: int, past: i
     finally:
         for fs in states:
             cache.free_blocks(fs.state.request_id)
-
-
-def warmup_hook(warmup: Callable[..., Any]) -> Callable[..., Any]:
-    """The engine's ``ModelRunner.warmup``; for a vmem cache (one with round buffers)
-    :func:`capture_graphs` in place of the engine's own rounds: the largest round that runs
-    without a graph, then the largest varlen round (every graphed varlen size with
-    ``graph_max_tokens``), then every decode round. The engine's own rounds do not suit vmem:
-    its varlen round asks for as many past tokens as the whole budget holds, more than a vmem row
-    (refused, with the engine's warning that the graph pool may fragment), and vmem has no decode
-    fast path for its decode rounds. Either way the cache then
-    forgets the fake requests' admissions (``readmissions`` counts preemptions while serving)."""
-
-    def vmem_warmup(self: Any, model: Any) -> Any:
-        table = getattr(self.cache, "table", None)
-        try:
-            if getattr(self.cache, "round_buffers", None) is None:
-                return warmup(self, model)
-            limit = self.cache.options.graph_max_tokens  # varlen rounds above it run without a graph
-            rounds = capture_graphs(self, model, varlen_tokens=min(limit or self.cache.max_batch_tokens,
-                                                                   self.cache.max_batch_tokens),
-                                    every_varlen=limit is not None, eager_first=True)
-            logger.info("vmem: %d warmup rounds run to capture their CUDA graphs", rounds)
-            return None
-        finally:
-            if table is not None:  # the fake requests' ids recur each round: not preemptions
-                table.forget_admissions()
-
-    return vmem_warmup
