@@ -91,7 +91,7 @@ def load(opts: ServerOptions, spec: ModelSpec, vmem_options: Dict[str, Any]) -> 
     placed: Dict[str, Any] = {}
     if importlib.util.find_spec("accelerate") is not None:  # loads the weights straight onto the device
         placed["device_map"] = device
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         spec.path, attn_implementation="vmem", dtype=dtype, use_kernels=False,
         trust_remote_code=opts.trust_remote_code, **placed)
     if not placed:

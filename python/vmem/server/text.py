@@ -17,10 +17,17 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Tuple
 
-try:  # tokenizers >= 0.22: incremental decoding with a context
-    from tokenizers.decoders import DecodeStream
-except ImportError:  # older tokenizers: the two-decode path
-    DecodeStream = None
+
+def _decode_stream() -> Any:
+    """tokenizers' incremental decoder (tokenizers >= 0.22), or ``None`` (older: the two-decode path)."""
+    try:
+        from tokenizers.decoders import DecodeStream as stream
+    except ImportError:
+        return None
+    return stream
+
+
+DecodeStream: Any = _decode_stream()
 
 #: Prompt tokens decoded before the first generated one (context for its leading space).
 CONTEXT_TOKENS = 5
