@@ -69,6 +69,9 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     "vmem-token-major-fi": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "flashinfer",
                                    "optional": True}),
     "vmem-token-major-graphs-async-compile": (BOTH, dict(_VMEM_BEST)),
+    # ... without the compiled forward: what vmem-serve runs on CUDA by default (serve_compare.py's
+    # in-process contender, the server's overhead measured against the same engine).
+    "vmem-token-major-graphs-async": (BOTH, {**_VMEM_BEST, "compile": False}),
     "vmem-token-major-fi-graphs-async-compile": (BOTH, {**_VMEM_BEST, "kernel": "flashinfer", "optional": True}),
     # Deferred reclamation with the engine's block sharing off: a finished request's row keeps its
     # pages for the next request given the row (none went to the prefix cache).
