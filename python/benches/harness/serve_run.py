@@ -43,17 +43,23 @@ def wait_ready(base_url: str, api_key: str | None, timeout_s: float, alive: Call
     raise ServerGone(f"{base_url} did not answer 200 within {timeout_s:.0f} s ({last})")
 
 
-def warmup(cfg: loadgen.ClientConfig, prompts: Prompts, n: int, prompt_len: int = 16, output_len: int = 8) -> None:
+def warmup(cfg: loadgen.ClientConfig, prompts: Prompts, n: int, prompt_len: int = 16, output_len: int = 8,
+           wait_s: float = 600.0) -> None:
     """Sends ``n`` short requests one after the other, outside any clock (the server's first
-    requests compile and capture); one that fails is :class:`ServerGone` with its reason."""
+    requests compile and capture). A 503 (a router's model process still starting) is tried
+    again each second for up to ``wait_s``; any other failure is :class:`ServerGone` with its
+    reason."""
     if n <= 0:
         return
-    reqs = [Request(-1 - i, 0.0, prompt_len, output_len, -1) for i in range(n)]
-    for r in reqs:
-        res = loadgen.run_sync([r], prompts, cfg)
-        o = res.outcomes[0]
-        if not o.ok:
-            raise ServerGone(f"the warm-up request failed: {o.error or 'cancelled'}")
+    deadline = time.perf_counter() + wait_s
+    for r in [Request(-1 - i, 0.0, prompt_len, output_len, -1) for i in range(n)]:
+        while True:
+            o = loadgen.run_sync([r], prompts, cfg).outcomes[0]
+            if o.ok:
+                break
+            if not (o.error or "").startswith("HTTP 503") or time.perf_counter() >= deadline:
+                raise ServerGone(f"the warm-up request failed: {o.error or 'cancelled'}")
+            time.sleep(1.0)
 
 
 def measure(requests: Sequence[Request], prompts: Prompts, cfg: loadgen.ClientConfig,
