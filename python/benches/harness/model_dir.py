@@ -86,7 +86,20 @@ class ModelSpec:
         else:
             cfg = models.qwen25_7b_config(self.depth, tokens=toks)
         cfg.max_position_embeddings = self.max_context
-        return cfg
+        return as_llama(cfg) if cfg.model_type == "qwen2" else cfg
+
+
+def as_llama(cfg: Any) -> Any:
+    """Qwen2 config ``cfg``'s shapes on Llama's architecture with q/k/v biases (what Qwen2 adds
+    without a sliding window): the same weights, KV and work per token. A directory of model type
+    ``qwen2`` gets Qwen2's own tokenizer class from ``AutoTokenizer``, which cannot read the
+    made-up word-level tokenizer saved beside it (every prompt would be no tokens)."""
+    from transformers import LlamaConfig
+
+    keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "bos_token_id",
+            "eos_token_id", "pad_token_id")
+    return LlamaConfig(attention_bias=True, **{k: getattr(cfg, k) for k in keep})
 
 
 def torch_dtype(name: str) -> Any:
