@@ -314,10 +314,10 @@ def fi_paged_cache(request: vt.CacheRequest) -> Any:
     version = transformers.__version__
     if version.startswith("5.17."):
         make = _class_517
-    elif any(version.startswith(f"5.{m}.") for m in range(19, 25)):
+    elif any(version.startswith(f"5.{m}.") for m in range(19, 26)):
         make = _class_519
     else:
-        raise vt.InvalidArgument(f"{FI_PAGED_ATTENTION} reads transformers 5.17's or 5.19-5.24's paged cache; "
+        raise vt.InvalidArgument(f"{FI_PAGED_ATTENTION} reads transformers 5.17's or 5.19-5.25's paged cache; "
                                  f"this is transformers {version}")
     cb = request.continuous_batching_config
     cb.max_blocks_per_request = 0  # the engine's flash block-table decode path: not ours
