@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -219,13 +218,3 @@ def gpu_used_bytes(index: int = 0) -> int | None:
         return int(out.stdout.strip().splitlines()[0]) << 20 if out.returncode == 0 else None
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
         return None
-
-
-def wait_until(pred: Any, timeout_s: float, step_s: float = 0.2) -> bool:
-    """Polls ``pred()`` until true or ``timeout_s`` passed; returns the last value."""
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout_s:
-            return False
-        time.sleep(step_s)
-    return True
