@@ -26,23 +26,24 @@ a usage error (exit 2, one line) before any model or server. ``--tiny``: a tiny 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import subprocess
 import sys
 import time
 from typing import Any
 
-from harness import serve_drivers, serve_metrics, serve_run
+from harness import cli, serve_drivers, serve_metrics, serve_run
 from harness import serve_steady as st
 from harness.log import log
 
 DEFAULT_OUT = os.path.join("target", "serve-steady")
+#: the most requests one run sends (their prompts are made before its clock starts)
+MAX_REQUESTS = 100_000
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--server", default="vmem", help=f"one of {serve_drivers.KINDS}")
+    ap.add_argument("--server", default="vmem", choices=serve_drivers.KINDS, help="the server under load")
     ap.add_argument("--rate", type=float, default=2.0, help="requests per second (Poisson)")
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     ap.add_argument("--sample-every", type=float, default=5.0, help="seconds between memory samples")
@@ -60,19 +61,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.out = args.out or os.environ.get("OUT") or DEFAULT_OUT
         if args.background:
             ap.error("--wait and --background exclude each other")
-        if not 0 < args.wait_timeout < math.inf:
-            ap.error(f"--wait-timeout must be above 0, got {args.wait_timeout}")
+        cli.check_seconds(ap, "--wait-timeout", args.wait_timeout)
         if st.read_status(args.out) is None:
             ap.error(f"--out {args.out!r} holds no background run (no status.json)")
         return args
-    if args.server not in serve_drivers.KINDS:
-        ap.error(f"--server {args.server!r}: one of {serve_drivers.KINDS}")
     if args.server == "tf":
         serve_drivers.check_tf_serve(ap, "--server tf")
-    for flag in ("--rate", "--duration", "--sample-every"):
-        v = getattr(args, flag[2:].replace("-", "_"))
-        if not 0 < v < math.inf:
-            ap.error(f"{flag} must be a finite number above 0, got {v}")
+    cli.check_positive(ap, "--rate", args.rate)
+    cli.check_seconds(ap, "--duration", args.duration)
+    cli.check_seconds(ap, "--sample-every", args.sample_every)
+    if args.rate * args.duration > MAX_REQUESTS:
+        ap.error(f"--rate {args.rate:g} for --duration {args.duration:g} is more than {MAX_REQUESTS} requests")
     if not 0 <= args.warm_skip < args.duration:
         ap.error(f"--warm-skip must be at least 0 and below --duration, got {args.warm_skip}")
     serve_drivers.check_flags(ap, args, DEFAULT_OUT)
@@ -80,8 +79,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
     for flag in ("--gpu-tolerance", "--rss-tolerance"):
         try:
-            setattr(args, flag[2:].replace("-", "_") + "_bytes", int(vmem.parse_bytes(getattr(args, flag[2:].replace(
-                "-", "_")))))
+            setattr(args, flag[2:].replace("-", "_") + "_bytes", int(vmem.parse_bytes(cli.value(args, flag))))
         except (vmem.VmemError, TypeError) as e:
             ap.error(f"{flag}: {e}")
     args.max_time = args.duration + 5.0
