@@ -27,6 +27,7 @@ def test_percentile_is_numpys_nearest_rank(n: int, q: float) -> None:
     rng = random.Random(n * 1000 + int(q * 10))
     xs = [rng.expovariate(1.0) for _ in range(n)]
     assert stats.percentile(xs, q) == np.percentile(xs, q, method="nearest")
+    assert stats.percentile(xs, q, "rank") == np.percentile(xs, q, method="inverted_cdf")
 
 
 def test_percentile_takes_a_value_of_the_data_and_refuses_bad_ranks() -> None:
