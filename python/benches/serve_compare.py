@@ -70,7 +70,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.set_defaults(max_output=256, max_time=150.0, drain=90.0, warmup=2, goodput=["ttft:2000", "tpot:100"])
     args = ap.parse_args(argv)
     if args.merge:
-        serve_drivers.check_merge(ap, args, sc.NAME, DEFAULT_OUT)
+        serve_drivers.check_merge(ap, args, sc.NAME, DEFAULT_OUT, sc.merge)
         return args
     serve_drivers.check_flags(ap, args, DEFAULT_OUT)
     args.part_list = cli.names(ap, "--parts", args.parts, PARTS)
@@ -118,13 +118,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.merge:
-        try:
-            doc = sc.merge(serve_drivers.load_parts(args.merge, sc.NAME))
-        except (OSError, ValueError, KeyError) as e:
-            print(f"serve_compare.py: --merge: {e}", file=sys.stderr)
-            return 2
-        os.makedirs(args.out, exist_ok=True)
-        print(sc.write(args.out, doc))
+        print(sc.write(args.out, args.merged))
         return 0
     try:
         marker = serve_drivers.ensure_model(args.spec, args.model_dir, args.device)

@@ -51,7 +51,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.set_defaults(max_output=256, max_time=300.0, drain=60.0, warmup=1, goodput=["ttft:2000", "tpot:100"])
     args = ap.parse_args(argv)
     if args.merge:
-        serve_drivers.check_merge(ap, args, smt.NAME, DEFAULT_OUT)
+        serve_drivers.check_merge(ap, args, smt.NAME, DEFAULT_OUT, smt.merge)
         return args
     serve_drivers.check_flags(ap, args, DEFAULT_OUT)
     args.total_bytes = args.kv_bytes
@@ -82,13 +82,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.merge:
-        try:
-            doc = smt.merge(serve_drivers.load_parts(args.merge, smt.NAME))
-        except (OSError, ValueError, KeyError) as e:
-            print(f"serve_multitenant.py: --merge: {e}", file=sys.stderr)
-            return 2
-        os.makedirs(args.out, exist_ok=True)
-        print(smt.write(args.out, doc))
+        print(smt.write(args.out, args.merged))
         return 0
     try:
         markers = [serve_drivers.ensure_model(s, d, args.device) for s, d in zip(args.specs, args.model_dirs)]

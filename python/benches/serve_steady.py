@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from typing import Any
 
-from harness import cli, serve_drivers, serve_metrics, serve_run
+from harness import cli, serve_drivers, serve_metrics, serve_run, server_proc
 from harness import serve_steady as st
 from harness.log import log
 
@@ -146,9 +145,7 @@ def background(argv: list[str], args: Any) -> int:
     ``args.out/steady.log``; returns once its load runs (0), or it failed (1)."""
     st.write_status(args.out, state="building", pid=None, why=None, passed=None)
     child = [sys.executable, os.path.abspath(__file__), *[a for a in argv if a != "--background"], "--child"]
-    with open(os.path.join(args.out, "steady.log"), "ab") as logf:
-        proc = subprocess.Popen(child, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = server_proc.spawn(child, os.path.join(args.out, "steady.log"), dict(os.environ, PYTHONUNBUFFERED="1"))
     st.write_status(args.out, pid=proc.pid)
     while True:
         s = st.read_status(args.out) or {}
@@ -177,7 +174,7 @@ def wait(args: Any) -> int:
             print(f"serve_steady.py: the run failed: {s.get('why')}", file=sys.stderr)
             return 1
         pid = s.get("pid")
-        if pid and not alive(pid):
+        if pid and not server_proc.alive(pid):
             print(f"serve_steady.py: the run (pid {pid}) ended without a report; see steady.log", file=sys.stderr)
             return 1
         time.sleep(2.0)
@@ -186,16 +183,6 @@ def wait(args: Any) -> int:
     print(f"serve_steady.py: still running ({s.get('state')}, about {max(left, 0):.0f} s of load left): "
           "--wait again", file=sys.stderr)
     return 3
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,16 +75,11 @@ class ModelSpec:
         return self.layers if self.layers is not None else SHAPES[self.shape]
 
     def config(self) -> Any:
-        """The transformers config (serving tokens: BOS 1, EOS 2, PAD 0)."""
-        toks = models.SERVING_TOKENS
-        if self.tiny or self.shape == "tiny":
-            cfg = models.tiny_config("llama3-8b" if self.shape == "tiny" else self.shape, toks)
-        elif self.shape == "llama3-8b":
-            cfg = models.llama3_8b_config(self.depth, tokens=toks)
-        elif self.shape == "llama3.2-1b":
-            cfg = models.llama32_1b_config(self.depth, tokens=toks)
-        else:
-            cfg = models.qwen25_7b_config(self.depth, tokens=toks)
+        """The transformers config: :func:`harness.models.tenant_config` of the shape (``tiny``:
+        the tiny Llama) with this context."""
+        tiny = self.tiny or self.shape == "tiny"
+        cfg = models.tenant_config("llama3-8b" if self.shape == "tiny" else self.shape,
+                                   self.layers or SHAPES[self.shape], tiny)
         cfg.max_position_embeddings = self.max_context
         return cfg
 

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from harness import cli, loadgen, model_dir, server_proc, workload
@@ -220,10 +221,16 @@ def part_files(paths: list[str], name: str) -> list[str]:
     return [os.path.join(p, f"{name}.json") if os.path.isdir(p) else p for p in paths]
 
 
-def check_merge(ap: argparse.ArgumentParser, args: Any, name: str, default_out: str) -> None:
-    """Usage errors of ``--merge`` (a part that is no readable file) and of its ``--out``."""
+def check_merge(ap: argparse.ArgumentParser, args: Any, name: str, default_out: str,
+                merge: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> None:
+    """``--merge``: the parts joined by ``merge`` as ``args.merged``; a part that is no readable
+    ``name`` document, or an ``--out`` that cannot be written, is a usage error."""
     for f in part_files(args.merge, name):
         cli.check_in_file(ap, f, "--merge")
+    try:
+        args.merged = merge(load_parts(args.merge, name))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        ap.error(f"--merge: {e}")
     args.out = cli.check_out(ap, args.out or os.environ.get("OUT") or default_out)
 
 
