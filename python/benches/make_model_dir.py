@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 
-from harness import model_dir
+from harness import cli, model_dir
 from harness.log import log
 
 
@@ -39,28 +41,31 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     try:
         args.spec = model_dir.ModelSpec(args.shape, args.layers, args.tiny, args.dtype, args.seed, args.max_context)
     except ValueError as e:
-        ap.error(str(e))
-    have = model_dir.read_marker(args.out)
-    if have is not None and have.get("spec") != model_dir.asdict(args.spec):
-        ap.error(f"--out {args.out!r} holds a model made from {have.get('spec')}: choose another path")
-    import os
-
-    if have is None and os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
-        ap.error(f"--out {args.out!r} exists and is not a finished model directory")
-    if args.device is not None and args.device != "cpu" and not args.device.startswith("cuda"):
+        ap.error(f"--shape/--layers/--dtype/--max-context: {e}")
+    why = model_dir.unusable(args.spec, args.out)
+    if why is not None:
+        ap.error(f"--out {why}")
+    if model_dir.read_marker(args.out) is None:  # to be made: its parent must take it
+        cli.check_out(ap, os.path.dirname(os.path.abspath(args.out)))
+    cli.check_counts(ap, args, [], ["--seed"])
+    if args.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         ap.error(f"--device {args.device!r} is neither cpu nor cuda[:N]")
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    args.device = args.device or ("cuda" if gpus else "cpu")
+    if args.device.startswith("cuda") and int(args.device.partition(":")[2] or 0) >= gpus:
+        ap.error(f"--device {args.device}: {'no CUDA GPU here' if not gpus else f'{gpus} CUDA GPUs here'}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"make_model_dir.py: --device {device}: no CUDA GPU here", file=sys.stderr)
-        return 2
-    doc = model_dir.build(args.spec, args.out, device, log)
+    try:
+        doc = model_dir.build(args.spec, args.out, args.device, log)
+    except OSError as e:  # a full disk, a permission lost since the check: nothing is left behind
+        print(f"make_model_dir.py: cannot make {args.out}: {e}", file=sys.stderr)
+        return 1
     log(f"model directory {'reused' if doc['reused'] else 'made'}: {args.out}")
     print(json.dumps(doc, indent=1))
     return 0

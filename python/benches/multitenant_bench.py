@@ -151,20 +151,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                  f"= {args.max_prompt + args.new_tokens} tokens")
     check_share(ap, args)
     cli.check_out(ap, args.out)
-    if tiny and args.total_bytes > TINY_MOST:
-        ap.error(f"--total {args.total}: --tiny's pool lives in host memory, at most {TINY_MOST >> 30} GiB")
-    if not tiny:
-        import torch
-
-        if not torch.cuda.is_available():
-            ap.error("no GPU: use --tiny for a CPU smoke test")
-        if args.total_bytes > torch.cuda.mem_get_info()[1]:
-            ap.error(f"--total {args.total}: more than the GPU's {torch.cuda.mem_get_info()[1] >> 20} MiB")
+    cli.check_kv_memory(ap, "--total", args.total, args.total_bytes, tiny)
     return args
-
-
-#: the largest ``--total`` of a ``--tiny`` run (its pool is host memory)
-TINY_MOST = 4 << 30
 
 
 def check_share(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:

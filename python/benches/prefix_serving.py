@@ -2,7 +2,7 @@
 against the engine's block sharing, and each against itself without sharing (issue #25).
 
 One process, one model (random bf16 weights, Llama-3-8B shapes with ``--layers`` layers), one
-KV budget (serving_bench's: what the engine gives its paged cache), contenders interleaved
+KV budget (what the engine gives its paged cache), contenders interleaved
 (order reversed every other round). The workload: ``--groups`` system prompts of ``--system``
 random tokens; request ``i`` is system prompt ``i % groups`` followed by a user turn of random
 tokens whose length is the Azure conversation trace's ``ContextTokens`` of request ``i``, capped

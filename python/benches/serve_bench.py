@@ -35,7 +35,7 @@ import os
 import sys
 from typing import Any
 
-from harness import loadgen, serve_cli, serve_report, serve_run, tenant_plan, workload
+from harness import cli, loadgen, serve_report, serve_run, tenant_plan, workload
 from harness.log import log
 
 DEFAULT_OUT = os.path.join("target", "serve-bench")
@@ -55,23 +55,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--trace-window", default=None, metavar="START,LEN",
                     help="replay the trace's timestamps in this window (seconds of its clock)")
     ap.add_argument("--time-scale", type=float, default=1.0, help="--trace-window: replay this many times faster")
-    serve_cli.add_client_flags(ap)
+    cli.add_client_flags(ap)
     ap.add_argument("--ready-timeout", type=float, default=10.0, help="seconds to wait for the server to answer")
     ap.add_argument("--label", default=None, help="the runs' label (default: the model)")
     ap.add_argument("--strict", action="store_true", help="exit 1 if any request failed or was cut")
     ap.add_argument("--out", default=os.environ.get("OUT") or DEFAULT_OUT)
     args = ap.parse_args(argv)
-    serve_cli.check_client_flags(ap, args)
+    cli.check_client_flags(ap, args)
     try:
         args.base_url = loadgen.check_loopback(args.base_url, args.allow_remote)
     except ValueError as e:
         ap.error(f"--base-url: {e}")
-    if not 0 < args.ready_timeout < float("inf"):
-        ap.error(f"--ready-timeout must be a number of seconds above 0, got {args.ready_timeout}")
-    if not 1 <= args.num_prompts <= MAX_PROMPTS:
-        ap.error(f"--num-prompts must be in [1, {MAX_PROMPTS}], got {args.num_prompts}")
-    if not 0 < args.burstiness < float("inf"):
-        ap.error(f"--burstiness must be above 0, got {args.burstiness}")
+    cli.check_seconds(ap, "--ready-timeout", args.ready_timeout)
+    cli.check_counts(ap, args, ["--num-prompts"], most={"--num-prompts": MAX_PROMPTS})
+    cli.check_positive(ap, "--burstiness", args.burstiness)
     if args.trace_window is not None and args.request_rate is not None:
         ap.error("--trace-window replays the trace's own arrivals: give no --request-rate")
     args.rates = []
@@ -87,14 +84,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             args.window_requests = workload.window_requests(args.trace, args.window, args.max_output, args.output_len)
         except ValueError as e:
             ap.error(f"--trace-window {args.trace_window!r}: {e}")
-    try:
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as e:
-        ap.error(f"--out {args.out!r} cannot be created: {e.strerror}")
+    cli.check_out(ap, args.out)
     args.prompt_maker = None
     if args.model is not None:
         try:
-            args.prompt_maker = serve_cli.prompts_for(ap.error, args, args.model)
+            args.prompt_maker = cli.prompts_for(ap.error, args, args.model)
         except (OSError, ValueError) as e:
             ap.error(f"--tokenizer: {e}")
     return args
@@ -131,7 +125,7 @@ def measure(args: Any) -> int:
         print(f"serve_bench.py: {args.base_url}/v1/models lists no model: give --model", file=sys.stderr)
         return 1
     try:
-        prompts = args.prompt_maker or serve_cli.prompts_for(fail, args, model)
+        prompts = args.prompt_maker or cli.prompts_for(fail, args, model)
     except (OSError, ValueError) as e:
         fail(f"--tokenizer: {e}")
     cfg = loadgen.ClientConfig(args.base_url, model, args.endpoint, args.force_output or "ignore-eos", args.api_key,

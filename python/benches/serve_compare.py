@@ -34,13 +34,12 @@ not start is exit 1 with its log's end. ``--tiny``: a tiny model on the CPU (a s
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from typing import Any
 
+from harness import cli, serve_drivers, serve_run
 from harness import serve_compare as sc
-from harness import serve_drivers, serve_run
 from harness.log import log
 
 DEFAULT_OUT = os.path.join("target", "serve-compare")
@@ -71,19 +70,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.set_defaults(max_output=256, max_time=150.0, drain=90.0, warmup=2, goodput=["ttft:2000", "tpot:100"])
     args = ap.parse_args(argv)
     if args.merge:
-        args.out = args.out or os.environ.get("OUT") or DEFAULT_OUT
+        serve_drivers.check_merge(ap, args, sc.NAME, DEFAULT_OUT, sc.merge)
         return args
     serve_drivers.check_flags(ap, args, DEFAULT_OUT)
-    args.part_list = [p.strip() for p in args.parts.split(",") if p.strip()]
-    args.server_list = [s.strip() for s in args.servers.split(",") if s.strip()]
-    for p in args.part_list:
-        if p not in PARTS:
-            ap.error(f"--parts: unknown {p!r} (known: {PARTS})")
-    for s in args.server_list:
-        if s not in serve_drivers.KINDS:
-            ap.error(f"--servers: unknown {s!r} (known: {serve_drivers.KINDS})")
-    if not args.part_list or ("sweep" in args.part_list and not args.server_list):
-        ap.error("--parts/--servers name nothing to run")
+    args.part_list = cli.names(ap, "--parts", args.parts, PARTS)
+    args.server_list = cli.names(ap, "--servers", args.servers, serve_drivers.KINDS,
+                                 allow_none="sweep" not in args.part_list)
     args.server_list.sort(key=lambda s: s != "tf")  # the baseline first: its saturation rate
     if "sweep" in args.part_list and "tf" in args.server_list:
         serve_drivers.check_tf_serve(ap, "--servers tf")
@@ -91,19 +83,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.rates = sc.parse_rates(args.rates)
     except ValueError as e:
         ap.error(f"--rates {args.rates!r}: {e}")
-    if args.capacity is not None and not 0 < args.capacity < math.inf:
-        ap.error(f"--capacity must be a rate above 0, got {args.capacity}")
+    if args.capacity is not None:
+        cli.check_positive(ap, "--capacity", args.capacity)
     if (any(k is not None for _, k in args.rates) and args.capacity is None and "sweep" in args.part_list
             and "tf" not in args.server_list):
         ap.error("--rates Nx needs transformers serve's saturation rate: --capacity, or tf in --servers")
-    for flag in ("--num-prompts", "--min-prompts", "--overhead-requests", "--overhead-tokens",
-                 "--inproc-max-requests", "--inproc-max-context"):
-        if getattr(args, flag[2:].replace("-", "_")) < 1:
-            ap.error(f"{flag} must be at least 1")
+    cli.check_counts(ap, args, ["--num-prompts", "--min-prompts", "--overhead-requests", "--overhead-tokens",
+                                "--inproc-max-requests", "--inproc-max-context"],
+                     most={"--num-prompts": 100_000, "--min-prompts": 100_000, "--overhead-requests": 100_000,
+                           "--overhead-tokens": 1 << 20, "--inproc-max-requests": 4096,
+                           "--inproc-max-context": 1 << 20})
     if args.min_prompts > args.num_prompts:
         ap.error(f"--min-prompts {args.min_prompts} is above --num-prompts {args.num_prompts}")
-    if not 0 < args.rate_seconds < math.inf or not 0 < args.burstiness < math.inf:
-        ap.error("--rate-seconds and --burstiness must be above 0")
+    cli.check_seconds(ap, "--rate-seconds", args.rate_seconds)
+    cli.check_positive(ap, "--burstiness", args.burstiness)
     if "overhead" in args.part_list:
         from harness import contenders as ct
 
@@ -125,13 +118,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.merge:
-        try:
-            doc = sc.merge(serve_drivers.load_parts(args.merge, sc.NAME))
-        except (OSError, ValueError, KeyError) as e:
-            print(f"serve_compare.py: --merge: {e}", file=sys.stderr)
-            return 2
-        os.makedirs(args.out, exist_ok=True)
-        print(sc.write(args.out, doc))
+        print(sc.write(args.out, args.merged))
         return 0
     try:
         marker = serve_drivers.ensure_model(args.spec, args.model_dir, args.device)

@@ -26,12 +26,11 @@ under ``--out`` after every window; parts (modes, windows) go in separate comman
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from typing import Any
 
-from harness import model_dir, serve_drivers, serve_run, tenant_plan
+from harness import cli, model_dir, serve_drivers, serve_run, tenant_plan
 from harness import serve_multitenant as smt
 from harness.log import log
 
@@ -52,16 +51,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.set_defaults(max_output=256, max_time=300.0, drain=60.0, warmup=1, goodput=["ttft:2000", "tpot:100"])
     args = ap.parse_args(argv)
     if args.merge:
-        args.out = args.out or os.environ.get("OUT") or DEFAULT_OUT
+        serve_drivers.check_merge(ap, args, smt.NAME, DEFAULT_OUT, smt.merge)
         return args
     serve_drivers.check_flags(ap, args, DEFAULT_OUT)
     args.total_bytes = args.kv_bytes
-    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for m in args.mode_list:
-        if m not in smt.MODES:
-            ap.error(f"--modes: unknown {m!r} (known: {smt.MODES})")
-    if not args.mode_list:
-        ap.error("--modes names none")
+    args.mode_list = cli.names(ap, "--modes", args.modes, smt.MODES)
+    cli.check_counts(ap, args, ["--requests"])
+    cli.check_seconds(ap, "--window", args.window)
+    cli.check_seconds(ap, "--metrics-every", args.metrics_every)
+    cli.check_positive(ap, "--time-scale", args.time_scale)
     try:
         args.window_starts = [float(x) for x in args.windows.split(",") if x.strip()]
         for s in args.window_starts:
@@ -71,28 +69,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--windows {args.windows!r}: {e}")
     if not args.window_starts:
         ap.error("--windows names none")
-    if not 0 < args.metrics_every < math.inf:
-        ap.error(f"--metrics-every must be above 0, got {args.metrics_every}")
     args.specs = [model_dir.ModelSpec(t.shape, None if args.tiny else t.layers, args.tiny,
                                       "fp32" if args.tiny else args.dtype, t.seed) for t in tenant_plan.TENANTS]
     args.model_dirs = [serve_drivers.default_model_dir(s, args.models_root) for s in args.specs]
     for s, d in zip(args.specs, args.model_dirs):
-        have = model_dir.read_marker(d)
-        if have is not None and have.get("spec") != model_dir.asdict(s):
-            ap.error(f"--models-root: {d!r} holds a model made from {have.get('spec')}")
+        why = model_dir.unusable(s, d)
+        if why is not None:
+            ap.error(f"--models-root: {why}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.merge:
-        try:
-            doc = smt.merge(serve_drivers.load_parts(args.merge, smt.NAME))
-        except (OSError, ValueError, KeyError) as e:
-            print(f"serve_multitenant.py: --merge: {e}", file=sys.stderr)
-            return 2
-        os.makedirs(args.out, exist_ok=True)
-        print(smt.write(args.out, doc))
+        print(smt.write(args.out, args.merged))
         return 0
     try:
         markers = [serve_drivers.ensure_model(s, d, args.device) for s, d in zip(args.specs, args.model_dirs)]

@@ -26,23 +26,23 @@ a usage error (exit 2, one line) before any model or server. ``--tiny``: a tiny 
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import subprocess
 import sys
 import time
 from typing import Any
 
-from harness import serve_drivers, serve_metrics, serve_run
+from harness import cli, serve_drivers, serve_metrics, serve_run, server_proc
 from harness import serve_steady as st
 from harness.log import log
 
 DEFAULT_OUT = os.path.join("target", "serve-steady")
+#: the most requests one run sends (their prompts are made before its clock starts)
+MAX_REQUESTS = 100_000
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--server", default="vmem", help=f"one of {serve_drivers.KINDS}")
+    ap.add_argument("--server", default="vmem", choices=serve_drivers.KINDS, help="the server under load")
     ap.add_argument("--rate", type=float, default=2.0, help="requests per second (Poisson)")
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of load")
     ap.add_argument("--sample-every", type=float, default=5.0, help="seconds between memory samples")
@@ -60,19 +60,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.out = args.out or os.environ.get("OUT") or DEFAULT_OUT
         if args.background:
             ap.error("--wait and --background exclude each other")
-        if not 0 < args.wait_timeout < math.inf:
-            ap.error(f"--wait-timeout must be above 0, got {args.wait_timeout}")
+        cli.check_seconds(ap, "--wait-timeout", args.wait_timeout)
         if st.read_status(args.out) is None:
             ap.error(f"--out {args.out!r} holds no background run (no status.json)")
         return args
-    if args.server not in serve_drivers.KINDS:
-        ap.error(f"--server {args.server!r}: one of {serve_drivers.KINDS}")
     if args.server == "tf":
         serve_drivers.check_tf_serve(ap, "--server tf")
-    for flag in ("--rate", "--duration", "--sample-every"):
-        v = getattr(args, flag[2:].replace("-", "_"))
-        if not 0 < v < math.inf:
-            ap.error(f"{flag} must be a finite number above 0, got {v}")
+    cli.check_positive(ap, "--rate", args.rate)
+    cli.check_seconds(ap, "--duration", args.duration)
+    cli.check_seconds(ap, "--sample-every", args.sample_every)
+    if args.rate * args.duration > MAX_REQUESTS:
+        ap.error(f"--rate {args.rate:g} for --duration {args.duration:g} is more than {MAX_REQUESTS} requests")
     if not 0 <= args.warm_skip < args.duration:
         ap.error(f"--warm-skip must be at least 0 and below --duration, got {args.warm_skip}")
     serve_drivers.check_flags(ap, args, DEFAULT_OUT)
@@ -80,8 +78,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
     for flag in ("--gpu-tolerance", "--rss-tolerance"):
         try:
-            setattr(args, flag[2:].replace("-", "_") + "_bytes", int(vmem.parse_bytes(getattr(args, flag[2:].replace(
-                "-", "_")))))
+            setattr(args, flag[2:].replace("-", "_") + "_bytes", int(vmem.parse_bytes(cli.value(args, flag))))
         except (vmem.VmemError, TypeError) as e:
             ap.error(f"{flag}: {e}")
     args.max_time = args.duration + 5.0
@@ -148,9 +145,7 @@ def background(argv: list[str], args: Any) -> int:
     ``args.out/steady.log``; returns once its load runs (0), or it failed (1)."""
     st.write_status(args.out, state="building", pid=None, why=None, passed=None)
     child = [sys.executable, os.path.abspath(__file__), *[a for a in argv if a != "--background"], "--child"]
-    with open(os.path.join(args.out, "steady.log"), "ab") as logf:
-        proc = subprocess.Popen(child, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = server_proc.spawn(child, os.path.join(args.out, "steady.log"), dict(os.environ, PYTHONUNBUFFERED="1"))
     st.write_status(args.out, pid=proc.pid)
     while True:
         s = st.read_status(args.out) or {}
@@ -179,7 +174,7 @@ def wait(args: Any) -> int:
             print(f"serve_steady.py: the run failed: {s.get('why')}", file=sys.stderr)
             return 1
         pid = s.get("pid")
-        if pid and not alive(pid):
+        if pid and not server_proc.alive(pid):
             print(f"serve_steady.py: the run (pid {pid}) ended without a report; see steady.log", file=sys.stderr)
             return 1
         time.sleep(2.0)
@@ -188,16 +183,6 @@ def wait(args: Any) -> int:
     print(f"serve_steady.py: still running ({s.get('state')}, about {max(left, 0):.0f} s of load left): "
           "--wait again", file=sys.stderr)
     return 3
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
 from harness import cb_check, cli
 from harness.models import ARCHS
 
@@ -38,13 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="serving-check-out")
     args = ap.parse_args(argv)
     args.archs = ",".join(cli.names(ap, "--archs", args.archs, ARCHS, allow_none=True))  # none: kernel checks only
-    cli.check_counts(ap, args, ["--requests", "--new-tokens"])
     cli.check_counts(ap, args, ["--requests", "--new-tokens"], most={"--requests": 1000, "--new-tokens": 4096})
     if args.tol is not None:
         cli.check_positive(ap, "--tol", args.tol)
     cli.check_out(ap, args.out)
-    if not args.tiny and not torch.cuda.is_available():
-        ap.error("no GPU: use --tiny for a CPU smoke test")
+    cli.device_or_tiny(ap, args.tiny)
     return cb_check.run(args)
 
 

@@ -181,8 +181,10 @@ def test_serve_multitenant_pool_and_static_with_a_fake_vmem_serve(tmp_path, monk
     assert "demand_peak/share" in text and text.count("llama1b-code") == 1
     with pytest.raises(SystemExit):
         serve_multitenant.main([*common, "--windows", "99999", "--out", str(tmp_path / "bad")])
-    assert serve_multitenant.main(["--merge", str(tmp_path / "pool"), str(tmp_path / "pool"),
-                                   "--out", str(tmp_path / "twice")]) == 2  # one run in two parts
+    with pytest.raises(SystemExit) as e:  # one run in two parts: a usage error
+        serve_multitenant.main(["--merge", str(tmp_path / "pool"), str(tmp_path / "pool"),
+                                "--out", str(tmp_path / "twice")])
+    assert e.value.code == 2 and "in two parts" in capsys.readouterr().err.splitlines()[-1]
 
 
 def test_serve_compare_and_steady_with_a_fake_vmem_serve(tiny_dir, tmp_path, capsys) -> None:

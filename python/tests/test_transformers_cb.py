@@ -440,10 +440,9 @@ BAD_FLAGS = [
 ]
 
 
-@pytest.mark.parametrize("script, extra", [("serving_bench", ["--warmup", "-1"]), ("serving_bench", ["--max-prompt", "0"]),
-                                           ("prefix_serving", ["--tol", "-1"]), ("prefix_serving", ["--tol", "nan"]),
+@pytest.mark.parametrize("script, extra", [("prefix_serving", ["--tol", "-1"]), ("prefix_serving", ["--tol", "nan"]),
                                            ("prefix_serving", ["--system", "0"]), ("prefix_serving", ["--groups", "0"])]
-                         + [(s, f) for f in BAD_FLAGS for s in ("serving_bench", "prefix_serving")])
+                         + [("prefix_serving", f) for f in BAD_FLAGS])
 def test_bench_command_lines_refuse_bad_flags_with_a_usage_error(script, extra, capsys, tmp_path):
     """Each bad flag is a usage error (exit 2, one line naming the flag) before any model is built:
     these ran with 0 contenders or rounds and exit 0, tracebacked (exit 1) from deep in the

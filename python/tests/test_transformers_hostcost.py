@@ -1,10 +1,9 @@
 """The host work vmem's engine cache does per round (issue #32, docs/serving.md "Host cost per
 round"), on the CPU: what each cut keeps doing, and that the cut holds (kernels and calls counted,
-so each test fails on the code before it); and ``benches/host_cost.py`` measuring it.
+so each test fails on the code before it).
 
 Needs torch and a transformers vmem serves (as test_transformers_cb.py)."""
 
-import json
 
 import pytest
 
@@ -18,7 +17,6 @@ from harness import check as h
 
 import vmem
 import vmem.transformers as vt
-from vmem.transformers import tenancy
 
 OPTS = dict(page_size="64K", max_requests=4, max_context=1024, memory="8M")
 
@@ -69,7 +67,7 @@ def test_a_round_zeroes_exactly_its_fresh_blocks(layout):
 def test_a_round_zeroes_its_fresh_blocks_with_two_kernels_a_layer(monkeypatch):
     """However many rows grew, a round zeroes with one kernel per layer's K and V (2 x layers):
     each is a launch on the GPU, and a prefill round of 64 new requests at 16 layers made 2,048
-    (2 per layer per row: 512 at 16 rows measured on the CPU, host_cost.py), now 32."""
+    (2 per layer per row: 512 at 16 rows measured on the CPU), now 32."""
     cache = _cache(sharing=False)
     layers = len(cache._k4)
     for i in range(3):
@@ -164,58 +162,6 @@ def test_in_a_pool_the_budget_follows_the_limit_without_building_the_tenant_dict
     assert rs.calls.get("pool_room") == 4 and "tenant" not in rs.calls, rs.calls
     other.close()
     cache.kv.close()
-
-
-def test_host_cost_bench_measures_the_cuts_and_puts_the_engine_back(tmp_path):
-    """``host_cost.py`` at its smallest: every contender runs, vmem's hooks and their launches are
-    charged, the engine's own cache is measured beside it, and every patch of the clock is undone
-    afterwards."""
-    import host_cost
-    from transformers import AttentionInterface
-    from transformers.generation.continuous_batching import continuous_api as api
-
-    vt.install()
-    cls = vt.cache_class()
-    before = (cls.__dict__.get("flush"), cls.__dict__.get("distinct_mapped_bytes"), tenancy.Tenant.budget_blocks,
-              tenancy.Tenant.yield_room, api.ContinuousBatchProcessor.__dict__["prepare_next_batch"],
-              AttentionInterface._global_mapping[vt.VMEM_ATTENTION], torch.Tensor.zero_)
-    out = tmp_path / "hc"
-    rc = host_cost.main(["--shapes", "8b-x8", "--batches", "4", "--repeats", "1", "--new-tokens", "4",
-                         "--prompt-max", "40", "--out", str(out)])
-    after = (cls.__dict__.get("flush"), cls.__dict__.get("distinct_mapped_bytes"), tenancy.Tenant.budget_blocks,
-             tenancy.Tenant.yield_room, api.ContinuousBatchProcessor.__dict__["prepare_next_batch"],
-             AttentionInterface._global_mapping[vt.VMEM_ATTENTION], torch.Tensor.zero_)
-    assert rc == 0
-    assert all(a is b for a, b in zip(after, before)), "a patch was left in place"
-    rows = {(r["kind"], r["contender"]): r for r in json.loads((out / "results.json").read_text())["rows"]}
-    now = rows[("prefill", "vmem-token-major")]
-    assert now["vmem_us"] > 0 and "vmem.flush" in now["hooks"] and now["hooks_rounds"] > 0
-    assert now["launches"]["vmem.flush"] > 0, now["launches"]
-    assert {c for _, c in rows} == {"vmem-token-major", host_cost.hc.native_name()}, sorted(rows)
-    assert "host cost per engine round" in (out / "host_cost.txt").read_text()
-
-
-@pytest.mark.parametrize("bad", [["--batches", "0"], ["--shapes", "70b"], ["--contenders", "paged-sdpa-16"],
-                                 ["--contenders", ","], ["--repeats", "0"], ["--new-tokens", "0"],
-                                 ["--prompt-max", "5000"], ["--timeout", "0"]])
-def test_host_cost_refuses_bad_flags_with_a_usage_error(bad, capsys, tmp_path):
-    """A bad flag is a usage error (exit 2, one line naming it) before any model is built."""
-    import host_cost
-
-    with pytest.raises(SystemExit) as e:
-        host_cost.main(["--out", str(tmp_path), *bad])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and bad[0] in err[-1], err[-2:]
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: --device cuda would run")
-def test_host_cost_on_cuda_without_a_gpu_is_a_usage_error(capsys, tmp_path):
-    """``--device cuda`` (host_cost_gpu_run.sh's) where there is no GPU: exit 2, saying so."""
-    import host_cost
-
-    with pytest.raises(SystemExit) as e:
-        host_cost.main(["--out", str(tmp_path), "--device", "cuda"])
-    assert e.value.code == 2 and "no CUDA device" in capsys.readouterr().err
 
 
 def test_the_round_clock_counts_the_requests_the_engine_scheduled_not_the_graph_padding():

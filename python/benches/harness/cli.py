@@ -1,7 +1,9 @@
 """Command-line pieces the benches share: name lists, flag checks (usage errors, exit 2, one
 line naming the flag, before any model is built or any measurement starts: zero, negative, huge,
-NaN, a missing input file, an ``--out`` that cannot be written) and where a run goes (GPU, or
-``--tiny`` on the CPU). Every script checks its flags here, none with copies of its own."""
+NaN, a missing input file, an ``--out`` that cannot be written), where a run goes (GPU, or
+``--tiny`` on the CPU), and the load generator's client flags (how requests are made and sent),
+which serve_bench.py and the serving drivers share. Every script checks its flags here, none with
+copies of its own."""
 
 from __future__ import annotations
 
@@ -11,8 +13,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import vmem
-from harness.trace import load_trace
+from harness.trace import default_trace, load_trace
 
 
 def int_list(text: str) -> list[int]:
@@ -134,6 +135,34 @@ def need_modules(ap: argparse.ArgumentParser, what: str, modules: Sequence[str])
                      "(scripts/python-gpu.sh bench-build builds vmem_bench; kvcached is pip-installed there)")
 
 
+def device_or_tiny(ap: argparse.ArgumentParser, tiny: bool) -> str:
+    """Where a run with a ``--tiny`` flag goes: ``"cpu"`` with it, else ``"cuda"`` (no GPU is a
+    usage error)."""
+    import torch
+
+    if not tiny and not torch.cuda.is_available():
+        ap.error("no GPU: use --tiny for a CPU smoke test")
+    return "cpu" if tiny else "cuda"
+
+
+#: the most KV memory a ``--tiny`` run takes (it lives in host memory)
+TINY_MOST = 4 << 30
+
+
+def check_kv_memory(ap: argparse.ArgumentParser, flag: str, text: str, nbytes: int, tiny: bool) -> None:
+    """Refuses, as a usage error, ``nbytes`` of KV memory (``flag`` ``text``) the run cannot hold:
+    with ``tiny`` more than :data:`TINY_MOST` of host memory, else more than the GPU has (or no GPU)."""
+    if device_or_tiny(ap, tiny) == "cpu":
+        if nbytes > TINY_MOST:
+            ap.error(f"{flag} {text}: --tiny's KV lives in host memory, at most {TINY_MOST >> 30} GiB")
+        return
+    import torch
+
+    total = torch.cuda.mem_get_info()[1]
+    if nbytes > total:
+        ap.error(f"{flag} {text}: more than the GPU's {total >> 20} MiB")
+
+
 def need_gpu(ap: argparse.ArgumentParser, what: str = "this benchmark") -> None:
     """A usage error where torch sees no CUDA device."""
     import torch
@@ -192,6 +221,7 @@ def check_fits(ap: argparse.ArgumentParser, args: Any) -> None:
 
 def page_bytes(ap: argparse.ArgumentParser, text: Any) -> int:
     """``--page-size``'s bytes: one of vmem's page sizes, else a usage error (exit 2, one line)."""
+    import vmem
     from vmem.transformers import PAGE_SIZES
 
     try:
@@ -230,7 +260,73 @@ def place(ap: argparse.ArgumentParser, args: Any) -> None:
         args.max_requests = min(args.max_requests, 8)  # eager Flex on the CPU materializes rows x context scores
         fake_cpu_memory()
     else:
-        if not torch.cuda.is_available():
-            ap.error("no GPU: use --tiny for a CPU smoke test")
-        args.device, args.dtype = "cuda", torch.bfloat16
+        args.device, args.dtype = device_or_tiny(ap, False), torch.bfloat16
         args.page_size = args.page_size or "2M"
+
+
+def add_client_flags(ap: argparse.ArgumentParser) -> None:
+    """The flags of how requests are made and sent (serve_bench.py and the serving drivers)."""
+    from harness import loadgen
+
+    ap.add_argument("--endpoint", default="completions", choices=sorted(loadgen.ENDPOINTS))
+    ap.add_argument("--prompts", default="text", choices=("ids", "text"), help="a list of token ids, or text")
+    ap.add_argument("--tokenizer", default=None, help="a local tokenizer directory for text prompts")
+    ap.add_argument("--vocab-size", type=int, default=None, help="token ids drawn below this (default: the "
+                                                                  "tokenizer's)")
+    ap.add_argument("--force-output", default=None, choices=loadgen.FORCE_MODES)
+    ap.add_argument("--trace", default=default_trace(), help="an Azure trace CSV")
+    ap.add_argument("--max-prompt", type=int, default=4000, help="prompt tokens at most")
+    ap.add_argument("--max-output", type=int, default=1024, help="answer tokens at most")
+    ap.add_argument("--output-len", type=int, default=None, help="every answer this many tokens")
+    ap.add_argument("--goodput", nargs="*", default=[], metavar="NAME:MS",
+                    help="SLOs of goodput (ttft, tpot, e2el in ms; e.g. ttft:500 tpot:50)")
+    ap.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
+    ap.add_argument("--max-time", type=float, default=600.0, help="seconds of sending per run at most")
+    ap.add_argument("--drain", type=float, default=60.0, help="seconds in-flight requests get after --max-time")
+    ap.add_argument("--warmup", type=int, default=2, help="short requests sent before the clock")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--allow-remote", action="store_true", help="allow a server that is not on loopback")
+
+
+def check_client_flags(ap: argparse.ArgumentParser, args: Any) -> None:
+    """Usage errors (exit 2, one line) of :func:`add_client_flags`' flags; sets ``args.slo``."""
+    from harness import serve_metrics, workload
+
+    check_counts(ap, args, ["--max-prompt", "--max-output", "--output-len", "--max-concurrency", "--vocab-size"],
+                 ["--warmup", "--seed"], most={"--warmup": 10_000})
+    check_seconds(ap, "--request-timeout", args.request_timeout)
+    check_seconds(ap, "--max-time", args.max_time)
+    if not 0 <= args.drain <= MOST_SECONDS:
+        ap.error(f"--drain must be a number of seconds from 0 to {MOST_SECONDS:g}, got {args.drain}")
+    check_in_file(ap, args.trace, "--trace")
+    try:
+        workload.trace_lengths(args.trace, 1, args.max_prompt, args.max_output, args.output_len)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        ap.error(f"--trace {args.trace!r}: {e}")
+    if args.api_key is not None and (not args.api_key or not args.api_key.isprintable() or " " in args.api_key
+                                     or not args.api_key.isascii()):
+        ap.error("--api-key must be printable ASCII with no spaces")
+    try:
+        args.slo = serve_metrics.parse_slo(args.goodput)
+    except ValueError as e:
+        ap.error(f"--goodput: {e}")
+    if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
+        ap.error(f"--tokenizer {args.tokenizer!r} is not a directory")
+
+
+def prompts_for(ap_error: Any, args: Any, model: str) -> Any:
+    """The prompt maker (:class:`harness.workload.Prompts`) of ``args`` for ``model`` (its
+    tokenizer: ``--tokenizer``, else the model's id when it is a directory)."""
+    from harness import workload
+
+    tok = args.tokenizer or (model if os.path.isdir(model) else None)
+    vocab = args.vocab_size
+    if vocab is None and tok is not None:
+        vocab = workload.tokenizer_vocab(tok)
+    if vocab is None:
+        ap_error("give --vocab-size or --tokenizer (the model's id is not a local directory)")
+    if args.prompts == "text" and tok is None:
+        ap_error("--prompts text needs --tokenizer (the model's id is not a local directory)")
+    return workload.Prompts(args.prompts, vocab, args.seed, tok)

@@ -82,10 +82,6 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
 #: The engine's best native contender per family (the suite's ``vs_engine_best`` and its ``@clean`` run).
 ENGINE_BEST = {V517: "paged-sdpa-256-graphs-async-compile", V519: "sdpa-256-graphs-async-compile"}
 
-#: serving_bench.py: the engine's cache (gather + SDPA, or read in place by Flex) against vmem, eager
-SERVING = ("paged-sdpa-16", "paged-sdpa-256", "sdpa-256", "paged-flex-256", "vmem-per-layer", "vmem-token-major",
-           "vmem-per-layer-flex", "vmem-per-layer-fi", "vmem-token-major-fi")
-
 #: prefix_serving.py: block sharing on and off, the engine's and vmem's
 PREFIX: dict[str, Spec] = {
     "paged-sdpa-256": {"attn": "paged|sdpa", "block_size": 256, "sharing": True},
@@ -138,11 +134,6 @@ def spec(name: str, version: str | None = None) -> Spec:
         raise ValueError(f"contender {name} runs on transformers {' and '.join(families)}, not on transformers "
                          f"{version or transformers.__version__}; this version serves: {', '.join(offered(version))}")
     return dict(sp)
-
-
-def serving(version: str | None = None) -> dict[str, Spec]:
-    """serving_bench.py's contenders (:data:`SERVING`) that transformers ``version`` serves."""
-    return {name: spec(name, version) for name in offered(version) if name in SERVING}
 
 
 def defaults(specs: dict[str, Spec]) -> list[str]:

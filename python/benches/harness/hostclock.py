@@ -1,4 +1,5 @@
-"""``host_cost.py``'s clock: exclusive time per hook, per engine round, in the engine's own thread.
+"""The serving suite's round clock (``--profile``): exclusive time per hook, per engine round, in
+the engine's own thread.
 
 :class:`HookClock` wraps methods (of classes, modules, one model) with a timer that keeps each
 call's *exclusive* time (a hook called inside another is taken off the outer one, so the names add
@@ -9,8 +10,8 @@ sequence one query token) or ``prefill``, with its sequences and tokens. A turn 
 forward (the loop waiting) is dropped.
 
 Every wrapper is put back by :meth:`HookClock.restore` (a ``with`` block does it). The clock costs
-about a microsecond a wrapped call; ``host_cost.py`` reports the rounds' wall time from runs with
-only the round clock too (``plain``), so that cost shows.
+about a microsecond a wrapped call; the profile reports the rounds' wall time from a run with only
+the round clock too, so that cost shows.
 """
 
 from __future__ import annotations
@@ -19,12 +20,6 @@ import functools
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
-
-#: The prefix of the names a round is charged to that are not host work on the GPU: the CPU
-#: stand-ins of kernels (the FA reference, the engine's attention, the model's layers, the
-#: tensor ops that are one kernel launch each on the GPU). A ``cpu.`` call made inside a hook also
-#: counts as one of that hook's ``launches``.
-KERNEL = "cpu."
 
 
 def host_batch(processor: Any) -> list[Any] | None:
@@ -48,8 +43,7 @@ def real_round(processor: Any) -> tuple[int, int] | None:
 
 class HookClock:
     """Exclusive nanoseconds per name and per round (:attr:`rounds`: dicts with ``kind``,
-    ``sequences``, ``tokens``, ``wall_ns`` and ``hooks`` = {name: ns}, ``calls`` = {name: n},
-    ``launches`` = {name: the ``cpu.`` calls made directly inside it})."""
+    ``sequences``, ``tokens``, ``wall_ns`` and ``hooks`` = {name: ns}, ``calls`` = {name: n})."""
 
     def __init__(self) -> None:
         self.rounds: list[dict[str, Any]] = []
@@ -59,7 +53,6 @@ class HookClock:
         self._open: dict[str, Any] | None = None
         self._t_open = 0
         self._stack: list[int] = []
-        self._names: list[str] = []
         self._saved: list[tuple[Any, str, Any, bool]] = []
         self._undo: list[Callable[[], None]] = []
         #: Called with each round's dict as it opens and as it is filed (probes that keep their
@@ -105,13 +98,11 @@ class HookClock:
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter_ns()
             self._stack.append(0)
-            self._names.append(name)
             try:
                 return fn(*args, **kwargs)
             finally:
                 dt = time.perf_counter_ns() - t0
                 inner = self._stack.pop()
-                self._names.pop()
                 self._charge(name, dt - inner)
                 if self._stack:
                     self._stack[-1] += dt
@@ -138,9 +129,6 @@ class HookClock:
             return
         r["hooks"][name] = r["hooks"].get(name, 0) + ns
         r["calls"][name] = r["calls"].get(name, 0) + 1
-        if name.startswith(KERNEL) and self._names and not self._names[-1].startswith(KERNEL):
-            parent = self._names[-1]
-            r["launches"][parent] = r["launches"].get(parent, 0) + 1
 
     # -- rounds -----------------------------------------------------------------------------------
     def round_starts(self, prepare: Callable[..., Any]) -> Callable[..., Any]:
@@ -152,7 +140,7 @@ class HookClock:
             # time (at close and open) is inside a round, and rounds tile the engine's loop.
             now = time.perf_counter_ns()
             self.close_round(now)
-            self._open = {"kind": None, "sequences": 0, "tokens": 0, "hooks": {}, "calls": {}, "launches": {}}
+            self._open = {"kind": None, "sequences": 0, "tokens": 0, "hooks": {}, "calls": {}}
             self._t_open = now
             for probe in self.on_open:
                 probe(self._open)

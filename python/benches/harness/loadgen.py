@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import math
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -341,8 +340,3 @@ def served_models(base_url: str, api_key: str | None = None) -> list[str]:
     """The model ids ``/v1/models`` lists."""
     doc = asyncio.run(get_json(base_url, "/v1/models", api_key))
     return [m["id"] for m in doc.get("data", []) if isinstance(m, dict) and "id" in m]
-
-
-def nan_if_none(v: float | None) -> float:
-    """``v``, or NaN for ``None``."""
-    return math.nan if v is None else v

@@ -75,16 +75,11 @@ class ModelSpec:
         return self.layers if self.layers is not None else SHAPES[self.shape]
 
     def config(self) -> Any:
-        """The transformers config (serving tokens: BOS 1, EOS 2, PAD 0)."""
-        toks = models.SERVING_TOKENS
-        if self.tiny or self.shape == "tiny":
-            cfg = models.tiny_config("llama3-8b" if self.shape == "tiny" else self.shape, toks)
-        elif self.shape == "llama3-8b":
-            cfg = models.llama3_8b_config(self.depth, tokens=toks)
-        elif self.shape == "llama3.2-1b":
-            cfg = models.llama32_1b_config(self.depth, tokens=toks)
-        else:
-            cfg = models.qwen25_7b_config(self.depth, tokens=toks)
+        """The transformers config: :func:`harness.models.tenant_config` of the shape (``tiny``:
+        the tiny Llama) with this context."""
+        tiny = self.tiny or self.shape == "tiny"
+        cfg = models.tenant_config("llama3-8b" if self.shape == "tiny" else self.shape,
+                                   self.layers or SHAPES[self.shape], tiny)
         cfg.max_position_embeddings = self.max_context
         return as_llama(cfg) if cfg.model_type == "qwen2" else cfg
 
@@ -125,6 +120,18 @@ def read_marker(path: str) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
+def unusable(spec: ModelSpec, path: str) -> str | None:
+    """Why ``path`` cannot take the model of ``spec`` (a finished directory of another spec, or a
+    non-empty path that is no finished directory: nothing is overwritten); ``None`` when it can
+    (absent, empty, or finished from ``spec``: reused)."""
+    have = read_marker(path)
+    if have is not None and have.get("spec") != asdict(spec):
+        return f"{path} holds a model made from {have.get('spec')}, not {asdict(spec)}: choose another path"
+    if have is None and os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        return f"{path} exists and is not a finished model directory: choose another path"
+    return None
+
+
 def make_tokenizer(vocab_size: int, max_context: int) -> Any:
     """The word-level ``PreTrainedTokenizerFast`` of ``vocab_size`` tokens (module docstring)."""
     from tokenizers import AddedToken, Tokenizer, pre_tokenizers
@@ -157,14 +164,12 @@ def build(spec: ModelSpec, out: str, device: str, log: Any = None) -> dict[str, 
     renamed into place at the end, so ``out`` is whole or absent. A finished directory of another
     spec, or a non-empty directory that is not one, is a ValueError (nothing is overwritten).
     Returns the marker (with ``reused`` and ``build_s``)."""
-    want = asdict(spec)
+    why = unusable(spec, out)
+    if why is not None:
+        raise ValueError(why)
     have = read_marker(out)
     if have is not None:
-        if have.get("spec") != want:
-            raise ValueError(f"{out} holds a model made from {have.get('spec')}, not {want}: choose another path")
         return dict(have, reused=True, build_s=0.0)
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ValueError(f"{out} exists and is not a finished model directory: choose another path")
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out))}.{os.getpid()}.tmp")

@@ -19,6 +19,7 @@ from typing import Any
 
 from harness import serve_drivers, serve_report, serve_run, workload
 from harness.log import log
+from harness.table import ratio
 
 NAME = "serve_compare"
 #: the table's columns
@@ -158,14 +159,6 @@ def inprocess(p: dict[str, Any]) -> dict[str, Any]:
     spec = ct.spec(p["contender"])
     out = serving.run_contender(model, p["contender"], p["prompts"], args, budget, {p["contender"]: spec})
     return {k: v for k, v in out.items() if isinstance(v, (int, float, str, type(None)))}
-
-
-def ratio(a: Any, b: Any) -> str:
-    """``a / b`` as ``2.50x``; ``n/a`` when either is missing or ``b`` is 0."""
-    try:
-        return f"{float(a) / float(b):.2f}x"
-    except (TypeError, ValueError, ZeroDivisionError):
-        return "n/a"
 
 
 def num(v: Any, fmt: str = ".1f") -> str:

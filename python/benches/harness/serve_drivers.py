@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
-from harness import loadgen, model_dir, serve_cli, server_proc, workload
+from harness import cli, loadgen, model_dir, server_proc, workload
 from harness.log import log
 
 #: the server kinds
@@ -49,7 +49,7 @@ def add_flags(ap: argparse.ArgumentParser, shape: str, layers: int | None, kv: s
     ap.set_defaults(kv_default=kv, kv_flag=kv_flag)
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke test, not a measurement")
     ap.add_argument("--out", default=None)
-    serve_cli.add_client_flags(ap)
+    cli.add_client_flags(ap)
 
 
 def check_flags(ap: argparse.ArgumentParser, args: Any, default_out: str) -> None:
@@ -57,7 +57,7 @@ def check_flags(ap: argparse.ArgumentParser, args: Any, default_out: str) -> Non
     sets ``args.kv_bytes``, ``args.spec`` (the model's), ``args.model_dir``, ``args.device``."""
     import vmem
 
-    serve_cli.check_client_flags(ap, args)
+    cli.check_client_flags(ap, args)
     args.kv_memory = args.kv_memory or (TINY_KV if args.tiny else ap.get_default("kv_default"))
     try:
         args.kv_bytes = int(vmem.parse_bytes(args.kv_memory))
@@ -65,10 +65,8 @@ def check_flags(ap: argparse.ArgumentParser, args: Any, default_out: str) -> Non
         ap.error(f"{args.kv_flag} {args.kv_memory!r}: {e}")
     if args.kv_bytes < 1 << 20:
         ap.error(f"{args.kv_flag} {args.kv_memory!r} is under 1 MiB")
-    if args.block_size < 1:
-        ap.error(f"--block-size must be at least 1, got {args.block_size}")
-    if not 0 < args.ready_timeout < math.inf:
-        ap.error(f"--ready-timeout must be a number of seconds above 0, got {args.ready_timeout}")
+    cli.check_counts(ap, args, ["--block-size"], most={"--block-size": 1 << 16})
+    cli.check_seconds(ap, "--ready-timeout", args.ready_timeout)
     try:
         args.spec = model_dir.ModelSpec(args.shape, None if args.tiny else args.layers, args.tiny,
                                         "fp32" if args.tiny else args.dtype)
@@ -81,29 +79,17 @@ def check_flags(ap: argparse.ArgumentParser, args: Any, default_out: str) -> Non
     except ValueError as e:
         ap.error(f"{args.kv_flag}/--block-size: {e}")
     args.model_dir = args.model_dir or default_model_dir(args.spec, args.models_root)
-    have = model_dir.read_marker(args.model_dir)
-    if have is not None and have.get("spec") != model_dir.asdict(args.spec):
-        ap.error(f"--model-dir {args.model_dir!r} holds a model made from {have.get('spec')}, not these flags")
-    if have is None and os.path.exists(args.model_dir) and (not os.path.isdir(args.model_dir)
-                                                            or os.listdir(args.model_dir)):
-        ap.error(f"--model-dir {args.model_dir!r} exists and is not a finished model directory")
+    why = model_dir.unusable(args.spec, args.model_dir)
+    if why is not None:
+        ap.error(f"--model-dir {why}")
     for flag in ("--vmem-serve-args", "--tf-serve-args", "--vmem-serve-cmd"):
         try:
-            server_proc.split_args(getattr(args, flag[2:].replace("-", "_")))
+            server_proc.split_args(cli.value(args, flag))
         except ValueError as e:
             ap.error(f"{flag}: {e}")
-    args.out = args.out or os.environ.get("OUT") or default_out
-    try:
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as e:
-        ap.error(f"--out {args.out!r} cannot be created: {e.strerror}")
-    args.device = "cpu"
-    if not args.tiny:
-        import torch
-
-        if not torch.cuda.is_available():
-            ap.error("no CUDA GPU here: use --tiny for a CPU smoke test")
-        args.device = "cuda"
+    args.out = cli.check_out(ap, args.out or os.environ.get("OUT") or default_out)
+    args.device = cli.device_or_tiny(ap, args.tiny)
+    cli.check_kv_memory(ap, args.kv_flag, args.kv_memory, args.kv_bytes, args.tiny)
 
 
 #: the oldest transformers whose ``transformers serve`` the drivers run. 5.17's takes its sampling
@@ -230,11 +216,28 @@ def versions() -> dict[str, str]:
             "vmem": getattr(vmem, "__version__", "?"), "python": sys.version.split()[0]}
 
 
+def part_files(paths: list[str], name: str) -> list[str]:
+    """The ``name.json`` files of ``paths`` (directories holding one, or the files), for ``--merge``."""
+    return [os.path.join(p, f"{name}.json") if os.path.isdir(p) else p for p in paths]
+
+
+def check_merge(ap: argparse.ArgumentParser, args: Any, name: str, default_out: str,
+                merge: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> None:
+    """``--merge``: the parts joined by ``merge`` as ``args.merged``; a part that is no readable
+    ``name`` document, or an ``--out`` that cannot be written, is a usage error."""
+    for f in part_files(args.merge, name):
+        cli.check_in_file(ap, f, "--merge")
+    try:
+        args.merged = merge(load_parts(args.merge, name))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        ap.error(f"--merge: {e}")
+    args.out = cli.check_out(ap, args.out or os.environ.get("OUT") or default_out)
+
+
 def load_parts(paths: list[str], name: str) -> list[dict[str, Any]]:
-    """The ``name.json`` documents of ``paths`` (directories or files), for ``--merge``."""
+    """The ``name.json`` documents of ``paths`` (:func:`part_files`), for ``--merge``."""
     docs = []
-    for p in paths:
-        f = os.path.join(p, f"{name}.json") if os.path.isdir(p) else p
+    for f in part_files(paths, name):
         with open(f) as fh:
             docs.append(json.load(fh))
     return docs

@@ -24,6 +24,7 @@ from typing import Any
 
 from harness import loadgen, serve_drivers, serve_metrics, serve_report, serve_run, tenant_plan, workload
 from harness.log import log
+from harness.table import ratio
 
 NAME = "serve_multitenant"
 MODES = ("pool", "static")
@@ -182,7 +183,7 @@ def table(doc: dict[str, Any]) -> list[dict[str, Any]]:
                         "ttft_p99_static_ms": sm and sm["p99_ttft_ms"], "ttft_p99_pool_ms": pm and pm["p99_ttft_ms"],
                         "tok_s_static": sm and sm["output_throughput"], "tok_s_pool": pm and pm["output_throughput"],
                         "failed_static": sm and sm["failed"], "failed_pool": pm and pm["failed"]})
-            row["ttft_p99 static/pool"] = ratio(row["ttft_p99_static_ms"], row["ttft_p99_pool_ms"])
+            row["ttft_p99 static/pool"] = ratio(row["ttft_p99_static_ms"], row["ttft_p99_pool_ms"], "-")
             rows.append(row)
     return rows
 
@@ -200,11 +201,6 @@ def all_of(doc: dict[str, Any], mode: str, window: float) -> dict[str, Any] | No
                         "p99_ttft_ms": percentile(ttft, 99, "linear"),
                         "output_throughput": sum(r["metrics"]["output_throughput"] for r in runs),
                         "failed": sum(r["metrics"]["failed"] for r in runs)}}
-
-
-def ratio(a: float | None, b: float | None) -> str:
-    """``a / b`` as ``1.23x``; ``-`` when either is missing or ``b`` is 0."""
-    return f"{a / b:.2f}x" if a is not None and b else "-"
 
 
 def write(out_dir: str, doc: dict[str, Any]) -> str:

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -59,6 +58,27 @@ def split_args(text: str | None) -> list[str]:
     return shlex.split(text) if text else []
 
 
+def spawn(argv: Sequence[str], log_path: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """``argv`` started detached (a process group of its own, so its children stop with it; stdin
+    closed), its output appended to ``log_path`` after its command line."""
+    with open(log_path, "ab") as log:
+        log.write(f"$ {shlex.join(argv)}\n".encode())
+        log.flush()
+        return subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a process of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class Server:
     """A server process: ``argv`` run with its output to ``log_path``, detached (its own
     process group, so its children stop with it), answering at ``http://127.0.0.1:port``.
@@ -88,11 +108,7 @@ class Server:
         its log's last lines), the process stopped. Started twice is a RuntimeError."""
         if self.proc is not None:
             raise RuntimeError(f"{self.name} was started already")
-        with open(self.log_path, "ab") as log:
-            log.write(f"$ {shlex.join(self.argv)}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=self.env, start_new_session=True)
+        self.proc = spawn(self.argv, self.log_path, self.env)
         try:
             self.ready_s = serve_run.wait_ready(self.base_url, self.api_key, self.ready_timeout_s, self.alive)
         except serve_run.ServerGone as e:
@@ -219,13 +235,3 @@ def gpu_used_bytes(index: int = 0) -> int | None:
         return int(out.stdout.strip().splitlines()[0]) << 20 if out.returncode == 0 else None
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
         return None
-
-
-def wait_until(pred: Any, timeout_s: float, step_s: float = 0.2) -> bool:
-    """Polls ``pred()`` until true or ``timeout_s`` passed; returns the last value."""
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout_s:
-            return False
-        time.sleep(step_s)
-    return True

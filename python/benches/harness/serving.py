@@ -1,5 +1,5 @@
 """One contender served through :func:`harness.engine.run_engine` on one KV budget, timed: what
-serving_bench.py, prefix_serving.py and the serving suite measure per run. Imports no vmem: the
+prefix_serving.py and the serving suite measure per run. Imports no vmem: the
 engine's own contenders run from here in a process without it (:mod:`harness.clean`)."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -175,16 +174,6 @@ def run_rounds(model: Any, names: list[str], prompts: list[list[int]], args: Any
             if on_run is not None:
                 on_run(rows)
     return rows
-
-
-def medians(rows: list[dict[str, Any]], base: str = "paged-sdpa-256") -> list[dict[str, Any]]:
-    """Per contender, the median over rounds of tok/s and TBT p99, and tok/s against ``base``'s."""
-    names = list(dict.fromkeys(r["contender"] for r in rows))
-    med = {n: statistics.median(r["tok_s"] for r in rows if r["contender"] == n) for n in names}
-    ref = med.get(base)
-    return [{"contender": n, "tok_s": med[n],
-             "tbt_p99_ms": statistics.median(r["tbt_p99_ms"] for r in rows if r["contender"] == n),
-             f"vs {base}": f"{med[n] / ref:.2f}x" if ref else "-"} for n in names]
 
 
 def run_meta(args: Any, budget: dict[str, int]) -> dict[str, Any]:

@@ -11,20 +11,23 @@ from typing import Any
 def percentile(xs: Sequence[float], q: float, method: str = "nearest") -> float:
     """The ``q``-th percentile (``q`` in [0, 100]) of ``xs``. ``method="nearest"``: the nearest
     rank, the sorted value at index ``round(q / 100 * (n - 1))`` (numpy's ``method="nearest"``;
-    the formula of the serving results in docs/results); ``"linear"``: interpolated between the
-    two closest ranks (numpy's default, what vLLM's benchmark_serving reports; the load
-    generator's metrics). NaN for an empty sequence; ``q`` outside [0, 100] or NaN, or another
-    method, is a ValueError."""
+    the formula of the serving results in docs/results); ``"rank"``: the sorted value at index
+    ``ceil(q / 100 * n) - 1`` (numpy's ``method="inverted_cdf"``; the serving suite's per-round
+    profile); ``"linear"``: interpolated between the two closest ranks (numpy's default, what
+    vLLM's benchmark_serving reports; the load generator's metrics). NaN for an empty sequence;
+    ``q`` outside [0, 100] or NaN, or another method, is a ValueError."""
     if not 0 <= q <= 100:  # NaN included
         raise ValueError(f"percentile must be in [0, 100], got {q}")
-    if method not in ("nearest", "linear"):
-        raise ValueError(f"percentile method must be 'nearest' or 'linear', got {method!r}")
+    if method not in ("nearest", "rank", "linear"):
+        raise ValueError(f"percentile method must be 'nearest', 'rank' or 'linear', got {method!r}")
     if not xs:
         return float("nan")
     s = sorted(xs)
     pos = q / 100 * (len(s) - 1)
     if method == "nearest":
         return s[min(len(s) - 1, round(pos))]
+    if method == "rank":
+        return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
     lo = math.floor(pos)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from harness.stats import percentile
+
 
 class StepClock:
     """Forward pre- and post-hooks on ``model`` recording, per forward, the host clock at start
@@ -239,8 +241,8 @@ def round_report(rounds: list[dict[str, Any]], kernel_ms: float | None) -> str:
         mean_reqs = statistics.fmean(r["sequences"] for r in rs)
         mean_tokens = statistics.fmean(r["tokens"] for r in rs)
         padded = med(lambda r: r["padded_tokens"])
-        walls = sorted(r["wall_ns"] / 1e6 for r in rs)
-        p90, p99 = (walls[max(0, math.ceil(q * len(walls)) - 1)] for q in (0.9, 0.99))  # nearest rank
+        walls = [r["wall_ns"] / 1e6 for r in rs]
+        p90, p99 = (percentile(walls, q, "rank") for q in (90, 99))
         lines.append(f"{kind:<8} {len(rs):>6}  {med(lambda r: r['wall_ns'] / 1e6):>7.2f}  {p90:>6.2f}  {p99:>6.2f}  "
                      f"{parts['prepare']:>7.2f}  "
                      f"{parts['compute']:>7.2f}  {parts['update']:>6.2f}  {other:>5.2f}  "

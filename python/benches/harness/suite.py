@@ -15,11 +15,11 @@ from typing import Any
 from harness import clean
 from harness import contenders as ct
 from harness import roofline as rf
-from harness.trace import default_trace, repo_root
+from harness.trace import TRACES as BUNDLED
+from harness.trace import trace_path
 
 #: the suite's traces, by name (they travel with the repository)
-TRACES = {"conv": default_trace(),
-          "code": f"{repo_root()}/vmem-cli/data/traces/azure-code-2023-first2000.csv"}
+TRACES = {name: trace_path(name) for name in BUNDLED}
 #: the suite's models, the headline first: Llama-3-8B's shapes at its full depth (32 layers), the
 #: same shapes at 8 layers, and Llama-3.2-1B's at its full depth (16)
 MODELS = ("llama3-8b", "llama3-8b-x8", "llama3.2-1b")

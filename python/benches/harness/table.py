@@ -1,4 +1,4 @@
-"""The one text-table printer of the benchmarks."""
+"""The one text-table printer of the benchmarks, and its ratio cells."""
 
 from __future__ import annotations
 
@@ -29,3 +29,11 @@ def format_table(rows: Sequence[dict[str, Any]], cols: Sequence[str], title: str
     lines += [header, "-" * len(header)]
     lines += [" | ".join(v.rjust(w) for v, w in zip(line, widths)) for line in cells]
     return "\n".join(lines)
+
+
+def ratio(a: Any, b: Any, missing: str = "n/a") -> str:
+    """``a / b`` as a cell, ``2.50x``; ``missing`` when either is missing (or no number) or ``b`` is 0."""
+    try:
+        return f"{float(a) / float(b):.2f}x"
+    except (TypeError, ValueError, ZeroDivisionError):
+        return missing

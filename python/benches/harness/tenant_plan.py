@@ -18,16 +18,10 @@ trace time ``t`` arrives ``(t - window start) / time_scale`` seconds after the r
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
-from harness.trace import load_trace, repo_root
+from harness.trace import TRACES, load_trace, trace_path  # noqa: F401 (TRACES: the traces a tenant names)
 
-#: the bundled traces by short name, relative to the repository root
-TRACES = {
-    "conv": os.path.join("vmem-cli", "data", "traces", "azure-conv-2023-first2000.csv"),
-    "code": os.path.join("vmem-cli", "data", "traces", "azure-code-2023-first2000.csv"),
-}
 #: the scenarios, in the order a run serves them
 SCENARIOS = ("bursty", "staggered")
 #: rows a bundled trace holds (its first 2,000 requests)
@@ -97,13 +91,6 @@ class Window:
     def shift_s(self) -> float:
         """The staggered scenario's shift between consecutive tenants, in run seconds."""
         return self.window_s / self.time_scale if self.stagger_s is None else self.stagger_s
-
-
-def trace_path(name: str) -> str:
-    """The absolute path of bundled trace ``name``; an unknown name is a ValueError."""
-    if name not in TRACES:
-        raise ValueError(f"unknown trace {name!r} (known: {sorted(TRACES)})")
-    return os.path.join(repo_root(), TRACES[name])
 
 
 def arrivals(tenants: tuple[TenantSpec, ...], window: Window, scenario: str,

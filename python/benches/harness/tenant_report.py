@@ -10,7 +10,7 @@ from typing import Any
 
 from harness import tenant as tn
 from harness.stats import percentile
-from harness.table import format_table
+from harness.table import format_table, ratio
 
 #: the per-tenant table's columns, in order
 COLUMNS = ["scenario", "mode", "tenant", "requests", "completed", "ttft_p50_ms", "ttft_p99_ms", "tok_s",
@@ -54,11 +54,6 @@ def all_row(scenario: str, mode: str, results: Sequence[dict[str, Any]]) -> dict
             "ttft_p50_ms": percentile(ttft, 50) * 1e3 if ttft else None,
             "ttft_p99_ms": percentile(ttft, 99) * 1e3 if ttft else None,
             "tok_s": sum(r["tok_s"] for r in results), "preemptions": sum(r["preemptions"] for r in results)}
-
-
-def ratio(a: float | None, b: float | None) -> str:
-    """``a / b`` as ``"1.23x"``, ``"n/a"`` when either is missing or ``b`` is 0."""
-    return f"{a / b:.2f}x" if a is not None and b else "n/a"
 
 
 def ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

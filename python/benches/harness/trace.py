@@ -10,8 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-#: the Azure conversation trace (first 2,000 requests), relative to the repository root
-DEFAULT_TRACE = os.path.join("vmem-cli", "data", "traces", "azure-conv-2023-first2000.csv")
+#: the bundled Azure traces (first 2,000 requests each) by short name, relative to the repository root
+TRACES = {"conv": os.path.join("vmem-cli", "data", "traces", "azure-conv-2023-first2000.csv"),
+          "code": os.path.join("vmem-cli", "data", "traces", "azure-code-2023-first2000.csv")}
 
 
 def repo_root() -> str:
@@ -19,9 +20,16 @@ def repo_root() -> str:
     return os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 
+def trace_path(name: str) -> str:
+    """The absolute path of bundled trace ``name`` (:data:`TRACES`); an unknown name is a ValueError."""
+    if name not in TRACES:
+        raise ValueError(f"unknown trace {name!r} (known: {sorted(TRACES)})")
+    return os.path.join(repo_root(), TRACES[name])
+
+
 def default_trace() -> str:
-    """The absolute path of :data:`DEFAULT_TRACE`."""
-    return os.path.join(repo_root(), DEFAULT_TRACE)
+    """The absolute path of the conversation trace, the default of every bench."""
+    return trace_path("conv")
 
 
 @dataclass(frozen=True)
@@ -47,15 +55,15 @@ def parse_timestamp(text: str) -> float:
     return when.timestamp() + (int(frac[:6].ljust(6, "0")) / 1e6 if dot else 0.0)
 
 
-def load_trace(path: str | None = None, n: int = 256, cap: int = 4000,
+def load_trace(path: str | None = None, n: int | None = 256, cap: int = 4000,
                timestamps: bool = False) -> list[TraceRequest]:
-    """The first ``n`` requests of the trace at ``path`` (default :func:`default_trace`), prompt
-    lengths ``max(1, min(ContextTokens, cap))``; with ``timestamps``, each with its ``TIMESTAMP``
-    (then a required column). A missing column, a field that is not an integer, a negative length, a timestamp that
-    does not parse or goes back in time, ``n`` or ``cap`` below 1, or fewer than ``n`` rows is a
-    ValueError naming the file (and row)."""
+    """The first ``n`` requests (``None``: all, at least one) of the trace at ``path`` (default
+    :func:`default_trace`), prompt lengths ``max(1, min(ContextTokens, cap))``; with
+    ``timestamps``, each with its ``TIMESTAMP`` (then a required column). A missing column, a field
+    that is not an integer, a negative length, a timestamp that does not parse or goes back in
+    time, ``n`` or ``cap`` below 1, or fewer than ``n`` rows is a ValueError naming the file (and row)."""
     path = path or default_trace()
-    if n < 1 or cap < 1:
+    if (n is not None and n < 1) or cap < 1:
         raise ValueError(f"n and cap must be at least 1, got n={n}, cap={cap}")
     out: list[TraceRequest] = []
     with open(path, newline="") as f:
@@ -65,7 +73,7 @@ def load_trace(path: str | None = None, n: int = 256, cap: int = 4000,
         if missing:
             raise ValueError(f"{path}: missing columns {sorted(missing)} (has {rows.fieldnames})")
         for i, row in enumerate(rows):
-            if len(out) >= n:
+            if n is not None and len(out) >= n:
                 break
             try:
                 ctx, gen = int(row["ContextTokens"]), int(row["GeneratedTokens"])
@@ -82,8 +90,8 @@ def load_trace(path: str | None = None, n: int = 256, cap: int = 4000,
                 if out and out[-1].timestamp is not None and when < out[-1].timestamp:
                     raise ValueError(f"{path}: row {i + 2}: timestamp {row['TIMESTAMP']} is before the row above")
             out.append(TraceRequest(i, max(1, min(ctx, cap)), ctx, gen, when))
-    if len(out) < n:
-        raise ValueError(f"{path}: {len(out)} requests, {n} asked")
+    if len(out) < (n or 1):
+        raise ValueError(f"{path}: {len(out)} requests, {n or 1} asked")
     return out
 
 

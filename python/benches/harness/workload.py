@@ -18,7 +18,6 @@ and answer are, and the prompt itself.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
@@ -72,12 +71,6 @@ def rate_arrivals(n: int, rate: float, seed: int = 0, burstiness: float = 1.0) -
     return out
 
 
-def trace_rows(path: str) -> int:
-    """The data rows of the CSV at ``path``."""
-    with open(path, newline="") as f:
-        return max(0, sum(1 for _ in csv.reader(f)) - 1)
-
-
 def trace_lengths(path: str, n: int, max_prompt: int, max_output: int,
                   output_len: int | None = None) -> list[tuple[int, int, int]]:
     """``n`` (prompt tokens, answer tokens, row) from the trace at ``path``, its rows in order,
@@ -85,7 +78,7 @@ def trace_lengths(path: str, n: int, max_prompt: int, max_output: int,
     or every answer ``output_len``. A trace that cannot be read is a ValueError or OSError."""
     if max_output < 1 or (output_len is not None and output_len < 1):
         raise ValueError(f"answers need at least 1 token, got max_output={max_output}, output_len={output_len}")
-    rows = load_trace(path, min(n, trace_rows(path)) or 1, max_prompt)
+    rows = load_trace(path, None, max_prompt)[:n]
     out = []
     for i in range(n):
         r = rows[i % len(rows)]
