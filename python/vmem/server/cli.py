@@ -150,6 +150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{PROG}: error: {e} (see {PROG} --help)", file=sys.stderr)
         return USAGE
     logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not access_log:  # the router's forwarding client logs each request at INFO: an access log, off by default
+        logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     if opts.multi:
         from .router import serve_many
 
