@@ -16,7 +16,8 @@ import operator
 from collections.abc import Set as AbstractSet
 from typing import Any, Iterable, List, Mapping, Optional, Sequence, TypeVar, Union
 
-from . import _vmem
+import vmem._vmem as _vmem
+
 from ._vmem import InvalidArgument
 
 Size = Union[int, str]

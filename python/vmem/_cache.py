@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _args, _vmem
+import vmem._vmem as _vmem
+
+from . import _args
 from ._args import (
     Size,
     check_bool,

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Tuple
 
-from . import _vmem
+import vmem._vmem as _vmem
+
 from ._args import short
 from ._vmem import PoolError
 

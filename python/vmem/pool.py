@@ -26,7 +26,8 @@ import dataclasses
 import os
 from typing import Any, Optional, Tuple, Union
 
-from . import _vmem
+import vmem._vmem as _vmem
+
 from ._args import short
 from ._pool_args import MAX_BYTES as MAX_BYTES  # vmem.pool.MAX_BYTES, as before the parsers moved
 from ._pool_args import MIN_BYTES as MIN_BYTES
