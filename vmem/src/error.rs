@@ -260,9 +260,9 @@ pub enum VmemError {
         /// The first rank whose digest differs.
         rank: usize,
         /// This rank's digest.
-        ours: crate::kvcache::DecisionDigest,
+        ours: crate::decision::DecisionDigest,
         /// That rank's digest.
-        theirs: crate::kvcache::DecisionDigest,
+        theirs: crate::decision::DecisionDigest,
     },
 }
 

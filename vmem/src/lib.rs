@@ -2,6 +2,7 @@
 
 pub mod backend;
 pub mod buffer;
+mod decision;
 mod error;
 pub mod kvcache;
 pub mod models;

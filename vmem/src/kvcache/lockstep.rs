@@ -15,9 +15,10 @@
 //! digest caps page counts at what a step guarantees (see `Digest::step`), and the
 //! configurations whose ids are timing-dependent are named in `Digest::alloc`.
 
-use super::digest::{DecisionDigest, Digest, TAG_STEP};
+use super::digest::{Digest, TAG_STEP};
 use super::state::State;
 use super::KvCacheManager;
+use crate::decision::DecisionDigest;
 use crate::error::Result;
 
 impl Digest {

@@ -26,6 +26,7 @@ mod sleep;
 mod state;
 mod unmap;
 
+pub use crate::decision::DecisionDigest;
 pub use blocks::{block_hashes, BlockHash, PrefixStats};
 pub use config::{
     Geometry, KvConfig, KvConfigBuilder, LayerView, Layout, TensorView, MAX_BATCH, MAX_LAYERS,
@@ -36,7 +37,6 @@ pub use defaults::{
     max_map_count, whole_virtual_size, zero_page_slots, PolicyDefaults, DEFAULT_MAX_MAP_COUNT,
     MAP_RESERVE,
 };
-pub use digest::DecisionDigest;
 pub use sleep::ShrinkReport;
 
 use crate::backend::Backend;
