@@ -77,8 +77,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.server_list = cli.names(ap, "--servers", args.servers, serve_drivers.KINDS,
                                  allow_none="sweep" not in args.part_list)
     args.server_list.sort(key=lambda s: s != "tf")  # the baseline first: its saturation rate
-    if "sweep" in args.part_list and "tf" in args.server_list:
-        serve_drivers.check_tf_serve(ap, "--servers tf")
     try:
         args.rates = sc.parse_rates(args.rates)
     except ValueError as e:
@@ -97,6 +95,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--min-prompts {args.min_prompts} is above --num-prompts {args.num_prompts}")
     cli.check_seconds(ap, "--rate-seconds", args.rate_seconds)
     cli.check_positive(ap, "--burstiness", args.burstiness)
+    # What is installed last: a flag's own error first, whatever the machine holds.
+    if "sweep" in args.part_list and "tf" in args.server_list:
+        serve_drivers.check_tf_serve(ap, "--servers tf")
     if "overhead" in args.part_list:
         from harness import contenders as ct
 

@@ -64,8 +64,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         if st.read_status(args.out) is None:
             ap.error(f"--out {args.out!r} holds no background run (no status.json)")
         return args
-    if args.server == "tf":
-        serve_drivers.check_tf_serve(ap, "--server tf")
     cli.check_positive(ap, "--rate", args.rate)
     cli.check_seconds(ap, "--duration", args.duration)
     cli.check_seconds(ap, "--sample-every", args.sample_every)
@@ -81,6 +79,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, flag[2:].replace("-", "_") + "_bytes", int(vmem.parse_bytes(cli.value(args, flag))))
         except (vmem.VmemError, TypeError) as e:
             ap.error(f"{flag}: {e}")
+    if args.server == "tf":  # what is installed last: a flag's own error first
+        serve_drivers.check_tf_serve(ap, "--server tf")
     args.max_time = args.duration + 5.0
     return args
 
