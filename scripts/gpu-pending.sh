@@ -23,12 +23,13 @@
 # SUITE_CONTENDERS replaces the suite's contenders, GRAPHS_KERNELS the check's kernels (fa,flashinfer),
 # GRAPHS_TIMEOUT its seconds (330; 0 skips it), CHECK_TIMEOUT and SUITE_TIMEOUT the pytest and suite ones
 # (150, 520: lower them to run two parts within 10 minutes), EXTRA_WHEELS more wheels to install (another transformers).
-# Results go to $OUT/<part>/ (default /tmp/vmem-gpu-pending) and are packed into $OUT/<part>.tgz.
+# Results go to $VMEM_BENCH_OUT/<part>/ (default /tmp/vmem-gpu-pending/<part>/), packed into
+# $VMEM_BENCH_OUT/<part>.tgz.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 part=${1:-}
-out=${OUT:-/tmp/vmem-gpu-pending}/$part
+out=${VMEM_BENCH_OUT:-/tmp/vmem-gpu-pending}/$part
 case "$part" in check|suite|tenants|profile) ;; *) echo "usage: $0 check|suite|tenants|profile" >&2; exit 2 ;; esac
 [ -n "$(ls .whl/vmem*.whl 2>/dev/null)" ] || { echo "$0: no .whl/vmem*.whl (build it with scripts/python-gpu.sh build and copy .whl/ here)" >&2; exit 2; }
 mkdir -p "$out"

@@ -25,7 +25,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 # left there) and point Python at it; results go to $out.
 install_wheel() {
   cd "$root"
-  out=${OUT:-/tmp/vmem-python-gpu}
+  out=${VMEM_BENCH_OUT:-/tmp/vmem-python-gpu}
   mkdir -p "$out"
   . "$root/scripts/gpu-env.sh"
   gpu_site /tmp/site .whl/vmem*.whl
@@ -48,11 +48,11 @@ case "${1:-}" in
     ;;
   bench-gpu)
     install_wheel
-    OUT="$out" python3 python/benches/gpu_bench.py 2>&1 | tee "$out/gpu_bench.txt"
+    VMEM_BENCH_OUT="$out" python3 python/benches/gpu_bench.py 2>&1 | tee "$out/gpu_bench.txt"
     ;;
   prefill)
     install_wheel
-    OUT="$out" python3 python/benches/prefill_cost.py 2>&1 | tee "$out/prefill_cost.txt"
+    VMEM_BENCH_OUT="$out" python3 python/benches/prefill_cost.py 2>&1 | tee "$out/prefill_cost.txt"
     ;;
   compiled)
     install_wheel
@@ -60,7 +60,7 @@ case "${1:-}" in
     echo "== pytest python/tests/test_hf.py python/tests/test_kvcache.py (torch, transformers present)"
     python3 -m pytest -q -rs -p no:cacheprovider python/tests/test_hf.py python/tests/test_kvcache.py 2>&1 | tee "$out/pytest-hf.txt" || status=1
     echo "== python/benches/compiled_bench.py"
-    OUT="$out" python3 python/benches/compiled_bench.py 2>&1 | tee "$out/compiled_bench.txt" || status=1
+    VMEM_BENCH_OUT="$out" python3 python/benches/compiled_bench.py 2>&1 | tee "$out/compiled_bench.txt" || status=1
     exit $status
     ;;
   bench-build)
@@ -78,7 +78,7 @@ case "${1:-}" in
     # an older libstdc++ first; kvcached's page allocator then segfaults printing through
     # std::cout in its constructor (its own KVCacheManager too). Load the compiler's libstdc++.
     LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6) \
-    OUT="$out" python3 python/benches/alloc_bench.py 2>&1 | tee "$out/alloc_bench.txt"
+    VMEM_BENCH_OUT="$out" python3 python/benches/alloc_bench.py 2>&1 | tee "$out/alloc_bench.txt"
     ;;
   *)
     echo "usage: $0 build|run|bench-gpu|prefill|compiled|bench-build|bench" >&2

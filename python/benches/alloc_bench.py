@@ -28,7 +28,7 @@ round (at least once); each repetition is a slot in which every contender maps a
 run once, in a shuffled order, so contenders that are compared ran side by side. 20 rounds
 are kept (60 for 512-page runs), the first two dropped. Prints µs per 2 MB page (median, p99
 over slots), GB/s, and ratios of cycle times (map + unmap) as the median over slots of the
-two contenders' ratio in the same slot: the driver's drift cancels. Writes JSON to $OUT.
+two contenders' ratio in the same slot: the driver's drift cancels. Writes JSON to $VMEM_BENCH_OUT.
 
 Needs the `vmem_bench` wheel (python/benches/native) beside vmem's and kvcached importable
 (scripts/python-gpu.sh bench-build here, bench there).
@@ -44,7 +44,8 @@ from harness import cli
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=cli.default_out(), help="alloc_bench.json's directory (default $OUT or /tmp)")
+    ap.add_argument("--out", default=cli.default_out(),
+                    help="alloc_bench.json's directory ($VMEM_BENCH_OUT, else /tmp)")
     args = ap.parse_args(argv)
     cli.need_modules(ap, "alloc_bench.py", ["vmem_bench", "kvcached"])
     cli.need_gpu(ap, "alloc_bench.py")

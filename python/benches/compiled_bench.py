@@ -24,7 +24,7 @@ Benchmark: decode tokens/s = batch x 64 / the time of the 64 decode steps of one
 in each round (order reversed every other round), one process; a cache's ratio to StaticCache
 is the median of its per-round ratios (pairs from the same round share the GPU's drift).
 KV memory: the static cache's tensors vs vmem's physical pages plus its zero page. Prints a
-table; writes JSON to $OUT/compiled.json.
+table; writes JSON to $VMEM_BENCH_OUT/compiled.json.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from harness import cli
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=cli.default_out(), help="compiled.json's directory (default $OUT or /tmp)")
+    ap.add_argument("--out", default=cli.default_out(),
+                    help="compiled.json's directory ($VMEM_BENCH_OUT, else /tmp)")
     args = ap.parse_args(argv)
     cli.need_gpu(ap, "compiled_bench.py")
     cli.check_out(ap, args.out)

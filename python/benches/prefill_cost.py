@@ -9,7 +9,7 @@ Llama-3-8B (all 32 layers, random bf16 weights, SDPA attention) prefills one pro
   when the request is admitted, one simulated decode iteration (25 ms) before its prefill.
 
 Interleaved: each round runs every mode for every length, order shuffled; median of rounds
-2-4. Prints TTFT per mode and the ratio to ``premapped``; writes JSON to $OUT.
+2-4. Prints TTFT per mode and the ratio to ``premapped``; writes JSON to $VMEM_BENCH_OUT.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from harness import cli
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=cli.default_out(), help="prefill_cost.json's directory (default $OUT or /tmp)")
+    ap.add_argument("--out", default=cli.default_out(),
+                    help="prefill_cost.json's directory ($VMEM_BENCH_OUT, else /tmp)")
     args = ap.parse_args(argv)
     cli.need_gpu(ap, "prefill_cost.py")
     cli.check_out(ap, args.out)

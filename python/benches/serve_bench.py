@@ -59,7 +59,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ready-timeout", type=float, default=10.0, help="seconds to wait for the server to answer")
     ap.add_argument("--label", default=None, help="the runs' label (default: the model)")
     ap.add_argument("--strict", action="store_true", help="exit 1 if any request failed or was cut")
-    ap.add_argument("--out", default=os.environ.get("OUT") or DEFAULT_OUT)
+    ap.add_argument("--out", default=os.environ.get("VMEM_BENCH_OUT") or DEFAULT_OUT)
     args = ap.parse_args(argv)
     cli.check_client_flags(ap, args)
     try:

@@ -57,7 +57,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.set_defaults(max_output=256, drain=120.0, warmup=2)
     args = ap.parse_args(argv)
     if args.wait:
-        args.out = args.out or os.environ.get("OUT") or DEFAULT_OUT
+        args.out = args.out or os.environ.get("VMEM_BENCH_OUT") or DEFAULT_OUT
         if args.background:
             ap.error("--wait and --background exclude each other")
         cli.check_seconds(ap, "--wait-timeout", args.wait_timeout)

@@ -23,7 +23,8 @@ from harness import cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds, the first dropped (at least 2)")
-    ap.add_argument("--out", default=cli.default_out(), help="zero_page_cost.json's directory (default $OUT or /tmp)")
+    ap.add_argument("--out", default=cli.default_out(),
+                    help="zero_page_cost.json's directory ($VMEM_BENCH_OUT, else /tmp)")
     args = ap.parse_args(argv)
     cli.check_counts(ap, args, ["--rounds"], least={"--rounds": 2}, most={"--rounds": 1000})  # the first is dropped
     cli.check_out(ap, args.out)

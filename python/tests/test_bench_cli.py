@@ -140,7 +140,7 @@ def test_a_bad_flag_is_one_usage_line_before_any_work(case, tmp_path, capsys, mo
     script, argv, want = case[:3]
     if len(case) > 3 and GPU:
         pytest.skip("a GPU is here: the no-GPU refusal does not apply")
-    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.delenv("VMEM_BENCH_OUT", raising=False)
     monkeypatch.delenv("BENCHES", raising=False)
     mod = __import__(script)
     with pytest.raises(SystemExit) as e:
@@ -176,10 +176,20 @@ def test_every_script_has_a_case_and_a_readme_line() -> None:
 def test_the_reported_scripts_exit_2_with_one_line_as_a_user_runs_them(argv, tmp_path) -> None:
     """issue #48 item 9, as a user runs them: ``python3 python/benches/X.py ...`` from another
     directory, exit 2, the usage and one error line on stderr, nothing on stdout, no traceback."""
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env = {k: v for k, v in os.environ.items() if k != "VMEM_BENCH_OUT"}
     r = subprocess.run([sys.executable, os.path.join(BENCHES, argv[0]), *argv[1:]], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=120)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2, r.stderr[-2000:]
     assert lines[0].startswith(f"usage: {argv[0]}") and lines[-1].startswith(f"{argv[0]}: error: "), r.stderr
     assert "Traceback" not in r.stderr and r.stdout == "" and not os.listdir(tmp_path), r.stderr
+
+
+def test_the_default_output_folder_is_vmem_bench_out_else_tmp(monkeypatch) -> None:
+    from harness import cli
+
+    monkeypatch.setenv("OUT", "/somewhere/else")  # a name too generic to be the benches' own
+    monkeypatch.delenv("VMEM_BENCH_OUT", raising=False)
+    assert cli.default_out() == "/tmp"
+    monkeypatch.setenv("VMEM_BENCH_OUT", "/data/runs")
+    assert cli.default_out() == "/data/runs"

@@ -120,8 +120,8 @@ def check_in_file(ap: argparse.ArgumentParser, path: str, flag: str) -> str:
 
 
 def default_out() -> str:
-    """The output directory of the scripts that write to ``$OUT``: ``$OUT``, else /tmp."""
-    return os.environ.get("OUT") or "/tmp"
+    """The output directory of the scripts that write to ``$VMEM_BENCH_OUT``: ``$VMEM_BENCH_OUT``, else /tmp."""
+    return os.environ.get("VMEM_BENCH_OUT") or "/tmp"
 
 
 def need_modules(ap: argparse.ArgumentParser, what: str, modules: Sequence[str]) -> None:

@@ -87,7 +87,7 @@ def check_flags(ap: argparse.ArgumentParser, args: Any, default_out: str) -> Non
             server_proc.split_args(cli.value(args, flag))
         except ValueError as e:
             ap.error(f"{flag}: {e}")
-    args.out = cli.check_out(ap, args.out or os.environ.get("OUT") or default_out)
+    args.out = cli.check_out(ap, args.out or os.environ.get("VMEM_BENCH_OUT") or default_out)
     args.device = cli.device_or_tiny(ap, args.tiny)
     cli.check_kv_memory(ap, args.kv_flag, args.kv_memory, args.kv_bytes, args.tiny)
 
@@ -231,7 +231,7 @@ def check_merge(ap: argparse.ArgumentParser, args: Any, name: str, default_out: 
         args.merged = merge(load_parts(args.merge, name))
     except (OSError, ValueError, KeyError, TypeError) as e:
         ap.error(f"--merge: {e}")
-    args.out = cli.check_out(ap, args.out or os.environ.get("OUT") or default_out)
+    args.out = cli.check_out(ap, args.out or os.environ.get("VMEM_BENCH_OUT") or default_out)
 
 
 def load_parts(paths: list[str], name: str) -> list[dict[str, Any]]:
