@@ -81,14 +81,44 @@ def check_counts(ap: argparse.ArgumentParser, args: Any, positive: Sequence[str]
 
 def check_out(ap: argparse.ArgumentParser, path: str, flag: str = "--out") -> str:
     """Makes the output directory ``path`` and checks a file can be written there; else a usage
-    error naming ``flag``. Returns ``path``."""
+    error naming ``flag``. Returns ``path``. The directories it makes are removed again (while
+    empty) if ``ap`` refuses the command line later, so a refused run leaves nothing behind."""
+    made = _missing_dirs(path)
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
+        _remove_empty(made)
         ap.error(f"{flag} {path!r} cannot be created or written: {e.strerror or e}")
+    if made:
+        refuse = ap.error
+
+        def error(message: str) -> Any:
+            _remove_empty(made)
+            return refuse(message)
+
+        ap.error = error  # type: ignore[method-assign]
     return path
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """The directories of ``path`` that do not exist yet, the deepest first."""
+    missing: list[str] = []
+    d = os.path.abspath(path)
+    while not os.path.exists(d) and d != os.path.dirname(d):
+        missing.append(d)
+        d = os.path.dirname(d)
+    return missing
+
+
+def _remove_empty(dirs: Sequence[str]) -> None:
+    """Removes ``dirs`` (the deepest first) while each is empty."""
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
 
 
 def check_out_file(ap: argparse.ArgumentParser, path: str, flag: str = "--out") -> str:
