@@ -31,7 +31,7 @@ def test_a_boolean_option_given_anything_but_a_bool_is_refused_naming_it(name, v
 
 def test_numpy_bools_are_bools_and_numpy_ints_are_not():
     """NumPy 2 renamed ``numpy.bool_`` to ``numpy.bool``: both are taken (the check named only the
-    first, so NumPy 2's were refused); a NumPy int stays refused."""
+    first, so NumPy 2's were refused); a NumPy int stays refused as a bool."""
     np = pytest.importorskip("numpy")
     from vmem._args import check_bool
 
@@ -43,6 +43,33 @@ def test_numpy_bools_are_bools_and_numpy_ints_are_not():
     kv = cache(pad_rows=np.True_)
     assert kv.config()["pad_rows"] is True
     kv.close()
+
+
+def test_numpy_integers_are_sizes_and_numpy_bools_and_floats_are_not():
+    """A size given as a NumPy integer (``np.int64(1 << 20)``, from an array's sum or a config
+    read with NumPy) is that many bytes wherever a size goes: ``parse_bytes``, the cache's
+    constructor and calls, the pool's settings; a NumPy bool or float is refused as a Python one."""
+    np = pytest.importorskip("numpy")
+    import vmem.pool
+
+    assert vmem.parse_bytes(np.int64(65536)) == 65536 and type(vmem.parse_bytes(np.uint32(5))) is int
+    for bad in (np.bool_(True), np.float64(65536.0), np.int64(-1)):
+        with pytest.raises(vmem.InvalidArgument):
+            vmem.parse_bytes(bad)
+    kv = vmem.KVCache(layers=1, kv_heads=1, head_dim=64, dtype="fp16", max_batch=2, max_context=1024,
+                      page_size=np.int64(65536), memory_cap=np.uint64(1 << 20), prealloc=np.int32(0), backend="host")
+    assert kv.config()["page_size"] == 65536 and kv.set_memory_cap(np.int64(512 << 10)) >= 0
+    assert kv.usage()["cap_bytes"] == 512 << 10
+    with pytest.raises(vmem.InvalidArgument, match="size"):
+        kv.reserve_physical(np.float32(65536.0))
+    kv.close()
+    from vmem._pool_args import _setting, _size
+
+    assert _size("size", np.int64(1 << 30)) == str(1 << 30)
+    assert _setting("limit", np.uint64(1 << 20), floor=False) == str(1 << 20)
+    for bad in (np.bool_(True), np.float64(1e9)):
+        with pytest.raises(vmem.PoolError):
+            _size("size", bad)
 
 
 @pytest.mark.parametrize("name", BOOLS)

@@ -83,21 +83,21 @@ def _bad_values():
     sizes = [-1, np.int64(-1), np.bool_(True), np.float64(8e6), 8e6, "lots", "true", "-8M", "8 M B", True, b"8M"] + huge
     return {
         "layout": ["Per-layer", "per_layer", "", np.str_("rows"), np.int64(0), np.bool_(True), True, 1.0, None, b"per-layer"],
-        "page_size": [0, 1, 3 << 20, "4K", "3M", "true", np.int64(65536), np.uint64(2 << 20), np.float64(65536.0),
+        "page_size": [0, 1, 3 << 20, "4K", "3M", "true", np.int64(3 << 20), np.float64(65536.0),
                       65536.0, None, *sizes],
         "max_requests": [0, -1, np.int64(0), np.int64(-1), np.int64(2**40), np.uint64(2**40), 65536, None, *numbers, *huge],
         "max_context": [0, -1, np.int64(0), np.int64(-3), np.int64(2**40), 2**31, *numbers, *huge],
-        "memory": [0, np.int64(8 << 20), *sizes],
+        "memory": [0, np.int64(0), *sizes],
         "prealloc": [None, *flags],
         "compile": flags,
         "kernel": ["FA", "flash", "sdpa", "", None, np.str_("flex "), np.bool_(True), 1, True],
-        "prefix_cache": [np.int64(1), 1.5, *sizes],
+        "prefix_cache": [1.5, *sizes],
         "graph_seqlen_k": ["Bucket", "", None, 1, True, np.bool_(False)],
         "graph_max_tokens": [0, -1, np.int64(0), 2**31, *numbers, *huge],
         "pool": [np.int64(2), np.bool_(True), 1.5, True, "", "x" * 32, "a b", b"svc", 10**30, ["svc"]],
         "pool_idle_s": [-1, -0.5, np.float64(-1.0), np.int64(-5), float("nan"), np.float64("nan"), float("inf"),
                         "2", "true", True, np.bool_(True), 10**400, b"2"],
-        "pool_keep": [None, np.int64(1), 1.5, *sizes],
+        "pool_keep": [None, 1.5, *sizes],
         "deferred_reclaim": [None, *flags],
         "background_unmap": flags,
         "split_decode": flags,
@@ -143,6 +143,12 @@ def test_numpy_scalars_that_are_values_become_python_ones():
     assert (o.prealloc, o.compile, o.split_decode) == (False, True, False)
     for v in (o.max_requests, o.max_context, o.graph_max_tokens, o.prealloc, o.compile, o.split_decode):
         assert type(v) in (int, bool), type(v)
+    # Sizes too: a NumPy integer is a number of bytes, as a Python int is.
+    sized = vt.Options(memory=np.int64(8 << 20), page_size=np.uint64(2 << 20), prefix_cache=np.int32(1 << 20),
+                       pool_keep=np.int64(2 << 20))
+    assert sized == vt.Options(memory=8 << 20, page_size="2M", prefix_cache="1M", pool_keep="2M")
+    for v in (sized.memory, sized.page_size, sized.prefix_cache, sized.pool_keep):
+        assert type(v) is int, type(v)
 
 
 def test_what_needs_the_model_is_refused_when_the_manager_is_made():

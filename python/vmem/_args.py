@@ -46,13 +46,25 @@ def check_optional_bool(name: str, value: Any) -> Optional[bool]:
     return None if value is None else check_bool(name, value)
 
 
+def integer(value: Any) -> Optional[int]:
+    """``value`` as an int if it is one: a Python int (not a bool) or a NumPy integer scalar
+    (``np.int64``, ``np.uint32``, ...; never a NumPy bool or float); ``None`` otherwise."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if type(value).__name__.startswith(("int", "uint")) and hasattr(value, "__index__"):
+        return operator.index(value)  # NumPy integers
+    return None
+
+
 def check_int(name: str, value: Any, *, min: Optional[int] = None, max: Optional[int] = None) -> int:
-    """``value`` if it is an int (not a bool, not a float, not a string) within ``[min, max]``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        if type(value).__name__.startswith(("int", "uint")) and hasattr(value, "__index__"):
-            value = int(value)  # NumPy integers
-        else:
-            raise InvalidArgument(f"{name} must be an int, got {short(value)}")
+    """``value`` if it is an int (not a bool, not a float, not a string; a NumPy integer is an
+    int) within ``[min, max]``."""
+    as_int = integer(value)
+    if as_int is None:
+        raise InvalidArgument(f"{name} must be an int, got {short(value)}")
+    value = as_int
     if min is not None and value < min:
         raise InvalidArgument(f"{name} must be >= {min}, got {short(value)}")
     if max is not None and value > max:
@@ -90,11 +102,13 @@ def check_choice(name: str, value: Any, choices: Sequence[T]) -> T:
 
 
 def check_size(name: str, value: Any, *, min: int = 0) -> int:
-    """A byte size, as an int >= ``min`` or a string such as ``"64K"``, ``"2M"``, ``"40GiB"``."""
+    """A byte size, as an int >= ``min`` (a NumPy integer too) or a string such as ``"64K"``,
+    ``"2M"``, ``"40GiB"``."""
     if isinstance(value, bool):
         raise InvalidArgument(f"{name}: not a size: {value!r}")
-    if isinstance(value, int):
-        n = value
+    as_int = integer(value)
+    if as_int is not None:
+        n = as_int
     elif isinstance(value, str):
         try:
             n = _vmem.parse_bytes(value)
@@ -115,13 +129,15 @@ def check_optional_size(name: str, value: Any, *, min: int = 0) -> Optional[int]
 
 
 def parse_bytes(size: Size) -> int:
-    """A byte size: an int, or a string such as ``"64K"``, ``"2M"``, ``"40GiB"``."""
+    """A byte size: an int (a NumPy integer too), or a string such as ``"64K"``, ``"2M"``,
+    ``"40GiB"``."""
     if isinstance(size, bool):
         raise InvalidArgument(f"not a size: {size!r}")
-    if isinstance(size, int):
-        if size < 0:
-            raise InvalidArgument(f"a size must be >= 0, got {size}")
-        return size
+    as_int = integer(size)
+    if as_int is not None:
+        if as_int < 0:
+            raise InvalidArgument(f"a size must be >= 0, got {as_int}")
+        return as_int
     if isinstance(size, str):
         return _vmem.parse_bytes(size)
     raise InvalidArgument(f"not a size: {size!r} (an int, or a string like '2M')")

@@ -28,7 +28,7 @@ from typing import Any, Optional, Tuple, Union
 
 import vmem._vmem as _vmem
 
-from ._args import short
+from ._args import integer, short
 from ._pool_args import MAX_BYTES as MAX_BYTES  # vmem.pool.MAX_BYTES, as before the parsers moved
 from ._pool_args import MIN_BYTES as MIN_BYTES
 from ._pool_args import _floor, _floor_within_limit, _limit, _size
@@ -211,10 +211,12 @@ def create(path: Any = None, *, size: Optional[Union[int, str]] = None, reserve:
     one (default: the whole pool); ``group`` (a name or a number) may join and change limits
     (mode 0660; owner-only, 0600, without)."""
     # Past 64 bits cannot cross into Rust, which checks the range (1 to 1024) itself.
-    if isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots < 2**64:
+    slots_n, device_n = integer(slots), integer(device)  # NumPy integers too
+    if slots_n is None or not 0 <= slots_n < 2**64:
         raise PoolError(f"invalid pool setting: slots must be an int from 1 to 1024, got {short(slots)}")
-    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < 2**31:
+    if device_n is None or not 0 <= device_n < 2**31:
         raise PoolError(f"invalid pool setting: device must be a GPU ordinal (an int >= 0), got {short(device)}")
+    slots, device = slots_n, device_n
     if not isinstance(backend, str):
         raise PoolError(f"invalid pool setting: backend must be 'cuda', 'uvm' or 'host', got {short(backend)}")
     if group is not None and (isinstance(group, bool) or not isinstance(group, (str, int))):
