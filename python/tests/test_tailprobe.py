@@ -62,3 +62,46 @@ def test_slowest_lists_the_slowest_rounds_with_what_came_before_them() -> None:
     assert len(tailprobe.slowest(rounds[:100]).splitlines()) == 2 + 5  # at least 5
     assert tailprobe.slowest(rounds, kind="prefill", count=1).splitlines()[-1].startswith("  round 10 ")
     assert tailprobe.slowest([], kind="decode") == "slowest decode rounds: none"
+
+
+class _WaitingKV:
+    """A KVCache stand-in whose step waits ``wait_s`` for another thread (counted as vmem counts
+    it, in ``usage()["step_wait_ns"]``) and then maps for ``map_s``."""
+
+    def __init__(self, wait_s: float, map_s: float) -> None:
+        self.wait_s, self.map_s, self.waited_ns = wait_s, map_s, 0
+
+    def step(self, lengths: list[int]) -> tuple[int, int, int]:
+        import time
+
+        time.sleep(self.wait_s + self.map_s)
+        self.waited_ns += int(self.wait_s * 1e9)
+        return (1, 0, 0)
+
+    def usage(self) -> dict[str, int]:
+        return {"step_wait_ns": self.waited_ns}
+
+
+def test_the_mapping_step_is_filed_with_the_part_it_waited_and_comes_off() -> None:
+    import threading
+    from types import SimpleNamespace
+
+    tenancy = pytest.importorskip("vmem.transformers.tenancy")
+    step = tenancy.Tenant.__dict__["step"]
+    kv = _WaitingKV(wait_s=0.03, map_s=0.02)
+    tenant = tenancy.Tenant(kv, SimpleNamespace(lengths=[5]), threading.Lock(), blocks=4, block_bytes=1,
+                            idle_after=None)
+    with HookClock() as clock:
+        tailprobe.attach(clock)
+        _round(clock)
+        tenant.step()
+        _round(clock)
+        clock.close_round()
+    assert tenancy.Tenant.__dict__["step"] is step
+    first, second = (r.get("extra", {}) for r in clock.rounds)
+    assert first["vmem_step_n"] == 1 and first["vmem_wait_n"] == 1
+    assert first["vmem_wait_ms"] == pytest.approx(30.0)
+    assert 50.0 <= first["vmem_step_ms"] < 500.0
+    assert "vmem_step_n" not in second
+    line = tailprobe.slowest(clock.rounds[:1] * 5).splitlines()[2]
+    assert "vmem_step 5" in line and "vmem_wait 30.00 ms/1" in line

@@ -131,7 +131,25 @@ def test_preemption_under_memory_pressure():
     cmp = h.compare(run, model, new)
     assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
     assert cache.readmissions > 0, "expected at least one preemption"
+    # The benches' count, the same for every cache, is the engine's: it agrees with vmem's own.
+    assert run["evictions"] == cache.readmissions
     _check_clean(cache)
+
+
+def test_the_engines_own_cache_preempts_under_the_same_pressure_and_is_counted():
+    """The engine's own paged cache with the blocks vmem had above (7 of 256 tokens): its
+    preemptions are counted by the benches' wrapper (its cache keeps no count of them), and the
+    wrapper comes off after the run."""
+    from transformers.generation.continuous_batching import offloading_manager as om
+
+    original = om.OffloadingManager.__dict__["offload_requests"]
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(5, [200] * 5, model.config.vocab_size)
+    run = h.run_engine(model, "paged|sdpa", prompts, 80,
+                       cb_kwargs=dict(max_batch_tokens=64, block_size=256, num_blocks=7, max_memory_percent=0.9))
+    assert om.OffloadingManager.__dict__["offload_requests"] is original
+    assert run["evictions"] > 0, "expected the engine to preempt"
+    assert all(len(r.generated_tokens) == 80 for r in run["results"].values())
 
 
 def test_blockflex_contender_matches():

@@ -70,6 +70,8 @@ fn free_returns_while_the_device_is_waited_for() {
     let b = kv.alloc_reqid().unwrap();
     assert_ne!(a, b, "the id being unmapped is handed out last");
     kv.step(&lens(&[(b, 100)])).unwrap();
+    // A step served from free pages waits for nothing.
+    assert_eq!(kv.step_waits(), vmem::StepWaits::default());
     // A second free of the id being unmapped waits for it, then is a double free.
     release.send(()).unwrap();
     assert!(matches!(kv.free_reqid(a), Err(VmemError::DoubleFree(r)) if r == a));
@@ -118,6 +120,14 @@ fn a_step_short_of_pages_waits_for_the_ones_being_unmapped() {
     assert_eq!(report.sync_pages, 4);
     stepper.join().unwrap();
     assert_eq!(kv.request_pages(b).unwrap(), vec![2, 2]);
+    // The wait is counted: one step, at least the 200 ms the fence was held.
+    let waits = kv.step_waits();
+    assert_eq!(waits.steps, 1);
+    assert!(
+        waits.nanos >= 200_000_000,
+        "waited {} ns in all",
+        waits.nanos
+    );
 }
 
 #[test]

@@ -12,4 +12,6 @@ pub mod testing;
 pub mod units;
 
 pub use error::{Result, VmemError};
-pub use kvcache::{DecisionDigest, KvCacheManager, KvConfig, KvConfigBuilder, Layout, StepReport};
+pub use kvcache::{
+    DecisionDigest, KvCacheManager, KvConfig, KvConfigBuilder, Layout, StepReport, StepWaits,
+};

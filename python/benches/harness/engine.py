@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from harness.evictions import Evictions
 from harness.hostclock import host_batch
 from harness.memwatch import used_bytes
 
@@ -110,7 +111,8 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
     A request error, an engine that stops or ``timeout`` seconds of a phase raise
     (``fail_fast``), or end the run with ``error`` set. Returns the request ids, prompts,
     finished results by id, ``t0`` (the clock start), ``wall_s`` (last result - ``t0``),
-    ``init_s``, the forward hook's rounds, ``max_running``, ``peak_blocks``, captured logits,
+    ``init_s``, the forward hook's rounds, ``max_running``, ``peak_blocks``, ``evictions`` (the
+    requests the engine preempted, :class:`harness.evictions.Evictions`), captured logits,
     streamed counts, the cache and ``error``."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
@@ -136,7 +138,7 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
         options = vt.serving(**serving)
     t_init = time.perf_counter()
     # The options stay in force until the engine stopped: its thread builds the cache later.
-    with options:
+    with options, Evictions() as evictions:
         used0 = used_bytes()
         mgr = model.init_continuous_batching(**init)
         if warmup:
@@ -170,7 +172,7 @@ def run_engine(model: Any, attn: str, prompts: Sequence[list[int]], max_new_toke
                 mgr.destroy()
             observer.remove()
     run.update(rounds=observer.rounds, max_running=observer.max_running, peak_blocks=observer.peak_blocks,
-               logits=observer.logits)
+               logits=observer.logits, evictions=evictions.count)
     return run
 
 

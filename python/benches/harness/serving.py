@@ -47,7 +47,7 @@ def kv_budget(model: Any, args: Any) -> dict[str, int]:
 
 
 def cache_info(cache: Any) -> dict[str, Any]:
-    """Memory, preemptions and prefix hits (tokens served from cache) of a finished run's cache."""
+    """Memory, vmem's readmissions and prefix hits (tokens served from cache) of a finished run's cache."""
     # 5.19+'s cache names its block a sector (``tokens_per_sector``) and has no ``block_size``
     block = getattr(cache, "block_size", None) or getattr(cache, "tokens_per_sector", None)
     common = {"block_size": block, "num_blocks": cache.num_blocks,
@@ -56,9 +56,9 @@ def cache_info(cache: Any) -> dict[str, Any]:
     if ct.is_vmem_cache(cache):
         u = cache.usage()
         return {"kv_reserved_mb": u["physical_bytes"] / 2**20, "kv_peak_mapped_mb": cache.peak_mapped_bytes / 2**20,
-                "kv_mapped_at_end_mb": u["mapped_bytes"] / 2**20, "preemptions": cache.readmissions,
+                "kv_mapped_at_end_mb": u["mapped_bytes"] / 2**20, "readmissions": cache.readmissions,
                 "kernel": cache.kernel, **common}
-    return {"kv_reserved_mb": cache_bytes(cache) / 2**20, "kv_peak_mapped_mb": None, "preemptions": None, **common}
+    return {"kv_reserved_mb": cache_bytes(cache) / 2**20, "kv_peak_mapped_mb": None, **common}
 
 
 def cache_bytes(cache: Any) -> int:
@@ -104,6 +104,7 @@ def run_contender(model: Any, name: str, prompts: list[list[int]], args: Any, bu
         "peak_torch_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
         "warmup_mb": run.get("warmup_mb"), "graphs_at_start": run.get("graphs_at_start"),
         "graphs_at_end": run.get("graphs_at_end"),
+        "preemptions": run["evictions"],  # the engine's count, the same for every cache
     }
     info = run["cache_info"]
     info["kv_peak_in_use_mb"] = run["peak_blocks"] * info["block_size"] * budget["token_bytes"] / 2**20

@@ -106,7 +106,8 @@ def profile(model: Any, name: str, prompts: list[list[int]], args: Any, kv: dict
                       tailprobe.slowest(rounds.rounds), "",
                       tailprobe.slowest(rounds.rounds, "prefill", 3), "",
                       f"again without torch.profiler: {r2['tok_s']:.0f} tok/s, TBT p50 {r2['tbt_p50_ms']:.2f} ms, "
-                      f"p99 {r2['tbt_p99_ms']:.2f} ms",
+                      f"p99 {r2['tbt_p99_ms']:.2f} ms, TTFT p99 {r2['ttft_p99_ms']:.0f} ms, "
+                      f"{r2['preemptions']} preemptions, {r2['wall_s']:.2f} s",
                       round_report(plain.rounds, None), timeline(plain, r2), "", tailprobe.slowest(plain.rounds), "",
                       tailprobe.slowest(plain.rounds, "prefill", 3)])
 

@@ -9,7 +9,11 @@ the probed calls, inclusive: nothing is taken off the loop part the call happene
   ``Stream.synchronize``) or reading a tensor back (``Tensor.item``, ``tolist``, ``cpu``);
 * ``replay`` and ``capturing``: CUDA graph replays, and the engine capturing one
   (``ModelRunner._capture_graph``: a warm-up forward and the capture);
-* ``vmem_map`` (the vmem cache's ``flush``: mapping a round's pages, zeroing fresh blocks),
+* ``vmem_map`` (the vmem cache's ``flush``: mapping a round's pages, zeroing fresh blocks), in
+  it ``vmem_step`` (the ``step`` that maps them on the host), of which ``vmem_wait`` is the time
+  the step waited for vmem's other threads (pages the unmapping thread gives back, after its
+  own wait for the device: ``usage()["step_wait_ns"]``), and ``vmem_zero`` (zeroing the fresh
+  blocks: the kernels' launches),
   ``vmem_free`` (its ``free_blocks``: a finished request's row given back, its pages unmapped
   after the GPU work queued before) and ``vmem_round`` (``prepare_round``: the round's metadata
   and the kernel's plan);
@@ -37,8 +41,8 @@ from typing import Any
 ALLOCATOR = (("num_device_alloc", "device_alloc"), ("num_device_free", "device_free"),
              ("num_alloc_retries", "alloc_retries"))
 #: The probes :func:`slowest` prints, in order.
-PROBES = ("gc", "sync", "replay", "capturing", "vmem_map", "vmem_free", "vmem_round", "schedule", "batch_tensors",
-          "cache_index", "h2d")
+PROBES = ("gc", "sync", "replay", "capturing", "vmem_map", "vmem_step", "vmem_wait", "vmem_zero", "vmem_free",
+          "vmem_round", "schedule", "batch_tensors", "cache_index", "h2d")
 
 
 def _module(name: str) -> Any:
@@ -77,6 +81,8 @@ def attach(clock: Any) -> None:
     clock.wrap(_module("vmem.transformers.graphs"), "prepare_round", "vmem_round", inclusive=True)
     cache_cls = getattr(_module("vmem.transformers.cache"), "VmemCBCache", None)
     clock.wrap(cache_cls, "flush", "vmem_map", inclusive=True)
+    _probe_step(clock, getattr(_module("vmem.transformers.tenancy"), "Tenant", None))
+    clock.wrap(getattr(_module("vmem.kernels.blocks"), "FreshBlocks", None), "zero", "vmem_zero", inclusive=True)
     clock.wrap(cache_cls, "free_blocks", "vmem_free", inclusive=True)
     clock.wrap(cache_cls, "extend_read_and_write_indices", "cache_index", inclusive=True)
     sched = _module("transformers.generation.continuous_batching.scheduler")
@@ -102,6 +108,27 @@ def attach(clock: Any) -> None:
 
         clock.on_open.append(opened)
         clock.on_close.append(closed)
+
+
+def _probe_step(clock: Any, tenant: Any) -> None:
+    """``vmem_step``: the tenant's ``step`` (the round's mapping); ``vmem_wait``: how much of it
+    the step waited for vmem's other threads (read from the cache's counters around it)."""
+    if tenant is None or "step" not in tenant.__dict__:
+        return
+    original = tenant.__dict__["step"]
+    clock.wrap(tenant, "step", "vmem_step", inclusive=True)
+    timed = tenant.__dict__["step"]
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before = self.kv.usage()["step_wait_ns"]
+        try:
+            return timed(self, *args, **kwargs)
+        finally:
+            clock.add("vmem_wait_ms", (self.kv.usage()["step_wait_ns"] - before) / 1e6)
+            clock.add("vmem_wait_n", 1)
+
+    tenant.step = step
+    clock.on_restore(lambda: setattr(tenant, "step", original))
 
 
 def _describe(r: dict[str, Any]) -> str:

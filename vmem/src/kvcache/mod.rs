@@ -59,6 +59,18 @@ pub struct StepReport {
     pub reclaimed_pages: u64,
 }
 
+/// The time steps spent waiting for the manager's other threads, since it was made: for a
+/// request another thread is mapping (`map_ahead`), and for pages the unmapping thread is
+/// giving back (whose wait for the device comes first). What is left of a step's time is its
+/// own mapping, on the critical path.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepWaits {
+    /// Steps that waited at least once.
+    pub steps: u64,
+    /// Nanoseconds they waited, in all.
+    pub nanos: u64,
+}
+
 /// Memory held by the cache right now.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MemoryUsage {
@@ -481,8 +493,10 @@ impl KvCacheManager {
         // batched kernel that reads every row up to the batch's length reads mapped memory.
         let longest = seq_lens.iter().copied().max().unwrap_or(0);
         let target = |len: u64| policy::row_target(self.cfg.pad_rows, len, longest);
+        let mut waited: Option<std::time::Instant> = None;
         let needed: u64 = loop {
             if claimed(&st) {
+                waited.get_or_insert_with(std::time::Instant::now);
                 st = self.wait_unclaimed(st, claimed);
                 // Other threads may have freed requests while this one waited.
                 st.check_step(seq_lens)?;
@@ -494,12 +508,17 @@ impl KvCacheManager {
             // Pages the unmapping thread is giving back: a step that needs them waits (one
             // that needs more than they make up fails below, without waiting).
             if st.needs_unmapping_pages(needed) {
+                waited.get_or_insert_with(std::time::Instant::now);
                 st = self.wait_unmaps(st);
                 st.check_step(seq_lens)?;
                 continue;
             }
             break needed;
         };
+        if let Some(since) = waited {
+            st.waits.steps += 1;
+            st.waits.nanos += since.elapsed().as_nanos() as u64;
+        }
         let old_pending = st.requests.start_step(seq_lens);
         let available = st.pool.available_pages() + st.reclaimable() + st.unmapping_pages();
         if needed > available {
@@ -618,6 +637,11 @@ impl KvCacheManager {
             st.pool.free_pages(),
             st.pool.cap_pages(),
         )
+    }
+
+    /// How often, and how long, steps have waited for the manager's other threads.
+    pub fn step_waits(&self) -> StepWaits {
+        self.shared.lock().waits
     }
 
     /// Memory held right now.

@@ -23,6 +23,8 @@ pub(super) struct State {
     pub(super) signals: Signals,
     /// Pages mapped and reclaimed off the critical path, reported by the next step.
     pub(super) counters: Counters,
+    /// How often, and how long, steps waited for other threads (since the manager was made).
+    pub(super) waits: super::StepWaits,
     /// The prefix cache (kvcache/prefix.rs); empty and off unless `cfg.prefix_cache`.
     pub(super) prefix: PrefixCache,
     /// The running digest of the manager's decisions (lockstep.rs).
@@ -80,6 +82,7 @@ impl State {
             requests: Requests::new(b),
             signals: Signals::default(),
             counters: Counters::default(),
+            waits: Default::default(),
             prefix,
             lockstep: Default::default(),
         }
