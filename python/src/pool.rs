@@ -64,6 +64,8 @@ fn status_dict<'py>(py: Python<'py>, st: &PoolStatus) -> PyResult<Bound<'py, PyD
         .collect::<PyResult<Vec<_>>>()?;
     d.set_item("tenants", tenants)?;
     d.set_item("reaped", reaped_dicts(py, &st.reaped)?)?;
+    d.set_item("dead", reaped_dicts(py, &st.dead)?)?;
+    d.set_item("read_only", st.read_only)?;
     Ok(d)
 }
 
@@ -132,11 +134,17 @@ impl Pool {
         })
     }
 
-    /// Opens the pool ledger at `path`.
+    /// Opens the pool ledger at `path` (with `read_only`, for reading only).
     #[staticmethod]
-    fn open(path: PathBuf) -> PyResult<Pool> {
+    #[pyo3(signature = (path, read_only = false))]
+    fn open(path: PathBuf, read_only: bool) -> PyResult<Pool> {
+        let ledger = if read_only {
+            Ledger::open_read_only(&path)
+        } else {
+            Ledger::open(&path)
+        };
         Ok(Pool {
-            ledger: Arc::new(Ledger::open(&path).map_err(pool_err)?),
+            ledger: Arc::new(ledger.map_err(pool_err)?),
         })
     }
 
@@ -150,7 +158,8 @@ impl Pool {
         Ok(d)
     }
 
-    /// The pool now (dead tenants reaped first and listed).
+    /// The pool now (dead tenants reaped first and listed; on a ledger open read-only, left in
+    /// and listed under `dead`).
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let st = py.detach(|| self.ledger.status()).map_err(pool_err)?;
         status_dict(py, &st)

@@ -69,6 +69,28 @@ def test_create_open_status_and_set_limit_return_typed_values(p, path):
     assert p.status().tenants == ()
 
 
+def test_a_pool_opened_read_only_reads_its_status_and_refuses_every_change(p, path):
+    """``pool.open(path, read_only=True)``: a monitor's open, which never writes: its status
+    reads the tenants (``read_only`` set, nothing reaped), and every change raises PoolError
+    saying the ledger is read-only, the file unchanged. ``read_only`` takes a bool only."""
+    kv = _cache(path, "llama", limit="1M")
+    ro = pool.open(path, read_only=True)
+    st = ro.status()
+    assert st.read_only and st.dead == () and st.reaped == ()
+    assert [t.name for t in st.tenants] == ["llama"] and not p.status().read_only
+    with open(path, "rb") as fh:
+        before = fh.read()
+    for change in (lambda: ro.set_limit("llama", "2M"), lambda: ro.set_floor("llama", 0), ro.reap):
+        with pytest.raises(pool.PoolError, match="read-only"):
+            change()
+    with open(path, "rb") as fh:
+        assert fh.read() == before
+    for bad in ("yes", 1, None, np.int64(1)):
+        with pytest.raises(pool.PoolError, match="read_only"):
+            pool.open(path, read_only=bad)
+    kv.close()
+
+
 def test_refusals_are_pool_errors_with_the_clis_messages(p, path):
     with pytest.raises(vmem.PoolError, match=f"no pool ledger at {path}x: create one with `vmem pool create --ledger {path}x`"):
         pool.open(path + "x")

@@ -28,11 +28,11 @@ from typing import Any, Optional, Tuple, Union
 
 import vmem._vmem as _vmem
 
-from ._args import integer, short
+from ._args import check_bool, integer, short
 from ._pool_args import MAX_BYTES as MAX_BYTES  # vmem.pool.MAX_BYTES, as before the parsers moved
 from ._pool_args import MIN_BYTES as MIN_BYTES
 from ._pool_args import _floor, _floor_within_limit, _limit, _size
-from ._vmem import PoolError
+from ._vmem import InvalidArgument, PoolError
 
 #: Longest tenant name, bytes (the ledger's rule: vmem-pool `layout::MAX_NAME`).
 MAX_NAME = 31
@@ -111,7 +111,8 @@ class Reaped:
 @dataclasses.dataclass(frozen=True)
 class PoolStatus:
     """The pool at one moment: ``total``, ``used`` and ``free`` bytes, the live ``tenants``
-    (by slot) and the dead ones this call ``reaped``."""
+    (by slot) and the dead ones this call ``reaped``; on a ledger open read-only
+    (``read_only``), the dead ones are left in, among ``tenants`` and in ``dead``."""
 
     path: str
     total: int
@@ -121,6 +122,8 @@ class PoolStatus:
     slots: int
     tenants: Tuple[TenantStatus, ...]
     reaped: Tuple[Reaped, ...]
+    dead: Tuple[Reaped, ...] = ()
+    read_only: bool = False
 
     def tenant(self, name: str) -> Optional[TenantStatus]:
         """The live tenant ``name``, or ``None``."""
@@ -168,12 +171,14 @@ class Pool:
         self.default_limit: int = info["default_limit"]
 
     def status(self) -> PoolStatus:
-        """The pool now; dead tenants are taken out first (listed in ``reaped``)."""
+        """The pool now; dead tenants are taken out first (listed in ``reaped``), or, on a
+        ledger open read-only, listed in ``dead`` and left in."""
         d = self._rs.status()
         return PoolStatus(path=d["path"], total=d["total"], used=d["used"], free=max(0, d["total"] - d["used"]),
                           default_limit=d["default_limit"], slots=d["slots"],
                           tenants=tuple(_tenant(t) for t in d["tenants"]),
-                          reaped=tuple(Reaped(**r) for r in d["reaped"]))
+                          reaped=tuple(Reaped(**r) for r in d["reaped"]),
+                          dead=tuple(Reaped(**r) for r in d["dead"]), read_only=d["read_only"])
 
     def set_limit(self, tenant: str, limit: Limit) -> LimitChange:
         """Sets live tenant ``tenant``'s limit: bytes, ``"12G"`` or ``"25%"`` of the total. A
@@ -229,9 +234,16 @@ def create(path: Any = None, *, size: Optional[Union[int, str]] = None, reserve:
     return Pool(rs)
 
 
-def open(path: Any = None) -> Pool:  # noqa: A001 - pool.open, as the module's users read it
-    """Opens the pool ledger at ``path`` (default :func:`default_ledger`)."""
-    return Pool(_vmem.Pool.open(_path(path)))
+def open(path: Any = None, *, read_only: bool = False) -> Pool:  # noqa: A001 - pool.open, as its users read it
+    """Opens the pool ledger at ``path`` (default :func:`default_ledger`); ``read_only``: for
+    reading only (a monitor that must never write), as a ledger on a filesystem mounted
+    read-only is opened anyway: :meth:`Pool.status` works, every change raises
+    :class:`vmem.PoolError`."""
+    try:
+        reading = check_bool("read_only", read_only)
+    except InvalidArgument as e:
+        raise PoolError(f"invalid pool setting: {e}") from None
+    return Pool(_vmem.Pool.open(_path(path), reading))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,9 @@ pub fn status_table(st: &PoolStatus) -> String {
         st.tenants.len(),
         st.slots
     );
+    if st.read_only {
+        s.push_str("read-only: nothing can be changed here, and dead tenants are not reaped\n");
+    }
     if floors > 0 {
         s.push_str(&format!(
             "floors: {} in all, {} of the free room kept for tenants under theirs\n",
@@ -32,7 +35,9 @@ pub fn status_table(st: &PoolStatus) -> String {
         ));
     }
     for t in &st.tenants {
+        let dead = st.dead.iter().any(|d| d.name == t.name && d.pid == t.pid);
         let state = match t.over_limit() {
+            _ if dead => "process gone: not reaped (read-only)".to_string(),
             0 => "ok".to_string(),
             over => format!("over limit by {}: shrinking", format_bytes(over)),
         };
@@ -87,5 +92,9 @@ pub fn status_json(st: &PoolStatus) -> serde_json::Value {
         "reaped": st.reaped.iter().map(|r| serde_json::json!({
             "name": r.name, "pid": r.pid, "usage_bytes": r.usage,
         })).collect::<Vec<_>>(),
+        "dead": st.dead.iter().map(|r| serde_json::json!({
+            "name": r.name, "pid": r.pid, "usage_bytes": r.usage,
+        })).collect::<Vec<_>>(),
+        "read_only": st.read_only,
     })
 }

@@ -387,6 +387,30 @@ fn create_on_a_full_filesystem_fails_with_enospc_and_leaves_nothing() {
     assert_eq!(fs.names(), Vec::<String>::new());
 }
 
+/// `status` and `top` of a ledger on a filesystem mounted read-only (an operator's read-only
+/// /dev/shm, a container's read-only root): before, both failed with "Read-only file system".
+/// Now they print the pool, saying it is read-only; a change is refused, exit 1.
+#[test]
+fn status_reads_a_ledger_on_a_read_only_filesystem_and_changes_are_refused() {
+    let Some(fs) = common::Tmpfs::mount("ro", "64k") else {
+        return;
+    };
+    let p = fs.0.join("p");
+    ok(&pool(&p, &["create", "--size", "1G", "--slots", "4"]));
+    fs.remount_read_only();
+    let o = ok(&pool(&p, &["status"]));
+    assert!(o.contains("1G total") && o.contains("read-only"), "{o}");
+    let j: serde_json::Value = serde_json::from_str(&ok(&pool(&p, &["status", "--json"]))).unwrap();
+    assert_eq!(
+        (j["read_only"].as_bool(), j["used_bytes"].as_u64()),
+        (Some(true), Some(0))
+    );
+    assert_eq!(j["dead"].as_array().map(Vec::len), Some(0));
+    let out = pool(&p, &["limit", "llama", "1G"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert_refused(&out, "limit on a read-only ledger", "mounted read-only");
+}
+
 /// `create` whose output cannot be written (stdout on /dev/full, or a reader that went
 /// away): before, exit 1 with the pool made all the same. Now the pool is removed again and
 /// the error says so: a failed command leaves nothing.

@@ -180,6 +180,21 @@ pub enum PoolError {
         waited: std::time::Duration,
     },
 
+    /// The ledger was opened read-only (its filesystem is mounted read-only, or
+    /// [`crate::Ledger::open_read_only`] was asked for): it can be read, not changed.
+    #[error(
+        "{}: the ledger is open read-only ({why}): {what} needs it writable; nothing was changed",
+        shown(path)
+    )]
+    ReadOnly {
+        /// The path.
+        path: PathBuf,
+        /// Why it is read-only.
+        why: &'static str,
+        /// What was asked of it.
+        what: String,
+    },
+
     /// An operating-system call failed.
     #[error("{op} {}: {source}", shown(path))]
     Os {

@@ -63,6 +63,11 @@ fn new_file(config: &PoolConfig, created: u64) -> Vec<u8> {
         .collect()
 }
 
+/// Why a ledger [`Ledger::open_read_only`] opened is read-only.
+const READ_ONLY_ASKED: &str = "opened for reading only";
+/// Why a ledger [`Ledger::open`] opened is read-only.
+const READ_ONLY_FILESYSTEM: &str = "its filesystem is mounted read-only";
+
 /// Removes the temporary file a ledger is built in, whatever happens.
 struct Unlink<'a>(&'a Path);
 
@@ -131,7 +136,7 @@ impl Ledger {
             }
             Err(e) => return Err(os("link", path)(e)),
         }
-        Self::from_file(path, file)
+        Self::from_file(path, file, None)
     }
 
     /// Removes the ledger's file, if no tenant is in the pool (dead ones are reaped first;
@@ -165,9 +170,22 @@ impl Ledger {
 
     /// Opens the ledger at `path`, checking that it is a regular file this user may use
     /// (its owner, or a member of the group it is granted to) and that it is consistent.
-    /// Nothing is written.
+    /// Nothing is written. On a filesystem mounted read-only it is opened read-only
+    /// ([`Ledger::open_read_only`]): its status can be read, and every change is refused
+    /// with [`PoolError::ReadOnly`].
     pub fn open(path: impl AsRef<Path>) -> Result<Ledger> {
-        let path = path.as_ref();
+        Self::open_as(path.as_ref(), true)
+    }
+
+    /// Opens the ledger at `path` for reading only, as [`Ledger::open`] checks it: its
+    /// [`status`](Ledger::status) lists the tenants whose processes died without taking them
+    /// out (`dead`); every change (join, leave, limit, floor, reap) is refused with
+    /// [`PoolError::ReadOnly`]. What a monitor that must never write uses.
+    pub fn open_read_only(path: impl AsRef<Path>) -> Result<Ledger> {
+        Self::open_as(path.as_ref(), false)
+    }
+
+    fn open_as(path: &Path, writable: bool) -> Result<Ledger> {
         let meta = match std::fs::symlink_metadata(path) {
             Ok(m) => m,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -181,8 +199,19 @@ impl Ledger {
                 why: format!("it is {}", describe(meta.file_type())),
             });
         }
-        let fd = match sys::open(path, None) {
-            Ok(fd) => fd,
+        let opened = if writable {
+            sys::open(path, None).map(|fd| (fd, None))
+        } else {
+            sys::open_read_only(path).map(|fd| (fd, Some(READ_ONLY_ASKED)))
+        };
+        let opened = match opened {
+            Err(e) if writable && e.raw_os_error() == Some(libc::EROFS) => {
+                sys::open_read_only(path).map(|fd| (fd, Some(READ_ONLY_FILESYSTEM)))
+            }
+            other => other,
+        };
+        let (fd, read_only) = match opened {
+            Ok(opened) => opened,
             Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES) | Some(libc::EPERM)) => {
                 use std::os::unix::fs::MetadataExt;
                 let why = access::check(
@@ -206,11 +235,11 @@ impl Ledger {
             }
             Err(e) => return Err(os("open", path)(e)),
         };
-        Self::from_file(path, File::from(fd))
+        Self::from_file(path, File::from(fd), read_only)
     }
 
-    /// Checks an open file and maps it.
-    fn from_file(path: &Path, file: File) -> Result<Ledger> {
+    /// Checks an open file and maps it (read-only, saying why, when `read_only`).
+    fn from_file(path: &Path, file: File, read_only: Option<&'static str>) -> Result<Ledger> {
         let not = |why: String| PoolError::NotALedger {
             path: path.into(),
             why,
@@ -281,11 +310,17 @@ impl Ledger {
                 "total {total} bytes, default limit {default_limit}"
             )));
         }
-        let map = Mapping::new(file.as_fd(), info.len as usize).map_err(os("mmap", path))?;
-        let ledger = Ledger::from_parts(path, map, file, slots as usize, total, default_limit);
-        let admin = ledger.admin()?;
-        ledger.check(&admin)?;
-        drop(admin);
+        let map = Mapping::new(file.as_fd(), info.len as usize, read_only.is_none())
+            .map_err(os("mmap", path))?;
+        let mut ledger = Ledger::from_parts(path, map, file, slots as usize, total, default_limit);
+        if read_only.is_some() {
+            ledger.read_only = read_only;
+            let _reader = ledger.reader()?;
+            ledger.check_read_only()?;
+        } else {
+            let admin = ledger.admin()?;
+            ledger.check(&admin)?;
+        }
         Ok(ledger)
     }
 }

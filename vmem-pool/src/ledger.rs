@@ -43,6 +43,8 @@ pub struct Ledger {
     slots: usize,
     total: u64,
     default_limit: u64,
+    /// Why it is open read-only (`None`: writable); see [`Ledger::open_read_only`].
+    pub(crate) read_only: Option<&'static str>,
     /// Slots whose tenants joined through this ledger object (their locks are on this open
     /// file, which `F_OFD_GETLK` does not report as held by someone else). The mutex also
     /// serializes this process's threads in the sections under the header's lock, which
@@ -89,6 +91,7 @@ impl Ledger {
             slots,
             total,
             default_limit,
+            read_only: None,
             held: Mutex::new(vec![false; slots]),
         }
     }
@@ -203,12 +206,48 @@ impl Ledger {
             })
     }
 
+    /// Whether it is open read-only ([`Ledger::open_read_only`], or a ledger on a filesystem
+    /// mounted read-only): every change is refused.
+    pub fn is_read_only(&self) -> bool {
+        self.read_only.is_some()
+    }
+
     /// The pool now: its total, what is used, and each live tenant (dead ones are reaped
-    /// first and listed apart).
+    /// first and listed apart). Open read-only, nothing is reaped: tenants whose processes
+    /// died stay among the tenants, their usage counted, and are listed in `dead` too.
     pub fn status(&self) -> Result<PoolStatus> {
+        if self.read_only.is_some() {
+            let _reader = self.reader()?;
+            self.check_read_only()?;
+            let dead = self.dead()?;
+            return Ok(self.snapshot(Vec::new(), dead));
+        }
         let admin = self.admin()?;
         self.check(&admin)?;
         let reaped = self.reap_locked(&admin)?;
+        Ok(self.snapshot(reaped, Vec::new()))
+    }
+
+    /// The live tenants whose processes are gone, as reaping would take them out.
+    fn dead(&self) -> Result<Vec<Reaped>> {
+        let mut dead = Vec::new();
+        for i in self.live() {
+            if !sys::ofd_locked_elsewhere(self.file.as_fd(), layout::slot_lock_byte(i))
+                .map_err(os("lock test", &self.path))?
+            {
+                let slot = self.slot(i);
+                dead.push(Reaped {
+                    name: self.name_of(i),
+                    pid: slot[s::PID].load(SeqCst),
+                    usage: slot[s::USAGE].load(SeqCst),
+                });
+            }
+        }
+        Ok(dead)
+    }
+
+    /// The pool as the ledger reads now, with what this call reaped or found dead.
+    fn snapshot(&self, reaped: Vec<Reaped>, dead: Vec<Reaped>) -> PoolStatus {
         let tenants = self
             .live()
             .map(|i| {
@@ -227,7 +266,7 @@ impl Ledger {
                 }
             })
             .collect::<Vec<TenantStatus>>();
-        Ok(PoolStatus {
+        PoolStatus {
             path: self.path.clone(),
             total: self.total,
             default_limit: self.default_limit,
@@ -236,6 +275,8 @@ impl Ledger {
             used: tenants.iter().map(|t| t.usage).fold(0, u64::saturating_add),
             tenants,
             reaped,
-        })
+            dead,
+            read_only: self.read_only.is_some(),
+        }
     }
 }

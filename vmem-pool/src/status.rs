@@ -65,6 +65,11 @@ pub struct PoolStatus {
     pub tenants: Vec<TenantStatus>,
     /// Tenants found dead and taken out by this call.
     pub reaped: Vec<Reaped>,
+    /// Tenants found dead and left in (the ledger is read-only): still among `tenants`,
+    /// their usage still counted, until a writable open reaps them.
+    pub dead: Vec<Reaped>,
+    /// Whether the ledger is open read-only ([`crate::Ledger::is_read_only`]).
+    pub read_only: bool,
 }
 
 /// What [`crate::Ledger::set_limit`] changed.

@@ -40,8 +40,17 @@ fn cpath(path: &Path) -> io::Result<CString> {
 /// FIFO (whose type the caller then refuses); with `create`, creates it exclusively with
 /// `mode`.
 pub fn open(path: &Path, create: Option<u32>) -> io::Result<OwnedFd> {
+    open_with(path, libc::O_RDWR, create)
+}
+
+/// As [`open`], for reading only (never creates).
+pub fn open_read_only(path: &Path) -> io::Result<OwnedFd> {
+    open_with(path, libc::O_RDONLY, None)
+}
+
+fn open_with(path: &Path, access: libc::c_int, create: Option<u32>) -> io::Result<OwnedFd> {
     let c = cpath(path)?;
-    let mut flags = libc::O_RDWR | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;
+    let mut flags = access | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;
     let mode = create.unwrap_or(0);
     if create.is_some() {
         flags |= libc::O_CREAT | libc::O_EXCL;
@@ -105,6 +114,9 @@ pub fn link(from: &Path, to: &Path) -> io::Result<()> {
 pub enum LockOp {
     /// Take a write lock if free; `Ok(false)` if another open file holds it.
     Try,
+    /// Take a read lock if no other open file holds a write lock (a file open for reading
+    /// only can take no other); `Ok(false)` otherwise.
+    TryShared,
     /// Release it.
     Release,
 }
@@ -125,6 +137,7 @@ fn flock_at(byte: u64, kind: libc::c_int) -> libc::flock {
 pub fn ofd_lock(fd: BorrowedFd<'_>, byte: u64, op: LockOp) -> io::Result<bool> {
     let (cmd, kind) = match op {
         LockOp::Try => (libc::F_OFD_SETLK, libc::F_WRLCK),
+        LockOp::TryShared => (libc::F_OFD_SETLK, libc::F_RDLCK),
         LockOp::Release => (libc::F_OFD_SETLK, libc::F_UNLCK),
     };
     let fl = flock_at(byte, kind);
@@ -137,7 +150,7 @@ pub fn ofd_lock(fd: BorrowedFd<'_>, byte: u64, op: LockOp) -> io::Result<bool> {
         let e = io::Error::last_os_error();
         match e.raw_os_error() {
             Some(libc::EINTR) => continue,
-            Some(libc::EAGAIN) | Some(libc::EACCES) if op == LockOp::Try => return Ok(false),
+            Some(libc::EAGAIN) | Some(libc::EACCES) if op != LockOp::Release => return Ok(false),
             _ => return Err(e),
         }
     }
@@ -160,7 +173,7 @@ pub fn ofd_locked_elsewhere(fd: BorrowedFd<'_>, byte: u64) -> io::Result<bool> {
     Ok(fl.l_type != libc::F_UNLCK as libc::c_short)
 }
 
-/// A shared read/write mapping of a whole file, unmapped on drop.
+/// A shared mapping of a whole file, read/write or read-only, unmapped on drop.
 #[derive(Debug)]
 pub struct Mapping {
     ptr: *mut u8,
@@ -174,16 +187,23 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    /// Maps the first `len` bytes of `fd` shared, read/write. `len` must be a non-zero
-    /// multiple of 8 no longer than the file.
-    pub fn new(fd: BorrowedFd<'_>, len: usize) -> io::Result<Self> {
+    /// Maps the first `len` bytes of `fd` shared: read/write when `writable` (`fd` open
+    /// read/write), else read-only, where a store would fault, so its owner only loads (the
+    /// ledger refuses every change first: [`crate::PoolError::ReadOnly`]). `len` must be a
+    /// non-zero multiple of 8 no longer than the file.
+    pub fn new(fd: BorrowedFd<'_>, len: usize, writable: bool) -> io::Result<Self> {
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
         // SAFETY: a fresh mapping chosen by the kernel (no fixed address), of a file open
-        // read/write; nothing else in the process is at that address.
+        // for what `prot` asks; nothing else in the process is at that address.
         let ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
-                libc::PROT_READ | libc::PROT_WRITE,
+                prot,
                 libc::MAP_SHARED,
                 fd.as_raw_fd(),
                 0,
@@ -198,7 +218,8 @@ impl Mapping {
         })
     }
 
-    /// The mapping as 64-bit atomic words.
+    /// The mapping as 64-bit atomic words (of a read-only mapping, only to load: a store
+    /// would fault).
     pub fn words(&self) -> &[std::sync::atomic::AtomicU64] {
         // SAFETY: the mapping is page-aligned, `len` bytes long (a multiple of 8), valid for
         // as long as `self`, and every access to it, from this or another process, is atomic.

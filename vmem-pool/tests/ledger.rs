@@ -504,3 +504,85 @@ fn remove_unused_keeps_a_pool_with_tenants_and_a_file_that_took_its_place() {
     Ledger::open(&path).unwrap().remove_unused().unwrap();
     assert!(!path.exists());
 }
+
+/// Every change a read-only ledger refuses, saying it is read-only and why: the file is left
+/// as it was.
+fn refuses_every_change(l: &Arc<Ledger>, path: &Path, why: &str) {
+    let before = bytes(path);
+    let errors = [
+        l.join("b", None).map(|_| ()).unwrap_err(),
+        l.set_limit("a", Limit::Bytes(MIB)).map(|_| ()).unwrap_err(),
+        l.set_floor("a", vmem_pool::Floor::Bytes(0))
+            .map(|_| ())
+            .unwrap_err(),
+        l.reap().map(|_| ()).unwrap_err(),
+        l.reap_if_free().map(|_| ()).unwrap_err(),
+    ];
+    for e in errors {
+        assert!(matches!(e, PoolError::ReadOnly { .. }), "{e}");
+        assert!(e.to_string().contains(why), "{e}");
+        assert!(e.to_string().contains("nothing was changed"), "{e}");
+    }
+    assert_eq!(bytes(path), before);
+}
+
+/// A ledger opened for reading only (a monitor's): its status is read, with the live tenant
+/// and its usage, and every change is refused with `ReadOnly`, the file unchanged.
+#[test]
+fn a_ledger_opened_read_only_reads_its_status_and_refuses_every_change() {
+    let dir = Scratch::new("read-only");
+    let (path, l) = pool(&dir, 4 * MIB);
+    let l = Arc::new(l);
+    let t = l.join("a", Some(Limit::Bytes(2 * MIB))).unwrap();
+    t.charge(65536).unwrap();
+    let ro = Arc::new(Ledger::open_read_only(&path).unwrap());
+    assert!(ro.is_read_only() && !l.is_read_only());
+    let st = ro.status().unwrap();
+    assert!(st.read_only && st.dead.is_empty() && st.reaped.is_empty());
+    assert_eq!((st.used, st.tenants.len()), (65536, 1));
+    assert_eq!(st.tenants[0].name, "a");
+    refuses_every_change(&ro, &path, "opened for reading only");
+    // The writable ledger beside it goes on.
+    t.charge(65536).unwrap();
+    assert_eq!(ro.status().unwrap().used, 2 * 65536);
+    assert!(!l.status().unwrap().read_only);
+}
+
+/// A ledger on a filesystem mounted read-only is opened read-only by `open` (before, `open`
+/// failed with "Read-only file system", and so did `vmem pool status`).
+#[test]
+fn a_ledger_on_a_read_only_filesystem_is_opened_read_only() {
+    let Some(fs) = common::Tmpfs::mount("ro", "64k") else {
+        return;
+    };
+    let path = fs.path("pool");
+    let config = PoolConfig::new(4 * MIB).unwrap().slots(4).unwrap();
+    Ledger::create(&path, &config).unwrap();
+    fs.remount_read_only();
+    let l = Arc::new(Ledger::open(&path).unwrap());
+    assert!(l.is_read_only());
+    let st = l.status().unwrap();
+    assert!(st.read_only);
+    assert_eq!((st.total, st.used, st.slots), (4 * MIB, 0, 4));
+    refuses_every_change(&l, &path, "its filesystem is mounted read-only");
+}
+
+/// A ledger open read-only that holds a write a killed process left half done cannot repair
+/// it: refused, saying so, and left as it is.
+#[test]
+fn a_torn_write_is_refused_on_a_read_only_ledger_and_repaired_by_a_writable_one() {
+    let dir = Scratch::new("read-only-torn");
+    let (path, l) = pool(&dir, 4 * MIB);
+    drop(l);
+    let slot = |i: usize, k: usize| 64 + i * 16 + k;
+    poke(&path, slot(2, 1), 4242);
+    poke(&path, 9, 2 + 1);
+    let before = bytes(&path);
+    let e = Ledger::open_read_only(&path).unwrap_err();
+    assert!(matches!(e, PoolError::ReadOnly { .. }), "{e}");
+    assert!(e.to_string().contains("slot 2"), "{e}");
+    assert_eq!(bytes(&path), before);
+    let l = Ledger::open(&path).unwrap();
+    assert_eq!(l.status().unwrap().tenants.len(), 0);
+    assert!(Ledger::open_read_only(&path).is_ok());
+}

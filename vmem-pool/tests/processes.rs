@@ -165,3 +165,34 @@ fn tenants_killed_in_a_loop_give_everything_back() {
     let st = ledger.status().unwrap();
     assert_eq!((st.used, st.tenants.len()), (0, 0), "{st:?}");
 }
+
+/// A tenant killed on a ledger open read-only is listed dead and left in: its usage still
+/// counts, nothing is written; a writable open then reaps it.
+#[test]
+fn a_dead_tenant_is_listed_not_reaped_on_a_read_only_ledger() {
+    let dir = Scratch::new("ro-dead");
+    let path = dir.path("pool");
+    let ledger = Ledger::create(&path, &PoolConfig::new(64 * PAGE).unwrap()).unwrap();
+    let mut a = spawn(&path, "a", Some("3M"), "commands");
+    assert_eq!(a.line(), "ready");
+    assert_eq!(a.grow(4), (4, 4 * PAGE));
+    let ro = Ledger::open_read_only(&path).unwrap();
+    let st = ro.status().unwrap();
+    assert!(st.dead.is_empty(), "alive: {:?}", st.dead);
+    a.kill();
+    let before = std::fs::read(&path).unwrap();
+    let st = ro.status().unwrap();
+    assert_eq!(st.dead.len(), 1);
+    assert_eq!(
+        (st.dead[0].name.as_str(), st.dead[0].usage),
+        ("a", 4 * PAGE)
+    );
+    assert_eq!(
+        (st.tenants.len(), st.used, st.reaped.len()),
+        (1, 4 * PAGE, 0)
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), before, "nothing written");
+    let st = ledger.status().unwrap();
+    assert_eq!((st.reaped.len(), st.tenants.len(), st.used), (1, 0, 0));
+    assert!(ro.status().unwrap().dead.is_empty());
+}

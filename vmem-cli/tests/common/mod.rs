@@ -135,6 +135,20 @@ impl Tmpfs {
         }
     }
 
+    /// Mounts it again read-only.
+    pub fn remount_read_only(&self) {
+        let out = Command::new("mount")
+            .args(["-o", "remount,ro"])
+            .arg(&self.0)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// The names in it.
     pub fn names(&self) -> Vec<String> {
         let mut v: Vec<String> = std::fs::read_dir(&self.0)

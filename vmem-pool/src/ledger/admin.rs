@@ -34,6 +34,7 @@ impl Ledger {
     /// holds it (SIGSTOP, a debugger) makes the others fail with [`PoolError::Busy`] rather
     /// than hang. The lock is held for microseconds otherwise.
     pub(crate) fn admin(&self) -> Result<Admin<'_>> {
+        self.refuse_if_read_only()?;
         let held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         let start = Instant::now();
         let mut tries = 0u32;
@@ -59,6 +60,7 @@ impl Ledger {
     /// The header's lock if it is free now, without waiting (`None` when another thread or
     /// process holds it).
     pub(super) fn try_admin(&self) -> Result<Option<Admin<'_>>> {
+        self.refuse_if_read_only()?;
         let held = match self.held.try_lock() {
             Ok(g) => g,
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
@@ -67,5 +69,68 @@ impl Ledger {
         let got = sys::ofd_lock(self.file.as_fd(), layout::ADMIN_LOCK_BYTE, LockOp::Try)
             .map_err(os("lock", &self.path))?;
         Ok(got.then_some(Admin { ledger: self, held }))
+    }
+}
+
+/// A read lock on the header's lock byte, held: no change is under way while it is (a file
+/// open for reading only can take no write lock). Released on drop.
+pub(crate) struct Reader<'a> {
+    ledger: &'a Ledger,
+    _held: MutexGuard<'a, Vec<bool>>,
+}
+
+impl Drop for Reader<'_> {
+    fn drop(&mut self) {
+        // Nothing to do about a failed unlock but leave it to the close of the file.
+        let _ = sys::ofd_lock(
+            self.ledger.file.as_fd(),
+            layout::ADMIN_LOCK_BYTE,
+            LockOp::Release,
+        );
+    }
+}
+
+impl Ledger {
+    /// Refuses a change of a ledger open read-only.
+    fn refuse_if_read_only(&self) -> Result<()> {
+        match self.read_only {
+            None => Ok(()),
+            Some(why) => Err(PoolError::ReadOnly {
+                path: self.path.clone(),
+                why,
+                what: "changing who is in the pool (join, leave, limit, floor, reap)".into(),
+            }),
+        }
+    }
+
+    /// The header's lock byte read-locked, waiting at most [`ADMIN_WAIT`] for a change under
+    /// way to end: what a ledger open read-only reads under. Only there: on the open file
+    /// of a writable ledger it would turn this process's own write lock into a read lock.
+    pub(crate) fn reader(&self) -> Result<Reader<'_>> {
+        let held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        debug_assert!(
+            self.read_only.is_some(),
+            "a read lock on a writable ledger's open file"
+        );
+        let start = Instant::now();
+        while !sys::ofd_lock(
+            self.file.as_fd(),
+            layout::ADMIN_LOCK_BYTE,
+            LockOp::TryShared,
+        )
+        .map_err(os("lock", &self.path))?
+        {
+            if start.elapsed() >= ADMIN_WAIT {
+                return Err(PoolError::Busy {
+                    path: self.path.clone(),
+                    waited: ADMIN_WAIT,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(Reader {
+            ledger: self,
+            _held: held,
+        })
     }
 }

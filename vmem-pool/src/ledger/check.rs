@@ -4,7 +4,7 @@
 
 use super::admin::Admin;
 use super::{os, Ledger};
-use crate::error::Result;
+use crate::error::{PoolError, Result};
 use crate::layout::{self, h, s, FREE, LIVE, SLOT_WORDS};
 use crate::sys;
 use std::os::fd::AsFd;
@@ -16,6 +16,29 @@ impl Ledger {
     /// seal and fields; then the repair of a write a killed process left half done. Every
     /// check comes before the repair, so a ledger refused as corrupt is left as it was.
     pub(crate) fn check(&self, admin: &Admin<'_>) -> Result<()> {
+        if let Some(i) = self.verify()? {
+            self.repair_torn_write(admin, i)?;
+            self.check_slot(i, self.map.words()[h::IN_USE].load(SeqCst))?;
+        }
+        Ok(())
+    }
+
+    /// The checks of [`Ledger::check`] on a ledger open read-only (under its read lock, so no
+    /// change is under way): a write a killed process left half done cannot be repaired
+    /// there, and is refused as [`PoolError::ReadOnly`].
+    pub(crate) fn check_read_only(&self) -> Result<()> {
+        match self.verify()? {
+            None => Ok(()),
+            Some(i) => Err(PoolError::ReadOnly {
+                path: self.path.clone(),
+                why: self.read_only.unwrap_or("read-only"),
+                what: format!("repairing slot {i}, which a process killed while changing it left half written,"),
+            }),
+        }
+    }
+
+    /// Every check of [`Ledger::check`] but the torn slot's; returns that slot, if any.
+    fn verify(&self) -> Result<Option<usize>> {
         let info = sys::fstat(self.file.as_fd()).map_err(os("fstat", &self.path))?;
         let len = layout::file_len(self.slots as u64);
         if info.len != len {
@@ -40,11 +63,7 @@ impl Ledger {
         for i in (0..self.slots).filter(|&i| Some(i) != torn) {
             self.check_slot(i, in_use)?;
         }
-        if let Some(i) = torn {
-            self.repair_torn_write(admin, i)?;
-            self.check_slot(i, in_use)?;
-        }
-        Ok(())
+        Ok(torn)
     }
 
     /// Checks slot `i` of a ledger with `in_use` slots in use.

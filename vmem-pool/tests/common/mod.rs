@@ -277,6 +277,22 @@ impl Tmpfs {
         self.0.join(name)
     }
 
+    /// Mounts it again read-only (what an operator's read-only /dev/shm or a container's
+    /// read-only root is to the ledger).
+    #[allow(dead_code)] // used by some of the test binaries that include this module
+    pub fn remount_read_only(&self) {
+        let out = Command::new("mount")
+            .args(["-o", "remount,ro"])
+            .arg(&self.0)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// The names in it.
     pub fn names(&self) -> Vec<String> {
         let mut v: Vec<String> = std::fs::read_dir(&self.0)
