@@ -24,6 +24,10 @@ w=(--only model=llama3-8b --only trace=conv --only budget=tenth --requests 128 -
 start=$(date +%s)
 timeout 330 python3 python/benches/serving_suite.py "${w[@]}" --check-requests 0 --rounds 1 \
   --only "contender=$peer,$vmem,$vmem-deferred-noshare" --out "$out/suite" 2>&1 | tee "$out/suite.log"
+suite=$?
 left=$(( 570 - ($(date +%s) - start) ))
 timeout "$left" python3 python/benches/serving_suite.py "${w[@]}" --profile "$profiled" --out "$out/profile" 2>&1 \
   | tee "$out/profile.log"
+profile=$?
+# Either part failing (or cut off by its timeout) fails the run.
+[ "$suite" -eq 0 ] && [ "$profile" -eq 0 ]

@@ -323,9 +323,14 @@ impl KVCache {
         Ok(self.get()?.kv.distinct_mapped_bytes(needed_only))
     }
 
-    /// Memory held now, in bytes, and request counts; the pool's pages; how many steps waited
-    /// for the manager's other threads and for how long in all (`step_waits`, `step_wait_ns`:
-    /// a request another thread maps, pages the unmapping thread gives back).
+    /// `(steps, nanoseconds)`: how many steps waited for the manager's other threads (a
+    /// request another thread maps, pages the unmapping thread gives back) and how long in all.
+    fn step_waits(&self) -> PyResult<(u64, u64)> {
+        let w = self.get()?.kv.step_waits();
+        Ok((w.steps, w.nanos))
+    }
+
+    /// Memory held now, in bytes, and request counts; the pool's pages.
     fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let inner = self.get()?;
         let u = inner.kv.usage();
@@ -335,9 +340,6 @@ impl KVCache {
         d.set_item("pool_created_pages", created)?;
         d.set_item("pool_free_pages", free)?;
         d.set_item("pool_cap_pages", cap)?;
-        let waits = inner.kv.step_waits();
-        d.set_item("step_waits", waits.steps)?;
-        d.set_item("step_wait_ns", waits.nanos)?;
         Ok(d)
     }
 

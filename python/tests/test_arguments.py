@@ -53,6 +53,13 @@ def test_numpy_integers_are_sizes_and_numpy_bools_and_floats_are_not():
     import vmem.pool
 
     assert vmem.parse_bytes(np.int64(65536)) == 65536 and type(vmem.parse_bytes(np.uint32(5))) is int
+    # Every integer dtype: np.longlong is what np.array(..., dtype="q").sum() gives.
+    for t in (np.int8, np.int16, np.int32, np.int64, np.longlong, np.uint8, np.uint64, np.ulonglong, np.intp):
+        assert vmem.parse_bytes(t(100)) == 100, t
+    assert vmem.parse_bytes(np.array([1 << 20], dtype="q").sum()) == 1 << 20
+    for bad in (np.timedelta64(5), np.array([5]), np.array(5), np.array(5, dtype=np.float32)):
+        with pytest.raises(vmem.InvalidArgument):
+            vmem.parse_bytes(bad)
     for bad in (np.bool_(True), np.float64(65536.0), np.int64(-1)):
         with pytest.raises(vmem.InvalidArgument):
             vmem.parse_bytes(bad)

@@ -650,3 +650,21 @@ def test_a_lowered_memory_cap_holds_once_the_pages_come_back(backend):
         kv.step({a: 1024, b: 1024})
     assert kv.usage()["physical_bytes"] == 1 << 20
     kv.close()
+
+
+def test_step_waits_start_at_zero_and_a_step_served_from_free_pages_waits_for_nothing():
+    """``step_waits()``: ``(steps, nanoseconds)`` that steps waited for vmem's other threads
+    (the Rust tests hold the unmapping thread's fence to make one wait and count it)."""
+    kv = vmem.KVCache(layers=1, kv_heads=1, head_dim=64, dtype="fp16", max_batch=2, max_context=1024,
+                      page_size="64K", backend="host")
+    assert kv.step_waits() == (0, 0)
+    r = kv.alloc()
+    kv.step({r: 512})
+    kv.free(r)
+    kv.step([0, 0])
+    steps, nanos = kv.step_waits()
+    assert (type(steps), type(nanos)) == (int, int) and steps >= 0 and nanos >= 0
+    assert (steps == 0) == (nanos == 0)
+    kv.close()
+    with pytest.raises(vmem.VmemError):
+        kv.step_waits()

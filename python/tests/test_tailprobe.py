@@ -66,7 +66,7 @@ def test_slowest_lists_the_slowest_rounds_with_what_came_before_them() -> None:
 
 class _WaitingKV:
     """A KVCache stand-in whose step waits ``wait_s`` for another thread (counted as vmem counts
-    it, in ``usage()["step_wait_ns"]``) and then maps for ``map_s``."""
+    it, in ``step_waits()``) and then maps for ``map_s``."""
 
     def __init__(self, wait_s: float, map_s: float) -> None:
         self.wait_s, self.map_s, self.waited_ns = wait_s, map_s, 0
@@ -78,8 +78,8 @@ class _WaitingKV:
         self.waited_ns += int(self.wait_s * 1e9)
         return (1, 0, 0)
 
-    def usage(self) -> dict[str, int]:
-        return {"step_wait_ns": self.waited_ns}
+    def step_waits(self) -> tuple[int, int]:
+        return (1 if self.waited_ns else 0, self.waited_ns)
 
 
 def test_the_mapping_step_is_filed_with_the_part_it_waited_and_comes_off() -> None:

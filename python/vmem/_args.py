@@ -48,13 +48,16 @@ def check_optional_bool(name: str, value: Any) -> Optional[bool]:
 
 def integer(value: Any) -> Optional[int]:
     """``value`` as an int if it is one: a Python int (not a bool) or a NumPy integer scalar
-    (``np.int64``, ``np.uint32``, ...; never a NumPy bool or float); ``None`` otherwise."""
+    (``np.int64``, ``np.uint32``, ``np.longlong``, ...: a dtype of kind signed or unsigned
+    integer; never a NumPy bool, float or ``timedelta64``); ``None`` otherwise."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
         return value
-    if type(value).__name__.startswith(("int", "uint")) and hasattr(value, "__index__"):
-        return operator.index(value)  # NumPy integers
+    t = type(value)
+    kind = getattr(getattr(value, "dtype", None), "kind", None)
+    if t.__module__ == "numpy" and t.__name__ != "ndarray" and kind in ("i", "u"):
+        return operator.index(value)  # NumPy integer scalars (not arrays, not even 0-d ones)
     return None
 
 

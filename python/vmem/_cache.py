@@ -331,6 +331,13 @@ class KVCache(MemoryControl):
 
     stats = usage
 
+    def step_waits(self) -> Tuple[int, int]:
+        """``(steps, nanoseconds)``: how many :meth:`step` calls waited for vmem's other
+        threads (pages the unmapping thread is giving back, after its wait for the device; a
+        request :meth:`map_ahead` maps from another thread) and how long, in all, since the
+        cache was made. What is left of a step's time is its own mapping."""
+        return self._rs.step_waits()
+
     def distinct_mapped_bytes(self, needed_only: bool = False) -> int:
         """Bytes of pages mapped, each page once however many rows map it (a shared prefix's
         pages once): ``usage()["mapped_bytes"]`` less ``prefix_stats()["shared_savings_bytes"]``,

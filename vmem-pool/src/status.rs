@@ -37,14 +37,15 @@ impl TenantStatus {
     }
 }
 
-/// A tenant whose process died, taken out of the pool with what it held.
+/// A tenant whose process died: taken out of the pool with what it held (`reaped`), or, on a
+/// ledger open read-only, found dead and left in (`dead`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reaped {
     /// Its name.
     pub name: String,
     /// Its process.
     pub pid: u64,
-    /// Bytes it held, given back to the pool.
+    /// Bytes it held (given back to the pool when reaped).
     pub usage: u64,
 }
 
@@ -59,7 +60,7 @@ pub struct PoolStatus {
     pub default_limit: u64,
     /// Tenant slots.
     pub slots: usize,
-    /// Bytes charged to the live tenants.
+    /// Bytes charged to the tenants in the ledger (on a ledger open read-only, dead ones too).
     pub used: u64,
     /// The live tenants, by slot.
     pub tenants: Vec<TenantStatus>,

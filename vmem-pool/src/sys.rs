@@ -131,8 +131,8 @@ fn flock_at(byte: u64, kind: libc::c_int) -> libc::flock {
     fl
 }
 
-/// A write lock on one byte of the file, owned by this open file description (not by the
-/// process or thread): the kernel drops it when the last descriptor of the description
+/// A lock on one byte of the file (write, or read: [`LockOp`]), owned by this open file
+/// description (not by the process or thread): the kernel drops it when the last descriptor of the description
 /// closes, which is at the latest when the process dies, SIGKILL included.
 pub fn ofd_lock(fd: BorrowedFd<'_>, byte: u64, op: LockOp) -> io::Result<bool> {
     let (cmd, kind) = match op {
@@ -218,8 +218,11 @@ impl Mapping {
         })
     }
 
-    /// The mapping as 64-bit atomic words (of a read-only mapping, only to load: a store
-    /// would fault).
+    /// The mapping as 64-bit atomic words. Of a read-only mapping, only to load: a store would
+    /// fault, and the ledger refuses every change of a ledger open read-only before any
+    /// store. (Rust's atomics promise loads from read-only memory for `Relaxed` ones only;
+    /// the ledger's `SeqCst` loads are plain loads on the targets vmem builds for, x86_64 and
+    /// aarch64, which read-only pages serve.)
     pub fn words(&self) -> &[std::sync::atomic::AtomicU64] {
         // SAFETY: the mapping is page-aligned, `len` bytes long (a multiple of 8), valid for
         // as long as `self`, and every access to it, from this or another process, is atomic.

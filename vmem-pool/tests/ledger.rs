@@ -403,6 +403,9 @@ fn a_ledger_on_a_full_filesystem_is_an_error_and_leaves_nothing_behind() {
     assert!(matches!(e, PoolError::Os { .. }), "{e}");
     assert!(e.to_string().contains("No space left on device"), "{e}");
     assert_eq!(fs.names(), Vec::<String>::new(), "nothing left behind");
+    // The failed file's pages come back once no process holds its descriptor: a child another
+    // test forked meanwhile (to run `mount`) holds a copy until it execs.
+    fs.wait_until_empty();
     // One that fits (one slot: 640 bytes) is made, and works.
     let config = PoolConfig::new(MIB).unwrap().slots(1).unwrap();
     let l = Arc::new(Ledger::create(fs.path("small"), &config).unwrap());

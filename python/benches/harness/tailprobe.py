@@ -12,8 +12,8 @@ the probed calls, inclusive: nothing is taken off the loop part the call happene
 * ``vmem_map`` (the vmem cache's ``flush``: mapping a round's pages, zeroing fresh blocks), in
   it ``vmem_step`` (the ``step`` that maps them on the host), of which ``vmem_wait`` is the time
   the step waited for vmem's other threads (pages the unmapping thread gives back, after its
-  own wait for the device: ``usage()["step_wait_ns"]``), and ``vmem_zero`` (zeroing the fresh
-  blocks: the kernels' launches),
+  own wait for the device; a request ``map_ahead`` maps: ``KVCache.step_waits()``), and
+  ``vmem_zero`` (zeroing the fresh blocks: the kernels' launches),
   ``vmem_free`` (its ``free_blocks``: a finished request's row given back, its pages unmapped
   after the GPU work queued before) and ``vmem_round`` (``prepare_round``: the round's metadata
   and the kernel's plan);
@@ -120,11 +120,11 @@ def _probe_step(clock: Any, tenant: Any) -> None:
     timed = tenant.__dict__["step"]
 
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        before = self.kv.usage()["step_wait_ns"]
+        before = self.kv.step_waits()[1]
         try:
             return timed(self, *args, **kwargs)
         finally:
-            clock.add("vmem_wait_ms", (self.kv.usage()["step_wait_ns"] - before) / 1e6)
+            clock.add("vmem_wait_ms", (self.kv.step_waits()[1] - before) / 1e6)
             clock.add("vmem_wait_n", 1)
 
     tenant.step = step

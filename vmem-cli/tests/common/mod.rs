@@ -135,18 +135,28 @@ impl Tmpfs {
         }
     }
 
-    /// Mounts it again read-only.
+    /// Mounts it again read-only (what an operator's read-only /dev/shm or a container's
+    /// read-only root is to a ledger), retrying for up to 5 s while the kernel calls it busy:
+    /// a child another test forked (to run `mount`) holds a copy of every descriptor open
+    /// then, a file open for writing among them, until it execs.
     pub fn remount_read_only(&self) {
-        let out = Command::new("mount")
-            .args(["-o", "remount,ro"])
-            .arg(&self.0)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let start = std::time::Instant::now();
+        loop {
+            let out = Command::new("mount")
+                .args(["-o", "remount,ro"])
+                .arg(&self.0)
+                .output()
+                .unwrap();
+            if out.status.success() {
+                return;
+            }
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(5),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
     }
 
     /// The names in it.

@@ -98,7 +98,8 @@ impl Ledger {
             Some(why) => Err(PoolError::ReadOnly {
                 path: self.path.clone(),
                 why,
-                what: "changing who is in the pool (join, leave, limit, floor, reap)".into(),
+                what: "changing the pool (a join, a leave, a limit, a floor, reaping, removing it)"
+                    .into(),
             }),
         }
     }

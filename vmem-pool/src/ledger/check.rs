@@ -124,6 +124,7 @@ impl Ledger {
 
     /// Marks slot `i` as being written under the header's lock (see [`h::WRITING`]).
     pub(crate) fn writing(&self, i: usize) {
+        debug_assert!(self.read_only.is_none(), "a store into a read-only ledger");
         self.map.words()[h::WRITING].store(i as u64 + 1, SeqCst);
     }
 
@@ -161,6 +162,7 @@ impl Ledger {
     }
 
     pub(crate) fn reseal(&self, i: usize) {
+        debug_assert!(self.read_only.is_none(), "a store into a read-only ledger");
         let slot = self.slot(i);
         slot[s::SEAL].store(layout::slot_seal(slot), SeqCst);
     }

@@ -278,19 +278,52 @@ impl Tmpfs {
     }
 
     /// Mounts it again read-only (what an operator's read-only /dev/shm or a container's
-    /// read-only root is to the ledger).
+    /// read-only root is to a ledger), retrying for up to 5 s while the kernel calls it busy:
+    /// a child another test forked (to run `mount`) holds a copy of every descriptor open
+    /// then, a file open for writing among them, until it execs.
     #[allow(dead_code)] // used by some of the test binaries that include this module
     pub fn remount_read_only(&self) {
-        let out = Command::new("mount")
-            .args(["-o", "remount,ro"])
-            .arg(&self.0)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let start = std::time::Instant::now();
+        loop {
+            let out = Command::new("mount")
+                .args(["-o", "remount,ro"])
+                .arg(&self.0)
+                .output()
+                .unwrap();
+            if out.status.success() {
+                return;
+            }
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(5),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
+    /// Waits (up to 5 s) until every block of it is free again.
+    #[allow(dead_code)] // used by some of the test binaries that include this module
+    pub fn wait_until_empty(&self) {
+        let c = std::ffi::CString::new(self.0.to_str().unwrap()).unwrap();
+        let start = std::time::Instant::now();
+        loop {
+            let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
+            // SAFETY: a NUL-terminated path and a writable statvfs, both alive for the call.
+            assert_eq!(unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) }, 0);
+            // SAFETY: statvfs succeeded and filled it.
+            let st = unsafe { st.assume_init() };
+            if st.f_bfree == st.f_blocks {
+                return;
+            }
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(5),
+                "{} blocks of {} still used",
+                st.f_blocks - st.f_bfree,
+                st.f_blocks
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
     }
 
     /// The names in it.

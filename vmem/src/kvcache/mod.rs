@@ -493,11 +493,17 @@ impl KvCacheManager {
         // batched kernel that reads every row up to the batch's length reads mapped memory.
         let longest = seq_lens.iter().copied().max().unwrap_or(0);
         let target = |len: u64| policy::row_target(self.cfg.pad_rows, len, longest);
-        let mut waited: Option<std::time::Instant> = None;
+        // Each wait is counted as it ends, before anything can fail after it.
+        let mut first_wait = true;
+        let mut count_wait = |st: &mut State, since: std::time::Instant| {
+            st.waits.steps += u64::from(std::mem::take(&mut first_wait));
+            st.waits.nanos += since.elapsed().as_nanos() as u64;
+        };
         let needed: u64 = loop {
             if claimed(&st) {
-                waited.get_or_insert_with(std::time::Instant::now);
+                let since = std::time::Instant::now();
                 st = self.wait_unclaimed(st, claimed);
+                count_wait(&mut st, since);
                 // Other threads may have freed requests while this one waited.
                 st.check_step(seq_lens)?;
             }
@@ -508,17 +514,14 @@ impl KvCacheManager {
             // Pages the unmapping thread is giving back: a step that needs them waits (one
             // that needs more than they make up fails below, without waiting).
             if st.needs_unmapping_pages(needed) {
-                waited.get_or_insert_with(std::time::Instant::now);
+                let since = std::time::Instant::now();
                 st = self.wait_unmaps(st);
+                count_wait(&mut st, since);
                 st.check_step(seq_lens)?;
                 continue;
             }
             break needed;
         };
-        if let Some(since) = waited {
-            st.waits.steps += 1;
-            st.waits.nanos += since.elapsed().as_nanos() as u64;
-        }
         let old_pending = st.requests.start_step(seq_lens);
         let available = st.pool.available_pages() + st.reclaimable() + st.unmapping_pages();
         if needed > available {
