@@ -4,7 +4,7 @@
 
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use vmem::backend::{Backend, Checked, HostBackend, SimMemory, KIB64, MIB2};
 use vmem::testing::{CountingDriver, DriverCounts, FaultPlan, FaultyBackend};
 use vmem::{KvCacheManager, KvConfig, VmemError};
@@ -107,27 +107,38 @@ fn a_step_short_of_pages_waits_for_the_ones_being_unmapped() {
     let b = kv.alloc_reqid().unwrap();
     // More than the cap is refused at once, pending unmaps or not.
     let (done_tx, done_rx) = channel();
+    let (start_tx, start_rx) = channel();
     let stepper = {
         let kv = kv.clone();
-        std::thread::spawn(move || done_tx.send(kv.step(&lens(&[(b, CTX as u64)]))).unwrap())
+        std::thread::spawn(move || {
+            start_tx.send(Instant::now()).unwrap();
+            done_tx.send(kv.step(&lens(&[(b, CTX as u64)]))).unwrap()
+        })
     };
+    let started = start_rx.recv_timeout(WAIT).unwrap();
     assert!(
         done_rx.recv_timeout(Duration::from_millis(200)).is_err(),
         "the step went on without the pages it needs"
     );
+    let released = Instant::now();
     release.send(()).unwrap();
     let report = done_rx.recv_timeout(WAIT).unwrap().unwrap();
+    let ended = Instant::now();
     assert_eq!(report.sync_pages, 4);
     stepper.join().unwrap();
     assert_eq!(kv.request_pages(b).unwrap(), vec![2, 2]);
-    // The wait is counted: one step, at least the 200 ms the fence was held.
+    // The wait is counted: one step, about as long as the fence was held after the step began
+    // (less the step's own work before it waited: well under the 50 ms allowed), and no longer
+    // than the whole step.
     let waits = kv.step_waits();
     assert_eq!(waits.steps, 1);
+    let held = released - started;
     assert!(
-        waits.nanos >= 200_000_000,
-        "waited {} ns in all",
+        Duration::from_nanos(waits.nanos) + Duration::from_millis(50) >= held,
+        "waited {} ns in all, the fence held {held:?} after the step began",
         waits.nanos
     );
+    assert!(Duration::from_nanos(waits.nanos) <= ended - started);
 }
 
 #[test]
