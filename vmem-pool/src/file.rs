@@ -179,8 +179,8 @@ impl Ledger {
 
     /// Opens the ledger at `path` for reading only, as [`Ledger::open`] checks it: its
     /// [`status`](Ledger::status) lists the tenants whose processes died without taking them
-    /// out (`dead`); every change (join, leave, limit, floor, reap) is refused with
-    /// [`PoolError::ReadOnly`]. What a monitor that must never write uses.
+    /// out (`dead`); every change (join, leave, limit, floor, reap, removing it) is refused
+    /// with [`PoolError::ReadOnly`]. What a monitor that must never write uses.
     pub fn open_read_only(path: impl AsRef<Path>) -> Result<Ledger> {
         Self::open_as(path.as_ref(), false)
     }

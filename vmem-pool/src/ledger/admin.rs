@@ -1,5 +1,6 @@
 //! The header's lock: the guard of the operations that change who is in the pool (join,
-//! leave, limit, floor, reap), taken with a bounded wait or only if free now.
+//! leave, limit, floor, reap), taken with a bounded wait or only if free now; and its read
+//! lock, which a ledger open read-only reads under (refused every change here first).
 
 use super::{os, Ledger};
 use crate::error::{PoolError, Result};
