@@ -21,12 +21,7 @@ pub(crate) struct Admin<'a> {
 
 impl Drop for Admin<'_> {
     fn drop(&mut self) {
-        // Nothing to do about a failed unlock but leave it to the close of the file.
-        let _ = sys::ofd_lock(
-            self.ledger.file.as_fd(),
-            layout::ADMIN_LOCK_BYTE,
-            LockOp::Release,
-        );
+        self.ledger.unlock_header();
     }
 }
 
@@ -37,9 +32,16 @@ impl Ledger {
     pub(crate) fn admin(&self) -> Result<Admin<'_>> {
         self.refuse_if_read_only()?;
         let held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        self.lock_header(LockOp::Try)?;
+        Ok(Admin { ledger: self, held })
+    }
+
+    /// Locks the header's byte (`op`: write or read), waiting at most [`ADMIN_WAIT`]; the
+    /// caller holds `held`.
+    fn lock_header(&self, op: LockOp) -> Result<()> {
         let start = Instant::now();
         let mut tries = 0u32;
-        while !sys::ofd_lock(self.file.as_fd(), layout::ADMIN_LOCK_BYTE, LockOp::Try)
+        while !sys::ofd_lock(self.file.as_fd(), layout::ADMIN_LOCK_BYTE, op)
             .map_err(os("lock", &self.path))?
         {
             if start.elapsed() >= ADMIN_WAIT {
@@ -55,7 +57,13 @@ impl Ledger {
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
-        Ok(Admin { ledger: self, held })
+        Ok(())
+    }
+
+    /// Unlocks the header's byte (its lock or its read lock).
+    fn unlock_header(&self) {
+        // Nothing to do about a failed unlock but leave it to the close of the file.
+        let _ = sys::ofd_lock(self.file.as_fd(), layout::ADMIN_LOCK_BYTE, LockOp::Release);
     }
 
     /// The header's lock if it is free now, without waiting (`None` when another thread or
@@ -82,12 +90,7 @@ pub(crate) struct Reader<'a> {
 
 impl Drop for Reader<'_> {
     fn drop(&mut self) {
-        // Nothing to do about a failed unlock but leave it to the close of the file.
-        let _ = sys::ofd_lock(
-            self.ledger.file.as_fd(),
-            layout::ADMIN_LOCK_BYTE,
-            LockOp::Release,
-        );
+        self.ledger.unlock_header();
     }
 }
 
@@ -114,22 +117,7 @@ impl Ledger {
             self.read_only.is_some(),
             "a read lock on a writable ledger's open file"
         );
-        let start = Instant::now();
-        while !sys::ofd_lock(
-            self.file.as_fd(),
-            layout::ADMIN_LOCK_BYTE,
-            LockOp::TryShared,
-        )
-        .map_err(os("lock", &self.path))?
-        {
-            if start.elapsed() >= ADMIN_WAIT {
-                return Err(PoolError::Busy {
-                    path: self.path.clone(),
-                    waited: ADMIN_WAIT,
-                });
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        self.lock_header(LockOp::TryShared)?;
         Ok(Reader {
             ledger: self,
             _held: held,
