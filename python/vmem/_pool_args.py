@@ -42,8 +42,9 @@ def _setting(name: str, value: Any, *, floor: bool) -> str:
     least_bytes = 0 if floor else MIN_BYTES
     too_small = ("a floor cannot be negative" if floor
                  else "a limit of less than one page (64K) lets the tenant hold nothing")
-    if integer(value) is not None:
-        value = integer(value)  # a NumPy integer too
+    as_int = integer(value)  # a NumPy integer too
+    if as_int is not None:
+        value = as_int
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise PoolError(f"invalid pool setting: {name} must be bytes (an int), a size such as "
                         f"'{'4G' if floor else '12G'}' or a share such as '25%', got {short(value)}")
@@ -88,8 +89,9 @@ def _floor_within_limit(tenant: str, floor: str, limit: str) -> None:
 
 
 def _size(name: str, value: Any) -> str:
-    if integer(value) is not None:
-        value = integer(value)  # a NumPy integer too
+    as_int = integer(value)  # a NumPy integer too
+    if as_int is not None:
+        value = as_int
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise PoolError(f"invalid pool setting: {name} must be a size (an int or a string such as '60G'), "
                         f"got {short(value)}")

@@ -152,23 +152,25 @@ impl Ledger {
     /// Takes out the slots of tenants whose process is gone (nobody holds their lock).
     pub(crate) fn reap_locked(&self, admin: &Admin<'_>) -> Result<Vec<Reaped>> {
         let mut reaped = Vec::new();
-        for i in 0..self.slots {
-            let slot = self.slot(i);
-            if slot[s::STATE].load(SeqCst) != LIVE || admin.held[i] {
-                continue;
-            }
-            let alive = sys::ofd_locked_elsewhere(self.file.as_fd(), layout::slot_lock_byte(i))
-                .map_err(os("lock test", &self.path))?;
-            if !alive {
-                reaped.push(Reaped {
-                    name: self.name_of(i),
-                    pid: slot[s::PID].load(SeqCst),
-                    usage: slot[s::USAGE].load(SeqCst),
-                });
+        for i in self.live().filter(|&i| !admin.held[i]) {
+            if let Some(r) = self.found_dead(i)? {
+                reaped.push(r);
                 self.clear(i);
             }
         }
         Ok(reaped)
+    }
+
+    /// Live slot `i`'s tenant, if its process is gone (nobody holds the slot's lock).
+    fn found_dead(&self, i: usize) -> Result<Option<Reaped>> {
+        let alive = sys::ofd_locked_elsewhere(self.file.as_fd(), layout::slot_lock_byte(i))
+            .map_err(os("lock test", &self.path))?;
+        let slot = self.slot(i);
+        Ok((!alive).then(|| Reaped {
+            name: self.name_of(i),
+            pid: slot[s::PID].load(SeqCst),
+            usage: slot[s::USAGE].load(SeqCst),
+        }))
     }
 
     /// Checks the ledger and takes out the tenants whose processes died, giving their usage
@@ -230,20 +232,9 @@ impl Ledger {
 
     /// The live tenants whose processes are gone, as reaping would take them out.
     fn dead(&self) -> Result<Vec<Reaped>> {
-        let mut dead = Vec::new();
-        for i in self.live() {
-            if !sys::ofd_locked_elsewhere(self.file.as_fd(), layout::slot_lock_byte(i))
-                .map_err(os("lock test", &self.path))?
-            {
-                let slot = self.slot(i);
-                dead.push(Reaped {
-                    name: self.name_of(i),
-                    pid: slot[s::PID].load(SeqCst),
-                    usage: slot[s::USAGE].load(SeqCst),
-                });
-            }
-        }
-        Ok(dead)
+        self.live()
+            .filter_map(|i| self.found_dead(i).transpose())
+            .collect()
     }
 
     /// The pool as the ledger reads now, with what this call reaped or found dead.
