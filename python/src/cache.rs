@@ -159,6 +159,16 @@ impl KVCache {
         py.detach(|| inner.kv.alloc_reqid_for(t)).map_err(py_err)
     }
 
+    /// Hands out the id for a request whose prompt is `tokens` (token ids): the inactive id
+    /// whose row keeps the longest run of its cached blocks (deferred reclamation), else the
+    /// one `alloc_for(0)` gives.
+    fn alloc_for_prefix(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let inner = self.get()?;
+        let t = token_ids(tokens)?;
+        py.detach(|| inner.kv.alloc_reqid_for_prefix(&t))
+            .map_err(py_err)
+    }
+
     /// Maps pages for `tokens` tokens of active request `req` outside the manager's lock
     /// (GIL released): other threads' steps for other requests go on meanwhile.
     fn map_ahead(
@@ -184,17 +194,7 @@ impl KVCache {
     /// is released. Returns (sync_pages, background_pages, reclaimed_pages).
     fn step(&self, py: Python<'_>, lengths: Vec<i64>) -> PyResult<(u64, u64, u64)> {
         let inner = self.get()?;
-        // The message is built only for a bad length: a step of a large batch would otherwise
-        // format one string per request.
-        let lens = lengths
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| {
-                u64::try_from(l).map_err(|_| {
-                    InvalidArgument::new_err(format!("lengths[{i}] must be >= 0, got {l}"))
-                })
-            })
-            .collect::<PyResult<Vec<u64>>>()?;
+        let lens = step_lengths(&lengths)?;
         let r = py.detach(|| inner.kv.step(&lens)).map_err(py_err)?;
         Ok((r.sync_pages, r.background_pages, r.reclaimed_pages))
     }
@@ -321,6 +321,23 @@ impl KVCache {
     #[pyo3(signature = (needed_only = false))]
     fn distinct_mapped_bytes(&self, needed_only: bool) -> PyResult<u64> {
         Ok(self.get()?.kv.distinct_mapped_bytes(needed_only))
+    }
+
+    /// Bytes of pages the unmapping thread is giving back: a step that needs them waits for
+    /// it, and it for the device.
+    fn unmapping_bytes(&self) -> PyResult<u64> {
+        let inner = self.get()?;
+        Ok(inner.kv.unmapping_pages() * inner.kv.geometry().page_size)
+    }
+
+    /// Whether a step to `seq_lens` would wait for the device (for the unmapping thread's
+    /// pages, or to unmap pages on the caller's thread); changes nothing.
+    fn step_would_wait(&self, lengths: Vec<i64>) -> PyResult<bool> {
+        let inner = self.get()?;
+        inner
+            .kv
+            .step_would_wait(&step_lengths(&lengths)?)
+            .map_err(py_err)
     }
 
     /// `(steps, nanoseconds)`: how many steps waited for the manager's other threads (a
@@ -464,4 +481,18 @@ impl KVCache {
             .unwrap_or_else(|e| e.into_inner())
             .is_none()
     }
+}
+
+/// A step's lengths (checked as ints by `_args.lengths`): each `>= 0`. The message is built only
+/// for a bad length: a step of a large batch would otherwise format one string per request.
+fn step_lengths(lengths: &[i64]) -> PyResult<Vec<u64>> {
+    lengths
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| {
+            u64::try_from(l).map_err(|_| {
+                InvalidArgument::new_err(format!("lengths[{i}] must be >= 0, got {l}"))
+            })
+        })
+        .collect()
 }

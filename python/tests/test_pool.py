@@ -144,7 +144,8 @@ def test_pages_are_charged_and_a_page_over_the_limit_is_out_of_memory(p, path):
 
 
 def test_shrink_to_limit_gives_back_prefix_blocks_then_idle_pages_and_says_what_is_left(p, path):
-    kv = _cache(path, "a", prefix_cache="4M")
+    # Without deferred reclamation the freed row is unmapped and its blocks stay, mapped by no one.
+    kv = _cache(path, "a", prefix_cache="4M", deferred_reclaim=False)
     tokens = list(range(1024))
     a = kv.alloc()
     kv.step({a: 1024})
@@ -292,7 +293,8 @@ def test_a_tenant_gives_back_its_unmapped_pages_when_the_pool_runs_low(path):
     from vmem.transformers import tenancy
 
     pool.create(path, size=FULL * 2, slots=4)  # room for two full requests
-    kv = _cache(path, "a", prefix_cache="1M")
+    # Without deferred reclamation the freed row is unmapped and its blocks stay, mapped by no one.
+    kv = _cache(path, "a", prefix_cache="1M", deferred_reclaim=False)
     tenant = _tenant_of(kv)
     a = kv.alloc()
     kv.step({a: 1024})
@@ -328,7 +330,8 @@ def test_a_tenant_holding_cache_past_a_fair_share_leaves_one_free(path):
     from vmem.transformers import tenancy
 
     pool.create(path, size=FULL * 3, slots=4)
-    a, b, c = (_cache(path, n, prefix_cache="2M") for n in "abc")
+    # Without deferred reclamation a freed row is unmapped and its blocks stay, mapped by no one.
+    a, b, c = (_cache(path, n, prefix_cache="2M", deferred_reclaim=False) for n in "abc")
     assert a.tenant().pool_tenants == 3
     eng = {kv: _tenant_of(kv) for kv in (a, b, c)}
     share, quarter = FULL, FULL // 4

@@ -74,7 +74,8 @@ def test_an_adopted_prefix_is_the_same_memory_and_costs_no_new_pages(layout):
 
 
 def test_a_published_prefix_outlives_its_request_and_a_later_one_adopts_it():
-    kv = cache(prefix_cache="1M")
+    # Without deferred reclamation the freed row is unmapped and the blocks stay, mapped by no one.
+    kv = cache(prefix_cache="1M", deferred_reclaim=False)
     bt = kv.prefix_stats()["block_tokens"]
     prompt = list(range(5 * bt))
     a, written, _ = prefilled(kv, prompt, seed=2)
@@ -117,8 +118,35 @@ def test_publish_leaves_out_blocks_the_request_has_not_computed():
     kv.close()
 
 
+def test_under_deferred_reclamation_a_freed_rows_blocks_are_adopted_in_place():
+    """Deferred reclamation (the default): a freed publisher's row keeps its blocks mapped; a
+    request that starts another prompt is given another row (the blocks stay cached), and the next
+    turn of the conversation, given the publisher's row by ``alloc_for_prefix``, adopts them where
+    they are: nothing mapped, the values the publisher wrote."""
+    kv = cache(prefix_cache="1M")
+    bt = kv.prefix_stats()["block_tokens"]
+    turn1 = list(range(3 * bt + 7))
+    a, written, published = prefilled(kv, turn1, seed=4)
+    assert published == 3
+    kv.free(a)
+    assert kv.request_pages(a) == [4], "deferred: the row keeps its pages"
+    other = kv.alloc()
+    assert other != a and kv.prefix_stats()["blocks"] == 3
+    turn2 = turn1 + list(range(1000, 1000 + 2 * bt))
+    b = kv.alloc_for_prefix(turn2)
+    assert b == a
+    created = kv.usage()["pool_created_pages"]
+    assert kv.adopt_prefix(b, turn2) == 3 * bt
+    assert kv.request_pages(b) == [4] and kv.usage()["pool_created_pages"] == created
+    kv.step({b: len(turn2)})
+    for want, got in zip(written, rows(kv, b, 3 * bt)):
+        assert np.array_equal(want[: 3 * bt], got)
+    assert kv.prefix_stats()["hit_tokens"] == 3 * bt
+    kv.close()
+
+
 def test_the_cap_bounds_unmapped_cached_pages_and_evicts_the_least_recently_used():
-    kv = cache(prefix_cache="128K")  # two unmapped pages at most
+    kv = cache(prefix_cache="128K", deferred_reclaim=False)  # two unmapped pages at most
     bt = kv.prefix_stats()["block_tokens"]
     prompts = [[p] * (2 * bt) for p in (1, 2, 3)]
     for p in prompts:
@@ -139,7 +167,7 @@ def test_the_cap_bounds_unmapped_cached_pages_and_evicts_the_least_recently_used
 
 
 def test_cached_pages_go_back_before_a_step_runs_out_of_memory():
-    kv = cache(prefix_cache="10M", memory_cap="512K")  # 8 pages in all
+    kv = cache(prefix_cache="10M", memory_cap="512K", deferred_reclaim=False)  # 8 pages in all
     bt = kv.prefix_stats()["block_tokens"]
     p = list(range(6 * bt))
     a = kv.alloc()

@@ -86,3 +86,53 @@ def test_under_memory_pressure_deferred_rows_are_reused_and_taken_back_and_match
     assert cache.usage()["mapped_bytes"] > cache.trash_bytes(), "freed rows keep their pages"
     assert cache.get_num_free_blocks() == cache.num_blocks
     assert theirs["cache"].usage()["mapped_bytes"] == theirs["cache"].trash_bytes()
+
+
+def _conversation(deferred):
+    """A system prompt of 3 full token-major blocks (64 tokens each) and 8 tokens more, then 4
+    user messages, served one after another (each added once the one before finished), with the
+    engine's block sharing on."""
+    from harness import check as h
+
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    system = h.make_prompts(1, [200], model.config.vocab_size, seed=7)[0]
+    prompts = [system + p for p in h.make_prompts(4, [5, 40, 70, 17], model.config.vocab_size, seed=8)]
+    with vt.serving(**dict(OPTS, layout="token-major", deferred_reclaim=deferred)):
+        run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 12, stagger=[0, 1, 2, 3],
+                           cb_kwargs={"max_batch_tokens": 64, "allow_block_sharing": True})
+    return model, run
+
+
+def test_each_next_request_adopts_the_blocks_its_row_kept_in_place_and_matches(monkeypatch):
+    """Deferred reclamation with block sharing: a finished request's row keeps the system prompt's
+    cached blocks mapped, each next request is given that row and adopts them where they are (the
+    row's pages unchanged by the adoption: no unmap, no map); the tokens equal the run with the
+    option off, where each request maps the cached blocks into a row again."""
+    from harness import check as h
+
+    adoptions = []
+    adopt = vmem.KVCache.adopt_prefix
+
+    def spy(kv, req, tokens):
+        before = kv.request_pages(req)
+        got = adopt(kv, req, tokens)
+        adoptions.append((got, before, kv.request_pages(req)))
+        return got
+
+    monkeypatch.setattr(vmem.KVCache, "adopt_prefix", spy)
+    model, ours = _conversation(True)
+    hits = [a for a in adoptions if a[0]]
+    assert [a[0] for a in hits] == [3 * 64] * 3, adoptions
+    assert all(before == after and before[0] >= 3 for _, before, after in hits), hits
+    adoptions.clear()
+    _, theirs = _conversation(False)
+    hits = [a for a in adoptions if a[0]]
+    assert [a[0] for a in hits] == [3 * 64] * 3, adoptions
+    assert all(before == [0] and after == [3] for _, before, after in hits), hits
+    cmp = h.compare(ours, model, 12)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
+    for rid in ours["ids"]:
+        assert list(ours["results"][rid].generated_tokens) == list(theirs["results"][rid].generated_tokens)
+    cache = ours["cache"]
+    assert cache.usage()["prefix_hit_tokens"] == 3 * 3 * 64
+    assert cache.get_num_free_blocks() == cache.num_blocks

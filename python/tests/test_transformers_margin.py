@@ -24,6 +24,7 @@ eng.skip_unless_served()
 
 from harness import check as h  # noqa: E402
 
+import vmem  # noqa: E402
 import vmem.transformers as vt  # noqa: E402
 from vmem.transformers import hooks  # noqa: E402
 
@@ -180,3 +181,89 @@ def test_under_the_margin_a_request_is_admitted_when_every_growth_is_covered():
     assert cache.table.growth() is None
     assert not _store(cache, _Request("c", 100, 60), 100)
     assert not _store(cache, _Request("d", 100, None), 100)
+
+
+@pytest.mark.parametrize("admit_while_unmapping", [False, True])
+def test_a_new_request_waits_a_round_for_blocks_still_being_unmapped(monkeypatch, admit_while_unmapping):
+    """The cache alone, through the engine's allocation call, no margin: 5 of 7 blocks free, 3 of
+    them pages vmem's unmapping thread is still giving back (held there: on the CPU it is done at
+    once). With ``admit_while_unmapping=False`` a new request needing 3 blocks waits (its round
+    would wait for the GPU work in flight), one needing 2 is admitted, a running request still
+    grows into them; with nothing running a new request takes them, and once they are back the one
+    that waited is admitted. With ``True`` (the default) the new request takes them at once."""
+    held = {"bytes": 3 * eng.TINY_BLOCK}
+    monkeypatch.setattr(vmem.KVCache, "unmapping_bytes", lambda kv: held["bytes"])
+    assert vt.Options().admit_while_unmapping is True  # the default: admitted at once
+    cache = eng.tiny_cache(dict(BLOCKS8, admit_while_unmapping=admit_while_unmapping))
+    cache.admission_margin = 0.0
+    assert cache.unmapping_blocks() == 3
+    a = _Request("a")
+    assert _store(cache, a, 2 * 256 - 10)
+    assert cache.get_num_free_blocks() == 5
+    b, c = _Request("b"), _Request("c")
+    assert _store(cache, b, 3 * 256 - 10) is admit_while_unmapping
+    assert ("b" in cache.table) is admit_while_unmapping
+    if admit_while_unmapping:
+        return
+    assert _store(cache, c, 2 * 256 - 10)  # 2 blocks: free without a wait
+    assert _store(cache, a, 256)  # a running request grows into them (it cannot wait a round)
+    held["bytes"] = 0  # back in the pool
+    cache.free_blocks("c")
+    assert _store(cache, b, 3 * 256 - 10)
+    # Nothing running: a new request never waits for them (no round is in flight).
+    for rid in ("a", "b"):
+        cache.free_blocks(rid)
+    held["bytes"] = 7 * eng.TINY_BLOCK
+    assert _store(cache, _Request("d"), 256)
+
+
+def test_a_request_that_would_adopt_a_prefix_waits_while_the_blocks_it_lacks_are_unmapped(monkeypatch):
+    """``search_prefix_match`` under ``admit_while_unmapping=False``: a new request that would adopt 2
+    cached blocks and lack 3 more adopts nothing (holding no row) while only 2 of the free blocks
+    come without a wait, and adopts once 3 do."""
+    held = {"bytes": 0}
+    monkeypatch.setattr(vmem.KVCache, "unmapping_bytes", lambda kv: held["bytes"])
+    cache = eng.tiny_cache(dict(BLOCKS8, admit_while_unmapping=False))
+    cache.admission_margin = 0.0
+    prompt = list(range(2 * 256 + 10))
+    assert _store(cache, _Request("a"), len(prompt))
+    cache.flush()
+    assert cache.kv.publish_prefix(cache.table.get("a").index, prompt) == 2
+    free = cache.get_num_free_blocks()
+    other = prompt[: 2 * 256] + list(range(5000, 5000 + 3 * 256 - 10))  # 5 blocks: 2 cached, 3 its own
+    held["bytes"] = (free - 2) * eng.TINY_BLOCK
+    assert cache.search_prefix_match("b", other) == 0 and "b" not in cache.table
+    assert cache.get_num_free_blocks() == free, "nothing held, nothing lost"
+    held["bytes"] = (free - 3) * eng.TINY_BLOCK
+    assert cache.search_prefix_match("b", other) == 2 * 256 and "b" in cache.table
+
+
+def test_requests_held_back_for_blocks_being_unmapped_all_complete_and_match(monkeypatch):
+    """Served end to end with 2 of the free blocks always reported as being unmapped (on the CPU the
+    unmapping thread is done at once): new requests beside running ones are held back (counted), every
+    one completes, and tokens and logits match a plain forward and the run that admits at once."""
+    from vmem.transformers import margin
+
+    monkeypatch.setattr(vmem.KVCache, "unmapping_bytes", lambda kv: 2 * eng.TINY_BLOCK)
+    holds = []
+    waits = margin.waits_for_unmapping
+
+    def counted(cache, request_id, missing):
+        holds.append(waits(cache, request_id, missing))
+        return holds[-1]
+
+    monkeypatch.setattr(margin, "waits_for_unmapping", counted)
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(6, [300, 40, 500, 120, 260, 90], model.config.vocab_size)
+    runs = []
+    for admit in (False, True):
+        holds.clear()
+        with vt.serving(**dict(BLOCKS8, admit_while_unmapping=admit)):
+            run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 30, cb_kwargs={"max_batch_tokens": 2048},
+                               stagger=[0, 0, 1, 1, 2, 2])
+        cmp = h.compare(run, model, 30)
+        assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
+        assert any(holds) is (not admit), holds
+        runs.append(run)
+    for rid in runs[0]["ids"]:
+        assert list(runs[0]["results"][rid].generated_tokens) == list(runs[1]["results"][rid].generated_tokens)

@@ -99,6 +99,7 @@ def _bad_values():
                         "2", "true", True, np.bool_(True), 10**400, b"2"],
         "pool_keep": [None, 1.5, *sizes],
         "deferred_reclaim": [None, *flags],
+        "admit_while_unmapping": [None, *flags],
         "background_unmap": flags,
         "split_decode": flags,
     }
@@ -138,10 +139,12 @@ def test_numpy_scalars_that_are_values_become_python_ones():
     own (an Options never holds a NumPy scalar the engine would carry around)."""
     np = pytest.importorskip("numpy")
     o = vt.Options(max_requests=np.int64(8), max_context=np.uint32(1024), graph_max_tokens=np.int16(64),
-                   prealloc=np.bool_(False), compile=np.bool_(True), split_decode=np.bool_(False))
+                   prealloc=np.bool_(False), compile=np.bool_(True), split_decode=np.bool_(False),
+                   admit_while_unmapping=np.bool_(False))
     assert (o.max_requests, o.max_context, o.graph_max_tokens) == (8, 1024, 64)
-    assert (o.prealloc, o.compile, o.split_decode) == (False, True, False)
-    for v in (o.max_requests, o.max_context, o.graph_max_tokens, o.prealloc, o.compile, o.split_decode):
+    assert (o.prealloc, o.compile, o.split_decode, o.admit_while_unmapping) == (False, True, False, False)
+    for v in (o.max_requests, o.max_context, o.graph_max_tokens, o.prealloc, o.compile, o.split_decode,
+              o.admit_while_unmapping):
         assert type(v) in (int, bool), type(v)
     # Sizes too: a NumPy integer is a number of bytes, as a Python int is.
     sized = vt.Options(memory=np.int64(8 << 20), page_size=np.uint64(2 << 20), prefix_cache=np.int32(1 << 20),

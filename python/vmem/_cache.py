@@ -210,6 +210,14 @@ class KVCache(MemoryControl):
         """Hands out the inactive id that best fits a request of ``tokens`` tokens."""
         return self._rs.alloc_for(tokens)
 
+    def alloc_for_prefix(self, tokens: Any) -> int:
+        """Hands out the id for a request whose prompt is ``tokens`` (token ids: a list, a NumPy
+        array or a CPU tensor): the inactive id whose row still maps the longest run of the
+        prompt's cached blocks (a freed request's, kept by ``deferred_reclaim``), so that
+        :meth:`adopt_prefix` finds them in place and maps nothing; without one, the id
+        ``alloc_for(0)`` gives (the one holding the fewest pages)."""
+        return self._rs.alloc_for_prefix(token_ids(tokens))
+
     def map_ahead(self, req: int, tokens: int) -> int:
         """Maps pages for ``tokens`` tokens of active request ``req`` — a long prefill, from
         another thread — without blocking :meth:`step` for the other requests (a step of
@@ -337,6 +345,20 @@ class KVCache(MemoryControl):
         request :meth:`map_ahead` maps from another thread) and how long, in all, since the
         cache was made. What is left of a step's time is its own mapping."""
         return self._rs.step_waits()
+
+    def unmapping_bytes(self) -> int:
+        """Bytes of pages the unmapping thread is giving back (``background_unmap``): a
+        :meth:`step` that needs them waits for it, and it for the GPU work queued before."""
+        return self._rs.unmapping_bytes()
+
+    def step_would_wait(self, lengths: Any) -> bool:
+        """Whether :meth:`step` to ``lengths`` (as :meth:`step` takes them) would wait for the
+        GPU: for pages the unmapping thread is giving back, or to unmap pages itself (a freed
+        row's under deferred reclamation) rather than take free pages and cached blocks no
+        request maps. Changes nothing. An engine under async batching that admits a new
+        request only when this is false delays the request by a round instead of stalling the
+        round in flight's successor for every running request."""
+        return self._rs.step_would_wait(_args.lengths(lengths, self._max_batch))
 
     def distinct_mapped_bytes(self, needed_only: bool = False) -> int:
         """Bytes of pages mapped, each page once however many rows map it (a shared prefix's

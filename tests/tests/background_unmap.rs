@@ -142,6 +142,41 @@ fn a_step_short_of_pages_waits_for_the_ones_being_unmapped() {
 }
 
 #[test]
+fn pages_being_unmapped_are_counted_and_a_step_that_needs_them_would_wait() {
+    // 8 pages: A holds 4 (a full row in both buffers), 4 are free.
+    let (kv, counts) = manager(cfg(8));
+    let a = kv.alloc_reqid().unwrap();
+    kv.step(&lens(&[(a, CTX as u64)])).unwrap();
+    assert_eq!(kv.unmapping_pages(), 0);
+    let (entered, release) = hold_fence(&counts);
+    kv.free_reqid(a).unwrap();
+    entered.recv_timeout(WAIT).unwrap();
+    assert_eq!(
+        kv.unmapping_pages(),
+        4,
+        "A's pages, while its fence is held"
+    );
+    let b = kv.alloc_reqid().unwrap();
+    // 4 pages come from the pool; a 5th would be one of A's.
+    assert!(!kv.step_would_wait(&lens(&[(b, CTX as u64)])).unwrap());
+    let c = kv.alloc_reqid().unwrap();
+    assert!(kv
+        .step_would_wait(&lens(&[(b, CTX as u64), (c, 1)]))
+        .unwrap());
+    assert!(
+        kv.step_would_wait(&lens(&[(a, 1)])).is_err(),
+        "checked as a step is"
+    );
+    release.send(()).unwrap();
+    kv.wait_unmapped().unwrap();
+    assert_eq!(kv.unmapping_pages(), 0);
+    assert!(!kv
+        .step_would_wait(&lens(&[(b, CTX as u64), (c, CTX as u64)]))
+        .unwrap());
+    assert_eq!(kv.step_waits().steps, 0, "asking waits for nothing");
+}
+
+#[test]
 fn a_step_past_what_unmapping_gives_back_fails_at_once() {
     let (kv, counts) = manager(cfg(4));
     let a = kv.alloc_reqid().unwrap();

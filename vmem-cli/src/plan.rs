@@ -270,6 +270,7 @@ pub(crate) fn plan(args: &ReplayArgs) -> Result<Plan, ReplayError> {
             offline: args.offline || (args.rate.is_none() && !trace.timed),
             max_requests: None,
             horizon_s: args.horizon,
+            admit_without_waiting: false,
         },
         ..experiment
     };

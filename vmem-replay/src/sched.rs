@@ -50,6 +50,21 @@ pub trait KvMemory {
         Ok(0)
     }
 
+    /// Hands out a request id for a request whose prompt's full blocks are hashed `blocks`
+    /// (at [`Self::prefix_block_tokens`] tokens), which it then adopts. The default:
+    /// [`Self::alloc_reqid`].
+    fn alloc_reqid_for_prefix(&mut self, blocks: &[u64]) -> vmem::Result<usize> {
+        let _ = blocks;
+        self.alloc_reqid()
+    }
+
+    /// Whether a step to `seq_lens` would wait for the device (see
+    /// [`KvCacheManager::step_would_wait`]). The default: never.
+    fn step_would_wait(&self, seq_lens: &[u64]) -> bool {
+        let _ = seq_lens;
+        false
+    }
+
     /// Offers request `req`'s computed full blocks, hashed `blocks`, to the prefix cache
     /// (after its prefill). The default keeps nothing.
     fn publish_prefix(&mut self, req: usize, blocks: &[u64]) -> vmem::Result<()> {
@@ -90,6 +105,15 @@ impl KvMemory for &KvCacheManager {
     fn prefix_block_tokens(&self) -> u64 {
         KvCacheManager::prefix_block_tokens(self)
     }
+    /// Under deferred reclamation, the freed row that keeps the longest run of `blocks`
+    /// ([`KvCacheManager::alloc_reqid_for_prefix_hashes`]); otherwise `alloc_reqid`'s id.
+    fn alloc_reqid_for_prefix(&mut self, blocks: &[u64]) -> vmem::Result<usize> {
+        if self.deferred_reclaim() {
+            self.alloc_reqid_for_prefix_hashes(blocks)
+        } else {
+            KvCacheManager::alloc_reqid(self)
+        }
+    }
     fn adopt_prefix(
         &mut self,
         req: usize,
@@ -97,6 +121,11 @@ impl KvMemory for &KvCacheManager {
         prompt_tokens: u64,
     ) -> vmem::Result<u64> {
         self.adopt_prefix_hashes(req, blocks, prompt_tokens)
+    }
+    /// A step the manager refuses (a wrong length) is one that would not wait: `step`
+    /// reports it.
+    fn step_would_wait(&self, seq_lens: &[u64]) -> bool {
+        KvCacheManager::step_would_wait(self, seq_lens).unwrap_or(false)
     }
     fn publish_prefix(&mut self, req: usize, blocks: &[u64]) -> vmem::Result<()> {
         self.publish_prefix_hashes(req, blocks).map(|_| ())
@@ -120,6 +149,10 @@ pub struct ReplayConfig {
     /// Stop once the simulated clock reaches this many seconds; what is still running or
     /// queued then is counted, not finished. `None`: run until every request finished.
     pub horizon_s: Option<f64>,
+    /// Admit a request beside running ones only when its first step would not wait for the
+    /// device ([`KvMemory::step_would_wait`]); else it waits for the next iteration (an
+    /// engine under async batching that keeps admissions from stalling its rounds).
+    pub admit_without_waiting: bool,
 }
 
 impl Default for ReplayConfig {
@@ -129,6 +162,7 @@ impl Default for ReplayConfig {
             offline: false,
             max_requests: None,
             horizon_s: None,
+            admit_without_waiting: false,
         }
     }
 }
@@ -326,12 +360,16 @@ pub fn replay_with_prefixes<M: KvMemory>(
                 break;
             };
             let t = trace[idx];
-            let req = mem.alloc_reqid()?;
             let len = t.prompt_tokens + done;
             let block_tokens = mem.prefix_block_tokens();
             let blocks = match hashes {
                 Some(h) if block_tokens > 0 => h.blocks(&t, block_tokens),
                 _ => Vec::new(),
+            };
+            let req = if blocks.is_empty() {
+                mem.alloc_reqid()?
+            } else {
+                mem.alloc_reqid_for_prefix(&blocks)?
             };
             let cached = if blocks.is_empty() {
                 0
@@ -339,6 +377,13 @@ pub fn replay_with_prefixes<M: KvMemory>(
                 mem.adopt_prefix(req, &blocks, len)?
             };
             lens[req] = len;
+            if cfg.admit_without_waiting && !running.is_empty() && mem.step_would_wait(&lens) {
+                // It waits for the next iteration (what it adopted let go): the pages it needs
+                // come back meanwhile.
+                lens[req] = 0;
+                mem.free_reqid(req)?;
+                break;
+            }
             match mem.step(&lens) {
                 Ok(rep) => {
                     add_report(&mut report, rep);

@@ -13,7 +13,7 @@ version families it runs on; :func:`offered` and :func:`spec` answer for the run
 (``ValueError`` naming the version for one it does not serve). A spec's keys: ``attn`` (the
 attention name), ``block_size`` (the engine's block / page tokens, engine caches), ``graphs``
 (the engine's CUDA graphs on, async batching off unless ``async``), ``layout``/``kernel``/
-``deferred_reclaim`` (vmem), ``graph_max_tokens`` (fi-paged), ``sharing``, ``optional``
+``deferred_reclaim``/``admit_while_unmapping`` (vmem), ``graph_max_tokens`` (fi-paged), ``sharing``, ``optional``
 (needs FlashInfer: run only when named), ``compile`` (the engine's compiled forward:
 :func:`compile_config`)."""
 
@@ -73,8 +73,17 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     # in-process contender, the server's overhead measured against the same engine).
     "vmem-token-major-graphs-async": (BOTH, {**_VMEM_BEST, "compile": False}),
     "vmem-token-major-fi-graphs-async-compile": (BOTH, {**_VMEM_BEST, "kernel": "flashinfer", "optional": True}),
-    # Deferred reclamation with the engine's block sharing off: a finished request's row keeps its
-    # pages for the next request given the row (none went to the prefix cache).
+    # A new request waits a round rather than take pages still being unmapped (its round would
+    # wait for the one in flight): admit_while_unmapping=False.
+    "vmem-token-major-graphs-async-compile-hold-admissions": (BOTH, {**_VMEM_BEST, "admit_while_unmapping": False}),
+    "vmem-token-major-hold-admissions": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
+                                                "admit_while_unmapping": False}),
+    # Deferred reclamation: a finished request's row keeps its pages (the blocks it gave the prefix
+    # cache too) for the next request given the row, which adopts them in place or writes over them.
+    "vmem-token-major-deferred": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
+                                         "deferred_reclaim": True}),
+    "vmem-token-major-graphs-async-compile-deferred": (BOTH, {**_VMEM_BEST, "deferred_reclaim": True}),
+    # ... with the engine's block sharing off (nothing goes to the prefix cache).
     "vmem-token-major-graphs-async-compile-deferred-noshare": (BOTH, {**_VMEM_BEST, "deferred_reclaim": True,
                                                                       "sharing": False}),
 }
@@ -164,8 +173,8 @@ def attention(sp: Spec) -> str:
 
 def vmem_options(sp: Spec) -> dict[str, Any]:
     """The ``vmem.transformers.serving`` options a vmem ``sp`` names itself (layout, kernel,
-    deferred reclamation)."""
-    return {k: sp[k] for k in ("layout", "kernel", "deferred_reclaim") if k in sp}
+    deferred reclamation, admission while unmapping)."""
+    return {k: sp[k] for k in ("layout", "kernel", "deferred_reclaim", "admit_while_unmapping") if k in sp}
 
 
 def contender_config(model: Any, sp: Spec, args: Any, budget: dict[str, int],
@@ -194,7 +203,8 @@ def contender_config(model: Any, sp: Spec, args: Any, budget: dict[str, int],
             rows = min(rows, (2**31 - 1) // per_row - 1)
         opts = {"layout": sp["layout"], "kernel": sp.get("kernel", "fa"), "memory": budget["kv_bytes"],
                 "page_size": args.page_size, "max_requests": rows, "max_context": args.max_context,
-                "deferred_reclaim": sp.get("deferred_reclaim", False)}
+                "deferred_reclaim": sp.get("deferred_reclaim", False),
+                "admit_while_unmapping": sp.get("admit_while_unmapping", True)}
         return kw, opts
     bs = sp["block_size"]
     # The budget is fixed by num_blocks; the engine still checks its footprint against

@@ -245,6 +245,11 @@ class VmemCBCache:
         mapped_blocks = -(-mapped // (self.pages_per_block * self.page_bytes))  # a part-block counts whole
         return budget - (mapped_blocks - 1) - self.table.pending_blocks  # less the trash row's block
 
+    def unmapping_blocks(self) -> int:
+        """Blocks (a part-block counts whole) of the pages vmem's unmapping thread is still giving
+        back: free, but a step that takes them waits for the GPU work in flight first."""
+        return -(-self.kv.unmapping_bytes() // (self.pages_per_block * self.page_bytes))
+
     def blocks_needed(self, num_requested_blocks: int, allocated_blocks: int) -> int:
         return num_requested_blocks
 
@@ -348,13 +353,20 @@ class VmemCBCache:
             self.tenant.wake()
         index = None
         try:
-            # Under deferred reclamation, the freed row holding the fewest pages: adopting a cached
-            # prefix unmaps what the row holds first, which waits for the device.
-            index = self.kv.alloc_for(0) if self.options.deferred_reclaim else self.kv.alloc()
+            # Under deferred reclamation, the freed row that still maps the longest run of the
+            # prompt's cached blocks (adopted in place, no map), else the one holding the fewest
+            # pages: adopting from elsewhere unmaps what the row holds first, which waits for the
+            # device.
+            index = self.kv.alloc_for_prefix(prompt_ids) if self.options.deferred_reclaim else self.kv.alloc()
             got = self.kv.adopt_prefix(index, prompt_ids)
             # Adopting maps cached blocks get_num_free_blocks counted as free: when this round's
             # allocations counted on them, the request waits (else the step would run short).
             if got and self.get_num_free_blocks() < 0:
+                got = 0
+            # The blocks it still lacks are pages being unmapped (admit_while_unmapping=False): it
+            # waits a round, as a request that adopts nothing does (.margin.waits_for_unmapping).
+            missing = -(-len(prompt_ids) // self.block_size) - got // self.block_size
+            if got and margin.waits_for_unmapping(self, request_id, missing):
                 got = 0
         except VmemError:
             got = 0

@@ -9,6 +9,12 @@ room to grow (a soft reset: a vmem cache has no CPU pool to offload to, so the r
 is computed again; 14 preemptions in the serving suite's 5.23 run at a tenth of the working set,
 0 on 5.17).
 
+With ``admit_while_unmapping=False`` a new request also waits a round when the free blocks it
+would take are pages vmem's unmapping thread is still giving back (:func:`waits_for_unmapping`):
+on CUDA that thread first waits for the round in flight, so the new request's round would wait
+too, and the GPU would idle while the host prepares the rest of it (the slowest rounds of a run);
+a round later the pages are back.
+
 vmem takes the check over on every version (:func:`.hooks.margin_to_cache`): the scheduler's margin goes
 to the cache (``admission_margin``) and the scheduler's own becomes 0. A new request (one
 holding no row) then waits while another holds a row and the free blocks are under the margin
@@ -17,8 +23,9 @@ and what is left once the new one holds its blocks covers all the growth still t
 (:func:`growth_covered`): then no growth can run short, and the margin would only keep blocks
 free that nobody takes. 5.19+ asks in ``can_store_request_tokens``; 5.17 in its scheduler's
 ``_allocate_blocks_if_needed`` (:func:`.hooks.margin_before_allocation`). A pending request finds no cached
-prefix while over the margin (the cache's ``search_prefix_match``): adopting one would make it
-active, and an active request refused its blocks is preempted.
+prefix while over the margin, nor when the blocks it would still lack after adopting are pages
+being unmapped (the cache's ``search_prefix_match``): adopting one would make it active, and an
+active request refused its blocks is preempted.
 """
 
 from __future__ import annotations
@@ -66,10 +73,23 @@ def growth_covered(cache: Any, state: RequestState, missing: int) -> bool:
     return cache.get_num_free_blocks() - missing >= growth + own
 
 
+def waits_for_unmapping(cache: Any, request_id: str, missing: int) -> bool:
+    """Whether new request ``request_id`` (holding no row), lacking ``missing`` blocks, waits a
+    round because the free blocks it would take are pages vmem's unmapping thread is still giving
+    back: another request holds a row (a round is in flight, which the unmapping waits for), and
+    ``missing`` exceeds the free blocks less those. Only with ``admit_while_unmapping=False``."""
+    if cache.options.admit_while_unmapping or request_id in cache.table or len(cache.table) == 0:
+        return False
+    unmapping = cache.unmapping_blocks()
+    return unmapping > 0 and missing > cache.get_num_free_blocks() - unmapping
+
+
 def admission_waits(cache: Any, state: RequestState, missing: int) -> bool:
-    """Whether the new request ``state``, lacking ``missing`` blocks, waits: it is
-    :func:`over_margin` and its growth is not :func:`growth_covered`."""
-    return over_margin(cache, state.request_id) and not growth_covered(cache, state, missing)
+    """Whether the new request ``state``, lacking ``missing`` blocks, waits: its blocks are still
+    being unmapped (:func:`waits_for_unmapping`), or it is :func:`over_margin` and its growth is not
+    :func:`growth_covered`."""
+    return (waits_for_unmapping(cache, state.request_id, missing)
+            or (over_margin(cache, state.request_id) and not growth_covered(cache, state, missing)))
 
 
 def take_over(scheduler: Scheduler, cache: Any) -> None:

@@ -104,8 +104,10 @@ class Options:
       and no map for what the pages cover. A step that needs them takes them back then.
       ``False`` (default): a finished request's pages are unmapped at once. Not with ``pool``
       (a tenant gives back what its requests no longer use). Pages a request gave the engine's
-      prefix cache (``allow_block_sharing``, the engine's default) are unmapped even then: with
-      block sharing off it pays (5 % at a tenth of the working set on the H200, docs/serving.md).
+      prefix cache (``allow_block_sharing``, the engine's default) stay mapped too: the row's
+      next request adopts them in place when its prompt starts with them (a new request is
+      given the row that keeps the longest run of its prompt's cached blocks), and otherwise
+      writes over those no other request maps (they leave the cache) or unmaps the rest first.
     * ``background_unmap``: a finished request's pages are unmapped by vmem's unmapping thread
       after it has waited for the GPU work queued before, so the engine's thread does not wait
       (on CUDA the wait is a context synchronization, which under async batching stalls the
@@ -113,6 +115,15 @@ class Options:
       and a round that needs pages not back yet waits for them.
       ``None`` (default): on, except in a pool, where a tenant's pages go back to the pool at
       once (``True`` with ``pool`` is refused).
+    * ``admit_while_unmapping``: a new request is admitted beside running ones even when the
+      blocks it needs are pages vmem's unmapping thread is still giving back (``True``, the
+      default); on CUDA that thread first waits for the round in flight, so the new request's
+      round waits too and every running request's next token is late. ``False``: such a request
+      waits a round instead, by when the pages are back (in a replay with the GPU's wait
+      modelled, 75-91 % fewer stalled rounds for 0.2-0.5 % more rounds; ``serving-calls`` in
+      docs/serving.md). A request that would adopt a cached prefix waits the same way (counted
+      by the blocks it still lacks). Only matters with ``background_unmap`` and without
+      ``deferred_reclaim`` (whose finished requests are not unmapped).
     * ``split_decode``: with ``kernel="fa"``, a padded (CUDA-graph) decode round deals its
       sequence slots to its requests by length, each slot a run of one request's keys, and merges
       the runs (flash-decoding, :mod:`~vmem.kernels.fa_split`): a round of a few long
@@ -141,6 +152,7 @@ class Options:
     pool_keep: Any = 0
     deferred_reclaim: bool = False
     background_unmap: bool | None = None
+    admit_while_unmapping: bool = True
     split_decode: bool | None = None
 
     def __post_init__(self) -> None:
@@ -176,6 +188,7 @@ class Options:
         if self.background_unmap and self.pool is not None:
             raise InvalidArgument("background_unmap gives a finished request's pages back later; a pool tenant "
                                   "gives them to the pool at once: not both")
+        set_(self, "admit_while_unmapping", check_bool("admit_while_unmapping", self.admit_while_unmapping))
         set_(self, "split_decode", check_optional_bool("split_decode", self.split_decode))
         if self.split_decode and self.kernel != "fa":
             raise InvalidArgument(f"split_decode splits kernel='fa''s decode rounds; kernel={self.kernel!r} "

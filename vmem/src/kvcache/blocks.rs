@@ -55,7 +55,7 @@ pub struct PrefixStats {
     pub shared_savings_bytes: u64,
     /// Tokens served from the cache by `adopt_prefix` so far.
     pub hit_tokens: u64,
-    /// Blocks evicted so far.
+    /// Blocks evicted so far (those a row's next request wrote over included).
     pub evicted_blocks: u64,
 }
 
@@ -86,6 +86,10 @@ pub(super) struct PrefixCache {
     pub(super) tick: u64,
     /// Per request: the hashes of the cached blocks at the start of its range.
     pub(super) held: Vec<Vec<BlockHash>>,
+    /// Per request id: its `held` blocks are a freed predecessor's, kept mapped by deferred
+    /// reclamation (inherit.rs), not its own request's: it adopts them in place, takes them
+    /// over or unmaps them before it writes its row.
+    inherited: Vec<bool>,
     pub(super) hit_tokens: u64,
     pub(super) evicted: u64,
 }
@@ -103,6 +107,7 @@ impl PrefixCache {
             cap_pages: cap / cfg.page_size,
             per_block: block_pages * geo.buffers as u64,
             held: vec![Vec::new(); cfg.max_batch],
+            inherited: vec![false; cfg.max_batch],
             ..PrefixCache::default()
         }
     }
@@ -110,6 +115,12 @@ impl PrefixCache {
     /// Whether sharing is on.
     pub(super) fn on(&self) -> bool {
         self.block_tokens > 0
+    }
+
+    /// The hashes of the cached blocks at the start of request `r`'s range (none when
+    /// sharing is off).
+    pub(super) fn held_of(&self, r: usize) -> &[BlockHash] {
+        self.held.get(r).map_or(&[], Vec::as_slice)
     }
 
     /// Cached blocks at the start of request `r`'s range.
@@ -132,9 +143,63 @@ impl PrefixCache {
         }
     }
 
-    /// Tokens of request `r` that live in cached pages: it must keep them mapped.
+    /// Tokens of request `r` that live in cached pages it adopted or published: it must keep
+    /// them mapped and never go below them. A predecessor's blocks (inherited) are not
+    /// counted: they are the request's to replace.
     pub(super) fn held_tokens(&self, r: usize) -> u64 {
-        self.held_blocks(r) * self.block_tokens
+        if self.is_inherited(r) {
+            0
+        } else {
+            self.held_blocks(r) * self.block_tokens
+        }
+    }
+
+    /// Whether request id `r`'s cached blocks are a freed predecessor's (deferred
+    /// reclamation), not yet adopted in place, taken over or unmapped.
+    pub(super) fn is_inherited(&self, r: usize) -> bool {
+        self.inherited.get(r).copied().unwrap_or(false)
+    }
+
+    /// Request `r` is freed and keeps its row mapped (deferred reclamation): its cached
+    /// blocks become its id's next request's to replace.
+    pub(super) fn bequeath(&mut self, r: usize) {
+        if self.held_blocks(r) > 0 {
+            self.inherited[r] = true;
+        }
+    }
+
+    /// Request `r`'s cached blocks (those it inherited and kept, those it adopted after them)
+    /// are its own adopted prefix from now on.
+    pub(super) fn own(&mut self, r: usize) {
+        self.inherited[r] = false;
+    }
+
+    /// Request `r` writes over its cached blocks from the `from`-th on: when it is the only
+    /// request that maps each of them, they leave the cache (evicted, their pages `r`'s own,
+    /// still mapped, so nothing adopts them again) and `true` is returned; otherwise nothing
+    /// changes and `false` is returned (they must be unmapped instead).
+    pub(super) fn take_over(&mut self, r: usize, from: usize) -> bool {
+        let held = self.held_of(r);
+        if held.len() > from && held[from..].iter().any(|h| self.refs(h) != 1) {
+            return false;
+        }
+        let Some(held) = self.held.get_mut(r) else {
+            return true; // sharing off: nothing cached
+        };
+        let gone = held.split_off(from.min(held.len()));
+        if held.is_empty() {
+            self.inherited[r] = false;
+        }
+        for h in gone {
+            self.entries.remove(&h);
+            self.evicted += 1;
+        }
+        true
+    }
+
+    /// How many requests map the cached block `h` (0 when it is not cached).
+    pub(super) fn refs(&self, h: &BlockHash) -> u32 {
+        self.entries.get(h).map_or(0, |e| e.refs)
     }
 
     /// Pages the cache can give back now: those of blocks no request maps.
@@ -164,6 +229,9 @@ impl PrefixCache {
             return Vec::new();
         }
         let gone = held.split_off(keep as usize);
+        if held.is_empty() {
+            self.inherited[r] = false;
+        }
         // Tail first: a prompt's tail is the least likely to be shared.
         for h in gone.into_iter().rev() {
             if let Some(e) = self.entries.get_mut(&h) {

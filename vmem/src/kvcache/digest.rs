@@ -13,9 +13,12 @@ const TAG_ALLOC: u64 = 1;
 const TAG_ALLOC_FOR: u64 = 2;
 const TAG_FREE: u64 = 3;
 pub(super) const TAG_STEP: u64 = 4;
+/// After [`Call`]'s tags.
+const TAG_ALLOC_FOR_PREFIX: u64 = 16;
 
-/// The calls besides `alloc_reqid`, `alloc_reqid_for`, `free_reqid` and `step` that change
-/// what is mapped, cached or may be created, as the digest tags them ([`Digest::call`]).
+/// The calls besides `alloc_reqid`, `alloc_reqid_for`, `alloc_reqid_for_prefix`, `free_reqid`
+/// and `step` that change what is mapped, cached or may be created, as the digest tags them
+/// ([`Digest::call`]).
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Call {
     Adopt = 5,
@@ -120,6 +123,19 @@ impl Digest {
                 self.word(TAG_ALLOC_FOR);
                 self.word(t);
             }
+        }
+        self.outcome(r, |d, &id| d.word(id as u64));
+    }
+
+    /// An `alloc_reqid_for_prefix` of a prompt's block `hashes`, and the id it gave: chosen by
+    /// the blocks inactive rows kept, then (as `alloc_reqid_for`) by their pages, which the
+    /// background thread can change (see [`Digest::alloc`]).
+    pub(super) fn alloc_for_prefix(&mut self, hashes: &[u64], r: &Result<usize>) {
+        self.d.calls += 1;
+        self.word(TAG_ALLOC_FOR_PREFIX);
+        self.word(hashes.len() as u64);
+        for &h in hashes {
+            self.word(h);
         }
         self.outcome(r, |d, &id| d.word(id as u64));
     }

@@ -52,14 +52,33 @@ impl KvCacheManager {
                 });
             }
             st = self.wait_unclaimed(st, |st| st.requests.is_claimed(req));
+            // What it maps, counting the blocks of a freed request's its row kept that other
+            // requests map (settling unmaps them: mapped again).
+            let mut lens = vec![0; self.cfg.max_batch];
+            lens[req] = tokens;
+            let need = |st: &State| st.deficit(req, tokens) + st.settle_need(&lens);
             // Pages the unmapping thread is giving back: waited for when they are needed.
-            if st.needs_unmapping_pages(st.deficit(req, tokens)) {
+            if st.needs_unmapping_pages(need(&st)) {
                 st = self.wait_unmaps(st);
                 st.check_awake()?;
                 if !st.requests.is_active(req) {
                     return Err(VmemError::InactiveRequest(req));
                 }
                 st = self.wait_unclaimed(st, |st| st.requests.is_claimed(req));
+            }
+            // A row that kept a freed request's cached blocks is about to be written: settled
+            // only when what it then needs can be had (its own pages are not taken for it).
+            if tokens > 0 && st.prefix.is_inherited(req) {
+                let available = (st.pool.available_pages() + st.reclaimable())
+                    .saturating_sub(st.excess(req, st.padded_len()));
+                if need(&st) > available {
+                    return Err(VmemError::OutOfMemory {
+                        needed_pages: need(&st),
+                        available_pages: available,
+                        cap_bytes: st.pool.cap_pages() * page,
+                    });
+                }
+                st.settle(req, &[])?;
             }
             // What each buffer is short of: the same deficit `step` computes.
             let plan: Vec<(usize, u64, usize)> = st

@@ -16,6 +16,7 @@ mod blocks;
 mod config;
 mod defaults;
 mod digest;
+mod inherit;
 mod lockstep;
 mod map_ahead;
 mod mapper;
@@ -25,6 +26,7 @@ mod requests;
 mod sleep;
 mod state;
 mod unmap;
+mod waits;
 
 pub use crate::decision::DecisionDigest;
 pub use blocks::{block_hashes, BlockHash, PrefixStats};
@@ -375,15 +377,17 @@ impl KvCacheManager {
         let st = self.shared.lock();
         let page = self.geo.page_size;
         let mapped: u64 = (0..self.cfg.max_batch).map(|r| st.pages_of(r)).sum::<u64>() * page;
-        let excess = if needed_only {
-            st.excess_pages() * page
+        let released = st.releasable();
+        // Blocks that both the unmapping thread and reclamation give back stay mapped by
+        // requests that are not being unmapped.
+        let gone = if needed_only {
+            released.unmapping + released.both + released.reclaim
         } else {
-            0
+            released.unmapping
         };
         mapped
-            .saturating_sub(st.unmapping_pages() * page)
             .saturating_sub(st.prefix.stats(page).shared_savings_bytes)
-            .saturating_sub(excess)
+            .saturating_sub(gone * page)
     }
 
     /// Pages a step can take back without shortening any request: every page of a freed
@@ -438,10 +442,13 @@ impl KvCacheManager {
             });
         }
         st.requests.release(req);
+        // Its cached blocks are the id's next request's to adopt in place, take over or unmap
+        // before it writes (inherit.rs): kept mapped under deferred reclamation, and whatever
+        // an unmap that fails leaves behind.
+        st.prefix.bequeath(req);
+        // Under deferred reclamation its pages stay mapped for the id's next request.
         let deferred = st.cfg.deferred_reclaim;
-        // A request that maps cached prefix pages is unmapped now even when deferred: the
-        // next request of its id would write them.
-        if !deferred || st.prefix.held_blocks(req) > 0 {
+        if !deferred {
             if self.unmaps_behind(&st) && st.pages_of(req) > 0 {
                 st.queue_unmap(req);
                 // The unmapping thread waits on the same condition variable.
@@ -469,7 +476,8 @@ impl KvCacheManager {
     /// reclaiming every deferred request, cannot cover the step; the engine can then preempt
     /// a request and retry; with [`VmemError::PrefixMisuse`] when a started request would go
     /// below the shared prefix pages it maps. On any error every mapping made before the call
-    /// is intact.
+    /// is intact (should unmapping a freed request's cached blocks from a row it starts
+    /// writing fail, those it did unmap stay unmapped: they were no request's data).
     pub fn step(&self, seq_lens: &[u64]) -> Result<StepReport> {
         let r = self.step_unrecorded(seq_lens);
         self.record(|d, st| d.step(st, seq_lens, &r));
@@ -507,10 +515,9 @@ impl KvCacheManager {
                 // Other threads may have freed requests while this one waited.
                 st.check_step(seq_lens)?;
             }
-            let needed = (0..seq_lens.len())
-                .filter(|&r| seq_lens[r] > 0)
-                .map(|r| st.deficit(r, target(seq_lens[r])))
-                .sum();
+            // Rows that kept a freed request's cached blocks are settled once the step is sure
+            // to go ahead; the blocks of theirs other requests map count as pages to map again.
+            let needed = st.step_need(seq_lens) + st.settle_need(seq_lens);
             // Pages the unmapping thread is giving back: a step that needs them waits (one
             // that needs more than they make up fails below, without waiting).
             if st.needs_unmapping_pages(needed) {
@@ -523,7 +530,11 @@ impl KvCacheManager {
             break needed;
         };
         let old_pending = st.requests.start_step(seq_lens);
-        let available = st.pool.available_pages() + st.reclaimable() + st.unmapping_pages();
+        let released = st.releasable();
+        let available = st.pool.available_pages()
+            + st.prefix.evictable_pages()
+            + released.reclaim
+            + released.after_unmapping();
         if needed > available {
             st.requests.undo_start(old_pending);
             return Err(VmemError::OutOfMemory {
@@ -531,6 +542,11 @@ impl KvCacheManager {
                 available_pages: available,
                 cap_bytes: st.pool.cap_pages() * self.geo.page_size,
             });
+        }
+        // A row that kept a freed request's cached blocks is about to be written.
+        if let Err(e) = st.settle_for_writing(seq_lens) {
+            st.requests.undo_start(old_pending);
+            return Err(e);
         }
         let mut report = StepReport::default();
         let wants = (0..seq_lens.len())

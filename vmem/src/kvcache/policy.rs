@@ -88,20 +88,18 @@ impl State {
     }
 
     /// Pages that reclamation could free: every page beyond what each request must keep
-    /// (claimed requests' pages excepted), and the prefix cache's evictable blocks.
+    /// (claimed requests' pages excepted), and the prefix cache's evictable blocks; each
+    /// physical page once.
     pub(super) fn reclaimable(&self) -> u64 {
         self.excess_pages() + self.prefix.evictable_pages()
     }
 
     /// Pages beyond what each request must keep, claimed requests' excepted: every page of a
-    /// freed request under deferred reclamation, an active request's past its length.
+    /// freed request under deferred reclamation, an active request's past its length. A
+    /// cached block counts once, and only when every request that maps it gives it back
+    /// ([`State::releasable`]).
     pub(super) fn excess_pages(&self) -> u64 {
-        let padded = self.padded_len();
-        self.requests
-            .ids()
-            .filter(|&r| !self.requests.is_claimed(r))
-            .map(|r| self.excess(r, padded))
-            .sum()
+        self.releasable().reclaim
     }
 
     /// Whether reclamation evicts a prefix-cache block before taking pages from `victim`
@@ -149,16 +147,23 @@ impl State {
         (eager > 0 && self.deficit(id, eager) <= spare).then_some(eager)
     }
 
-    /// The id to hand out after the current ones: the inactive id holding the most pages when
-    /// deferred reclamation is on (ties: lowest id); else with background unmapping the one
-    /// freed longest ago (never freed first, lowest id first), whose pages are most likely
-    /// back, so that its first step does not wait for them; else the lowest inactive id.
-    /// Pages being unmapped count as gone ([`State::settled_pages`]): ranks in lockstep pick
-    /// alike however far their unmapping threads have got.
+    /// The id to hand out after the current ones: with deferred reclamation on, an inactive id
+    /// whose row keeps no freed request's cached blocks before one that does (its next request
+    /// would write over them, and they would leave the cache: inherit.rs), then the one holding
+    /// the most pages (ties: lowest id); else with background unmapping the one freed longest
+    /// ago (never freed first, lowest id first), whose pages are most likely back, so that its
+    /// first step does not wait for them; else the lowest inactive id. Pages being unmapped
+    /// count as gone ([`State::settled_pages`]): ranks in lockstep pick alike however far their
+    /// unmapping threads have got.
     pub(super) fn pick_next_id(&self) -> Option<usize> {
         if self.cfg.deferred_reclaim {
-            self.inactive()
-                .max_by_key(|&r| (self.settled_pages(r), std::cmp::Reverse(r)))
+            self.inactive().max_by_key(|&r| {
+                (
+                    !self.prefix.is_inherited(r),
+                    self.settled_pages(r),
+                    std::cmp::Reverse(r),
+                )
+            })
         } else {
             self.inactive().min_by_key(|&r| (self.reuse_order(r), r))
         }

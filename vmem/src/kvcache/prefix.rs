@@ -27,9 +27,13 @@
 //!   of tokens below the request's adopted length, which the request never writes (an
 //!   engine writes only positions at or after what it has computed); every position from the
 //!   adopted length on lies in a page the request alone maps, because adoption is whole
-//!   pages at the start of an empty range and stops at least one token short of the prompt.
+//!   pages at the start of its range and stops at least one token short of the prompt.
 //!   The owner that published a page wrote it before publishing and, its tokens being
-//!   computed, never writes it again. Tested in `tests/tests/sharing.rs`.
+//!   computed, never writes it again. A freed row's cached blocks kept by deferred
+//!   reclamation are written by the id's next request only once it has taken them over
+//!   (no other request maps them, and they have left the cache) or unmapped them
+//!   (inherit.rs, `State::settle`, before any write). Tested in `tests/tests/sharing.rs` and
+//!   `tests/tests/deferred_sharing.rs`.
 //! * **The cache is bounded and page-aware**: pages no request maps stay cached up to
 //!   [`KvConfig::prefix_cache`](super::KvConfig::prefix_cache) bytes; beyond it, and whenever the pool runs short, the
 //!   least recently released go back to the pool first. A page a request maps is never
@@ -39,10 +43,10 @@
 //!   counter of calls, ties broken by hash; no clock, no hash-map iteration order. Ranks
 //!   that make the same calls make the same decisions.
 //!
-//! With sharing on, freeing a request that maps cached pages unmaps it at once (deferred
-//! reclamation would hand its id, cached pages and all, to a request that writes them), and
-//! adopting a cached prefix into an id that still holds pages (deferred or eager ones) unmaps
-//! them first (when nothing is cached, they stay).
+//! With deferred reclamation a freed request's row keeps its cached blocks mapped, and its
+//! id's next request adopts them in place, takes them over or unmaps them before it writes
+//! (inherit.rs). Adopting a cached prefix into an id that holds other pages (a deferred
+//! predecessor's own, eager ones) unmaps them first (when nothing is cached, they stay).
 
 use super::blocks::{block_hashes, BlockHash, Entry, PrefixStats};
 use super::digest::Call;
@@ -85,9 +89,10 @@ impl State {
     /// Maps the cached prefix of `hashes` (at most `most` blocks) into inactive-range request
     /// `r` (active, nothing computed yet). See [`KvCacheManager::adopt_prefix_hashes`].
     fn adopt(&mut self, r: usize, hashes: &[BlockHash], most: u64) -> Result<u64> {
+        // A predecessor's inherited blocks are not the request's: they do not count here.
         if self.requests.length(r) > 0
             || self.requests.pending(r) > 0
-            || self.prefix.held_blocks(r) > 0
+            || self.prefix.held_tokens(r) > 0
         {
             return Err(VmemError::PrefixMisuse {
                 req: r,
@@ -100,21 +105,31 @@ impl State {
             .take_while(|h| self.prefix.entries.contains_key(h))
             .count();
         if k == 0 {
-            // Nothing cached: leftover pages (a deferred predecessor's) stay, for the request
-            // to write as its own; unmapping them would wait for the device for nothing.
+            // Nothing cached: leftover pages (a deferred predecessor's, its cached blocks
+            // included) stay, for the request to write as its own once it steps; unmapping
+            // them would wait for the device for nothing.
             return Ok(0);
         }
-        // Leftover pages (a deferred predecessor's, eager ones) go first: the range must be
-        // empty, so the adopted pages start it.
-        if self.buffers.iter().any(|b| b.mapped(r) > 0) {
-            self.unmap_request(r)?;
-        }
+        // The blocks the row inherited that start the prefix stay where they are (inherit.rs);
+        // other leftover pages (a deferred predecessor's, eager ones) go first: the range
+        // must hold the adopted blocks only, so the rest follow them.
+        let kept = if self.prefix.is_inherited(r) {
+            self.settle(r, &hashes[..k])?
+        } else {
+            if self.buffers.iter().any(|b| b.mapped(r) > 0) {
+                self.unmap_request(r)?;
+            }
+            0
+        };
         let page = self.geo.page_size;
         let m = self.prefix.block_pages as usize;
         let mut mapped_buffers = 0;
         let mut result = Ok(());
         for b in 0..self.buffers.len() {
-            let pages: Vec<PageHandle> = hashes[..k]
+            if k == kept {
+                break; // every block is in place: nothing to map
+            }
+            let pages: Vec<PageHandle> = hashes[kept..k]
                 .iter()
                 .flat_map(|h| {
                     self.prefix.entries[h].pages[b * m..(b + 1) * m]
@@ -131,23 +146,24 @@ impl State {
             mapped_buffers += 1;
         }
         if let Err(e) = result {
-            // Nothing of the call stays: unmap the buffers already mapped; their pages are
-            // the cache's, not the pool's.
-            let n = (k * m) as u64;
+            // Nothing of the call stays mapped: unmap the buffers already mapped; their pages
+            // are the cache's, not the pool's. The blocks kept in place stay inherited.
+            let n = ((k - kept) * m) as u64;
             for b in 0..mapped_buffers {
                 let _ = self.buffers[b].shrink(r, n);
             }
             self.forget_pages(r, mapped_buffers as u64 * n);
             return Err(e);
         }
-        for h in &hashes[..k] {
+        for h in &hashes[kept..k] {
             let e = self.prefix.entries.get_mut(h).expect("looked up above");
             if e.refs == 0 {
                 self.prefix.lru.remove(&(e.tick, *h));
             }
             e.refs += 1;
         }
-        self.prefix.held[r] = hashes[..k].to_vec();
+        self.prefix.held[r].extend_from_slice(&hashes[kept..k]);
+        self.prefix.own(r);
         let tokens = k as u64 * self.prefix.block_tokens;
         self.prefix.hit_tokens += tokens;
         Ok(tokens)
@@ -160,6 +176,11 @@ impl State {
     /// computed after those, so caching them under `hashes` would serve them to requests
     /// whose prefix they are not.
     fn publish(&mut self, r: usize, hashes: &[BlockHash]) -> Result<u64> {
+        if self.prefix.is_inherited(r) {
+            // Its row holds a predecessor's blocks and nothing computed of its own (its first
+            // step would have settled them): nothing to publish.
+            return Ok(0);
+        }
         let held = &self.prefix.held[r];
         let common = held.len().min(hashes.len());
         if held[..common] != hashes[..common] {
@@ -212,9 +233,11 @@ impl KvCacheManager {
     /// `tokens` (its prompt's token ids) that leaves at least its last token to compute: the
     /// cached pages are mapped at the start of its range. Returns the tokens served from the
     /// cache (a multiple of [`KvCacheManager::prefix_block_tokens`]); the engine prefills
-    /// from there. Pages `req` held from an earlier request (deferred, eager) are unmapped
-    /// first when a prefix is cached (else they stay, for `req` to write). On error nothing
-    /// is mapped. Fails with [`VmemError::Unsupported`] when sharing
+    /// from there. Cached blocks its row kept from the id's freed request (deferred
+    /// reclamation) that start the prefix stay in place, mapping nothing
+    /// ([`KvCacheManager::alloc_reqid_for_prefix`] picks such a row); other pages `req` holds
+    /// from an earlier request (deferred, eager) are unmapped first when a prefix is cached
+    /// (else they stay, for `req` to write). On error nothing more is mapped. Fails with [`VmemError::Unsupported`] when sharing
     /// is off, and with [`VmemError::PrefixMisuse`] when `req` has tokens (or a prefix) already.
     ///
     /// ```

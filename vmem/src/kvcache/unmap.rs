@@ -106,17 +106,15 @@ impl State {
     /// that and what the unmapping thread is giving back: a step (or `map_ahead`) then waits
     /// for it; one that needs more fails without waiting.
     pub(super) fn needs_unmapping_pages(&self, need: u64) -> bool {
-        let now = self.pool.available_pages() + self.reclaimable();
-        need > now && need <= now + self.unmapping_pages()
+        let released = self.releasable();
+        let now = self.pool.available_pages() + released.reclaim + self.prefix.evictable_pages();
+        need > now && need <= now + released.after_unmapping()
     }
 
-    /// Pages the unmapping thread has yet to give back: the pool's, soon.
+    /// Pages the unmapping thread has yet to give back: the pool's, soon. A cached block is
+    /// counted only when every request that maps it gives it back ([`State::releasable`]).
     pub(super) fn unmapping_pages(&self) -> u64 {
-        self.requests
-            .ids()
-            .filter(|&r| self.requests.is_unmapping(r))
-            .map(|r| self.requests.pages(r))
-            .sum()
+        self.releasable().after_unmapping()
     }
 
     /// The fewest pages any buffer of request `r` will hold once pending unmaps are done (0
