@@ -91,6 +91,11 @@ def test_step_takes_lists_arrays_dicts_and_cpu_tensors_alike():
     kv.step(np.array([256 if i == r else 0 for i in range(4)], dtype=np.int64))
     kv.step({r: 512})
     assert kv.request_pages(r) == [2] * 6
+    # NumPy integers as ids and lengths (a dict built from arrays, a list of their items).
+    kv.step({np.int64(r): np.int32(768)})
+    kv.step([np.uint16(768) if i == r else np.int64(0) for i in range(4)])
+    assert kv.request_pages(r) == [3] * 6
+    assert not kv.step_would_wait({np.int64(r): np.int64(768)})
     torch = pytest.importorskip("torch", reason="no torch here; scripts/test.sh serving runs this with torch")
     kv.step(torch.tensor([512 if i == r else 0 for i in range(4)]))
 
@@ -103,6 +108,9 @@ def test_step_takes_lists_arrays_dicts_and_cpu_tensors_alike():
         # Lists take a fast path when every entry is a plain non-negative int; these do not.
         (lambda kv, r: kv.step([-1, 0, 0, 0]), vmem.InvalidArgument, "negative"),
         (lambda kv, r: kv.step([True, 0, 0, 0]), vmem.InvalidArgument, "whole number"),
+        (lambda kv, r: kv.step({r: np.bool_(True)}), vmem.InvalidArgument, "whole number"),
+        (lambda kv, r: kv.step({np.bool_(True): 10}), vmem.InvalidArgument, "out of range"),
+        (lambda kv, r: kv.step_would_wait({r: -1}), vmem.InvalidArgument, "negative"),
         (lambda kv, r: kv.step((0, 0, 0, 2**70)), vmem.InvalidArgument, "too large"),
         (lambda kv, r: kv.step({r: 2**63}), vmem.InvalidArgument, "too large"),
         (lambda kv, r: kv.step({r: 1.5}), vmem.InvalidArgument, "whole number"),

@@ -159,9 +159,10 @@ def lengths(lengths: Any, max_batch: int) -> List[int]:
     if isinstance(lengths, Mapping):
         out = [0] * max_batch
         for r, n in lengths.items():
-            if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < max_batch:
+            rid = integer(r)  # a NumPy integer is an id too
+            if rid is None or not 0 <= rid < max_batch:
                 raise InvalidArgument(f"request id {r!r} out of range (0..{max_batch})")
-            out[r] = n
+            out[rid] = n
         lengths = out
     elif hasattr(lengths, "tolist"):  # NumPy arrays, torch tensors
         device = getattr(lengths, "device", None)
@@ -184,12 +185,13 @@ def lengths(lengths: Any, max_batch: int) -> List[int]:
     ):
         return list(lengths)
     out = []
-    for i, n in enumerate(lengths):
-        if isinstance(n, bool) or not isinstance(n, int):
-            if isinstance(n, float) and n.is_integer():
-                n = int(n)
+    for i, value in enumerate(lengths):
+        n = integer(value)  # a NumPy integer is a length too (never a bool)
+        if n is None:
+            if isinstance(value, float) and value.is_integer():
+                n = int(value)
             else:
-                raise InvalidArgument(f"lengths[{i}] = {short(n)} is not a whole number of tokens")
+                raise InvalidArgument(f"lengths[{i}] = {short(value)} is not a whole number of tokens")
         if n < 0:
             raise InvalidArgument(f"lengths[{i}] = {short(n)} is negative")
         if n >= _MAX_LENGTH:

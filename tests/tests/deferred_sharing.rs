@@ -89,6 +89,15 @@ fn wrong(
     bad
 }
 
+/// A new request that computes `tokens` (writing their values) and publishes its full blocks:
+/// its id and the blocks published.
+fn published(host: &HostBackend, kv: &KvCacheManager, tokens: &[u32]) -> (usize, u64) {
+    let r = kv.alloc_reqid().unwrap();
+    kv.step(&lens(&[(r, tokens.len())])).unwrap();
+    write(host, kv, r, tokens, 0, tokens.len());
+    (r, kv.publish_prefix(r, tokens).unwrap())
+}
+
 fn tokens(seed: u32, n: usize) -> Vec<u32> {
     (0..n as u32)
         .map(|i| (i.wrapping_add(seed << 16)).wrapping_mul(2_654_435_761) >> 8)
@@ -106,10 +115,8 @@ fn a_follow_up_turn_adopts_its_rows_blocks_in_place_and_maps_nothing() {
     let bt = kv.prefix_block_tokens() as usize;
     // Turn 1: 3 blocks and a half, computed, published, finished.
     let turn1 = tokens(1, 3 * bt + bt / 2);
-    let a = kv.alloc_reqid().unwrap();
-    kv.step(&lens(&[(a, turn1.len())])).unwrap();
-    write(&host, &kv, a, &turn1, 0, turn1.len());
-    assert_eq!(kv.publish_prefix(a, &turn1).unwrap(), 3);
+    let (a, blocks) = published(&host, &kv, &turn1);
+    assert_eq!(blocks, 3);
     kv.free_reqid(a).unwrap();
     assert_eq!(
         kv.request_pages(a).unwrap(),
@@ -158,10 +165,8 @@ fn a_row_an_unrelated_request_writes_takes_its_blocks_over_in_place() {
     let (kv, host, counted) = manager(cfg(Layout::PerLayer, 4096, 64, 8));
     let bt = kv.prefix_block_tokens() as usize;
     let p = tokens(1, 2 * bt + 3);
-    let a = kv.alloc_reqid().unwrap();
-    kv.step(&lens(&[(a, p.len())])).unwrap();
-    write(&host, &kv, a, &p, 0, p.len());
-    assert_eq!(kv.publish_prefix(a, &p).unwrap(), 2);
+    let (a, blocks) = published(&host, &kv, &p);
+    assert_eq!(blocks, 2);
     kv.free_reqid(a).unwrap();
     // A row that keeps no cached block goes first: A's blocks stay cached while one is free.
     let others: Vec<usize> = (1..B).map(|_| kv.alloc_reqid().unwrap()).collect();
@@ -196,10 +201,8 @@ fn a_block_another_request_maps_is_unmapped_before_the_row_is_written() {
     let (kv, host, counted) = manager(cfg(Layout::TokenMajor, 4096, 64, 8));
     let bt = kv.prefix_block_tokens() as usize;
     let p = tokens(1, 2 * bt + 3);
-    let a = kv.alloc_reqid().unwrap();
-    kv.step(&lens(&[(a, p.len())])).unwrap();
-    write(&host, &kv, a, &p, 0, p.len());
-    assert_eq!(kv.publish_prefix(a, &p).unwrap(), 2);
+    let (a, blocks) = published(&host, &kv, &p);
+    assert_eq!(blocks, 2);
     // C adopts A's blocks and goes on; A ends.
     let c = kv.alloc_reqid().unwrap();
     assert_eq!(kv.adopt_prefix(c, &p).unwrap(), (2 * bt) as u64);
@@ -241,10 +244,7 @@ fn a_step_that_needs_a_shared_block_fails_before_mapping_anything() {
         let (kv, host, _) = manager(cfg(layout, 4096, 5 * buffers, 8));
         let bt = kv.prefix_block_tokens() as usize;
         let p = tokens(1, 2 * bt + 3);
-        let a = kv.alloc_reqid().unwrap();
-        kv.step(&lens(&[(a, p.len())])).unwrap();
-        write(&host, &kv, a, &p, 0, p.len());
-        kv.publish_prefix(a, &p).unwrap();
+        let (a, _) = published(&host, &kv, &p);
         let c = kv.alloc_reqid().unwrap();
         kv.adopt_prefix(c, &p).unwrap();
         kv.step(&lens(&[(a, p.len()), (c, p.len())])).unwrap();
@@ -492,10 +492,7 @@ fn a_publisher_whose_unmap_failed_is_not_written_over_by_its_ids_next_request() 
     let bt = kv.prefix_block_tokens() as usize;
     // A publishes 2 blocks; C adopts them.
     let p = tokens(1, 2 * bt + 3);
-    let a = kv.alloc_reqid().unwrap();
-    kv.step(&lens(&[(a, p.len())])).unwrap();
-    write(&host, &kv, a, &p, 0, p.len());
-    kv.publish_prefix(a, &p).unwrap();
+    let (a, _) = published(&host, &kv, &p);
     let c = kv.alloc_reqid().unwrap();
     assert_eq!(kv.adopt_prefix(c, &p).unwrap(), (2 * bt) as u64);
     kv.step(&lens(&[(a, p.len()), (c, p.len())])).unwrap();

@@ -259,11 +259,7 @@ impl KvCacheManager {
             .prefix_fit(hashes)
             .or_else(|| st.best_fit(0))
             .ok_or(VmemError::TooManyRequests(self.cfg.max_batch))?;
-        st.requests.admit(id);
-        if st.requests.next_id() == Some(id) {
-            let next = st.pick_next_id();
-            st.requests.set_next_id(next);
-        }
+        st.hand_out(id);
         self.kick(st);
         Ok(id)
     }

@@ -266,11 +266,7 @@ impl KvCacheManager {
         let id = st
             .best_fit(tokens)
             .ok_or(VmemError::TooManyRequests(self.cfg.max_batch))?;
-        st.requests.admit(id);
-        if st.requests.next_id() == Some(id) {
-            let next = st.pick_next_id();
-            st.requests.set_next_id(next);
-        }
+        st.hand_out(id);
         self.kick(st);
         Ok(id)
     }

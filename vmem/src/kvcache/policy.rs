@@ -169,6 +169,16 @@ impl State {
         }
     }
 
+    /// Hands out inactive id `id`, chosen by the caller: it becomes active, and when it was
+    /// the id kept pre-mapped for `alloc_reqid`, the next one is chosen.
+    pub(super) fn hand_out(&mut self, id: usize) {
+        self.requests.admit(id);
+        if self.requests.next_id() == Some(id) {
+            let next = self.pick_next_id();
+            self.requests.set_next_id(next);
+        }
+    }
+
     /// The inactive id holding the fewest pages that cover `tokens`, else the inactive id
     /// [`State::pick_next_id`] would pick without deferred reclamation.
     pub(super) fn best_fit(&self, tokens: u64) -> Option<usize> {
