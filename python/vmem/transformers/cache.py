@@ -242,13 +242,17 @@ class VmemCBCache:
         # Pages freed rows keep (deferred reclamation), and a reused row's past its request's
         # length, are free: a step takes them back.
         mapped = self.kv.distinct_mapped_bytes(needed_only=self.options.deferred_reclaim)
-        mapped_blocks = -(-mapped // (self.pages_per_block * self.page_bytes))  # a part-block counts whole
+        mapped_blocks = self._whole_blocks(mapped)
         return budget - (mapped_blocks - 1) - self.table.pending_blocks  # less the trash row's block
 
     def unmapping_blocks(self) -> int:
         """Blocks (a part-block counts whole) of the pages vmem's unmapping thread is still giving
         back: free, but a step that takes them waits for the GPU work in flight first."""
-        return -(-self.kv.unmapping_bytes() // (self.pages_per_block * self.page_bytes))
+        return self._whole_blocks(self.kv.unmapping_bytes())
+
+    def _whole_blocks(self, nbytes: int) -> int:
+        """Blocks that ``nbytes`` of pages span, a part-block counting whole."""
+        return -(-nbytes // (self.pages_per_block * self.page_bytes))
 
     def blocks_needed(self, num_requested_blocks: int, allocated_blocks: int) -> int:
         return num_requested_blocks

@@ -69,11 +69,14 @@ impl KvCacheManager {
             // A row that kept a freed request's cached blocks is about to be written: settled
             // only when what it then needs can be had (its own pages are not taken for it).
             if tokens > 0 && st.prefix.is_inherited(req) {
-                let available = (st.pool.available_pages() + st.reclaimable())
+                let available = st
+                    .supply()
+                    .0
                     .saturating_sub(st.excess(req, st.padded_len()));
-                if need(&st) > available {
+                let needed = need(&st);
+                if needed > available {
                     return Err(VmemError::OutOfMemory {
-                        needed_pages: need(&st),
+                        needed_pages: needed,
                         available_pages: available,
                         cap_bytes: st.pool.cap_pages() * page,
                     });

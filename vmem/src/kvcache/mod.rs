@@ -358,9 +358,8 @@ impl KvCacheManager {
     /// now plus what inactive requests hold beyond their need, divided by the buffers
     /// (vAttention's `num_free_kvblocks`).
     pub fn free_blocks(&self) -> u64 {
-        let st = self.shared.lock();
-        (st.pool.available_pages() + st.reclaimable() + st.unmapping_pages())
-            / self.geo.buffers as u64
+        let (now, later) = self.shared.lock().supply();
+        (now + later) / self.geo.buffers as u64
     }
 
     /// Bytes of pages mapped to requests, each page once however many requests map it
@@ -526,11 +525,8 @@ impl KvCacheManager {
             break needed;
         };
         let old_pending = st.requests.start_step(seq_lens);
-        let released = st.releasable();
-        let available = st.pool.available_pages()
-            + st.prefix.evictable_pages()
-            + released.reclaim
-            + released.after_unmapping();
+        let (now, later) = st.supply();
+        let available = now + later;
         if needed > available {
             st.requests.undo_start(old_pending);
             return Err(VmemError::OutOfMemory {

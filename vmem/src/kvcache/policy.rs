@@ -87,11 +87,13 @@ impl State {
             .sum()
     }
 
-    /// Pages that reclamation could free: every page beyond what each request must keep
-    /// (claimed requests' pages excepted), and the prefix cache's evictable blocks; each
-    /// physical page once.
-    pub(super) fn reclaimable(&self) -> u64 {
-        self.excess_pages() + self.prefix.evictable_pages()
+    /// The pages a step can have, each physical page once: `(now, later)`, what the pool,
+    /// the prefix cache's evictable blocks and reclamation give now, and what the unmapping
+    /// thread gives back besides, once it is done. One pass over the requests.
+    pub(super) fn supply(&self) -> (u64, u64) {
+        let released = self.releasable();
+        let now = self.pool.available_pages() + released.reclaim + self.prefix.evictable_pages();
+        (now, released.after_unmapping())
     }
 
     /// Pages beyond what each request must keep, claimed requests' excepted: every page of a

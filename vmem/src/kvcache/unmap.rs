@@ -106,9 +106,8 @@ impl State {
     /// that and what the unmapping thread is giving back: a step (or `map_ahead`) then waits
     /// for it; one that needs more fails without waiting.
     pub(super) fn needs_unmapping_pages(&self, need: u64) -> bool {
-        let released = self.releasable();
-        let now = self.pool.available_pages() + released.reclaim + self.prefix.evictable_pages();
-        need > now && need <= now + released.after_unmapping()
+        let (now, later) = self.supply();
+        need > now && need <= now + later
     }
 
     /// Pages the unmapping thread has yet to give back: the pool's, soon. A cached block is
