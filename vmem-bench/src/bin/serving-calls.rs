@@ -321,23 +321,40 @@ fn run(
 }
 
 fn main() {
+    if std::env::args_os().len() > 1 {
+        eprintln!(
+            "serving-calls takes no arguments (it replays the bundled traces); usage: serving-calls"
+        );
+        std::process::exit(2);
+    }
     if let Err(e) = main_() {
+        // A reader that went away (`| head`) ends the run quietly, as `cat` does.
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+        {
+            std::process::exit(141);
+        }
         eprintln!("serving-calls: {e}");
         std::process::exit(1);
     }
 }
 
 fn main_() -> Result<(), Box<dyn std::error::Error>> {
+    use std::io::Write;
     let traces = workspace_root().join("vmem-cli/data/traces");
-    println!(
+    // Written as it goes, each write checked (a full disk, a closed pipe: an error, not a panic).
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
         "serving-calls: Llama-3-8B KV at 32 layers (token-major, 2 MB pages: 16 tokens), the first \
          {REQUESTS} requests queued at once, KV budget a tenth of their working set; prefix sharing \
          and background unmapping on; a fence waits for the round in flight. hit_tokens: prompt \
          tokens served from the prefix cache at admissions (readmissions too). Per 1,000 generated \
          tokens: prompt tokens prefilled, steps that stalled (a fence on the engine's thread, or a \
          wait for the unmapping thread's), fences on each thread, unmap calls, pages mapped."
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "{:<11} {:<42} {:>9} {:>6} {:>7} {:>10} {:>9} {:>7} {:>13} {:>15} {:>7} {:>7}",
         "trace",
         "contender",
@@ -351,7 +368,7 @@ fn main_() -> Result<(), Box<dyn std::error::Error>> {
         "unmapper_fences",
         "unmaps",
         "mapped"
-    );
+    )?;
     for (name, file) in [
         ("azure-conv", "azure-conv-2023-first2000.csv"),
         ("mooncake", "mooncake-conversation-first1000.jsonl"),
@@ -374,7 +391,8 @@ fn main_() -> Result<(), Box<dyn std::error::Error>> {
                 .into());
             }
             let per = |n: u64| 1000.0 * n as f64 / r.tokens.max(1) as f64;
-            println!(
+            writeln!(
+                out,
                 "{:<11} {:<42} {:>9} {:>6} {:>7} {:>10} {:>9.0} {:>7.2} {:>13.2} {:>15.2} {:>7.2} {:>7.1}",
                 name,
                 how.name(),
@@ -388,7 +406,7 @@ fn main_() -> Result<(), Box<dyn std::error::Error>> {
                 per(r.unmapper_fences),
                 per(r.unmaps),
                 per(r.pages_mapped),
-            );
+            )?;
         }
     }
     Ok(())
