@@ -176,6 +176,98 @@ fn pages_being_unmapped_are_counted_and_a_step_that_needs_them_would_wait() {
     assert_eq!(kv.step_waits().steps, 0, "asking waits for nothing");
 }
 
+/// Holds its `n`th `unmap_fenced` (counting from 1) until let go, as a driver unmapping many
+/// pages takes its time; the returned pair tells when it is entered and lets it go.
+#[derive(Debug)]
+struct HoldNthUnmap {
+    inner: Arc<dyn Backend>,
+    n: usize,
+    seen: std::sync::atomic::AtomicUsize,
+    gate: std::sync::Mutex<Option<(Sender<()>, Receiver<()>)>>,
+}
+
+impl HoldNthUnmap {
+    fn new(inner: Arc<dyn Backend>, n: usize) -> (Self, Receiver<()>, Sender<()>) {
+        let (entered_tx, entered_rx) = channel();
+        let (release_tx, release_rx) = channel();
+        let gate = std::sync::Mutex::new(Some((entered_tx, release_rx)));
+        let seen = std::sync::atomic::AtomicUsize::new(0);
+        (
+            HoldNthUnmap {
+                inner,
+                n,
+                seen,
+                gate,
+            },
+            entered_rx,
+            release_tx,
+        )
+    }
+}
+
+impl vmem::backend::Delegate for HoldNthUnmap {
+    fn inner(&self) -> &dyn Backend {
+        &*self.inner
+    }
+    fn unmap_fenced(&self, fence: &vmem::backend::Fence, addr: u64, size: u64) -> vmem::Result<()> {
+        let nth = self.seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        if nth == self.n {
+            if let Some((entered, release)) = self.gate.lock().unwrap().take() {
+                entered.send(()).unwrap();
+                release.recv().unwrap();
+            }
+        }
+        self.inner.unmap_fenced(fence, addr, size)
+    }
+}
+
+#[test]
+fn a_step_waits_for_the_pages_it_needs_not_for_every_queued_unmap() {
+    // 10 pages: D holds 2 (one token: a page per buffer), A and C 4 each (a full row in both
+    // buffers: one unmap per buffer). A and C are freed while D's fence is held, so the thread
+    // takes them together, under one fence: D's unmaps are the 1st and 2nd, A's the 3rd and
+    // 4th, C's the 5th (held) and 6th.
+    let driver = CountingDriver::new(SimMemory::new(&[MIB2]));
+    let counts = driver.counts.clone();
+    let checked: Arc<dyn Backend> = Arc::new(Checked::wrap(driver).unwrap());
+    let (held, entered, release) = HoldNthUnmap::new(checked, 5);
+    let kv = Arc::new(KvCacheManager::init(Arc::new(held), cfg(10)).unwrap());
+    let d = kv.alloc_reqid().unwrap();
+    let a = kv.alloc_reqid().unwrap();
+    let c = kv.alloc_reqid().unwrap();
+    kv.step(&lens(&[(d, 1), (a, CTX as u64), (c, CTX as u64)]))
+        .unwrap();
+    let (fenced, unfence) = hold_fence(&counts);
+    kv.free_reqid(d).unwrap();
+    fenced.recv_timeout(WAIT).unwrap();
+    kv.free_reqid(a).unwrap();
+    kv.free_reqid(c).unwrap();
+    unfence.send(()).unwrap();
+    entered.recv_timeout(WAIT).expect("C's first unmap begins");
+    // C's unmap is held. B needs 4 pages: D's 2 and 2 of A's; A's are back, so the step goes
+    // on (the whole batch's would not be).
+    let b = kv.alloc_reqid().unwrap();
+    let (done_tx, done_rx) = channel();
+    let stepper = {
+        let kv = kv.clone();
+        std::thread::spawn(move || done_tx.send(kv.step(&lens(&[(b, CTX as u64)]))).unwrap())
+    };
+    let report = done_rx.recv_timeout(Duration::from_secs(2));
+    release.send(()).unwrap();
+    let report = report.expect("the step waited for C's unmap, whose pages it does not need");
+    assert_eq!(report.unwrap().sync_pages, 4);
+    stepper.join().unwrap();
+    kv.wait_unmapped().unwrap();
+    assert_eq!(kv.request_pages(c).unwrap(), vec![0, 0]);
+    assert_eq!(kv.request_pages(b).unwrap(), vec![2, 2]);
+    let (created, free, _) = kv.pool_pages();
+    assert_eq!(
+        (created, free),
+        (10, 6),
+        "D's, A's and C's pages less B's are the pool's"
+    );
+}
+
 #[test]
 fn a_step_past_what_unmapping_gives_back_fails_at_once() {
     let (kv, counts) = manager(cfg(4));

@@ -59,7 +59,7 @@ impl KvCacheManager {
             let need = |st: &State| st.deficit(req, tokens) + st.settle_need(&lens);
             // Pages the unmapping thread is giving back: waited for when they are needed.
             if st.needs_unmapping_pages(need(&st)) {
-                st = self.wait_unmaps(st);
+                st = self.wait_unclaimed(st, |st| st.needs_unmapping_pages(need(st)));
                 st.check_awake()?;
                 if !st.requests.is_active(req) {
                     return Err(VmemError::InactiveRequest(req));

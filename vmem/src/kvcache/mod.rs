@@ -517,7 +517,9 @@ impl KvCacheManager {
             // that needs more than they make up fails below, without waiting).
             if st.needs_unmapping_pages(needed) {
                 let since = std::time::Instant::now();
-                st = self.wait_unmaps(st);
+                // Until enough are back (the thread records each request's as it goes), not
+                // until every queued request's are.
+                st = self.wait_unclaimed(st, |st| st.needs_unmapping_pages(needed));
                 count_wait(&mut st, since);
                 st.check_step(seq_lens)?;
                 continue;

@@ -146,8 +146,8 @@ pub(super) fn spawn(shared: Arc<Shared>, backend: Arc<dyn Backend>) -> Result<Jo
         .map_err(|e| VmemError::os("spawning the unmapping thread", e))
 }
 
-/// Gives back every queued request's pages, one wait for the device for all of them, until
-/// shutdown finds the queue empty.
+/// Gives back every queued request's pages, one wait for the device for all of them and each
+/// request's recorded as soon as it is unmapped, until shutdown finds the queue empty.
 fn run(shared: &Shared, backend: &dyn Backend) {
     loop {
         let trims: Vec<(usize, Option<Trim>)> = {
@@ -164,34 +164,35 @@ fn run(shared: &Shared, backend: &dyn Backend) {
                 .map(|r| (r, st.plan_trim(r, 0)))
                 .collect()
         };
-        // Should a driver call panic below, the guard ends these requests' claims as it unwinds
-        // (their pages stay theirs, as after a failed unmap), so no step waits for them forever;
-        // frees after that unmap on the caller's thread (`KvCacheManager::unmaps_behind`).
-        let guard = InFlight {
+        // Should a driver call panic below, the guard ends the claims of the requests not yet
+        // given back as it unwinds (their pages stay theirs, as after a failed unmap), so no
+        // step waits for them forever; frees after that unmap on the caller's thread
+        // (`KvCacheManager::unmaps_behind`).
+        let mut guard = InFlight {
             shared,
             reqs: trims.iter().map(|t| t.0).collect(),
         };
-        // Outside the lock: the wait for the device, then the driver's unmaps. Each trim's
-        // outcome: how many of its tails went, and the error that stopped it.
-        let mut outcomes: Vec<(usize, Option<VmemError>)> = Vec::with_capacity(trims.len());
-        match backend.fence() {
-            Ok(fence) => outcomes.extend(trims.iter().map(|(_, trim)| match trim {
-                None => (0, None),
-                Some(t) => {
-                    let (done, result) = t.release(&fence);
-                    (done, result.err())
-                }
-            })),
+        // Outside the lock: one wait for the device, then each request's unmaps, recorded as
+        // soon as they are done, so a step waiting for some of these pages goes on without
+        // waiting for the rest.
+        let fence = match backend.fence() {
+            Ok(fence) => Some(fence),
             Err(e) => {
                 // Nothing unmapped: every request keeps its pages; one error to report.
                 tracing::warn!(error = %e, "fencing before a background unmap failed");
-                outcomes.extend(trims.iter().map(|_| (0, None)));
                 shared.lock().signals.unmap_error.get_or_insert(e);
+                None
             }
-        }
-        std::mem::forget(guard);
-        let mut st = shared.lock();
-        for ((r, trim), (done, error)) in trims.into_iter().zip(outcomes) {
+        };
+        for (r, trim) in trims {
+            let (done, error) = match (&fence, &trim) {
+                (Some(fence), Some(t)) => {
+                    let (done, result) = t.release(fence);
+                    (done, result.err())
+                }
+                _ => (0, None),
+            };
+            let mut st = shared.lock();
             if let Some(t) = trim {
                 let complete = done == t.tails.len();
                 st.finish_trim(t, done, complete);
@@ -202,9 +203,11 @@ fn run(shared: &Shared, backend: &dyn Backend) {
                 st.signals.unmap_error.get_or_insert(e);
             }
             st.requests.unmapper_done(r);
+            drop(st);
+            guard.reqs.retain(|&q| q != r);
+            shared.wake.notify_all();
         }
-        drop(st);
-        shared.wake.notify_all();
+        std::mem::forget(guard);
     }
 }
 
