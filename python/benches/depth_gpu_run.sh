@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The serving suite's full-depth rows on a CUDA GPU, in one run of under 10 minutes: Llama-3-8B
+# shapes at all 32 layers, the conv trace, 128 requests x 128 new tokens, both budgets (every
+# request fits; a tenth of the working set), the FlashInfer paged peer beside vmem with each of
+# its two kernels (FlashAttention, FlashInfer over its rows), then the profile of vmem's
+# FlashInfer contender at a tenth (where it is slower than FlashAttention, docs/serving.md).
+#
+#   bash python/benches/depth_gpu_run.sh [WHEEL_DIR]
+#
+# WHEEL_DIR: wheels of another transformers and its dependencies, installed beside the machine's
+# (transformers 5.24: its wheel and regex's; 5.25: also huggingface_hub 2.4, kernels 0.19 and
+# theirs). Run from the repository root with .whl/ holding vmem's wheel (scripts/python-gpu.sh
+# build) and FlashInfer's for the machine's Python. Results in $VMEM_BENCH_OUT/depth (/tmp/depth
+# if it is unset).
+set -o pipefail
+. "$(dirname "$0")/../../scripts/gpu-env.sh"
+gpu_site /tmp/site-depth .whl/*.whl || exit 1
+if [ -n "${1:-}" ]; then
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site-depth-tf "$1"/*.whl || exit 1
+  export PYTHONPATH=/tmp/site-depth-tf:$PYTHONPATH
+fi
+export USE_HUB_KERNELS=NO FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer
+out=${VMEM_BENCH_OUT:-/tmp}/depth
+mkdir -p "$out"
+gpu_name > "$out/nvidia-smi.txt"
+python3 -c "import transformers, vmem.transformers; print('transformers', transformers.__version__)" \
+  | tee "$out/versions.txt" || exit 1
+peer=fi-paged-graphs-async-512-compile
+fa=vmem-token-major-graphs-async-compile
+vmem_fi=vmem-token-major-fi-graphs-async-compile
+w=(--only model=llama3-8b --only trace=conv --requests 128 --new-tokens 128)
+start=$(date +%s)
+timeout 300 python3 python/benches/serving_suite.py "${w[@]}" --check-requests 0 --rounds 1 \
+  --only "contender=$peer,$fa,$vmem_fi" --out "$out/suite" 2>&1 | tee "$out/suite.log"
+suite=$?
+left=$(( 570 - ($(date +%s) - start) ))
+timeout "$left" python3 python/benches/serving_suite.py "${w[@]}" --only budget=tenth --profile "$vmem_fi" \
+  --out "$out/profile" 2>&1 | tee "$out/profile.log"
+profile=$?
+# Either part failing (or cut off by its timeout) fails the run.
+[ "$suite" -eq 0 ] && [ "$profile" -eq 0 ]
