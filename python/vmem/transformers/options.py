@@ -122,9 +122,10 @@ class Options:
       waits a round instead, by when the pages are back (in a replay with the GPU's wait
       modelled, 75-91 % fewer stalled rounds for 0.2-0.5 % more rounds; ``serving-calls`` in
       docs/serving.md; but on an H200 at Llama-3-8B's full depth the held requests' later
-      rounds made the tail longer, TBT p99 58 ms against 7.7, so the default stays). A request that would adopt a cached prefix waits the same way (counted
-      by the blocks it still lacks). Only matters with ``background_unmap`` and without
-      ``deferred_reclaim`` (whose finished requests are not unmapped).
+      rounds made the tail longer, TBT p99 58 ms against 7.7, so the default stays). A request
+      that would adopt a cached prefix waits the same way (counted by the blocks it still
+      lacks). Only matters with ``background_unmap`` and without ``deferred_reclaim`` (whose
+      finished requests are not unmapped).
     * ``split_decode``: with ``kernel="fa"``, a padded (CUDA-graph) decode round deals its
       sequence slots to its requests by length, each slot a run of one request's keys, and merges
       the runs (flash-decoding, :mod:`~vmem.kernels.fa_split`): a round of a few long
