@@ -31,6 +31,9 @@ pytest says why. Benchmarks are in python/benches (gpu_bench.py).
     decode wrapper) and a mixed round (the prefill wrapper), rows out of order, NaN in every
     mapped slot past a request's length: equals kernel="fa"'s reader within bf16/fp16
     tolerance, and the float32 paged reference of the same plan.
+  flashinfer_graph_plan: FlashInfer's graph-mode plan over vmem's rows (skipped without
+    FlashInfer) returns while a long kernel is queued (its page indices go to the device without
+    a blocking copy, which would wait for the round in flight), and they reach its fixed buffer.
   split_decode: kernel="fa"'s padded decode rounds split along the keys (fa_split): six
     requests of 300-2,000 tokens in 64 slots, bf16, Llama-3-8B heads: equals FA2 over the whole
     rows within bf16 tolerance, padded rows zeros; captured in a CUDA graph, a replay after a new
@@ -443,6 +446,31 @@ def flashinfer_rows():
 def test_flashinfer_rows():
     pytest.importorskip("flashinfer", reason="FlashInfer is not installed (pip install \"vmem-kv[flashinfer]\")")
     flashinfer_rows()
+
+
+def test_flashinfer_graph_plan_does_not_wait_for_queued_work():
+    fi = pytest.importorskip("flashinfer", reason="FlashInfer is not installed (pip install \"vmem-kv[flashinfer]\")")
+    from vmem.kernels import fi_graphs
+    from vmem.kernels.flashinfer import paged_plan
+
+    ctx = 4096
+    ws = fi_graphs.WrapperSet(fi, torch.device("cuda"), fi_graphs.workspace_bytes(True, 64, 32, 128), 32, 8, 128,
+                              torch.bfloat16, max_pages=ctx // 256)
+    plan = paged_plan([(0, 100, 1), (3, 300, 1), (1, 2000, 1)], ctx)  # a decode round
+    ws.plan(plan, pair=0, graph=True, scale=0.1)  # the first plan builds (JIT) and makes the wrapper
+    torch.cuda.synchronize()
+    key = (0, plan.decode, int(plan.kv_last_page_len.numel()), plan.total_q)
+    indices = ws.buffers[key][1]
+    indices.fill_(-1)
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU work queued, as a round in flight
+    start = time.perf_counter()
+    ws.plan(plan, pair=0, graph=True, scale=0.1)
+    took = time.perf_counter() - start
+    check("a graph-mode plan returns while queued work runs (no blocking copy)", took < 0.3, f"{took * 1e3:.1f} ms")
+    torch.cuda.synchronize()
+    n = plan.kv_indices.numel()
+    check("the plan's page indices reached the wrapper's fixed buffer after the queued work",
+          indices[:n].cpu().tolist() == plan.kv_indices.tolist())
 
 
 def test_zero_slots_under_queued_reads():

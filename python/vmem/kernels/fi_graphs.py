@@ -178,6 +178,17 @@ class WrapperSet:
         self.wrappers[key] = w
         return w
 
+    def device_indices(self, indices: torch.Tensor) -> torch.Tensor:
+        """``indices`` (host) on the wrappers' CUDA device, copied in stream order without the host
+        waiting. FlashInfer 0.6's graph-mode ``plan()`` copies host page indices into its fixed
+        buffer with a blocking copy (``non_blocking`` only for indices already on its device), and a
+        blocking copy waits for everything queued on the stream: under async batching, the round
+        in flight. Pinned first, so the copy is asynchronous (torch keeps the pinned block until it
+        has run). Unchanged off CUDA or when already on a device."""
+        if self.device.type != "cuda" or indices.device.type != "cpu":
+            return indices
+        return indices.pin_memory().to(self.device, non_blocking=True)
+
     def plan(self, plan: PagedPlan, *, pair: int, graph: bool, scale: float | None, stream: Any = None) -> Any:
         """Plans ``plan`` into its wrapper (host work and copies into the wrapper's buffers, queued
         on ``stream``, the engine's compute stream, when given); returns the wrapper."""
@@ -187,10 +198,11 @@ class WrapperSet:
         h, hkv, d = self.num_heads, self.kv_heads, self.head_dim
         on_cuda = stream is not None and self.device.type == "cuda"
         with torch.cuda.stream(stream) if on_cuda else contextlib.nullcontext():
+            indices = self.device_indices(plan.kv_indices)
             if plan.decode:
-                w.plan(plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, h, hkv, d, plan.page_size, **common)
+                w.plan(plan.kv_indptr, indices, plan.kv_last_page_len, h, hkv, d, plan.page_size, **common)
             else:
-                w.plan(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len, h, hkv, d,
+                w.plan(plan.qo_indptr, plan.kv_indptr, indices, plan.kv_last_page_len, h, hkv, d,
                        plan.page_size, causal=True, **common)
         self.plans += 1
         return w
