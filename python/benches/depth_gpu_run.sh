@@ -13,9 +13,17 @@
 # build) and FlashInfer's for the machine's Python. Results in $VMEM_BENCH_OUT/depth (/tmp/depth
 # if it is unset).
 set -o pipefail
+usage="usage: $0 [WHEEL_DIR]"
+[ $# -le 1 ] || { echo "$usage" >&2; exit 2; }
+if [ $# -eq 1 ] && ! compgen -G "$1/*.whl" > /dev/null; then
+  echo "$0: $1 holds no wheels (*.whl); $usage" >&2
+  exit 2
+fi
+compgen -G ".whl/vmem*.whl" > /dev/null \
+  || { echo "$0: no .whl/vmem*.whl here (build it: scripts/python-gpu.sh build); run from the repository root" >&2; exit 2; }
 . "$(dirname "$0")/../../scripts/gpu-env.sh"
 gpu_site /tmp/site-depth .whl/*.whl || exit 1
-if [ -n "${1:-}" ]; then
+if [ $# -eq 1 ]; then
   python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site-depth-tf "$1"/*.whl || exit 1
   export PYTHONPATH=/tmp/site-depth-tf:$PYTHONPATH
 fi
