@@ -272,6 +272,19 @@ impl KVCache {
         Ok((KVTensor::new(&inner, v.k), KVTensor::new(&inner, v.v)))
     }
 
+    /// Every layer's K and V of each token at once (the token-major layout only): the
+    /// manager's `rows_view`, `InvalidArgument` with the per-layer layout.
+    fn rows(&self) -> PyResult<KVTensor> {
+        let inner = self.get()?;
+        match inner.kv.rows_view() {
+            Some(v) => Ok(KVTensor::new(&inner, v)),
+            None => Err(InvalidArgument::new_err(
+                "rows() needs layout=\"token-major\": with \"per-layer\" each layer's K and V is a \
+                 buffer apart (read them with layer(i))",
+            )),
+        }
+    }
+
     /// A prefix call on active request `req` with its prompt `tokens` (token ids), both
     /// checked first, with the GIL released. `publish` false: `KVCache.adopt_prefix`, before
     /// the request's first step, starts it from the longest cached prefix and returns the

@@ -65,6 +65,46 @@ def test_writes_through_one_view_are_seen_through_another_and_nowhere_else(layou
     kv.close()
 
 
+def test_the_rows_view_holds_every_layers_k_and_v_of_a_token_in_order():
+    kv = cache("token-major")
+    a, b = kv.alloc(), kv.alloc()
+    kv.step({a: 700, b: 300})
+    rows = np.from_dlpack(kv.rows())
+    assert rows.shape == (4, 2048, 3 * 2 * 2, 64)
+    assert rows.strides == np.from_dlpack(kv.layer(0)[0]).strides[:2] + (128, 2)
+    for i in range(3):
+        K, V = (np.from_dlpack(t) for t in kv.layer(i))
+        K[a, :700] = i + 1
+        V[a, :700, 1] = -(i + 1)
+    # Layer i's K heads are entries 4i and 4i+1, its V heads 4i+2 and 4i+3.
+    for i in range(3):
+        assert (rows[a, :700, 4 * i:4 * i + 2] == i + 1).all()
+        assert (rows[a, :700, 4 * i + 3] == -(i + 1)).all()
+    # A block of one row's tokens is one contiguous range: zeroing it there zeroes every layer.
+    rows[b, :256] = 0
+    rows[a, 256:512] = 0
+    for i in range(3):
+        K, V = (np.from_dlpack(t) for t in kv.layer(i))
+        assert (K[a, 256:512] == 0).all() and (V[a, 256:512] == 0).all()
+        assert (K[a, :256] == i + 1).all() and (K[a, 512:700] == i + 1).all()
+    kv.close()
+
+
+def test_the_rows_view_is_refused_with_the_per_layer_layout_and_exported_nowhere_from_sim():
+    kv = cache("per-layer")
+    with pytest.raises(vmem.InvalidArgument, match="token-major"):
+        kv.rows()
+    kv.close()
+    sim = cache("token-major", backend="sim")
+    r = sim.rows()
+    assert r.shape == (4, 2048, 12, 64)
+    with pytest.raises(BufferError, match='backend="sim"'):
+        np.from_dlpack(r)
+    sim.close()
+    with pytest.raises(vmem.VmemError):
+        sim.rows()
+
+
 def test_a_view_keeps_the_cache_alive_after_close_and_del():
     kv = cache()
     r = kv.alloc()

@@ -316,6 +316,16 @@ class KVCache(MemoryControl):
         the cache's memory alive until it is dropped."""
         return self._rs.layer(i)
 
+    def rows(self) -> KVTensor:
+        """With ``layout="token-major"``, every layer's K and V of each token at once: a
+        DLPack object of shape ``[max_batch, max_context, 2 * layers * kv_heads, head_dim]``
+        whose third dimension runs layer 0's K heads, its V heads, then layer 1's (layer
+        ``l``'s K head ``h`` is entry ``2 * l * kv_heads + h``). A block of a row's tokens is
+        one contiguous range, so one kernel zeroes or copies it for every layer.
+        ``InvalidArgument`` with ``layout="per-layer"``, where each layer is a buffer apart.
+        """
+        return self._rs.rows()
+
     def torch_layers(self) -> List[Tuple[Any, Any]]:
         """Every layer's K and V as torch tensors: :func:`vmem.torch.layers` (imports torch)."""
         from . import _torch

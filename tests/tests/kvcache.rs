@@ -401,6 +401,39 @@ fn token_major_views_interleave_layers_in_one_buffer() {
     );
 }
 
+#[test]
+fn the_rows_view_reaches_every_layers_k_and_v_of_a_token_and_only_token_major_has_one() {
+    let host = Arc::new(HostBackend::new().unwrap());
+    let kv = KvCacheManager::init(host.clone(), cfg(MIB2, Layout::TokenMajor).build()).unwrap();
+    let rows = kv.rows_view().expect("token-major has a rows view");
+    let views = kv.layer_views();
+    let h = kv.config().kv_heads;
+    assert_eq!(rows.shape[2], 2 * views.len() * h);
+    assert_eq!(rows.strides, views[0].k.strides);
+    for (l, view) in views.iter().enumerate() {
+        for (which, v) in [(0, view.k), (1, view.v)] {
+            for (b, t, head, d) in [(0, 0, 0, 0), (1, 17, 1, 5), (3, 2047, h - 1, 63)] {
+                assert_eq!(
+                    rows.element_addr([b, t, (2 * l + which) * h + head, d]),
+                    v.element_addr([b, t, head, d]),
+                    "layer {l} {} head {head} of row {b}, token {t}",
+                    ["K", "V"][which]
+                );
+            }
+        }
+    }
+    // A token's last element is the one before the next token's first: a block of tokens is
+    // one contiguous range.
+    let last = rows.element_addr([2, 9, rows.shape[2] - 1, 63]).unwrap();
+    assert_eq!(rows.element_addr([2, 10, 0, 0]).unwrap(), last + 2);
+    assert!(
+        rows.element_addr([4, 0, 0, 0]).is_none(),
+        "row out of range"
+    );
+    let per_layer = KvCacheManager::init(host, cfg(MIB2, Layout::PerLayer).build()).unwrap();
+    assert_eq!(per_layer.rows_view(), None, "per-layer buffers are apart");
+}
+
 fn small(pad_rows: bool) -> (std::sync::Arc<vmem::backend::SimBackend>, KvCacheManager) {
     let b = std::sync::Arc::new(vmem::backend::SimBackend::new());
     let cfg = small_kv(2, 4, 4096, vmem::backend::KIB64)

@@ -2,10 +2,10 @@
 
 Fresh pages hold anything (a freed row's K/V, NaN bit patterns), and a kernel that reads a tile
 past a request's length multiplies what it masked by what the page holds, so a block is zeroed
-before any request reads it. A round zeroes its fresh blocks with one ``index_fill_`` per
-layer's K and V over a block view of the rows (``2 x layers`` kernels a round, however many rows
-grew: a prefill round of 64 new requests at 16 layers launched 2,048 ``zero_`` before, one per
-layer, K or V, and row).
+before any request reads it. A round zeroes its fresh blocks with one ``index_fill_`` per view
+over a block view of the rows, however many rows grew: one kernel with the token-major layout
+(``KVCache.rows()``, every layer's K and V of a token at once), ``2 x layers`` with the per-layer
+one (each layer's K and V is a buffer apart).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ def block_view(t: torch.Tensor, block: int) -> torch.Tensor:
 
 
 class FreshBlocks:
-    """The K and V ``[rows, max_context, Hkv, D]`` views of every layer as blocks of ``block``
-    tokens on ``device``, zeroed a round's fresh blocks at a time."""
+    """Views ``[rows, max_context, H, D]`` of the rows (every layer's K and V as one, or one per
+    layer's K and V) as blocks of ``block`` tokens on ``device``, zeroed a round's fresh blocks
+    at a time."""
 
     def __init__(self, views: list[torch.Tensor], block: int, device: torch.device) -> None:
         self.block, self.device = block, device

@@ -166,7 +166,9 @@ class VmemCBCache:
             self._v4.append(v)
             self.key_cache.append(_flat(k))
             self.value_cache.append(_flat(v))
-        self.fresh = FreshBlocks(self._k4 + self._v4, g.block_size, self.device)
+        # Token-major: a block of a row is one range for every layer (one kernel zeroes it).
+        whole = [torch.from_dlpack(self.kv.rows())] if self.layout == "token-major" else self._k4 + self._v4
+        self.fresh = FreshBlocks(whole, g.block_size, self.device)
         self.rounds = Rounds(on_open=self.flush)
         self.round_kind: str | None = None  # the padded round's kind, in the engine's graph key (graphs.py)
         self.peak_mapped_bytes = 0

@@ -581,6 +581,28 @@ impl KvCacheManager {
         &self.views
     }
 
+    /// With the token-major layout, every layer's K and V of each token at once: a view
+    /// `[max_batch, max_context, 2 * layers * kv_heads, head_dim]` whose third dimension runs
+    /// layer 0's K heads, its V heads, then layer 1's, ... (layer `l`'s K head `h` is entry
+    /// `2 * l * kv_heads + h`, its V head `h` entry `(2 * l + 1) * kv_heads + h`). A block of
+    /// tokens of one row is then one contiguous range, so one kernel can zero or copy it for
+    /// every layer. `None` with the per-layer layout (each layer's K and V is a buffer apart).
+    pub fn rows_view(&self) -> Option<TensorView> {
+        let k = self.views.first()?.k;
+        match self.cfg.layout {
+            Layout::PerLayer => None,
+            Layout::TokenMajor => Some(TensorView {
+                shape: [
+                    k.shape[0],
+                    k.shape[1],
+                    2 * self.cfg.layers * self.cfg.kv_heads,
+                    k.shape[3],
+                ],
+                ..k
+            }),
+        }
+    }
+
     /// Derived sizes.
     pub fn geometry(&self) -> Geometry {
         self.geo
