@@ -19,6 +19,11 @@ Writes suite.json, suite.txt and suite.svg to ``--out``. ``--only KEY=A,B`` (KEY
 budget, contender; repeatable) runs a part, ``--merge OUT1 OUT2 ...`` combines parts into
 ``--out``. ``--profile CONTENDER`` profiles that contender on the first selected workload
 instead (profile.txt). ``--tiny`` runs each model's tiny fp32 stand-in on the CPU (a smoke test).
+``--schedule`` runs the stand-ins on the CPU under the GPU run's limits (rows, context, batch
+tokens; each stand-in's 64K page holds as many tokens as its model's 2M page): the engine then
+schedules as it does on the GPU, so the rounds, requests at once and preemptions of a run are
+read without one (where every round costs about the same, as when memory is short, rounds
+predict the tok/s ratio); its times mean nothing.
 """
 
 from __future__ import annotations
@@ -73,8 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=540.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 models on the CPU (smoke test)")
+    ap.add_argument("--schedule", action="store_true",
+                    help="each model's tiny stand-in on the CPU under the GPU run's limits (rows, context, batch "
+                         "tokens): the engine's schedule as on the GPU (rounds, requests at once, preemptions); "
+                         "its times mean nothing")
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
+    args.tiny = args.tiny or args.schedule
 
     from harness import cli, suite_report
 
@@ -111,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     cli.place(ap, args)
     if any(ct.is_vmem(suite.registry()[n]) for n in names):
         cli.check_fits(ap, args)
+        if args.schedule:
+            check_map_count(ap, args, only.get("model", list(suite.MODELS)))
     from harness import roofline
 
     import vmem.transformers as vt
@@ -134,6 +146,29 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     failed = [r for r in rows if r.get("error")]
     return 1 if failed or not rows else 0
+
+
+def check_map_count(ap: argparse.ArgumentParser, args: argparse.Namespace, models: list[str]) -> None:
+    """``--schedule`` with a vmem contender: on the CPU vmem maps a zero page at every page slot
+    of its rows, one memory mapping each; more than the OS allows (``vm.max_map_count``, less 4,096
+    for the rest of the process) is a usage error naming the fix, before anything runs."""
+    from harness import cli, suite
+    from harness import roofline as rf
+
+    page = cli.page_bytes(ap, args.page_size)
+    worst = max(rf.ModelShape.from_config(suite.model_config(m, True, args.max_context), 4).token_kv_bytes
+                for m in models)
+    need = -(-(args.max_requests + 1) * args.max_context * worst // page) + 4096
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+    except (OSError, ValueError):
+        return  # not Linux's limit: vmem's own check speaks when the cache is made
+    if need > limit:
+        ap.error(f"--schedule: vmem's rows on the CPU need about {need} memory mappings (--max-requests "
+                 f"{args.max_requests}, --max-context {args.max_context}, {args.page_size} pages) and "
+                 f"vm.max_map_count is {limit}: raise it (as root: sysctl -w vm.max_map_count={1 << 20}) "
+                 f"or lower --max-requests")
 
 
 def profile(args: argparse.Namespace, only: dict[str, list[str]]) -> int:
@@ -163,7 +198,7 @@ def _first_workload(args: argparse.Namespace, only: dict[str, list[str]]) -> tup
 
     model_name, trace = only.get("model", list(suite.MODELS))[0], only.get("trace", list(suite.TRACES))[0]
     budget = only.get("budget", list(suite.BUDGETS))[0]
-    config = suite.model_config(model_name, args.tiny)
+    config = suite.model_config(model_name, args.tiny, args.max_context)
     model = random_model(config, args.dtype, args.device)
     shape = rf.ModelShape.from_config(config, model.dtype.itemsize)
     lens = [r.prompt_len for r in load_trace(suite.TRACES[trace], args.requests, args.max_prompt)]

@@ -189,6 +189,7 @@ def test_merge_combines_parts_and_a_later_run_replaces_an_earlier(tmp_path) -> N
     (["--page-size", "4K"], "is not one of vmem's page sizes"), (["--timeout", "0"], "--timeout must be more than 0"),
     (["--max-batch-tokens", "0"], "--max-batch-tokens must be at least 1"),
     (["--out", "/proc/version/x"], "--out '/proc/version/x' cannot be created"),
+    (["--schedule", "--max-context", "1048576"], "vm.max_map_count is"),
 ])
 def test_suite_refuses_bad_flags_with_one_usage_line(flags, match, tmp_path, capsys) -> None:
     pytest.importorskip("transformers", reason="serving_suite.py imports the contenders")
@@ -315,6 +316,31 @@ def test_tiny_suite_runs_end_to_end_and_merges(tmp_path) -> None:
     merged = json.loads(read(m, "suite.json"))
     assert len(merged["rows"]) == 8 and len(merged["parts"]) == 2
     assert "code" in read(m, "suite.txt")
+
+
+def test_schedule_runs_the_stand_ins_under_the_runs_limits_and_reports_the_rounds(tmp_path) -> None:
+    """--schedule keeps the rows, context and batch tokens given (--tiny caps them at 8 rows and
+    2,048 tokens), so vmem holds more than 8 requests at once, the stand-in reads positions past
+    2,048, and each row carries its rounds and requests at once (the table's columns)."""
+    pytest.importorskip("transformers")
+    import serving_suite
+    from harness import contenders as ct
+
+    native = "paged-sdpa-256" if ct.family() == ct.V517 else "sdpa-256"
+    out = str(tmp_path / "s")
+    assert serving_suite.main(["--schedule", "--requests", "20", "--new-tokens", "4", "--max-prompt", "2300",
+                               "--max-requests", "24", "--max-context", "4096", "--max-batch-tokens", "8192",
+                               "--check-requests", "0", "--warmup", "0", "--only", "model=llama3-8b-x8",
+                               "--only", "trace=conv", "--only", "budget=fits",
+                               "--only", f"contender={native},vmem-token-major", "--out", out]) == 0
+    data = json.loads(read(out, "suite.json"))
+    args = data["parts"][0]["args"]
+    assert (args["max_requests"], args["max_context"], args["max_batch_tokens"]) == ("24", "4096", "8192")
+    rows = {r["contender"]: r for r in data["rows"]}
+    assert all(r["completed"] == 20 and r["rounds"] > 0 for r in rows.values()), rows
+    assert rows["vmem-token-major"]["max_running"] > 8, rows["vmem-token-major"]
+    header = read(out, "suite.txt").splitlines()[1]
+    assert "| rounds |" in header and "| max_running |" in header, header
 
 
 def test_gpu_busy_counts_the_union_inside_the_timed_window() -> None:

@@ -276,7 +276,8 @@ def trace_lengths(ap: argparse.ArgumentParser, path: str, n: int, cap: int) -> l
 
 def place(ap: argparse.ArgumentParser, args: Any) -> None:
     """Sets ``args.device`` and ``args.dtype``: bf16 on the GPU, or with ``--tiny`` fp32 on the CPU
-    with small pages, context and batch (a smoke test); no GPU without ``--tiny`` is a usage error.
+    with small pages, context and batch (a smoke test; with ``args.schedule`` the context, batch
+    and rows stay those given); no GPU without ``--tiny`` is a usage error.
     ``args.page_size`` given is kept; else 2M on the GPU, 64K with ``--tiny``."""
     import torch
 
@@ -285,9 +286,10 @@ def place(ap: argparse.ArgumentParser, args: Any) -> None:
     if args.tiny:
         args.device, args.dtype = "cpu", torch.float32
         args.page_size = args.page_size or "64K"
-        args.max_context = min(args.max_context, 2048)
-        args.max_batch_tokens = args.max_batch_tokens or 256
-        args.max_requests = min(args.max_requests, 8)  # eager Flex on the CPU materializes rows x context scores
+        if not getattr(args, "schedule", False):  # --schedule keeps the GPU run's limits
+            args.max_context = min(args.max_context, 2048)
+            args.max_batch_tokens = args.max_batch_tokens or 256
+            args.max_requests = min(args.max_requests, 8)  # eager Flex on the CPU materializes rows x context scores
         fake_cpu_memory()
     else:
         args.device, args.dtype = device_or_tiny(ap, False), torch.bfloat16

@@ -52,15 +52,16 @@ def is_engine_native(name: str, spec: ct.Spec) -> bool:
     return ct.is_engine_native(name, spec)
 
 
-def model_config(name: str, tiny: bool) -> Any:
+def model_config(name: str, tiny: bool, context: int = 2048) -> Any:
     """The config of model ``name`` (context 8,192); ``tiny``: its tiny Llama stand-in for the
-    CPU (:data:`LAYERS`)."""
+    CPU (:data:`LAYERS`), with positions for ``context`` tokens."""
     from harness.models import SERVING_TOKENS, llama3_8b_config, llama32_1b_config, tiny_llama_config
 
     layers, tiny_layers = LAYERS[name]
     if tiny:
         cfg = tiny_llama_config()
         cfg.num_hidden_layers = tiny_layers
+        cfg.max_position_embeddings = max(cfg.max_position_embeddings, context)
         return cfg
     if name.startswith("llama3-8b"):
         return llama3_8b_config(layers, max_position_embeddings=8192, tokens=SERVING_TOKENS)
@@ -215,7 +216,7 @@ def run_suite(args: Any, names: list[str], only: dict[str, list[str]], peaks: rf
     page_bytes = _page_bytes(args.page_size)
     reg = registry()
     for model_name in only.get("model", list(MODELS)):
-        config = model_config(model_name, args.tiny)
+        config = model_config(model_name, args.tiny, args.max_context)
         model = random_model(config, args.dtype, args.device)
         shape = rf.ModelShape.from_config(config, model.dtype.itemsize)
         worker = _worker(config, args) if any(clean.is_clean(n) for n in names) else None

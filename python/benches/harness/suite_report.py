@@ -13,8 +13,8 @@ from harness.table import format_table
 
 #: the table's columns, in order
 COLUMNS = ["contender", "trace", "model", "budget", "round", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "tbt_p50_ms",
-           "tbt_p99_ms", "device_mb", "kv_budget_mb", "completed", "requests", "preemptions", "bound_s", "wall_s",
-           "roofline", "vs_engine", "vs_engine_clean", "vs_engine_best", "vs_fi_paged"]
+           "tbt_p99_ms", "device_mb", "kv_budget_mb", "completed", "requests", "preemptions", "rounds", "max_running",
+           "bound_s", "wall_s", "roofline", "vs_engine", "vs_engine_clean", "vs_engine_best", "vs_fi_paged"]
 #: bar colours, by contender, in the order first seen
 PALETTE = ["#d62728", "#ff7f0e", "#1f77b4", "#888888", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf",
            "#bcbd22"]
