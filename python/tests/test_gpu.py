@@ -485,6 +485,34 @@ def test_dlpack_views():
     dlpack_views()
 
 
+def test_rows_view_zeroes_a_block_of_every_layer_in_one_kernel():
+    """The token-major rows view on CUDA (``KVCache.rows()``): one ``index_fill_`` over its block
+    view zeroes a block of a row in every layer's K and V, and nothing past it (the serving
+    cache's zeroing of a round's fresh blocks)."""
+    from vmem.kernels.blocks import FreshBlocks
+
+    kv = vmem.KVCache(layers=4, kv_heads=8, head_dim=128, dtype="bf16", max_batch=3, max_context=4096,
+                      layout="token-major", backend="cuda")
+    r = kv.alloc()
+    kv.step({r: 64})  # one 2 MB page: 128 tokens of all four layers
+    rows = torch.from_dlpack(kv.rows())
+    check("rows view shape", tuple(rows.shape) == (3, 4096, 64, 128), str(tuple(rows.shape)))
+    layers = kv.torch_layers()
+    for k, v in layers:
+        k[r, :64] = float("nan")
+        v[r, :64] = float("nan")
+    fresh = FreshBlocks([rows], 16, torch.device("cuda"))
+    check("one block zeroed", fresh.zero([(r, 16, 32)]) == 1)
+    torch.cuda.synchronize()
+    block = [(k[r, 16:32], v[r, 16:32]) for k, v in layers]
+    rest = [(k[r, :16], v[r, 32:64]) for k, v in layers]
+    check("the block reads zeros in every layer's K and V",
+          all(bool((a == 0).all()) and bool((b == 0).all()) for a, b in block))
+    check("the tokens around it keep their NaN", all(bool(a.isnan().all()) and bool(b.isnan().all()) for a, b in rest))
+    del rows, layers, block, rest
+    kv.close()
+
+
 def test_sdpa_equality():
     sdpa_equality()
 

@@ -397,10 +397,11 @@ def test_idle_release_waits_while_a_request_is_queued_or_waiting():
                                    pool_reap=lambda: 0)
     from vmem.kernels.rows import RowTable
     from vmem.transformers import hooks
+    from vmem.transformers.passmemo import MappedBlocks
 
-    cache = object.__new__(vt.VmemCBCache)  # a vmem cache (its type is what the hook recognises), its tenant only
+    cache = object.__new__(vt.VmemCBCache)  # a vmem cache (its type is what the hook recognises): tenant, memo
     cache.__dict__.update(tenant=tenancy.Tenant(kv, RowTable(1, 1), threading.Lock(), blocks=0, block_bytes=1,
-                                                idle_after=0.0))
+                                                idle_after=0.0), mapped=MappedBlocks(lambda: 0))
     proc = types.SimpleNamespace(cache=cache, input_queue=queue.Queue(),
                                  scheduler=types.SimpleNamespace(waiting_requests={}))
     turn = hooks.round_or_wait(lambda self: False)

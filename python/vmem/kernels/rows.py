@@ -28,7 +28,8 @@ class RowTable:
 
     ``used_blocks`` counts blocks held (a shared block once per row); ``pending_blocks`` those
     granted this round and not yet mapped; ``readmissions`` requests admitted again after a
-    preemption (soft reset)."""
+    preemption (soft reset). The rows' growth (:meth:`growth`) is kept as rows change, not
+    summed when asked: the scheduler asks for it for every waiting request of every round."""
 
     def __init__(self, rows: int, block_size: int) -> None:
         self.block_size = block_size
@@ -39,6 +40,8 @@ class RowTable:
         self.pending_blocks = 0
         self.readmissions = 0
         self.dirty = False  # lengths changed since the last step
+        self._growth = 0  # sum of max(0, final_blocks - blocks) over rows that know their end
+        self._unknown_ends = 0  # rows whose final_blocks is None
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -53,12 +56,23 @@ class RowTable:
     def growth(self) -> int | None:
         """Blocks the requests holding rows may still take, each up to its ``final_blocks``;
         ``None`` when one of them does not know its end."""
-        total = 0
-        for row in self._rows.values():
-            if row.final_blocks is None:
-                return None
-            total += max(0, row.final_blocks - row.blocks)
-        return total
+        return None if self._unknown_ends else self._growth
+
+    def set_final(self, request_id: str, blocks: int) -> None:
+        """The request's row holds at most ``blocks`` by its end (its ``max_new_tokens`` says);
+        once set, it stays. Nothing for a request holding no row."""
+        row = self._rows.get(request_id)
+        if row is None or row.final_blocks is not None:
+            return
+        row.final_blocks = blocks
+        self._unknown_ends -= 1
+        self._growth += max(0, blocks - row.blocks)
+
+    def _resize(self, row: Row, blocks: int) -> None:
+        """``row.blocks += blocks``, its growth left counted."""
+        if row.final_blocks is not None:
+            self._growth += max(0, row.final_blocks - row.blocks - blocks) - max(0, row.final_blocks - row.blocks)
+        row.blocks += blocks
 
     def request_ids(self) -> list[str]:
         """The requests holding a row."""
@@ -68,6 +82,7 @@ class RowTable:
         """Gives ``request_id`` the vmem row ``index``."""
         row = Row(index)
         self._rows[request_id] = row
+        self._unknown_ends += 1
         if request_id in self._seen:
             self.readmissions += 1
         self._seen.add(request_id)
@@ -89,7 +104,7 @@ class RowTable:
         """``blocks`` more for ``row``, mapped at this round's step."""
         if row.unmapped_from is None:
             row.unmapped_from = self.lengths[row.index]
-        row.blocks += blocks
+        self._resize(row, blocks)
         self.used_blocks += blocks
         self.pending_blocks += blocks
         self.lengths[row.index] = row.blocks * self.block_size
@@ -98,7 +113,7 @@ class RowTable:
     def adopt(self, row: Row, tokens: int) -> None:
         """``tokens`` (whole blocks) already mapped into ``row`` (a shared prefix)."""
         blocks = tokens // self.block_size
-        row.blocks += blocks
+        self._resize(row, blocks)
         self.used_blocks += blocks
         self.lengths[row.index] = tokens
 
@@ -107,6 +122,10 @@ class RowTable:
         row = self._rows.pop(request_id, None)
         if row is None:
             return None
+        if row.final_blocks is None:
+            self._unknown_ends -= 1
+        else:
+            self._growth -= max(0, row.final_blocks - row.blocks)
         self.used_blocks -= row.blocks
         if row.unmapped_from is not None:  # granted this round, never mapped
             self.pending_blocks -= (self.lengths[row.index] - row.unmapped_from) // self.block_size

@@ -50,6 +50,7 @@ from ..kernels.rows import RowTable
 from . import margin
 from .graphs import check_engine_config
 from .options import Options
+from .passmemo import MappedBlocks
 from .sizing import VMEM_ATTENTION, Geometry, check_full_attention, measured_memory
 from .tenancy import Tenant
 
@@ -137,6 +138,9 @@ class VmemCBCache:
             prefix_cache=g.prefix_cap(self.sharing, options.prefix_cache), pool=options.pool,
         )
         self.lock = threading.Lock()  # a round's mapping against sleep (the tenant's)
+        # The blocks vmem's pages span, kept within a scheduling pass (passmemo.py).
+        self.mapped = MappedBlocks(lambda: self._whole_blocks(
+            self.kv.distinct_mapped_bytes(needed_only=self.options.deferred_reclaim)))
         if int(self.kv.config()["tokens_per_page"]) != g.tokens_per_page:
             raise VmemError(f"vmem reports {self.kv.config()['tokens_per_page']} tokens per page, "
                             f"expected {g.tokens_per_page}")
@@ -243,9 +247,7 @@ class VmemCBCache:
             return budget - self.table.used_blocks
         # Pages freed rows keep (deferred reclamation), and a reused row's past its request's
         # length, are free: a step takes them back.
-        mapped = self.kv.distinct_mapped_bytes(needed_only=self.options.deferred_reclaim)
-        mapped_blocks = self._whole_blocks(mapped)
-        return budget - (mapped_blocks - 1) - self.table.pending_blocks  # less the trash row's block
+        return budget - (self.mapped.get() - 1) - self.table.pending_blocks  # less the trash row's block
 
     def unmapping_blocks(self) -> int:
         """Blocks (a part-block counts whole) of the pages vmem's unmapping thread is still giving
@@ -275,6 +277,7 @@ class VmemCBCache:
                 return 0
             if self.kv.asleep:
                 self.tenant.wake()  # a request after sleep(): the cache wakes for it
+                self.mapped.changed()
             if n_blocks > self.get_num_free_blocks():
                 return None
             row = self.table.get(request_id)
@@ -301,6 +304,7 @@ class VmemCBCache:
             self.kv.free(index)
             if self.options.pool is not None:
                 self.kv.release_idle(self.options.pool_keep)  # a pool tenant's idle reserve: pool_keep
+            self.mapped.changed()
 
     def free_all_requests(self) -> None:
         for request_id in self.table.request_ids():
@@ -311,9 +315,11 @@ class VmemCBCache:
         newly mapped blocks (fresh pages hold anything, NaN bit patterns included)."""
         with self.lock:
             self.tenant.on_round()  # wakes a sleeping cache; in a pool, follows its limit
+            self.mapped.changed()
             if not self.table.dirty:
                 return
             self.tenant.step()
+            self.mapped.changed()
         self.fresh.zero(self.table.mapped())
         self.steps += 1
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.distinct_mapped_bytes())
@@ -358,6 +364,7 @@ class VmemCBCache:
         if self.kv.asleep:
             self.tenant.wake()
         index = None
+        self.mapped.changed()  # whatever follows maps or frees
         try:
             # Under deferred reclamation, the freed row that still maps the longest run of the
             # prompt's cached blocks (adopted in place, no map), else the one holding the fewest
@@ -365,6 +372,7 @@ class VmemCBCache:
             # device.
             index = self.kv.alloc_for_prefix(prompt_ids) if self.options.deferred_reclaim else self.kv.alloc()
             got = self.kv.adopt_prefix(index, prompt_ids)
+            self.mapped.changed()
             # Adopting maps cached blocks get_num_free_blocks counted as free: when this round's
             # allocations counted on them, the request waits (else the step would run short).
             if got and self.get_num_free_blocks() < 0:
@@ -379,6 +387,7 @@ class VmemCBCache:
         if index is None or got == 0:
             if index is not None:
                 self.kv.free(index)
+                self.mapped.changed()
             return 0
         self.table.adopt(self.table.admit(request_id, index), got)
         self._total_prefix_length += got

@@ -99,7 +99,8 @@ def round_or_wait(prepare: Callable[[ContinuousBatchProcessor], bool]) -> Callab
     for ``pool_idle_s`` (:meth:`.tenancy.Tenant.release_when_idle`), and a pool tenant starved
     by its neighbours gets no round this time (the loop waits up to 0.1 s and asks again) rather
     than the engine's fatal error, for up to :data:`.tenancy.ROOM_WAIT_S`
-    (:meth:`.tenancy.Tenant.waits_for_room`). Any other error: unchanged."""
+    (:meth:`.tenancy.Tenant.waits_for_room`). Any other error: unchanged. Within it the free
+    blocks are read from vmem once until the cache changes what vmem maps (:mod:`.passmemo`)."""
 
     def vmem_prepare_next_batch(self: ContinuousBatchProcessor) -> bool:
         cache = getattr(self, "cache", None)
@@ -109,7 +110,8 @@ def round_or_wait(prepare: Callable[[ContinuousBatchProcessor], bool]) -> Callab
         tenant.yield_room()  # each loop turn, idle or not: room the pool's other tenants may need
         tenant.release_when_idle(pending=tenancy.pending(self))  # what an idle tenant kept for pool_idle_s
         try:
-            ready = prepare(self)
+            with cache.mapped.scheduling():  # the free blocks read once until the cache changes them
+                ready = prepare(self)
         except RuntimeError as e:
             if not tenant.waits_for_room(e):
                 raise

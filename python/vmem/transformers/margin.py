@@ -52,7 +52,7 @@ def note_final(cache: Any, state: RequestState) -> None:
     """Records on the request's row the blocks it holds by its end at the latest, once known."""
     row = cache.table.get(state.request_id)
     if row is not None and row.final_blocks is None and (final := final_tokens(state)) is not None:
-        row.final_blocks = -(-final // cache.block_size)
+        cache.table.set_final(state.request_id, -(-final // cache.block_size))
 
 
 def over_margin(cache: Any, request_id: str) -> bool:

@@ -128,7 +128,8 @@ PATCHES: tuple[Patch, ...] = (
           partial(hooks.check_generate_batch, expected=engine519.expected_results)),
     Patch("continuous_api", "ContinuousBatchProcessor", "prepare_next_batch", ALL, ("self",), VMEM_CACHE,
           "a pool tenant gives room back each loop turn, and waits for room its neighbours hold rather than stop "
-          "(tenancy.py)", hooks.round_or_wait),
+          "(tenancy.py); the free blocks read from vmem once a pass until the cache changes them (passmemo.py)",
+          hooks.round_or_wait),
     Patch("model_runner", "ModelRunner", "compute_batch", ALL, ("self", "model", "batch_data"), VMEM_CACHE,
           "the round's metadata written into static buffers before each forward; large prefill rounds run without "
           "a CUDA graph (graphs.py)", hooks.write_round_first),
