@@ -24,7 +24,8 @@ def table(rows: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
     """suite.txt: the rows, failures with their errors, and the top-1 checks."""
     text = format_table(rows, COLUMNS, title="serving suite (tok/s generated; roofline = bound_s / wall_s; "
                         "vs_engine: over the engine's best with vmem installed, vs_engine_clean: in a process "
-                        "without vmem (@clean), vs_engine_best: the better of the two)")
+                        "without vmem (@clean), vs_engine_best: the better of the two; rounds and max_running: "
+                        "seen by a forward hook, so outside CUDA graphs only: every round on the CPU)")
     failed = [r for r in rows if r.get("error")]
     if failed:
         text += "\n\nfailed runs:\n" + "\n".join(
