@@ -17,7 +17,7 @@ module                    job
 :mod:`.rounds`            one round's requests in query order, opened and closed by explicit
                           calls; the kernel's indices built once per round (``Round``, ``Rounds``)
 :mod:`.blocks`            a round's freshly mapped blocks zeroed, every row at once (one kernel
-                          per layer's K and V)
+                          over the token-major rows, or one per layer's K and V)
 :mod:`.buffers`           a round's metadata in static device buffers written before the forward,
                           what CUDA graphs capture (``RoundBuffers``, ``RoundMeta``)
 :mod:`.fa`                FlashAttention-2 varlen over the rows (``FaReader``), its host indices

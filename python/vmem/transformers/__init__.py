@@ -56,6 +56,8 @@ module                job
 :mod:`.warmup`        every CUDA graph a vmem cache replays, captured in the engine's warmup
 :mod:`.admission`     a request longer than a row refused when it arrives
 :mod:`.margin`        the scheduler's safety margin, checked by the cache before each new request
+:mod:`.passmemo`      the blocks vmem's pages span, read once a scheduling pass until the cache
+                      changes them (``MappedBlocks``)
 :mod:`.carry_over`    async batching's carry-over ids in O(requests)
 :mod:`.generate`      ``VmemCache``, a ``generate()`` cache (``vmem.hf`` re-exports it)
 ====================  ===========================================================================
