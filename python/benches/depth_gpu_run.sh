@@ -2,8 +2,10 @@
 # The serving suite's full-depth rows on a CUDA GPU, in one run of under 10 minutes: Llama-3-8B
 # shapes at all 32 layers, the conv trace, 128 requests x 128 new tokens, both budgets (every
 # request fits; a tenth of the working set), the FlashInfer paged peer beside vmem with each of
-# its two kernels (FlashAttention, FlashInfer over its rows), then the profile of vmem's
-# FlashInfer contender at a tenth (where it is slower than FlashAttention, docs/serving.md).
+# its two kernels (FlashAttention, FlashInfer over its rows), then the profile of one of vmem's
+# contenders at a tenth: $DEPTH_PROFILE, by default vmem with FlashAttention (the one
+# docs/results/serving-tail-h200/profile.txt profiled before vmem's scheduling and zeroing took
+# less of the host's time a round), or vmem-token-major-fi-graphs-async-compile for FlashInfer's.
 #
 #   bash python/benches/depth_gpu_run.sh [WHEEL_DIR]
 #
@@ -42,7 +44,7 @@ timeout 300 python3 python/benches/serving_suite.py "${w[@]}" --check-requests 0
   --only "contender=$peer,$fa,$vmem_fi" --out "$out/suite" 2>&1 | tee "$out/suite.log"
 suite=$?
 left=$(( 570 - ($(date +%s) - start) ))
-timeout "$left" python3 python/benches/serving_suite.py "${w[@]}" --only budget=tenth --profile "$vmem_fi" \
+timeout "$left" python3 python/benches/serving_suite.py "${w[@]}" --only budget=tenth --profile "${DEPTH_PROFILE:-$fa}" \
   --out "$out/profile" 2>&1 | tee "$out/profile.log"
 profile=$?
 # Either part failing (or cut off by its timeout) fails the run.
