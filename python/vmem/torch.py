@@ -23,7 +23,7 @@ from . import _torch
 from ._cache import KVCache
 from ._vmem import InvalidArgument
 
-__all__ = ["layer", "layers", "tensors"]
+__all__ = ["layer", "layers", "rows", "tensors"]
 
 
 def layer(kv: KVCache, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -40,6 +40,30 @@ def layers(kv: KVCache) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     if not isinstance(kv, KVCache):
         raise InvalidArgument(f"vmem.torch.layers takes a vmem.KVCache, got {type(kv).__name__}")
     return [layer(kv, i) for i in range(kv.num_layers)]
+
+
+def rows(kv: KVCache) -> torch.Tensor:
+    """With ``layout="token-major"``, every layer's K and V of each token as one torch tensor
+    (:meth:`vmem.KVCache.rows`, no copy): ``[max_batch, max_context, 2 * layers * kv_heads,
+    head_dim]``, layer ``l``'s K heads at ``2 * l * kv_heads``, its V heads right after.
+    ``InvalidArgument`` with ``layout="per-layer"``.
+
+    >>> import vmem, vmem.torch
+    >>> kv = vmem.KVCache(layers=2, kv_heads=2, head_dim=64, dtype="bf16", max_batch=4,
+    ...                   max_context=1024, page_size="64K", device="cpu", layout="token-major")
+    >>> r = kv.alloc()
+    >>> _ = kv.step({r: 300})
+    >>> vmem.torch.rows(kv).shape
+    torch.Size([4, 1024, 8, 64])
+    >>> k1 = vmem.torch.layer(kv, 1)[0]
+    >>> k1[r, 7] = 2.0
+    >>> float(vmem.torch.rows(kv)[r, 7, 2 * 1 * 2, 0])
+    2.0
+    >>> kv.close()
+    """
+    if not isinstance(kv, KVCache):
+        raise InvalidArgument(f"vmem.torch.rows takes a vmem.KVCache, got {type(kv).__name__}")
+    return torch.from_dlpack(kv.rows())
 
 
 def tensors(kv: KVCache) -> List[torch.Tensor]:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import KVCache
+from .. import torch as vmem_torch
 from .._vmem import InvalidArgument, VmemError
 from ..kernels import fa_split
 from ..kernels.blocks import FreshBlocks
@@ -171,7 +172,7 @@ class VmemCBCache:
             self.key_cache.append(_flat(k))
             self.value_cache.append(_flat(v))
         # Token-major: a block of a row is one range for every layer (one kernel zeroes it).
-        whole = [torch.from_dlpack(self.kv.rows())] if self.layout == "token-major" else self._k4 + self._v4
+        whole = [vmem_torch.rows(self.kv)] if self.layout == "token-major" else self._k4 + self._v4
         self.fresh = FreshBlocks(whole, g.block_size, self.device)
         self.rounds = Rounds(on_open=self.flush)
         self.round_kind: str | None = None  # the padded round's kind, in the engine's graph key (graphs.py)
