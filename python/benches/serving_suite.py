@@ -20,10 +20,12 @@ budget, contender; repeatable) runs a part, ``--merge OUT1 OUT2 ...`` combines p
 ``--out``. ``--profile CONTENDER`` profiles that contender on the first selected workload
 instead (profile.txt). ``--tiny`` runs each model's tiny fp32 stand-in on the CPU (a smoke test).
 ``--schedule`` runs the stand-ins on the CPU under the GPU run's limits (rows, context, batch
-tokens; each stand-in's 64K page holds as many tokens as its model's 2M page): the engine then
-schedules as it does on the GPU, so the rounds, requests at once and preemptions of a run are
-read without one (where every round costs about the same, as when memory is short, rounds
-predict the tok/s ratio); its times mean nothing.
+tokens; each stand-in has the layers that make its 64K token-major page hold as many tokens as
+its model's 2M page): the engine meets the GPU run's workload under its limits, so the rounds,
+requests at once and preemptions of a run are read without a GPU (where every round costs about
+the same, as when memory is short, rounds predict the tok/s ratio), except that the CPU finishes
+each round before scheduling the next, where asynchronous batching schedules a round ahead; its
+times mean nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import time
 from typing import Any
 
 DEFAULT_OUT = os.path.join("target", "serving-suite")
+#: where Linux says how many memory mappings a process may hold (``--schedule``'s check)
+MAP_COUNT = "/proc/sys/vm/max_map_count"
 ONLY_KEYS = ("trace", "model", "budget", "contender")
 
 
@@ -119,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         cli.names(ap, "--profile", args.profile, [n for n in known["contender"] if not clean.is_clean(n)])
     names = only.get("contender", suite.default_contenders())
     cli.place(ap, args)
+    if args.schedule and cli.page_bytes(ap, args.page_size) != 64 << 10:
+        ap.error(f"--schedule --page-size {args.page_size}: the stand-ins' 64K pages hold as many tokens as the "
+                 "GPU run's 2M pages; no other size does")
     if any(ct.is_vmem(suite.registry()[n]) for n in names):
         cli.check_fits(ap, args)
         if args.schedule:
@@ -156,11 +163,11 @@ def check_map_count(ap: argparse.ArgumentParser, args: argparse.Namespace, model
     from harness import roofline as rf
 
     page = cli.page_bytes(ap, args.page_size)
-    worst = max(rf.ModelShape.from_config(suite.model_config(m, True, args.max_context), 4).token_kv_bytes
+    worst = max(rf.ModelShape.from_config(suite.model_config(m, True, args.max_context, True), 4).token_kv_bytes
                 for m in models)
     need = -(-(args.max_requests + 1) * args.max_context * worst // page) + 4096
     try:
-        with open("/proc/sys/vm/max_map_count") as f:
+        with open(MAP_COUNT) as f:
             limit = int(f.read())
     except (OSError, ValueError):
         return  # not Linux's limit: vmem's own check speaks when the cache is made
@@ -198,7 +205,7 @@ def _first_workload(args: argparse.Namespace, only: dict[str, list[str]]) -> tup
 
     model_name, trace = only.get("model", list(suite.MODELS))[0], only.get("trace", list(suite.TRACES))[0]
     budget = only.get("budget", list(suite.BUDGETS))[0]
-    config = suite.model_config(model_name, args.tiny, args.max_context)
+    config = suite.model_config(model_name, args.tiny, args.max_context, args.schedule)
     model = random_model(config, args.dtype, args.device)
     shape = rf.ModelShape.from_config(config, model.dtype.itemsize)
     lens = [r.prompt_len for r in load_trace(suite.TRACES[trace], args.requests, args.max_prompt)]

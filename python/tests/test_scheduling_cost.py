@@ -89,6 +89,36 @@ def test_the_mapped_blocks_are_read_once_a_pass_until_changed_and_every_time_out
     assert memo.get() == 12 and memo.reads == 6  # the pass is over
 
 
+def test_a_change_told_while_a_read_is_under_way_keeps_that_read_from_being_kept():
+    """Another thread's change (a wake, a sleep) can land while the pass's thread reads vmem: that
+    read may predate the change, so it is returned but not kept."""
+    value = [5]
+    memo = MappedBlocks(lambda: None)
+
+    def read() -> int:
+        seen = value[0]
+        value[0] = 6
+        memo.changed()  # told while this read is under way
+        return seen
+
+    memo._read = read
+    with memo.scheduling():
+        assert memo.get() == 5
+        memo._read = lambda: value[0]
+        assert memo.get() == 6 and memo.reads == 2
+
+
+def test_a_request_holding_a_row_is_not_given_a_second():
+    from vmem import VmemError
+
+    table = RowTable(rows=4, block_size=16)
+    table.grow(table.admit("a", 0), 3)
+    table.set_final("a", 5)
+    with pytest.raises(VmemError, match="already holds row 0"):
+        table.admit("a", 1)
+    assert table.get("a").index == 0 and table.growth() == 2 and table.used_blocks == 3
+
+
 def test_a_pass_that_raises_keeps_nothing():
     value = [1]
     memo = MappedBlocks(lambda: value[0])
@@ -136,3 +166,11 @@ def test_within_a_pass_the_cache_reads_vmem_again_after_every_change():
         cache.free_blocks("a")
         cache.free_blocks("b")
         assert cache.get_num_free_blocks() == fresh()
+        # Sleep and wake from another thread (vmem.transformers.sleep/wake) change what vmem maps
+        # (the trash row's page goes, then comes back): the pass's next count reads vmem again.
+        for change in (cache.tenant.sleep, cache.tenant.wake):
+            before = cache.get_num_free_blocks()
+            t = threading.Thread(target=change)
+            t.start()
+            t.join()
+            assert cache.get_num_free_blocks() == fresh() != before, change.__name__

@@ -189,7 +189,7 @@ def test_merge_combines_parts_and_a_later_run_replaces_an_earlier(tmp_path) -> N
     (["--page-size", "4K"], "is not one of vmem's page sizes"), (["--timeout", "0"], "--timeout must be more than 0"),
     (["--max-batch-tokens", "0"], "--max-batch-tokens must be at least 1"),
     (["--out", "/proc/version/x"], "--out '/proc/version/x' cannot be created"),
-    (["--schedule", "--max-context", "1048576"], "vm.max_map_count is"),
+    (["--schedule", "--page-size", "128K"], "no other size does"),
 ])
 def test_suite_refuses_bad_flags_with_one_usage_line(flags, match, tmp_path, capsys) -> None:
     pytest.importorskip("transformers", reason="serving_suite.py imports the contenders")
@@ -316,6 +316,36 @@ def test_tiny_suite_runs_end_to_end_and_merges(tmp_path) -> None:
     merged = json.loads(read(m, "suite.json"))
     assert len(merged["rows"]) == 8 and len(merged["parts"]) == 2
     assert "code" in read(m, "suite.txt")
+
+
+def test_schedule_refuses_rows_past_the_map_count_with_the_fix_before_anything_runs(tmp_path, capsys,
+                                                                                     monkeypatch) -> None:
+    pytest.importorskip("transformers", reason="serving_suite.py imports the contenders")
+    import serving_suite
+
+    limit = tmp_path / "max_map_count"
+    limit.write_text("65530\n")
+    monkeypatch.setattr(serving_suite, "MAP_COUNT", str(limit))
+    with pytest.raises(SystemExit) as e:
+        serving_suite.main(["--schedule", "--only", "model=llama3-8b", "--out", str(tmp_path / "o")])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2, last
+    assert "need about 135680 memory mappings" in last and "vm.max_map_count is 65530" in last, last
+    assert "sysctl -w vm.max_map_count=" in last and not (tmp_path / "o").exists()
+
+
+def test_schedule_stand_ins_hold_the_gpu_runs_tokens_a_page() -> None:
+    """A stand-in's 64K token-major page holds as many tokens as its model's 2M page: 16 at
+    Llama-3-8B's 32 layers, 64 at 8 layers and at Llama-3.2-1B's 16 (its --tiny stand-in's 4
+    layers would hold 32)."""
+    pytest.importorskip("transformers")
+    from harness import suite
+
+    for name, tokens in (("llama3-8b", 16), ("llama3-8b-x8", 64), ("llama3.2-1b", 64)):
+        real = rf.ModelShape.from_config(suite.model_config(name, False), 2)
+        tiny = rf.ModelShape.from_config(suite.model_config(name, True, 8192, pages_like=True), 4)
+        assert ((2 << 20) // real.token_kv_bytes, (64 << 10) // tiny.token_kv_bytes) == (tokens, tokens), name
+    assert rf.ModelShape.from_config(suite.model_config("llama3.2-1b", True), 4).token_kv_bytes == 2048
 
 
 def test_schedule_runs_the_stand_ins_under_the_runs_limits_and_reports_the_rounds(tmp_path) -> None:

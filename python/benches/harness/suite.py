@@ -52,20 +52,36 @@ def is_engine_native(name: str, spec: ct.Spec) -> bool:
     return ct.is_engine_native(name, spec)
 
 
-def model_config(name: str, tiny: bool, context: int = 2048) -> Any:
+def model_config(name: str, tiny: bool, context: int = 2048, pages_like: bool = False) -> Any:
     """The config of model ``name`` (context 8,192); ``tiny``: its tiny Llama stand-in for the
-    CPU (:data:`LAYERS`), with positions for ``context`` tokens."""
+    CPU (:data:`LAYERS`), with positions for ``context`` tokens; ``pages_like`` (``--schedule``):
+    with the layers that make a 64K token-major page hold as many of its tokens as a 2M page holds
+    of the model's (:func:`page_matched_layers`)."""
     from harness.models import SERVING_TOKENS, llama3_8b_config, llama32_1b_config, tiny_llama_config
 
     layers, tiny_layers = LAYERS[name]
     if tiny:
         cfg = tiny_llama_config()
-        cfg.num_hidden_layers = tiny_layers
+        cfg.num_hidden_layers = page_matched_layers(name, cfg) if pages_like else tiny_layers
         cfg.max_position_embeddings = max(cfg.max_position_embeddings, context)
         return cfg
     if name.startswith("llama3-8b"):
         return llama3_8b_config(layers, max_position_embeddings=8192, tokens=SERVING_TOKENS)
     return llama32_1b_config(layers, max_position_embeddings=8192, tokens=SERVING_TOKENS)
+
+
+def page_matched_layers(name: str, tiny: Any) -> int:
+    """The layers of the stand-in ``tiny`` (fp32) whose token-major token takes the share of a 64K
+    page that model ``name``'s (bf16) takes of a 2M page: 8 for Llama-3-8B at 32 layers (16 tokens
+    a page), 2 for it at 8 layers and for Llama-3.2-1B (64). ``ValueError`` where no whole number
+    of layers does."""
+    real = rf.ModelShape.from_config(model_config(name, False), 2)
+    tokens = (2 << 20) // real.token_kv_bytes
+    one = rf.ModelShape.from_config(tiny, 4).token_kv_bytes // tiny.num_hidden_layers  # a layer's K and V
+    layers, rest = divmod((64 << 10) // tokens, one)
+    if rest or layers < 1 or (2 << 20) % real.token_kv_bytes:
+        raise ValueError(f"no stand-in of {name} holds {tokens} tokens a 64K page")
+    return layers
 
 
 def granule_tokens(shape: rf.ModelShape, page_bytes: int) -> int:
@@ -216,7 +232,7 @@ def run_suite(args: Any, names: list[str], only: dict[str, list[str]], peaks: rf
     page_bytes = _page_bytes(args.page_size)
     reg = registry()
     for model_name in only.get("model", list(MODELS)):
-        config = model_config(model_name, args.tiny, args.max_context)
+        config = model_config(model_name, args.tiny, args.max_context, getattr(args, "schedule", False))
         model = random_model(config, args.dtype, args.device)
         shape = rf.ModelShape.from_config(config, model.dtype.itemsize)
         worker = _worker(config, args) if any(clean.is_clean(n) for n in names) else None

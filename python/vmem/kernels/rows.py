@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from .._vmem import VmemError
+
 
 class Row:
     """One request's row: ``index`` (the vmem request id), ``blocks`` held, ``unmapped_from``
@@ -79,7 +81,10 @@ class RowTable:
         return list(self._rows)
 
     def admit(self, request_id: str, index: int) -> Row:
-        """Gives ``request_id`` the vmem row ``index``."""
+        """Gives ``request_id`` the vmem row ``index``; :class:`VmemError` (nothing changed) when
+        it holds one already (its blocks would be counted twice)."""
+        if request_id in self._rows:
+            raise VmemError(f"request {request_id!r} already holds row {self._rows[request_id].index}")
         row = Row(index)
         self._rows[request_id] = row
         self._unknown_ends += 1

@@ -156,7 +156,7 @@ class VmemCBCache:
         self.num_blocks = g.blocks - 1  # what requests can hold
         # Its standing in a pool (Options.pool) and its sleep: only the tenant writes that state.
         self.tenant = Tenant(self.kv, self.table, self.lock, blocks=self.num_blocks, block_bytes=g.block_bytes,
-                             idle_after=options.pool_idle_s)
+                             idle_after=options.pool_idle_s, on_change=self.mapped.changed)
         # The engine's per-round KV-read budget: the kernels read rows in place, so a round may read
         # every token of every row (shared pages once per reader); it does not size memory.
         self.num_pages = g.rows * g.max_context
@@ -278,7 +278,6 @@ class VmemCBCache:
                 return 0
             if self.kv.asleep:
                 self.tenant.wake()  # a request after sleep(): the cache wakes for it
-                self.mapped.changed()
             if n_blocks > self.get_num_free_blocks():
                 return None
             row = self.table.get(request_id)
@@ -302,10 +301,12 @@ class VmemCBCache:
         them mapped for the row's next request."""
         index = self.table.release(request_id)
         if index is not None:
-            self.kv.free(index)
-            if self.options.pool is not None:
-                self.kv.release_idle(self.options.pool_keep)  # a pool tenant's idle reserve: pool_keep
-            self.mapped.changed()
+            try:
+                self.kv.free(index)
+                if self.options.pool is not None:
+                    self.kv.release_idle(self.options.pool_keep)  # a pool tenant's idle reserve: pool_keep
+            finally:
+                self.mapped.changed()
 
     def free_all_requests(self) -> None:
         for request_id in self.table.request_ids():
@@ -315,12 +316,13 @@ class VmemCBCache:
         """Maps what this round's allocations need (one ``step`` for every row), then zeroes the
         newly mapped blocks (fresh pages hold anything, NaN bit patterns included)."""
         with self.lock:
-            self.tenant.on_round()  # wakes a sleeping cache; in a pool, follows its limit
-            self.mapped.changed()
-            if not self.table.dirty:
-                return
-            self.tenant.step()
-            self.mapped.changed()
+            try:
+                self.tenant.on_round()  # wakes a sleeping cache; in a pool, follows its limit
+                if not self.table.dirty:
+                    return
+                self.tenant.step()
+            finally:
+                self.mapped.changed()
         self.fresh.zero(self.table.mapped())
         self.steps += 1
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.distinct_mapped_bytes())

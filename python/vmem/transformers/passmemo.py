@@ -7,10 +7,12 @@ a round at a tenth of the working set on the serving suite's Llama-3-8B workload
 into vmem that sums every row's pages (``KVCache.distinct_mapped_bytes``), 0.7 ms of the host's
 time a round measured on the CPU. Inside :meth:`MappedBlocks.scheduling` (the engine's
 ``prepare_next_batch``) the first answer is kept until :meth:`MappedBlocks.changed`, which the
-cache calls wherever it changes what vmem maps: a step, a freed row, an adopted prefix, a wake.
-Pages the unmapping thread gives back do not change the answer (vmem counts pages being unmapped
-as gone already). Outside a pass, and on any thread but the one that opened it, every call reads
-vmem.
+cache calls wherever it changes what vmem maps: a step, a freed row, an adopted prefix, a wake
+or a sleep (from any thread: a change told while a read is under way keeps that read from being
+kept). Pages the unmapping thread gives back do not change the answer (vmem counts pages being
+unmapped as gone already); an unmap that fails hands its pages back to the freed row, which a
+kept answer misses until the pass ends (the next step, short of pages, then fails as vmem's
+error says). Outside a pass, and on any thread but the one that opened it, every call reads vmem.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class MappedBlocks:
         self._read = read
         self._owner: int | None = None  # the thread inside scheduling(), if one is
         self._kept: int | None = None
+        self._kept_at = -1  # the generation _kept was read in
+        self._generation = 0  # bumped by every changed()
         self.reads = 0  # calls into vmem, for tests and profiles
 
     @contextlib.contextmanager
@@ -43,14 +47,16 @@ class MappedBlocks:
 
     def get(self) -> int:
         """The blocks vmem's pages span."""
-        if self._kept is not None and self._owner == threading.get_ident():
+        mine = self._owner == threading.get_ident()
+        if mine and self._kept is not None and self._kept_at == self._generation:
             return self._kept
+        generation = self._generation
         self.reads += 1
         value = self._read()
-        if self._owner == threading.get_ident():
-            self._kept = value
+        if mine and generation == self._generation:  # no change told while it read
+            self._kept, self._kept_at = value, generation
         return value
 
     def changed(self) -> None:
-        """What vmem maps changed: the next :meth:`get` reads it again."""
-        self._kept = None
+        """What vmem maps changed (on any thread): the next :meth:`get` reads it again."""
+        self._generation += 1

@@ -93,8 +93,9 @@ class Tenant:
     returns at once (the engine asks once per scheduling candidate and loop turn)."""
 
     def __init__(self, kv: Any, table: RowTable, lock: threading.Lock, *, blocks: int, block_bytes: int,
-                 idle_after: float | None) -> None:
+                 idle_after: float | None, on_change: Callable[[], None] | None = None) -> None:
         self.kv, self.table, self.lock = kv, table, lock
+        self._on_change = on_change  # told when sleep or wake changes what vmem maps
         self.blocks, self.block_bytes, self.idle_after = int(blocks), int(block_bytes), idle_after
         self._reaped_at = float("-inf")  # the last reap of the pool's dead tenants
         self._reap_warned = False  # a ledger that failed its check was logged
@@ -264,14 +265,24 @@ class Tenant:
                     f"sleep refused: {running} request(s) hold KV rows and would lose them; "
                     "let them finish (or cancel them) first")
             # Only the trash row is live: its contents (padding writes) are not worth keeping.
-            released = int(self.kv.sleep(discard=True))
+            try:
+                released = int(self.kv.sleep(discard=True))
+            finally:
+                self._changed()
             _log.info("vmem: engine cache asleep, %d bytes released", released)
             return released
 
     def _wake(self) -> None:
-        self.kv.wake()
-        self.kv.shrink_to_limit()
-        self.kv.step(self.table.lengths)  # the trash row, mapped again (its block only)
+        try:
+            self.kv.wake()
+            self.kv.shrink_to_limit()
+            self.kv.step(self.table.lengths)  # the trash row, mapped again (its block only)
+        finally:
+            self._changed()
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change()
 
     def wake(self) -> None:
         """Wakes the cache put to sleep by :meth:`sleep` (the next round would, too): maps its
