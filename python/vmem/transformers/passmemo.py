@@ -2,17 +2,18 @@
 pass until the cache maps, frees or adopts pages.
 
 The engine's scheduler asks for the free blocks before every candidate of every round, each
-waiting request included, and vmem's margin check asks again for each new one: about 170 times
-a round at a tenth of the working set on the serving suite's Llama-3-8B workload, each a call
-into vmem that sums every row's pages (``KVCache.distinct_mapped_bytes``): the median decode
-round's scheduling took 0.58 ms of the host's time on the CPU, 0.19 ms with the answer kept.
-Inside :meth:`MappedBlocks.scheduling` (the engine's ``prepare_next_batch``) the first answer is kept until :meth:`MappedBlocks.changed`, which the
-cache calls wherever it changes what vmem maps: a step, a freed row, an adopted prefix, a wake
-or a sleep (from any thread: a change told while a read is under way keeps that read from being
-kept). Pages the unmapping thread gives back do not change the answer (vmem counts pages being
-unmapped as gone already); an unmap that fails hands its pages back to the freed row, which a
-kept answer misses until the pass ends (the next step, short of pages, then fails as vmem's
-error says). Outside a pass, and on any thread but the one that opened it, every call reads vmem.
+waiting request included, and vmem's margin check asks again for each new one: about 170 times a
+round at a tenth of the working set on the serving suite's Llama-3-8B workload, each a call into
+vmem that sums every row's pages (``KVCache.distinct_mapped_bytes``): the median decode round's
+scheduling took 0.58 ms of the host's time on the CPU, 0.19 ms with the answer kept. Inside
+:meth:`MappedBlocks.scheduling` (the engine's ``prepare_next_batch``) the first answer is kept
+until :meth:`MappedBlocks.changed`, which the cache calls wherever it changes what vmem maps: a
+step, a freed row, an adopted prefix, a wake or a sleep (from any thread: a change told while a
+read is under way keeps that read from being kept). Pages the unmapping thread gives back do not
+change the answer (vmem counts pages being unmapped as gone already); an unmap that fails hands
+its pages back to the freed row, which a kept answer misses until the pass ends (the next step,
+short of pages, then fails as vmem's error says). Outside a pass, and on any thread but the one
+that opened it, every call reads vmem.
 """
 
 from __future__ import annotations
