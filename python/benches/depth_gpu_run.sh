@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# The serving suite's full-depth rows on a CUDA GPU, in one run of under 10 minutes: Llama-3-8B
-# shapes at all 32 layers, the conv trace, 128 requests x 128 new tokens, both budgets (every
-# request fits; a tenth of the working set), the FlashInfer paged peer beside vmem with each of
-# its two kernels (FlashAttention, FlashInfer over its rows), then the profile of one of vmem's
-# contenders at a tenth: $DEPTH_PROFILE, by default vmem with FlashAttention (the one
+# The serving suite's full-depth rows on a CUDA GPU, bounded at 10 minutes: Llama-3-8B shapes at
+# all 32 layers, the conv trace, 128 requests x 128 new tokens, both budgets (every request fits;
+# a tenth of the working set), the FlashInfer paged peer beside vmem with each of its two kernels
+# (FlashAttention, FlashInfer over its rows), then the profile of one of vmem's contenders at a
+# tenth: $DEPTH_PROFILE, by default vmem with FlashAttention (the one
 # docs/results/serving-tail-h200/profile.txt profiled before vmem's scheduling and zeroing took
 # less of the host's time a round), or vmem-token-major-fi-graphs-async-compile for FlashInfer's.
 #
 #   bash python/benches/depth_gpu_run.sh [WHEEL_DIR]
 #
-# WHEEL_DIR: wheels of another transformers and its dependencies, installed beside the machine's
-# (transformers 5.24: its wheel and regex's; 5.25: also huggingface_hub 2.4, kernels 0.19 and
-# theirs). Run from the repository root with .whl/ holding vmem's wheel (scripts/python-gpu.sh
-# build) and FlashInfer's for the machine's Python. Results in $VMEM_BENCH_OUT/depth (/tmp/depth
-# if it is unset).
+# Needs a CUDA GPU, torch, transformers, FlashInfer 0.6 and vmem (pip install "vmem-kv[flashinfer]"),
+# run from the repository root. A host without a package index can bring them as wheels: every
+# wheel in .whl/ (vmem's from scripts/python-gpu.sh build, FlashInfer's) is installed into a site
+# folder of the run's own first, when .whl/ holds vmem's. WHEEL_DIR: wheels of another
+# transformers and its dependencies, installed the same way over the one installed (5.24: its
+# wheel and regex's; 5.25: also huggingface_hub 2.4, kernels 0.19 and theirs). Results in
+# $VMEM_BENCH_OUT/depth (/tmp/depth if it is unset).
 set -o pipefail
 usage="usage: $0 [WHEEL_DIR]"
 [ $# -le 1 ] || { echo "$usage" >&2; exit 2; }
@@ -21,10 +23,11 @@ if [ $# -eq 1 ] && ! compgen -G "$1/*.whl" > /dev/null; then
   echo "$0: $1 holds no wheels (*.whl); $usage" >&2
   exit 2
 fi
-compgen -G ".whl/vmem*.whl" > /dev/null \
-  || { echo "$0: no .whl/vmem*.whl here (build it: scripts/python-gpu.sh build); run from the repository root" >&2; exit 2; }
+[ -f python/benches/serving_suite.py ] || { echo "$0: run it from the repository root; $usage" >&2; exit 2; }
 . "$(dirname "$0")/../../scripts/gpu-env.sh"
-gpu_site /tmp/site-depth .whl/*.whl || exit 1
+if compgen -G ".whl/vmem*.whl" > /dev/null; then
+  gpu_site /tmp/site-depth .whl/*.whl || exit 1
+fi
 if [ $# -eq 1 ]; then
   python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site-depth-tf "$1"/*.whl || exit 1
   export PYTHONPATH=/tmp/site-depth-tf:$PYTHONPATH
