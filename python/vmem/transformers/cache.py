@@ -367,7 +367,6 @@ class VmemCBCache:
         if self.kv.asleep:
             self.tenant.wake()
         index = None
-        self.mapped.changed()  # whatever follows maps or frees
         try:
             # Under deferred reclamation, the freed row that still maps the longest run of the
             # prompt's cached blocks (adopted in place, no map), else the one holding the fewest
