@@ -3,7 +3,7 @@
 # all 32 layers, the conv trace, 128 requests x 128 new tokens, both budgets (every request fits;
 # a tenth of the working set), the FlashInfer paged peer beside vmem with each of its two kernels
 # (FlashAttention, FlashInfer over its rows), then the profile of one of vmem's contenders at a
-# tenth: $DEPTH_PROFILE, by default vmem with FlashAttention (the one
+# tenth: $DEPTH_PROFILE (none: no profile), by default vmem with FlashAttention (the one
 # docs/results/serving-tail-h200/profile.txt profiled before vmem's scheduling and zeroing took
 # less of the host's time a round), or vmem-token-major-fi-graphs-async-compile for FlashInfer's.
 #
@@ -15,7 +15,8 @@
 # folder of the run's own first, when .whl/ holds vmem's. WHEEL_DIR: wheels of another
 # transformers and its dependencies, installed the same way over the one installed (5.24: its
 # wheel and regex's; 5.25: also huggingface_hub 2.4, kernels 0.19 and theirs). Results in
-# $VMEM_BENCH_OUT/depth (/tmp/depth if it is unset).
+# $VMEM_BENCH_OUT/depth (/tmp/depth if it is unset). DEPTH_SECONDS bounds the whole run (570 by
+# default; the suite takes at most 300 of them, the profile what is left).
 set -o pipefail
 usage="usage: $0 [WHEEL_DIR]"
 [ $# -le 1 ] || { echo "$usage" >&2; exit 2; }
@@ -23,6 +24,8 @@ if [ $# -eq 1 ] && ! compgen -G "$1/*.whl" > /dev/null; then
   echo "$0: $1 holds no wheels (*.whl); $usage" >&2
   exit 2
 fi
+seconds=${DEPTH_SECONDS:-570}
+case "$seconds" in ''|*[!0-9]*) echo "$0: DEPTH_SECONDS must be a whole number of seconds, not '$seconds'" >&2; exit 2 ;; esac
 [ -f python/benches/serving_suite.py ] || { echo "$0: run it from the repository root; $usage" >&2; exit 2; }
 . "$(dirname "$0")/../../scripts/gpu-env.sh"
 if compgen -G ".whl/vmem*.whl" > /dev/null; then
@@ -32,7 +35,7 @@ if [ $# -eq 1 ]; then
   python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site-depth-tf "$1"/*.whl || exit 1
   export PYTHONPATH=/tmp/site-depth-tf:$PYTHONPATH
 fi
-export USE_HUB_KERNELS=NO FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer
+export USE_HUB_KERNELS=NO FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer}
 out=${VMEM_BENCH_OUT:-/tmp}/depth
 mkdir -p "$out"
 gpu_name > "$out/nvidia-smi.txt"
@@ -43,10 +46,13 @@ fa=vmem-token-major-graphs-async-compile
 vmem_fi=vmem-token-major-fi-graphs-async-compile
 w=(--only model=llama3-8b --only trace=conv --requests 128 --new-tokens 128)
 start=$(date +%s)
-timeout 300 python3 python/benches/serving_suite.py "${w[@]}" --check-requests 0 --rounds 1 \
+suite_s=$(( seconds < 300 ? seconds : 300 ))
+timeout "$suite_s" python3 python/benches/serving_suite.py "${w[@]}" --check-requests 0 --rounds 1 \
   --only "contender=$peer,$fa,$vmem_fi" --out "$out/suite" 2>&1 | tee "$out/suite.log"
 suite=$?
-left=$(( 570 - ($(date +%s) - start) ))
+[ "${DEPTH_PROFILE:-}" != none ] || exit "$suite"  # DEPTH_PROFILE=none: the suite's rows only
+left=$(( seconds - ($(date +%s) - start) ))
+[ "$left" -gt 0 ] || { echo "$0: no time left for the profile (DEPTH_SECONDS=$seconds)" >&2; exit 1; }
 timeout "$left" python3 python/benches/serving_suite.py "${w[@]}" --only budget=tenth --profile "${DEPTH_PROFILE:-$fa}" \
   --out "$out/profile" 2>&1 | tee "$out/profile.log"
 profile=$?

@@ -473,6 +473,29 @@ def test_flashinfer_graph_plan_does_not_wait_for_queued_work():
           indices[:n].cpu().tolist() == plan.kv_indices.tolist())
 
 
+def test_fa_mixed_round_matches_one_call(monkeypatch):
+    """A mixed round (a prompt chunk beside decodes) with its decodes in a call of their own
+    (:mod:`vmem.kernels.fa_mixed`, FlashAttention-2's grouped-head decode path) gives the one
+    varlen call's output, bf16, Llama-3's 32 query and 8 KV heads, in any query order."""
+    from vmem.kernels import fa_mixed
+    from vmem.kernels.fa import fa_varlen_indices, varlen
+
+    monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 1)  # rounds this small are split too
+    mc, dev = 2048, torch.device("cuda")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    k = torch.randn(8 * mc, 8, 128, generator=g).to(dev, torch.bfloat16)
+    v = torch.randn(8 * mc, 8, 128, generator=g).to(dev, torch.bfloat16)
+    for entries in ([(0, 1500, 1), (1, 900, 1), (2, 0, 700), (3, 300, 200)],
+                    [(2, 0, 700), (0, 1500, 1), (3, 300, 200), (1, 900, 1), (4, 2046, 1)]):
+        whole = fa_varlen_indices(entries, mc).to(dev)
+        mixed = fa_mixed.plan_mixed(entries, mc, dev, whole=whole)
+        check("the round is split", mixed is not None)
+        q = torch.randn(whole.total_q, 32, 128, generator=g).to(dev, torch.bfloat16)
+        one, two = varlen(q, k, v, whole, None), fa_mixed.attend(q, k, v, mixed, None, varlen)
+        diff = float((one.float() - two.float()).abs().max())
+        check("the split equals the one call", diff < 2e-2, f"largest difference {diff:.3g}")
+
+
 def test_zero_slots_under_queued_reads():
     zero_slots_under_queued_reads()
 

@@ -21,7 +21,7 @@ from harness import check as h
 
 import vmem
 import vmem.transformers as vt
-from vmem.kernels import fa as vt_fa
+from vmem.kernels import varlen as vt_fa
 from vmem.transformers import versions as vt_versions
 
 TOL = 1e-4  # fp32 on the CPU, relative to the largest logit

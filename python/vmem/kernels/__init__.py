@@ -20,10 +20,13 @@ module                    job
                           over the token-major rows, or one per layer's K and V)
 :mod:`.buffers`           a round's metadata in static device buffers written before the forward,
                           what CUDA graphs capture (``RoundBuffers``, ``RoundMeta``)
-:mod:`.fa`                FlashAttention-2 varlen over the rows (``FaReader``), its host indices
-                          and its CPU reference
+:mod:`.varlen`            one FlashAttention-2 varlen call over the rows: its host indices, the
+                          call and its CPU reference
+:mod:`.fa`                the FlashAttention reader (``FaReader``): which call a round gets
 :mod:`.fa_split`          FA's padded decode rounds split along the keys (flash-decoding): the
                           slot plan, its buffers and the merge
+:mod:`.fa_mixed`          FA's mixed rounds (a prompt chunk beside decodes): the decodes in a
+                          call of their own, grouped heads reading each key once
 :mod:`._triton_combine`   the merge as one Triton kernel (CUDA only, imported when used)
 :mod:`.flex`              FlexAttention with a BlockMask built from index tensors (``FlexReader``),
                           its blockwise CPU reference
@@ -42,12 +45,13 @@ from __future__ import annotations
 
 from .blocks import FreshBlocks
 from .buffers import RoundBuffers, RoundMeta
-from .fa import FaReader, FaVarlenIndex, fa_varlen_indices, fa_varlen_reference
+from .fa import FaReader
 from .fi_reader import FlashInferReader
 from .flashinfer import paged_plan, paged_reference
 from .flex import KV_BLOCK, Q_BLOCK, FlexReader, blockwise_reference
 from .rounds import Round, Rounds
 from .rows import RowTable
+from .varlen import FaVarlenIndex, fa_varlen_indices, fa_varlen_reference
 
 __all__ = [
     "KV_BLOCK",

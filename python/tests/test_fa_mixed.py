@@ -1,0 +1,141 @@
+"""``kernel="fa"``'s mixed rounds in two calls (:mod:`vmem.kernels.fa_mixed`): which rounds are
+split, where each part's query tokens are, the split attention equal to the one-call one in any
+query order, and the engine's greedy tokens with the split equal to those without it and to the
+engine's own.
+
+CPU, fp32 (the same split over the reference); needs torch, and for the engine test a
+transformers vmem serves. On a GPU: ``test_gpu.py::test_fa_mixed_round_matches_one_call``."""
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+from vmem.kernels import fa_mixed  # noqa: E402
+from vmem.kernels.buffers import RoundBuffers  # noqa: E402
+from vmem.kernels.fa import FaReader, fa_varlen_indices, fa_varlen_reference  # noqa: E402
+from vmem.kernels.rounds import Round  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def _kv(rows, mc=512, hkv=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows * mc, hkv, d, generator=g), torch.randn(rows * mc, hkv, d, generator=g)
+
+
+def _q(entries, hq=8, d=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(sum(e[2] for e in entries), hq, d, generator=g)
+
+
+def test_a_round_without_both_kinds_or_with_few_decode_keys_is_not_split(monkeypatch):
+    monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 100)
+    assert fa_mixed.plan_mixed([(0, 200, 1), (1, 300, 1)], 512, CPU) is None  # decodes only
+    assert fa_mixed.plan_mixed([(0, 0, 40), (1, 10, 5)], 512, CPU) is None  # no decode
+    assert fa_mixed.plan_mixed([(0, 50, 1), (1, 0, 40)], 512, CPU) is None  # 51 decode keys < 100
+    mixed = fa_mixed.plan_mixed([(0, 150, 1), (1, 0, 40)], 512, CPU)
+    assert mixed is not None and mixed.decode.index.max_q == 1 and mixed.rest.index.max_q == 40
+
+
+def test_the_parts_find_their_query_tokens_in_the_engines_order(monkeypatch):
+    monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 1)
+    # decodes first, then two prefill chunks: both parts contiguous, slices
+    m = fa_mixed.plan_mixed([(0, 9, 1), (1, 4, 1), (2, 0, 5), (3, 2, 3)], 64, CPU)
+    assert m.decode.span == slice(0, 2) and m.rest.span == slice(2, 10)
+    # interleaved: decodes at 0 and 6, the rest 1..5 and 7..8
+    m = fa_mixed.plan_mixed([(0, 9, 1), (2, 0, 5), (1, 4, 1), (3, 2, 3)], 64, CPU)
+    assert m.decode.span is None and m.decode.positions.tolist() == [0, 6]
+    assert m.rest.span is None and m.rest.positions.tolist() == [1, 2, 3, 4, 5, 7, 8, 9]
+    assert m.rest.index.host.tolist()[:3] == [0, 5, 8]  # the rest's own cu_q
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_split_attention_equals_one_call_in_any_order(seed, monkeypatch):
+    monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 1)
+    rng = random.Random(seed)
+    mc, rows = 256, 10
+    entries = []
+    for row in rng.sample(range(rows), rng.randint(2, rows)):
+        q = rng.choice([1, 1, rng.randint(2, 40)])
+        entries.append((row, rng.randint(0, mc - q), q))
+    if all(e[2] == 1 for e in entries) or all(e[2] > 1 for e in entries):
+        entries.append((rows, 7, 1) if entries[0][2] > 1 else (rows, 3, 12))
+    k, v = _kv(rows + 1, mc)
+    q = _q(entries)
+    whole = fa_varlen_indices(entries, mc)
+    mixed = fa_mixed.plan_mixed(entries, mc, CPU, whole=whole)
+    assert mixed is not None
+    got = fa_mixed.attend(q, k, v, mixed, 0.3, lambda *a: fa_varlen_reference(*a))
+    want = fa_varlen_reference(q, k, v, whole, 0.3)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_the_reader_splits_an_unpadded_mixed_round_and_not_a_graphed_one(monkeypatch):
+    monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 1)
+    mc, entries = 128, [(0, 40, 1), (1, 0, 6), (2, 90, 1)]
+    k, v = _kv(4, mc)
+    q = _q(entries)
+    want = fa_varlen_reference(q, k, v, fa_varlen_indices(entries, mc), 0.5)
+    reader = FaReader(mc)
+    for padded, split in ((False, True), (True, False)):
+        rnd = Round()
+        rnd.entries = [(r, p, n, None) for r, p, n in entries]
+        rnd.meta = RoundBuffers(8, mc, 3, CPU, max_tokens=16).fill(entries, sequences=3, tokens=8, padded=False,
+                                                                   bucket_k=mc)
+        reader.before_forward(rnd, padded=padded, pair=0, stream=None)
+        assert isinstance(rnd.index, fa_mixed.MixedRound) is split
+        got = reader(0, rnd, q.transpose(0, 1).unsqueeze(0), k, v, 0.5, True)[0]
+        assert torch.allclose(got, want, atol=1e-5)
+    # without grouped heads the same round reads in one call (nothing to gain)
+    calls = []
+
+    def recording(q, *a):
+        calls.append(a)
+        return q
+
+    monkeypatch.setattr(fa_mixed, "attend", recording)
+    rnd = Round()
+    rnd.entries = [(r, p, n, None) for r, p, n in entries]
+    reader(0, rnd, q.transpose(0, 1).unsqueeze(0), k, v, 0.5, False)
+    assert isinstance(rnd.index, fa_mixed.MixedRound) and not calls
+    reader(1, rnd, q.transpose(0, 1).unsqueeze(0), k, v, 0.5, True)
+    assert len(calls) == 1
+
+
+def test_greedy_tokens_with_mixed_rounds_split_equal_one_call_and_the_engines(monkeypatch):
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    import tf_engine as eng
+
+    eng.skip_unless_served()
+    from harness import check as h
+
+    import vmem.transformers as vt
+
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    lengths = [5, 140, 70, 17, 33, 3, 90, 60]
+    prompts = h.make_prompts(len(lengths), lengths, model.config.vocab_size)
+    plans = []
+    plan = fa_mixed.plan_mixed
+
+    def recording(*a, **k):
+        plans.append(plan(*a, **k))
+        return plans[-1]
+
+    monkeypatch.setattr(fa_mixed, "plan_mixed", recording)
+    cb = dict(max_batch_tokens=48)  # prompts in chunks beside the decodes of the requests before them
+    opts = dict(page_size="64K", max_requests=8, max_context=1024, memory="16M")
+    vt.install(**opts)
+    monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 1)
+    split = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 6, cb_kwargs=cb, serving=dict(opts))
+    assert any(p is not None for p in plans), "no mixed round was split"
+    monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 1 << 40)
+    plans.clear()
+    whole = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 6, cb_kwargs=cb, serving=dict(opts))
+    assert plans and all(p is None for p in plans)
+    engine = h.run_engine(model, eng.ENGINE_SDPA, prompts, 6, cb_kwargs=cb)
+    tokens = [[list(run["results"][rid].generated_tokens) for rid in run["ids"]] for run in (split, whole, engine)]
+    assert tokens[0] == tokens[1] == tokens[2]
+    cmp = h.compare(split, model, 6)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < 1e-4 and cmp["top1_agree"] == cmp["decisive"] > 0, cmp

@@ -1,0 +1,144 @@
+"""``kernel="fa"``'s mixed rounds (prefill chunks beside decodes) in two FlashAttention calls: the
+decodes in one, the longer queries in the other, so each decode reads its keys once per KV head.
+
+With grouped-query attention (``Hq`` query heads over ``Hkv`` KV heads), FlashAttention-2's varlen
+kernel reads a KV head once for its whole group only when every sequence of the call has one
+query token: it then lays a request's ``Hq / Hkv`` query heads out as that many query rows of one
+KV head (its ``seqlenq_ngroups_swapped`` path, which also splits long keys). A call with a
+prefill chunk in it gives every sequence and query head its own thread block instead, so each
+decode reads its K and V ``Hq / Hkv`` times (4 for Llama-3), from memory: a layer's K and V of a
+hundred decoding requests is several hundred MB, far past the L2 cache. A mixed round of that
+size (every request fits, a prefill chunk beside 120 decodes) is where ``kernel="fa"``'s time
+between tokens was longest.
+
+:func:`plan_mixed` finds a round's decodes (one query token, in the engine's query order) and
+the rest, each as one slice of the packed queries when they are contiguous, else as positions;
+:func:`attend` runs the two calls and writes each part's output at its positions. A round is
+split only when its decodes read at least :data:`MIN_DECODE_KEYS` keys: below that the second
+call and the copies cost more than the reads they save. Rounds a CUDA graph replays are never
+split (their shapes are the graph's); neither is a round without grouped heads (``gqa``). On the
+CPU the same split runs over the reference, which the tests compare with the one-call reference.
+Engine-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .varlen import fa_varlen_indices
+
+#: A round is split only when its decodes read at least this many keys in all. Each key is
+#: read ``Hq / Hkv - 1`` more times unsplit (Llama-3-8B: 3 x 4 KiB a key and layer); the split
+#: costs a second launch and copying the longer queries' output once (a prefill chunk of 8,192
+#: tokens: 64 MB a layer). An estimate from those sizes, not a measured crossover.
+MIN_DECODE_KEYS = 8192
+
+
+class MixedRound:
+    """One mixed round's two parts: ``decode`` and ``rest`` (:class:`Part`), and ``whole``, the
+    round's one-call index (what a layer without grouped heads reads)."""
+
+    __slots__ = ("decode", "rest", "whole")
+
+    def __init__(self, decode: Part, rest: Part, whole: Any) -> None:
+        self.decode, self.rest, self.whole = decode, rest, whole
+
+
+class Part:
+    """The requests of one part: ``index`` (their varlen index, a
+    :class:`~vmem.kernels.varlen.FaVarlenIndex` on the device) and where their query tokens are in
+    the round's packed queries: ``span`` (a slice) when contiguous, else ``positions`` (int64, on
+    the device)."""
+
+    __slots__ = ("index", "positions", "span")
+
+    def __init__(self, index: Any, positions: list[int], device: torch.device, stream: Any) -> None:
+        self.index = index
+        lo, hi = positions[0], positions[-1] + 1
+        if hi - lo == len(positions):
+            self.span: slice | None = slice(lo, hi)
+            self.positions: torch.Tensor | None = None
+        else:
+            self.span = None
+            self.positions = _on_device(torch.tensor(positions, dtype=torch.int64), device, stream)
+
+    def take(self, q: torch.Tensor) -> torch.Tensor:
+        """This part's query tokens of the round's packed ``q`` ``[T, Hq, D]``."""
+        return q[self.span] if self.span is not None else q.index_select(0, self.positions)
+
+    def put(self, out: torch.Tensor, part: torch.Tensor) -> None:
+        """Writes this part's output ``part`` at its positions of the round's ``out``."""
+        if self.span is not None:
+            out[self.span] = part
+        else:
+            out.index_copy_(0, self.positions, part)
+
+
+def plan_mixed(entries: list[tuple[int, int, int]], max_context: int, device: torch.device, *,
+               stream: Any = None, whole: Any = None, tokens: int | None = None) -> MixedRound | None:
+    """The two parts of a round of ``entries`` (``(row, past, q)`` in the engine's query order),
+    their indices copied to ``device`` (on ``stream``, as the round's metadata is), or ``None``
+    when the round is not split: no decode beside a longer query, decodes reading fewer than
+    :data:`MIN_DECODE_KEYS` keys, or ``tokens`` (the query tokens the engine passes) more than
+    the requests' (padding, which neither part would write). ``whole``: the round's one-call
+    index, kept for layers without grouped heads."""
+    decodes = [e for e in entries if e[2] == 1]
+    if not decodes or len(decodes) == len(entries) or sum(past + 1 for _, past, _ in decodes) < MIN_DECODE_KEYS:
+        return None
+    at = 0
+    dec_pos: list[int] = []
+    rest_pos: list[int] = []
+    rest: list[tuple[int, int, int]] = []
+    for e in entries:
+        if e[2] == 1:
+            dec_pos.append(at)
+        else:
+            rest_pos.extend(range(at, at + e[2]))
+            rest.append(e)
+        at += e[2]
+    if tokens is not None and tokens != at:
+        return None
+    parts = []
+    for part, pos in ((decodes, dec_pos), (rest, rest_pos)):
+        index = fa_varlen_indices(part, max_context)
+        index.host = index.host if device.type != "cuda" else index.host.pin_memory()
+        parts.append(Part(_index_on(index, device, stream), pos, device, stream))
+    return MixedRound(parts[0], parts[1], whole)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mixed: MixedRound, scale: float | None,
+           varlen: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, float | None], torch.Tensor]
+           ) -> torch.Tensor:
+    """The round's attention for packed ``q`` ``[T, Hq, D]`` over the flat ``k``/``v``: the
+    decodes in one ``varlen`` call (``varlen(q, k, v, index, scale)`` -> ``[t, Hq, D]``), the
+    rest in another, each written at its positions; returns ``[T, Hq, D]``."""
+    out = torch.empty_like(q)
+    for part in (mixed.decode, mixed.rest):
+        qp = part.take(q)
+        if qp.stride(-1) != 1 or not qp.is_contiguous():
+            qp = qp.contiguous()
+        part.put(out, varlen(qp, k, v, part.index, scale))
+    return out
+
+
+def _index_on(index: Any, device: torch.device, stream: Any) -> Any:
+    """``index`` with its device views set, copied on ``stream`` when given (CUDA)."""
+    if device.type != "cuda" or stream is None:
+        return index.to(device)
+    with torch.cuda.stream(stream):
+        return index.to(device)
+
+
+def _on_device(host: torch.Tensor, device: torch.device, stream: Any) -> torch.Tensor:
+    """``host`` on ``device``: pinned and copied without the host waiting on CUDA (on ``stream``
+    when given)."""
+    if device.type != "cuda":
+        return host.to(device)
+    pinned = host.pin_memory()
+    if stream is None:
+        return pinned.to(device, non_blocking=True)
+    with torch.cuda.stream(stream):
+        return pinned.to(device, non_blocking=True)
