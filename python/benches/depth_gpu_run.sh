@@ -25,7 +25,10 @@ if [ $# -eq 1 ] && ! compgen -G "$1/*.whl" > /dev/null; then
   exit 2
 fi
 seconds=${DEPTH_SECONDS:-570}
-case "$seconds" in ''|*[!0-9]*) echo "$0: DEPTH_SECONDS must be a whole number of seconds, not '$seconds'" >&2; exit 2 ;; esac
+case "$seconds" in ''|*[!0-9]*) seconds=bad ;; esac
+[ "$seconds" != bad ] && [ ${#seconds} -le 6 ] && seconds=$((10#$seconds)) && [ "$seconds" -ge 1 ] \
+  && [ "$seconds" -le 86400 ] || {
+  echo "$0: DEPTH_SECONDS must be a whole number of seconds from 1 to 86400, not '${DEPTH_SECONDS}'" >&2; exit 2; }
 [ -f python/benches/serving_suite.py ] || { echo "$0: run it from the repository root; $usage" >&2; exit 2; }
 . "$(dirname "$0")/../../scripts/gpu-env.sh"
 if compgen -G ".whl/vmem*.whl" > /dev/null; then

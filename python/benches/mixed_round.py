@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inner", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    cli.check_counts(ap, args, ["--reps", "--inner"], most={"--reps": 1000, "--inner": 10000})
+    cli.check_counts(ap, args, ["--reps", "--inner"], most={"--reps": 200, "--inner": 1000})
     device = cli.device_or_tiny(ap, args.tiny)
     from vmem.kernels import fa_mixed
     from vmem.kernels.fa import fa_varlen_indices, varlen

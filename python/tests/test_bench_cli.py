@@ -50,7 +50,7 @@ CASES = [
     ("kernel_study", ["--contexts", "1024", "--prefill-q", "1024"], "--prefill-q 1024 must be below"),
     ("kernel_study", ["--batches", "1,99999999"], "--batches: at most"),
     ("mixed_round", ["--reps", "0"], "--reps must be at least 1, got 0"),
-    ("mixed_round", ["--inner", "99999"], "--inner must be at most 10000, got 99999"),
+    ("mixed_round", ["--inner", "99999"], "--inner must be at most 1000, got 99999"),
     ("mixed_round", ["--reps", "x"], "argument --reps: invalid int value"),
     ("mixed_round", [], "no GPU: use --tiny for a CPU smoke test", "cpu"),
     ("multitenant_bench", ["--merge", "{tmp}/no.json"], "--merge '"),

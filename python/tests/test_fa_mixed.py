@@ -72,23 +72,35 @@ def test_the_split_attention_equals_one_call_in_any_order(seed, monkeypatch):
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
-def test_the_reader_splits_an_unpadded_mixed_round_and_not_a_graphed_one(monkeypatch):
+@pytest.mark.parametrize("tokens,padded,captured,split", [(8, False, False, True), (12, True, False, True),
+                                                          (12, True, True, False)])
+def test_the_reader_splits_a_mixed_round_run_eagerly_and_not_one_a_graph_captures(tokens, padded, captured, split,
+                                                                                  monkeypatch):
+    """Split at the round's first layer when it runs eagerly, the engine's padded tokens zeros as
+    in the one call; a round being captured keeps the one call (the graph's shapes)."""
+    from vmem.kernels import fa as fa_reader
+
     monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 1)
+    monkeypatch.setattr(fa_reader, "capturing", lambda: captured)
     mc, entries = 128, [(0, 40, 1), (1, 0, 6), (2, 90, 1)]
     k, v = _kv(4, mc)
-    q = _q(entries)
-    want = fa_varlen_reference(q, k, v, fa_varlen_indices(entries, mc), 0.5)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(tokens, 8, 16, generator=g)
+    rnd = Round()
+    rnd.entries = [(r, p, n, None) for r, p, n in entries]
+    rnd.meta = RoundBuffers(8, mc, 3, CPU, max_tokens=16).fill(entries, sequences=3, tokens=tokens, padded=padded,
+                                                               bucket_k=mc)
+    want = fa_varlen_reference(q, k, v, rnd.meta, 0.5)  # the one call: padded tokens read nothing, zeros
     reader = FaReader(mc)
-    for padded, split in ((False, True), (True, False)):
-        rnd = Round()
-        rnd.entries = [(r, p, n, None) for r, p, n in entries]
-        rnd.meta = RoundBuffers(8, mc, 3, CPU, max_tokens=16).fill(entries, sequences=3, tokens=8, padded=False,
-                                                                   bucket_k=mc)
-        reader.before_forward(rnd, padded=padded, pair=0, stream=None)
-        assert isinstance(rnd.index, fa_mixed.MixedRound) is split
-        got = reader(0, rnd, q.transpose(0, 1).unsqueeze(0), k, v, 0.5, True)[0]
-        assert torch.allclose(got, want, atol=1e-5)
-    # without grouped heads the same round reads in one call (nothing to gain)
+    reader.before_forward(rnd, padded=padded, pair=0, stream=None)
+    got = reader(0, rnd, q.transpose(0, 1).unsqueeze(0), k, v, 0.5, True)[0]
+    assert isinstance(rnd.index, fa_mixed.MixedRound) is split
+    assert got.is_contiguous() and torch.allclose(got, want, atol=1e-5)
+    assert torch.equal(got[8:], torch.zeros_like(got[8:]))
+
+
+def test_a_round_without_grouped_heads_is_read_in_one_call(monkeypatch):
+    monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 1)
     calls = []
 
     def recording(q, *a):
@@ -96,16 +108,24 @@ def test_the_reader_splits_an_unpadded_mixed_round_and_not_a_graphed_one(monkeyp
         return q
 
     monkeypatch.setattr(fa_mixed, "attend", recording)
+    mc, entries = 128, [(0, 40, 1), (1, 0, 6), (2, 90, 1)]
+    k, v = _kv(4, mc, hkv=8)
+    q = _q(entries)
+    want = fa_varlen_reference(q, k, v, fa_varlen_indices(entries, mc), 0.5)
     rnd = Round()
     rnd.entries = [(r, p, n, None) for r, p, n in entries]
-    reader(0, rnd, q.transpose(0, 1).unsqueeze(0), k, v, 0.5, False)
-    assert isinstance(rnd.index, fa_mixed.MixedRound) and not calls
-    reader(1, rnd, q.transpose(0, 1).unsqueeze(0), k, v, 0.5, True)
-    assert len(calls) == 1
+    got = FaReader(mc)(0, rnd, q.transpose(0, 1).unsqueeze(0), k, v, 0.5, False)[0]
+    assert not calls and not isinstance(rnd.index, fa_mixed.MixedRound)
+    assert torch.allclose(got, want, atol=1e-5)
 
 
-def test_greedy_tokens_with_mixed_rounds_split_equal_one_call_and_the_engines(monkeypatch):
+@pytest.mark.parametrize("padding", [False, True])
+def test_greedy_tokens_with_mixed_rounds_split_equal_one_call_and_the_engines(padding, monkeypatch):
+    """Also under the engine's padding (what graphs and compile turn on): its varlen rounds run
+    eagerly on the CPU, padded, and are split."""
     pytest.importorskip("transformers", reason="transformers is not installed")
+    import contextlib
+
     import tf_engine as eng
 
     eng.skip_unless_served()
@@ -125,16 +145,19 @@ def test_greedy_tokens_with_mixed_rounds_split_equal_one_call_and_the_engines(mo
 
     monkeypatch.setattr(fa_mixed, "plan_mixed", recording)
     cb = dict(max_batch_tokens=48)  # prompts in chunks beside the decodes of the requests before them
+    if padding:
+        cb.update(q_padding_interval_size=16, kv_padding_interval_size=256)
     opts = dict(page_size="64K", max_requests=8, max_context=1024, memory="16M")
     vt.install(**opts)
-    monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 1)
-    split = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 6, cb_kwargs=cb, serving=dict(opts))
-    assert any(p is not None for p in plans), "no mixed round was split"
-    monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 1 << 40)
-    plans.clear()
-    whole = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 6, cb_kwargs=cb, serving=dict(opts))
-    assert plans and all(p is None for p in plans)
-    engine = h.run_engine(model, eng.ENGINE_SDPA, prompts, 6, cb_kwargs=cb)
+    with eng.forced_padding() if padding else contextlib.nullcontext():
+        monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 1)
+        split = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 6, cb_kwargs=cb, serving=dict(opts))
+        assert any(p is not None for p in plans), "no mixed round was split"
+        monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 1 << 40)
+        plans.clear()
+        whole = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 6, cb_kwargs=cb, serving=dict(opts))
+        assert plans and all(p is None for p in plans)
+        engine = h.run_engine(model, eng.ENGINE_SDPA, prompts, 6, cb_kwargs=cb)
     tokens = [[list(run["results"][rid].generated_tokens) for rid in run["ids"]] for run in (split, whole, engine)]
     assert tokens[0] == tokens[1] == tokens[2]
     cmp = h.compare(split, model, 6)

@@ -494,6 +494,12 @@ def test_fa_mixed_round_matches_one_call(monkeypatch):
         one, two = varlen(q, k, v, whole, None), fa_mixed.attend(q, k, v, mixed, None, varlen)
         diff = float((one.float() - two.float()).abs().max())
         check("the split equals the one call", diff < 2e-2, f"largest difference {diff:.3g}")
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU work queued, as a round in flight
+        start = time.perf_counter()
+        fa_mixed.plan_mixed(entries, mc, dev, whole=whole)  # what the reader does at an eager round's first layer
+        took = time.perf_counter() - start
+        check("planning a round returns while queued work runs (pinned copies)", took < 0.3, f"{took * 1e3:.1f} ms")
+        torch.cuda.synchronize()
 
 
 def test_zero_slots_under_queued_reads():

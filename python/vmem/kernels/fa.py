@@ -25,7 +25,9 @@ class FaReader:
     engine hook wrote before the forward: what a CUDA graph captures), or, for a round run
     outside the hook (never while capturing), a :class:`FaVarlenIndex` built at the first layer.
     With ``splits`` (:class:`~vmem.kernels.fa_split.SplitBuffers`), a padded decode round's
-    keys are dealt over its sequence slots (:mod:`.fa_split`), planned before the forward."""
+    keys are dealt over its sequence slots (:mod:`.fa_split`), planned before the forward; a
+    mixed round run eagerly (no graph: a prompt chunk above ``graph_max_tokens``, or graphs off)
+    gives its decodes a call of their own (:mod:`.fa_mixed`), planned at its first layer."""
 
     def __init__(self, max_context: int, splits: Any = None) -> None:
         self.max_context = max_context
@@ -35,33 +37,38 @@ class FaReader:
         """Plans a padded decode round's slots into the split buffers (outside any capture)."""
         meta = rnd.meta
         rnd.index = None
-        if meta is None:
-            return
-        entries = [(row, past, q) for row, past, q, _ in rnd.entries]
-        if self.splits is not None and meta.decode:
+        if self.splits is not None and meta is not None and meta.decode:
+            entries = [(row, past, q) for row, past, q, _ in rnd.entries]
             rnd.index = self.splits.fill(entries, meta.n, self.max_context, stream)
-        elif not padded and meta.max_q > 1:  # a round no graph replays: its decodes may be a call of their own
-            rnd.index = fa_mixed.plan_mixed(entries, self.max_context, meta.cu_q.device, stream=stream, whole=meta,
-                                            tokens=meta.total_q)
 
     def __call__(self, layer: int, rnd: Round, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  scaling: float | None, gqa: bool) -> torch.Tensor:
         """Returns ``[1, T, Hq, D]`` for ``query`` ``[1, Hq, T, D]``."""
-        if rnd.meta is None and rnd.index is None:  # the first layer of this round: build once, every layer reuses it
-            if capturing():
-                raise VmemError("kernel='fa': a CUDA graph is being captured over a round whose metadata was not "
-                                "written before the forward (the engine's compute_batch is not vmem's)")
-            entries = [(row, past, q) for row, past, q, _ in rnd.entries]
-            whole = fa_varlen_indices(entries, self.max_context).to(query.device)
-            rnd.index = fa_mixed.plan_mixed(entries, self.max_context, query.device, whole=whole) or whole
-        mixed = rnd.index if isinstance(rnd.index, fa_mixed.MixedRound) else None
-        index = rnd.meta if rnd.meta is not None else mixed.whole if mixed is not None else rnd.index
+        if rnd.index is None:  # the round's first layer: how it is read, decided once for every layer
+            rnd.index = self._plan(rnd, query.device, gqa)
+        index = rnd.index.whole if isinstance(rnd.index, fa_mixed.MixedRound) else \
+            rnd.meta if rnd.meta is not None else rnd.index
         t = query.shape[2]
         if t != index.total_q:
             raise VmemError(f"the engine passed {t} query tokens for a round of {index.total_q}")
         q = query[0].transpose(0, 1)  # [T, Hq, D]
         if isinstance(rnd.index, fa_split.SplitRound):  # a padded decode round, its keys over the slots
             return fa_split.attend(q, k_cache, v_cache, rnd.index, index.max_k, scaling).unsqueeze(0)
-        if mixed is not None and gqa:  # the decodes in a call of their own: each reads its keys once
-            return fa_mixed.attend(q, k_cache, v_cache, mixed, scaling, varlen).unsqueeze(0)
+        if isinstance(rnd.index, fa_mixed.MixedRound):  # the decodes in a call of their own
+            return fa_mixed.attend(q, k_cache, v_cache, rnd.index, scaling, varlen).unsqueeze(0)
         return varlen(q, k_cache, v_cache, index, scaling).unsqueeze(0)
+
+    def _plan(self, rnd: Round, device: torch.device, gqa: bool) -> Any:
+        """How a round without a decode split is read: under a CUDA graph's capture, one call over
+        the round's metadata (the graph's shapes); run eagerly (no graph replays a round whose
+        forward runs Python), a mixed round of grouped heads as two calls (:mod:`.fa_mixed`),
+        else one call; a round run outside the engine hook (no metadata) builds its index here."""
+        if capturing():
+            if rnd.meta is None:
+                raise VmemError("kernel='fa': a CUDA graph is being captured over a round whose metadata was not "
+                                "written before the forward (the engine's compute_batch is not vmem's)")
+            return rnd.meta
+        entries = [(row, past, q) for row, past, q, _ in rnd.entries]
+        whole = rnd.meta if rnd.meta is not None else fa_varlen_indices(entries, self.max_context).to(device)
+        mixed = fa_mixed.plan_mixed(entries, self.max_context, device, whole=whole) if gqa else None
+        return mixed or whole

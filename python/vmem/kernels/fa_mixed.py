@@ -15,9 +15,11 @@ between tokens was longest.
 the rest, each as one slice of the packed queries when they are contiguous, else as positions;
 :func:`attend` runs the two calls and writes each part's output at its positions. A round is
 split only when its decodes read at least :data:`MIN_DECODE_KEYS` keys: below that the second
-call and the copies cost more than the reads they save. Rounds a CUDA graph replays are never
-split (their shapes are the graph's); neither is a round without grouped heads (``gqa``). On the
-CPU the same split runs over the reference, which the tests compare with the one-call reference.
+call and the copies cost more than the reads they save. The reader decides at a round's first
+layer, so only rounds run eagerly are split (a CUDA graph's capture keeps the one call: its
+shapes are the graph's), and only with grouped heads; query tokens the engine padded the round
+with get zeros, as in the one call. On the CPU the same split runs over the reference, which the
+tests compare with the one-call reference.
 Engine-free.
 """
 
@@ -38,13 +40,14 @@ MIN_DECODE_KEYS = 8192
 
 
 class MixedRound:
-    """One mixed round's two parts: ``decode`` and ``rest`` (:class:`Part`), and ``whole``, the
-    round's one-call index (what a layer without grouped heads reads)."""
+    """One mixed round's two parts: ``decode`` and ``rest`` (:class:`Part`), ``whole``, the
+    round's one-call index, and ``tokens``, the requests' query tokens (the engine may pad the
+    round past them)."""
 
-    __slots__ = ("decode", "rest", "whole")
+    __slots__ = ("decode", "rest", "tokens", "whole")
 
-    def __init__(self, decode: Part, rest: Part, whole: Any) -> None:
-        self.decode, self.rest, self.whole = decode, rest, whole
+    def __init__(self, decode: Part, rest: Part, whole: Any, tokens: int) -> None:
+        self.decode, self.rest, self.whole, self.tokens = decode, rest, whole, tokens
 
 
 class Part:
@@ -78,13 +81,12 @@ class Part:
 
 
 def plan_mixed(entries: list[tuple[int, int, int]], max_context: int, device: torch.device, *,
-               stream: Any = None, whole: Any = None, tokens: int | None = None) -> MixedRound | None:
+               stream: Any = None, whole: Any = None) -> MixedRound | None:
     """The two parts of a round of ``entries`` (``(row, past, q)`` in the engine's query order),
     their indices copied to ``device`` (on ``stream``, as the round's metadata is), or ``None``
-    when the round is not split: no decode beside a longer query, decodes reading fewer than
-    :data:`MIN_DECODE_KEYS` keys, or ``tokens`` (the query tokens the engine passes) more than
-    the requests' (padding, which neither part would write). ``whole``: the round's one-call
-    index, kept for layers without grouped heads."""
+    when the round is not split: no decode beside a longer query, or decodes reading fewer than
+    :data:`MIN_DECODE_KEYS` keys. ``whole``: the round's one-call index (its ``total_q`` the
+    tokens the engine passes, padding included)."""
     decodes = [e for e in entries if e[2] == 1]
     if not decodes or len(decodes) == len(entries) or sum(past + 1 for _, past, _ in decodes) < MIN_DECODE_KEYS:
         return None
@@ -99,14 +101,12 @@ def plan_mixed(entries: list[tuple[int, int, int]], max_context: int, device: to
             rest_pos.extend(range(at, at + e[2]))
             rest.append(e)
         at += e[2]
-    if tokens is not None and tokens != at:
-        return None
     parts = []
     for part, pos in ((decodes, dec_pos), (rest, rest_pos)):
         index = fa_varlen_indices(part, max_context)
         index.host = index.host if device.type != "cuda" else index.host.pin_memory()
         parts.append(Part(_index_on(index, device, stream), pos, device, stream))
-    return MixedRound(parts[0], parts[1], whole)
+    return MixedRound(parts[0], parts[1], whole, at)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mixed: MixedRound, scale: float | None,
@@ -114,11 +114,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mixed: MixedRound,
            ) -> torch.Tensor:
     """The round's attention for packed ``q`` ``[T, Hq, D]`` over the flat ``k``/``v``: the
     decodes in one ``varlen`` call (``varlen(q, k, v, index, scale)`` -> ``[t, Hq, D]``), the
-    rest in another, each written at its positions; returns ``[T, Hq, D]``."""
-    out = torch.empty_like(q)
+    rest in another, each written at its positions, the engine's padded tokens zeros; returns
+    ``[T, Hq, D]``, contiguous."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0] > mixed.tokens:
+        out[mixed.tokens:].zero_()
     for part in (mixed.decode, mixed.rest):
         qp = part.take(q)
-        if qp.stride(-1) != 1 or not qp.is_contiguous():
+        if not qp.is_contiguous():
             qp = qp.contiguous()
         part.put(out, varlen(qp, k, v, part.index, scale))
     return out
