@@ -38,6 +38,10 @@ pytest says why. Benchmarks are in python/benches (gpu_bench.py).
     requests of 300-2,000 tokens in 64 slots, bf16, Llama-3-8B heads: equals FA2 over the whole
     rows within bf16 tolerance, padded rows zeros; captured in a CUDA graph, a replay after a new
     plan is written equals a fresh call on that plan; both timed (CUDA events, printed).
+  fa_mixed_round: kernel="fa"'s mixed rounds with the decodes in a call of their own (fa_mixed):
+    a prompt chunk beside decodes, in two query orders, bf16, Llama-3's heads: equals the one
+    varlen call within bf16 tolerance; planning returns while a long kernel is queued (pinned
+    copies). rows_view: KVCache.rows() zeroes a block of every layer's K and V in one kernel.
   fp8_consumer: vmem views are torch.float8_e4m3fn tensors on the GPU; torch kernels write and
     read them (bytes round-trip), and dequantized SDPA on the views equals the same on
     contiguous copies, bit-exact, in both layouts.
