@@ -70,15 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float32 if args.tiny else torch.bfloat16
     max_context = 512 if args.tiny else 8192
     rng = random.Random(args.seed)
+    dev = torch.device(device)
+    fa_mixed.MIN_DECODE_KEYS = 1  # every round here is split: the comparison is the point
     print("round   decodes  prompt  one call us  split us  split/one  decode K/V GB/s: one / split")
     worst = 0.0
     for name, lo_hi, decodes, prompt in ROUNDS:
         if args.tiny:
             lo_hi, decodes, prompt = (20, 300), max(2, decodes // 10), 600
         entries, k, v = build(decodes, lo_hi, prompt, max_context, rng, device, dtype)
-        dev = torch.device(device)
         whole = fa_varlen_indices(entries, max_context).to(dev)
-        fa_mixed.MIN_DECODE_KEYS = 1  # every round here is split: the comparison is the point
         mixed = fa_mixed.plan_mixed(entries, max_context, dev, whole=whole)
         q = torch.randn(whole.total_q, HQ, D, device=device, dtype=dtype)
         one = varlen(q, k, v, whole, None)

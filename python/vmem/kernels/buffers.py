@@ -155,6 +155,16 @@ def copy_on_stream(buffer: torch.Tensor, host: torch.Tensor, stream: Any) -> Non
         buffer.copy_(pinned, non_blocking=True)
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device``, on the current stream. On CUDA through pinned memory from
+    torch's host caching allocator (kept until the copy has run), so the copy is a plain
+    asynchronous DMA: one from pageable memory may hold the host until the stream reaches it,
+    which under async batching is the end of the round in flight."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph."""
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .buffers import to_device
 from .varlen import fa_varlen_indices
 
 #: A round is split only when its decodes read at least this many keys in all. Each key is
@@ -58,7 +59,7 @@ class Part:
 
     __slots__ = ("index", "positions", "span")
 
-    def __init__(self, index: Any, positions: list[int], device: torch.device, stream: Any) -> None:
+    def __init__(self, index: Any, positions: list[int], device: torch.device) -> None:
         self.index = index
         lo, hi = positions[0], positions[-1] + 1
         if hi - lo == len(positions):
@@ -66,7 +67,7 @@ class Part:
             self.positions: torch.Tensor | None = None
         else:
             self.span = None
-            self.positions = _on_device(torch.tensor(positions, dtype=torch.int64), device, stream)
+            self.positions = to_device(torch.tensor(positions, dtype=torch.int64), device)
 
     def take(self, q: torch.Tensor) -> torch.Tensor:
         """This part's query tokens of the round's packed ``q`` ``[T, Hq, D]``."""
@@ -81,12 +82,12 @@ class Part:
 
 
 def plan_mixed(entries: list[tuple[int, int, int]], max_context: int, device: torch.device, *,
-               stream: Any = None, whole: Any = None) -> MixedRound | None:
+               whole: Any = None) -> MixedRound | None:
     """The two parts of a round of ``entries`` (``(row, past, q)`` in the engine's query order),
-    their indices copied to ``device`` (on ``stream``, as the round's metadata is), or ``None``
-    when the round is not split: no decode beside a longer query, or decodes reading fewer than
-    :data:`MIN_DECODE_KEYS` keys. ``whole``: the round's one-call index (its ``total_q`` the
-    tokens the engine passes, padding included)."""
+    their indices copied to ``device`` on the current stream from pinned memory (the host does
+    not wait for the round in flight), or ``None`` when the round is not split: no decode beside
+    a longer query, or decodes reading fewer than :data:`MIN_DECODE_KEYS` keys. ``whole``: the
+    round's one-call index (its ``total_q`` the tokens the engine passes, padding included)."""
     decodes = [e for e in entries if e[2] == 1]
     if not decodes or len(decodes) == len(entries) or sum(past + 1 for _, past, _ in decodes) < MIN_DECODE_KEYS:
         return None
@@ -104,8 +105,9 @@ def plan_mixed(entries: list[tuple[int, int, int]], max_context: int, device: to
     parts = []
     for part, pos in ((decodes, dec_pos), (rest, rest_pos)):
         index = fa_varlen_indices(part, max_context)
-        index.host = index.host if device.type != "cuda" else index.host.pin_memory()
-        parts.append(Part(_index_on(index, device, stream), pos, device, stream))
+        if device.type == "cuda":
+            index.host = index.host.pin_memory()  # FaVarlenIndex.to's copy then does not wait
+        parts.append(Part(index.to(device), pos, device))
     return MixedRound(parts[0], parts[1], whole, at)
 
 
@@ -125,23 +127,3 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mixed: MixedRound,
             qp = qp.contiguous()
         part.put(out, varlen(qp, k, v, part.index, scale))
     return out
-
-
-def _index_on(index: Any, device: torch.device, stream: Any) -> Any:
-    """``index`` with its device views set, copied on ``stream`` when given (CUDA)."""
-    if device.type != "cuda" or stream is None:
-        return index.to(device)
-    with torch.cuda.stream(stream):
-        return index.to(device)
-
-
-def _on_device(host: torch.Tensor, device: torch.device, stream: Any) -> torch.Tensor:
-    """``host`` on ``device``: pinned and copied without the host waiting on CUDA (on ``stream``
-    when given)."""
-    if device.type != "cuda":
-        return host.to(device)
-    pinned = host.pin_memory()
-    if stream is None:
-        return pinned.to(device, non_blocking=True)
-    with torch.cuda.stream(stream):
-        return pinned.to(device, non_blocking=True)

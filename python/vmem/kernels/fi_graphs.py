@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from .._vmem import VmemError
+from .buffers import to_device
 from .flashinfer import PagedPlan, paged_plan, plan_of
 
 #: Bytes of the float workspace FlashInfer's split-KV results use outside graphs (its
@@ -187,7 +188,7 @@ class WrapperSet:
         has run). Unchanged off CUDA or when already on a device."""
         if self.device.type != "cuda" or indices.device.type != "cpu":
             return indices
-        return indices.pin_memory().to(self.device, non_blocking=True)
+        return to_device(indices, self.device)
 
     def plan(self, plan: PagedPlan, *, pair: int, graph: bool, scale: float | None, stream: Any = None) -> Any:
         """Plans ``plan`` into its wrapper (host work and copies into the wrapper's buffers, queued
