@@ -9,11 +9,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from harness.trace import default_trace, load_trace
+
+
+def exit_with(main: Callable[[], int]) -> None:
+    """Runs a script's ``main`` and exits with its code; a reader that closed the output pipe
+    (``script | head``) ends the run with exit code 1 and no traceback, the rest of the output
+    discarded."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        code = 1
+    sys.exit(code)
 
 
 def int_list(text: str) -> list[int]:
