@@ -641,10 +641,14 @@ def cb_compile(kernel: str = "fa"):
         compiled[0] += 1
         return torch._inductor.compile(gm, example_inputs)
 
+    from vmem.kernels import fa_fi
+
     torch.cuda.CUDAGraph.replay = replay
+    decode_min = fa_fi.DECODE_MIN
+    fa_fi.DECODE_MIN = 1  # kernel="fa+flashinfer": every decode round of this small run through FlashInfer
     vt.install(memory="512M", max_requests=8, max_context=2048, layout="token-major", kernel=kernel)
     try:
-        arch = "hd64-tied" if kernel == "flashinfer" else "llama-gqa"  # FlashInfer: head dim 64 or 128
+        arch = "llama-gqa" if kernel == "fa" else "hd64-tied"  # FlashInfer: head dim 64 or 128
         model = hc.make_model(arch, torch.bfloat16, "cuda", logit_scale=20.0)
         prompts = hc.make_prompts(6, [5, 140, 700, 17, 33, 300], model.config.vocab_size)
         config = transformers.CompileConfig(mode="default", fullgraph=False, dynamic=True, backend=inductor)
@@ -664,20 +668,27 @@ def cb_compile(kernel: str = "fa"):
               cmp["counts_ok"] and cmp["decisive"] > 0 and cmp["top1_agree"] == cmp["decisive"] and compiled[0] > 0,
               f"{cmp['top1_agree']}/{cmp['decisive']}, max rel err {cmp['max_rel_err']:.3g}, {compiled[0]} graphs "
               f"compiled, {time.perf_counter() - t:.1f} s")
-        _, on, n = serve(True)
+        graph_run, on, n = serve(True)
         same = sum(a == b for a, b in zip(on, plain))
         check(f"cb compile ({kernel}) + graphs + async: greedy tokens identical to compiled without graphs, "
               "graphs replayed",
               same == len(prompts) and n > 0, f"{same}/{len(prompts)} identical, {n} replays")
+        if kernel == "fa+flashinfer":
+            wrappers = graph_run["cache"].read.fi.wrappers
+            kinds = sorted({decode for _, decode, _, _ in wrappers.wrappers}) if wrappers else []
+            check("fa+flashinfer: FlashInfer planned the decode rounds only", wrappers is not None
+                  and wrappers.plans > 0 and kinds == [True], f"{wrappers.plans if wrappers else 0} plans, decode "
+                  f"kinds {kinds}")
     finally:
+        fa_fi.DECODE_MIN = decode_min
         torch.cuda.CUDAGraph.replay = real
         vt.uninstall()
 
 
-@pytest.mark.parametrize("kernel", ["fa", "flashinfer"])
+@pytest.mark.parametrize("kernel", ["fa", "flashinfer", "fa+flashinfer"])
 def test_cb_compile(kernel):
     pytest.importorskip("transformers", reason="transformers is not installed")
-    if kernel == "flashinfer":
+    if kernel != "fa":
         pytest.importorskip("flashinfer", reason="FlashInfer is not installed (vmem-kv[flashinfer])")
     cb_compile(kernel)
 

@@ -73,6 +73,9 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     # in-process contender, the server's overhead measured against the same engine).
     "vmem-token-major-graphs-async": (BOTH, {**_VMEM_BEST, "compile": False}),
     "vmem-token-major-fi-graphs-async-compile": (BOTH, {**_VMEM_BEST, "kernel": "flashinfer", "optional": True}),
+    # FlashInfer's decode kernel for large decode rounds, FlashAttention for the rest.
+    "vmem-token-major-fafi-graphs-async-compile": (BOTH, {**_VMEM_BEST, "kernel": "fa+flashinfer",
+                                                          "optional": True}),
     # A new request waits a round rather than take pages still being unmapped (its round would
     # wait for the one in flight): admit_while_unmapping=False.
     "vmem-token-major-graphs-async-compile-hold-admissions": (BOTH, {**_VMEM_BEST, "admit_while_unmapping": False}),

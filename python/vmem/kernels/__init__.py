@@ -36,6 +36,8 @@ module                    job
                           wrappers per IO pair, kind and batch (``WrapperSet``)
 :mod:`.fi_reader`         the FlashInfer reader: plans before the forward, runs per layer
                           (``FlashInferReader``)
+:mod:`.fa_fi`             ``kernel="fa+flashinfer"``: large decode rounds through FlashInfer's
+                          reader, every other round through FA's (``FaFlashInferReader``)
 ========================  =======================================================================
 
 The engine glue, and the whole integration's second table, is :mod:`vmem.transformers`.
@@ -46,6 +48,7 @@ from __future__ import annotations
 from .blocks import FreshBlocks
 from .buffers import RoundBuffers, RoundMeta
 from .fa import FaReader
+from .fa_fi import FaFlashInferReader
 from .fi_reader import FlashInferReader
 from .flashinfer import paged_plan, paged_reference
 from .flex import KV_BLOCK, Q_BLOCK, FlexReader, blockwise_reference
@@ -56,6 +59,7 @@ from .varlen import FaVarlenIndex, fa_varlen_indices, fa_varlen_reference
 __all__ = [
     "KV_BLOCK",
     "Q_BLOCK",
+    "FaFlashInferReader",
     "FaReader",
     "FaVarlenIndex",
     "FlashInferReader",

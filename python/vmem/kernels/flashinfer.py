@@ -54,7 +54,8 @@ def load_flashinfer() -> Any:
         return importlib.import_module("flashinfer")
     except ImportError as e:
         raise InvalidArgument(
-            f"kernel='flashinfer' needs FlashInfer ({FLASHINFER_RANGE}), which cannot be imported here ({e}); "
+            f"kernel='flashinfer' and 'fa+flashinfer' need FlashInfer ({FLASHINFER_RANGE}), which cannot be "
+            f"imported here ({e}); "
             f"install it with {INSTALL_HINT}, or use kernel='fa' (the default)"
         ) from None
 

@@ -85,7 +85,7 @@ def parser() -> argparse.ArgumentParser:
                    help="requests admitted beyond --max-requests to wait; past it, 429 (default 256)")
     p.add_argument("--page-size", default="2M", help="vmem page size (2M; 64K/128K/256K need the patched driver)")
     p.add_argument("--layout", default="token-major", choices=("token-major", "per-layer"))
-    p.add_argument("--kernel", default="fa", choices=("fa", "flex", "flashinfer"))
+    p.add_argument("--kernel", default="fa", choices=("fa", "flex", "flashinfer", "fa+flashinfer"))
     p.add_argument("--vmem-option", action="append", default=[], metavar="NAME=VALUE",
                    help="any other vmem.transformers.Options field (e.g. split_decode=false)")
     p.add_argument("--no-prefix-caching", action="store_true", help="no prefix sharing between requests")

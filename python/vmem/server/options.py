@@ -166,7 +166,7 @@ class ServerOptions:
         set_(self, "max_queue", check_int("--max-queue", self.max_queue, min=0, max=1 << 20))
         set_(self, "page_size", check_size("--page-size", self.page_size, min=1))
         set_(self, "layout", _choice("--layout", self.layout, ("per-layer", "token-major")))
-        set_(self, "kernel", _choice("--kernel", self.kernel, ("fa", "flex", "flashinfer")))
+        set_(self, "kernel", _choice("--kernel", self.kernel, ("fa", "flex", "flashinfer", "fa+flashinfer")))
         pairs = tuple(tuple(p) for p in self.vmem_options)
         if any(len(p) != 2 or not isinstance(p[0], str) for p in pairs):
             raise InvalidArgument("vmem_options must be (name, value) pairs")

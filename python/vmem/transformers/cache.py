@@ -16,12 +16,12 @@ version-free.
   ``background_unmap`` (the default outside a pool) vmem's unmapping thread does the waiting, not
   the engine's; rows freed longest ago are handed out first, and a round that maps a row whose
   pages are not back yet waits for them.
-* Prefix sharing with vmem's pages in place of the engine's block sharing (``kernel="fa"`` or
-  ``"flashinfer"``, following the engine's ``allow_block_sharing``): ``search_prefix_match`` maps
+* Prefix sharing with vmem's pages in place of the engine's block sharing (every kernel but
+  ``"flex"``, following the engine's ``allow_block_sharing``): ``search_prefix_match`` maps
   the cached pages of a prompt's longest cached prefix into the new row (no copy), and
   ``mark_shareable_blocks_as_complete`` publishes a request's full blocks. No forks, no CPU
   offload pool, no compile of the forward.
-* CUDA graphs and async batching (``kernel="fa"`` or ``"flashinfer"``): the round's metadata is
+* CUDA graphs and async batching (every kernel but ``"flex"``): the round's metadata is
   written into static device buffers before each forward (:mod:`.graphs`; FlashInfer's plan into
   its graph wrappers' buffers, :mod:`.fi_graphs`); padded tokens write to the trash row, padded
   sequences read nothing (FA) or the trash row's mapped block (FlashInfer); pages are mapped
@@ -44,6 +44,7 @@ from ..kernels import fa_split
 from ..kernels.blocks import FreshBlocks
 from ..kernels.buffers import RoundBuffers
 from ..kernels.fa import FaReader
+from ..kernels.fa_fi import FaFlashInferReader
 from ..kernels.fi_reader import FlashInferReader
 from ..kernels.flex import FlexReader
 from ..kernels.rounds import Rounds
@@ -189,18 +190,23 @@ class VmemCBCache:
                                           max_tokens=self.max_batch_tokens)
         self.read: Any = self._reader(config)
 
-    def _reader(self, config: PreTrainedConfig) -> FaReader | FlexReader | FlashInferReader:
+    def _reader(self, config: PreTrainedConfig) -> FaReader | FlexReader | FlashInferReader | FaFlashInferReader:
         """The kernel that reads the rows (``options.kernel``)."""
         g = self.geometry
-        if self.kernel == "fa":
-            split = fa_split.splits_for(self.options.split_decode, self.device, g.head_dim, self.dtype)
-            return FaReader(g.max_context, fa_split.SplitBuffers(self.round_buffers.capacity, self.device)
-                            if split else None)
         if self.kernel == "flex":
             return FlexReader(self, g.compiled)
-        return FlashInferReader(g.max_context, self.kv_rows, self.device, config.num_attention_heads,
-                                trash_row=self.trash_row, trash_tokens=g.block_size,
-                                max_tokens=self.max_batch_tokens)
+        if self.kernel == "flashinfer":
+            return self._flashinfer_reader(config, self.max_batch_tokens)
+        split = fa_split.splits_for(self.options.split_decode, self.device, g.head_dim, self.dtype)
+        fa = FaReader(g.max_context, fa_split.SplitBuffers(self.round_buffers.capacity, self.device) if split else None)
+        if self.kernel == "fa":
+            return fa
+        # FlashInfer reads decode rounds only: its workspace holds the largest one (a token a sequence).
+        return FaFlashInferReader(fa, self._flashinfer_reader(config, self.round_buffers.capacity))
+
+    def _flashinfer_reader(self, config: PreTrainedConfig, max_tokens: int) -> FlashInferReader:
+        return FlashInferReader(self.geometry.max_context, self.kv_rows, self.device, config.num_attention_heads,
+                                trash_row=self.trash_row, trash_tokens=self.geometry.block_size, max_tokens=max_tokens)
 
     def _engine_attributes(self, layers: int) -> None:
         """The attributes the engine reads of a single full-attention group."""

@@ -25,8 +25,13 @@ from ..pool import MAX_BYTES, Join
 
 #: The kernels ``paged|vmem`` can read its rows with: ``"fa"`` (torch's FlashAttention-2 varlen
 #: op, the default), ``"flex"`` (FlexAttention with a BlockMask) or ``"flashinfer"`` (FlashInfer's
-#: paged wrappers, each row one page; an optional dependency, checked at install()/serving()).
-KERNELS = ("fa", "flex", "flashinfer")
+#: paged wrappers, each row one page; an optional dependency, checked at install()/serving()) or
+#: ``"fa+flashinfer"`` (FlashInfer's decode kernel for decode rounds of at least
+#: :data:`~vmem.kernels.fa_fi.DECODE_MIN` sequences, FlashAttention for every other round).
+KERNELS = ("fa", "flex", "flashinfer", "fa+flashinfer")
+#: The kernels that read some rounds with FlashAttention, and those that need FlashInfer.
+FA_KERNELS = ("fa", "fa+flashinfer")
+FLASHINFER_KERNELS = ("flashinfer", "fa+flashinfer")
 #: Where a padded (CUDA-graph) round's ``max_seqlen_k`` comes from: the engine's padded bucket or
 #: the row length (``max_context``).
 SEQLEN_K_SOURCES = ("bucket", "context")
@@ -67,7 +72,8 @@ class Options:
     * ``memory``: bytes of KV pages; ``None`` (default): what the engine would give its own
       paged cache (``max_memory_percent`` of free memory less its activation estimate);
     * ``prealloc``: create the pages up front (default True);
-    * ``kernel``: ``"fa"`` (default), ``"flex"`` or ``"flashinfer"`` (:data:`KERNELS`);
+    * ``kernel``: ``"fa"`` (default), ``"flex"``, ``"flashinfer"`` or ``"fa+flashinfer"``
+      (:data:`KERNELS`);
     * ``compile``: compile the Flex kernel; ``None`` (default): on CUDA;
     * ``prefix_cache``: bytes of cached prefix pages no request maps; ``None`` (default): the
       whole budget;
@@ -126,7 +132,7 @@ class Options:
       that would adopt a cached prefix waits the same way (counted by the blocks it still
       lacks). Only matters with ``background_unmap`` and without ``deferred_reclaim`` (whose
       finished requests are not unmapped).
-    * ``split_decode``: with ``kernel="fa"``, a padded (CUDA-graph) decode round deals its
+    * ``split_decode``: with ``kernel="fa"`` (or ``"fa+flashinfer"``), a padded (CUDA-graph) decode round deals its
       sequence slots to its requests by length, each slot a run of one request's keys, and merges
       the runs (flash-decoding, :mod:`~vmem.kernels.fa_split`): a round of a few long
       requests then keeps the GPU busy. ``None`` (default): on where it can run (the CPU, or CUDA
@@ -192,15 +198,17 @@ class Options:
                                   "gives them to the pool at once: not both")
         set_(self, "admit_while_unmapping", check_bool("admit_while_unmapping", self.admit_while_unmapping))
         set_(self, "split_decode", check_optional_bool("split_decode", self.split_decode))
-        if self.split_decode and self.kernel != "fa":
+        if self.split_decode and self.kernel not in FA_KERNELS:
             raise InvalidArgument(f"split_decode splits kernel='fa''s decode rounds; kernel={self.kernel!r} "
                                   "does not take it (FlashInfer splits long rows on its own)")
-        if self.kernel == "fa" and self.max_context is not None and (self.max_requests + 1) * self.max_context >= 2**31:
+        rows_tokens = (self.max_requests + 1) * (self.max_context or 0)
+        if self.kernel in FA_KERNELS and rows_tokens >= 2**31:
             # FlashAttention's cu_seqlens_k are int32 row starts (sizing.Geometry checks the same
             # once max_context is rounded to whole blocks, or taken from the model).
             raise InvalidArgument(
-                f"kernel='fa': (max_requests + 1) x max_context = {self.max_requests + 1} x {self.max_context} "
-                "tokens does not fit FlashAttention's int32 cu_seqlens_k; lower max_requests or max_context"
+                f"kernel={self.kernel!r}: (max_requests + 1) x max_context = {self.max_requests + 1} x "
+                f"{self.max_context} tokens does not fit FlashAttention's int32 cu_seqlens_k; lower max_requests "
+                "or max_context"
             )
 
     @property

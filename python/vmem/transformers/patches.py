@@ -39,7 +39,7 @@ from typing import Any
 
 from ..kernels.flashinfer import load_flashinfer
 from . import engine517, engine519, hooks, registry, versions
-from .options import Options
+from .options import FLASHINFER_KERNELS, Options
 from .sizing import VMEM_ATTENTION, check_servable
 
 #: Scopes: the replacement acts for a vmem cache only / for a model with a registered attention name only.
@@ -223,7 +223,7 @@ def installed() -> bool:
 def _checked(opts: Options) -> Options:
     """``opts``, once the optional kernel they choose is importable (:class:`~vmem.InvalidArgument`
     naming the install command otherwise)."""
-    if opts.kernel == "flashinfer":
+    if opts.kernel in FLASHINFER_KERNELS:
         load_flashinfer()
     return opts
 

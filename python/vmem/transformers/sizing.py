@@ -14,7 +14,7 @@ import torch
 from .._vmem import InvalidArgument
 from ..kernels.flashinfer import check_model
 from ..kernels.flex import KV_BLOCK
-from .options import Options
+from .options import FA_KERNELS, FLASHINFER_KERNELS, Options
 
 if TYPE_CHECKING:
     from transformers.configuration_utils import PreTrainedConfig
@@ -51,10 +51,11 @@ def find_dims(config: PreTrainedConfig) -> tuple[int, int, int]:
 
 
 def block_tokens(tokens_per_page: int, kernel: str) -> int:
-    """The engine's block (tokens) for ``paged|vmem``: one page's tokens for ``kernel="fa"``
-    and ``"flashinfer"`` (both read a request's exact length, nothing past it); for ``"flex"``,
-    ``lcm(tokens per page, KV_BLOCK)`` so that every KV block Flex lists is mapped."""
-    if kernel in ("fa", "flashinfer"):
+    """The engine's block (tokens) for ``paged|vmem``: one page's tokens for ``kernel="fa"``,
+    ``"flashinfer"`` and ``"fa+flashinfer"`` (they read a request's exact length, nothing past
+    it); for ``"flex"``, ``lcm(tokens per page, KV_BLOCK)`` so that every KV block Flex lists is
+    mapped."""
+    if kernel != "flex":
         return tokens_per_page
     return tokens_per_page * KV_BLOCK // math.gcd(tokens_per_page, KV_BLOCK)
 
@@ -74,14 +75,14 @@ class Geometry:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         kernel = options.kernel
         self.compiled = options.compile if options.compile is not None else device.type == "cuda"
-        if kernel == "fa" and device.type == "cuda":
+        if kernel in FA_KERNELS and device.type == "cuda":
             if dtype not in (torch.float16, torch.bfloat16):
-                raise InvalidArgument(f"{VMEM_ATTENTION} kernel='fa': FlashAttention needs float16 or bfloat16, "
+                raise InvalidArgument(f"{VMEM_ATTENTION} kernel={kernel!r}: FlashAttention needs float16 or bfloat16, "
                                       f"not {dtype}; use kernel='flex'")
             if head_dim % 8 or head_dim > 256:
-                raise InvalidArgument(f"{VMEM_ATTENTION} kernel='fa': head_dim {head_dim} is not a multiple of 8 "
+                raise InvalidArgument(f"{VMEM_ATTENTION} kernel={kernel!r}: head_dim {head_dim} is not a multiple of 8 "
                                       "up to 256; use kernel='flex'")
-        if kernel == "flashinfer" and device.type == "cuda":  # on the CPU its reference runs any model
+        if kernel in FLASHINFER_KERNELS and device.type == "cuda":  # on the CPU its reference runs any model
             check_model(dtype, head_dim)
         self.token_bytes = self.token_bytes_of(config, dtype)
         page = options.page_size
@@ -115,9 +116,9 @@ class Geometry:
         return 2 * layers * kv_heads * head_dim * dtype.itemsize
 
     def _check_int32(self, kernel: str) -> None:
-        if kernel == "fa" and self.rows * self.max_context >= 2**31:
+        if kernel in FA_KERNELS and self.rows * self.max_context >= 2**31:
             raise InvalidArgument(
-                f"{VMEM_ATTENTION} kernel='fa': rows x max_context = {self.rows} x {self.max_context} tokens "
+                f"{VMEM_ATTENTION} kernel={kernel!r}: rows x max_context = {self.rows} x {self.max_context} tokens "
                 "does not fit FlashAttention's int32 cu_seqlens_k; lower max_requests or max_context"
             )
         elems = self.rows * self.max_context * self.kv_heads * self.head_dim

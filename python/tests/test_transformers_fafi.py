@@ -1,0 +1,170 @@
+"""``kernel="fa+flashinfer"`` on the CPU (CI): decode rounds of at least ``decode_min`` sequences
+through the FlashInfer reader (the stand-in wrappers of test_transformers_figraphs.py, which
+follow FlashInfer 0.6's graph-mode rules and compute with the paged reference), every other
+round through FlashAttention's reader (its CPU reference); greedy tokens equal kernel="fa"'s, in
+the engine with its padding forced and without. FlashInfer's own kernels run on a GPU only
+(``benches/serving_suite.py``'s ``vmem-token-major-fafi-graphs-async-compile``)."""
+
+import sys
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (CI's lint stage has none)")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+import tf_engine as eng
+from tf_engine import fake_memory_and_uninstall  # noqa: E402,F401  (autouse: memory faked, patch off after)
+
+eng.skip_unless_served()
+
+from harness import check as h
+from test_transformers_figraphs import LENGTHS, NEW, OPTS, PAD, TOL, FakeFlashInfer
+from tf_engine import forced_padding
+
+import vmem
+import vmem.transformers as vt
+from vmem.kernels import fa_fi
+from vmem.kernels import fi_graphs as vt_fig
+from vmem.kernels import flashinfer as vt_fi
+from vmem.kernels.fa import FaReader
+from vmem.kernels.fi_reader import FlashInferReader, PlannedRound
+from vmem.kernels.rounds import Round
+from vmem.transformers import graphs as vt_graphs
+
+
+@pytest.fixture
+def fake_fi(monkeypatch):
+    fake = FakeFlashInfer()
+    monkeypatch.setitem(sys.modules, "flashinfer", fake.module)
+    monkeypatch.setattr(vt_fi, "kernels_on", lambda device: True)
+    monkeypatch.setattr(vt_fig, "WORKSPACE_BYTES", 1 << 10)  # no 128 MiB of CPU memory for a stand-in
+    return fake
+
+
+def _tokens(run):
+    return [list(run["results"][rid].generated_tokens) for rid in run["ids"]]
+
+
+def _run(model, prompts, kernel, monkeypatch, decode_min, *, padded):
+    """One engine run of ``kernel`` (``decode_min`` for fa+flashinfer), with the rounds each
+    reader got: ``(reader class, round)`` in order."""
+    monkeypatch.setattr(fa_fi, "DECODE_MIN", decode_min)
+    seen = []
+    real = vt_graphs.prepare_round
+
+    def prepare(cache, *a, **k):
+        rnd = real(cache, *a, **k)
+        seen.append(rnd)
+        return rnd
+
+    monkeypatch.setattr(vt_graphs, "prepare_round", prepare)
+    cb = dict(PAD) if padded else {"max_batch_tokens": 64}
+    with vt.serving(**OPTS, kernel=kernel):
+        run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, NEW, cb_kwargs=cb, stagger=[0, 0, 0, 2, 3, 5])
+    monkeypatch.setattr(vt_graphs, "prepare_round", real)
+    return run, seen
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_large_decode_rounds_go_to_flashinfer_and_the_rest_to_fa(fake_fi, monkeypatch, padded):
+    """With ``decode_min`` at the middle of the run's decode rounds' sizes, some decode rounds go
+    to FlashInfer (planned before the forward into decode wrappers only: no prefill wrapper, a
+    workspace sized for the largest decode round) and every prefill, mixed or small decode round to
+    FA; the greedy tokens equal kernel="fa"'s and the logits a plain forward's."""
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
+    ctx = forced_padding() if padded else _nothing()
+    with ctx:
+        fa_run, _ = _run(model, prompts, "fa", monkeypatch, 1, padded=padded)
+        decode_min = 16 if padded else 2  # padded decode rounds hold 16 sequences (the q padding)
+        run, rounds = _run(model, prompts, "fa+flashinfer", monkeypatch, decode_min, padded=padded)
+    assert _tokens(run) == _tokens(fa_run)
+    cmp = h.compare(run, model, NEW)
+    assert cmp["counts_ok"] and cmp["max_rel_err"] < TOL, cmp
+    cache = run["cache"]
+    reader = cache.read
+    assert isinstance(reader, fa_fi.FaFlashInferReader) and reader.decode_min == decode_min
+    fi_rounds = [r for r in rounds if isinstance(r.index, PlannedRound)]
+    fa_rounds = [r for r in rounds if not isinstance(r.index, PlannedRound)]
+    assert fi_rounds and fa_rounds, (len(fi_rounds), len(fa_rounds))
+    for r in fi_rounds:
+        assert all(q == 1 for _, _, q, _ in r.entries) and r.index.plan.decode
+        assert (r.meta.n if padded else len(r.entries)) >= decode_min
+    for r in fa_rounds:
+        small = (r.meta.n if padded else len(r.entries)) < decode_min
+        assert small or any(q > 1 for _, _, q, _ in r.entries) or (padded and not r.meta.decode)
+    ws = reader.fi.wrappers
+    assert ws is not None and ws.plans == len(fi_rounds)
+    assert {decode for _, decode, _, _ in ws.wrappers} == {True}  # FlashInfer never planned a prefill
+    assert all(w.graph == padded for w in ws.wrappers.values())
+    d = reader.fi.rows_of(0)[0].shape[-1]
+    assert reader.fi.max_tokens == cache.round_buffers.capacity
+    assert ws.workspace.numel() == vt_fig.workspace_bytes(padded, cache.round_buffers.capacity, reader.fi.num_heads, d)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _reader(decode_min=None):
+    k4, v4 = torch.randn(3, 16, 2, 8), torch.randn(3, 16, 2, 8)
+    fi = FlashInferReader(16, lambda layer: (k4, v4), torch.device("cpu"), 4, trash_row=2, trash_tokens=4)
+    return fa_fi.FaFlashInferReader(FaReader(16), fi, decode_min), k4, v4
+
+
+def test_the_choice_depends_on_the_rounds_size_alone(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    reader, _, _ = _reader(2)
+    rnd = Round()
+    rnd.entries = [(0, 3, 1, None), (1, 5, 1, None)]
+    assert reader.reads_with_flashinfer(rnd, padded=False)
+    rnd.entries = [(0, 3, 1, None)]
+    assert not reader.reads_with_flashinfer(rnd, padded=False)  # too few
+    rnd.entries = [(0, 3, 1, None), (1, 5, 2, None)]
+    assert not reader.reads_with_flashinfer(rnd, padded=False)  # a prompt chunk
+    assert not reader.reads_with_flashinfer(rnd, padded=True)  # padded without metadata
+    # padded: the padded sequences (the graph key's), whatever the real requests
+    rnd.meta = types.SimpleNamespace(decode=True, n=2, real=1)
+    assert reader.reads_with_flashinfer(rnd, padded=True)
+    rnd.meta = types.SimpleNamespace(decode=True, n=1, real=1)
+    assert not reader.reads_with_flashinfer(rnd, padded=True)
+    rnd.meta = types.SimpleNamespace(decode=False, n=64, real=2)  # a padded prefill round
+    assert not reader.reads_with_flashinfer(rnd, padded=True)
+    assert _reader()[0].decode_min == fa_fi.DECODE_MIN
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "8", True])
+def test_a_bad_decode_min_is_refused(monkeypatch, bad):
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    with pytest.raises(vmem.VmemError, match="decode_min"):
+        _reader(bad)
+
+
+def test_a_round_outside_the_engine_hook_is_fas(monkeypatch):
+    """A round no ``before_forward`` planned (a caller outside the engine) is FA's, and reads
+    what the FA reader reads."""
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    reader, k4, v4 = _reader(1)
+    rnd, alone = Round(), Round()
+    rnd.entries = alone.entries = [(0, 3, 1, None), (1, 7, 1, None)]
+    q = torch.randn(1, 4, 2, 8)
+    flat_k, flat_v = k4.reshape(-1, 2, 8), v4.reshape(-1, 2, 8)
+    out = reader(0, rnd, q, flat_k, flat_v, 0.25, True)
+    assert not isinstance(rnd.index, PlannedRound)
+    torch.testing.assert_close(out, FaReader(16)(0, alone, q, flat_k, flat_v, 0.25, True))
+
+
+def test_the_kernel_is_an_option_that_needs_flashinfer(monkeypatch):
+    opts = vt.Options(**OPTS, kernel="fa+flashinfer", split_decode=True)
+    assert opts.kernel == "fa+flashinfer" and opts.split_decode
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    vt.install(**OPTS)
+    with pytest.raises(vmem.InvalidArgument, match=r"'fa\+flashinfer' need FlashInfer"):
+        vt.install(kernel="fa+flashinfer")
+    assert vt.options().kernel == "fa"
+    with pytest.raises(vmem.InvalidArgument, match="kernel"):
+        vt.Options(**OPTS, kernel="fa+fi")
