@@ -58,7 +58,7 @@ def _run(model, prompts, kernel, monkeypatch, decode_min, *, padded):
         return rnd
 
     monkeypatch.setattr(vt_graphs, "prepare_round", prepare)
-    cb = dict(PAD) if padded else {"max_batch_tokens": 64}
+    cb = dict(PAD) if padded else {"max_batch_tokens": 256}
     with vt.serving(**OPTS, kernel=kernel):
         run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, NEW, cb_kwargs=cb, stagger=[0, 0, 0, 2, 3, 5])
     monkeypatch.setattr(vt_graphs, "prepare_round", real)
@@ -98,8 +98,12 @@ def test_large_decode_rounds_go_to_flashinfer_and_the_rest_to_fa(fake_fi, monkey
     assert {decode for _, decode, _, _ in ws.wrappers} == {True}  # FlashInfer never planned a prefill
     assert all(w.graph == padded for w in ws.wrappers.values())
     d = reader.fi.rows_of(0)[0].shape[-1]
-    assert reader.fi.max_tokens == cache.round_buffers.capacity
-    assert ws.workspace.numel() == vt_fig.workspace_bytes(padded, cache.round_buffers.capacity, reader.fi.num_heads, d)
+    # sized for the largest decode round (the most requests a round holds, rounded up to 64), not
+    # for the engine's round of max_batch_tokens as kernel="flashinfer"'s is
+    slots = cache.round_buffers.slots
+    assert reader.fi.max_tokens == min(cache.max_batch_tokens, -(-slots // 64) * 64)
+    assert padded or reader.fi.max_tokens < cache.max_batch_tokens == cache.round_buffers.capacity
+    assert ws.workspace.numel() == vt_fig.workspace_bytes(padded, reader.fi.max_tokens, reader.fi.num_heads, d)
 
 
 class _nothing:
@@ -110,9 +114,10 @@ class _nothing:
         return False
 
 
-def _reader(decode_min=None):
+def _reader(decode_min=None, max_tokens=64):
     k4, v4 = torch.randn(3, 16, 2, 8), torch.randn(3, 16, 2, 8)
-    fi = FlashInferReader(16, lambda layer: (k4, v4), torch.device("cpu"), 4, trash_row=2, trash_tokens=4)
+    fi = FlashInferReader(16, lambda layer: (k4, v4), torch.device("cpu"), 4, trash_row=2, trash_tokens=4,
+                          max_tokens=max_tokens)
     return fa_fi.FaFlashInferReader(FaReader(16), fi, decode_min), k4, v4
 
 
@@ -134,6 +139,10 @@ def test_the_choice_depends_on_the_rounds_size_alone(monkeypatch):
     assert not reader.reads_with_flashinfer(rnd, padded=True)
     rnd.meta = types.SimpleNamespace(decode=False, n=64, real=2)  # a padded prefill round
     assert not reader.reads_with_flashinfer(rnd, padded=True)
+    rnd.meta = types.SimpleNamespace(decode=True, n=65, real=60)  # past what the workspace holds: FA's
+    assert not reader.reads_with_flashinfer(rnd, padded=True)
+    rnd.meta = types.SimpleNamespace(decode=True, n=64, real=60)
+    assert reader.reads_with_flashinfer(rnd, padded=True)
     assert _reader()[0].decode_min == fa_fi.DECODE_MIN
 
 
@@ -168,3 +177,21 @@ def test_the_kernel_is_an_option_that_needs_flashinfer(monkeypatch):
     assert vt.options().kernel == "fa"
     with pytest.raises(vmem.InvalidArgument, match="kernel"):
         vt.Options(**OPTS, kernel="fa+fi")
+
+
+def test_flashinfer_refuses_a_padded_round_past_its_workspace(monkeypatch):
+    """The FlashInfer reader's graph-mode workspace holds ``max_tokens`` tokens' split partials: a
+    padded round of more is refused before FlashInfer could write past it."""
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    reader, _, _ = _reader(1, max_tokens=2)
+    rnd = Round()
+    rnd.entries = [(0, 3, 1, None), (1, 5, 1, None)]
+    for n, ok in ((2, True), (4, False)):
+        rnd.meta = types.SimpleNamespace(decode=True, n=n, real=2, total_q=n)
+        state = PlannedRound(True, 0, None)
+        if ok:
+            reader.fi._plan(rnd, state, 0.25)
+            assert state.plan.total_q == 2
+        else:
+            with pytest.raises(vmem.VmemError, match="past the 2"):
+                reader.fi._plan(rnd, state, 0.25)

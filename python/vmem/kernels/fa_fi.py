@@ -33,11 +33,17 @@ from .rounds import Round
 #: engine's graphs) were faster with FA end to end, rounds of 120-128 (padded to 128) with
 #: FlashInfer; 96 sends the first to FA and the second to FlashInfer, padded or not.
 DECODE_MIN = 96
+#: A padded decode round's sequences are its requests rounded up to the engine's query padding
+#: (``q_padding_interval_size``, 64 by default in transformers' continuous batching): the
+#: largest decode round FlashInfer's workspace is sized for is the most requests a round holds,
+#: rounded up to this. A larger padding makes a round larger than that, which FA reads instead.
+DECODE_PAD = 64
 
 
 class FaFlashInferReader:
     """The ``kernel="fa+flashinfer"`` reader: ``fa`` (a :class:`FaReader`) and ``fi`` (a
-    :class:`FlashInferReader` whose ``max_tokens`` is the largest decode round's sequences);
+    :class:`FlashInferReader` whose ``max_tokens``, the largest round it reads, sizes its
+    workspace: the largest decode round's sequences);
     decode rounds of at least ``decode_min`` sequences (:data:`DECODE_MIN` when ``None``) go to
     ``fi``, the rest to ``fa``."""
 
@@ -49,11 +55,14 @@ class FaFlashInferReader:
 
     def reads_with_flashinfer(self, rnd: Round, padded: bool) -> bool:
         """Whether FlashInfer reads ``rnd``: a decode round of at least ``decode_min`` sequences
-        (padded: the round's padded sequences; unpadded: its requests, each one query token)."""
+        (padded: the round's padded sequences; unpadded: its requests, each one query token), and
+        at most the ``max_tokens`` FlashInfer's workspace was sized for (a larger one, FA)."""
         if padded:
             meta = rnd.meta
-            return meta is not None and meta.decode and meta.n >= self.decode_min
-        return len(rnd.entries) >= self.decode_min and all(q == 1 for _, _, q, _ in rnd.entries)
+            n = meta.n if meta is not None and meta.decode else 0
+        else:
+            n = len(rnd.entries) if all(q == 1 for _, _, q, _ in rnd.entries) else 0
+        return self.decode_min <= n <= self.fi.max_tokens
 
     def before_forward(self, rnd: Round, *, padded: bool, pair: int, stream: Any) -> None:
         """Hands the round to the reader that reads it, which plans it (outside any capture)."""

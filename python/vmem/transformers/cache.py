@@ -44,7 +44,7 @@ from ..kernels import fa_split
 from ..kernels.blocks import FreshBlocks
 from ..kernels.buffers import RoundBuffers
 from ..kernels.fa import FaReader
-from ..kernels.fa_fi import FaFlashInferReader
+from ..kernels.fa_fi import DECODE_PAD, FaFlashInferReader
 from ..kernels.fi_reader import FlashInferReader
 from ..kernels.flex import FlexReader
 from ..kernels.rounds import Rounds
@@ -201,8 +201,11 @@ class VmemCBCache:
         fa = FaReader(g.max_context, fa_split.SplitBuffers(self.round_buffers.capacity, self.device) if split else None)
         if self.kernel == "fa":
             return fa
-        # FlashInfer reads decode rounds only: its workspace holds the largest one (a token a sequence).
-        return FaFlashInferReader(fa, self._flashinfer_reader(config, self.round_buffers.capacity))
+        # FlashInfer reads decode rounds only: its workspace holds the largest one, a token a
+        # sequence, padded up to the engine's padding interval (a larger one goes to FA).
+        slots = self.round_buffers.slots
+        largest = min(self.max_batch_tokens, -(-slots // DECODE_PAD) * DECODE_PAD)
+        return FaFlashInferReader(fa, self._flashinfer_reader(config, largest))
 
     def _flashinfer_reader(self, config: PreTrainedConfig, max_tokens: int) -> FlashInferReader:
         return FlashInferReader(self.geometry.max_context, self.kv_rows, self.device, config.num_attention_heads,
