@@ -119,6 +119,11 @@ CASES = [
      "pass --max-context 2048"),
     ("serving_suite", ["--tiny", "--timeout", "inf", "--out", "{tmp}/o"], "--timeout must be at most"),
     ("serving_suite", ["--tiny", "--only", "model=llama3-8b-x32", "--out", "{tmp}/o"], "--only model: unknown"),
+    ("suite_plot", ["{tmp}/no.log", "--out", "{tmp}/o.svg"], "LOG '"),
+    ("suite_plot", ["{json}", "--out", "{tmp}/no/o.svg"], "--out '"),
+    ("suite_plot", ["{json}", "--out", "{tmp}"], "is a directory, not a file"),
+    ("suite_plot", ["{json}", "--out", "{tmp}/o.svg"], "no suite table"),
+    ("suite_plot", ["--out", "{tmp}/o.svg"], "the following arguments are required: LOG"),
     ("tp_lockstep", ["--every", "0"], "--every must be at least 1"),
     ("tp_lockstep", ["--world", "1000"], "--world must be at most 64"),
     ("tp_lockstep", ["--steps", "10", "--diverge-at", "11"], "--diverge-at must be at most 10"),
@@ -213,3 +218,19 @@ def test_the_default_output_folder_is_vmem_bench_out_else_tmp(monkeypatch) -> No
     assert cli.default_out() == "/tmp"
     monkeypatch.setenv("VMEM_BENCH_OUT", "/data/runs")
     assert cli.default_out() == "/data/runs"
+
+
+def test_suite_plot_draws_the_logs_tables(tmp_path) -> None:
+    """suite_plot.py over the committed full-depth logs: every row of each log's table is a bar,
+    its model tagged with the log's transformers version, its tok/s and roofline as printed."""
+    logs = [os.path.join(BENCHES, "..", "..", "docs", "results", "serving-suite-h200", f"conv-8b32-v{v}", "log.txt")
+            for v in ("517", "525")]
+    out = tmp_path / "p.svg"
+    run = subprocess.run([sys.executable, os.path.join(BENCHES, "suite_plot.py"), *logs, "--out", str(out)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().startswith("12 rows from 2 logs")
+    svg = out.read_text()
+    assert svg.count("<rect") - svg.count('width="12" height="12"') == 2 * 12  # two panels, a bar a row
+    assert "fi-paged-graphs-async-512-compile conv/llama3-8b (5.17.0)/fits: 3211 tok/s, roofline 0.577" in svg
+    assert "vmem-token-major-graphs-async-compile conv/llama3-8b (5.25.0)/tenth: 1217 tok/s, roofline 0.496" in svg
