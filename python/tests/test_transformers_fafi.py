@@ -18,27 +18,18 @@ from tf_engine import fake_memory_and_uninstall  # noqa: E402,F401  (autouse: me
 eng.skip_unless_served()
 
 from harness import check as h
-from test_transformers_figraphs import LENGTHS, NEW, OPTS, PAD, TOL, FakeFlashInfer
+from test_transformers_figraphs import LENGTHS, NEW, OPTS, PAD, TOL
+from test_transformers_figraphs import fake_fi  # noqa: F401  (the stand-in FlashInfer, a fixture)
 from tf_engine import forced_padding
 
 import vmem
 import vmem.transformers as vt
 from vmem.kernels import fa_fi
 from vmem.kernels import fi_graphs as vt_fig
-from vmem.kernels import flashinfer as vt_fi
 from vmem.kernels.fa import FaReader
 from vmem.kernels.fi_reader import FlashInferReader, PlannedRound
 from vmem.kernels.rounds import Round
 from vmem.transformers import graphs as vt_graphs
-
-
-@pytest.fixture
-def fake_fi(monkeypatch):
-    fake = FakeFlashInfer()
-    monkeypatch.setitem(sys.modules, "flashinfer", fake.module)
-    monkeypatch.setattr(vt_fi, "kernels_on", lambda device: True)
-    monkeypatch.setattr(vt_fig, "WORKSPACE_BYTES", 1 << 10)  # no 128 MiB of CPU memory for a stand-in
-    return fake
 
 
 def _tokens(run):
@@ -66,7 +57,7 @@ def _run(model, prompts, kernel, monkeypatch, decode_min, *, padded):
 
 
 @pytest.mark.parametrize("padded", [True, False])
-def test_large_decode_rounds_go_to_flashinfer_and_the_rest_to_fa(fake_fi, monkeypatch, padded):
+def test_large_decode_rounds_go_to_flashinfer_and_the_rest_to_fa(fake_fi, monkeypatch, padded):  # noqa: F811
     """With ``decode_min`` at the middle of the run's decode rounds' sizes, some decode rounds go
     to FlashInfer (planned before the forward into decode wrappers only: no prefill wrapper, a
     workspace sized for the largest decode round) and every prefill, mixed or small decode round to
