@@ -643,11 +643,21 @@ def cb_compile(kernel: str = "fa"):
 
     from vmem.kernels import fa_fi
 
+    decode_min, reads_with_flashinfer, routes = fa_fi.DECODE_MIN, fa_fi.FaFlashInferReader.reads_with_flashinfer, []
+
+    def routed(self, rnd, padded):
+        fi = reads_with_flashinfer(self, rnd, padded)
+        routes.append((padded, all(q == 1 for _, _, q, _ in rnd.entries), fi))
+        return fi
+
     torch.cuda.CUDAGraph.replay = replay
-    decode_min = fa_fi.DECODE_MIN
-    fa_fi.DECODE_MIN = 1  # kernel="fa+flashinfer": every decode round of this small run through FlashInfer
-    vt.install(memory="512M", max_requests=8, max_context=2048, layout="token-major", kernel=kernel)
     try:
+        # kernel="fa+flashinfer": a query padding of 2 makes decode rounds of 1-2 requests 2
+        # sequences and of 3-4 requests 4, and decode_min 4 reads the first with FA, the second
+        # with FlashInfer: graphs of both kinds in one run
+        fa_fi.DECODE_MIN = 4
+        fa_fi.FaFlashInferReader.reads_with_flashinfer = routed
+        vt.install(memory="512M", max_requests=8, max_context=2048, layout="token-major", kernel=kernel)
         arch = "llama-gqa" if kernel == "fa" else "hd64-tied"  # FlashInfer: head dim 64 or 128
         model = hc.make_model(arch, torch.bfloat16, "cuda", logit_scale=20.0)
         prompts = hc.make_prompts(6, [5, 140, 700, 17, 33, 300], model.config.vocab_size)
@@ -657,6 +667,8 @@ def cb_compile(kernel: str = "fa"):
             replays[0] = 0
             cb = dict(max_batch_tokens=256, varlen_compile_config=config, use_cuda_graph=graphs,
                       use_async_batching=graphs)
+            if kernel == "fa+flashinfer":
+                cb["q_padding_interval_size"] = 2
             run = he.run_engine(model, vt.VMEM_ATTENTION, prompts, 12, cb_kwargs=cb, capture_logits=capture_logits)
             assert run["cache"].usage()["rows_in_use"] == 0
             return run, [list(run["results"][i].generated_tokens) for i in run["ids"]], replays[0]
@@ -679,8 +691,12 @@ def cb_compile(kernel: str = "fa"):
             check("fa+flashinfer: FlashInfer planned the decode rounds only", wrappers is not None
                   and wrappers.plans > 0 and kinds == [True], f"{wrappers.plans if wrappers else 0} plans, decode "
                   f"kinds {kinds}")
+            graphed = [(decode, fi) for padded, decode, fi in routes if padded and decode]
+            check("fa+flashinfer: padded decode rounds read by both kernels",
+                  any(fi for _, fi in graphed) and not all(fi for _, fi in graphed),
+                  f"{sum(fi for _, fi in graphed)} of {len(graphed)} through FlashInfer")
     finally:
-        fa_fi.DECODE_MIN = decode_min
+        fa_fi.DECODE_MIN, fa_fi.FaFlashInferReader.reads_with_flashinfer = decode_min, reads_with_flashinfer
         torch.cuda.CUDAGraph.replay = real
         vt.uninstall()
 

@@ -49,7 +49,9 @@ def _run(model, prompts, kernel, monkeypatch, decode_min, *, padded):
         return rnd
 
     monkeypatch.setattr(vt_graphs, "prepare_round", prepare)
-    cb = dict(PAD) if padded else {"max_batch_tokens": 256}
+    # padded: a query padding of 2, so that decode rounds of 1-2 requests hold 2 sequences and
+    # those of 3-4 hold 4 (the engine's graph key), and decode_min 4 splits them
+    cb = dict(PAD, q_padding_interval_size=2) if padded else {"max_batch_tokens": 256}
     with vt.serving(**OPTS, kernel=kernel):
         run = h.run_engine(model, vt.VMEM_ATTENTION, prompts, NEW, cb_kwargs=cb, stagger=[0, 0, 0, 2, 3, 5])
     monkeypatch.setattr(vt_graphs, "prepare_round", real)
@@ -67,7 +69,7 @@ def test_large_decode_rounds_go_to_flashinfer_and_the_rest_to_fa(fake_fi, monkey
     ctx = forced_padding() if padded else _nothing()
     with ctx:
         fa_run, _ = _run(model, prompts, "fa", monkeypatch, 1, padded=padded)
-        decode_min = 16 if padded else 2  # padded decode rounds hold 16 sequences (the q padding)
+        decode_min = 4 if padded else 2
         run, rounds = _run(model, prompts, "fa+flashinfer", monkeypatch, decode_min, padded=padded)
     assert _tokens(run) == _tokens(fa_run)
     cmp = h.compare(run, model, NEW)
@@ -78,6 +80,8 @@ def test_large_decode_rounds_go_to_flashinfer_and_the_rest_to_fa(fake_fi, monkey
     fi_rounds = [r for r in rounds if isinstance(r.index, PlannedRound)]
     fa_rounds = [r for r in rounds if not isinstance(r.index, PlannedRound)]
     assert fi_rounds and fa_rounds, (len(fi_rounds), len(fa_rounds))
+    # decode rounds went both ways (a small one to FA: 2 sequences padded, 1 request unpadded)
+    assert any(all(q == 1 for _, _, q, _ in r.entries) for r in fa_rounds)
     for r in fi_rounds:
         assert all(q == 1 for _, _, q, _ in r.entries) and r.index.plan.decode
         assert (r.meta.n if padded else len(r.entries)) >= decode_min

@@ -58,8 +58,8 @@ def check_compile(cb: ContinuousBatchingConfig, name: str, kernel: str) -> None:
         if kernel == "flex":
             raise InvalidArgument(
                 f"{name}: compiling the engine's forward with kernel='flex' is not supported (Flex is compiled "
-                "on its own inside the attention); use kernel='fa' or kernel='flashinfer', or leave "
-                "varlen_compile_config and decode_compile_config unset"
+                "on its own inside the attention); use kernel='fa', kernel='flashinfer' or kernel='fa+flashinfer', "
+                "or leave varlen_compile_config and decode_compile_config unset"
             )
         if getattr(config, "fullgraph", False):
             raise InvalidArgument(

@@ -77,8 +77,8 @@ def check_engine_config(cb: ContinuousBatchingConfig, name: str, kernel: str) ->
         what = "CUDA graphs" if graphs_requested(cb) else "async batching"
         raise InvalidArgument(
             f"{name}: {what} with kernel='{kernel}' is not supported: {reason}, so a replayed graph would "
-            "read the captured round's; use kernel='fa' or kernel='flashinfer' (their round metadata lives in "
-            "static device buffers) or leave use_cuda_graph unset"
+            "read the captured round's; use kernel='fa', kernel='flashinfer' or kernel='fa+flashinfer' (their "
+            "round metadata lives in static device buffers) or leave use_cuda_graph unset"
         )
     check_compile(cb, name, kernel)
 
