@@ -8,13 +8,14 @@ keys near the copy bandwidth (docs/serving.md: 1.17x the peer's throughput when 
 fits, against FA's 1.02x, on Llama-3-8B's shapes); with few rows FlashAttention was the faster of
 the two, prompts and mixed rounds are FlashAttention's (its mixed-round split, :mod:`.fa_mixed`),
 and FlashInfer's prefill wrappers under CUDA graphs hold a workspace sized for the padded round
-(2.7 GB for 8,192 tokens of 32 heads). Here FlashInfer plans only decode rounds, so its
-workspace is sized for the largest decode round instead.
+(about 2.9 GB for 8,192 tokens of 32 heads). Here FlashInfer plans only decode rounds, so its
+workspace is sized for the largest decode round instead (about 0.35 GB for 256).
 
 Which kernel reads a round is decided before its forward from its size alone: a decode round
-(every request one query token) of at least ``decode_min`` sequences (a padded round's padded
-count, which the engine's graph key fixes, so a replayed graph always reads through the kernel
-it was captured with) goes to FlashInfer, every other round to FlashAttention.
+(every request one query token) of at least ``decode_min`` sequences and at most the
+FlashInfer reader's ``max_tokens`` (a padded round's padded count, which the engine's graph key
+fixes, so a replayed graph always reads through the kernel it was captured with) goes to
+FlashInfer, every other round to FlashAttention.
 """
 
 from __future__ import annotations
@@ -43,9 +44,8 @@ DECODE_PAD = 64
 class FaFlashInferReader:
     """The ``kernel="fa+flashinfer"`` reader: ``fa`` (a :class:`FaReader`) and ``fi`` (a
     :class:`FlashInferReader` whose ``max_tokens``, the largest round it reads, sizes its
-    workspace: the largest decode round's sequences);
-    decode rounds of at least ``decode_min`` sequences (:data:`DECODE_MIN` when ``None``) go to
-    ``fi``, the rest to ``fa``."""
+    workspace); decode rounds of ``decode_min`` (:data:`DECODE_MIN` when ``None``) to
+    ``fi.max_tokens`` sequences go to ``fi``, the rest to ``fa``."""
 
     def __init__(self, fa: FaReader, fi: FlashInferReader, decode_min: int | None = None) -> None:
         decode_min = DECODE_MIN if decode_min is None else decode_min

@@ -104,8 +104,8 @@ class FlashInferReader:
         else:
             plan = fi_plan.paged_plan(entries, self.max_context, self.page)
         if state.padded and 0 < self.max_tokens < plan.total_q:
-            raise VmemError(f"kernel='flashinfer': a padded round of {plan.total_q} tokens, past the {self.max_tokens} "
-                            "its graph-mode workspace was sized for")
+            raise VmemError(f"FlashInfer's reader: a padded round of {plan.total_q} tokens, past the "
+                            f"{self.max_tokens} its graph-mode workspace was sized for")
         wrappers = self._wrappers(state.padded)
         if wrappers is not None:
             state.wrapper = wrappers.plan(plan, pair=state.pair, graph=state.padded, scale=scale, stream=state.stream)
