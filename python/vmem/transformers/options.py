@@ -137,8 +137,9 @@ class Options:
       slot a run of one request's keys, and merges the runs (flash-decoding,
       :mod:`~vmem.kernels.fa_split`): a round of a few long requests then keeps the GPU busy.
       ``None`` (default): on where it can run (the CPU, or CUDA with a head dim that is a power
-      of two and Triton able to build its merge kernel, tried once when the cache is built); ``True``: on, and an error saying why where it cannot;
-      ``False``: off. Not with other kernels (FlashInfer splits on its own).
+      of two and Triton able to build its merge kernel, tried once when the cache is built);
+      ``True``: on, and an error saying why where it cannot; ``False``: off. Not with other
+      kernels (FlashInfer splits on its own).
 
     Made once (``Options(**kw)`` validates and canonicalizes: sizes become ints); frozen.
     Strings are never bools and floats never ints (:mod:`vmem._args`).
