@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The serving suite's full-depth rows on a CUDA GPU, bounded at 10 minutes: Llama-3-8B shapes at
 # all 32 layers, the conv trace, 128 requests x 128 new tokens, both budgets (every request fits;
-# a tenth of the working set), the FlashInfer paged peer beside vmem with each of its two kernels
-# (FlashAttention, FlashInfer over its rows), then the profile of one of vmem's contenders at a
+# a tenth of the working set), the FlashInfer paged peer beside vmem with each of its three kernels
+# (FlashAttention, FlashInfer over its rows, FlashInfer's decode kernel for large decode rounds
+# with FlashAttention for the rest), then the profile of one of vmem's contenders at a
 # tenth: $DEPTH_PROFILE (none: no profile), by default vmem with FlashAttention (the one
 # docs/results/serving-tail-h200/profile.txt profiled before vmem's scheduling and zeroing took
 # less of the host's time a round), or vmem-token-major-fi-graphs-async-compile for FlashInfer's.
@@ -47,11 +48,12 @@ python3 -c "import transformers, vmem.transformers; print('transformers', transf
 peer=fi-paged-graphs-async-512-compile
 fa=vmem-token-major-graphs-async-compile
 vmem_fi=vmem-token-major-fi-graphs-async-compile
+vmem_fafi=vmem-token-major-fafi-graphs-async-compile
 w=(--only model=llama3-8b --only trace=conv --requests 128 --new-tokens 128)
 start=$(date +%s)
 suite_s=$(( seconds < 300 ? seconds : 300 ))
 timeout "$suite_s" python3 python/benches/serving_suite.py "${w[@]}" --check-requests 0 --rounds 1 \
-  --only "contender=$peer,$fa,$vmem_fi" --out "$out/suite" 2>&1 | tee "$out/suite.log"
+  --only "contender=$peer,$fa,$vmem_fi,$vmem_fafi" --out "$out/suite" 2>&1 | tee "$out/suite.log"
 suite=$?
 [ "${DEPTH_PROFILE:-}" != none ] || exit "$suite"  # DEPTH_PROFILE=none: the suite's rows only
 left=$(( seconds - ($(date +%s) - start) ))
