@@ -37,7 +37,6 @@ Needs the `vmem_bench` wheel (python/benches/native) beside vmem's and kvcached 
 from __future__ import annotations
 
 import argparse
-import sys
 
 from harness import cli
 
@@ -56,4 +55,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main)

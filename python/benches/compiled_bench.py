@@ -30,7 +30,6 @@ table; writes JSON to $VMEM_BENCH_OUT/compiled.json.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from harness import cli
 
@@ -48,4 +47,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main)

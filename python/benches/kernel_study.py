@@ -31,7 +31,6 @@ CPU check:  ``python3 python/benches/kernel_study.py --tiny``
 from __future__ import annotations
 
 import argparse
-import sys
 
 from harness import cli
 from harness.kernel_runs import ALL, study
@@ -84,4 +83,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main)

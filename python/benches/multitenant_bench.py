@@ -305,4 +305,4 @@ def device_name() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main)

@@ -9,7 +9,6 @@ No plotting library needed: the SVG is written directly.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from harness import cli
 
@@ -33,4 +32,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main)

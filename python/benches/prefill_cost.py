@@ -15,7 +15,6 @@ Interleaved: each round runs every mode for every length, order shuffled; median
 from __future__ import annotations
 
 import argparse
-import sys
 
 from harness import cli
 
@@ -33,4 +32,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main)

@@ -174,4 +174,4 @@ def write(args: Any, label: str, model: str, runs: list[dict[str, Any]]) -> None
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main)

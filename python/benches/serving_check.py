@@ -21,7 +21,6 @@ exits 1 on any failure.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from harness import cb_check, cli
 from harness.models import ARCHS
@@ -46,4 +45,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main)

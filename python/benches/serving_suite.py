@@ -224,4 +224,6 @@ def run_meta(args: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from harness import cli
+
+    cli.exit_with(main)

@@ -11,7 +11,6 @@ The numbers are the log's, as printed (one decimal or three significant digits).
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from harness import cli, suite_report
@@ -82,4 +81,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    cli.exit_with(lambda: main(sys.argv[1:]))
+    cli.exit_with(main)

@@ -17,7 +17,6 @@ ran). Exit 1: a divergence (``LOCKSTEP DIVERGENCE`` on stderr) or a bad run.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from harness import cli
 
@@ -58,4 +57,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main)

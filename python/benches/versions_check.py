@@ -7,7 +7,6 @@ and DynamicCache (teacher-forced logits, top-1, greedy tokens). Exit 1 on a fail
 
 import argparse
 import json
-import sys
 import time
 
 import torch
@@ -67,4 +66,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main)

@@ -15,7 +15,6 @@ Ratios are on / off of the medians over rounds.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from harness import cli
 
@@ -34,4 +33,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_with(main)

@@ -197,17 +197,29 @@ def test_the_reported_scripts_exit_2_with_one_line_as_a_user_runs_them(argv, tmp
     assert "Traceback" not in r.stderr and r.stdout == "" and not os.listdir(tmp_path), r.stderr
 
 
-def test_a_closed_output_pipe_ends_the_run_with_1_and_no_traceback(tmp_path) -> None:
-    """``mixed_round.py --tiny | head -1``: the reader closes the pipe after the first line (each
-    line written as printed, so the next one meets the closed pipe)."""
-    pytest.importorskip("torch", reason="torch is not installed")
+@pytest.mark.parametrize("argv, first", [(["mixed_round.py", "--tiny"], "round"),
+                                         (["zero_page_cost.py", "--rounds", "2"], "per-layer")])
+def test_a_closed_output_pipe_ends_the_run_with_1_and_no_traceback(tmp_path, argv, first) -> None:
+    """``SCRIPT ... | head -1``: the reader closes the pipe after the first line (each line
+    written as printed, so the next one meets the closed pipe)."""
+    if argv[0] == "mixed_round.py":
+        pytest.importorskip("torch", reason="torch is not installed")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    p = subprocess.Popen([sys.executable, os.path.join(BENCHES, "mixed_round.py"), "--tiny"], cwd=tmp_path, env=env,
+    p = subprocess.Popen([sys.executable, os.path.join(BENCHES, argv[0]), *argv[1:]], cwd=tmp_path, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert p.stdout.readline().startswith("round")
+    assert p.stdout.readline().startswith(first)
     p.stdout.close()
     err = p.stderr.read()
-    assert p.wait(timeout=120) == 1 and "Traceback" not in err, err[-2000:]
+    assert p.wait(timeout=300) == 1 and "Traceback" not in err, err[-2000:]
+
+
+def test_every_script_ends_through_cli_exit_with() -> None:
+    """Every bench script's last statement is ``cli.exit_with(main)``, so that a closed output
+    pipe (``| head``) ends it with exit 1 and no traceback, as the test above shows for two."""
+    for name in SCRIPTS:
+        with open(os.path.join(BENCHES, name + ".py")) as f:
+            tail = f.read().rstrip().splitlines()[-1].strip()
+        assert tail == "cli.exit_with(main)", f"{name}.py ends with {tail!r}"
 
 
 def test_the_default_output_folder_is_vmem_bench_out_else_tmp(monkeypatch) -> None:
