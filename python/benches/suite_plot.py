@@ -1,6 +1,6 @@
 """Draws the serving suite's plot (harness/suite_report.svg: tok/s and the fraction of the
 roofline bound per contender and workload) from the table a suite run printed in its log, for
-runs whose suite.json did not come back; several logs in one plot, each workload's model tagged
+runs whose suite.json is missing; several logs in one plot, each workload's model tagged
 with the log's transformers version (its ``transformers X`` line) when it names one.
 
     python3 python/benches/suite_plot.py LOG [LOG ...] --out OUT_SVG

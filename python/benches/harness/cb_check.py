@@ -18,6 +18,7 @@ from vmem.transformers import (
     install,
 )
 from vmem.transformers import paged_attention as flex_paged_attention
+from vmem.transformers.options import FLASHINFER_KERNELS
 
 import vmem
 from harness.check import compare, cross_compare, make_prompts, run_engine
@@ -299,7 +300,7 @@ def run(args: Any) -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    for kernel in (k for k in KERNELS if "flashinfer" not in k):  # FlashInfer is optional (test_gpu.py checks it)
+    for kernel in (k for k in KERNELS if k not in FLASHINFER_KERNELS):  # FlashInfer is optional (test_gpu.py checks it)
         def pad(kernel: str = kernel) -> dict[str, Any]:
             return dict(padding_cost(device, dtype, args.tiny, kernel))
         record("llama-8b-heads", f"padding-cost({kernel})", pad)
