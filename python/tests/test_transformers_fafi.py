@@ -5,6 +5,7 @@ round through FlashAttention's reader (its CPU reference); greedy tokens equal k
 the engine with its padding forced and without. FlashInfer's own kernels run on a GPU only
 (``benches/serving_suite.py``'s ``vmem-token-major-fafi-graphs-async-compile``)."""
 
+import contextlib
 import sys
 import types
 
@@ -66,7 +67,7 @@ def test_large_decode_rounds_go_to_flashinfer_and_the_rest_to_fa(fake_fi, monkey
     FA; the greedy tokens equal kernel="fa"'s and the logits a plain forward's."""
     model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
     prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
-    ctx = forced_padding() if padded else _nothing()
+    ctx = forced_padding() if padded else contextlib.nullcontext()
     with ctx:
         fa_run, _ = _run(model, prompts, "fa", monkeypatch, 1, padded=padded)
         decode_min = 4 if padded else 2
@@ -99,14 +100,6 @@ def test_large_decode_rounds_go_to_flashinfer_and_the_rest_to_fa(fake_fi, monkey
     assert reader.fi.max_tokens == min(cache.max_batch_tokens, -(-slots // 64) * 64)
     assert padded or reader.fi.max_tokens < cache.max_batch_tokens == cache.round_buffers.capacity
     assert ws.workspace.numel() == vt_fig.workspace_bytes(padded, reader.fi.max_tokens, reader.fi.num_heads, d)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _reader(decode_min=None, max_tokens=64):
