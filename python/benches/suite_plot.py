@@ -50,6 +50,9 @@ def rows_of(text: str) -> list[dict[str, Any]]:
         if len(cells) != len(names):
             break
         row = dict(zip(names, (_value(c) for c in cells)))
+        for key in ("tok_s", "roofline"):
+            if row[key] is not None and not isinstance(row[key], float):
+                raise ValueError(f"the table's {key} {row[key]!r} is not a number")
         if version and row.get("model"):
             row["model"] = f"{row['model']} ({version})"
         rows.append(row)

@@ -124,6 +124,7 @@ CASES = [
     ("suite_plot", ["{json}", "--out", "{tmp}"], "is a directory, not a file"),
     ("suite_plot", ["{json}", "--out", "{tmp}/o.svg"], "no suite table"),
     ("suite_plot", ["--out", "{tmp}/o.svg"], "the following arguments are required: LOG"),
+    ("suite_plot", ["{json}", "--out", ""], "--out must name a file, not ''"),
     ("tp_lockstep", ["--every", "0"], "--every must be at least 1"),
     ("tp_lockstep", ["--world", "1000"], "--world must be at most 64"),
     ("tp_lockstep", ["--steps", "10", "--diverge-at", "11"], "--diverge-at must be at most 10"),
@@ -246,3 +247,16 @@ def test_suite_plot_draws_the_logs_tables(tmp_path) -> None:
     assert svg.count("<rect") - svg.count('width="12" height="12"') == 2 * 12  # two panels, a bar a row
     assert "fi-paged-graphs-async-512-compile conv/llama3-8b (5.17.0)/fits: 3211 tok/s, roofline 0.577" in svg
     assert "vmem-token-major-graphs-async-compile conv/llama3-8b (5.25.0)/tenth: 1217 tok/s, roofline 0.496" in svg
+
+
+def test_suite_plot_refuses_a_table_cell_that_is_no_number(tmp_path) -> None:
+    log = os.path.join(BENCHES, "..", "..", "docs", "results", "serving-suite-h200", "conv-8b32-v517", "log.txt")
+    with open(log) as f:
+        text = f.read()
+    assert "| 3211.3 |" in text
+    bad = tmp_path / "bad.log"
+    bad.write_text(text.replace("| 3211.3 |", "| 3211.3x |"))
+    run = subprocess.run([sys.executable, os.path.join(BENCHES, "suite_plot.py"), str(bad), "--out",
+                          str(tmp_path / "p.svg")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "tok_s '3211.3x' is not a number" in run.stderr and not run.stdout, run.stderr
+    assert "Traceback" not in run.stderr and not (tmp_path / "p.svg").exists()

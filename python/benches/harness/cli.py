@@ -138,6 +138,8 @@ def _remove_empty(dirs: Sequence[str]) -> None:
 def check_out_file(ap: argparse.ArgumentParser, path: str, flag: str = "--out") -> str:
     """Checks that the output file ``path`` can be written (its directory exists and takes a
     file; ``path`` is no directory) without writing it; else a usage error naming ``flag``."""
+    if not path:
+        ap.error(f"{flag} must name a file, not ''")
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         ap.error(f"{flag} {path!r} is a directory, not a file")
