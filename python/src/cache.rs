@@ -41,7 +41,7 @@ impl KVCache {
     #[pyo3(signature = (*, layers, kv_heads, head_dim, dtype, max_batch, max_context, page_size,
         layout, backend, device, memory_cap, prealloc, overlap, deferred_reclaim, eager_tokens,
         reclaim_threshold=None, pad_rows=false, zero_page=None, prefix_cache=None, pool=None,
-        background_unmap=false))]
+        background_unmap=false, reuse_while_unmapping=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -66,6 +66,7 @@ impl KVCache {
         prefix_cache: Option<&Bound<'_, PyAny>>,
         pool: Option<crate::pool::JoinArgs>,
         background_unmap: bool,
+        reuse_while_unmapping: bool,
     ) -> PyResult<Self> {
         let dtype = DType::parse(dtype)?;
         let layout: Layout = layout.parse().map_err(py_err)?;
@@ -86,6 +87,7 @@ impl KVCache {
             .overlap(overlap)
             .deferred_reclaim(deferred_reclaim)
             .background_unmap(background_unmap)
+            .reuse_while_unmapping(reuse_while_unmapping)
             .eager_tokens(to_usize(eager_tokens, "eager_tokens")?)
             .pad_rows(pad_rows)
             .prefix_cache(
@@ -471,7 +473,8 @@ impl KVCache {
         d.set_item("layout", c.layout.name())?;
         set_fields!(d, c; memory_cap, overlap);
         d.set_item("deferred_reclaim", inner.kv.deferred_reclaim())?;
-        set_fields!(d, c; background_unmap, eager_tokens, pad_rows, zero_page, prefix_cache);
+        set_fields!(d, c; background_unmap, reuse_while_unmapping, eager_tokens, pad_rows, zero_page);
+        set_fields!(d, c; prefix_cache);
         set_fields!(d, g; buffers, token_bytes);
         d.set_item("tokens_per_page", g.tokens_per_page())?;
         d.set_item("backend", self.backend_name)?;

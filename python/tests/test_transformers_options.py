@@ -100,6 +100,7 @@ def _bad_values():
         "pool_keep": [None, 1.5, *sizes],
         "deferred_reclaim": [None, *flags],
         "admit_while_unmapping": [None, *flags],
+        "reuse_while_unmapping": [None, *flags],
         "background_unmap": flags,
         "split_decode": flags,
     }

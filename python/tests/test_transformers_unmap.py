@@ -84,3 +84,46 @@ def test_under_memory_pressure_rows_are_reused_and_outputs_match_the_option_off(
     cache.kv.wait_unmapped()
     assert cache.usage()["rows_in_use"] == 0 and cache.get_num_free_blocks() == cache.num_blocks
     assert cache.usage()["mapped_bytes"] == cache.trash_bytes()
+
+
+def test_a_finished_requests_pages_are_mapped_again_before_its_row_is_unmapped():
+    """``reuse_while_unmapping`` (the default): a round that needs a finished request's pages maps
+    them at once, a second mapping beside the finished row's, instead of waiting for the
+    unmapping thread; with it off the same round waits until they are back."""
+    for reuse in (True, False):
+        cache = _cache(memory=str(5 * BLOCK), max_requests=3, reuse_while_unmapping=reuse)
+        assert cache.kv.config()["reuse_while_unmapping"] is reuse
+        assert cache.allocate_blocks(4, "a", 0) == 4
+        cache.flush()
+        row_a = cache.table.get("a").index
+        a_pages = cache.kv.request_pages(row_a)
+        assert sum(a_pages) > 0
+        cache.free_blocks("a")
+        if reuse:  # a's pages are the pool's now, and b's round maps them without a wait
+            assert cache.kv.unmapping_bytes() == 0
+        assert cache.allocate_blocks(4, "b", 0) == 4
+        cache.flush()
+        if reuse:
+            assert cache.kv.step_waits() == (0, 0)
+        cache.kv.wait_unmapped()
+        assert cache.kv.request_pages(row_a) == [0, 0, 0, 0]
+        assert cache.kv.request_pages(cache.table.get("b").index) == a_pages
+        cache.free_blocks("b")
+        cache.kv.wait_unmapped()
+        assert cache.get_num_free_blocks() == cache.num_blocks
+        assert cache.usage()["mapped_bytes"] == cache.trash_bytes()
+
+
+def test_under_memory_pressure_reuse_while_unmapping_changes_no_token():
+    lengths, new = [200, 220, 210, 200, 90, 10, 230, 60], 80
+    stagger = [0, 0, 0, 0, 2, 2, 4, 4]
+    memory = str(8 * BLOCK)
+    model, ours = eng.serve_tiny(dict(OPTS, memory=memory), lengths, new, stagger)
+    _, theirs = eng.serve_tiny(dict(OPTS, memory=memory, reuse_while_unmapping=False), lengths, new, stagger)
+    assert ours["cache"].kv.config()["reuse_while_unmapping"] is True
+    assert theirs["cache"].kv.config()["reuse_while_unmapping"] is False
+    eng.assert_same_under_preemption(ours, theirs, model, new, TOL)
+    cache = ours["cache"]
+    cache.kv.wait_unmapped()
+    assert cache.usage()["rows_in_use"] == 0 and cache.get_num_free_blocks() == cache.num_blocks
+    assert cache.usage()["mapped_bytes"] == cache.trash_bytes()

@@ -63,9 +63,14 @@ class KVCache(MemoryControl):
     request; ``background_unmap`` unmaps a freed id's pages on a background thread, so that
     :meth:`free` does not wait for the GPU work queued before it (ids freed longest ago are
     handed out first, and a step of an id whose pages are not back yet waits for them;
-    :meth:`wait_unmapped` waits for them all); ``eager_tokens`` pre-maps the next id (default 1024, 0 = off);
-    ``reclaim_threshold`` bytes; ``pad_rows`` maps every active row as far as the longest,
-    so a batched kernel over ``[:, :longest]`` reads only mapped memory; ``zero_page`` backs
+    :meth:`wait_unmapped` waits for them all); ``reuse_while_unmapping`` (with
+    ``background_unmap``) makes a freed id's pages free at once: a step maps them at its rows
+    while the freed row still maps them, and the unmapping thread removes only the freed row's
+    mappings, so no step waits for it (kernels that write the new rows must run after those
+    queued before the free that may read the freed row, as on one CUDA stream);
+    ``eager_tokens`` pre-maps the next id (default 1024, 0 = off); ``reclaim_threshold`` bytes;
+    ``pad_rows`` maps every active row as far as the longest, so a batched kernel over
+    ``[:, :longest]`` reads only mapped memory; ``zero_page`` backs
     everything not mapped with one shared read-only page of zeros, so kernels with static
     shapes (CUDA graphs, ``torch.compile``, attention over whole ``max_context`` rows with a
     mask) can read any position — zeros where no token is — at the cost of one page and a
@@ -127,6 +132,7 @@ class KVCache(MemoryControl):
         overlap: bool = True,
         deferred_reclaim: bool = True,
         background_unmap: bool = False,
+        reuse_while_unmapping: bool = False,
         eager_tokens: Optional[int] = None,
         reclaim_threshold: Optional[Size] = None,
         pad_rows: bool = False,
@@ -172,6 +178,7 @@ class KVCache(MemoryControl):
         overlap = check_bool("overlap", overlap)
         deferred_reclaim = check_bool("deferred_reclaim", deferred_reclaim)
         background_unmap = check_bool("background_unmap", background_unmap)
+        reuse_while_unmapping = check_bool("reuse_while_unmapping", reuse_while_unmapping)
         # None: a sixteenth of the cap (the library resolves it once the cap is known).
         threshold = check_optional_size("reclaim_threshold", reclaim_threshold)
         pad_rows = check_bool("pad_rows", pad_rows)
@@ -188,7 +195,7 @@ class KVCache(MemoryControl):
             overlap=overlap, deferred_reclaim=deferred_reclaim, eager_tokens=eager,
             reclaim_threshold=threshold, pad_rows=pad_rows, zero_page=zero_page,
             prefix_cache=prefix_bytes, pool=None if join is None else join.args(),
-            background_unmap=background_unmap,
+            background_unmap=background_unmap, reuse_while_unmapping=reuse_while_unmapping,
         )
         self._configured_cap = int(self._rs.config()["memory_cap"])
         self._pooled = join is not None

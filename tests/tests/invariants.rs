@@ -10,6 +10,10 @@ use vmem_tests::small_kv;
 
 const B: usize = 6;
 const L: u64 = 1500;
+/// How freed requests are unmapped: 0 on the caller's thread, 1 by the unmapping thread
+/// (pages back after it), 2 by it while their pages are reused at once
+/// (`reuse_while_unmapping`).
+const UNMAPPING: std::ops::Range<u8> = 0..3;
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -35,7 +39,7 @@ fn config(
     overlap: bool,
     deferred: bool,
     eager: usize,
-    background_unmap: bool,
+    unmapping: u8,
 ) -> KvConfig {
     small_kv(3, B, L as usize, page)
         .head_dim(32)
@@ -43,7 +47,8 @@ fn config(
         .memory_cap(48 * page) // tight: out-of-memory happens
         .overlap(overlap)
         .deferred_reclaim(deferred)
-        .background_unmap(background_unmap)
+        .background_unmap(unmapping > 0)
+        .reuse_while_unmapping(unmapping == 2)
         .eager_tokens(eager)
         .reclaim_threshold(8 * page)
         .build()
@@ -156,11 +161,11 @@ proptest! {
         overlap: bool,
         deferred: bool,
         eager in prop_oneof![Just(0usize), Just(200usize)],
-        background_unmap: bool,
+        unmapping in UNMAPPING,
     ) {
         let host = Arc::new(HostBackend::new().unwrap());
         {
-            let kv = KvCacheManager::init(host.clone(), config(page, layout, overlap, deferred, eager, background_unmap)).unwrap();
+            let kv = KvCacheManager::init(host.clone(), config(page, layout, overlap, deferred, eager, unmapping)).unwrap();
             run(&kv, &ops)?;
         }
         prop_assert_eq!(host.resident_bytes().unwrap(), 0, "leak after drop");
@@ -171,7 +176,7 @@ proptest! {
     fn sim_and_host_backends_map_the_same_pages(
         ops in prop::collection::vec(op(), 1..60),
         layout in prop_oneof![Just(Layout::PerLayer), Just(Layout::TokenMajor)],
-        background_unmap: bool,
+        unmapping in UNMAPPING,
         deferred: bool,
     ) {
         // Without the background mapping thread the manager is deterministic (the unmapping
@@ -179,8 +184,8 @@ proptest! {
         // identical per-request page counts.
         // Eager allocation skips a next id whose pages are still being unmapped (a later upkeep
         // maps it), which is timing: off with the unmapping thread.
-        let eager = if background_unmap { 0 } else { 200 };
-        let cfg = config(KIB64, layout, false, deferred, eager, background_unmap);
+        let eager = if unmapping > 0 { 0 } else { 200 };
+        let cfg = config(KIB64, layout, false, deferred, eager, unmapping);
         let host = KvCacheManager::init(Arc::new(HostBackend::new().unwrap()), cfg.clone()).unwrap();
         let sim = KvCacheManager::init(Arc::new(SimBackend::new()), cfg).unwrap();
         run(&host, &ops)?;

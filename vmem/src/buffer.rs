@@ -104,6 +104,16 @@ impl VirtualBuffer {
     /// Maps `pages` right after the pages slice `i` already has. On error the slice is as it
     /// was and the caller still owns `pages`.
     pub fn grow(&mut self, i: usize, pages: &[PageHandle]) -> Result<()> {
+        self.grow_with(i, pages, false)
+    }
+
+    /// [`VirtualBuffer::grow`] with pages that may be mapped at other addresses too
+    /// ([`Backend::map_shared`]).
+    pub fn grow_shared(&mut self, i: usize, pages: &[PageHandle]) -> Result<()> {
+        self.grow_with(i, pages, true)
+    }
+
+    fn grow_with(&mut self, i: usize, pages: &[PageHandle], shared: bool) -> Result<()> {
         let have = self.mapped(i);
         if have + pages.len() as u64 > self.slice_pages() {
             return Err(VmemError::InvalidAddress {
@@ -115,7 +125,12 @@ impl VirtualBuffer {
         if pages.is_empty() {
             return Ok(());
         }
-        self.backend.map(self.next_free(i), pages, self.page_size)?;
+        let at = self.next_free(i);
+        if shared {
+            self.backend.map_shared(at, pages, self.page_size)?;
+        } else {
+            self.backend.map(at, pages, self.page_size)?;
+        }
         self.record_mapped(i, pages);
         Ok(())
     }
@@ -239,6 +254,11 @@ impl Tail {
         self.pages.len()
     }
 
+    /// The pages it gives back, in address order.
+    pub(crate) fn handles(&self) -> &[PageHandle] {
+        &self.pages
+    }
+
     /// Unmaps the span (under `fence`, made on the same backend after the last device work
     /// that may read it, or with a wait of its own); in a zero-backed buffer the zero page
     /// takes its place. On error the span is mapped as it was.
@@ -257,8 +277,14 @@ impl Tail {
         }
         if self.zero_backed {
             if let Err(e) = self.backend.map_zero(at, len, page) {
-                // Put the pages back, so the slice is as it was and stays readable.
-                if let Err(e2) = self.backend.map(at, &self.pages, page) {
+                // Put the pages back, so the slice is as it was and stays readable (they may
+                // be mapped at a new row meanwhile: `KvConfig::reuse_while_unmapping`).
+                let remap = if self.backend.shares_pages() {
+                    self.backend.map_shared(at, &self.pages, page)
+                } else {
+                    self.backend.map(at, &self.pages, page)
+                };
+                if let Err(e2) = remap {
                     tracing::error!(error = %e2, at, len, "remapping after a failed zero-page map failed; the span is unmapped");
                     return Ok(());
                 }

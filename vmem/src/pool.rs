@@ -2,6 +2,7 @@
 
 use crate::backend::{Backend, PageHandle};
 use crate::error::{Result, VmemError};
+use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
 /// Most pages a pool holds: 16 Mi pages, 1 TiB of 64 KB pages or 32 TiB of 2 MB ones, more
@@ -18,6 +19,12 @@ pub const MAX_PAGES: u64 = 1 << 24;
 /// [`PagePool::put`]; the pool counts them, so `free + lent == created` always holds. A cap
 /// lowered below what is created holds as the lent pages come back: `put` releases them until
 /// no more are created than the cap. Dropping the pool releases the free pages.
+///
+/// A page can be *pinned* ([`PagePool::pin`]): it is the pool's (free or lent) but still
+/// mapped at an address that goes later (a freed request's row, which the unmapping thread
+/// unmaps after its wait for the device). A pinned page is handed out as any other, to be
+/// mapped with [`Backend::map_shared`] ([`PagePool::any_pinned`]), and never released until
+/// every pin is gone ([`PagePool::unpin`]).
 #[derive(Debug)]
 pub struct PagePool {
     backend: Arc<dyn Backend>,
@@ -25,6 +32,8 @@ pub struct PagePool {
     cap_pages: u64,
     free: Vec<PageHandle>,
     created: u64,
+    /// Pages still mapped at addresses to be unmapped, and how many such mappings each has.
+    pinned: FxHashMap<PageHandle, u32>,
 }
 
 impl PagePool {
@@ -84,6 +93,7 @@ impl PagePool {
             cap_pages,
             free: Vec::new(),
             created: 0,
+            pinned: FxHashMap::default(),
         };
         let pre = pool.take(prealloc_bytes / page_size)?;
         pool.put(pre);
@@ -257,10 +267,10 @@ impl PagePool {
         Ok(())
     }
 
-    /// Returns lent pages to the free list. They must be unmapped. While more pages are
-    /// created than the cap (it was lowered while they were lent), those that come back are
-    /// released instead (a page the backend will not release stays free, and is tried again
-    /// on the next call).
+    /// Returns lent pages to the free list. They must be unmapped, or pinned
+    /// ([`PagePool::pin`]). While more pages are created than the cap (it was lowered while
+    /// they were lent), those that come back are released instead (a page the backend will not
+    /// release stays free, and is tried again on the next call; a pinned one once unpinned).
     pub fn put(&mut self, pages: impl IntoIterator<Item = PageHandle>) {
         self.free.extend(pages);
         if self.created > self.cap_pages {
@@ -272,17 +282,56 @@ impl PagePool {
         }
     }
 
-    /// Releases free pages until at most `keep` remain; returns how many were released.
+    /// Releases free pages, the last put first, until at most `keep` remain; a pinned page
+    /// stays (it is released once unpinned, if the pool is still over its cap then). Returns
+    /// how many were released.
     pub fn trim(&mut self, keep: u64) -> Result<u64> {
         let mut released = 0;
-        while self.free.len() as u64 > keep {
-            let p = self.free[self.free.len() - 1];
+        let mut i = self.free.len();
+        while self.free.len() as u64 > keep && i > 0 {
+            i -= 1;
+            let p = self.free[i];
+            if self.pinned.contains_key(&p) {
+                continue;
+            }
             self.backend.release_page(p)?;
-            self.free.pop();
+            self.free.remove(i);
             self.created -= 1;
             released += 1;
         }
         Ok(released)
+    }
+
+    /// Marks `pages` (the pool's, or about to be put back) as still mapped at one more
+    /// address that is to be unmapped: they may be handed out, never released.
+    pub fn pin(&mut self, pages: &[PageHandle]) {
+        for &p in pages {
+            *self.pinned.entry(p).or_insert(0) += 1;
+        }
+    }
+
+    /// Ends one pin of each of `pages` (their old mapping is gone). Past a lowered cap, the
+    /// free pages no longer pinned are released, as [`PagePool::put`] does.
+    pub fn unpin(&mut self, pages: &[PageHandle]) {
+        for p in pages {
+            if let Some(n) = self.pinned.get_mut(p) {
+                *n -= 1;
+                if *n == 0 {
+                    self.pinned.remove(p);
+                }
+            }
+        }
+        self.put(std::iter::empty());
+    }
+
+    /// Whether any of `pages` is pinned: they are then mapped with [`Backend::map_shared`].
+    pub fn any_pinned(&self, pages: &[PageHandle]) -> bool {
+        !self.pinned.is_empty() && pages.iter().any(|p| self.pinned.contains_key(p))
+    }
+
+    /// Pages pinned ([`PagePool::pin`]).
+    pub fn pinned_pages(&self) -> usize {
+        self.pinned.len()
     }
 }
 
@@ -302,6 +351,13 @@ impl Drop for PagePool {
         if let Err(e) = self.trim(0) {
             tracing::error!(error = %e, "releasing pooled pages failed");
         }
+        if !self.pinned.is_empty() {
+            // Only after a failed unmap of a freed row that no later try fixed.
+            tracing::error!(
+                pages = self.pinned.len(),
+                "pages still mapped at a freed row are not released"
+            );
+        }
     }
 }
 
@@ -314,6 +370,32 @@ mod tests {
 
     fn pool() -> PagePool {
         PagePool::new(Arc::new(SimBackend::new()), KIB64, MIB, 0).unwrap()
+    }
+
+    #[test]
+    fn a_pinned_page_is_handed_out_but_released_only_once_unpinned() {
+        let mut p = pool();
+        p.set_cap_pages(4).unwrap();
+        let pages = p.take(4).unwrap();
+        p.pin(&pages[..2]);
+        p.pin(&pages[..1]); // mapped at two freed rows
+        assert!(p.any_pinned(&pages[1..3]) && !p.any_pinned(&pages[2..]));
+        p.put(pages.iter().copied());
+        assert_eq!(p.available_pages(), 4, "pinned pages are handed out");
+        assert_eq!(p.trim(0).unwrap(), 2, "only the two unpinned ones go");
+        assert_eq!((p.created_pages(), p.free_pages()), (2, 2));
+        // A cap lowered meanwhile holds as the pins end.
+        p.set_cap_lazy(1).unwrap();
+        assert_eq!(p.created_pages(), 2);
+        p.unpin(&pages[..2]);
+        assert_eq!(
+            (p.created_pages(), p.pinned_pages()),
+            (1, 1),
+            "page 1 goes to the cap; one pin of page 0 is left"
+        );
+        p.unpin(&pages[..1]);
+        assert_eq!((p.created_pages(), p.pinned_pages()), (1, 0));
+        assert!(!p.any_pinned(&pages));
     }
 
     #[test]

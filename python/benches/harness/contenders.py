@@ -79,6 +79,9 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     # A new request waits a round rather than take pages still being unmapped (its round would
     # wait for the one in flight): admit_while_unmapping=False.
     "vmem-token-major-graphs-async-compile-hold-admissions": (BOTH, {**_VMEM_BEST, "admit_while_unmapping": False}),
+    # A finished request's pages come back only once its row is unmapped (after the round in
+    # flight), and a round short of pages waits for them: reuse_while_unmapping=False.
+    "vmem-token-major-graphs-async-compile-no-reuse": (BOTH, {**_VMEM_BEST, "reuse_while_unmapping": False}),
     "vmem-token-major-hold-admissions": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa",
                                                 "admit_while_unmapping": False}),
     # Deferred reclamation: a finished request's row keeps its pages (the blocks it gave the prefix
@@ -176,8 +179,9 @@ def attention(sp: Spec) -> str:
 
 def vmem_options(sp: Spec) -> dict[str, Any]:
     """The ``vmem.transformers.serving`` options a vmem ``sp`` names itself (layout, kernel,
-    deferred reclamation, admission while unmapping)."""
-    return {k: sp[k] for k in ("layout", "kernel", "deferred_reclaim", "admit_while_unmapping") if k in sp}
+    deferred reclamation, admission and reuse while unmapping)."""
+    return {k: sp[k] for k in ("layout", "kernel", "deferred_reclaim", "admit_while_unmapping",
+                               "reuse_while_unmapping") if k in sp}
 
 
 def contender_config(model: Any, sp: Spec, args: Any, budget: dict[str, int],
@@ -207,7 +211,8 @@ def contender_config(model: Any, sp: Spec, args: Any, budget: dict[str, int],
         opts = {"layout": sp["layout"], "kernel": sp.get("kernel", "fa"), "memory": budget["kv_bytes"],
                 "page_size": args.page_size, "max_requests": rows, "max_context": args.max_context,
                 "deferred_reclaim": sp.get("deferred_reclaim", False),
-                "admit_while_unmapping": sp.get("admit_while_unmapping", True)}
+                "admit_while_unmapping": sp.get("admit_while_unmapping", True),
+                "reuse_while_unmapping": sp.get("reuse_while_unmapping", True)}
         return kw, opts
     bs = sp["block_size"]
     # The budget is fixed by num_blocks; the engine still checks its footprint against

@@ -135,6 +135,7 @@ class VmemCBCache:
             backend="host" if on_cpu else "cuda", device=0 if on_cpu else (self.device.index or 0),
             memory_cap=g.cap, prealloc=g.cap if options.prealloc and options.pool is None else 0, overlap=False,
             deferred_reclaim=options.deferred_reclaim, background_unmap=options.unmaps_in_background,
+            reuse_while_unmapping=options.reuse_while_unmapping,
             reclaim_threshold=0, eager_tokens=0,
             zero_page=on_cpu or (self.kernel == "flex" and not g.compiled),
             prefix_cache=g.prefix_cap(self.sharing, options.prefix_cache), pool=options.pool,

@@ -121,6 +121,13 @@ class Options:
       and a round that needs pages not back yet waits for them.
       ``None`` (default): on, except in a pool, where a tenant's pages go back to the pool at
       once (``True`` with ``pool`` is refused).
+    * ``reuse_while_unmapping``: with ``background_unmap``, a finished request's pages are free
+      at once: the next round maps them at its rows while the finished row still maps them (a
+      second mapping of the same memory), and the unmapping thread removes only the finished
+      row's mappings after the round in flight. No round waits for pages being unmapped. Safe
+      because the engine's rounds run on one CUDA stream: a round that writes the new rows runs
+      after the round that may still read the finished one. ``True`` (default); ``False``: a
+      round short of pages waits until they are unmapped.
     * ``admit_while_unmapping``: a new request is admitted beside running ones even when the
       blocks it needs are pages vmem's unmapping thread is still giving back (``True``, the
       default); on CUDA that thread first waits for the round in flight, so the new request's
@@ -130,8 +137,9 @@ class Options:
       docs/serving.md; but on an H200 at Llama-3-8B's full depth the held requests' later
       rounds made the tail longer, TBT p99 58 ms against 7.7, so the default stays). A request
       that would adopt a cached prefix waits the same way (counted by the blocks it still
-      lacks). Only matters with ``background_unmap`` and without ``deferred_reclaim`` (whose
-      finished requests are not unmapped).
+      lacks). Only matters with ``background_unmap``, without ``reuse_while_unmapping`` (whose
+      pages are never still being given back) and without ``deferred_reclaim`` (whose finished
+      requests are not unmapped).
     * ``split_decode``: with ``kernel="fa"`` (or ``"fa+flashinfer"``, for FA's decode rounds), a
       padded (CUDA-graph) decode round deals its sequence slots to its requests by length, each
       slot a run of one request's keys, and merges the runs (flash-decoding,
@@ -161,6 +169,7 @@ class Options:
     pool_keep: Any = 0
     deferred_reclaim: bool = False
     background_unmap: bool | None = None
+    reuse_while_unmapping: bool = True
     admit_while_unmapping: bool = True
     split_decode: bool | None = None
 
@@ -197,6 +206,7 @@ class Options:
         if self.background_unmap and self.pool is not None:
             raise InvalidArgument("background_unmap gives a finished request's pages back later; a pool tenant "
                                   "gives them to the pool at once: not both")
+        set_(self, "reuse_while_unmapping", check_bool("reuse_while_unmapping", self.reuse_while_unmapping))
         set_(self, "admit_while_unmapping", check_bool("admit_while_unmapping", self.admit_while_unmapping))
         set_(self, "split_decode", check_optional_bool("split_decode", self.split_decode))
         if self.split_decode and self.kernel not in FA_KERNELS:

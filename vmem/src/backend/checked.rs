@@ -155,6 +155,10 @@ impl<R: RawBackend> Backend for Checked<R> {
         self.raw.replaces_zero_in_place()
     }
 
+    fn shares_pages(&self) -> bool {
+        self.raw.shares_pages()
+    }
+
     fn reserve(&self, size: u64) -> Result<u64> {
         let g = self.raw.granularity();
         if size == 0 || !size.is_multiple_of(g) {

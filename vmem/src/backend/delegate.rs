@@ -107,6 +107,7 @@ decorator! {
     fn map_zero(&self, addr: u64, size: u64, page_size: u64) -> Result<()>;
     fn free_memory(&self) -> Option<u64>;
     fn replaces_zero_in_place(&self) -> bool;
+    fn shares_pages(&self) -> bool;
 }
 
 decorator! {

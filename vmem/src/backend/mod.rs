@@ -210,6 +210,14 @@ pub trait Backend: Send + Sync + Debug {
         false
     }
 
+    /// Whether [`Backend::map_shared`] maps a page that is mapped elsewhere already
+    /// ([`RawBackend::shares_pages`]): then a freed request's pages can be mapped at a new
+    /// row before the old row's mappings go (`KvConfig::reuse_while_unmapping`). The default,
+    /// for wrappers that do not pass it on, says no.
+    fn shares_pages(&self) -> bool {
+        false
+    }
+
     /// Short name for logs and tables.
     fn name(&self) -> &'static str {
         self.kind().name()

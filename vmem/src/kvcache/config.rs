@@ -104,6 +104,15 @@ pub struct KvConfig {
     /// being unmapped. [`KvCacheManager::wait_unmapped`](crate::KvCacheManager::wait_unmapped)
     /// waits for them all and reports what failed. Off by default.
     pub background_unmap: bool,
+    /// With `background_unmap`, on a backend that maps a page at several addresses
+    /// ([`Backend::shares_pages`](crate::backend::Backend::shares_pages): CUDA, host, UVM,
+    /// simulation): a freed request's pages are the pool's at once, and a step maps them at
+    /// their new row while the freed row still maps them; the unmapping thread then removes
+    /// only the freed row's mappings, after its wait for the device, and no step waits for
+    /// it. The caller orders device work that writes a new row after the work queued before
+    /// that may read the freed one (one stream does: an engine's rounds). The freed id stays
+    /// claimed until its row is unmapped. Off by default.
+    pub reuse_while_unmapping: bool,
     /// Tokens' worth of pages kept mapped for the next request id to be handed out (0 = off).
     pub eager_tokens: usize,
     /// Reclaim deferred requests' pages only when the pool's available memory falls below
@@ -185,6 +194,8 @@ impl KvConfigBuilder {
         deferred_reclaim: bool,
         /// Unmap freed requests' pages on a background thread.
         background_unmap: bool,
+        /// Map a freed request's pages at new rows before the unmapping thread unmaps them.
+        reuse_while_unmapping: bool,
         /// Tokens' worth of pages kept mapped for the next request id (0 = off).
         eager_tokens: usize,
         /// Available-memory threshold (bytes) below which deferred pages are reclaimed.
@@ -222,6 +233,7 @@ impl KvConfig {
             overlap: true,
             deferred_reclaim: true,
             background_unmap: false,
+            reuse_while_unmapping: false,
             eager_tokens: 1024,
             reclaim_threshold: 1 << 30,
             pad_rows: false,

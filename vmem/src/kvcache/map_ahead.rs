@@ -37,7 +37,7 @@ impl KvCacheManager {
         const CHUNK: usize = 4;
         let page = self.geo.page_size;
         // 1. Under the lock: claim the request and take every page it needs from the pool.
-        let (plan, to_create, mut pages, claim) = {
+        let (plan, to_create, mut pages, claim, shared) = {
             let mut st = self.shared.lock();
             st.check_id(req)?;
             st.check_awake()?;
@@ -98,9 +98,12 @@ impl KvCacheManager {
             }
             // Free pages now; the missing ones are created below, outside the lock.
             let (pages, to_create) = st.pool.take_deferred(total)?;
+            // A freed request's row may still map some (`reuse_while_unmapping`): they are
+            // mapped again at a second address.
+            let shared = st.pool.any_pinned(&pages);
             // The claim lives until step 3 releases it, or until this frame unwinds past it.
             let claim = Claim::take(&self.shared, &mut st, req);
-            (plan, to_create, pages, claim)
+            (plan, to_create, pages, claim, shared)
         };
         // 2. Without it: create the missing pages, then map, chunk by chunk.
         let mut result = Ok(());
@@ -127,7 +130,13 @@ impl KvCacheManager {
             while n < k {
                 let c = CHUNK.min(k - n);
                 let run = &pages[at_page + n..at_page + n + c];
-                if let Err(e) = self.backend.map(addr + n as u64 * page, run, page) {
+                let at = addr + n as u64 * page;
+                let mapped = if shared {
+                    self.backend.map_shared(at, run, page)
+                } else {
+                    self.backend.map(at, run, page)
+                };
+                if let Err(e) = mapped {
                     result = Err(e);
                     done.push((b, n));
                     break 'buffers;

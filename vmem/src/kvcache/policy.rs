@@ -193,7 +193,9 @@ impl State {
 
     /// The request ids not handed out.
     fn inactive(&self) -> impl Iterator<Item = usize> + '_ {
-        self.requests.ids().filter(|&r| !self.requests.is_active(r))
+        self.requests
+            .ids()
+            .filter(|&r| !self.requests.is_active(r) && !self.requests.is_retired(r))
     }
 
     /// Where inactive id `r` stands among ids to reuse, lower first (ties: lowest id): with

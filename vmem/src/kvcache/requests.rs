@@ -42,6 +42,10 @@ pub(super) struct Requests {
     /// Requests freed with background unmapping whose pages the unmapping thread has yet to
     /// give back (claimed too). Their pages count as the pool's.
     unmapping: Vec<bool>,
+    /// Freed requests whose row the unmapping thread could not unmap after their pages went
+    /// back to the pool (`KvConfig::reuse_while_unmapping`): the id is not handed out until a
+    /// later try unmaps it.
+    retired: Vec<bool>,
     /// When each request id was last freed, as a count of frees (0: never): with background
     /// unmapping the id freed longest ago is handed out first (policy.rs).
     freed_at: Vec<u64>,
@@ -63,6 +67,7 @@ impl Requests {
             pending: vec![0; b],
             claimed: vec![false; b],
             unmapping: vec![false; b],
+            retired: vec![false; b],
             freed_at: vec![0; b],
             frees: 0,
         }
@@ -131,6 +136,11 @@ impl Requests {
     /// Whether the unmapping thread is giving `r`'s pages back.
     pub(super) fn is_unmapping(&self, r: usize) -> bool {
         self.unmapping[r]
+    }
+
+    /// Whether `r` is retired: freed, its row still mapped by a failed unmap, not handed out.
+    pub(super) fn is_retired(&self, r: usize) -> bool {
+        self.retired[r]
     }
 
     /// Whether the unmapping thread has any request's pages to give back.
@@ -226,5 +236,18 @@ impl Requests {
     pub(super) fn unmapper_done(&mut self, r: usize) {
         self.unmapping[r] = false;
         self.claimed[r] = false;
+        self.retired[r] = false;
+    }
+
+    /// The unmapping thread could not unmap freed `r`'s row, whose pages are the pool's
+    /// already: the claim ends, and the id is not handed out until a later try unmaps it
+    /// ([`Requests::unmapper_done`]). Not the next id any more.
+    pub(super) fn retire(&mut self, r: usize) {
+        self.unmapping[r] = false;
+        self.claimed[r] = false;
+        self.retired[r] = true;
+        if self.next_id == Some(r) {
+            self.next_id = None;
+        }
     }
 }

@@ -43,7 +43,10 @@ pub(super) struct Signals {
     /// Every page was released by `sleep` (kvcache/sleep.rs): nothing maps until `wake`.
     pub(super) asleep: bool,
     /// Freed requests queued for the unmapping thread (kvcache/unmap.rs).
-    pub(super) unmaps: Vec<usize>,
+    pub(super) unmaps: Vec<super::unmap::UnmapJob>,
+    /// Rows the unmapping thread could not unmap (their ids retired): tried again on its
+    /// next turn.
+    pub(super) stale: Vec<super::unmap::UnmapJob>,
     /// The first error the unmapping thread met since [`KvCacheManager::wait_unmapped`] last
     /// reported one.
     ///
@@ -157,7 +160,13 @@ impl State {
                         self.reclaim(k, Some(r), false)?;
                     }
                     let pages = self.pool.take(k)?;
-                    if let Err(e) = self.buffers[b].grow(r, &pages) {
+                    // A freed request's row may still map them (`reuse_while_unmapping`).
+                    let grown = if self.pool.any_pinned(&pages) {
+                        self.buffers[b].grow_shared(r, &pages)
+                    } else {
+                        self.buffers[b].grow(r, &pages)
+                    };
+                    if let Err(e) = grown {
                         self.pool.put(pages);
                         return Err(e);
                     }
@@ -187,7 +196,7 @@ impl State {
         };
         let fence = self.buffers[0].backend().fence()?;
         let (done, result) = trim.release(&fence);
-        let n = self.finish_trim(trim, done, result.is_ok());
+        let n = self.finish_trim(&trim, done, result.is_ok());
         result.map(|()| n)
     }
 

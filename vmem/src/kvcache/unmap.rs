@@ -4,11 +4,19 @@
 //!
 //! A CUDA unmap must wait for the kernels queued before it (`cuCtxSynchronize`): on the
 //! engine's thread that wait stalls the next round behind the one in flight. The unmapping
-//! thread waits instead. The freed request is claimed until its pages are back, so nothing
-//! maps into its row meanwhile; a step the pool cannot serve without those pages waits for
-//! them, and the pages count as the pool's for every question of how much memory is free.
+//! thread waits instead. The freed request is claimed until its row is unmapped, so nothing
+//! maps into its row meanwhile. Its pages:
+//! * by default come back to the pool once unmapped; a step the pool cannot serve without
+//!   them waits for them, and they count as the pool's for every question of how much memory
+//!   is free;
+//! * with [`KvConfig::reuse_while_unmapping`] (on a backend that maps a page at several
+//!   addresses) are the pool's at once, pinned ([`PagePool::pin`]) until the row's mappings
+//!   go: a step maps them at its rows with a second mapping and waits for nothing. Should the
+//!   row's unmap fail, the id is retired (never handed out) until a later turn unmaps it.
 //!
 //! [`KvConfig::background_unmap`]: super::KvConfig::background_unmap
+//! [`KvConfig::reuse_while_unmapping`]: super::KvConfig::reuse_while_unmapping
+//! [`PagePool::pin`]: crate::pool::PagePool::pin
 
 use super::state::State;
 use super::{KvCacheManager, Shared};
@@ -32,7 +40,35 @@ pub(super) struct Trim {
     tails: Vec<(usize, Tail)>,
 }
 
+/// A freed request's unmapping, queued for the unmapping thread.
+#[derive(Debug)]
+pub(super) enum UnmapJob {
+    /// Its pages come back to the pool once unmapped: the thread plans the trim when it
+    /// takes the job.
+    Pages(usize),
+    /// Its pages are the pool's already, pinned ([`KvConfig::reuse_while_unmapping`]): only
+    /// the row's mappings go, then the pins.
+    ///
+    /// [`KvConfig::reuse_while_unmapping`]: super::KvConfig::reuse_while_unmapping
+    Row(Trim),
+}
+
 impl Trim {
+    /// The trim less its first `done` tails (those already unmapped).
+    fn rest(mut self, done: usize) -> Trim {
+        self.tails.drain(..done.min(self.tails.len()));
+        self
+    }
+
+    /// The pages of its first `done` tails.
+    fn handles(&self, done: usize) -> Vec<crate::backend::PageHandle> {
+        self.tails
+            .iter()
+            .take(done)
+            .flat_map(|(_, t)| t.handles().iter().copied())
+            .collect()
+    }
+
     /// Unmaps the tails in order under `fence` (made after the last device work that may read
     /// them). Returns how many were unmapped before the first error, and that error.
     pub(super) fn release(&self, fence: &Fence) -> (usize, Result<()>) {
@@ -72,7 +108,7 @@ impl State {
     /// Records the first `done` tails of `trim` as unmapped: their pages go to the pool (the
     /// prefix cache's stay its own), and when the whole trim was `complete` the cache learns
     /// that the request maps its blocks no more. Returns the pages unmapped.
-    pub(super) fn finish_trim(&mut self, trim: Trim, done: usize, complete: bool) -> u64 {
+    pub(super) fn finish_trim(&mut self, trim: &Trim, done: usize, complete: bool) -> u64 {
         let r = trim.req;
         let mut n = 0;
         for (b, tail) in trim.tails.iter().take(done) {
@@ -91,10 +127,28 @@ impl State {
         n
     }
 
-    /// Hands freed request `r` to the unmapping thread: claimed until its pages are back.
+    /// Whether a freed request's pages are the pool's before its row is unmapped
+    /// ([`KvConfig::reuse_while_unmapping`] on a backend that maps a page twice).
+    ///
+    /// [`KvConfig::reuse_while_unmapping`]: super::KvConfig::reuse_while_unmapping
+    fn reuses_while_unmapping(&self) -> bool {
+        self.cfg.reuse_while_unmapping && self.buffers[0].backend().shares_pages()
+    }
+
+    /// Hands freed request `r` to the unmapping thread: claimed until its row is unmapped.
+    /// Its pages come back then, or, reusing while unmapping, now (pinned until then): the
+    /// bookkeeping of the unmap is done here, the driver's part there.
     pub(super) fn queue_unmap(&mut self, r: usize) {
         self.requests.hand_to_unmapper(r);
-        self.signals.unmaps.push(r);
+        let job = match self.plan_trim(r, 0) {
+            Some(trim) if self.reuses_while_unmapping() => {
+                self.pool.pin(&trim.handles(trim.tails.len()));
+                self.finish_trim(&trim, trim.tails.len(), true);
+                UnmapJob::Row(trim)
+            }
+            _ => UnmapJob::Pages(r),
+        };
+        self.signals.unmaps.push(job);
     }
 
     /// Whether the unmapping thread has pages still to give back.
@@ -147,30 +201,43 @@ pub(super) fn spawn(shared: Arc<Shared>, backend: Arc<dyn Backend>) -> Result<Jo
 }
 
 /// Gives back every queued request's pages, one wait for the device for all of them and each
-/// request's recorded as soon as it is unmapped, until shutdown finds the queue empty.
+/// request's recorded as soon as it is unmapped, until shutdown finds the queue empty. Rows
+/// an earlier turn could not unmap are tried again with each turn's (and at shutdown).
 fn run(shared: &Shared, backend: &dyn Backend) {
+    let mut last_turn = false;
     loop {
-        let trims: Vec<(usize, Option<Trim>)> = {
+        let jobs: Vec<(usize, Option<Trim>, bool)> = {
             let mut st = shared.lock();
             while st.signals.unmaps.is_empty() && !st.signals.shutdown {
                 st = shared.wake.wait(st).unwrap_or_else(|e| e.into_inner());
             }
-            if st.signals.unmaps.is_empty() {
+            if st.signals.unmaps.is_empty() && (last_turn || st.signals.stale.is_empty()) {
                 return; // shutdown, and nothing left to give back
             }
-            let queued = std::mem::take(&mut st.signals.unmaps);
+            last_turn = st.signals.shutdown;
+            let mut queued = std::mem::take(&mut st.signals.unmaps);
+            // Retired rows are the thread's again until this try ends (`wait_unmapped` waits).
+            for job in std::mem::take(&mut st.signals.stale) {
+                if let UnmapJob::Row(t) = &job {
+                    st.requests.hand_to_unmapper(t.req);
+                }
+                queued.push(job);
+            }
             queued
                 .into_iter()
-                .map(|r| (r, st.plan_trim(r, 0)))
+                .map(|job| match job {
+                    UnmapJob::Pages(r) => (r, st.plan_trim(r, 0), false),
+                    UnmapJob::Row(t) => (t.req, Some(t), true),
+                })
                 .collect()
         };
         // Should a driver call panic below, the guard ends the claims of the requests not yet
-        // given back as it unwinds (their pages stay theirs, as after a failed unmap), so no
-        // step waits for them forever; frees after that unmap on the caller's thread
-        // (`KvCacheManager::unmaps_behind`).
+        // given back as it unwinds (their pages stay theirs, as after a failed unmap; a row
+        // whose pages are the pool's already is retired), so no step waits for them forever;
+        // frees after that unmap on the caller's thread (`KvCacheManager::unmaps_behind`).
         let mut guard = InFlight {
             shared,
-            reqs: trims.iter().map(|t| t.0).collect(),
+            reqs: jobs.iter().map(|j| (j.0, j.2)).collect(),
         };
         // Outside the lock: one wait for the device, then each request's unmaps, recorded as
         // soon as they are done, so a step waiting for some of these pages goes on without
@@ -184,47 +251,76 @@ fn run(shared: &Shared, backend: &dyn Backend) {
                 None
             }
         };
-        for (r, trim) in trims {
-            let (done, error) = match (&fence, &trim) {
+        for (r, trim, row) in jobs {
+            // `failed`: some of the trim is still mapped (after an unmap's error, reported
+            // below, or the fence's, reported above).
+            let (done, error, failed) = match (&fence, &trim) {
                 (Some(fence), Some(t)) => {
                     let (done, result) = t.release(fence);
-                    (done, result.err())
+                    let failed = result.is_err();
+                    (done, result.err(), failed)
                 }
-                _ => (0, None),
+                (None, Some(_)) => (0, None, true),
+                (_, None) => (0, None, false),
             };
             let mut st = shared.lock();
-            if let Some(t) = trim {
-                let complete = done == t.tails.len();
-                st.finish_trim(t, done, complete);
+            match trim {
+                Some(t) if row => {
+                    st.pool.unpin(&t.handles(done));
+                    if failed {
+                        // Its pages are the pool's: the row keeps the rest of its mappings
+                        // until a later turn unmaps them, and its id stays out of use.
+                        st.requests.retire(r);
+                        st.signals.stale.push(UnmapJob::Row(t.rest(done)));
+                    } else {
+                        st.requests.unmapper_done(r);
+                    }
+                }
+                Some(t) => {
+                    let complete = done == t.tails.len();
+                    st.finish_trim(&t, done, complete);
+                    st.requests.unmapper_done(r);
+                }
+                None => st.requests.unmapper_done(r),
             }
             if let Some(e) = error {
-                // The pages not unmapped stay the inactive request's: reclaiming retries them.
+                // The pages not unmapped stay the inactive request's (reclaiming retries
+                // them), or, for a row whose pages are the pool's, its id stays retired.
                 tracing::warn!(req = r, error = %e, "background unmapping failed");
                 st.signals.unmap_error.get_or_insert(e);
             }
-            st.requests.unmapper_done(r);
             drop(st);
-            guard.reqs.retain(|&q| q != r);
+            guard.reqs.retain(|&(q, _)| q != r);
             shared.wake.notify_all();
         }
         std::mem::forget(guard);
     }
 }
 
-/// The requests the unmapping thread is giving back outside the lock: if it unwinds there, their
-/// claims end on drop (`run` forgets the guard on the normal path).
+/// The requests the unmapping thread is giving back outside the lock, each with whether its
+/// pages are the pool's already (a row job): if the thread unwinds there, their claims end on
+/// drop (`run` forgets the guard on the normal path).
 struct InFlight<'a> {
     shared: &'a Shared,
-    reqs: Vec<usize>,
+    reqs: Vec<(usize, bool)>,
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         let mut st = self.shared.lock();
-        // Its own requests, and those queued since, which no thread will take now.
+        // Its own requests, and those queued since, which no thread will take now. A row
+        // whose pages are the pool's may still map them: its id is retired for good.
         let queued = std::mem::take(&mut st.signals.unmaps);
-        for &r in self.reqs.iter().chain(&queued) {
-            st.requests.unmapper_done(r);
+        let queued = queued.iter().map(|job| match job {
+            UnmapJob::Pages(r) => (*r, false),
+            UnmapJob::Row(t) => (t.req, true),
+        });
+        for (r, row) in self.reqs.iter().copied().chain(queued) {
+            if row {
+                st.requests.retire(r);
+            } else {
+                st.requests.unmapper_done(r);
+            }
         }
         st.signals.unmapper_dead = true;
         drop(st);
