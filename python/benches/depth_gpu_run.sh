@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The serving suite's full-depth rows on a CUDA GPU, bounded at 10 minutes: Llama-3-8B shapes at
 # all 32 layers, the conv trace, 128 requests x 128 new tokens, both budgets (every request fits;
-# a tenth of the working set), the FlashInfer paged peer beside vmem with each of its three kernels
-# (FlashAttention, FlashInfer over its rows, FlashInfer's decode kernel for large decode rounds
-# with FlashAttention for the rest), then the profile of one of vmem's contenders at a
-# tenth: $DEPTH_PROFILE (none: no profile), by default vmem with FlashAttention (the one
+# a tenth of the working set), the FlashInfer paged peer beside vmem with FlashAttention (with and
+# without reuse_while_unmapping) and with FlashInfer's decode kernel for large decode rounds
+# (kernel="fa+flashinfer"), then the profile of one of vmem's contenders at a tenth:
+# $DEPTH_PROFILE (none: no profile), by default vmem with FlashAttention (the one
 # docs/results/serving-tail-h200/profile.txt profiled before vmem's scheduling and zeroing took
-# less of the host's time a round), or vmem-token-major-fi-graphs-async-compile for FlashInfer's.
+# less of the host's time a round), or vmem-token-major-fafi-graphs-async-compile.
 #
 #   bash python/benches/depth_gpu_run.sh [WHEEL_DIR]
 #
@@ -17,7 +17,8 @@
 # transformers and its dependencies, installed the same way over the one installed (5.24: its
 # wheel and regex's; 5.25: also huggingface_hub 2.4, kernels 0.19 and theirs). Results in
 # $VMEM_BENCH_OUT/depth (/tmp/depth if it is unset). DEPTH_SECONDS bounds the whole run (570 by
-# default; the suite takes at most 300 of them, the profile what is left).
+# default; the suite takes at most 300 of them, the profile what is left; four contenders at both
+# budgets take about 250 s on an H100 once compiled).
 set -o pipefail
 usage="usage: $0 [WHEEL_DIR]"
 [ $# -le 1 ] || { echo "$usage" >&2; exit 2; }
@@ -47,13 +48,13 @@ python3 -c "import transformers, vmem.transformers; print('transformers', transf
   | tee "$out/versions.txt" || exit 1
 peer=fi-paged-graphs-async-512-compile
 fa=vmem-token-major-graphs-async-compile
-vmem_fi=vmem-token-major-fi-graphs-async-compile
+no_reuse=vmem-token-major-graphs-async-compile-no-reuse
 vmem_fafi=vmem-token-major-fafi-graphs-async-compile
 w=(--only model=llama3-8b --only trace=conv --requests 128 --new-tokens 128)
 start=$(date +%s)
 suite_s=$(( seconds < 300 ? seconds : 300 ))
 timeout "$suite_s" python3 python/benches/serving_suite.py "${w[@]}" --check-requests 0 --rounds 1 \
-  --only "contender=$peer,$fa,$vmem_fi,$vmem_fafi" --out "$out/suite" 2>&1 | tee "$out/suite.log"
+  --only "contender=$peer,$fa,$no_reuse,$vmem_fafi" --out "$out/suite" 2>&1 | tee "$out/suite.log"
 suite=$?
 [ "${DEPTH_PROFILE:-}" != none ] || exit "$suite"  # DEPTH_PROFILE=none: the suite's rows only
 left=$(( seconds - ($(date +%s) - start) ))
