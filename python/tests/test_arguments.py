@@ -18,7 +18,7 @@ def cache(**kw):
     return vmem.KVCache(**{**GEOM, **kw})
 
 
-BOOLS = ["overlap", "deferred_reclaim", "pad_rows", "zero_page"]
+BOOLS = ["overlap", "deferred_reclaim", "background_unmap", "reuse_while_unmapping", "pad_rows", "zero_page"]
 
 
 @pytest.mark.parametrize("name", BOOLS)
@@ -83,7 +83,7 @@ def test_numpy_integers_are_sizes_and_numpy_bools_and_floats_are_not():
 def test_a_boolean_option_takes_true_and_false(name):
     for value in (True, False):
         kv = cache(**{name: value})
-        if name in ("zero_page", "overlap", "pad_rows"):
+        if name in ("zero_page", "overlap", "pad_rows", "background_unmap", "reuse_while_unmapping"):
             assert kv.config()[name] is value
         kv.close()
 

@@ -623,7 +623,8 @@ def test_distinct_mapped_bytes_needed_only_leaves_out_what_a_step_can_take_back(
         kv.distinct_mapped_bytes(needed_only="yes")
 
 
-def test_background_unmap_under_threads_racing_gives_every_page_back():
+@pytest.mark.parametrize("reuse", [False, True])
+def test_background_unmap_under_threads_racing_gives_every_page_back(reuse):
     """Four threads alloc, map ahead and free while a fifth waits for the unmapping thread and
     reads the counts; the cap is tight (OutOfMemory happens), nothing is pre-mapped
     (eager_tokens=0). Afterwards every page is back in the pool, no id holds a page, and nothing
@@ -633,8 +634,8 @@ def test_background_unmap_under_threads_racing_gives_every_page_back():
 
     kv = vmem.KVCache(layers=2, kv_heads=2, head_dim=64, max_batch=8, max_context=2048, page_size="64K",
                       device="cpu", background_unmap=True, deferred_reclaim=False, eager_tokens=0, memory_cap="4M",
-                      prefix_cache="1M")
-    assert kv.config()["background_unmap"] is True
+                      prefix_cache="1M", reuse_while_unmapping=reuse)
+    assert kv.config()["background_unmap"] is True and kv.config()["reuse_while_unmapping"] is reuse
     errors = []
 
     def work(seed):

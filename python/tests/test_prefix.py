@@ -349,3 +349,29 @@ def test_a_length_below_the_shared_pages_a_request_maps_is_refused_once_it_start
     c = kv.alloc()
     assert kv.adopt_prefix(c, p) == 3 * 128
     kv.close()
+
+
+def test_adopting_a_prefix_whose_blocks_the_rows_own_unmap_evicts_is_no_panic():
+    """A call log (found by a random-call tester, shrunk): under deferred reclamation with a small
+    prefix cache, ``adopt_prefix`` counted the cached run of the prompt's blocks, then unmapping
+    the row's leftover pages (which go back to the cache past its cap) evicted one of them, and
+    the lookup that followed panicked (a ``PanicException``, not a ``VmemError``). Every call now
+    succeeds or raises a ``VmemError``, the last ``adopt_prefix`` (the one that panicked) returns,
+    and what it adopted is mapped."""
+    import json
+    from pathlib import Path
+
+    log = json.loads((Path(__file__).parent / "data" / "adopt_after_eviction.json").read_text())
+    kv = vmem.KVCache(**log[0][1])
+    adopted = None
+    for name, args in log[1:]:
+        args = [{int(k): v for k, v in a.items()} if isinstance(a, dict) else a for a in args]
+        try:
+            out = getattr(kv, name)(*args)
+        except vmem.VmemError:
+            continue
+        if name == "adopt_prefix":
+            adopted = (args[0], out)
+    assert log[-1][0] == "adopt_prefix" and adopted is not None and adopted[0] == log[-1][1][0]
+    req, tokens = adopted
+    assert tokens >= 0 and kv.request_pages(req)[0] * kv.config()["tokens_per_page"] >= tokens

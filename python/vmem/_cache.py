@@ -66,8 +66,10 @@ class KVCache(MemoryControl):
     :meth:`wait_unmapped` waits for them all); ``reuse_while_unmapping`` (with
     ``background_unmap``) makes a freed id's pages free at once: a step maps them at its rows
     while the freed row still maps them, and the unmapping thread removes only the freed row's
-    mappings, so no step waits for it (kernels that write the new rows must run after those
-    queued before the free that may read the freed row, as on one CUDA stream);
+    mappings, so no step waits for it but one into that very row (kernels that write the new
+    rows must run after those queued before the free that may read the freed row, as on one CUDA
+    stream; ignored without ``background_unmap`` or with ``deferred_reclaim``, whose freed rows
+    keep their pages);
     ``eager_tokens`` pre-maps the next id (default 1024, 0 = off); ``reclaim_threshold`` bytes;
     ``pad_rows`` maps every active row as far as the longest, so a batched kernel over
     ``[:, :longest]`` reads only mapped memory; ``zero_page`` backs

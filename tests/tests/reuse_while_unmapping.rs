@@ -2,11 +2,12 @@
 //! maps them at its rows while the freed row still maps them, and the unmapping thread removes
 //! only the freed row's mappings after its wait for the device; no step waits for it.
 
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::time::Duration;
-use vmem::backend::{Backend, Checked, Delegate, HostBackend, SimMemory, KIB64, MIB2};
-use vmem::testing::{CountingDriver, DriverCounts, FaultPlan, FaultyBackend};
+use vmem::backend::{Backend, Checked, Delegate, SimMemory, MIB2};
+use vmem::testing::{CountingDriver, DriverCounts};
 use vmem::{KvCacheManager, KvConfig, VmemError};
 use vmem_tests::small_kv;
 
@@ -163,25 +164,88 @@ fn a_backend_that_maps_a_page_once_gives_pages_back_after_the_unmap() {
     assert!(!kv.step_would_wait(&lens(&[(b, CTX as u64)])).unwrap());
 }
 
-#[test]
-fn a_row_that_fails_to_unmap_retires_its_id_until_a_later_turn_unmaps_it() {
-    let host: Arc<dyn Backend> = Arc::new(HostBackend::new().unwrap());
-    let faulty = Arc::new(FaultyBackend::new(host));
-    let cfg = small_kv(1, 2, 1024, KIB64)
-        .memory_cap(8 * KIB64)
+/// Fails its next `n` unmaps (`unmap_fenced`), then forwards: a driver that cannot unmap
+/// for a while.
+#[derive(Debug)]
+struct FailUnmaps(Arc<dyn Backend>, AtomicUsize);
+
+impl FailUnmaps {
+    fn fail_next(&self, n: usize) {
+        self.1.store(n, SeqCst);
+    }
+}
+
+impl Delegate for FailUnmaps {
+    fn inner(&self) -> &dyn Backend {
+        &*self.0
+    }
+    fn unmap_fenced(&self, fence: &vmem::backend::Fence, addr: u64, size: u64) -> vmem::Result<()> {
+        let left = self.1.load(SeqCst);
+        if left > 0 {
+            self.1.store(left - 1, SeqCst);
+            return Err(VmemError::InjectedFault("unmap"));
+        }
+        self.inner().unmap_fenced(fence, addr, size)
+    }
+}
+
+/// Two ids, one layer, 16 2 MB pages; over the checked sim driver that logs its calls,
+/// behind `FailUnmaps`.
+fn failing() -> (
+    Arc<KvCacheManager>,
+    Arc<FailUnmaps>,
+    Arc<SimChecked>,
+    Arc<DriverCounts>,
+) {
+    let (checked, counts) = backend();
+    let failing = Arc::new(FailUnmaps(checked.clone(), AtomicUsize::new(0)));
+    let cfg = small_kv(1, 2, CTX, MIB2)
+        .memory_cap(16 * MIB2)
         .overlap(false)
         .deferred_reclaim(false)
         .eager_tokens(0)
         .background_unmap(true)
         .reuse_while_unmapping(true)
         .build();
-    let kv = Arc::new(KvCacheManager::init(faulty.clone(), cfg).unwrap());
+    let kv = KvCacheManager::init(failing.clone(), cfg).unwrap();
+    (Arc::new(kv), failing, checked, counts)
+}
+
+/// Calls `f` until it is `Ok`, for at most `WAIT`.
+fn eventually<T>(mut f: impl FnMut() -> vmem::Result<T>) -> T {
+    let start = std::time::Instant::now();
+    loop {
+        match f() {
+            Ok(v) => return v,
+            Err(e) if start.elapsed() > WAIT => panic!("still failing after {WAIT:?}: {e}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(5)),
+        }
+    }
+}
+
+#[test]
+fn a_row_unmap_that_fails_once_is_tried_again_at_once() {
+    let (kv, failing, checked, _) = failing();
     let a = kv.alloc_reqid().unwrap();
-    kv.step(&lens2(a, 1024, 0, 0)).unwrap(); // 4 pages in each of 2 buffers: the whole cap
-    faulty.set_plan(FaultPlan {
-        unmap: Some(2),
-        ..FaultPlan::default()
-    });
+    kv.step(&lens2(a, CTX as u64, 0, 0)).unwrap();
+    let pages: Vec<_> = kv.mapped_handles().into_iter().map(|h| h.2).collect();
+    failing.fail_next(1);
+    kv.free_reqid(a).unwrap();
+    kv.wait_unmapped().unwrap();
+    for p in pages {
+        assert_eq!(checked.map_count(p), Some(0));
+    }
+    assert_eq!(kv.alloc_reqid().unwrap(), 1);
+    assert_eq!(kv.alloc_reqid().unwrap(), a, "a serves again");
+}
+
+#[test]
+fn a_row_that_fails_to_unmap_retires_its_id_until_the_thread_unmaps_it() {
+    let (kv, failing, checked, _) = failing();
+    let a = kv.alloc_reqid().unwrap();
+    kv.step(&lens2(a, CTX as u64, 0, 0)).unwrap();
+    let pages: Vec<_> = kv.mapped_handles().into_iter().map(|h| h.2).collect();
+    failing.fail_next(2); // its turn's try and the one right after
     kv.free_reqid(a).unwrap();
     let err = kv.wait_unmapped();
     assert!(
@@ -193,20 +257,65 @@ fn a_row_that_fails_to_unmap_retires_its_id_until_a_later_turn_unmaps_it() {
     assert!(matches!(kv.free_reqid(a), Err(VmemError::DoubleFree(r)) if r == a));
     let b = kv.alloc_reqid().unwrap();
     assert_ne!(a, b);
-    assert!(matches!(
-        kv.alloc_reqid(),
-        Err(VmemError::TooManyRequests(_))
-    ));
-    let b_len = |n| lens2(a, 0, b, n);
-    step_within(&kv, b_len(1024)).unwrap();
-    assert_eq!(kv.request_pages(b).unwrap(), vec![4, 4]);
-    // The next turn (b's free) unmaps a's row too: a serves again.
-    kv.free_reqid(b).unwrap();
-    kv.wait_unmapped().unwrap();
-    let ids = [kv.alloc_reqid().unwrap(), kv.alloc_reqid().unwrap()];
-    assert!(ids.contains(&a) && ids.contains(&b), "{ids:?}");
-    step_within(&kv, lens2(a, 1024, b, 0)).unwrap();
-    assert_eq!(kv.request_pages(a).unwrap(), vec![4, 4]);
+    step_within(&kv, lens2(b, CTX as u64, 0, 0)).unwrap();
+    // No free comes, yet the thread tries a's row again after its back-off, and a serves.
+    let c = eventually(|| kv.alloc_reqid());
+    assert_eq!(c, a);
+    step_within(&kv, lens2(c, CTX as u64, b, CTX as u64)).unwrap();
+    for p in pages {
+        assert_eq!(checked.map_count(p), Some(1), "b's or c's mapping only");
+    }
+}
+
+#[test]
+fn an_id_handed_out_again_before_its_rows_unmap_fails_refuses_to_map_until_it_goes() {
+    let (kv, failing, checked, counts) = failing();
+    let a = kv.alloc_reqid().unwrap();
+    let b = kv.alloc_reqid().unwrap();
+    kv.step(&lens2(a, CTX as u64, b, 100)).unwrap();
+    let (entered, release) = hold_fence(&counts);
+    kv.free_reqid(a).unwrap();
+    entered.recv_timeout(WAIT).unwrap();
+    // The only free id is a, whose row is still being unmapped: handed out again.
+    let c = kv.alloc_reqid().unwrap();
+    assert_eq!(c, a);
+    // The turn's try, the one right after, and the thread's next two (after 50 and 100 ms).
+    failing.fail_next(4);
+    release.send(()).unwrap();
+    assert!(kv.wait_unmapped().is_err());
+    let r = kv.step(&lens2(c, 100, b, 101));
+    assert!(
+        matches!(r, Err(VmemError::RowStillMapped { req }) if req == c),
+        "{r:?}"
+    );
+    // Nothing changed: b kept its length, c maps nothing.
+    assert_eq!(kv.request_pages(c).unwrap(), vec![0, 0]);
+    eventually(|| kv.step(&lens2(c, 100, b, 101)));
+    assert_eq!(kv.request_pages(c).unwrap(), vec![1, 1]);
+    for (_, _, p) in kv.mapped_handles() {
+        assert_eq!(checked.map_count(p), Some(1));
+    }
+}
+
+#[test]
+fn sleep_tries_a_retired_row_again_and_reports_why_it_could_not_release_it() {
+    let (kv, failing, _, counts) = failing();
+    let a = kv.alloc_reqid().unwrap();
+    kv.step(&lens2(a, CTX as u64, 0, 0)).unwrap();
+    failing.fail_next(usize::MAX);
+    kv.free_reqid(a).unwrap();
+    assert!(kv.wait_unmapped().is_err());
+    let r = kv.sleep(false);
+    assert!(matches!(r, Err(VmemError::InjectedFault("unmap"))), "{r:?}");
+    failing.fail_next(0);
+    kv.wake();
+    kv.sleep(false).unwrap();
+    let n = |c: &std::sync::atomic::AtomicU64| c.load(SeqCst);
+    assert_eq!(
+        n(&counts.created),
+        n(&counts.released),
+        "every page released"
+    );
 }
 
 /// Lengths for a cache of two ids.
@@ -244,4 +353,151 @@ fn dropping_the_manager_unmaps_the_rows_still_queued_and_releases_every_page() {
         "every page released"
     );
     assert_eq!(n(&counts.mapped), n(&counts.unmapped));
+}
+
+/// Holds every fence of the unmapping thread until `open`: freed rows stay mapped for as long
+/// as a test likes, so every page a step reuses is mapped a second time.
+#[derive(Debug)]
+struct HeldFences(Arc<dyn Backend>, std::sync::Mutex<bool>, std::sync::Condvar);
+
+impl HeldFences {
+    fn open(&self) {
+        *self.1.lock().unwrap() = true;
+        self.2.notify_all();
+    }
+}
+
+impl Delegate for HeldFences {
+    fn inner(&self) -> &dyn Backend {
+        &*self.0
+    }
+    fn fence(&self) -> vmem::Result<vmem::backend::Fence> {
+        if std::thread::current().name() == Some("vmem-unmapper") {
+            let mut open = self.1.lock().unwrap();
+            while !*open {
+                open = self.2.wait(open).unwrap();
+            }
+        }
+        self.inner().fence()
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Alloc,
+    Free(usize),
+    /// Set active request `idx % active`'s length to `len`, then step.
+    Grow(usize, u64),
+}
+
+mod reuse_props {
+    use super::*;
+    use proptest::prelude::*;
+
+    const IDS: usize = 6;
+    const TOKENS: u64 = CTX as u64;
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            2 => Just(Op::Alloc),
+            1 => (0..IDS).prop_map(Op::Free),
+            3 => ((0..IDS), (1..=TOKENS)).prop_map(|(i, l)| Op::Grow(i, l)),
+        ]
+    }
+
+    /// Every live page is mapped in one live row at most, and at least as often as live rows
+    /// map it (the rest: freed rows not unmapped yet).
+    fn check(kv: &KvCacheManager, checked: &SimChecked) -> Result<(), TestCaseError> {
+        let handles = kv.mapped_handles();
+        let mut seen = std::collections::HashSet::new();
+        for &(_, _, p) in &handles {
+            prop_assert!(seen.insert(p), "page {:?} in two live rows", p);
+            prop_assert!(checked.map_count(p).unwrap_or(0) >= 1);
+        }
+        let (created, free, cap) = kv.pool_pages();
+        prop_assert!(created <= cap);
+        prop_assert_eq!(
+            created,
+            free + handles.len() as u64,
+            "created = free + mapped"
+        );
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        #[test]
+        fn freed_pages_mapped_again_while_their_rows_wait_keep_every_invariant(
+            ops in prop::collection::vec(op(), 1..50),
+        ) {
+            let (checked, _) = backend();
+            let held = Arc::new(HeldFences(checked.clone(), Default::default(), Default::default()));
+            let cfg = small_kv(1, IDS, CTX, MIB2)
+                .memory_cap(10 * MIB2)
+                .overlap(false)
+                .deferred_reclaim(false)
+                .eager_tokens(0)
+                .background_unmap(true)
+                .reuse_while_unmapping(true)
+                .build();
+            let kv = KvCacheManager::init(held.clone(), cfg).unwrap();
+            let mut lens = vec![0u64; IDS];
+            let mut active = [false; IDS];
+            for op in &ops {
+                match *op {
+                    Op::Alloc => match kv.alloc_reqid() {
+                        Ok(r) => {
+                            prop_assert!(!active[r]);
+                            active[r] = true;
+                        }
+                        Err(VmemError::TooManyRequests(_)) => prop_assert!(active.iter().all(|&a| a)),
+                        Err(e) => return Err(TestCaseError::fail(e.to_string())),
+                    },
+                    Op::Free(r) => {
+                        // A free of an id whose old row waits for the (held) fence waits for
+                        // it too (a second free of a freed id, or one handed out again): only
+                        // active ids whose rows are not being unmapped are freed here.
+                        let mut one = vec![0; IDS];
+                        one[r] = 1;
+                        if !active[r] || kv.step_would_wait(&one).unwrap() {
+                            continue;
+                        }
+                        prop_assert!(kv.free_reqid(r).is_ok());
+                        active[r] = false;
+                        lens[r] = 0;
+                    }
+                    Op::Grow(i, len) => {
+                        let ids: Vec<usize> = (0..IDS).filter(|&r| active[r]).collect();
+                        if ids.is_empty() {
+                            continue;
+                        }
+                        let mut next = lens.clone();
+                        next[ids[i % ids.len()]] = len;
+                        // An id whose old row is still being unmapped waits for the (held)
+                        // fence: not stepped here.
+                        if kv.step_would_wait(&next).unwrap() {
+                            continue;
+                        }
+                        match kv.step(&next) {
+                            Ok(_) => lens = next,
+                            Err(VmemError::OutOfMemory { .. }) => {}
+                            Err(e) => return Err(TestCaseError::fail(e.to_string())),
+                        }
+                    }
+                }
+                check(&kv, &checked)?;
+            }
+            held.open();
+            kv.wait_unmapped().unwrap();
+            check(&kv, &checked)?;
+            // Once every freed row is unmapped, each live page is mapped exactly once.
+            for (_, _, p) in kv.mapped_handles() {
+                prop_assert_eq!(checked.map_count(p), Some(1));
+            }
+            drop(kv);
+            prop_assert_eq!(checked.mapped_pages(), 0);
+            prop_assert_eq!(checked.live_pages(), 0);
+        }
+    }
 }

@@ -243,6 +243,19 @@ pub enum VmemError {
         active: usize,
     },
 
+    /// Request `req`'s row still maps a freed request's pages: the unmapping thread could not
+    /// unmap them after they went to other rows (`KvConfig::reuse_while_unmapping`; its error
+    /// comes from `KvCacheManager::wait_unmapped`), and tries again. Nothing is mapped into
+    /// the row meanwhile; nothing changed.
+    #[error(
+        "request {req}'s row still maps a freed request's pages that could not be unmapped \
+         (wait_unmapped() reports why); it is tried again: retry later, or free the request"
+    )]
+    RowStillMapped {
+        /// The request whose row it is.
+        req: usize,
+    },
+
     /// A fault injected by `vmem::testing::FaultyBackend` (tests only).
     #[error("injected fault in {0}")]
     InjectedFault(&'static str),

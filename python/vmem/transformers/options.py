@@ -124,10 +124,12 @@ class Options:
     * ``reuse_while_unmapping``: with ``background_unmap``, a finished request's pages are free
       at once: the next round maps them at its rows while the finished row still maps them (a
       second mapping of the same memory), and the unmapping thread removes only the finished
-      row's mappings after the round in flight. No round waits for pages being unmapped. Safe
-      because the engine's rounds run on one CUDA stream: a round that writes the new rows runs
-      after the round that may still read the finished one. ``True`` (default); ``False``: a
-      round short of pages waits until they are unmapped.
+      row's mappings after the round in flight. No round waits for pages being unmapped (only a
+      request given the finished request's own row, when no other is free, waits for that row).
+      Safe because the engine's rounds run on one CUDA stream: a round that writes the new rows
+      runs after the round that may still read the finished one. ``True`` (default); ``False``: a
+      round short of pages waits until they are unmapped. Only matters with ``background_unmap``
+      and without ``deferred_reclaim``.
     * ``admit_while_unmapping``: a new request is admitted beside running ones even when the
       blocks it needs are pages vmem's unmapping thread is still giving back (``True``, the
       default); on CUDA that thread first waits for the round in flight, so the new request's

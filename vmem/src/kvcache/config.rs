@@ -108,10 +108,12 @@ pub struct KvConfig {
     /// ([`Backend::shares_pages`](crate::backend::Backend::shares_pages): CUDA, host, UVM,
     /// simulation): a freed request's pages are the pool's at once, and a step maps them at
     /// their new row while the freed row still maps them; the unmapping thread then removes
-    /// only the freed row's mappings, after its wait for the device, and no step waits for
-    /// it. The caller orders device work that writes a new row after the work queued before
-    /// that may read the freed one (one stream does: an engine's rounds). The freed id stays
-    /// claimed until its row is unmapped. Off by default.
+    /// only the freed row's mappings, after its wait for the device: a step waits for it
+    /// only to map into that very row (the freed id handed out again before its row is
+    /// unmapped, when no other id is free). The caller orders device work that writes a new
+    /// row after the work queued before that may read the freed one (one stream does: an
+    /// engine's rounds). Ignored without `background_unmap` or with `deferred_reclaim` (whose
+    /// freed rows keep their pages). Off by default.
     pub reuse_while_unmapping: bool,
     /// Tokens' worth of pages kept mapped for the next request id to be handed out (0 = off).
     pub eager_tokens: usize,

@@ -44,6 +44,9 @@ impl KvCacheManager {
             if !st.requests.is_active(req) {
                 return Err(VmemError::InactiveRequest(req));
             }
+            if st.requests.is_retired(req) {
+                return Err(VmemError::RowStillMapped { req });
+            }
             if tokens > self.cfg.max_context as u64 {
                 return Err(VmemError::SeqLenTooLong {
                     req,

@@ -42,6 +42,7 @@ fn run(shared: &Shared) {
             if !st.requests.is_active(r)
                 || st.requests.lookahead(r) != tokens
                 || st.requests.is_claimed(r)
+                || st.requests.is_retired(r)
             {
                 continue;
             }

@@ -23,6 +23,7 @@ mod mapper;
 mod policy;
 mod prefix;
 mod requests;
+mod reuse;
 mod sleep;
 mod state;
 mod unmap;
@@ -728,9 +729,13 @@ impl Drop for KvCacheManager {
                 tracing::error!("unmapping thread panicked");
             }
         }
+        let mut st = self.shared.lock();
+        // Rows a failed unmap left mapped: a last try, so their pages can be released.
+        if let Err(e) = st.retry_stale() {
+            tracing::error!(error = %e, "unmapping a retired row on drop failed");
+        }
         // Prefix sharing: unmap the requests that map cached pages and give every cached
         // page to the pool, so that each page is released once, by the pool.
-        let mut st = self.shared.lock();
         if st.prefix.on() {
             for r in 0..self.cfg.max_batch {
                 if st.prefix.held_blocks(r) > 0 {

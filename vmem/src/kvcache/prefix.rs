@@ -121,6 +121,14 @@ impl State {
             }
             0
         };
+        // Settling or unmapping the row may have evicted some of the blocks counted above
+        // (the cache past its cap, once the row's own went back to it): what is still cached
+        // after the kept ones is adopted.
+        let k = kept
+            + hashes[kept..k]
+                .iter()
+                .take_while(|h| self.prefix.entries.contains_key(h))
+                .count();
         let page = self.geo.page_size;
         let m = self.prefix.block_pages as usize;
         let mut mapped_buffers = 0;
@@ -350,7 +358,11 @@ impl KvCacheManager {
         if !st.requests.is_active(req) {
             return Err(VmemError::InactiveRequest(req));
         }
-        Ok(self.wait_unclaimed(st, |st| st.requests.is_claimed(req)))
+        let st = self.wait_unclaimed(st, |st| st.requests.is_claimed(req));
+        if st.requests.is_retired(req) {
+            return Err(VmemError::RowStillMapped { req });
+        }
+        Ok(st)
     }
 
     /// What the prefix cache holds and has served.

@@ -138,7 +138,8 @@ impl Requests {
         self.unmapping[r]
     }
 
-    /// Whether `r` is retired: freed, its row still mapped by a failed unmap, not handed out.
+    /// Whether `r` is retired: its row still maps a freed request's pages after a failed
+    /// unmap; a free id is not handed out, an active one refuses to map.
     pub(super) fn is_retired(&self, r: usize) -> bool {
         self.retired[r]
     }
@@ -241,7 +242,8 @@ impl Requests {
 
     /// The unmapping thread could not unmap freed `r`'s row, whose pages are the pool's
     /// already: the claim ends, and the id is not handed out until a later try unmaps it
-    /// ([`Requests::unmapper_done`]). Not the next id any more.
+    /// ([`Requests::unmapper_done`]); an id handed out again meanwhile refuses to map until
+    /// then. Not the next id any more.
     pub(super) fn retire(&mut self, r: usize) {
         self.unmapping[r] = false;
         self.claimed[r] = false;

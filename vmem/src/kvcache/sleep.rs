@@ -172,6 +172,8 @@ impl KvCacheManager {
         while let Some(pages) = st.prefix.evict_one() {
             st.pool.put(pages);
         }
+        // Rows a failed unmap left mapped hold pinned pages, which cannot be released.
+        st.retry_stale()?;
         let released = st.pool.trim(0)?;
         tracing::info!(pages = released, discarded = active, "KV cache asleep");
         Ok(released)

@@ -318,6 +318,9 @@ impl State {
             if len > 0 && !self.requests.is_active(r) {
                 return Err(VmemError::InactiveRequest(r));
             }
+            if len > 0 && self.requests.is_retired(r) {
+                return Err(VmemError::RowStillMapped { req: r });
+            }
         }
         self.check_prefix_lengths(seq_lens)
     }

@@ -18,6 +18,7 @@
 //! [`KvConfig::reuse_while_unmapping`]: super::KvConfig::reuse_while_unmapping
 //! [`PagePool::pin`]: crate::pool::PagePool::pin
 
+use super::reuse::{release_row, MAX_RETRY_WAIT};
 use super::state::State;
 use super::{KvCacheManager, Shared};
 use crate::backend::{Backend, Fence};
@@ -25,6 +26,7 @@ use crate::buffer::Tail;
 use crate::error::{Result, VmemError};
 use std::sync::{Arc, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 /// A request's pages beyond `keep` per buffer, planned for unmapping: [`State::plan_trim`]
 /// makes it under the lock, [`Trim::release`] unmaps without it, [`State::finish_trim`]
@@ -54,14 +56,24 @@ pub(super) enum UnmapJob {
 }
 
 impl Trim {
+    /// The request it trims.
+    pub(super) fn req(&self) -> usize {
+        self.req
+    }
+
+    /// How many tails (buffers' spans) it unmaps.
+    pub(super) fn tail_count(&self) -> usize {
+        self.tails.len()
+    }
+
     /// The trim less its first `done` tails (those already unmapped).
-    fn rest(mut self, done: usize) -> Trim {
+    pub(super) fn rest(mut self, done: usize) -> Trim {
         self.tails.drain(..done.min(self.tails.len()));
         self
     }
 
     /// The pages of its first `done` tails.
-    fn handles(&self, done: usize) -> Vec<crate::backend::PageHandle> {
+    pub(super) fn handles(&self, done: usize) -> Vec<crate::backend::PageHandle> {
         self.tails
             .iter()
             .take(done)
@@ -127,25 +139,13 @@ impl State {
         n
     }
 
-    /// Whether a freed request's pages are the pool's before its row is unmapped
-    /// ([`KvConfig::reuse_while_unmapping`] on a backend that maps a page twice).
-    ///
-    /// [`KvConfig::reuse_while_unmapping`]: super::KvConfig::reuse_while_unmapping
-    fn reuses_while_unmapping(&self) -> bool {
-        self.cfg.reuse_while_unmapping && self.buffers[0].backend().shares_pages()
-    }
-
     /// Hands freed request `r` to the unmapping thread: claimed until its row is unmapped.
     /// Its pages come back then, or, reusing while unmapping, now (pinned until then): the
     /// bookkeeping of the unmap is done here, the driver's part there.
     pub(super) fn queue_unmap(&mut self, r: usize) {
         self.requests.hand_to_unmapper(r);
         let job = match self.plan_trim(r, 0) {
-            Some(trim) if self.reuses_while_unmapping() => {
-                self.pool.pin(&trim.handles(trim.tails.len()));
-                self.finish_trim(&trim, trim.tails.len(), true);
-                UnmapJob::Row(trim)
-            }
+            Some(trim) if self.reuses_while_unmapping() => self.hand_over(trim),
             _ => UnmapJob::Pages(r),
         };
         self.signals.unmaps.push(job);
@@ -202,43 +202,59 @@ pub(super) fn spawn(shared: Arc<Shared>, backend: Arc<dyn Backend>) -> Result<Jo
 
 /// Gives back every queued request's pages, one wait for the device for all of them and each
 /// request's recorded as soon as it is unmapped, until shutdown finds the queue empty. Rows
-/// an earlier turn could not unmap are tried again with each turn's (and at shutdown).
+/// an earlier turn could not unmap (kvcache/reuse.rs) are tried again with the next turn, or
+/// after a back-off when no work comes, and once more at shutdown.
 fn run(shared: &Shared, backend: &dyn Backend) {
     let mut last_turn = false;
+    let mut retry_wait = Duration::from_millis(50);
     loop {
-        let jobs: Vec<(usize, Option<Trim>, bool)> = {
+        let jobs: Vec<Job> = {
             let mut st = shared.lock();
             while st.signals.unmaps.is_empty() && !st.signals.shutdown {
-                st = shared.wake.wait(st).unwrap_or_else(|e| e.into_inner());
+                if st.signals.stale.is_empty() {
+                    st = shared.wake.wait(st).unwrap_or_else(|e| e.into_inner());
+                    continue;
+                }
+                let (guard, waited) = shared
+                    .wake
+                    .wait_timeout(st, retry_wait)
+                    .unwrap_or_else(|e| e.into_inner());
+                st = guard;
+                if waited.timed_out() {
+                    retry_wait = (retry_wait * 2).min(MAX_RETRY_WAIT);
+                    break;
+                }
             }
-            if st.signals.unmaps.is_empty() && (last_turn || st.signals.stale.is_empty()) {
-                return; // shutdown, and nothing left to give back
+            if st.signals.unmaps.is_empty()
+                && (st.signals.stale.is_empty() || (st.signals.shutdown && last_turn))
+            {
+                return; // shutdown, and nothing left to give back (or tried once more)
             }
             last_turn = st.signals.shutdown;
             let mut queued = std::mem::take(&mut st.signals.unmaps);
-            // Retired rows are the thread's again until this try ends (`wait_unmapped` waits).
-            for job in std::mem::take(&mut st.signals.stale) {
-                if let UnmapJob::Row(t) = &job {
-                    st.requests.hand_to_unmapper(t.req);
-                }
-                queued.push(job);
-            }
+            queued.extend(st.take_stale());
             queued
                 .into_iter()
                 .map(|job| match job {
-                    UnmapJob::Pages(r) => (r, st.plan_trim(r, 0), false),
-                    UnmapJob::Row(t) => (t.req, Some(t), true),
+                    UnmapJob::Pages(r) => Job {
+                        req: r,
+                        trim: st.plan_trim(r, 0),
+                        row: false,
+                    },
+                    UnmapJob::Row(t) => Job {
+                        req: t.req(),
+                        trim: Some(t),
+                        row: true,
+                    },
                 })
                 .collect()
         };
         // Should a driver call panic below, the guard ends the claims of the requests not yet
         // given back as it unwinds (their pages stay theirs, as after a failed unmap; a row
-        // whose pages are the pool's already is retired), so no step waits for them forever;
-        // frees after that unmap on the caller's thread (`KvCacheManager::unmaps_behind`).
-        let mut guard = InFlight {
-            shared,
-            reqs: jobs.iter().map(|j| (j.0, j.2)).collect(),
-        };
+        // whose pages are the pool's already is retired, for `sleep` or the drop to try
+        // again), so no step waits for them forever; frees after that unmap on the caller's
+        // thread (`KvCacheManager::unmaps_behind`).
+        let mut guard = InFlight { shared, jobs };
         // Outside the lock: one wait for the device, then each request's unmaps, recorded as
         // soon as they are done, so a step waiting for some of these pages goes on without
         // waiting for the rest.
@@ -251,80 +267,105 @@ fn run(shared: &Shared, backend: &dyn Backend) {
                 None
             }
         };
-        for (r, trim, row) in jobs {
-            // `failed`: some of the trim is still mapped (after an unmap's error, reported
-            // below, or the fence's, reported above).
-            let (done, error, failed) = match (&fence, &trim) {
-                (Some(fence), Some(t)) => {
-                    let (done, result) = t.release(fence);
-                    let failed = result.is_err();
-                    (done, result.err(), failed)
+        while let Some(job) = guard.jobs.first_mut() {
+            let r = job.req;
+            let error = match (job.row, job.trim.take()) {
+                (true, Some(t)) => {
+                    let out = release_row(backend, fence.as_ref(), t);
+                    let mut st = shared.lock();
+                    let error = st.finish_row(r, out);
+                    if error.is_none() {
+                        retry_wait = Duration::from_millis(50);
+                    }
+                    drop(st);
+                    error
                 }
-                (None, Some(_)) => (0, None, true),
-                (_, None) => (0, None, false),
+                (_, trim) => {
+                    // `failed`: some of the trim is still mapped (after an unmap's error,
+                    // reported below, or the fence's, reported above).
+                    let (done, error) = match (&fence, &trim) {
+                        (Some(fence), Some(t)) => {
+                            let (done, result) = t.release(fence);
+                            (done, result.err())
+                        }
+                        _ => (0, None),
+                    };
+                    let mut st = shared.lock();
+                    if let Some(t) = trim {
+                        let complete = done == t.tail_count();
+                        st.finish_trim(&t, done, complete);
+                    }
+                    st.requests.unmapper_done(r);
+                    error
+                }
             };
             let mut st = shared.lock();
-            match trim {
-                Some(t) if row => {
-                    st.pool.unpin(&t.handles(done));
-                    if failed {
-                        // Its pages are the pool's: the row keeps the rest of its mappings
-                        // until a later turn unmaps them, and its id stays out of use.
-                        st.requests.retire(r);
-                        st.signals.stale.push(UnmapJob::Row(t.rest(done)));
-                    } else {
-                        st.requests.unmapper_done(r);
-                    }
-                }
-                Some(t) => {
-                    let complete = done == t.tails.len();
-                    st.finish_trim(&t, done, complete);
-                    st.requests.unmapper_done(r);
-                }
-                None => st.requests.unmapper_done(r),
-            }
             if let Some(e) = error {
                 // The pages not unmapped stay the inactive request's (reclaiming retries
-                // them), or, for a row whose pages are the pool's, its id stays retired.
+                // them), or, for a row whose pages are the pool's, the row stays retired.
                 tracing::warn!(req = r, error = %e, "background unmapping failed");
                 st.signals.unmap_error.get_or_insert(e);
             }
+            guard.jobs.remove(0);
             drop(st);
-            guard.reqs.retain(|&(q, _)| q != r);
             shared.wake.notify_all();
         }
         std::mem::forget(guard);
     }
 }
 
-/// The requests the unmapping thread is giving back outside the lock, each with whether its
-/// pages are the pool's already (a row job): if the thread unwinds there, their claims end on
-/// drop (`run` forgets the guard on the normal path).
+/// One request's unmapping, as the thread works through a turn.
+struct Job {
+    req: usize,
+    /// Its trim (`None` once taken for the driver, or when it held nothing).
+    trim: Option<Trim>,
+    /// A row job: its pages are the pool's already.
+    row: bool,
+}
+
+/// The requests the unmapping thread is giving back outside the lock: if it unwinds there,
+/// their claims end on drop (`run` forgets the guard on the normal path).
 struct InFlight<'a> {
     shared: &'a Shared,
-    reqs: Vec<(usize, bool)>,
+    jobs: Vec<Job>,
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         let mut st = self.shared.lock();
         // Its own requests, and those queued since, which no thread will take now. A row
-        // whose pages are the pool's may still map them: its id is retired for good.
+        // whose pages are the pool's may still map them: retired, its spans (when the
+        // thread still held them) left for `sleep` or the drop to try again.
         let queued = std::mem::take(&mut st.signals.unmaps);
-        let queued = queued.iter().map(|job| match job {
-            UnmapJob::Pages(r) => (*r, false),
-            UnmapJob::Row(t) => (t.req, true),
+        let queued = queued.into_iter().map(|job| match job {
+            UnmapJob::Pages(r) => Job {
+                req: r,
+                trim: None,
+                row: false,
+            },
+            UnmapJob::Row(t) => Job {
+                req: t.req(),
+                trim: Some(t),
+                row: true,
+            },
         });
-        for (r, row) in self.reqs.iter().copied().chain(queued) {
-            if row {
-                st.requests.retire(r);
+        let reqs: Vec<usize> = self.jobs.iter().map(|j| j.req).collect();
+        for job in std::mem::take(&mut self.jobs).into_iter().chain(queued) {
+            if job.row {
+                st.requests.retire(job.req);
+                if let Some(t) = job.trim {
+                    st.signals.stale.push(UnmapJob::Row(t));
+                }
             } else {
-                st.requests.unmapper_done(r);
+                st.requests.unmapper_done(job.req);
             }
         }
         st.signals.unmapper_dead = true;
         drop(st);
-        tracing::error!(reqs = ?self.reqs, "the unmapping thread panicked; its requests keep their pages");
+        tracing::error!(
+            ?reqs,
+            "the unmapping thread panicked; its requests keep their pages"
+        );
         self.shared.wake.notify_all();
     }
 }
