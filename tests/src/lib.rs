@@ -24,3 +24,23 @@ pub fn small_kv(
         .elem_bytes(2)
         .page_size(page)
 }
+
+/// Holds the driver's next fence open, as `cuCtxSynchronize` behind a round still running:
+/// the pair tells when it is entered (receive) and lets it go (send).
+pub fn hold_fence(
+    counts: &vmem::testing::DriverCounts,
+) -> (std::sync::mpsc::Receiver<()>, std::sync::mpsc::Sender<()>) {
+    let (entered_tx, entered_rx) = std::sync::mpsc::channel();
+    let (release_tx, release_rx) = std::sync::mpsc::channel();
+    *counts.fence_gate.lock().unwrap() = Some((entered_tx, release_rx));
+    (entered_rx, release_tx)
+}
+
+/// Step lengths for `b` request ids: `pairs` `(id, tokens)` set, every other id 0.
+pub fn lens(b: usize, pairs: &[(usize, u64)]) -> Vec<u64> {
+    let mut l = vec![0; b];
+    for &(r, n) in pairs {
+        l[r] = n;
+    }
+    l
+}

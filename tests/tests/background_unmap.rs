@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use vmem::backend::{Backend, Checked, HostBackend, SimMemory, KIB64, MIB2};
 use vmem::testing::{CountingDriver, DriverCounts, FaultPlan, FaultyBackend};
 use vmem::{KvCacheManager, KvConfig, VmemError};
-use vmem_tests::small_kv;
+use vmem_tests::{hold_fence, small_kv};
 
 const B: usize = 4;
 /// Two 2 MB pages per row and buffer (256 bytes per token per buffer).
@@ -35,21 +35,9 @@ fn manager(cfg: KvConfig) -> (KvCacheManager, Arc<DriverCounts>) {
     (KvCacheManager::init(backend, cfg).unwrap(), counts)
 }
 
-/// Holds the driver's next fence open: the returned pair tells when it is entered and lets
-/// it go (as `cuCtxSynchronize` behind a round still running).
-fn hold_fence(counts: &DriverCounts) -> (Receiver<()>, Sender<()>) {
-    let (entered_tx, entered_rx) = channel();
-    let (release_tx, release_rx) = channel();
-    *counts.fence_gate.lock().unwrap() = Some((entered_tx, release_rx));
-    (entered_rx, release_tx)
-}
-
+/// Step lengths for the cache's `B` ids.
 fn lens(pairs: &[(usize, u64)]) -> Vec<u64> {
-    let mut l = vec![0; B];
-    for &(r, n) in pairs {
-        l[r] = n;
-    }
-    l
+    vmem_tests::lens(B, pairs)
 }
 
 #[test]

@@ -3,13 +3,13 @@
 //! only the freed row's mappings after its wait for the device; no step waits for it.
 
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::channel;
 use std::sync::Arc;
 use std::time::Duration;
 use vmem::backend::{Backend, Checked, Delegate, SimMemory, MIB2};
 use vmem::testing::{CountingDriver, DriverCounts};
 use vmem::{KvCacheManager, KvConfig, VmemError};
-use vmem_tests::small_kv;
+use vmem_tests::{hold_fence, small_kv};
 
 const B: usize = 4;
 /// Two 2 MB pages per row and buffer (256 bytes per token per buffer).
@@ -18,10 +18,10 @@ const WAIT: Duration = Duration::from_secs(10);
 
 type SimChecked = Checked<CountingDriver<SimMemory>>;
 
-/// One layer (2 buffers), `cap_pages` 2 MB pages at most, no mapping thread, no deferred
-/// reclamation, unmapping in the background with pages reused at once.
-fn cfg(cap_pages: u64) -> KvConfig {
-    small_kv(1, B, CTX, MIB2)
+/// One layer (2 buffers), `ids` request ids, `cap_pages` 2 MB pages at most, no mapping
+/// thread, no deferred reclamation, unmapping in the background with pages reused at once.
+fn reusing(ids: usize, cap_pages: u64) -> KvConfig {
+    small_kv(1, ids, CTX, MIB2)
         .memory_cap(cap_pages * MIB2)
         .overlap(false)
         .deferred_reclaim(false)
@@ -31,6 +31,11 @@ fn cfg(cap_pages: u64) -> KvConfig {
         .build()
 }
 
+/// [`reusing`] with `B` ids.
+fn cfg(cap_pages: u64) -> KvConfig {
+    reusing(B, cap_pages)
+}
+
 /// The checked sim driver that logs its calls, and its counts.
 fn backend() -> (Arc<SimChecked>, Arc<DriverCounts>) {
     let driver = CountingDriver::new(SimMemory::new(&[MIB2]));
@@ -38,21 +43,9 @@ fn backend() -> (Arc<SimChecked>, Arc<DriverCounts>) {
     (Arc::new(Checked::wrap(driver).unwrap()), counts)
 }
 
-/// Holds the driver's next fence open (as `cuCtxSynchronize` behind a round still running):
-/// the pair tells when it is entered and lets it go.
-fn hold_fence(counts: &DriverCounts) -> (Receiver<()>, Sender<()>) {
-    let (entered_tx, entered_rx) = channel();
-    let (release_tx, release_rx) = channel();
-    *counts.fence_gate.lock().unwrap() = Some((entered_tx, release_rx));
-    (entered_rx, release_tx)
-}
-
+/// Step lengths for the cache's `B` ids.
 fn lens(pairs: &[(usize, u64)]) -> Vec<u64> {
-    let mut l = vec![0; B];
-    for &(r, n) in pairs {
-        l[r] = n;
-    }
-    l
+    vmem_tests::lens(B, pairs)
 }
 
 /// Runs `kv.step(seq_lens)` on another thread and fails (rather than hangs) if it has not
@@ -199,15 +192,7 @@ fn failing() -> (
 ) {
     let (checked, counts) = backend();
     let failing = Arc::new(FailUnmaps(checked.clone(), AtomicUsize::new(0)));
-    let cfg = small_kv(1, 2, CTX, MIB2)
-        .memory_cap(16 * MIB2)
-        .overlap(false)
-        .deferred_reclaim(false)
-        .eager_tokens(0)
-        .background_unmap(true)
-        .reuse_while_unmapping(true)
-        .build();
-    let kv = KvCacheManager::init(failing.clone(), cfg).unwrap();
+    let kv = KvCacheManager::init(failing.clone(), reusing(2, 16)).unwrap();
     (Arc::new(kv), failing, checked, counts)
 }
 
@@ -320,8 +305,7 @@ fn sleep_tries_a_retired_row_again_and_reports_why_it_could_not_release_it() {
 
 /// Lengths for a cache of two ids.
 fn lens2(r: usize, n: u64, q: usize, m: u64) -> Vec<u64> {
-    let mut l = vec![0; 2];
-    l[r] = n;
+    let mut l = vmem_tests::lens(2, &[(r, n)]);
     l[q] += m;
     l
 }
@@ -433,15 +417,7 @@ mod reuse_props {
         ) {
             let (checked, _) = backend();
             let held = Arc::new(HeldFences(checked.clone(), Default::default(), Default::default()));
-            let cfg = small_kv(1, IDS, CTX, MIB2)
-                .memory_cap(10 * MIB2)
-                .overlap(false)
-                .deferred_reclaim(false)
-                .eager_tokens(0)
-                .background_unmap(true)
-                .reuse_while_unmapping(true)
-                .build();
-            let kv = KvCacheManager::init(held.clone(), cfg).unwrap();
+            let kv = KvCacheManager::init(held.clone(), reusing(IDS, 10)).unwrap();
             let mut lens = vec![0u64; IDS];
             let mut active = [false; IDS];
             for op in &ops {
