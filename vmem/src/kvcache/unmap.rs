@@ -269,20 +269,11 @@ fn run(shared: &Shared, backend: &dyn Backend) {
         };
         while let Some(job) = guard.jobs.first_mut() {
             let r = job.req;
-            let error = match (job.row, job.trim.take()) {
-                (true, Some(t)) => {
-                    let out = release_row(backend, fence.as_ref(), t);
-                    let mut st = shared.lock();
-                    let error = st.finish_row(r, out);
-                    if error.is_none() {
-                        retry_wait = Duration::from_millis(50);
-                    }
-                    drop(st);
-                    error
-                }
+            // Outside the lock: the driver's part.
+            let released = match (job.row, job.trim.take()) {
+                (true, Some(t)) => Released::Row(release_row(backend, fence.as_ref(), t)),
                 (_, trim) => {
-                    // `failed`: some of the trim is still mapped (after an unmap's error,
-                    // reported below, or the fence's, reported above).
+                    // Nothing unmapped without the fence (its error is reported above).
                     let (done, error) = match (&fence, &trim) {
                         (Some(fence), Some(t)) => {
                             let (done, result) = t.release(fence);
@@ -290,7 +281,21 @@ fn run(shared: &Shared, backend: &dyn Backend) {
                         }
                         _ => (0, None),
                     };
-                    let mut st = shared.lock();
+                    Released::Pages(trim, done, error)
+                }
+            };
+            // Under one hold of the lock: the outcome and its error, so a waiter that sees
+            // the request done sees the error too.
+            let mut st = shared.lock();
+            let error = match released {
+                Released::Row(out) => {
+                    let error = st.finish_row(r, out);
+                    if error.is_none() {
+                        retry_wait = Duration::from_millis(50);
+                    }
+                    error
+                }
+                Released::Pages(trim, done, error) => {
                     if let Some(t) = trim {
                         let complete = done == t.tail_count();
                         st.finish_trim(&t, done, complete);
@@ -299,7 +304,6 @@ fn run(shared: &Shared, backend: &dyn Backend) {
                     error
                 }
             };
-            let mut st = shared.lock();
             if let Some(e) = error {
                 // The pages not unmapped stay the inactive request's (reclaiming retries
                 // them), or, for a row whose pages are the pool's, the row stays retired.
@@ -312,6 +316,14 @@ fn run(shared: &Shared, backend: &dyn Backend) {
         }
         std::mem::forget(guard);
     }
+}
+
+/// What the driver's part of a job did, recorded under the lock afterwards.
+enum Released {
+    /// A row job's outcome.
+    Row(super::reuse::RowRelease),
+    /// A pages job's trim (if any), how many of its tails were unmapped, and the error.
+    Pages(Option<Trim>, usize, Option<VmemError>),
 }
 
 /// One request's unmapping, as the thread works through a turn.
