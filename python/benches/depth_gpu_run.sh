@@ -7,6 +7,8 @@
 # $DEPTH_PROFILE (none: no profile), by default vmem with FlashAttention (the one
 # docs/results/serving-tail-h200/profile.txt profiled before vmem's scheduling and zeroing took
 # less of the host's time a round), or vmem-token-major-fafi-graphs-async-compile.
+# $DEPTH_CONTENDERS (comma-separated) names other contenders for the suite's rows, $DEPTH_MODEL
+# another of the suite's models (llama3.2-1b: Llama-3.2-1B's shapes at its 16 layers).
 #
 #   bash python/benches/depth_gpu_run.sh [WHEEL_DIR]
 #
@@ -50,11 +52,11 @@ peer=fi-paged-graphs-async-512-compile
 fa=vmem-token-major-graphs-async-compile
 no_reuse=vmem-token-major-graphs-async-compile-no-reuse
 vmem_fafi=vmem-token-major-fafi-graphs-async-compile
-w=(--only model=llama3-8b --only trace=conv --requests 128 --new-tokens 128)
+w=(--only "model=${DEPTH_MODEL:-llama3-8b}" --only trace=conv --requests 128 --new-tokens 128)
 start=$(date +%s)
 suite_s=$(( seconds < 300 ? seconds : 300 ))
 timeout "$suite_s" python3 python/benches/serving_suite.py "${w[@]}" --check-requests 0 --rounds 1 \
-  --only "contender=$peer,$fa,$no_reuse,$vmem_fafi" --out "$out/suite" 2>&1 | tee "$out/suite.log"
+  --only "contender=${DEPTH_CONTENDERS:-$peer,$fa,$no_reuse,$vmem_fafi}" --out "$out/suite" 2>&1 | tee "$out/suite.log"
 suite=$?
 [ "${DEPTH_PROFILE:-}" != none ] || exit "$suite"  # DEPTH_PROFILE=none: the suite's rows only
 left=$(( seconds - ($(date +%s) - start) ))

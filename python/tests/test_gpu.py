@@ -37,7 +37,9 @@ pytest says why. Benchmarks are in python/benches (gpu_bench.py).
   split_decode: kernel="fa"'s padded decode rounds split along the keys (fa_split): six
     requests of 300-2,000 tokens in 64 slots, bf16, Llama-3-8B heads: equals FA2 over the whole
     rows within bf16 tolerance, padded rows zeros; captured in a CUDA graph, a replay after a new
-    plan is written equals a fresh call on that plan; both timed (CUDA events, printed).
+    plan is written equals a fresh call on that plan; both timed (CUDA events, printed). The same
+    with split_reader="triton" (vmem's slot kernel reading twice the sequences as slots), and
+    with head dim 64 (Llama-3.2-1B's), 120 requests of ~1,000 tokens in 128 sequences.
   fa_mixed_round: kernel="fa"'s mixed rounds with the decodes in a call of their own (fa_mixed):
     a prompt chunk beside decodes, in two query orders, bf16, Llama-3's heads: equals the one
     varlen call within bf16 tolerance; planning returns while a long kernel is queued (pinned
@@ -50,6 +52,7 @@ pytest says why. Benchmarks are in python/benches (gpu_bench.py).
 from __future__ import annotations
 
 import gc
+import random
 import time
 
 import pytest
@@ -618,12 +621,13 @@ def test_cb_graphs():
     cb_graphs()
 
 
-def cb_compile(kernel: str = "fa"):
+def cb_compile(kernel: str = "fa", split_reader: str = "fa"):
     """The engine's compiled forward with vmem (Inductor, token-major, ``kernel``): with CUDA graphs and async
     batching, greedy tokens identical to the compiled forward without graphs, graphs replayed,
     Dynamo's graphs compiled; compiled without graphs, top-1 agreement with a plain forward at
     every decisive position (bf16: Inductor's fused norms round differently from eager, so a
-    near tie may flip against an uncompiled run). Nothing left mapped."""
+    near tie may flip against an uncompiled run). Nothing left mapped. With
+    ``split_reader="triton"``, vmem's slot kernel read the graphed decode rounds."""
     import transformers
     from harness import check as hc
     from harness import engine as he
@@ -641,9 +645,14 @@ def cb_compile(kernel: str = "fa"):
         compiled[0] += 1
         return torch._inductor.compile(gm, example_inputs)
 
-    from vmem.kernels import fa_fi
+    from vmem.kernels import _triton_decode, fa_fi, fa_split
 
     decode_min, reads_with_flashinfer, routes = fa_fi.DECODE_MIN, fa_fi.FaFlashInferReader.reads_with_flashinfer, []
+    attend_slots, slot_calls = _triton_decode.attend_slots, [0]
+
+    def counted_slots(*a, **k):
+        slot_calls[0] += 1
+        return attend_slots(*a, **k)
 
     def routed(self, rnd, padded):
         fi = reads_with_flashinfer(self, rnd, padded)
@@ -657,7 +666,9 @@ def cb_compile(kernel: str = "fa"):
         # with FlashInfer: graphs of both kinds in one run
         fa_fi.DECODE_MIN = 4
         fa_fi.FaFlashInferReader.reads_with_flashinfer = routed
-        vt.install(memory="512M", max_requests=8, max_context=2048, layout="token-major", kernel=kernel)
+        _triton_decode.attend_slots = counted_slots
+        vt.install(memory="512M", max_requests=8, max_context=2048, layout="token-major", kernel=kernel,
+                   split_reader=split_reader)
         arch = "llama-gqa" if kernel == "fa" else "hd64-tied"  # FlashInfer: head dim 64 or 128
         model = hc.make_model(arch, torch.bfloat16, "cuda", logit_scale=20.0)
         prompts = hc.make_prompts(6, [5, 140, 700, 17, 33, 300], model.config.vocab_size)
@@ -682,9 +693,14 @@ def cb_compile(kernel: str = "fa"):
               f"compiled, {time.perf_counter() - t:.1f} s")
         graph_run, on, n = serve(True)
         same = sum(a == b for a, b in zip(on, plain))
-        check(f"cb compile ({kernel}) + graphs + async: greedy tokens identical to compiled without graphs, "
-              "graphs replayed",
+        check(f"cb compile ({kernel}, split_reader={split_reader}) + graphs + async: greedy tokens identical to "
+              "compiled without graphs, graphs replayed",
               same == len(prompts) and n > 0, f"{same}/{len(prompts)} identical, {n} replays")
+        if split_reader == "triton":
+            split_buffers = graph_run["cache"].read.splits
+            check("split_reader='triton': the slot kernel read the graphed decode rounds",
+                  slot_calls[0] > 0 and split_buffers is not None and split_buffers.slot_kernel
+                  and split_buffers.per_row == fa_split.SLOTS_PER_ROW, f"{slot_calls[0]} calls")
         if kernel == "fa+flashinfer":
             wrappers = graph_run["cache"].read.fi.wrappers
             kinds = sorted({decode for _, decode, _, _ in wrappers.wrappers}) if wrappers else []
@@ -697,6 +713,7 @@ def cb_compile(kernel: str = "fa"):
                   f"{sum(fi for _, fi in graphed)} of {len(graphed)} through FlashInfer")
     finally:
         fa_fi.DECODE_MIN, fa_fi.FaFlashInferReader.reads_with_flashinfer = decode_min, reads_with_flashinfer
+        _triton_decode.attend_slots = attend_slots
         torch.cuda.CUDAGraph.replay = real
         vt.uninstall()
 
@@ -709,18 +726,28 @@ def test_cb_compile(kernel):
     cb_compile(kernel)
 
 
-def split_decode():
+def test_cb_compile_slot_kernel():
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    cb_compile("fa", split_reader="triton")
+
+
+def split_decode(slot_kernel: bool = False, d: int = 128, lengths: list[int] | None = None):
     from vmem.kernels import fa_split
     from vmem.kernels.buffers import RoundBuffers
 
     torch.manual_seed(0)
-    hq, hkv, d, mc, slots = 32, 8, 128, 4096, 64
-    rows = 7  # six requests and the trash row
+    lengths = lengths or [850, 300, 2000, 900, 1200, 640]
+    hq, hkv, mc = 32, 8, 4096
+    slots = max(64, -(-len(lengths) // 64) * 64)  # the engine's padded decode round
+    rows = len(lengths) + 1  # the requests and the trash row
+    how = "slot kernel" if slot_kernel else "FA"
     k = torch.randn(rows * mc, hkv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(rows * mc, hkv, d, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(slots, hq, d, device="cuda", dtype=torch.bfloat16)
     buffers = RoundBuffers(slots, mc, rows - 1, torch.device("cuda"), max_tokens=slots)
-    split_buffers = fa_split.SplitBuffers(slots, torch.device("cuda"))
+    split_buffers = fa_split.SplitBuffers(slots, torch.device("cuda"), slot_kernel=slot_kernel)
+    if slot_kernel:
+        fa_split.check_slot_kernel(torch.device("cuda"), d)
 
     def plan(lengths):
         entries = [(i, u - 1, 1) for i, u in enumerate(lengths)]
@@ -731,13 +758,14 @@ def split_decode():
         return torch.ops.aten._flash_attention_forward(q, k, v, meta.cu_q, meta.cu_k, 1, meta.max_k, 0.0, True,
                                                        False, scale=d ** -0.5, seqused_k=meta.used)[0]
 
-    lengths = [850, 300, 2000, 900, 1200, 640]
     meta, split = plan(lengths)
     want, got = whole(meta), fa_split.attend(q, k, v, split, meta.max_k, d ** -0.5)
     err = (got.float() - want.float()).abs().max().item()
-    check("split decode equals FA over whole rows", err < 2e-2 and max(split.host_part(4)) > 1,
+    n = len(lengths)
+    check(f"split decode ({how}, head dim {d}) equals FA over whole rows",
+          err < 2e-2 and max(split.host_part(4)) > 1 and split.slot_kernel == slot_kernel,
           f"max abs err {err:.2e}, slots per request {split.host_part(4)[:6]}")
-    check("split decode: padded rows are zeros", bool((got[6:] == 0).all()))
+    check(f"split decode ({how}): padded rows are zeros", bool((got[n:] == 0).all()))
 
     def replay_us(fn, n=200):
         """GPU time of one call of ``fn`` replayed from a CUDA graph (no launch cost: as served)."""
@@ -759,8 +787,10 @@ def split_decode():
         return start.elapsed_time(end) / n * 1e3
     t_whole = replay_us(lambda: whole(meta))
     t_split = replay_us(lambda: fa_split.attend(q, k, v, split, meta.max_k, d ** -0.5))
-    print(f"split decode, GPU time a layer (graph replays): FA over whole rows {t_whole:.1f} us, split "
-          f"{t_split:.1f} us ({t_whole / t_split:.2f}x)", flush=True)
+    need = sum(lengths) * hkv * d * 2 * 2  # the K and V bytes the round reads
+    print(f"split decode ({how}, head dim {d}, {n} requests), GPU time a layer (graph replays): FA over whole rows "
+          f"{t_whole:.1f} us, split {t_split:.1f} us ({t_whole / t_split:.2f}x; {need / t_split / 1e3:.0f} GB/s)",
+          flush=True)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -770,14 +800,20 @@ def split_decode():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = fa_split.attend(q, k, v, split, meta.max_k, d ** -0.5)
-    meta2, split2 = plan([3000, 129, 1, 400])  # a new plan into the same buffers
+    meta2, split2 = plan([3000, 129, 1, 400])  # a new plan into the same buffers (fewer requests)
     graph.replay()
     torch.cuda.synchronize()
     fresh = whole(meta2)
     err2 = (captured.float() - fresh.float()).abs().max().item()
-    check("split decode under a CUDA graph: a replay reads the round's own plan", err2 < 2e-2,
+    check(f"split decode ({how}) under a CUDA graph: a replay reads the round's own plan", err2 < 2e-2,
           f"max abs err {err2:.2e} against FA over the new round's rows")
 
 
 def test_split_decode():
     split_decode()
+
+
+def test_split_decode_slot_kernel():
+    split_decode(slot_kernel=True)
+    rng = random.Random(1)  # Llama-3.2-1B's heads; a round of every request fitting
+    split_decode(slot_kernel=True, d=64, lengths=[rng.randint(200, 2000) for _ in range(120)])

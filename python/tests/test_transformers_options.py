@@ -103,6 +103,7 @@ def _bad_values():
         "reuse_while_unmapping": [None, *flags],
         "background_unmap": flags,
         "split_decode": flags,
+        "split_reader": ["Triton", "", None, 1, True, np.bool_(False), b"fa"],
     }
 
 

@@ -111,6 +111,51 @@ print("MERGED")
     assert r.returncode == 0 and "MERGED" in r.stdout, r.stderr[-3000:]
 
 
+def test_the_triton_slot_kernel_equals_the_reference():
+    """vmem's slot kernel (:mod:`vmem.kernels._triton_decode`) against the slots' reference, on
+    grouped and ungrouped heads, run by Triton's interpreter on the CPU in float16 (the
+    interpreter has no bfloat16). Triton 3.6's interpreter reads a loaded scalar as a
+    one-element array, which NumPy 2 refuses as a loop bound; the child patches that one
+    conversion."""
+    pytest.importorskip("triton", reason="Triton is not installed")
+    code = """
+import random
+import torch
+import triton.runtime.interpreter as interp
+_patch = interp._patch_lang_tensor
+def _scalars(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+interp._patch_lang_tensor = _scalars
+from vmem.kernels import fa_split
+from vmem.kernels._triton_decode import attend_slots
+torch.manual_seed(0)
+rng = random.Random(0)
+fa_split.SLOTS_PER_ROW = 3
+for hq, hkv, d, block in [(32, 8, 64, 0), (4, 4, 32, 16), (12, 2, 16, 16)]:
+    mc = 512
+    k = torch.randn(7 * mc, hkv, d).half()
+    v = torch.randn_like(k)
+    entries = [(r, rng.randint(0, 450), 1) for r in rng.sample(range(7), 4)] + [(5, 0, 1)]
+    split = fa_split.SplitBuffers(8, torch.device("cpu"), slot_kernel=True).fill(entries, 6, mc, None)
+    assert split.slots == 18 and split.rows == 6 and max(split.host_part(4)) > 1
+    q = torch.randn(6, hq, d).half()
+    want_out, want_lse = fa_split.attend_reference(q.index_select(0, split.owner), k, v, split, 0.3)
+    out, lse = attend_slots(q, k, v, split.cu_k, split.used, split.owner, 0.3, block_n=block)  # 16: many blocks a slot
+    for j, used in enumerate(split.host_part(1)):
+        if used:
+            assert torch.allclose(out[j], want_out[j].float(), atol=2e-3), (hq, j, (out[j] - want_out[j]).abs().max())
+            assert torch.allclose(lse[:, j], want_lse[:, j], atol=1e-3), (hq, j)
+    merged = fa_split.combine_reference(out, lse, split, torch.float16)
+    whole = fa_split.combine_reference(want_out.float(), want_lse, split, torch.float16)
+    assert merged.shape == (6, hq, d) and torch.allclose(merged.float(), whole.float(), atol=2e-3)
+print("SLOTS")
+"""
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "SLOTS" in r.stdout, r.stderr[-3000:]
+
+
 def test_greedy_tokens_under_padding_equal_the_option_off_and_the_engines(monkeypatch):
     monkeypatch.setattr(fa_split, "MIN_KEYS", 8)  # the tiny prompts split into several runs
     model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
@@ -132,11 +177,19 @@ def test_greedy_tokens_under_padding_equal_the_option_off_and_the_engines(monkey
         whole = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 6, cb_kwargs=pad,
                              serving=dict(opts, split_decode=False))
         engine = h.run_engine(model, eng.ENGINE_SDPA, prompts, 6, cb_kwargs=pad)
-    assert plans and any(max(p.host_part(4)) > 1 for p in plans), "no decode round was split"
-    tokens = [[list(run["results"][rid].generated_tokens) for rid in run["ids"]] for run in (split, whole, engine)]
-    assert tokens[0] == tokens[1] == tokens[2]
-    cmp = h.compare(split, model, 6)
-    assert cmp["counts_ok"] and cmp["max_rel_err"] < 1e-4 and cmp["top1_agree"] == cmp["decisive"] > 0, cmp
+        n_fa = len(plans)
+        slots = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 6, cb_kwargs=pad,
+                             serving=dict(opts, split_reader="triton"))
+    assert plans[:n_fa] and any(max(p.host_part(4)) > 1 for p in plans[:n_fa]), "no decode round was split"
+    # split_reader="triton": twice the sequences as slots (the CPU reads them with the reference)
+    assert plans[n_fa:] and all(p.slots == 2 * p.rows and p.slot_kernel for p in plans[n_fa:])
+    assert not any(p.slot_kernel for p in plans[:n_fa])
+    runs = (split, whole, engine, slots)
+    tokens = [[list(run["results"][rid].generated_tokens) for rid in run["ids"]] for run in runs]
+    assert tokens[0] == tokens[1] == tokens[2] == tokens[3]
+    for run in (split, slots):
+        cmp = h.compare(run, model, 6)
+        assert cmp["counts_ok"] and cmp["max_rel_err"] < 1e-4 and cmp["top1_agree"] == cmp["decisive"] > 0, cmp
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, 0.0])
@@ -149,6 +202,30 @@ def test_split_decode_with_another_kernel_is_refused():
     with pytest.raises(vmem.InvalidArgument, match="split_decode splits kernel='fa'"):
         vt.Options(kernel="flex", split_decode=True)
     vt.Options(kernel="flex", split_decode=False)  # off: nothing to refuse
+
+
+@pytest.mark.parametrize("bad", ["flash", "", None, True, 1])
+def test_a_bad_split_reader_is_refused(bad):
+    with pytest.raises(vmem.InvalidArgument, match="split_reader"):
+        vt.Options(split_reader=bad)
+
+
+@pytest.mark.parametrize("kw", [dict(split_decode=False), dict(kernel="flex"), dict(kernel="flashinfer")])
+def test_split_reader_triton_without_a_split_fa_round_is_refused(kw):
+    with pytest.raises(vmem.InvalidArgument, match="split_reader='triton' reads split decode rounds"):
+        vt.Options(split_reader="triton", **kw)
+    assert vt.Options(split_reader="fa", **kw).split_reader == "fa"
+
+
+def test_the_slot_kernel_where_it_cannot_run_says_why():
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(vmem.InvalidArgument, match="power of two from 16, not 96"):
+        fa_split.check_slot_kernel(cuda, 96)
+    with pytest.raises(vmem.InvalidArgument, match="power of two from 16, not 8"):
+        fa_split.check_slot_kernel(cuda, 8)
+    if not torch.cuda.is_available():  # a real failure: Triton missing, or no device to launch on
+        with pytest.raises(vmem.InvalidArgument, match="split_reader='triton': it does not run here"):
+            fa_split.check_slot_kernel(cuda, 128)
 
 
 def test_where_it_cannot_run_true_says_why_and_none_stays_off():

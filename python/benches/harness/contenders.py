@@ -13,9 +13,9 @@ version families it runs on; :func:`offered` and :func:`spec` answer for the run
 (``ValueError`` naming the version for one it does not serve). A spec's keys: ``attn`` (the
 attention name), ``block_size`` (the engine's block / page tokens, engine caches), ``graphs``
 (the engine's CUDA graphs on, async batching off unless ``async``), ``layout``/``kernel``/
-``deferred_reclaim``/``admit_while_unmapping`` (vmem), ``graph_max_tokens`` (fi-paged), ``sharing``, ``optional``
-(needs FlashInfer: run only when named), ``compile`` (the engine's compiled forward:
-:func:`compile_config`)."""
+``deferred_reclaim``/``admit_while_unmapping``/``reuse_while_unmapping``/``split_reader`` (vmem),
+``graph_max_tokens`` (fi-paged), ``sharing``, ``optional`` (needs FlashInfer: run only when named),
+``compile`` (the engine's compiled forward: :func:`compile_config`)."""
 
 from __future__ import annotations
 
@@ -76,6 +76,11 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     # FlashInfer's decode kernel for large decode rounds, FlashAttention for the rest.
     "vmem-token-major-fafi-graphs-async-compile": (BOTH, {**_VMEM_BEST, "kernel": "fa+flashinfer",
                                                           "optional": True}),
+    # vmem's Triton slot kernel for FA's padded decode rounds, over twice their sequences as slots.
+    "vmem-token-major-fatri-graphs-async-compile": (BOTH, {**_VMEM_BEST, "split_reader": "triton"}),
+    # ... and FlashInfer's decode kernel for the large decode rounds.
+    "vmem-token-major-fafi-tri-graphs-async-compile": (BOTH, {**_VMEM_BEST, "kernel": "fa+flashinfer",
+                                                              "split_reader": "triton", "optional": True}),
     # A new request waits a round rather than take pages still being unmapped (its round would
     # wait for the one in flight): admit_while_unmapping=False.
     "vmem-token-major-graphs-async-compile-hold-admissions": (BOTH, {**_VMEM_BEST, "admit_while_unmapping": False}),
@@ -179,9 +184,9 @@ def attention(sp: Spec) -> str:
 
 def vmem_options(sp: Spec) -> dict[str, Any]:
     """The ``vmem.transformers.serving`` options a vmem ``sp`` names itself (layout, kernel,
-    deferred reclamation, admission and reuse while unmapping)."""
+    deferred reclamation, admission and reuse while unmapping, what reads split decode rounds)."""
     return {k: sp[k] for k in ("layout", "kernel", "deferred_reclaim", "admit_while_unmapping",
-                               "reuse_while_unmapping") if k in sp}
+                               "reuse_while_unmapping", "split_reader") if k in sp}
 
 
 def contender_config(model: Any, sp: Spec, args: Any, budget: dict[str, int],
@@ -212,7 +217,8 @@ def contender_config(model: Any, sp: Spec, args: Any, budget: dict[str, int],
                 "page_size": args.page_size, "max_requests": rows, "max_context": args.max_context,
                 "deferred_reclaim": sp.get("deferred_reclaim", False),
                 "admit_while_unmapping": sp.get("admit_while_unmapping", True),
-                "reuse_while_unmapping": sp.get("reuse_while_unmapping", True)}
+                "reuse_while_unmapping": sp.get("reuse_while_unmapping", True),
+                "split_reader": sp.get("split_reader", "fa")}
         return kw, opts
     bs = sp["block_size"]
     # The budget is fixed by num_blocks; the engine still checks its footprint against

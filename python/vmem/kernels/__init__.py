@@ -28,6 +28,8 @@ module                    job
 :mod:`.fa_mixed`          FA's mixed rounds (a prompt chunk beside decodes): the decodes in a
                           call of their own, grouped heads reading each key once
 :mod:`._triton_combine`   the merge as one Triton kernel (CUDA only, imported when used)
+:mod:`._triton_decode`    vmem's slot kernel: a split round's slots read a KV head's whole query
+                          group at a time (``split_reader="triton"``; CUDA only)
 :mod:`.flex`              FlexAttention with a BlockMask built from index tensors (``FlexReader``),
                           its blockwise CPU reference
 :mod:`.flashinfer`        FlashInfer over the rows as pages: the plan arrays, their CPU reference,

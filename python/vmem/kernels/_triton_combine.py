@@ -37,17 +37,19 @@ def _combine_kernel(out_ptr, lse_ptr, first_ptr, count_ptr, merged_ptr,  # type:
     tl.store(merged_ptr + b * stride_m_s + h * stride_m_h + d, merged.to(merged_ptr.dtype.element_ty))
 
 
-def combine_slots(out: torch.Tensor, lse: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+def combine_slots(out: torch.Tensor, lse: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
     """``out`` ``[S, Hq, D]`` (last dim contiguous, ``D`` a power of two), ``lse`` ``[Hq, S]``
-    float32 (last dim contiguous), ``first``/``count`` ``[S]`` int32 on the device; returns
-    ``[S, Hq, D]`` in ``out``'s dtype."""
-    s, hq, d = out.shape
+    float32 (last dim contiguous), ``first``/``count`` ``[R]`` int32 on the device (``R`` output
+    rows, at most ``S``); returns ``[R, Hq, D]`` in ``dtype`` (``out``'s when ``None``)."""
+    hq, d = out.shape[1], out.shape[2]
+    rows = first.numel()
     if out.stride(-1) != 1:
         out = out.contiguous()
     if lse.stride(-1) != 1:
         lse = lse.contiguous()
-    merged = torch.empty_like(out)
-    _combine_kernel[(s, hq)](out, lse, first, count, merged,
-                             out.stride(0), out.stride(1), lse.stride(0), merged.stride(0), merged.stride(1),
-                             D=d)
+    merged = torch.empty((rows, hq, d), dtype=dtype or out.dtype, device=out.device)
+    _combine_kernel[(rows, hq)](out, lse, first, count, merged,
+                                out.stride(0), out.stride(1), lse.stride(0), merged.stride(0), merged.stride(1),
+                                D=d)
     return merged

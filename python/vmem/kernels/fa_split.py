@@ -19,6 +19,12 @@ reads the round's plan, whatever the plan captured.
 
 On CUDA :func:`combine` is one Triton kernel (head dims a power of two); elsewhere, and as the
 reference the tests compare it with, plain tensor ops. Engine-free.
+
+With ``split_reader="triton"`` (:class:`vmem.transformers.Options`) the slots are read by vmem's
+own slot kernel (:mod:`._triton_decode`) instead of FA: a thread block per slot and KV head,
+holding the head's whole query group, where FA gives the group's few query heads a tile of 64 or
+128 rows. A round is then dealt :data:`SLOTS_PER_ROW` times its padded sequences as slots (the
+grid is the kernel's own, not FA's), so a round of many long requests splits too.
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ import torch
 
 from .._vmem import InvalidArgument, VmemError
 from .buffers import copy_on_stream, int32_tensor
+
+#: Slots a padded decode round is dealt per padded sequence when vmem's slot kernel reads them
+#: (FA's grid is the round's sequences: one slot each).
+SLOTS_PER_ROW = 2
 
 #: No slot gets fewer keys than this (FlashAttention-2's key block is 64 to 128 tokens for head
 #: dims up to 256: a shorter run leaves a block mostly idle, and its partial costs a combine).
@@ -54,6 +64,31 @@ def splits_for(option: bool | None, device: torch.device, head_dim: int,
     if why is not None and option:
         raise InvalidArgument(f"split_decode=True: {why}; leave split_decode unset or False")
     return why is None
+
+
+def check_slot_kernel(device: torch.device, head_dim: int, dtype: torch.dtype = torch.bfloat16, *,
+                      q_heads: int = 1, kv_heads: int = 1) -> None:
+    """Refuses, with :class:`vmem.InvalidArgument` saying why, a CUDA ``device`` where vmem's
+    Triton slot kernel (:mod:`._triton_decode`) cannot read a split round's slots: a head dim
+    that is not a power of two from 16, Triton missing, or the kernel failing to build or run.
+    A first launch here, with the model's heads, compiles the kernel the rounds use at the
+    cache's construction, not in the engine's loop."""
+    why = None
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        why = f"it needs a head dim that is a power of two from 16, not {head_dim}"
+    else:
+        try:
+            from ._triton_decode import attend_slots
+
+            one = torch.ones(1, dtype=torch.int32, device=device)
+            q = torch.zeros(1, q_heads, head_dim, dtype=dtype, device=device)
+            kv = torch.zeros(1, kv_heads, head_dim, dtype=dtype, device=device)
+            attend_slots(q, kv, kv, one - 1, one, one - 1, 1.0)
+            torch.cuda.synchronize(device)
+        except Exception as e:  # noqa: BLE001 - any failure to build or launch it is the reason
+            why = f"it does not run here ({type(e).__name__}: {e})"
+    if why is not None:
+        raise InvalidArgument(f"split_reader='triton': {why}; use split_reader='fa'")
 
 
 def _merge_kernel_fails(device: torch.device, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
@@ -115,23 +150,31 @@ def plan_slots(lengths: list[int], slots: int) -> tuple[list[int], list[int], li
 
 class SplitBuffers:
     """The static device buffer one cache's split decode rounds read (sized once, written in
-    place before each forward, so a CUDA graph's addresses stay valid). A round of ``S`` slots
-    writes its plan at the buffer's start, ``[cu_k (S+1) | used | owner | first | count (S
-    each)]`` int32: each slot's first key, its keys, its request, and for each output row its
-    first slot and slot count (0 for a padded row). Every round of ``S`` slots, the rounds one
-    graph replays, puts them at the same addresses; only ``5 S + 1`` entries are copied a round.
-    ``cu_q``, ``0 .. capacity`` (one query a slot), is written once."""
+    place before each forward, so a CUDA graph's addresses stay valid). A round of ``R`` padded
+    sequences is dealt ``S = R x per_row`` slots (``per_row``: :data:`SLOTS_PER_ROW` when
+    ``slot_kernel``, vmem's Triton kernel, reads them, else 1: FA's grid is the round's) and
+    writes its plan at the buffer's start, ``[cu_k (S+1) | used | owner (S each) | first |
+    count (R each)]`` int32: each slot's first key, its keys, its request, and for each output
+    row its first slot and slot count (0 for a padded row). Every round of ``R`` sequences, the
+    rounds one graph replays, puts them at the same addresses; only ``3 S + 2 R + 1`` entries
+    are copied a round. ``cu_q``, ``0 .. S`` (one query a slot, what FA reads), is written
+    once. ``capacity``: the most sequences a round holds."""
 
-    def __init__(self, capacity: int, device: torch.device) -> None:
+    def __init__(self, capacity: int, device: torch.device, *, slot_kernel: bool = False) -> None:
         self.capacity = int(capacity)
-        self.buffer = torch.zeros(5 * self.capacity + 1, dtype=torch.int32, device=device)
-        self.cu_q = torch.arange(self.capacity + 1, dtype=torch.int32, device=device)
+        self.slot_kernel = bool(slot_kernel)
+        self.per_row = SLOTS_PER_ROW if self.slot_kernel else 1
+        slots = self.capacity * self.per_row
+        self.buffer = torch.zeros(3 * slots + 2 * self.capacity + 1, dtype=torch.int32, device=device)
+        self.cu_q = torch.arange(slots + 1, dtype=torch.int32, device=device)
 
-    def fill(self, entries: list[tuple[int, int, int]], slots: int, max_context: int, stream: Any) -> SplitRound:
-        """Plans a padded decode round of ``entries`` (``(row, past, 1)`` per request) over
-        ``slots`` slots and writes the plan (on ``stream``, as the round's metadata is)."""
-        if slots > self.capacity:
-            raise VmemError(f"a decode round of {slots} slots; the split buffers hold {self.capacity}")
+    def fill(self, entries: list[tuple[int, int, int]], rows: int, max_context: int, stream: Any) -> SplitRound:
+        """Plans a padded decode round of ``entries`` (``(row, past, 1)`` per request) and
+        ``rows`` sequences in all over its slots and writes the plan (on ``stream``, as the
+        round's metadata is)."""
+        if rows > self.capacity:
+            raise VmemError(f"a decode round of {rows} sequences; the split buffers hold {self.capacity}")
+        slots = rows * self.per_row
         lengths = [past + q for _, past, q in entries]
         owner, start, first, counts = plan_slots(lengths, slots)
         runs = [-(-u // c) for u, c in zip(lengths, counts)]
@@ -141,37 +184,45 @@ class SplitBuffers:
         none = [0] * (slots - k)
         cu_k = [starts[b] + st for b, st in real]
         used = [min(lengths[b] - st, runs[b]) for b, st in real]
-        pad = [0] * (slots - len(entries))
+        pad = [0] * (rows - len(entries))
         host = int32_tensor(cu_k + none + [0] + used + none + owner[:k] + none + first + pad + counts + pad)
-        n = 5 * slots + 1
+        n = 3 * slots + 2 * rows + 1
         copy_on_stream(self.buffer[:n], host, stream)
-        dev, k = self.buffer, slots
-        return SplitRound(self.cu_q[: k + 1], dev[: k + 1], dev[k + 1: 2 * k + 1], dev[2 * k + 1: 3 * k + 1],
-                          dev[3 * k + 1: 4 * k + 1], dev[4 * k + 1: n], host=host)
+        dev, s = self.buffer, slots
+        return SplitRound(self.cu_q[: s + 1], dev[: s + 1], dev[s + 1: 2 * s + 1], dev[2 * s + 1: 3 * s + 1],
+                          dev[3 * s + 1: 3 * s + 1 + rows], dev[3 * s + 1 + rows: n], host=host,
+                          slot_kernel=self.slot_kernel)
 
 
 class SplitRound:
     """One split round as the kernels read it: device views ``cu_q``, ``cu_k`` ``[S+1]``,
-    ``used``, ``owner``, ``first``, ``count`` ``[S]``, and ``host``, the same
-    ``[cu_k | used | owner | first | count]`` on the CPU (for the reference)."""
+    ``used``, ``owner`` ``[S]``, ``first``, ``count`` ``[R]``, ``host``, the same
+    ``[cu_k | used | owner | first | count]`` on the CPU (for the reference), and
+    ``slot_kernel``: whether vmem's Triton kernel reads the slots (else FA)."""
 
-    __slots__ = ("count", "cu_k", "cu_q", "first", "host", "owner", "used")
+    __slots__ = ("count", "cu_k", "cu_q", "first", "host", "owner", "slot_kernel", "used")
 
     def __init__(self, cu_q: torch.Tensor, cu_k: torch.Tensor, used: torch.Tensor, owner: torch.Tensor,
-                 first: torch.Tensor, count: torch.Tensor, *, host: torch.Tensor) -> None:
+                 first: torch.Tensor, count: torch.Tensor, *, host: torch.Tensor, slot_kernel: bool = False) -> None:
         self.cu_q, self.cu_k, self.used, self.owner, self.first, self.count = cu_q, cu_k, used, owner, first, count
-        self.host = host
+        self.host, self.slot_kernel = host, slot_kernel
 
     @property
     def slots(self) -> int:
+        """``S``, the round's slots."""
         return int(self.used.numel())
 
+    @property
+    def rows(self) -> int:
+        """``R``, the round's padded sequences (its output rows)."""
+        return int(self.first.numel())
+
     def host_part(self, i: int) -> list[int]:
-        """Part ``i`` of :attr:`host` as ints: 0 ``cu_k`` (``S + 1``), 1 ``used``, 2 ``owner``,
-        3 ``first``, 4 ``count``."""
-        s = self.slots
-        lo = 0 if i == 0 else i * s + 1
-        return self.host[lo: s + 1 if i == 0 else lo + s].tolist()
+        """Part ``i`` of :attr:`host` as ints: 0 ``cu_k`` (``S + 1``), 1 ``used``, 2 ``owner``
+        (``S`` each), 3 ``first``, 4 ``count`` (``R`` each)."""
+        s, r = self.slots, self.rows
+        bounds = [0, s + 1, 2 * s + 1, 3 * s + 1, 3 * s + 1 + r, 3 * s + 1 + 2 * r]
+        return self.host[bounds[i]: bounds[i + 1]].tolist()
 
 
 def lse_per_slot(lse: torch.Tensor, slots: int) -> torch.Tensor:
@@ -207,43 +258,53 @@ def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: S
     return out, lse
 
 
-def combine_reference(out: torch.Tensor, lse: torch.Tensor, split: SplitRound) -> torch.Tensor:
+def combine_reference(out: torch.Tensor, lse: torch.Tensor, split: SplitRound,
+                      dtype: torch.dtype | None = None) -> torch.Tensor:
     """Merges each request's slots: ``out`` ``[S, Hq, D]`` (slot outputs), ``lse`` ``[Hq, S]``;
-    returns ``[S, Hq, D]`` whose row ``b`` is request ``b``'s attention (zeros for a padded row)."""
+    returns ``[R, Hq, D]`` in ``dtype`` (``out``'s when ``None``) whose row ``b`` is request
+    ``b``'s attention (zeros for a padded row)."""
     first, count = split.host_part(3), split.host_part(4)
-    merged = out.new_zeros(out.shape)
+    merged = out.new_zeros((len(count), *out.shape[1:]), dtype=dtype or out.dtype)
     for b in range(len(count)):
         if count[b] == 0:
             continue
         j = slice(first[b], first[b] + count[b])
         w = torch.softmax(lse[:, j], dim=1)  # [Hq, c]
-        merged[b] = (out[j].float() * w.transpose(0, 1).unsqueeze(-1)).sum(0).to(out.dtype)
+        merged[b] = (out[j].float() * w.transpose(0, 1).unsqueeze(-1)).sum(0).to(merged.dtype)
     return merged
 
 
-def combine(out: torch.Tensor, lse: torch.Tensor, split: SplitRound) -> torch.Tensor:
+def combine(out: torch.Tensor, lse: torch.Tensor, split: SplitRound, dtype: torch.dtype | None = None) -> torch.Tensor:
     """:func:`combine_reference`'s result; on CUDA one Triton kernel when the head dim is a power
     of two (reading ``first``/``count`` on the device: a replayed graph merges the round's own
     plan)."""
     d = out.shape[-1]
     if out.device.type != "cuda" or d & (d - 1):
-        return combine_reference(out, lse, split)
+        return combine_reference(out, lse, split, dtype)
     from ._triton_combine import combine_slots
 
-    return combine_slots(out, lse, split.first, split.count)
+    return combine_slots(out, lse, split.first, split.count, dtype)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SplitRound, max_k: int,
            scale: float | None) -> torch.Tensor:
-    """A padded decode round's attention over the slots of ``split``: ``q`` ``[S, Hq, D]`` (row
-    ``b`` request ``b``'s query, padded rows after), the flat ``k``/``v``; returns ``[S, Hq, D]``
-    (padded rows zeros)."""
-    q_slots = q.index_select(0, split.owner)  # each slot its request's query
+    """A padded decode round's attention over the slots of ``split``: ``q`` ``[R, Hq, D]`` (row
+    ``b`` request ``b``'s query, padded rows after), the flat ``k``/``v``; returns ``[R, Hq, D]``
+    (padded rows zeros). The slots are read by vmem's slot kernel when the plan says so, else by
+    FA (``max_k`` the longest slot); the reference on the CPU."""
     if q.device.type != "cuda":
-        out, lse = attend_reference(q_slots, k, v, split, scale)
+        out, lse = attend_reference(q.index_select(0, split.owner), k, v, split, scale)
+    elif split.slot_kernel:
+        from ._triton_decode import attend_slots
+
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out, lse = attend_slots(q, k, v, split.cu_k, split.used, split.owner,
+                                q.shape[-1] ** -0.5 if scale is None else scale)
     else:
         out, lse = torch.ops.aten._flash_attention_forward(
-            q_slots, k, v, split.cu_q, split.cu_k, 1, max_k, 0.0, True, False, scale=scale, seqused_k=split.used,
+            q.index_select(0, split.owner), k, v, split.cu_q, split.cu_k, 1, max_k, 0.0, True, False, scale=scale,
+            seqused_k=split.used,
         )[:2]
         lse = lse_per_slot(lse, split.slots)
-    return combine(out, lse, split)
+    return combine(out, lse, split, q.dtype)

@@ -198,8 +198,14 @@ class VmemCBCache:
             return FlexReader(self, g.compiled)
         if self.kernel == "flashinfer":
             return self._flashinfer_reader(config, self.max_batch_tokens)
-        split = fa_split.splits_for(self.options.split_decode, self.device, g.head_dim, self.dtype)
-        fa = FaReader(g.max_context, fa_split.SplitBuffers(self.round_buffers.capacity, self.device) if split else None)
+        slot_kernel = self.options.split_reader == "triton"  # needs the split: on, or an error saying why
+        if slot_kernel and self.device.type == "cuda":
+            fa_split.check_slot_kernel(self.device, g.head_dim, self.dtype, q_heads=config.num_attention_heads,
+                                       kv_heads=g.kv_heads)
+        split = fa_split.splits_for(True if slot_kernel else self.options.split_decode, self.device, g.head_dim,
+                                    self.dtype)
+        fa = FaReader(g.max_context, fa_split.SplitBuffers(self.round_buffers.capacity, self.device,
+                                                           slot_kernel=slot_kernel) if split else None)
         if self.kernel == "fa":
             return fa
         # FlashInfer reads decode rounds only: its workspace holds the largest one, a token a

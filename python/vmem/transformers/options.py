@@ -32,6 +32,9 @@ KERNELS = ("fa", "flex", "flashinfer", "fa+flashinfer")
 #: The kernels that read some rounds with FlashAttention, and those that need FlashInfer.
 FA_KERNELS = ("fa", "fa+flashinfer")
 FLASHINFER_KERNELS = ("flashinfer", "fa+flashinfer")
+#: What reads a split decode round's slots (``split_reader``): FlashAttention-2, or vmem's Triton
+#: slot kernel (:mod:`vmem.kernels._triton_decode`).
+SPLIT_READERS = ("fa", "triton")
 #: Where a padded (CUDA-graph) round's ``max_seqlen_k`` comes from: the engine's padded bucket or
 #: the row length (``max_context``).
 SEQLEN_K_SOURCES = ("bucket", "context")
@@ -150,6 +153,13 @@ class Options:
       of two and Triton able to build its merge kernel, tried once when the cache is built);
       ``True``: on, and an error saying why where it cannot; ``False``: off. Not with other
       kernels (FlashInfer splits on its own).
+    * ``split_reader``: what reads a split decode round's slots: ``"fa"`` (default),
+      FlashAttention-2, one thread block per slot and query head; or ``"triton"``, vmem's own
+      Triton kernel, one thread block per slot and KV head holding the head's whole query group,
+      over twice the round's sequences as slots (:mod:`vmem.kernels._triton_decode`). On CUDA
+      ``"triton"`` is built when the cache is, and refused there, saying why, where it cannot
+      run (a head dim not a power of two, or Triton missing); on the CPU the slots' reference
+      reads them. Needs ``split_decode`` not ``False`` and a kernel of :data:`FA_KERNELS`.
 
     Made once (``Options(**kw)`` validates and canonicalizes: sizes become ints); frozen.
     Strings are never bools and floats never ints (:mod:`vmem._args`).
@@ -174,6 +184,7 @@ class Options:
     reuse_while_unmapping: bool = True
     admit_while_unmapping: bool = True
     split_decode: bool | None = None
+    split_reader: str = "fa"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: the canonical values are set once, here
@@ -214,6 +225,11 @@ class Options:
         if self.split_decode and self.kernel not in FA_KERNELS:
             raise InvalidArgument(f"split_decode splits kernel='fa''s decode rounds; kernel={self.kernel!r} "
                                   "does not take it (FlashInfer splits long rows on its own)")
+        set_(self, "split_reader", check_choice("split_reader", self.split_reader, SPLIT_READERS))
+        if self.split_reader != "fa" and (self.split_decode is False or self.kernel not in FA_KERNELS):
+            raise InvalidArgument(f"split_reader={self.split_reader!r} reads split decode rounds: it needs "
+                                  f"split_decode on or None (got {self.split_decode!r}) and kernel 'fa' or "
+                                  f"'fa+flashinfer' (got {self.kernel!r})")
         rows_tokens = (self.max_requests + 1) * (self.max_context or 0)
         if self.kernel in FA_KERNELS and rows_tokens >= 2**31:
             # FlashAttention's cu_seqlens_k are int32 row starts (sizing.Geometry checks the same
