@@ -6,7 +6,8 @@ Those the table marks ``VMEM_CACHE`` act only when the engine's cache is a vmem 
 same arguments and return what it returns. Those marked ``VMEM_NAME`` act only for a model whose
 attention name has a cache registered (:func:`~vmem.transformers.register_cache`), in the same
 way. What each one does is the business of the module it calls: :mod:`.graphs`, :mod:`.warmup`,
-:mod:`.admission`, :mod:`.margin`, :mod:`.carry_over`, :mod:`.tenancy`, :mod:`.registry`.
+:mod:`.admission`, :mod:`.margin`, :mod:`.carry_over`, :mod:`.tenancy`, :mod:`.registry`,
+:mod:`.sampling`.
 Version-free: the parts that differ between transformers versions are the adapters'
 (:mod:`.engine517`, :mod:`.engine519`).
 """
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import admission, carry_over, graphs, margin, registry, tenancy, warmup
+from . import admission, carry_over, graphs, margin, registry, sampling, tenancy, warmup
 from .cache import VmemCBCache
 
 if TYPE_CHECKING:
@@ -291,3 +292,19 @@ def margin_before_allocation(allocate: Callable[[Scheduler, RequestState, int], 
         return ok
 
     return vmem_allocate_blocks_if_needed
+
+
+def two_step_greedy(sample: Callable[..., None]) -> Callable[..., None]:
+    """``ModelRunner._sample(scores, output_ids)``; for a vmem cache decoding greedily without
+    log-probabilities, the next tokens by :func:`.sampling.greedy_tokens` (the same tokens as the
+    engine's ``torch.argmax``, in two reductions the compiler spreads over the GPU) written where
+    the engine writes them; sampling or log-probabilities take the engine's own path."""
+
+    def vmem_sample(self: ModelRunner, scores: torch.Tensor, output_ids: torch.Tensor) -> None:
+        if not isinstance(getattr(self, "cache", None), VmemCBCache) or self.do_sample or self.return_logprobs:
+            return sample(self, scores, output_ids)
+        tokens = sampling.greedy_tokens(scores[0])
+        output_ids[0, : tokens.size(0)].copy_(tokens)
+        return None
+
+    return vmem_sample
