@@ -103,7 +103,8 @@ def _bad_values():
         "reuse_while_unmapping": [None, *flags],
         "background_unmap": flags,
         "split_decode": flags,
-        "split_reader": ["Triton", "", None, 1, True, np.bool_(False), b"fa"],
+        "split_reader": ["Triton", "", None, 1, True, np.bool_(False), b"fa", np.array("triton"),
+                         np.array(["fa", "triton"])],
     }
 
 
@@ -154,6 +155,13 @@ def test_numpy_scalars_that_are_values_become_python_ones():
     assert sized == vt.Options(memory=8 << 20, page_size="2M", prefix_cache="1M", pool_keep="2M")
     for v in (sized.memory, sized.page_size, sized.prefix_cache, sized.pool_keep):
         assert type(v) is int, type(v)
+    # Choices: a NumPy string spelled as one is that choice, a Python str.
+    chosen = vt.Options(layout=np.str_("token-major"), kernel=np.str_("fa"), split_reader=np.str_("triton"),
+                        graph_seqlen_k=np.str_("bucket"))
+    assert chosen == vt.Options(layout="token-major", split_reader="triton", graph_seqlen_k="bucket")
+    for v in (chosen.layout, chosen.kernel, chosen.split_reader, chosen.graph_seqlen_k):
+        assert type(v) is str, type(v)
+    hash(chosen)
 
 
 def test_what_needs_the_model_is_refused_when_the_manager_is_made():

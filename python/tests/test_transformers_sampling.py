@@ -1,8 +1,9 @@
 """Greedy decoding's argmax in two reductions (:mod:`vmem.transformers.sampling`): the same
 tokens as ``torch.argmax`` (ties to the first index, NaN as the largest, ``-inf`` rows, a
 vocabulary that is not whole runs, none or one row), eager and compiled; put in the engine's
-``_sample`` for a vmem cache decoding greedily, the engine's own path for sampling,
-log-probabilities or another cache; greedy tokens under the engine equal the engine's own.
+``_sample`` for a vmem cache decoding greedily under the compiled forward, the engine's own path
+run eagerly, or for sampling, log-probabilities or another cache. Under the engine:
+``test_transformers_compile.py``.
 
 CPU; needs torch and a transformers vmem serves (skipped otherwise, saying why)."""
 
@@ -14,9 +15,6 @@ import tf_engine as eng  # noqa: E402
 
 eng.skip_unless_served()
 
-from harness import check as h  # noqa: E402
-
-import vmem.transformers as vt  # noqa: E402
 from vmem.transformers import hooks, sampling  # noqa: E402
 from vmem.transformers.cache import VmemCBCache  # noqa: E402
 
@@ -58,14 +56,17 @@ class _Runner:
         self.cache, self.do_sample, self.return_logprobs = cache, do_sample, return_logprobs
 
 
-@pytest.mark.parametrize("vmem_cache,do_sample,logprobs,ours", [
-    (True, False, False, True), (True, True, False, False), (True, False, True, False), (False, False, False, False)])
-def test_the_hook_takes_the_engines_path_but_for_greedy_tokens_of_a_vmem_cache(vmem_cache, do_sample, logprobs, ours):
+@pytest.mark.parametrize("compiling,vmem_cache,do_sample,logprobs,ours", [
+    (True, True, False, False, True), (True, True, True, False, False), (True, True, False, True, False),
+    (True, False, False, False, False), (False, True, False, False, False)])
+def test_the_hook_takes_the_engines_path_but_for_greedy_compiled_tokens_of_a_vmem_cache(
+        compiling, vmem_cache, do_sample, logprobs, ours, monkeypatch):
     engine_calls = []
 
     def engine_sample(self, scores, output_ids):
         engine_calls.append(1)
 
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
     cache = object.__new__(VmemCBCache) if vmem_cache else object()
     runner = _Runner(cache, do_sample, logprobs)
     scores = _scores(4, 3000, seed=1).unsqueeze(0)
@@ -79,25 +80,16 @@ def test_the_hook_takes_the_engines_path_but_for_greedy_tokens_of_a_vmem_cache(v
         assert out.tolist() == [[-1] * 8] * 2
 
 
-def test_under_the_engine_vmem_takes_the_tokens_the_engines_argmax_takes(monkeypatch):
-    calls = []
-    real = sampling.greedy_tokens
+def test_traced_the_hook_is_one_graph_writing_the_tokens():
+    """Under ``torch.compile`` (fullgraph: no break, no host sync), for rows of any count."""
+    cache = object.__new__(VmemCBCache)
 
-    def counted(scores):
-        calls.append(scores.shape[0])
-        return real(scores)
+    def sample(scores, out):
+        hooks.two_step_greedy(lambda *a: None)(_Runner(cache), scores, out)
+        return out
 
-    monkeypatch.setattr(sampling, "greedy_tokens", counted)
-    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
-    prompts = h.make_prompts(5, [5, 140, 70, 17, 33], model.config.vocab_size)
-    opts = dict(page_size="64K", max_requests=8, max_context=1024, memory="16M")
-    vt.install(**opts)
-    try:
-        ours = h.run_engine(model, vt.VMEM_ATTENTION, prompts, 6, serving=dict(opts))
-        n = len(calls)
-        theirs = h.run_engine(model, eng.ENGINE_SDPA, prompts, 6)
-    finally:
-        vt.uninstall()
-    assert n > 0 and len(calls) == n  # every vmem round, no engine-cache round
-    tokens = [[list(run["results"][rid].generated_tokens) for rid in run["ids"]] for run in (ours, theirs)]
-    assert tokens[0] == tokens[1]
+    fn = torch.compile(sample, fullgraph=True, dynamic=True, backend="eager")
+    for rows in (3, 9):
+        scores = _scores(rows, 5000, seed=rows).unsqueeze(0)
+        out = fn(scores, torch.full((2, 16), -1, dtype=torch.int64))
+        assert out[0, :rows].tolist() == scores[0].argmax(-1).tolist()

@@ -210,19 +210,20 @@ def test_a_bad_split_reader_is_refused(bad):
         vt.Options(split_reader=bad)
 
 
-@pytest.mark.parametrize("kw", [dict(split_decode=False), dict(kernel="flex"), dict(kernel="flashinfer")])
-def test_split_reader_triton_without_a_split_fa_round_is_refused(kw):
-    with pytest.raises(vmem.InvalidArgument, match="split_reader='triton' reads split decode rounds"):
+@pytest.mark.parametrize("kw,why", [(dict(split_decode=False), "split_decode=False splits none"),
+                                    (dict(kernel="flex"), "kernel='flex' has none"),
+                                    (dict(kernel="flashinfer"), "kernel='flashinfer' has none")])
+def test_split_reader_triton_without_a_split_fa_round_is_refused(kw, why):
+    with pytest.raises(vmem.InvalidArgument, match=f"split_reader='triton' reads .*; {why}"):
         vt.Options(split_reader="triton", **kw)
     assert vt.Options(split_reader="fa", **kw).split_reader == "fa"
 
 
 def test_the_slot_kernel_where_it_cannot_run_says_why():
     cuda = torch.device("cuda", 0)
-    with pytest.raises(vmem.InvalidArgument, match="power of two from 16, not 96"):
-        fa_split.check_slot_kernel(cuda, 96)
-    with pytest.raises(vmem.InvalidArgument, match="power of two from 16, not 8"):
-        fa_split.check_slot_kernel(cuda, 8)
+    for d in (96, 8, 512):
+        with pytest.raises(vmem.InvalidArgument, match=f"power of two from 16 to 256, not {d}; use split_reader='fa'"):
+            fa_split.check_slot_kernel(cuda, d)
     if not torch.cuda.is_available():  # a real failure: Triton missing, or no device to launch on
         with pytest.raises(vmem.InvalidArgument, match="split_reader='triton': it does not run here"):
             fa_split.check_slot_kernel(cuda, 128)
@@ -232,8 +233,10 @@ def test_where_it_cannot_run_true_says_why_and_none_stays_off():
     cuda = torch.device("cuda", 0)
     assert fa_split.splits_for(None, torch.device("cpu"), 96)  # the CPU merges on the host
     assert not fa_split.splits_for(None, cuda, 96)
-    with pytest.raises(vmem.InvalidArgument, match="power of two, not 96"):
+    with pytest.raises(vmem.InvalidArgument, match="^split_decode=True: .*power of two, not 96; leave split_decode"):
         fa_split.splits_for(True, cuda, 96)
+    with pytest.raises(vmem.InvalidArgument, match="^split_reader='triton': .*not 96; use split_reader='fa'$"):
+        fa_split.splits_for(True, cuda, 96, asked_by="split_reader='triton'", instead="use split_reader='fa'")
     assert not fa_split.splits_for(False, torch.device("cpu"), 128)
 
 

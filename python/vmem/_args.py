@@ -97,11 +97,16 @@ def check_optional_seconds(name: str, value: Any) -> Optional[float]:
 
 
 def check_choice(name: str, value: Any, choices: Sequence[T]) -> T:
-    """``value`` if it is one of ``choices`` (compared with ``==``, so strings must match exactly)."""
-    if isinstance(value, bool) or value not in choices:
-        listed = ", ".join(repr(c) for c in choices)
-        raise InvalidArgument(f"{name} must be one of {listed}, got {short(value)}")
-    return value
+    """The one of ``choices`` that ``value`` equals: a string choice is matched by a ``str``
+    (a subclass such as NumPy's ``str_`` too) spelled exactly the same, and returned as the
+    choice itself; any other choice by a value of its own type. Anything else (an array, a
+    bool, bytes) is :class:`InvalidArgument`, never another exception."""
+    for choice in choices:
+        same_kind = isinstance(value, str) if isinstance(choice, str) else type(value) is type(choice)
+        if same_kind and value == choice:
+            return choice
+    listed = ", ".join(repr(c) for c in choices)
+    raise InvalidArgument(f"{name} must be one of {listed}, got {short(value)}")
 
 
 def check_size(name: str, value: Any, *, min: int = 0) -> int:

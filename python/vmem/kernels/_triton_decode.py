@@ -20,11 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .._vmem import VmemError
+
 #: log2(e): the kernel keeps scores in base 2 (``exp2``) and returns natural log-sum-exps.
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lh"])  # the round's slots: one build for every round size
 def _slot_kernel(q_ptr, k_ptr, v_ptr, cu_k_ptr, used_ptr, owner_ptr, out_ptr, lse_ptr,  # type: ignore[no-untyped-def]
                  stride_qs, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_os, stride_oh, stride_lh, scale_log2,
@@ -80,6 +82,9 @@ def attend_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_k: torch.
     ``owner`` (its request), int32 ``[S]`` on the device. Returns the slots' outputs ``[S, Hq,
     D]`` float32 and log-sum-exps ``[Hq, S]`` float32; a padded slot's are not written.
     ``block_n`` (:func:`block_keys` when 0), ``num_warps`` and ``num_stages``: the launch."""
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise VmemError(f"the slot kernel reads a contiguous head dim, not strides {q.stride()}, {k.stride()}, "
+                        f"{v.stride()}")
     s = used.numel()
     hq, d = q.shape[1], q.shape[2]
     hkv = k.shape[1]

@@ -47,12 +47,13 @@ MIN_KEYS = 128
 
 
 def splits_for(option: bool | None, device: torch.device, head_dim: int,
-               dtype: torch.dtype = torch.bfloat16) -> bool:
+               dtype: torch.dtype = torch.bfloat16, *, asked_by: str = "split_decode=True",
+               instead: str = "leave split_decode unset or False") -> bool:
     """Whether a cache on ``device`` with ``head_dim`` (K/V of ``dtype``) splits its decode
     rounds, given the ``split_decode`` option: ``None`` where it can (the CPU, whose reference
     merges on the host; CUDA with a power-of-two head dim and a merge kernel that builds and
     runs), ``False`` never; ``True`` where it can, else :class:`vmem.InvalidArgument` saying
-    why."""
+    why, in the words of the option that asked (``asked_by``) and what to do ``instead``."""
     if option is False:
         return False
     why = None
@@ -62,7 +63,7 @@ def splits_for(option: bool | None, device: torch.device, head_dim: int,
         else:
             why = _merge_kernel_fails(device, head_dim, dtype)
     if why is not None and option:
-        raise InvalidArgument(f"split_decode=True: {why}; leave split_decode unset or False")
+        raise InvalidArgument(f"{asked_by}: {why}; {instead}")
     return why is None
 
 
@@ -70,20 +71,19 @@ def check_slot_kernel(device: torch.device, head_dim: int, dtype: torch.dtype = 
                       q_heads: int = 1, kv_heads: int = 1) -> None:
     """Refuses, with :class:`vmem.InvalidArgument` saying why, a CUDA ``device`` where vmem's
     Triton slot kernel (:mod:`._triton_decode`) cannot read a split round's slots: a head dim
-    that is not a power of two from 16, Triton missing, or the kernel failing to build or run.
-    A first launch here, with the model's heads, compiles the kernel the rounds use at the
-    cache's construction, not in the engine's loop."""
+    that is not a power of two from 16 to 256, Triton missing, or the kernel failing to build or
+    run. A round of one request planned and read here, with the model's heads, compiles the
+    kernel and the merge the rounds launch (the plan's buffers aligned as every round's are) at
+    the cache's construction, not in the engine's loop."""
     why = None
-    if head_dim & (head_dim - 1) or head_dim < 16:
-        why = f"it needs a head dim that is a power of two from 16, not {head_dim}"
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        why = f"it needs a head dim that is a power of two from 16 to 256, not {head_dim}"
     else:
         try:
-            from ._triton_decode import attend_slots
-
-            one = torch.ones(1, dtype=torch.int32, device=device)
+            split = SplitBuffers(1, device, slot_kernel=True).fill([(0, 0, 1)], 1, 1, None)
             q = torch.zeros(1, q_heads, head_dim, dtype=dtype, device=device)
             kv = torch.zeros(1, kv_heads, head_dim, dtype=dtype, device=device)
-            attend_slots(q, kv, kv, one - 1, one, one - 1, 1.0)
+            attend(q, kv, kv, split, 1, 1.0)
             torch.cuda.synchronize(device)
         except Exception as e:  # noqa: BLE001 - any failure to build or launch it is the reason
             why = f"it does not run here ({type(e).__name__}: {e})"
@@ -148,24 +148,39 @@ def plan_slots(lengths: list[int], slots: int) -> tuple[list[int], list[int], li
     return owner + [-1] * pad, start + [0] * pad, first, counts
 
 
+def plan_layout(slots: int, rows: int) -> list[tuple[int, int]]:
+    """Where a plan of ``slots`` slots and ``rows`` rows keeps its five parts in the int32 buffer,
+    as ``(start, length)``: ``cu_k`` (``S + 1``), ``used``, ``owner`` (``S`` each), ``first``,
+    ``count`` (``R`` each), each part starting 16 bytes aligned (4 entries), so that every round
+    hands the kernels pointers of one alignment (Triton compiles a kernel per alignment: the
+    one built at the cache's construction is the one the rounds launch)."""
+    parts, at = [], 0
+    for n in (slots + 1, slots, slots, rows, rows):
+        parts.append((at, n))
+        at += -(-n // 4) * 4
+    return parts
+
+
 class SplitBuffers:
     """The static device buffer one cache's split decode rounds read (sized once, written in
     place before each forward, so a CUDA graph's addresses stay valid). A round of ``R`` padded
     sequences is dealt ``S = R x per_row`` slots (``per_row``: :data:`SLOTS_PER_ROW` when
     ``slot_kernel``, vmem's Triton kernel, reads them, else 1: FA's grid is the round's) and
     writes its plan at the buffer's start, ``[cu_k (S+1) | used | owner (S each) | first |
-    count (R each)]`` int32: each slot's first key, its keys, its request, and for each output
-    row its first slot and slot count (0 for a padded row). Every round of ``R`` sequences, the
-    rounds one graph replays, puts them at the same addresses; only ``3 S + 2 R + 1`` entries
-    are copied a round. ``cu_q``, ``0 .. S`` (one query a slot, what FA reads), is written
-    once. ``capacity``: the most sequences a round holds."""
+    count (R each)]`` int32 (:func:`plan_layout`: each part 16 bytes aligned): each slot's
+    first key, its keys, its request, and for each output row its first slot and slot count (0
+    for a padded row). Every round of ``R`` sequences, the rounds one graph replays, puts them
+    at the same addresses; only the plan's entries are copied a round. ``cu_q``, ``0 .. S`` (one
+    query a slot, what FA reads), is written once. ``capacity``: the most sequences a round
+    holds."""
 
     def __init__(self, capacity: int, device: torch.device, *, slot_kernel: bool = False) -> None:
         self.capacity = int(capacity)
         self.slot_kernel = bool(slot_kernel)
         self.per_row = SLOTS_PER_ROW if self.slot_kernel else 1
         slots = self.capacity * self.per_row
-        self.buffer = torch.zeros(3 * slots + 2 * self.capacity + 1, dtype=torch.int32, device=device)
+        start, n = plan_layout(slots, self.capacity)[-1]
+        self.buffer = torch.zeros(start + n, dtype=torch.int32, device=device)
         self.cu_q = torch.arange(slots + 1, dtype=torch.int32, device=device)
 
     def fill(self, entries: list[tuple[int, int, int]], rows: int, max_context: int, stream: Any) -> SplitRound:
@@ -185,20 +200,23 @@ class SplitBuffers:
         cu_k = [starts[b] + st for b, st in real]
         used = [min(lengths[b] - st, runs[b]) for b, st in real]
         pad = [0] * (rows - len(entries))
-        host = int32_tensor(cu_k + none + [0] + used + none + owner[:k] + none + first + pad + counts + pad)
-        n = 3 * slots + 2 * rows + 1
-        copy_on_stream(self.buffer[:n], host, stream)
-        dev, s = self.buffer, slots
-        return SplitRound(self.cu_q[: s + 1], dev[: s + 1], dev[s + 1: 2 * s + 1], dev[2 * s + 1: 3 * s + 1],
-                          dev[3 * s + 1: 3 * s + 1 + rows], dev[3 * s + 1 + rows: n], host=host,
-                          slot_kernel=self.slot_kernel)
+        layout = plan_layout(slots, rows)
+        values: list[int] = []
+        for (start_at, _), part in zip(layout, (cu_k + none + [0], used + none, owner[:k] + none, first + pad,
+                                                counts + pad)):
+            values += [0] * (start_at - len(values)) + part
+        host = int32_tensor(values)
+        copy_on_stream(self.buffer[: len(values)], host, stream)
+        views = [self.buffer[a: a + n] for a, n in layout]
+        return SplitRound(self.cu_q[: slots + 1], *views, host=host, slot_kernel=self.slot_kernel)
 
 
 class SplitRound:
     """One split round as the kernels read it: device views ``cu_q``, ``cu_k`` ``[S+1]``,
     ``used``, ``owner`` ``[S]``, ``first``, ``count`` ``[R]``, ``host``, the same
-    ``[cu_k | used | owner | first | count]`` on the CPU (for the reference), and
-    ``slot_kernel``: whether vmem's Triton kernel reads the slots (else FA)."""
+    ``[cu_k | used | owner | first | count]`` on the CPU (for the reference, laid out by
+    :func:`plan_layout`), and ``slot_kernel``: whether vmem's Triton kernel reads the slots
+    (else FA)."""
 
     __slots__ = ("count", "cu_k", "cu_q", "first", "host", "owner", "slot_kernel", "used")
 
@@ -218,11 +236,10 @@ class SplitRound:
         return int(self.first.numel())
 
     def host_part(self, i: int) -> list[int]:
-        """Part ``i`` of :attr:`host` as ints: 0 ``cu_k`` (``S + 1``), 1 ``used``, 2 ``owner``
-        (``S`` each), 3 ``first``, 4 ``count`` (``R`` each)."""
-        s, r = self.slots, self.rows
-        bounds = [0, s + 1, 2 * s + 1, 3 * s + 1, 3 * s + 1 + r, 3 * s + 1 + 2 * r]
-        return self.host[bounds[i]: bounds[i + 1]].tolist()
+        """Part ``i`` of :attr:`host` as ints (:func:`plan_layout`): 0 ``cu_k`` (``S + 1``), 1
+        ``used``, 2 ``owner`` (``S`` each), 3 ``first``, 4 ``count`` (``R`` each)."""
+        start, n = plan_layout(self.slots, self.rows)[i]
+        return self.host[start: start + n].tolist()
 
 
 def lse_per_slot(lse: torch.Tensor, slots: int) -> torch.Tensor:

@@ -202,8 +202,9 @@ class VmemCBCache:
         if slot_kernel and self.device.type == "cuda":
             fa_split.check_slot_kernel(self.device, g.head_dim, self.dtype, q_heads=config.num_attention_heads,
                                        kv_heads=g.kv_heads)
+        asked = {"asked_by": "split_reader='triton'", "instead": "use split_reader='fa'"} if slot_kernel else {}
         split = fa_split.splits_for(True if slot_kernel else self.options.split_decode, self.device, g.head_dim,
-                                    self.dtype)
+                                    self.dtype, **asked)
         fa = FaReader(g.max_context, fa_split.SplitBuffers(self.round_buffers.capacity, self.device,
                                                            slot_kernel=slot_kernel) if split else None)
         if self.kernel == "fa":

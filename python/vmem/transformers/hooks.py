@@ -295,13 +295,16 @@ def margin_before_allocation(allocate: Callable[[Scheduler, RequestState, int], 
 
 
 def two_step_greedy(sample: Callable[..., None]) -> Callable[..., None]:
-    """``ModelRunner._sample(scores, output_ids)``; for a vmem cache decoding greedily without
-    log-probabilities, the next tokens by :func:`.sampling.greedy_tokens` (the same tokens as the
-    engine's ``torch.argmax``, in two reductions the compiler spreads over the GPU) written where
-    the engine writes them; sampling or log-probabilities take the engine's own path."""
+    """``ModelRunner._sample(scores, output_ids)``; in the engine's compiled forward, for a vmem
+    cache decoding greedily without log-probabilities, the next tokens by
+    :func:`.sampling.greedy_tokens` (the same tokens as the engine's ``torch.argmax``, in two
+    reductions the compiler spreads over the GPU) written where the engine writes them. Run
+    eagerly (no compiled forward) the engine's own path: ATen's argmax spreads a row itself, and
+    the two reductions would read the scores more often; sampling or log-probabilities too."""
 
     def vmem_sample(self: ModelRunner, scores: torch.Tensor, output_ids: torch.Tensor) -> None:
-        if not isinstance(getattr(self, "cache", None), VmemCBCache) or self.do_sample or self.return_logprobs:
+        if not torch.compiler.is_compiling() or not isinstance(getattr(self, "cache", None), VmemCBCache) \
+                or self.do_sample or self.return_logprobs:
             return sample(self, scores, output_ids)
         tokens = sampling.greedy_tokens(scores[0])
         output_ids[0, : tokens.size(0)].copy_(tokens)

@@ -226,10 +226,12 @@ class Options:
             raise InvalidArgument(f"split_decode splits kernel='fa''s decode rounds; kernel={self.kernel!r} "
                                   "does not take it (FlashInfer splits long rows on its own)")
         set_(self, "split_reader", check_choice("split_reader", self.split_reader, SPLIT_READERS))
-        if self.split_reader != "fa" and (self.split_decode is False or self.kernel not in FA_KERNELS):
-            raise InvalidArgument(f"split_reader={self.split_reader!r} reads split decode rounds: it needs "
-                                  f"split_decode on or None (got {self.split_decode!r}) and kernel 'fa' or "
-                                  f"'fa+flashinfer' (got {self.kernel!r})")
+        if self.split_reader != "fa" and self.kernel not in FA_KERNELS:
+            raise InvalidArgument(f"split_reader={self.split_reader!r} reads FA's split decode rounds; "
+                                  f"kernel={self.kernel!r} has none (use kernel 'fa' or 'fa+flashinfer')")
+        if self.split_reader != "fa" and self.split_decode is False:
+            raise InvalidArgument(f"split_reader={self.split_reader!r} reads split decode rounds; split_decode=False "
+                                  "splits none (leave split_decode unset)")
         rows_tokens = (self.max_requests + 1) * (self.max_context or 0)
         if self.kernel in FA_KERNELS and rows_tokens >= 2**31:
             # FlashAttention's cu_seqlens_k are int32 row starts (sizing.Geometry checks the same

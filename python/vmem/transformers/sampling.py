@@ -13,7 +13,8 @@ holding the largest. Both keep the first of equal maxima, as ``torch.argmax`` do
 token is the first index of the row's maximum; a NaN counts as the largest, as there. A row
 whose vocabulary is not whole runs is padded with ``-inf`` (never chosen over a real score;
 an all ``-inf`` row gives 0, as ``torch.argmax``). Version-free and engine-free: the hook that
-puts it in the engine's ``_sample`` is :func:`.hooks.two_step_greedy`.
+puts it in the engine's ``_sample``, under its compiled forward only, is
+:func:`.hooks.two_step_greedy` (run eagerly, ATen's argmax spreads a row over the GPU itself).
 """
 
 from __future__ import annotations
