@@ -43,6 +43,14 @@ def test_the_tokens_equal_argmax(words, rows, dtype):
     assert torch.equal(got, x.argmax(-1))
 
 
+@pytest.mark.parametrize("words", [sampling.RUN * 2, 5000])
+def test_strided_scores_give_argmax_too(words):
+    x = _scores(words, 6, seed=3).t()  # [6, words], not contiguous
+    assert not x.is_contiguous() and torch.equal(sampling.greedy_tokens(x), x.argmax(-1))
+    y = _scores(6, 2 * words, seed=4)[:, ::2]
+    assert torch.equal(sampling.greedy_tokens(y), y.argmax(-1))
+
+
 def test_compiled_the_tokens_equal_argmax():
     """As in the engine's compiled forward (Inductor; on the CPU its C++ code)."""
     fn = torch.compile(sampling.greedy_tokens, dynamic=True)

@@ -1,11 +1,12 @@
 """Greedy decoding's next tokens, an argmax over the vocabulary, in two reductions.
 
 The engine takes a round's greedy tokens with one ``torch.argmax`` over ``[tokens, vocab]``
-float32 scores inside its compiled forward. Inductor cannot split an argmax along the reduced
-dimension (an index reduction: each row is one program walking its 128,256 words in turn), and
-on the H200 that one kernel took 388-441 µs a round whatever the round's size: 3.9 % of the GPU's
-time serving Llama-3-8B's shapes at full depth, 6.3 % on Llama-3.2-1B's (docs/serving.md, the
-profiles), where the weights of a decode round of 12-20 requests read in about 7 ms.
+float32 scores inside its compiled forward. On the H200 Inductor's kernel for it
+(``triton_red_fused__to_copy_argmax...``) took 388-441 µs a round whatever the round's size: 3.9 %
+of the GPU's time serving Llama-3-8B's shapes at full depth at a tenth of the working set, 6.3 % on
+Llama-3.2-1B's (docs/serving.md, the profiles). A time that does not grow with the rows is a
+kernel walking each row's 128,256 words in one program; Inductor does not split an index
+reduction along the reduced dimension as it splits a sum or a max.
 
 :func:`greedy_tokens` gives the same tokens in two reductions: the largest score and its place
 in each run of :data:`RUN` words (``[tokens, runs]`` programs, each a short walk), then the run
@@ -34,6 +35,6 @@ def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
     runs = -(-words // RUN)
     if runs * RUN != words:
         scores = F.pad(scores, (0, runs * RUN - words), value=float("-inf"))
-    best, at = scores.view(rows, runs, RUN).max(dim=-1)  # [tokens, runs]
+    best, at = scores.reshape(rows, runs, RUN).max(dim=-1)  # [tokens, runs]
     run = best.argmax(dim=-1, keepdim=True)  # [tokens, 1]: the first run holding the row's maximum
     return (run * RUN + at.gather(1, run)).squeeze(1)
