@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The serving suite's full-depth rows on a CUDA GPU, bounded at 10 minutes: Llama-3-8B shapes at
 # all 32 layers, the conv trace, 128 requests x 128 new tokens, both budgets (every request fits;
-# a tenth of the working set), the FlashInfer paged peer beside vmem with FlashAttention (with and
-# without reuse_while_unmapping) and with FlashInfer's decode kernel for large decode rounds
-# (kernel="fa+flashinfer"), then the profile of one of vmem's contenders at a tenth:
+# a tenth of the working set), the FlashInfer paged peer beside vmem with FlashAttention (its
+# decode rounds read by FA, and by vmem's slot kernel: split_reader="triton") and with
+# FlashInfer's decode kernel for large decode rounds (kernel="fa+flashinfer"), then the profile of one of vmem's contenders at a tenth:
 # $DEPTH_PROFILE (none: no profile), by default vmem with FlashAttention (the one
 # docs/results/serving-tail-h200/profile.txt profiled before vmem's scheduling and zeroing took
 # less of the host's time a round), or vmem-token-major-fafi-graphs-async-compile.
@@ -50,13 +50,13 @@ python3 -c "import transformers, vmem.transformers; print('transformers', transf
   | tee "$out/versions.txt" || exit 1
 peer=fi-paged-graphs-async-512-compile
 fa=vmem-token-major-graphs-async-compile
-no_reuse=vmem-token-major-graphs-async-compile-no-reuse
+slots=vmem-token-major-fatri-graphs-async-compile
 vmem_fafi=vmem-token-major-fafi-graphs-async-compile
 w=(--only "model=${DEPTH_MODEL:-llama3-8b}" --only trace=conv --requests 128 --new-tokens 128)
 start=$(date +%s)
 suite_s=$(( seconds < 300 ? seconds : 300 ))
 timeout "$suite_s" python3 python/benches/serving_suite.py "${w[@]}" --check-requests 0 --rounds 1 \
-  --only "contender=${DEPTH_CONTENDERS:-$peer,$fa,$no_reuse,$vmem_fafi}" --out "$out/suite" 2>&1 | tee "$out/suite.log"
+  --only "contender=${DEPTH_CONTENDERS:-$peer,$fa,$slots,$vmem_fafi}" --out "$out/suite" 2>&1 | tee "$out/suite.log"
 suite=$?
 [ "${DEPTH_PROFILE:-}" != none ] || exit "$suite"  # DEPTH_PROFILE=none: the suite's rows only
 left=$(( seconds - ($(date +%s) - start) ))

@@ -40,9 +40,6 @@ pytest says why. Benchmarks are in python/benches (gpu_bench.py).
     plan is written equals a fresh call on that plan; both timed (CUDA events, printed). The same
     with split_reader="triton" (vmem's slot kernel reading twice the sequences as slots), and
     with head dim 64 (Llama-3.2-1B's), 120 requests of ~1,000 tokens in 128 sequences.
-  greedy_tokens: vmem.transformers.sampling.greedy_tokens compiled by Inductor on the GPU equals
-    argmax over 128,256 words (ties, NaN, -inf rows; 1-128 rows), replayed from a CUDA graph on
-    new scores too; its time and the engine's compiled argmax's printed (CUDA events).
   fa_mixed_round: kernel="fa"'s mixed rounds with the decodes in a call of their own (fa_mixed):
     a prompt chunk beside decodes, in two query orders, bf16, Llama-3's heads: equals the one
     varlen call within bf16 tolerance; planning returns while a long kernel is queued (pinned
@@ -624,13 +621,14 @@ def test_cb_graphs():
     cb_graphs()
 
 
-def cb_compile(kernel: str = "fa", split_reader: str = "fa"):
+def cb_compile(kernel: str = "fa", split_reader: str | None = "fa"):
     """The engine's compiled forward with vmem (Inductor, token-major, ``kernel``): with CUDA graphs and async
     batching, greedy tokens identical to the compiled forward without graphs, graphs replayed,
     Dynamo's graphs compiled; compiled without graphs, top-1 agreement with a plain forward at
     every decisive position (bf16: Inductor's fused norms round differently from eager, so a
     near tie may flip against an uncompiled run). Nothing left mapped. With
-    ``split_reader="triton"``, vmem's slot kernel read the graphed decode rounds."""
+    ``split_reader`` ``None`` (the default) or ``"triton"``, vmem's slot kernel read the graphed
+    decode rounds."""
     import transformers
     from harness import check as hc
     from harness import engine as he
@@ -699,9 +697,9 @@ def cb_compile(kernel: str = "fa", split_reader: str = "fa"):
         check(f"cb compile ({kernel}, split_reader={split_reader}) + graphs + async: greedy tokens identical to "
               "compiled without graphs, graphs replayed",
               same == len(prompts) and n > 0, f"{same}/{len(prompts)} identical, {n} replays")
-        if split_reader == "triton":
+        if split_reader != "fa":
             split_buffers = graph_run["cache"].read.splits
-            check("split_reader='triton': the slot kernel read the graphed decode rounds",
+            check(f"split_reader={split_reader!r}: the slot kernel read the graphed decode rounds",
                   slot_calls[0] > 0 and split_buffers is not None and split_buffers.slot_kernel
                   and split_buffers.per_row == fa_split.SLOTS_PER_ROW, f"{slot_calls[0]} calls")
         if kernel == "fa+flashinfer":
@@ -729,54 +727,10 @@ def test_cb_compile(kernel):
     cb_compile(kernel)
 
 
-def test_cb_compile_slot_kernel():
+@pytest.mark.parametrize("split_reader", [None, "triton"])
+def test_cb_compile_slot_kernel(split_reader):
     pytest.importorskip("transformers", reason="transformers is not installed")
-    cb_compile("fa", split_reader="triton")
-
-
-def test_greedy_tokens_compiled_on_the_gpu():
-    from vmem.transformers import sampling
-
-    torch.manual_seed(0)
-    ours = torch.compile(sampling.greedy_tokens, dynamic=True)
-    engine = torch.compile(lambda x: torch.argmax(x.float(), dim=-1), dynamic=True)  # what the engine compiles
-    ok = []
-    for rows in (1, 17, 128):
-        x = torch.randn(rows, 128256, device="cuda", dtype=torch.bfloat16).float()
-        x[0, 100] = x[0, 90000] = x[0].max() + 1  # a tie: the first wins
-        if rows > 1:
-            x[1, 77777] = float("nan")
-        if rows > 2:
-            x[2] = float("-inf")
-        ok.append(torch.equal(ours(x), x.argmax(-1)))
-    check("greedy_tokens compiled on the GPU equals argmax (ties, NaN, -inf rows)", all(ok), f"{ok}")
-    static = torch.randn(64, 128256, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        ours(static)  # compiled outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = ours(static)
-    static.copy_(torch.randn_like(static))
-    graph.replay()
-    torch.cuda.synchronize()
-    check("greedy_tokens replayed from a CUDA graph reads the new scores", torch.equal(captured, static.argmax(-1)))
-    for rows in (16, 64, 256):
-        x = torch.randn(rows, 128256, device="cuda", dtype=torch.bfloat16)
-        times = {}
-        for name, fn in (("two reductions", lambda x=x: ours(x.float())), ("engine's argmax", lambda x=x: engine(x))):
-            fn()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(50):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            times[name] = start.elapsed_time(end) / 50 * 1e3
-        print(f"greedy tokens of {rows} rows x 128,256 words (bf16 scores, compiled): "
-              + ", ".join(f"{k} {v:.1f} us" for k, v in times.items()), flush=True)
+    cb_compile("fa", split_reader=split_reader)
 
 
 def split_decode(slot_kernel: bool = False, d: int = 128, lengths: list[int] | None = None):

@@ -96,23 +96,6 @@ def test_compiled_rounds_match_uncompiled_ones_and_the_engines_own_path(layout):
     assert cmp["decisive"] > 0 and cmp["top1_agree"] == cmp["decisive"], cmp
 
 
-def test_compiled_greedy_tokens_come_from_the_two_reductions_and_equal_the_engines():
-    """Under the engine's compiled forward a vmem cache's greedy tokens come from
-    :func:`vmem.transformers.sampling.greedy_tokens`, traced into the graph (the largest of each
-    run and its place, ``max`` and ``gather``), the same tokens as the engine's own path."""
-    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
-    prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
-    ours = recorder()
-    with vt.serving(**OPTS):
-        compiled = _serve(model, vt.VMEM_ATTENTION, prompts,
-                          varlen_compile_config=transformers.CompileConfig(fullgraph=False, mode="default",
-                                                                           dynamic=True, backend=ours))
-    engine = _serve(model, eng.ENGINE_SDPA, prompts)
-    methods = {str(n.target) for gm in ours.graphs for n in gm.graph.nodes if n.op == "call_method"}
-    assert {"max", "gather"} <= methods, methods
-    assert _tokens(compiled) == _tokens(engine)
-
-
 def test_the_attention_is_left_out_of_a_compiled_function():
     """Called under ``torch.compile`` (fullgraph off), vmem's attention is a graph break: the
     graph Dynamo builds holds what surrounds the call, not the call."""

@@ -103,7 +103,7 @@ def _bad_values():
         "reuse_while_unmapping": [None, *flags],
         "background_unmap": flags,
         "split_decode": flags,
-        "split_reader": ["Triton", "", None, 1, True, np.bool_(False), b"fa", np.array("triton"),
+        "split_reader": ["Triton", "", 1, True, np.bool_(False), b"fa", np.array("triton"),
                          np.array(["fa", "triton"])],
     }
 

@@ -204,7 +204,7 @@ def test_split_decode_with_another_kernel_is_refused():
     vt.Options(kernel="flex", split_decode=False)  # off: nothing to refuse
 
 
-@pytest.mark.parametrize("bad", ["flash", "", None, True, 1])
+@pytest.mark.parametrize("bad", ["flash", "", True, 1])
 def test_a_bad_split_reader_is_refused(bad):
     with pytest.raises(vmem.InvalidArgument, match="split_reader"):
         vt.Options(split_reader=bad)
@@ -217,6 +217,23 @@ def test_split_reader_triton_without_a_split_fa_round_is_refused(kw, why):
     with pytest.raises(vmem.InvalidArgument, match=f"split_reader='triton' reads .*; {why}"):
         vt.Options(split_reader="triton", **kw)
     assert vt.Options(split_reader="fa", **kw).split_reader == "fa"
+
+
+def test_split_reader_unset_reads_with_the_slot_kernel_only_where_it_runs(monkeypatch):
+    """The default (``None``): vmem's slot kernel on CUDA where it builds; on the CPU, or where it
+    does not build, FA's slots with no error."""
+    assert vt.Options().split_reader is None
+    cfg = h.make_config("llama-gqa")
+    cb = transformers.ContinuousBatchingConfig(max_batch_tokens=64)
+    opts = dict(page_size="64K", max_requests=8, max_context=1024, memory="16M")
+    cpu = vt.cache_class()(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**opts))
+    assert cpu.read.splits is not None and not cpu.read.splits.slot_kernel
+    asked = []
+    monkeypatch.setattr(fa_split, "slot_kernel_fails", lambda *a, **k: asked.append(a) or "no GPU here (x)")
+    vt.cache_class()(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**opts))
+    assert not asked  # the CPU never builds it
+    given = vt.cache_class()(cfg, cb, "cpu", dtype=torch.float32, options=vt.Options(**opts, split_reader="triton"))
+    assert given.read.splits.slot_kernel and given.read.splits.per_row == fa_split.SLOTS_PER_ROW
 
 
 def test_the_slot_kernel_where_it_cannot_run_says_why():

@@ -76,7 +76,8 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     # FlashInfer's decode kernel for large decode rounds, FlashAttention for the rest.
     "vmem-token-major-fafi-graphs-async-compile": (BOTH, {**_VMEM_BEST, "kernel": "fa+flashinfer",
                                                           "optional": True}),
-    # vmem's Triton slot kernel for FA's padded decode rounds, over twice their sequences as slots.
+    # vmem's Triton slot kernel for FA's padded decode rounds, over twice their sequences as slots
+    # (split_reader="triton", vmem's default where it builds; the other vmem contenders set "fa").
     "vmem-token-major-fatri-graphs-async-compile": (BOTH, {**_VMEM_BEST, "split_reader": "triton"}),
     # ... and FlashInfer's decode kernel for the large decode rounds.
     "vmem-token-major-fafi-tri-graphs-async-compile": (BOTH, {**_VMEM_BEST, "kernel": "fa+flashinfer",

@@ -20,11 +20,12 @@ reads the round's plan, whatever the plan captured.
 On CUDA :func:`combine` is one Triton kernel (head dims a power of two); elsewhere, and as the
 reference the tests compare it with, plain tensor ops. Engine-free.
 
-With ``split_reader="triton"`` (:class:`vmem.transformers.Options`) the slots are read by vmem's
-own slot kernel (:mod:`._triton_decode`) instead of FA: a thread block per slot and KV head,
-holding the head's whole query group, where FA gives the group's few query heads a tile of 64 or
-128 rows. A round is then dealt :data:`SLOTS_PER_ROW` times its padded sequences as slots (the
-grid is the kernel's own, not FA's), so a round of many long requests splits too.
+With ``split_reader="triton"`` (:class:`vmem.transformers.Options`; by default where it runs)
+the slots are read by vmem's own slot kernel (:mod:`._triton_decode`) instead of FA: a thread
+block per slot and KV head, holding the head's whole query group, where FA gives the group's few
+query heads a tile of 64 or 128 rows. A round is then dealt :data:`SLOTS_PER_ROW` times its
+padded sequences as slots (the grid is the kernel's own, not FA's), so a round of many long
+requests splits too.
 """
 
 from __future__ import annotations
@@ -67,26 +68,32 @@ def splits_for(option: bool | None, device: torch.device, head_dim: int,
     return why is None
 
 
+def slot_kernel_fails(device: torch.device, head_dim: int, dtype: torch.dtype = torch.bfloat16, *,
+                      q_heads: int = 1, kv_heads: int = 1) -> str | None:
+    """Why vmem's Triton slot kernel (:mod:`._triton_decode`) cannot read a split round's slots
+    on the CUDA ``device``: a head dim that is not a power of two from 16 to 256, Triton
+    missing, or the kernel failing to build or run; ``None`` where it can. A round of one
+    request planned and read here, with the model's heads, compiles the kernel and the merge
+    the rounds launch (the plan's buffers aligned as every round's are) at the cache's
+    construction, not in the engine's loop."""
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        return f"it needs a head dim that is a power of two from 16 to 256, not {head_dim}"
+    try:
+        split = SplitBuffers(1, device, slot_kernel=True).fill([(0, 0, 1)], 1, 1, None)
+        q = torch.zeros(1, q_heads, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(1, kv_heads, head_dim, dtype=dtype, device=device)
+        attend(q, kv, kv, split, 1, 1.0)
+        torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 - any failure to build or launch it is the reason
+        return f"it does not run here ({type(e).__name__}: {e})"
+    return None
+
+
 def check_slot_kernel(device: torch.device, head_dim: int, dtype: torch.dtype = torch.bfloat16, *,
                       q_heads: int = 1, kv_heads: int = 1) -> None:
-    """Refuses, with :class:`vmem.InvalidArgument` saying why, a CUDA ``device`` where vmem's
-    Triton slot kernel (:mod:`._triton_decode`) cannot read a split round's slots: a head dim
-    that is not a power of two from 16 to 256, Triton missing, or the kernel failing to build or
-    run. A round of one request planned and read here, with the model's heads, compiles the
-    kernel and the merge the rounds launch (the plan's buffers aligned as every round's are) at
-    the cache's construction, not in the engine's loop."""
-    why = None
-    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
-        why = f"it needs a head dim that is a power of two from 16 to 256, not {head_dim}"
-    else:
-        try:
-            split = SplitBuffers(1, device, slot_kernel=True).fill([(0, 0, 1)], 1, 1, None)
-            q = torch.zeros(1, q_heads, head_dim, dtype=dtype, device=device)
-            kv = torch.zeros(1, kv_heads, head_dim, dtype=dtype, device=device)
-            attend(q, kv, kv, split, 1, 1.0)
-            torch.cuda.synchronize(device)
-        except Exception as e:  # noqa: BLE001 - any failure to build or launch it is the reason
-            why = f"it does not run here ({type(e).__name__}: {e})"
+    """:func:`slot_kernel_fails` as :class:`vmem.InvalidArgument` saying why (``split_reader``
+    given as ``"triton"``)."""
+    why = slot_kernel_fails(device, head_dim, dtype, q_heads=q_heads, kv_heads=kv_heads)
     if why is not None:
         raise InvalidArgument(f"split_reader='triton': {why}; use split_reader='fa'")
 

@@ -59,7 +59,6 @@ module                job
 :mod:`.passmemo`      the blocks vmem's pages span, read once a scheduling pass until the cache
                       changes them (``MappedBlocks``)
 :mod:`.carry_over`    async batching's carry-over ids in O(requests)
-:mod:`.sampling`      greedy decoding's argmax in two reductions (the engine's is one walk a row)
 :mod:`.generate`      ``VmemCache``, a ``generate()`` cache (``vmem.hf`` re-exports it)
 ====================  ===========================================================================
 """

@@ -198,13 +198,17 @@ class VmemCBCache:
             return FlexReader(self, g.compiled)
         if self.kernel == "flashinfer":
             return self._flashinfer_reader(config, self.max_batch_tokens)
-        slot_kernel = self.options.split_reader == "triton"  # needs the split: on, or an error saying why
-        if slot_kernel and self.device.type == "cuda":
-            fa_split.check_slot_kernel(self.device, g.head_dim, self.dtype, q_heads=config.num_attention_heads,
-                                       kv_heads=g.kv_heads)
-        asked = {"asked_by": "split_reader='triton'", "instead": "use split_reader='fa'"} if slot_kernel else {}
-        split = fa_split.splits_for(True if slot_kernel else self.options.split_decode, self.device, g.head_dim,
-                                    self.dtype, **asked)
+        heads = {"q_heads": config.num_attention_heads, "kv_heads": g.kv_heads}
+        chosen, on_cuda = self.options.split_reader, self.device.type == "cuda"
+        if chosen == "triton" and on_cuda:  # given: needs the split on, or an error saying why
+            fa_split.check_slot_kernel(self.device, g.head_dim, self.dtype, **heads)
+        slot_kernel = chosen == "triton" or (
+            chosen is None and on_cuda and self.options.split_decode is not False
+            and fa_split.slot_kernel_fails(self.device, g.head_dim, self.dtype, **heads) is None)
+        asked = {"asked_by": "split_reader='triton'", "instead": "use split_reader='fa'"} if chosen == "triton" else {}
+        split = fa_split.splits_for(True if chosen == "triton" else self.options.split_decode, self.device,
+                                    g.head_dim, self.dtype, **asked)
+        slot_kernel = slot_kernel and split
         fa = FaReader(g.max_context, fa_split.SplitBuffers(self.round_buffers.capacity, self.device,
                                                            slot_kernel=slot_kernel) if split else None)
         if self.kernel == "fa":

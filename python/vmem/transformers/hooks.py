@@ -6,8 +6,7 @@ Those the table marks ``VMEM_CACHE`` act only when the engine's cache is a vmem 
 same arguments and return what it returns. Those marked ``VMEM_NAME`` act only for a model whose
 attention name has a cache registered (:func:`~vmem.transformers.register_cache`), in the same
 way. What each one does is the business of the module it calls: :mod:`.graphs`, :mod:`.warmup`,
-:mod:`.admission`, :mod:`.margin`, :mod:`.carry_over`, :mod:`.tenancy`, :mod:`.registry`,
-:mod:`.sampling`.
+:mod:`.admission`, :mod:`.margin`, :mod:`.carry_over`, :mod:`.tenancy`, :mod:`.registry`.
 Version-free: the parts that differ between transformers versions are the adapters'
 (:mod:`.engine517`, :mod:`.engine519`).
 """
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import admission, carry_over, graphs, margin, registry, sampling, tenancy, warmup
+from . import admission, carry_over, graphs, margin, registry, tenancy, warmup
 from .cache import VmemCBCache
 
 if TYPE_CHECKING:
@@ -293,21 +292,3 @@ def margin_before_allocation(allocate: Callable[[Scheduler, RequestState, int], 
 
     return vmem_allocate_blocks_if_needed
 
-
-def two_step_greedy(sample: Callable[..., None]) -> Callable[..., None]:
-    """``ModelRunner._sample(scores, output_ids)``; in the engine's compiled forward, for a vmem
-    cache decoding greedily without log-probabilities, the next tokens by
-    :func:`.sampling.greedy_tokens` (the same tokens as the engine's ``torch.argmax``, in two
-    reductions the compiler spreads over the GPU) written where the engine writes them. Run
-    eagerly (no compiled forward) the engine's own path: ATen's argmax spreads a row itself, and
-    the two reductions would read the scores more often; sampling or log-probabilities too."""
-
-    def vmem_sample(self: ModelRunner, scores: torch.Tensor, output_ids: torch.Tensor) -> None:
-        if not torch.compiler.is_compiling() or not isinstance(getattr(self, "cache", None), VmemCBCache) \
-                or self.do_sample or self.return_logprobs:
-            return sample(self, scores, output_ids)
-        tokens = sampling.greedy_tokens(scores[0])
-        output_ids[0, : tokens.size(0)].copy_(tokens)
-        return None
-
-    return vmem_sample

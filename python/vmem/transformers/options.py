@@ -153,13 +153,14 @@ class Options:
       of two and Triton able to build its merge kernel, tried once when the cache is built);
       ``True``: on, and an error saying why where it cannot; ``False``: off. Not with other
       kernels (FlashInfer splits on its own).
-    * ``split_reader``: what reads a split decode round's slots: ``"fa"`` (default),
-      FlashAttention-2, one thread block per slot and query head; or ``"triton"``, vmem's own
+    * ``split_reader``: what reads a split decode round's slots: ``"triton"``, vmem's own
       Triton kernel, one thread block per slot and KV head holding the head's whole query group,
-      over twice the round's sequences as slots (:mod:`vmem.kernels._triton_decode`). On CUDA
-      ``"triton"`` is built when the cache is, and refused there, saying why, where it cannot
-      run (a head dim not a power of two, or Triton missing); on the CPU the slots' reference
-      reads them. Needs ``split_decode`` not ``False`` and a kernel of :data:`FA_KERNELS`.
+      over twice the round's sequences as slots (:mod:`vmem.kernels._triton_decode`); or
+      ``"fa"``, FlashAttention-2, one thread block per slot and query head. ``None`` (default):
+      ``"triton"`` where it runs (CUDA, a head dim that is a power of two from 16 to 256, the
+      kernel built when the cache is, splitting not turned off), else ``"fa"``. ``"triton"``
+      given is refused, saying why, where it cannot run (on the CPU the slots' reference reads
+      them); it needs ``split_decode`` not ``False`` and a kernel of :data:`FA_KERNELS`.
 
     Made once (``Options(**kw)`` validates and canonicalizes: sizes become ints); frozen.
     Strings are never bools and floats never ints (:mod:`vmem._args`).
@@ -184,7 +185,7 @@ class Options:
     reuse_while_unmapping: bool = True
     admit_while_unmapping: bool = True
     split_decode: bool | None = None
-    split_reader: str = "fa"
+    split_reader: str | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: the canonical values are set once, here
@@ -225,11 +226,12 @@ class Options:
         if self.split_decode and self.kernel not in FA_KERNELS:
             raise InvalidArgument(f"split_decode splits kernel='fa''s decode rounds; kernel={self.kernel!r} "
                                   "does not take it (FlashInfer splits long rows on its own)")
-        set_(self, "split_reader", check_choice("split_reader", self.split_reader, SPLIT_READERS))
-        if self.split_reader != "fa" and self.kernel not in FA_KERNELS:
+        if self.split_reader is not None:
+            set_(self, "split_reader", check_choice("split_reader", self.split_reader, SPLIT_READERS))
+        if self.split_reader == "triton" and self.kernel not in FA_KERNELS:
             raise InvalidArgument(f"split_reader={self.split_reader!r} reads FA's split decode rounds; "
                                   f"kernel={self.kernel!r} has none (use kernel 'fa' or 'fa+flashinfer')")
-        if self.split_reader != "fa" and self.split_decode is False:
+        if self.split_reader == "triton" and self.split_decode is False:
             raise InvalidArgument(f"split_reader={self.split_reader!r} reads split decode rounds; split_decode=False "
                                   "splits none (leave split_decode unset)")
         rows_tokens = (self.max_requests + 1) * (self.max_context or 0)

@@ -136,10 +136,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch("model_runner", "ModelRunner", "warmup", ALL, ("self", "model"), VMEM_CACHE,
           "every CUDA graph vmem replays captured up front (the engine's own rounds ask for more than a row; "
           "warmup.py)", hooks.capture_vmem_graphs),
-    Patch("model_runner", "ModelRunner", "_sample", ALL, ("self", "scores", "output_ids"), VMEM_CACHE,
-          "in the compiled forward, greedy tokens by an argmax in two reductions, which the compiler spreads over the "
-          "GPU where the engine's one argmax walks each row's vocabulary in one program (sampling.py)",
-          hooks.two_step_greedy),
     Patch("model_runner", "ModelRunner", "maybe_pad_inputs", ALL,
           ("self", "num_q_tokens", "max_kv_read", "use_decode_fast_path"), VMEM_CACHE,
           "no KV read in any round: the kernels read rows in place, read_index is neither filled nor copied "
