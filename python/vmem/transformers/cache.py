@@ -202,9 +202,12 @@ class VmemCBCache:
         chosen, on_cuda = self.options.split_reader, self.device.type == "cuda"
         if chosen == "triton" and on_cuda:  # given: needs the split on, or an error saying why
             fa_split.check_slot_kernel(self.device, g.head_dim, self.dtype, **heads)
-        slot_kernel = chosen == "triton" or (
-            chosen is None and on_cuda and self.options.split_decode is not False
-            and fa_split.slot_kernel_fails(self.device, g.head_dim, self.dtype, **heads) is None)
+        slot_kernel = chosen == "triton"
+        if chosen is None and on_cuda and self.options.split_decode is not False:
+            why = fa_split.slot_kernel_fails(self.device, g.head_dim, self.dtype, **heads)
+            if why is not None:
+                _log.info("vmem: FA reads the split decode rounds, not vmem's slot kernel: %s", why)
+            slot_kernel = why is None
         asked = {"asked_by": "split_reader='triton'", "instead": "use split_reader='fa'"} if chosen == "triton" else {}
         split = fa_split.splits_for(True if chosen == "triton" else self.options.split_decode, self.device,
                                     g.head_dim, self.dtype, **asked)
