@@ -36,6 +36,22 @@ pub fn hold_fence(
     (entered_rx, release_tx)
 }
 
+/// The pool's accounting at a quiet point (no step or unmap running), given the pages `mapped`
+/// (`kv.mapped_handles().len()`): no more pages made than the cap, and every page made either
+/// free or mapped. `Err` says which does not hold.
+pub fn pool_balance(kv: &vmem::KvCacheManager, mapped: usize) -> Result<(), String> {
+    let (created, free, cap) = kv.pool_pages();
+    if created > cap {
+        return Err(format!("{created} pages made, past the cap of {cap}"));
+    }
+    if created != free + mapped as u64 {
+        return Err(format!(
+            "pool accounting: created = free + mapped does not hold: {created} != {free} + {mapped}"
+        ));
+    }
+    Ok(())
+}
+
 /// Step lengths for `b` request ids: `pairs` `(id, tokens)` set, every other id 0.
 pub fn lens(b: usize, pairs: &[(usize, u64)]) -> Vec<u64> {
     let mut l = vec![0; b];

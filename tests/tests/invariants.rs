@@ -77,13 +77,7 @@ fn check(kv: &KvCacheManager, lens: &[u64], active: &[bool]) -> Result<(), TestC
     let handles = kv.mapped_handles();
     let unique: HashSet<_> = handles.iter().map(|&(_, _, p)| p).collect();
     prop_assert_eq!(unique.len(), handles.len(), "a page is mapped twice");
-    let (created, free, cap) = kv.pool_pages();
-    prop_assert!(created <= cap);
-    prop_assert_eq!(
-        created,
-        free + handles.len() as u64,
-        "pool accounting: created = free + mapped"
-    );
+    vmem_tests::pool_balance(kv, handles.len()).map_err(TestCaseError::fail)?;
     let u = kv.usage();
     prop_assert!(u.active_mapped_bytes >= u.kv_bytes);
     prop_assert_eq!(u.mapped_bytes, handles.len() as u64 * geo.page_size);

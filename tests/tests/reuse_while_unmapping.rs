@@ -398,13 +398,7 @@ mod reuse_props {
             prop_assert!(seen.insert(p), "page {:?} in two live rows", p);
             prop_assert!(checked.map_count(p).unwrap_or(0) >= 1);
         }
-        let (created, free, cap) = kv.pool_pages();
-        prop_assert!(created <= cap);
-        prop_assert_eq!(
-            created,
-            free + handles.len() as u64,
-            "created = free + mapped"
-        );
+        vmem_tests::pool_balance(kv, handles.len()).map_err(TestCaseError::fail)?;
         Ok(())
     }
 
