@@ -22,6 +22,7 @@ Run: ``python3 python/benches/decode_kernels.py --out DIR`` (CUDA).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 from harness import cli
+from harness.kernel_runs import time_inner
 from harness.roofline import measure_peaks
 
 from vmem import InvalidArgument
@@ -107,17 +109,11 @@ def run_shape(name: str, a: argparse.Namespace, peaks: Any, fi: Any, rng: random
             print(f"{name} {c}: {type(e).__name__}: {e}")
             del contenders[c], times[c]
     order = list(contenders)
+    calls = {c: [functools.partial(fn, i) for i in range(a.layers)] for c, fn in contenders.items()}
     for _ in range(a.reps):
         rng.shuffle(order)
         for c in order:
-            fn = contenders[c]
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for j in range(a.inner):
-                fn(j % a.layers)
-            e.record()
-            e.synchronize()
-            times[c].append(s.elapsed_time(e) * 1e3 / a.inner)
+            times[c].append(time_inner(calls[c], a.inner, dev) * 1e6)
     need = sum(lens) * HKV * d * 2 * 2
     print(f"{name}: {n} requests (padded {pad}), mean length {sum(lens) / n:.0f}, "
           f"K/V {need / 1e6:.1f} MB a layer; copy {peaks.copy_bytes / 1e9:.0f} GB/s")
