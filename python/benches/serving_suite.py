@@ -18,7 +18,8 @@ against a plain forward (top-1 agreement, ``--check-requests``).
 Writes suite.json, suite.txt and suite.svg to ``--out``. ``--only KEY=A,B`` (KEY: trace, model,
 budget, contender; repeatable) runs a part, ``--merge OUT1 OUT2 ...`` combines parts into
 ``--out``. ``--profile CONTENDER`` profiles that contender on the first selected workload
-instead (profile.txt). ``--tiny`` runs each model's tiny fp32 stand-in on the CPU (a smoke test).
+instead (profile.txt; its kernel table lists ``--profile-top`` kernels). ``--tiny`` runs each
+model's tiny fp32 stand-in on the CPU (a smoke test).
 ``--schedule`` runs the stand-ins on the CPU under the GPU run's limits (rows, context, batch
 tokens; each stand-in has the layers that make its 64K token-major page hold as many tokens as
 its model's 2M page): the engine meets the GPU run's workload under its limits, so the rounds,
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"run a part: KEY one of {list(ONLY_KEYS)} (repeatable)")
     ap.add_argument("--merge", nargs="+", metavar="OUT", help="combine these outputs' suite.json into --out")
     ap.add_argument("--profile", metavar="CONTENDER", help="profile one contender on the first selected workload")
+    ap.add_argument("--profile-top", type=int, default=15, metavar="N",
+                    help="--profile's kernel table: the N kernels of most device time")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt", type=int, default=4000)
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
              "contender": list(reg)}
     only = parse_only(ap, args.only, known)
     cli.check_flags(ap, args, ["--requests", "--new-tokens", "--rounds", "--max-prompt", "--max-batch-tokens",
-                               "--max-requests", "--max-context", "--check-tokens"],
+                               "--max-requests", "--max-context", "--check-tokens", "--profile-top"],
                     ["--warmup", "--check-requests"])
     cli.check_fraction(ap, "--tenth", args.tenth)
     for t in only.get("trace", known["trace"]):
@@ -184,7 +187,7 @@ def profile(args: argparse.Namespace, only: dict[str, list[str]]) -> int:
 
     model, w = _first_workload(args, only)
     try:
-        body = stepprofile.profile(model, args.profile, w.prompts, args, w.kv, suite.registry())
+        body = stepprofile.profile(model, args.profile, w.prompts, args, w.kv, suite.registry(), top=args.profile_top)
     except Exception as e:  # the engine's refusal (async batching without CUDA, ...): one line, exit 1
         print(f"serving_suite: --profile {args.profile} on {w.trace}/{w.model}/{w.budget} failed: "
               f"{type(e).__name__}: {e}", file=sys.stderr)

@@ -118,6 +118,8 @@ CASES = [
     ("serving_suite", ["--tiny", "--max-prompt", "100", "--new-tokens", "4000", "--out", "{tmp}/o"],
      "pass --max-context 2048"),
     ("serving_suite", ["--tiny", "--timeout", "inf", "--out", "{tmp}/o"], "--timeout must be at most"),
+    ("serving_suite", ["--tiny", "--profile-top", "0", "--out", "{tmp}/o"], "--profile-top must be at least 1"),
+    ("serving_suite", ["--tiny", "--profile-top", "ten", "--out", "{tmp}/o"], "--profile-top: invalid int value"),
     ("serving_suite", ["--tiny", "--only", "model=llama3-8b-x32", "--out", "{tmp}/o"], "--only model: unknown"),
     ("suite_plot", ["{tmp}/no.log", "--out", "{tmp}/o.svg"], "LOG '"),
     ("suite_plot", ["{json}", "--out", "{tmp}/no/o.svg"], "--out '"),
