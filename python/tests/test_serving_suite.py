@@ -398,6 +398,7 @@ def test_gpu_busy_counts_the_union_inside_the_timed_window() -> None:
                         "cutlass::bfloat16_t>>") == "attention"
     assert kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma") == "attention"
     assert kernel_class("triton_per_fused__scaled_dot_product_cudnn_attention_0") == "attention"
+    assert kernel_class("_slot_kernel") == "attention" and kernel_class("_combine_kernel") == "attention"
     assert kernel_class("nvjet_sm90_tst_96x64_64x10_2x1_v_bz_splitK_TNN") == "GEMM"
     assert kernel_class("triton_poi_fused__to_copy_add_mul_rsqrt_0") == "other"
     assert kernel_class("void at::native::index_elementwise_kernel<128, 4>") == "KV write / index"

@@ -139,12 +139,13 @@ def round_clock() -> Any:
 
 
 #: Kernel classes of :func:`gpu_busy`: a kernel is in the first class one of whose patterns its
-#: name holds (lower case). Attention comes first: FlashAttention's kernels are templated on CUTLASS
+#: name holds (lower case); vmem's Triton kernels by their function names (the slot kernel, the
+#: merge). Attention comes first: FlashAttention's kernels are templated on CUTLASS
 #: types (``cutlass::bfloat16_t``), which the GEMM class's ``cutlass`` would otherwise take.
 #: Copies and index kernels are matched by ATen's kernel names only, so that Inductor's fused
 #: kernels (``triton_poi_fused__to_copy_...``) stay ``other``.
 KERNEL_CLASSES = (("attention", ("flash_fwd", "pytorch_flash", "flash::", "fmha", "attention", "sdpa",
-                                "batchdecode", "batchprefill", "merge_state", "_combine_kernel")),
+                                "batchdecode", "batchprefill", "merge_state", "_combine_kernel", "_slot_kernel")),
                   ("GEMM", ("nvjet", "gemm", "cutlass", "xmma", "cublas")),
                   ("KV write / index", ("index_elementwise", "index_put", "index_copy", "index_fill",
                                         "indexfunc", "scatter")),
