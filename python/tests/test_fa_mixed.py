@@ -99,6 +99,37 @@ def test_the_reader_splits_a_mixed_round_run_eagerly_and_not_one_a_graph_capture
     assert torch.equal(got[8:], torch.zeros_like(got[8:]))
 
 
+def test_an_eager_padded_round_is_read_over_its_real_requests_only():
+    """A padded varlen round (the engine's 256 sequences and 8,192 tokens at full size) read
+    eagerly: one call over its real requests, ``max_q`` their longest query (FA2's grid is
+    ``max_q / 128 x sequences x heads``), the same output as over the padded metadata; the
+    metadata views are prefixes of the round's. A decode round and a round without padding come
+    back as they are."""
+    mc, entries = 128, [(0, 40, 5), (1, 0, 6), (2, 90, 3)]
+    bufs = RoundBuffers(8, mc, 3, CPU, max_tokens=32)
+    meta = bufs.fill(entries, sequences=8, tokens=32, padded=True, bucket_k=mc)
+    real = meta.real_only()
+    assert (meta.n, meta.max_q, meta.max_k) == (8, 32, mc)
+    assert (real.n, real.real, real.max_q, real.max_k, real.total_q) == (3, 3, 6, 93, 32)
+    assert real.host.tolist() == [0, 5, 11, 14, 0, 128, 256, 384, 45, 6, 93]  # cu_k[3]: the trash row, not read
+    assert real.cu_q.data_ptr() == meta.cu_q.data_ptr() and real.used.data_ptr() == meta.used.data_ptr()
+    assert real.cu_k.data_ptr() == meta.cu_k.data_ptr() and real.cu_k.tolist() == [0, 128, 256, 384]
+    k, v = _kv(4, mc)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(32, 8, 16, generator=g)
+    assert torch.equal(fa_varlen_reference(q, k, v, real, 0.5), fa_varlen_reference(q, k, v, meta, 0.5))
+    rnd = Round()
+    rnd.entries = [(r, p, n, None) for r, p, n in entries]
+    rnd.meta = meta
+    got = FaReader(mc)(0, rnd, q.transpose(0, 1).unsqueeze(0), k, v, 0.5, False)[0]
+    assert rnd.index.n == 3 and rnd.index.max_q == 6
+    assert torch.allclose(got, fa_varlen_reference(q, k, v, meta, 0.5), atol=1e-6)
+    assert meta.real_only() is not meta
+    decode = bufs.fill([(0, 40, 1), (1, 7, 1)], sequences=2, tokens=8, padded=True, decode=True)
+    unpadded = bufs.fill(entries, sequences=3, tokens=14, padded=False)
+    assert decode.real_only() is decode and unpadded.real_only() is unpadded
+
+
 def test_a_round_without_grouped_heads_is_read_in_one_call(monkeypatch):
     monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 1)
     calls = []

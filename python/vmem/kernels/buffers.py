@@ -50,6 +50,25 @@ class RoundMeta:
         self.real, self.max_q, self.max_k, self.total_q = real, max_q, max_k, total_q
         self.decode = decode
 
+    def real_only(self) -> RoundMeta:
+        """This round without its padded sequences, for a round run eagerly, whose kernel grid is
+        no captured graph's: prefixes of the same device views over the real requests, ``max_q``
+        and ``max_k`` their own, ``host`` laid out for them. FlashAttention-2 launches
+        ``ceil(max_q / 128) x sequences x heads`` thread blocks, and a padded prefill round of
+        8,192 tokens passed as 256 sequences launched about half a million a layer, nearly all
+        of them empty. The same query rows are read and written: the padded sequences hold no
+        query, so the padded tokens (past ``cu_q[real]``) belong to no sequence either way. A
+        decode round passed one sequence per token, and a round without padding, come back as
+        they are."""
+        n, p = self.real, self.n
+        if self.decode or n == p:
+            return self
+        h = self.host
+        cu_q, cu_k, used = h[: n + 1], h[p + 1: p + 2 + n], h[2 * p + 2: 2 * p + 2 + n]
+        return RoundMeta(self.cu_q[: n + 1], self.cu_k[: n + 1], self.used[:n], torch.cat([cu_q, cu_k, used]),
+                         real=n, max_q=int((cu_q[1:] - cu_q[:-1]).max()), max_k=int(used.max()),
+                         total_q=self.total_q)
+
 
 class RoundBuffers:
     """The static per-round metadata of one cache: one int32 device tensor of ``3 * capacity + 2``

@@ -47,7 +47,7 @@ class FaReader:
         if rnd.index is None:  # the round's first layer: how it is read, decided once for every layer
             rnd.index = self._plan(rnd, query.device, gqa)
         index = rnd.index.whole if isinstance(rnd.index, fa_mixed.MixedRound) else \
-            rnd.meta if rnd.meta is not None else rnd.index
+            rnd.meta if isinstance(rnd.index, fa_split.SplitRound) else rnd.index
         t = query.shape[2]
         if t != index.total_q:
             raise VmemError(f"the engine passed {t} query tokens for a round of {index.total_q}")
@@ -62,13 +62,16 @@ class FaReader:
         """How a round without a decode split is read: under a CUDA graph's capture, one call over
         the round's metadata (the graph's shapes); run eagerly (no graph replays a round whose
         forward runs Python), a mixed round of grouped heads as two calls (:mod:`.fa_mixed`),
-        else one call; a round run outside the engine hook (no metadata) builds its index here."""
+        else one call over the round's real requests only
+        (:meth:`~vmem.kernels.buffers.RoundMeta.real_only`); a round run outside the engine hook
+        (no metadata) builds its index here."""
         if capturing():
             if rnd.meta is None:
                 raise VmemError("kernel='fa': a CUDA graph is being captured over a round whose metadata was not "
                                 "written before the forward (the engine's compute_batch is not vmem's)")
             return rnd.meta
         entries = [(row, past, q) for row, past, q, _ in rnd.entries]
-        whole = rnd.meta if rnd.meta is not None else fa_varlen_indices(entries, self.max_context).to(device)
+        whole = rnd.meta.real_only() if rnd.meta is not None else \
+            fa_varlen_indices(entries, self.max_context).to(device)
         mixed = fa_mixed.plan_mixed(entries, self.max_context, device, whole=whole) if gqa else None
         return mixed or whole
