@@ -128,6 +128,8 @@ def test_an_eager_padded_round_is_read_over_its_real_requests_only():
     decode = bufs.fill([(0, 40, 1), (1, 7, 1)], sequences=2, tokens=8, padded=True, decode=True)
     unpadded = bufs.fill(entries, sequences=3, tokens=14, padded=False)
     assert decode.real_only() is decode and unpadded.real_only() is unpadded
+    full = bufs.fill(entries, sequences=3, tokens=32, padded=True, bucket_k=mc)  # no padded sequence
+    assert (full.real_only().n, full.real_only().max_q, full.real_only().max_k) == (3, 6, 93)
 
 
 def test_a_round_without_grouped_heads_is_read_in_one_call(monkeypatch):

@@ -60,14 +60,15 @@ class RoundMeta:
         query, so the padded tokens (past ``cu_q[real]``) belong to no sequence either way. A
         decode round passed one sequence per token, and a round without padding, come back as
         they are."""
-        n, p = self.real, self.n
-        if self.decode or n == p:
+        if self.decode:
             return self
-        h = self.host
+        n, p, h = self.real, self.n, self.host
         cu_q, cu_k, used = h[: n + 1], h[p + 1: p + 2 + n], h[2 * p + 2: 2 * p + 2 + n]
+        max_q, max_k = int((cu_q[1:] - cu_q[:-1]).max()), int(used.max())
+        if n == p and (max_q, max_k) == (self.max_q, self.max_k):
+            return self
         return RoundMeta(self.cu_q[: n + 1], self.cu_k[: n + 1], self.used[:n], torch.cat([cu_q, cu_k, used]),
-                         real=n, max_q=int((cu_q[1:] - cu_q[:-1]).max()), max_k=int(used.max()),
-                         total_q=self.total_q)
+                         real=n, max_q=max_q, max_k=max_k, total_q=self.total_q)
 
 
 class RoundBuffers:
