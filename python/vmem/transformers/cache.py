@@ -199,19 +199,19 @@ class VmemCBCache:
         if self.kernel == "flashinfer":
             return self._flashinfer_reader(config, self.max_batch_tokens)
         heads = {"q_heads": config.num_attention_heads, "kv_heads": g.kv_heads}
-        chosen, on_cuda = self.options.split_reader, self.device.type == "cuda"
-        if chosen == "triton" and on_cuda:  # given: needs the split on, or an error saying why
+        triton, on_cuda = self.options.split_reader == "triton", self.device.type == "cuda"
+        if triton and on_cuda:  # given: needs the split on, or an error saying why
             fa_split.check_slot_kernel(self.device, g.head_dim, self.dtype, **heads)
-        slot_kernel = chosen == "triton"
-        if chosen is None and on_cuda and self.options.split_decode is not False:
+        asked = {"asked_by": "split_reader='triton'", "instead": "use split_reader='fa'"} if triton else {}
+        split = fa_split.splits_for(True if triton else self.options.split_decode, self.device, g.head_dim,
+                                    self.dtype, **asked)
+        # Unset: the slot kernel reads the split rounds on CUDA where it runs, else FA.
+        slot_kernel = split and (triton or (self.options.split_reader is None and on_cuda))
+        if slot_kernel and not triton:
             why = fa_split.slot_kernel_fails(self.device, g.head_dim, self.dtype, **heads)
             if why is not None:
                 _log.info("vmem: FA reads the split decode rounds, not vmem's slot kernel: %s", why)
             slot_kernel = why is None
-        asked = {"asked_by": "split_reader='triton'", "instead": "use split_reader='fa'"} if chosen == "triton" else {}
-        split = fa_split.splits_for(True if chosen == "triton" else self.options.split_decode, self.device,
-                                    g.head_dim, self.dtype, **asked)
-        slot_kernel = slot_kernel and split
         fa = FaReader(g.max_context, fa_split.SplitBuffers(self.round_buffers.capacity, self.device,
                                                            slot_kernel=slot_kernel) if split else None)
         if self.kernel == "fa":
