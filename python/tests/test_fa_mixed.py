@@ -132,6 +132,35 @@ def test_an_eager_padded_round_is_read_over_its_real_requests_only():
     assert (full.real_only().n, full.real_only().max_q, full.real_only().max_k) == (3, 6, 93)
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_a_graph_captured_after_the_eager_pass_reads_the_padded_metadata(monkeypatch, split):
+    """The engine runs a round eagerly and then captures a graph of the same round: the eager
+    pass plans the round over its own sizes (its real requests, or its decodes in a call of
+    their own), but the capture must read the padded metadata, which every later round of the
+    graph's size rewrites in place. A plan kept from the eager pass would bake this round's
+    sequences and ``max_q`` into the graph, and a replay would drop a later round's extra
+    requests."""
+    from vmem.kernels import fa as fa_module
+
+    monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 1)
+    mc, entries = 128, [(0, 40, 1), (1, 0, 6), (2, 90, 3)] if split else [(0, 40, 5), (1, 0, 6), (2, 90, 3)]
+    meta = RoundBuffers(8, mc, 3, CPU, max_tokens=32).fill(entries, sequences=8, tokens=32, padded=True, bucket_k=mc)
+    k, v = _kv(4, mc)
+    q = torch.randn(32, 8, 16, generator=torch.Generator().manual_seed(5)).transpose(0, 1).unsqueeze(0)
+    rnd = Round()
+    rnd.entries = [(r, p, n, None) for r, p, n in entries]
+    rnd.meta = meta
+    reader = FaReader(mc)
+    reader.before_forward(rnd, padded=True, pair=0, stream=None)
+    eager = reader(0, rnd, q, k, v, 0.5, True)[0]
+    assert isinstance(rnd.index, fa_mixed.MixedRound) if split else rnd.index.n == 3
+    monkeypatch.setattr(fa_module, "capturing", lambda: True)  # the engine's capture of the same round
+    captured = [reader(layer, rnd, q, k, v, 0.5, True)[0] for layer in range(2)]
+    assert rnd.index is meta
+    for out in captured:
+        assert torch.allclose(out[:10], eager[:10], atol=1e-5)
+
+
 def test_a_round_without_grouped_heads_is_read_in_one_call(monkeypatch):
     monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 1)
     calls = []

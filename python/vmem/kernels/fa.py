@@ -44,7 +44,12 @@ class FaReader:
     def __call__(self, layer: int, rnd: Round, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  scaling: float | None, gqa: bool) -> torch.Tensor:
         """Returns ``[1, T, Hq, D]`` for ``query`` ``[1, Hq, T, D]``."""
-        if rnd.index is None:  # the round's first layer: how it is read, decided once for every layer
+        plan = rnd.index
+        if plan is None or (plan is not rnd.meta and not isinstance(plan, fa_split.SplitRound) and capturing()):
+            # The round's first layer: how it is read, decided once for every layer. Or the
+            # capture of a round the engine has just run eagerly (its warm-up pass): the eager
+            # plan holds this round's own sizes, and a graph must read the metadata that every
+            # later round of its size rewrites.
             rnd.index = self._plan(rnd, query.device, gqa)
         index = rnd.index.whole if isinstance(rnd.index, fa_mixed.MixedRound) else \
             rnd.meta if isinstance(rnd.index, fa_split.SplitRound) else rnd.index
