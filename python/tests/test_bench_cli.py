@@ -53,6 +53,11 @@ CASES = [
     ("mixed_round", ["--inner", "99999"], "--inner must be at most 1000, got 99999"),
     ("mixed_round", ["--reps", "x"], "argument --reps: invalid int value"),
     ("mixed_round", [], "no GPU: use --tiny for a CPU smoke test", "cpu"),
+    ("prefill_round", ["--layers", "0"], "--layers must be at least 1, got 0"),
+    ("prefill_round", ["--layers", "999"], "--layers must be at most 128, got 999"),
+    ("prefill_round", ["--rounds", "fits,nope"], "--rounds: unknown 'nope'"),
+    ("prefill_round", ["--inner", "1.5"], "argument --inner: invalid int value"),
+    ("prefill_round", [], "no GPU: use --tiny for a CPU smoke test", "cpu"),
     ("multitenant_bench", ["--merge", "{tmp}/no.json"], "--merge '"),
     ("multitenant_bench", ["--tiny", "--total", "64G"], "--tiny's KV lives in host memory"),
     ("multitenant_bench", ["--tiny", "--max-rows", "100000"], "--max-rows must be at most 4096"),
@@ -207,11 +212,12 @@ def test_the_reported_scripts_exit_2_with_one_line_as_a_user_runs_them(argv, tmp
 
 
 @pytest.mark.parametrize("argv, first", [(["mixed_round.py", "--tiny"], "round"),
+                                         (["prefill_round.py", "--tiny"], "round"),
                                          (["zero_page_cost.py", "--rounds", "2"], "per-layer")])
 def test_a_closed_output_pipe_ends_the_run_with_1_and_no_traceback(tmp_path, argv, first) -> None:
     """``SCRIPT ... | head -1``: the reader closes the pipe after the first line (each line
     written as printed, so the next one meets the closed pipe)."""
-    if argv[0] == "mixed_round.py":
+    if argv[0] in ("mixed_round.py", "prefill_round.py"):
         pytest.importorskip("torch", reason="torch is not installed")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.Popen([sys.executable, os.path.join(BENCHES, argv[0]), *argv[1:]], cwd=tmp_path, env=env,
