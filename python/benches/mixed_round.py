@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """One mixed round's attention (a prefill chunk beside decodes) with ``kernel="fa"``: one varlen
 call for the whole round against the decodes in a call of their own (:mod:`vmem.kernels.fa_mixed`),
-per layer, Llama-3-8B's heads (32 query, 8 KV, head dim 128, bf16), K and V in vmem's flat rows.
+read by FlashAttention-2 (``split``) or by vmem's slot kernel (``slots``, what a cache whose decode
+rounds the slot kernel reads does), per layer, Llama-3-8B's heads (32 query, 8 KV, head dim 128,
+bf16), K and V in vmem's flat rows.
 
 Two rounds, the shapes of the full-depth serving suite's mixed rounds: ``fits`` (120 decoding
 requests of 200-3,000 tokens beside a prefill chunk filling the round to 8,192 tokens) and
 ``tenth`` (12 decodes of 600-1,400 beside 5,278 prompt tokens). Both contenders are checked
 against each other first (bf16, the largest difference printed); then timed interleaved, CUDA
-events around ``--inner`` calls, the median of ``--reps``. Columns: µs a layer, the decodes' K/V
-bytes over that time (GB/s), and the ratio of the split to the one call.
+events around ``--inner`` calls, the median of ``--reps``. Columns: µs a layer for each, and the
+decodes' K/V bytes over each time (GB/s, of the whole round's time).
 
     python3 python/benches/mixed_round.py            # CUDA
     python3 python/benches/mixed_round.py --tiny     # the CPU: small shapes, agreement only
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     dev = torch.device(device)
     fa_mixed.MIN_DECODE_KEYS = 1  # every round here is split: the comparison is the point
-    print("round   decodes  prompt  one call us  split us  split/one  decode K/V GB/s: one / split")
+    print("round   decodes  prompt  one call us  split us  slots us  decode K/V GB/s: one / split / slots")
     worst = 0.0
     for name, lo_hi, decodes, prompt in ROUNDS:
         if args.tiny:
@@ -80,27 +82,29 @@ def main(argv: list[str] | None = None) -> int:
         entries, k, v = build(decodes, lo_hi, prompt, max_context, rng, device, dtype)
         whole = fa_varlen_indices(entries, max_context).to(dev)
         mixed = fa_mixed.plan_mixed(entries, max_context, dev, whole=whole)
+        slotted = fa_mixed.plan_mixed(entries, max_context, dev, whole=whole, slots=True)
         q = torch.randn(whole.total_q, HQ, D, device=device, dtype=dtype)
         one = varlen(q, k, v, whole, None)
-        two = fa_mixed.attend(q, k, v, mixed, None, varlen)
-        diff = float((one.float() - two.float()).abs().max())
+        diff = max(float((one.float() - fa_mixed.attend(q, k, v, m, None, varlen).float()).abs().max())
+                   for m in (mixed, slotted))
         worst = max(worst, diff)
         if args.tiny:
             print(f"{name:6} {decodes:8} {prompt:7}  agreement: largest difference {diff:.2e}")
             continue
-        times: dict[str, list[float]] = {"one": [], "split": []}
         calls = {"one": lambda q=q, k=k, v=v, w=whole: varlen(q, k, v, w, None),
-                 "split": lambda q=q, k=k, v=v, m=mixed: fa_mixed.attend(q, k, v, m, None, varlen)}
+                 "split": lambda q=q, k=k, v=v, m=mixed: fa_mixed.attend(q, k, v, m, None, varlen),
+                 "slots": lambda q=q, k=k, v=v, m=slotted: fa_mixed.attend(q, k, v, m, None, varlen)}
+        times: dict[str, list[float]] = {c: [] for c in calls}
         for _ in range(args.reps):
-            for c in rng.sample(list(calls), 2):
+            for c in rng.sample(list(calls), len(calls)):
                 times[c].append(time_us(calls[c], args.inner))
-        one_us, split_us = statistics.median(times["one"]), statistics.median(times["split"])
+        us = {c: statistics.median(t) for c, t in times.items()}
         kv_bytes = sum(past + 1 for _, past, q_ in entries if q_ == 1) * HKV * D * 2 * k.element_size()
-        print(f"{name:6} {decodes:8} {prompt:7} {one_us:12.1f} {split_us:9.1f} {split_us / one_us:10.3f}"
-              f"  {kv_bytes / one_us / 1e3:8.0f} / {kv_bytes / split_us / 1e3:.0f} (of all the round's time)")
+        print(f"{name:6} {decodes:8} {prompt:7} {us['one']:12.1f} {us['split']:9.1f} {us['slots']:9.1f}  "
+              + " / ".join(f"{kv_bytes / us[c] / 1e3:.0f}" for c in calls))
     bound = 1e-4 if args.tiny else 2e-2
     if worst > bound:
-        print(f"FAIL: the split differs from the one call by {worst:.3g} (more than {bound:g})", file=sys.stderr)
+        print(f"FAIL: a split differs from the one call by {worst:.3g} (more than {bound:g})", file=sys.stderr)
         return 1
     print(f"agreement: largest difference {worst:.2e} (at most {bound:g})")
     return 0

@@ -51,8 +51,9 @@ def test_the_parts_find_their_query_tokens_in_the_engines_order(monkeypatch):
     assert m.rest.index.host.tolist()[:3] == [0, 5, 8]  # the rest's own cu_q
 
 
+@pytest.mark.parametrize("slots", [False, True])
 @pytest.mark.parametrize("seed", range(12))
-def test_the_split_attention_equals_one_call_in_any_order(seed, monkeypatch):
+def test_the_split_attention_equals_one_call_in_any_order(seed, slots, monkeypatch):
     monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 1)
     rng = random.Random(seed)
     mc, rows = 256, 10
@@ -65,8 +66,13 @@ def test_the_split_attention_equals_one_call_in_any_order(seed, monkeypatch):
     k, v = _kv(rows + 1, mc)
     q = _q(entries)
     whole = fa_varlen_indices(entries, mc)
-    mixed = fa_mixed.plan_mixed(entries, mc, CPU, whole=whole)
-    assert mixed is not None
+    mixed = fa_mixed.plan_mixed(entries, mc, CPU, whole=whole, slots=slots)
+    assert mixed is not None and (mixed.slots is not None) is slots
+    if slots:  # the decodes' slot plan: two slots a decode, a long one split over several
+        decodes = [e for e in entries if e[2] == 1]
+        assert mixed.slots.rows == len(decodes) and mixed.slots.slots == 2 * len(decodes)
+        counts = mixed.slots.host_part(4)
+        assert all(c >= 1 for c in counts) and sum(counts) <= 2 * len(decodes)
     got = fa_mixed.attend(q, k, v, mixed, 0.3, lambda *a: fa_varlen_reference(*a))
     want = fa_varlen_reference(q, k, v, whole, 0.3)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
@@ -159,6 +165,29 @@ def test_a_graph_captured_after_the_eager_pass_reads_the_padded_metadata(monkeyp
     assert rnd.index is meta
     for out in captured:
         assert torch.allclose(out[:10], eager[:10], atol=1e-5)
+
+
+def test_the_reader_reads_a_mixed_rounds_decodes_with_the_slot_kernel_when_it_reads_decode_rounds(monkeypatch):
+    """A cache whose decode rounds vmem's slot kernel reads (``split_reader="triton"``) reads a
+    mixed round's decodes with it too, over a slot plan of their own; the output is the one
+    call's (the CPU reference of both)."""
+    from vmem.kernels import fa_split
+
+    monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 1)
+    mc, entries = 128, [(0, 100, 1), (1, 0, 6), (2, 90, 1), (3, 50, 1)]
+    k, v = _kv(5, mc)
+    q = torch.randn(16, 8, 16, generator=torch.Generator().manual_seed(4))
+    meta = RoundBuffers(8, mc, 4, CPU, max_tokens=16).fill(entries, sequences=4, tokens=16, padded=True, bucket_k=mc)
+    want = fa_varlen_reference(q, k, v, meta, 0.5)
+    for slot_kernel in (False, True):
+        rnd = Round()
+        rnd.entries = [(r, p, n, None) for r, p, n in entries]
+        rnd.meta = meta
+        reader = FaReader(mc, splits=fa_split.SplitBuffers(8, CPU, slot_kernel=slot_kernel))
+        reader.before_forward(rnd, padded=True, pair=0, stream=None)
+        got = reader(0, rnd, q.transpose(0, 1).unsqueeze(0), k, v, 0.5, True)[0]
+        assert isinstance(rnd.index, fa_mixed.MixedRound) and (rnd.index.slots is not None) is slot_kernel
+        assert torch.allclose(got, want, atol=1e-5)
 
 
 def test_a_round_without_grouped_heads_is_read_in_one_call(monkeypatch):

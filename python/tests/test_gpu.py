@@ -52,6 +52,7 @@ pytest says why. Benchmarks are in python/benches (gpu_bench.py).
 from __future__ import annotations
 
 import gc
+import itertools
 import random
 import time
 
@@ -482,8 +483,9 @@ def test_flashinfer_graph_plan_does_not_wait_for_queued_work():
 
 def test_fa_mixed_round_matches_one_call(monkeypatch):
     """A mixed round (a prompt chunk beside decodes) with its decodes in a call of their own
-    (:mod:`vmem.kernels.fa_mixed`, FlashAttention-2's grouped-head decode path) gives the one
-    varlen call's output, bf16, Llama-3's 32 query and 8 KV heads, in any query order."""
+    (:mod:`vmem.kernels.fa_mixed`: FlashAttention-2's grouped-head decode path, or vmem's slot
+    kernel over a slot plan of the decodes' own) gives the one varlen call's output, bf16,
+    Llama-3's 32 query and 8 KV heads, in any query order."""
     from vmem.kernels import fa_mixed
     from vmem.kernels.fa import fa_varlen_indices, varlen
 
@@ -492,15 +494,17 @@ def test_fa_mixed_round_matches_one_call(monkeypatch):
     g = torch.Generator(device="cpu").manual_seed(0)
     k = torch.randn(8 * mc, 8, 128, generator=g).to(dev, torch.bfloat16)
     v = torch.randn(8 * mc, 8, 128, generator=g).to(dev, torch.bfloat16)
-    for entries in ([(0, 1500, 1), (1, 900, 1), (2, 0, 700), (3, 300, 200)],
-                    [(2, 0, 700), (0, 1500, 1), (3, 300, 200), (1, 900, 1), (4, 2046, 1)]):
+    for entries, slots in itertools.product(([(0, 1500, 1), (1, 900, 1), (2, 0, 700), (3, 300, 200)],
+                                             [(2, 0, 700), (0, 1500, 1), (3, 300, 200), (1, 900, 1), (4, 2046, 1)]),
+                                            (False, True)):
         whole = fa_varlen_indices(entries, mc).to(dev)
-        mixed = fa_mixed.plan_mixed(entries, mc, dev, whole=whole)
-        check("the round is split", mixed is not None)
+        mixed = fa_mixed.plan_mixed(entries, mc, dev, whole=whole, slots=slots)
+        check("the round is split", mixed is not None and (mixed.slots is not None) is slots)
         q = torch.randn(whole.total_q, 32, 128, generator=g).to(dev, torch.bfloat16)
         one, two = varlen(q, k, v, whole, None), fa_mixed.attend(q, k, v, mixed, None, varlen)
         diff = float((one.float() - two.float()).abs().max())
-        check("the split equals the one call", diff < 2e-2, f"largest difference {diff:.3g}")
+        how = "vmem's slot kernel" if slots else "FA2"
+        check(f"the split (decodes read by {how}) equals the one call", diff < 2e-2, f"largest difference {diff:.3g}")
         torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU work queued, as a round in flight
         start = time.perf_counter()
         fa_mixed.plan_mixed(entries, mc, dev, whole=whole)  # what the reader does at an eager round's first layer

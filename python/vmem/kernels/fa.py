@@ -78,5 +78,6 @@ class FaReader:
         entries = [(row, past, q) for row, past, q, _ in rnd.entries]
         whole = rnd.meta.real_only() if rnd.meta is not None else \
             fa_varlen_indices(entries, self.max_context).to(device)
-        mixed = fa_mixed.plan_mixed(entries, self.max_context, device, whole=whole) if gqa else None
+        slots = self.splits is not None and self.splits.slot_kernel  # the slot kernel reads the decodes too
+        mixed = fa_mixed.plan_mixed(entries, self.max_context, device, whole=whole, slots=slots) if gqa else None
         return mixed or whole

@@ -20,6 +20,13 @@ layer, so only rounds run eagerly are split (a CUDA graph's capture keeps the on
 shapes are the graph's), and only with grouped heads; query tokens the engine padded the round
 with get zeros, as in the one call. On the CPU the same split runs over the reference, which the
 tests compare with the one-call reference.
+
+With ``slots`` (the cache reads its decode rounds with vmem's slot kernel, ``split_reader="triton"``)
+the decodes' call is that kernel over a slot plan of their own (:mod:`.fa_split`: two slots a
+decode, keys dealt by length, the slots merged), not FlashAttention-2's decode path: on the H100
+a layer's decodes beside a prompt took FA2 about half the copy bandwidth, where the slot kernel
+reads a decode round at 0.76-0.88 of it. A mixed round is run eagerly, so its plan is a buffer of
+its own, not the cache's static one that captured decode rounds read.
 Engine-free.
 """
 
@@ -30,6 +37,7 @@ from typing import Any
 
 import torch
 
+from . import fa_split
 from .buffers import to_device
 from .varlen import fa_varlen_indices
 
@@ -42,13 +50,15 @@ MIN_DECODE_KEYS = 8192
 
 class MixedRound:
     """One mixed round's two parts: ``decode`` and ``rest`` (:class:`Part`), ``whole``, the
-    round's one-call index, and ``tokens``, the requests' query tokens (the engine may pad the
-    round past them)."""
+    round's one-call index, ``tokens``, the requests' query tokens (the engine may pad the
+    round past them), and ``slots``, the decodes' slot plan
+    (:class:`~vmem.kernels.fa_split.SplitRound`) when vmem's slot kernel reads them, else
+    ``None`` (FlashAttention-2)."""
 
-    __slots__ = ("decode", "rest", "tokens", "whole")
+    __slots__ = ("decode", "rest", "slots", "tokens", "whole")
 
-    def __init__(self, decode: Part, rest: Part, whole: Any, tokens: int) -> None:
-        self.decode, self.rest, self.whole, self.tokens = decode, rest, whole, tokens
+    def __init__(self, decode: Part, rest: Part, whole: Any, tokens: int, slots: Any = None) -> None:
+        self.decode, self.rest, self.whole, self.tokens, self.slots = decode, rest, whole, tokens, slots
 
 
 class Part:
@@ -82,12 +92,13 @@ class Part:
 
 
 def plan_mixed(entries: list[tuple[int, int, int]], max_context: int, device: torch.device, *,
-               whole: Any = None) -> MixedRound | None:
+               whole: Any = None, slots: bool = False) -> MixedRound | None:
     """The two parts of a round of ``entries`` (``(row, past, q)`` in the engine's query order),
     their indices copied to ``device`` on the current stream from pinned memory (the host does
     not wait for the round in flight), or ``None`` when the round is not split: no decode beside
     a longer query, or decodes reading fewer than :data:`MIN_DECODE_KEYS` keys. ``whole``: the
-    round's one-call index (its ``total_q`` the tokens the engine passes, padding included)."""
+    round's one-call index (its ``total_q`` the tokens the engine passes, padding included);
+    ``slots``: the decodes are read by vmem's slot kernel, over a slot plan written here."""
     decodes = [e for e in entries if e[2] == 1]
     if not decodes or len(decodes) == len(entries) or sum(past + 1 for _, past, _ in decodes) < MIN_DECODE_KEYS:
         return None
@@ -108,14 +119,19 @@ def plan_mixed(entries: list[tuple[int, int, int]], max_context: int, device: to
         if device.type == "cuda":
             index.host = index.host.pin_memory()  # FaVarlenIndex.to's copy then does not wait
         parts.append(Part(index.to(device), pos, device))
-    return MixedRound(parts[0], parts[1], whole, at)
+    plan = None
+    if slots:
+        n = len(decodes)
+        plan = fa_split.SplitBuffers(n, device, slot_kernel=True).fill(decodes, n, max_context, None)
+    return MixedRound(parts[0], parts[1], whole, at, plan)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mixed: MixedRound, scale: float | None,
            varlen: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, float | None], torch.Tensor]
            ) -> torch.Tensor:
     """The round's attention for packed ``q`` ``[T, Hq, D]`` over the flat ``k``/``v``: the
-    decodes in one ``varlen`` call (``varlen(q, k, v, index, scale)`` -> ``[t, Hq, D]``), the
+    decodes in one call (the slot kernel over :attr:`MixedRound.slots` when planned, else
+    ``varlen``) (``varlen(q, k, v, index, scale)`` -> ``[t, Hq, D]``), the
     rest in another, each written at its positions, the engine's padded tokens zeros; returns
     ``[T, Hq, D]``, contiguous."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -125,5 +141,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mixed: MixedRound,
         qp = part.take(q)
         if not qp.is_contiguous():
             qp = qp.contiguous()
-        part.put(out, varlen(qp, k, v, part.index, scale))
+        if part is mixed.decode and mixed.slots is not None:
+            part.put(out, fa_split.attend(qp, k, v, mixed.slots, part.index.max_k, scale))
+        else:
+            part.put(out, varlen(qp, k, v, part.index, scale))
     return out
