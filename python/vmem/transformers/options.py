@@ -153,7 +153,8 @@ class Options:
       of two and Triton able to build its merge kernel, tried once when the cache is built);
       ``True``: on, and an error saying why where it cannot; ``False``: off. Not with other
       kernels (FlashInfer splits on its own).
-    * ``split_reader``: what reads a split decode round's slots: ``"triton"``, vmem's own
+    * ``split_reader``: what reads a split decode round's slots, and the decodes of a mixed
+      round run eagerly (:mod:`vmem.kernels.fa_mixed`): ``"triton"``, vmem's own
       Triton kernel, one thread block per slot and KV head holding the head's whole query group,
       over twice the round's sequences as slots (:mod:`vmem.kernels._triton_decode`); or
       ``"fa"``, FlashAttention-2, one thread block per slot and query head. ``None`` (default):
