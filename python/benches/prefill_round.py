@@ -135,7 +135,14 @@ def main(argv: list[str] | None = None) -> int:
         lengths = prompts_of(name, rng, args.tiny)
         total = sum(lengths)
         rows = len(lengths) + 1  # and the trash row the padded sequences start at
-        whole = torch.randn(rows * max_context, 2 * layers * HKV, D, device=device, dtype=dtype)
+        shape = (rows * max_context, 2 * layers * HKV, D)
+        try:
+            whole = torch.empty(shape, device=device, dtype=dtype).normal_()
+        except torch.OutOfMemoryError:
+            gb = rows * max_context * 2 * layers * HKV * D * torch.finfo(dtype).bits / 8 / 1e9
+            print(f"prefill_round.py: the {name} round's rows ({gb:.0f} GB with --layers {layers}) do not fit the "
+                  "device's free memory; lower --layers", file=sys.stderr)
+            return 1
         k, v = whole[:, :HKV], whole[:, HKV:2 * HKV]  # layer 0's K and V heads, token-major strides
         q = torch.randn(total, HQ, D, device=device, dtype=dtype)
         entries = [(r, 0, n) for r, n in enumerate(lengths)]
