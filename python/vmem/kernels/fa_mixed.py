@@ -131,9 +131,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mixed: MixedRound,
            ) -> torch.Tensor:
     """The round's attention for packed ``q`` ``[T, Hq, D]`` over the flat ``k``/``v``: the
     decodes in one call (the slot kernel over :attr:`MixedRound.slots` when planned, else
-    ``varlen``) (``varlen(q, k, v, index, scale)`` -> ``[t, Hq, D]``), the
-    rest in another, each written at its positions, the engine's padded tokens zeros; returns
-    ``[T, Hq, D]``, contiguous."""
+    ``varlen(q, k, v, index, scale)`` -> ``[t, Hq, D]``), the rest in a ``varlen`` call, each
+    written at its positions, the engine's padded tokens zeros; returns ``[T, Hq, D]``,
+    contiguous."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] > mixed.tokens:
         out[mixed.tokens:].zero_()
