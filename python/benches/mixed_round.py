@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import sys
 
 import torch
-
-from harness import cli
+from harness import cli, layertime
 
 #: (name, decode lengths range, decodes, prompt tokens beside them)
 ROUNDS = (("fits", (200, 3000), 120, 8192 - 120), ("tenth", (600, 1400), 12, 5278))
@@ -44,17 +41,6 @@ def build(decodes: int, lo_hi: tuple[int, int], prompt: int, max_context: int, r
         row += 1
     k = torch.randn(row * max_context, HKV, D, device=device, dtype=dtype)
     return entries, k, torch.randn_like(k)
-
-
-def time_us(fn: object, inner: int) -> float:
-    """Microseconds a call of ``fn``, CUDA events around ``inner`` calls."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(inner):
-        fn()  # type: ignore[operator]
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / inner
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,20 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         calls = {"one": lambda q=q, k=k, v=v, w=whole: varlen(q, k, v, w, None),
                  "split": lambda q=q, k=k, v=v, m=mixed: fa_mixed.attend(q, k, v, m, None, varlen),
                  "slots": lambda q=q, k=k, v=v, m=slotted: fa_mixed.attend(q, k, v, m, None, varlen)}
-        times: dict[str, list[float]] = {c: [] for c in calls}
-        for _ in range(args.reps):
-            for c in rng.sample(list(calls), len(calls)):
-                times[c].append(time_us(calls[c], args.inner))
-        us = {c: statistics.median(t) for c, t in times.items()}
+        us = layertime.interleaved(calls, args.reps, args.inner, rng)
         kv_bytes = sum(past + 1 for _, past, q_ in entries if q_ == 1) * HKV * D * 2 * k.element_size()
         print(f"{name:6} {decodes:8} {prompt:7} {us['one']:12.1f} {us['split']:9.1f} {us['slots']:9.1f}  "
               + " / ".join(f"{kv_bytes / us[c] / 1e3:.0f}" for c in calls))
-    bound = 1e-4 if args.tiny else 2e-2
-    if worst > bound:
-        print(f"FAIL: a split differs from the one call by {worst:.3g} (more than {bound:g})", file=sys.stderr)
-        return 1
-    print(f"agreement: largest difference {worst:.2e} (at most {bound:g})")
-    return 0
+    return layertime.verdict(worst, 1e-4 if args.tiny else 2e-2, "the splits and the one call")
 
 
 if __name__ == "__main__":

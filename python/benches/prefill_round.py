@@ -34,14 +34,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 from collections.abc import Callable
-from typing import Any
 
 import torch
-
-from harness import cli
+from harness import cli, layertime
 
 HQ, HKV, D = 32, 8, 128
 #: (name, prompt lengths range, prompts or None (fill), the round's query tokens)
@@ -61,17 +58,6 @@ def prompts_of(name: str, rng: random.Random, tiny: bool) -> list[int]:
     while sum(out) < tokens:
         out.append(min(rng.randint(lo, hi), tokens - sum(out)))
     return out
-
-
-def time_us(fn: Callable[[], Any], inner: int) -> float:
-    """Microseconds a call of ``fn``, CUDA events around ``inner`` calls."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(inner):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / inner
 
 
 def flashinfer_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], max_context: int,
@@ -151,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                               seqlen_k="context")
         real = padded.real_only()
         calls: dict[str, Callable[[], torch.Tensor]] = {
-            "fa-padded": lambda m=padded: varlen(q, k, v, m, None), "fa": lambda m=real: varlen(q, k, v, m, None)}
+            "fa-padded": lambda m=padded, q=q, k=k, v=v: varlen(q, k, v, m, None),
+            "fa": lambda m=real, q=q, k=k, v=v: varlen(q, k, v, m, None)}
         if not args.tiny:
             starts = [r * max_context for r in range(len(lengths))]
             packed = (torch.cat([k[s:s + n] for s, n in zip(starts, lengths)]),
@@ -170,25 +157,17 @@ def main(argv: list[str] | None = None) -> int:
             if diff > (1e-4 if args.tiny else 2e-2):
                 print(f"{name}: {c} differs from fa by {diff:.3g}", file=sys.stderr)
         if args.tiny:
-            print(f"{name:6} {len(lengths):8} {total:7}  agreement of {', '.join(calls)}: largest difference {worst:.2e}")
+            print(f"{name:6} {len(lengths):8} {total:7}  agreement of {', '.join(calls)}: "
+                  f"largest difference {worst:.2e}")
             continue
-        times: dict[str, list[float]] = {c: [] for c in calls}
-        for _ in range(args.reps):
-            for c in rng.sample(list(calls), len(calls)):
-                times[c].append(time_us(calls[c], args.inner))
+        us = layertime.interleaved(calls, args.reps, args.inner, rng)
         flop = sum(2 * n * n * HQ * D for n in lengths)
-        base = statistics.median(times["fa"])
         for c in calls:
-            us = statistics.median(times[c])
-            print(f"{name:6} {len(lengths):8} {total:7}  {c:12} {us:9.1f} {flop / us / 1e6:8.0f} {base / us:6.2f}x")
+            print(f"{name:6} {len(lengths):8} {total:7}  {c:12} {us[c]:9.1f} {flop / us[c] / 1e6:8.0f} "
+                  f"{us['fa'] / us[c]:6.2f}x")
         del calls, whole, k, v, q  # the next round's rows
         torch.cuda.empty_cache()
-    bound = 1e-4 if args.tiny else 2e-2
-    if worst > bound:
-        print(f"FAIL: the contenders differ by {worst:.3g} (more than {bound:g})", file=sys.stderr)
-        return 1
-    print(f"agreement: largest difference {worst:.2e} (at most {bound:g})")
-    return 0
+    return layertime.verdict(worst, 1e-4 if args.tiny else 2e-2, "the contenders")
 
 
 if __name__ == "__main__":
