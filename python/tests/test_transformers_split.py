@@ -53,6 +53,36 @@ def test_the_plan_covers_every_key_once_in_whole_runs(seed):
     assert sum(counts) == min(slots, sum(most))  # every slot dealt while some request can take one
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_the_written_plan_is_plan_slots_laid_out(seed):
+    """:class:`SplitBuffers` writes, per request rather than per slot, what :func:`plan_slots`
+    deals, at :func:`plan_layout`'s offsets: each slot's first key (its row's start plus its
+    run's), its keys (a run, the last what is left), its request; each row's first slot and
+    count; zeros for padded slots and rows."""
+    rng = random.Random(seed)
+    rows = rng.choice([1, 3, 8, 64])
+    per_row = rng.choice([1, 2])
+    mc = 4096
+    n = rng.randint(1, rows)
+    entries = [(rng.randrange(50), rng.randint(0, mc - 1), 1) for _ in range(n)]
+    split = fa_split.SplitBuffers(rows, torch.device("cpu"), slot_kernel=per_row == 2).fill(entries, rows, mc, None)
+    slots = rows * per_row
+    lengths = [past + q for _, past, q in entries]
+    owner, start, first, counts = fa_split.plan_slots(lengths, slots)
+    k = sum(counts)
+    runs = [-(-u // c) for u, c in zip(lengths, counts)]
+    want = [[entries[b][0] * mc + st for b, st in zip(owner[:k], start[:k])] + [0] * (slots - k + 1),
+            [min(lengths[b] - st, runs[b]) for b, st in zip(owner[:k], start[:k])] + [0] * (slots - k),
+            owner[:k] + [0] * (slots - k), first + [0] * (rows - n), counts + [0] * (rows - n)]
+    assert [split.host_part(i) for i in range(5)] == want
+    layout = fa_split.plan_layout(slots, rows)
+    assert split.host.numel() == layout[-1][0] + rows
+    ends = [at + length for at, length in layout]
+    starts = [at for at, _ in layout[1:]] + [split.host.numel()]
+    gaps = [j for end, nxt in zip(ends, starts) for j in range(end, nxt)]
+    assert all(split.host[j] == 0 for j in gaps)  # the alignment padding between parts
+
+
 def test_a_plan_that_cannot_be_made_is_refused():
     for lengths, slots in (([], 4), ([5, 5], 1), ([0], 4)):
         with pytest.raises(vmem.VmemError, match="cannot split"):

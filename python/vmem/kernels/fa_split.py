@@ -125,6 +125,23 @@ def plan_slots(lengths: list[int], slots: int) -> tuple[list[int], list[int], li
     Each request gets one slot; the others go to requests in proportion to their lengths (what
     the shares' rounding leaves, one by one to the request with the longest runs), a request no
     more than ``ceil(length / MIN_KEYS)`` in all."""
+    counts = deal_slots(lengths, slots)
+    owner: list[int] = []
+    start: list[int] = []
+    first: list[int] = []
+    for b, (u, c) in enumerate(zip(lengths, counts)):
+        run = -(-u // c)
+        first.append(len(owner))
+        owner += [b] * c
+        start += range(0, c * run, run)
+    pad = slots - len(owner)
+    return owner + [-1] * pad, start + [0] * pad, first, counts
+
+
+def deal_slots(lengths: list[int], slots: int) -> list[int]:
+    """How many of ``slots`` slots each request of ``lengths`` keys gets (:func:`plan_slots`'s
+    rule): at least one, the rest in proportion to the lengths, each count the fewest whole runs
+    of ``ceil(length / count)`` keys that it was dealt (no empty slot at a request's end)."""
     n = len(lengths)
     if n == 0 or n > slots or min(lengths) < 1:
         raise VmemError(f"cannot split {n} requests of lengths {lengths[:8]} over {slots} slots")
@@ -141,18 +158,9 @@ def plan_slots(lengths: list[int], slots: int) -> tuple[list[int], list[int], li
         counts[b] += 1
         if counts[b] < most[b]:
             heapq.heappush(heap, (-(-lengths[b] // counts[b]), b))
-    owner: list[int] = []
-    start: list[int] = []
-    first: list[int] = []
-    for b, (u, c) in enumerate(zip(lengths, counts)):
-        run = -(-u // c)
-        c = -(-u // run)  # whole runs only: no empty slot at a request's end
-        counts[b] = c
-        first.append(len(owner))
-        owner += [b] * c
-        start += range(0, c * run, run)
-    pad = slots - len(owner)
-    return owner + [-1] * pad, start + [0] * pad, first, counts
+    # Whole runs only: no empty slot at a request's end (the run, ceil(u / c), is the same for
+    # the count this leaves).
+    return [-(-u // -(-u // c)) for u, c in zip(lengths, counts)]
 
 
 def plan_layout(slots: int, rows: int) -> list[tuple[int, int]]:
@@ -198,20 +206,26 @@ class SplitBuffers:
             raise VmemError(f"a decode round of {rows} sequences; the split buffers hold {self.capacity}")
         slots = rows * self.per_row
         lengths = [past + q for _, past, q in entries]
-        owner, start, first, counts = plan_slots(lengths, slots)
-        runs = [-(-u // c) for u, c in zip(lengths, counts)]
-        starts = [row * max_context for row, _, _ in entries]
-        k = sum(counts)  # the slots requests hold, first; padded slots read nothing
-        real = list(zip(owner[:k], start[:k]))
-        none = [0] * (slots - k)
-        cu_k = [starts[b] + st for b, st in real]
-        used = [min(lengths[b] - st, runs[b]) for b, st in real]
-        pad = [0] * (rows - len(entries))
+        counts = deal_slots(lengths, slots)
+        # Per request, not per slot (a round has a few requests and up to hundreds of slots):
+        # its slots' first keys step by its run from its row's start, each reads a run but the
+        # last, which reads what is left.
+        cu_k: list[int] = []
+        used: list[int] = []
+        owner: list[int] = []
+        first: list[int] = []
+        for b, ((row, _, _), u, c) in enumerate(zip(entries, lengths, counts)):
+            run = -(-u // c)
+            at = row * max_context
+            first.append(len(owner))
+            cu_k += range(at, at + c * run, run)
+            used += [run] * (c - 1)
+            used.append(u - (c - 1) * run)
+            owner += [b] * c
         layout = plan_layout(slots, rows)
-        values: list[int] = []
-        for (start_at, _), part in zip(layout, (cu_k + none + [0], used + none, owner[:k] + none, first + pad,
-                                                counts + pad)):
-            values += [0] * (start_at - len(values)) + part
+        values = [0] * (layout[-1][0] + rows)  # padded slots and rows: zeros (they read nothing)
+        for (start_at, _), part in zip(layout, (cu_k, used, owner, first, counts)):
+            values[start_at:start_at + len(part)] = part
         host = int32_tensor(values)
         copy_on_stream(self.buffer[: len(values)], host, stream)
         views = [self.buffer[a: a + n] for a, n in layout]
