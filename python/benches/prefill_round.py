@@ -12,10 +12,10 @@ fits (prompts of 400-1,800 tokens filling 8,088 query tokens); ``long``, two pro
 Contenders, interleaved in one process (order shuffled per repetition), checked against each
 other first:
 
-* ``fa-padded``  torch's FlashAttention-2 varlen over the round as the engine passes an eager
-                 round: padded to 256 sequences and ``max_seqlen_q`` = the round's 8,192 tokens
-                 (:class:`vmem.kernels.buffers.RoundBuffers`), so its grid is
-                 ``64 x 256 x 32`` thread blocks;
+* ``fa-padded``  torch's FlashAttention-2 varlen over the round padded as far as the engine
+                 pads an eager round: 256 sequences and ``max_seqlen_q`` = the round's 8,192
+                 tokens (:class:`vmem.kernels.buffers.RoundBuffers`), so its grid is
+                 ``64 x 256 x 32`` thread blocks (a round padded less costs less);
 * ``fa``         the same call over the real requests only (:meth:`RoundMeta.real_only`), what
                  ``kernel="fa"`` runs;
 * ``fi-rows``    FlashInfer's paged prefill (backend ``fa2``) over the rows as 256-token pages,
