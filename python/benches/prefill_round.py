@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     pad_sequences, pad_tokens = (8, 512) if args.tiny else (PAD_SEQUENCES, PAD_TOKENS)
     rng = random.Random(args.seed)
     dev = torch.device(device)
+    bound = 1e-4 if args.tiny else 2e-2  # the largest difference the contenders may show
     worst = 0.0
     print("round   prompts  tokens  contender     us/layer  TFLOP/s  vs fa")
     for name in names:
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             diff = float((out[:total].float() - ref[:total].float()).abs().max())
             worst = max(worst, diff)
-            if diff > (1e-4 if args.tiny else 2e-2):
+            if diff > bound:
                 print(f"{name}: {c} differs from fa by {diff:.3g}", file=sys.stderr)
         if args.tiny:
             print(f"{name:6} {len(lengths):8} {total:7}  agreement of {', '.join(calls)}: "
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{us['fa'] / us[c]:6.2f}x")
         del calls, whole, k, v, q  # the next round's rows
         torch.cuda.empty_cache()
-    return layertime.verdict(worst, 1e-4 if args.tiny else 2e-2, "the contenders")
+    return layertime.verdict(worst, bound, "the contenders")
 
 
 if __name__ == "__main__":

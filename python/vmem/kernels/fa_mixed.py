@@ -116,9 +116,11 @@ def plan_mixed(entries: list[tuple[int, int, int]], max_context: int, device: to
     parts = []
     for part, pos in ((decodes, dec_pos), (rest, rest_pos)):
         index = fa_varlen_indices(part, max_context)
-        if device.type == "cuda":
-            index.host = index.host.pin_memory()  # FaVarlenIndex.to's copy then does not wait
-        parts.append(Part(index.to(device), pos, device))
+        if not (slots and part is decodes):  # the slot kernel reads the slot plan, not this index
+            if device.type == "cuda":
+                index.host = index.host.pin_memory()  # FaVarlenIndex.to's copy then does not wait
+            index = index.to(device)
+        parts.append(Part(index, pos, device))
     plan = None
     if slots:
         n = len(decodes)

@@ -124,7 +124,9 @@ def plan_slots(lengths: list[int], slots: int) -> tuple[list[int], list[int], li
 
     Each request gets one slot; the others go to requests in proportion to their lengths (what
     the shares' rounding leaves, one by one to the request with the longest runs), a request no
-    more than ``ceil(length / MIN_KEYS)`` in all."""
+    more than ``ceil(length / MIN_KEYS)`` in all (:func:`deal_slots`). :class:`SplitBuffers`
+    writes the same plan request by request; this per-slot form is what the tests read it
+    against."""
     counts = deal_slots(lengths, slots)
     owner: list[int] = []
     start: list[int] = []
