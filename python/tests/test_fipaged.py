@@ -204,7 +204,7 @@ def test_fi_paged_plans_into_the_packages_flashinfer_wrappers(graphed, monkeypat
     :class:`~vmem.kernels.fi_graphs.WrapperSet` (no second set of wrappers in the harness): padded
     rounds into graph-mode wrappers, one per kind and padded size, over a workspace sized for
     padded rounds; the tokens are those of the reference run."""
-    from test_transformers_figraphs import FakeFlashInfer
+    from fake_flashinfer import FakeFlashInfer
     from tf_engine import forced_padding
 
     fake = FakeFlashInfer()

@@ -513,6 +513,61 @@ def test_fa_mixed_round_matches_one_call(monkeypatch):
         torch.cuda.synchronize()
 
 
+def test_fa_prompts_match_flash_attention(monkeypatch):
+    """``prompt_reader="flashinfer"``: FlashInfer's prefill (its Hopper backend on Hopper) reading
+    an eager round's prompts in vmem's rows in place, token-major strides of 32 layers, bf16,
+    Llama-3's heads: prompts alone (fresh and continued chunks), a padded round (zeros past the
+    requests), a mixed round split (decodes by the slot kernel) and one not split, each equal to
+    FlashAttention-2's one call; planning returns while queued work runs."""
+    pytest.importorskip("flashinfer", reason="FlashInfer is not installed (vmem-kv[flashinfer])")
+    from vmem.kernels import fa_mixed, fa_prompts, fa_split
+    from vmem.kernels.buffers import RoundBuffers
+    from vmem.kernels.fa import FaReader, fa_varlen_indices, varlen
+    from vmem.kernels.rounds import Round
+
+    mc, dev, layers = 4096, torch.device("cuda"), 32
+    g = torch.Generator(device="cpu").manual_seed(0)
+    whole = torch.randn(9 * mc, 2 * layers * 8, 128, device=dev, dtype=torch.bfloat16,
+                        generator=torch.Generator(device=dev).manual_seed(0))
+    k, v = whole[:, 8:16], whole[:, 24:32]  # one layer's K and V heads
+    prompts = fa_prompts.PromptReader(mc, dev, 32, 8, 128, torch.bfloat16)
+    check("the Hopper backend on Hopper", (prompts.backend == "fa3") == (torch.cuda.get_device_capability()[0] == 9),
+          prompts.backend)
+    rounds = {"prompts": [(0, 0, 1800), (1, 0, 700), (2, 1200, 900), (3, 0, 37), (4, 300, 2000)],
+              "padded": [(5, 0, 1000), (6, 64, 500)],
+              "mixed, split": [(0, 3000, 1), (1, 0, 1500), (2, 2500, 1), (7, 100, 300), (3, 4000, 1)],
+              "mixed, one call": [(0, 10, 1), (1, 0, 800), (2, 20, 1)]}
+    monkeypatch.setattr(fa_mixed, "MIN_DECODE_KEYS", 2000)
+    for pair, (name, entries) in enumerate(rounds.items()):
+        tokens = sum(e[2] for e in entries)
+        total = tokens + (100 if name == "padded" else 0)
+        q = torch.randn(total, 32, 128, generator=g).to(dev, torch.bfloat16)
+        index = fa_varlen_indices(entries, mc).to(dev)
+        want = varlen(q[:tokens].contiguous(), k, v, index, None)
+        rnd = Round()
+        rnd.entries = [(r, p, n, None) for r, p, n in entries]
+        rnd.pair = pair % 2
+        if total > tokens:  # the engine's padding, in the round's metadata (row 8 the trash row)
+            rnd.meta = RoundBuffers(8, mc, 8, dev, max_tokens=total).fill(entries, sequences=8, tokens=total,
+                                                                          padded=True, bucket_k=mc)
+        reader = FaReader(mc, splits=fa_split.SplitBuffers(16, dev, slot_kernel=True), prompts=prompts)
+        got = reader(0, rnd, q.transpose(0, 1).unsqueeze(0), k, v, None, True)[0]
+        split = isinstance(rnd.index, fa_mixed.MixedRound)
+        read = rnd.index.prompts if split else rnd.index
+        diff = float((got[:tokens].float() - want.float()).abs().max())
+        check(f"{name}: FlashInfer read the prompts{' (decodes by the slot kernel)' if split else ''} as FA2 does",
+              isinstance(read, fa_prompts.PromptPlan) and split == (name == "mixed, split") and diff < 2e-2,
+              f"largest difference {diff:.3g}")
+        if total > tokens:
+            check(f"{name}: the padded tokens are zeros", bool((got[tokens:] == 0).all()))
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU work queued, as a round in flight
+        start = time.perf_counter()
+        prompts.plan(entries, pair=pair % 2, scale=None)
+        took = time.perf_counter() - start
+        check(f"{name}: planning returns while queued work runs (pinned copies)", took < 0.3, f"{took * 1e3:.1f} ms")
+        torch.cuda.synchronize()
+
+
 def test_zero_slots_under_queued_reads():
     zero_slots_under_queued_reads()
 
@@ -625,14 +680,15 @@ def test_cb_graphs():
     cb_graphs()
 
 
-def cb_compile(kernel: str = "fa", split_reader: str | None = "fa"):
+def cb_compile(kernel: str = "fa", split_reader: str | None = "fa", prompt_reader: str = "fa"):
     """The engine's compiled forward with vmem (Inductor, token-major, ``kernel``): with CUDA graphs and async
     batching, greedy tokens identical to the compiled forward without graphs, graphs replayed,
     Dynamo's graphs compiled; compiled without graphs, top-1 agreement with a plain forward at
     every decisive position (bf16: Inductor's fused norms round differently from eager, so a
     near tie may flip against an uncompiled run). Nothing left mapped. With
     ``split_reader`` ``None`` (the default) or ``"triton"``, vmem's slot kernel read the graphed
-    decode rounds."""
+    decode rounds. With ``prompt_reader="flashinfer"`` (and ``graph_max_tokens`` 64, so prefill
+    rounds run eagerly under graphs too), FlashInfer's prefill read the eager rounds' prompts."""
     import transformers
     from harness import check as hc
     from harness import engine as he
@@ -672,9 +728,10 @@ def cb_compile(kernel: str = "fa", split_reader: str | None = "fa"):
         fa_fi.DECODE_MIN = 4
         fa_fi.FaFlashInferReader.reads_with_flashinfer = routed
         _triton_decode.attend_slots = counted_slots
+        prompts = {"prompt_reader": prompt_reader, "graph_max_tokens": 64} if prompt_reader != "fa" else {}
         vt.install(memory="512M", max_requests=8, max_context=2048, layout="token-major", kernel=kernel,
-                   split_reader=split_reader)
-        arch = "llama-gqa" if kernel == "fa" else "hd64-tied"  # FlashInfer: head dim 64 or 128
+                   split_reader=split_reader, **prompts)
+        arch = "llama-gqa" if kernel == "fa" and prompt_reader == "fa" else "hd64-tied"  # FlashInfer: 64 or 128
         model = hc.make_model(arch, torch.bfloat16, "cuda", logit_scale=20.0)
         prompts = hc.make_prompts(6, [5, 140, 700, 17, 33, 300], model.config.vocab_size)
         config = transformers.CompileConfig(mode="default", fullgraph=False, dynamic=True, backend=inductor)
@@ -706,6 +763,11 @@ def cb_compile(kernel: str = "fa", split_reader: str | None = "fa"):
             check(f"split_reader={split_reader!r}: the slot kernel read the graphed decode rounds",
                   slot_calls[0] > 0 and split_buffers is not None and split_buffers.slot_kernel
                   and split_buffers.per_row == fa_split.SLOTS_PER_ROW, f"{slot_calls[0]} calls")
+        if prompt_reader != "fa":
+            reader = graph_run["cache"].read.prompts
+            check(f"prompt_reader={prompt_reader!r}: FlashInfer read the eager rounds' prompts under graphs",
+                  reader.plans > 0 and (reader.backend == "fa3") == (torch.cuda.get_device_capability()[0] == 9),
+                  f"{reader.plans} rounds planned, backend {reader.backend}, IO pairs {sorted(reader.wrappers)}")
         if kernel == "fa+flashinfer":
             wrappers = graph_run["cache"].read.fi.wrappers
             kinds = sorted({decode for _, decode, _, _ in wrappers.wrappers}) if wrappers else []
@@ -735,6 +797,12 @@ def test_cb_compile(kernel):
 def test_cb_compile_slot_kernel(split_reader):
     pytest.importorskip("transformers", reason="transformers is not installed")
     cb_compile("fa", split_reader=split_reader)
+
+
+def test_cb_compile_flashinfer_prompts():
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    pytest.importorskip("flashinfer", reason="FlashInfer is not installed (vmem-kv[flashinfer])")
+    cb_compile("fa", split_reader="triton", prompt_reader="flashinfer")
 
 
 def split_decode(slot_kernel: bool = False, d: int = 128, lengths: list[int] | None = None):

@@ -160,7 +160,7 @@ def test_the_kernel_is_an_option_that_needs_flashinfer(monkeypatch):
     assert opts.kernel == "fa+flashinfer" and opts.split_decode
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     vt.install(**OPTS)
-    with pytest.raises(vmem.InvalidArgument, match=r"'fa\+flashinfer' need FlashInfer"):
+    with pytest.raises(vmem.InvalidArgument, match=r"'fa\+flashinfer' and prompt_reader='flashinfer' need FlashInfer"):
         vt.install(kernel="fa+flashinfer")
     assert vt.options().kernel == "fa"
     with pytest.raises(vmem.InvalidArgument, match="kernel"):

@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (CI's lint stage has none)")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 import tf_engine as eng
+from fake_flashinfer import FakeFlashInfer
 from tf_engine import fake_memory_and_uninstall  # noqa: E402,F401  (autouse: memory faked, patch off after)
 
 eng.skip_unless_served()
@@ -35,89 +36,6 @@ PAD = dict(max_batch_tokens=64, q_padding_interval_size=16, kv_padding_interval_
 LENGTHS = [5, 140, 70, 17, 33, 3]
 NEW = 5
 TOL = 1e-4
-
-
-class FakeFlashInfer:
-    """A ``flashinfer`` stand-in: its two paged wrappers, following FlashInfer 0.6's graph-mode
-    rules, computing with :func:`paged_reference` from their (fixed) buffers. ``made`` lists every
-    wrapper; ``inside`` is set by the tests while the model's forward runs, and
-    ``planned_inside`` records, per plan(), whether it ran inside a forward."""
-
-    def __init__(self):
-        self.made, self.inside, self.planned_inside = [], [], []
-        fake = self
-
-        class Wrapper:
-            decode = False
-
-            def __init__(self, workspace, layout, use_tensor_cores=False, backend="auto", use_cuda_graph=False,
-                         **bufs):
-                assert layout == "NHD" and (use_tensor_cores or not self.decode)
-                self.graph, self.bufs, self.plans, self.rows = use_cuda_graph, bufs, 0, None
-                # FlashInfer 0.6: each wrapper makes its own int workspace and pinned staging buffer
-                self._int_workspace_buffer, self._pin_memory_int_workspace_buffer = torch.zeros(8), torch.zeros(8)
-                if use_cuda_graph:
-                    last = bufs["paged_kv_last_page_len_buffer" if self.decode else "paged_kv_last_page_len_buf"]
-                    self.batch = len(last)
-                fake.made.append(self)
-
-            def reset_workspace_buffer(self, float_workspace, int_workspace):
-                self._int_workspace_buffer, self._pin_memory_int_workspace_buffer = int_workspace, torch.zeros(8)
-
-            def _buf(self, name):
-                return self.bufs[name if self.decode else {"paged_kv_indptr_buffer": "paged_kv_indptr_buf",
-                                                          "paged_kv_indices_buffer": "paged_kv_indices_buf",
-                                                          "paged_kv_last_page_len_buffer": "paged_kv_last_page_len_buf"
-                                                          }.get(name, name)]
-
-            def _plan(self, qo, indptr, indices, last, page_size, scale):
-                fake.planned_inside.append(bool(fake.inside))
-                batch = len(last)
-                if self.graph:
-                    assert batch == self.batch, "the batch size is fixed in graph mode"
-                    rows = int(qo[-1])
-                    self.rows = rows if self.rows is None else self.rows
-                    assert rows <= self.rows, "more rows than the first plan"
-                    assert len(indices) <= len(self._buf("paged_kv_indices_buffer"))
-                    self._buf("paged_kv_indptr_buffer").copy_(indptr)
-                    self._buf("paged_kv_last_page_len_buffer").copy_(last)
-                    self._buf("paged_kv_indices_buffer")[: len(indices)].copy_(indices)
-                    if not self.decode:
-                        self.bufs["qo_indptr_buf"].copy_(qo)
-                else:
-                    self.eager = (qo.clone(), indptr.clone(), indices.clone(), last.clone())
-                self.page_size, self.scale = page_size, scale
-                self.plans += 1
-
-            def run(self, q, kv):
-                if self.graph:
-                    indptr = self._buf("paged_kv_indptr_buffer")
-                    qo = torch.arange(self.batch + 1, dtype=torch.int32) if self.decode else self.bufs["qo_indptr_buf"]
-                    plan = vt_fi.PagedPlan(qo, indptr, self._buf("paged_kv_indices_buffer"),
-                                           self._buf("paged_kv_last_page_len_buffer"), self.page_size, self.decode,
-                                           int(qo[-1]))
-                else:
-                    qo, indptr, indices, last = self.eager
-                    plan = vt_fi.PagedPlan(qo, indptr, indices, last, self.page_size, self.decode, int(qo[-1]))
-                assert q.shape[0] == int(plan.qo_indptr[-1])
-                return vt_fi.paged_reference(q, kv[0], kv[1], plan, self.scale)
-
-        class Decode(Wrapper):
-            decode = True
-
-            def plan(self, indptr, indices, last, hq, hkv, d, page_size, q_data_type=None, kv_data_type=None,
-                     sm_scale=None):
-                self._plan(torch.arange(len(last) + 1, dtype=torch.int32), indptr, indices, last, page_size, sm_scale)
-
-        class Prefill(Wrapper):
-            def plan(self, qo, indptr, indices, last, hq, hkv, d, page_size, causal=False, q_data_type=None,
-                     kv_data_type=None, sm_scale=None):
-                assert causal
-                self._plan(qo, indptr, indices, last, page_size, sm_scale)
-
-        self.module = types.ModuleType("flashinfer")
-        self.module.BatchDecodeWithPagedKVCacheWrapper = Decode
-        self.module.BatchPrefillWithPagedKVCacheWrapper = Prefill
 
 
 @pytest.fixture

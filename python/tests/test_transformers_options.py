@@ -105,6 +105,8 @@ def _bad_values():
         "split_decode": flags,
         "split_reader": ["Triton", "", 1, True, np.bool_(False), b"fa", np.array("triton"),
                          np.array(["fa", "triton"])],
+        "prompt_reader": [None, "FlashInfer", "", 1, True, np.bool_(False), b"fa", np.array("flashinfer"),
+                          ["fa"], "triton"],
     }
 
 

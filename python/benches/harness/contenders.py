@@ -13,7 +13,8 @@ version families it runs on; :func:`offered` and :func:`spec` answer for the run
 (``ValueError`` naming the version for one it does not serve). A spec's keys: ``attn`` (the
 attention name), ``block_size`` (the engine's block / page tokens, engine caches), ``graphs``
 (the engine's CUDA graphs on, async batching off unless ``async``), ``layout``/``kernel``/
-``deferred_reclaim``/``admit_while_unmapping``/``reuse_while_unmapping``/``split_reader`` (vmem),
+``deferred_reclaim``/``admit_while_unmapping``/``reuse_while_unmapping``/``split_reader``/
+``prompt_reader`` (vmem),
 ``graph_max_tokens`` (fi-paged), ``sharing``, ``optional`` (needs FlashInfer: run only when named),
 ``compile`` (the engine's compiled forward: :func:`compile_config`)."""
 
@@ -79,6 +80,11 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     # vmem's Triton slot kernel for FA's padded decode rounds, over twice their sequences as slots
     # (split_reader="triton", vmem's default where it builds; the other vmem contenders set "fa").
     "vmem-token-major-fatri-graphs-async-compile": (BOTH, {**_VMEM_BEST, "split_reader": "triton"}),
+    # ... and FlashInfer's prefill (its Hopper kernel on Hopper) for the prompts of rounds run
+    # without a graph (prompt_reader="flashinfer").
+    "vmem-token-major-fatri-fiprompts-graphs-async-compile": (BOTH, {**_VMEM_BEST, "split_reader": "triton",
+                                                                     "prompt_reader": "flashinfer",
+                                                                     "optional": True}),
     # ... and FlashInfer's decode kernel for the large decode rounds.
     "vmem-token-major-fafi-tri-graphs-async-compile": (BOTH, {**_VMEM_BEST, "kernel": "fa+flashinfer",
                                                               "split_reader": "triton", "optional": True}),
@@ -185,9 +191,10 @@ def attention(sp: Spec) -> str:
 
 def vmem_options(sp: Spec) -> dict[str, Any]:
     """The ``vmem.transformers.serving`` options a vmem ``sp`` names itself (layout, kernel,
-    deferred reclamation, admission and reuse while unmapping, what reads split decode rounds)."""
+    deferred reclamation, admission and reuse while unmapping, what reads split decode rounds and
+    eager rounds' prompts)."""
     return {k: sp[k] for k in ("layout", "kernel", "deferred_reclaim", "admit_while_unmapping",
-                               "reuse_while_unmapping", "split_reader") if k in sp}
+                               "reuse_while_unmapping", "split_reader", "prompt_reader") if k in sp}
 
 
 def contender_config(model: Any, sp: Spec, args: Any, budget: dict[str, int],
@@ -219,7 +226,7 @@ def contender_config(model: Any, sp: Spec, args: Any, budget: dict[str, int],
                 "deferred_reclaim": sp.get("deferred_reclaim", False),
                 "admit_while_unmapping": sp.get("admit_while_unmapping", True),
                 "reuse_while_unmapping": sp.get("reuse_while_unmapping", True),
-                "split_reader": sp.get("split_reader", "fa")}
+                "split_reader": sp.get("split_reader", "fa"), "prompt_reader": sp.get("prompt_reader", "fa")}
         return kw, opts
     bs = sp["block_size"]
     # The budget is fixed by num_blocks; the engine still checks its footprint against

@@ -27,6 +27,8 @@ module                    job
                           slot plan, its buffers and the merge
 :mod:`.fa_mixed`          FA's mixed rounds (a prompt chunk beside decodes): the decodes in a
                           call of their own, grouped heads reading each key once
+:mod:`.fa_prompts`        the prompts of FA's eager rounds through FlashInfer's paged prefill
+                          (``prompt_reader="flashinfer"``; ``PromptReader``)
 :mod:`._triton_combine`   the merge as one Triton kernel (CUDA only, imported when used)
 :mod:`._triton_decode`    vmem's slot kernel: a split round's slots read a KV head's whole query
                           group at a time (``split_reader="triton"``; CUDA only)

@@ -26,7 +26,9 @@ the decodes' call is that kernel over a slot plan of their own (:mod:`.fa_split`
 decode, keys dealt by length, the slots merged), not FlashAttention-2's decode path: on the H100
 a layer's decodes beside a prompt took FA2 about half the copy bandwidth, where the slot kernel
 reads a decode round at 0.76-0.88 of it. A mixed round is run eagerly, so its plan is a buffer of
-its own, not the cache's static one that captured decode rounds read.
+its own, not the cache's static one that captured decode rounds read. With ``prompts``
+(``prompt_reader="flashinfer"``, :mod:`.fa_prompts`), the rest is FlashInfer's prefill, planned
+here by the callable the reader passes.
 Engine-free.
 """
 
@@ -51,14 +53,18 @@ MIN_DECODE_KEYS = 8192
 class MixedRound:
     """One mixed round's two parts: ``decode`` and ``rest`` (:class:`Part`), ``whole``, the
     round's one-call index, ``tokens``, the requests' query tokens (the engine may pad the
-    round past them), and ``slots``, the decodes' slot plan
+    round past them), ``slots``, the decodes' slot plan
     (:class:`~vmem.kernels.fa_split.SplitRound`) when vmem's slot kernel reads them, else
-    ``None`` (FlashAttention-2)."""
+    ``None`` (FlashAttention-2), and ``prompts``, the rest's plan when another kernel reads it
+    (:class:`~vmem.kernels.fa_prompts.PromptPlan`), else ``None`` (the rest's index,
+    FlashAttention-2)."""
 
-    __slots__ = ("decode", "rest", "slots", "tokens", "whole")
+    __slots__ = ("decode", "prompts", "rest", "slots", "tokens", "whole")
 
-    def __init__(self, decode: Part, rest: Part, whole: Any, tokens: int, slots: Any = None) -> None:
+    def __init__(self, decode: Part, rest: Part, whole: Any, tokens: int, slots: Any = None,
+                 prompts: Any = None) -> None:
         self.decode, self.rest, self.whole, self.tokens, self.slots = decode, rest, whole, tokens, slots
+        self.prompts = prompts
 
 
 class Part:
@@ -92,13 +98,15 @@ class Part:
 
 
 def plan_mixed(entries: list[tuple[int, int, int]], max_context: int, device: torch.device, *,
-               whole: Any = None, slots: bool = False) -> MixedRound | None:
+               whole: Any = None, slots: bool = False,
+               prompts: Callable[[list[tuple[int, int, int]]], Any] | None = None) -> MixedRound | None:
     """The two parts of a round of ``entries`` (``(row, past, q)`` in the engine's query order),
     their indices copied to ``device`` on the current stream from pinned memory (the host does
     not wait for the round in flight), or ``None`` when the round is not split: no decode beside
     a longer query, or decodes reading fewer than :data:`MIN_DECODE_KEYS` keys. ``whole``: the
     round's one-call index (its ``total_q`` the tokens the engine passes, padding included);
-    ``slots``: the decodes are read by vmem's slot kernel, over a slot plan written here."""
+    ``slots``: the decodes are read by vmem's slot kernel, over a slot plan written here;
+    ``prompts``: plans the rest (its entries in query order) for the kernel that reads it."""
     decodes = [e for e in entries if e[2] == 1]
     if not decodes or len(decodes) == len(entries) or sum(past + 1 for _, past, _ in decodes) < MIN_DECODE_KEYS:
         return None
@@ -116,7 +124,8 @@ def plan_mixed(entries: list[tuple[int, int, int]], max_context: int, device: to
     parts = []
     for part, pos in ((decodes, dec_pos), (rest, rest_pos)):
         index = fa_varlen_indices(part, max_context)
-        if not (slots and part is decodes):  # the slot kernel reads the slot plan, not this index
+        # The slot kernel reads the slot plan, and another kernel the rest's own plan, not this index.
+        if not ((slots and part is decodes) or (prompts is not None and part is rest)):
             if device.type == "cuda":
                 index.host = index.host.pin_memory()  # FaVarlenIndex.to's copy then does not wait
             index = index.to(device)
@@ -125,15 +134,16 @@ def plan_mixed(entries: list[tuple[int, int, int]], max_context: int, device: to
     if slots:
         n = len(decodes)
         plan = fa_split.SplitBuffers(n, device, slot_kernel=True).fill(decodes, n, max_context, None)
-    return MixedRound(parts[0], parts[1], whole, at, plan)
+    return MixedRound(parts[0], parts[1], whole, at, plan, None if prompts is None else prompts(rest))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mixed: MixedRound, scale: float | None,
-           varlen: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, float | None], torch.Tensor]
-           ) -> torch.Tensor:
+           varlen: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, float | None], torch.Tensor],
+           rest: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """The round's attention for packed ``q`` ``[T, Hq, D]`` over the flat ``k``/``v``: the
     decodes in one call (the slot kernel over :attr:`MixedRound.slots` when planned, else
-    ``varlen(q, k, v, index, scale)`` -> ``[t, Hq, D]``), the rest in a ``varlen`` call, each
+    ``varlen(q, k, v, index, scale)`` -> ``[t, Hq, D]``), the rest in a ``varlen`` call (or
+    ``rest(q_rest)``, given: the kernel :attr:`MixedRound.prompts` was planned for), each
     written at its positions, the engine's padded tokens zeros; returns ``[T, Hq, D]``,
     contiguous."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -145,6 +155,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mixed: MixedRound,
             qp = qp.contiguous()
         if part is mixed.decode and mixed.slots is not None:
             part.put(out, fa_split.attend(qp, k, v, mixed.slots, part.index.max_k, scale))
+        elif part is mixed.rest and rest is not None:
+            part.put(out, rest(qp))
         else:
             part.put(out, varlen(qp, k, v, part.index, scale))
     return out

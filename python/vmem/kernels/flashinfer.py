@@ -54,9 +54,9 @@ def load_flashinfer() -> Any:
         return importlib.import_module("flashinfer")
     except ImportError as e:
         raise InvalidArgument(
-            f"kernel='flashinfer' and 'fa+flashinfer' need FlashInfer ({FLASHINFER_RANGE}), which cannot be "
-            f"imported here ({e}); "
-            f"install it with {INSTALL_HINT}, or use kernel='fa' (the default)"
+            f"kernel='flashinfer', 'fa+flashinfer' and prompt_reader='flashinfer' need FlashInfer "
+            f"({FLASHINFER_RANGE}), which cannot be imported here ({e}); "
+            f"install it with {INSTALL_HINT}, or use kernel='fa' and prompt_reader='fa' (the defaults)"
         ) from None
 
 

@@ -19,16 +19,18 @@ Entry = tuple[int, int, int, Any]
 
 
 class Round:
-    """One round's ``entries``, ``index`` (a kernel's own indices; ``None`` until built) and
+    """One round's ``entries``, ``index`` (a kernel's own indices; ``None`` until built),
     ``meta`` (the round in the cache's static buffers, :class:`~vmem.kernels.buffers.RoundMeta`,
-    written before the forward by the engine hook; ``None`` outside it)."""
+    written before the forward by the engine hook; ``None`` outside it) and ``pair`` (the IO pair
+    of the engine's async batching it runs in, set by the hook; 0 outside it)."""
 
-    __slots__ = ("entries", "index", "meta")
+    __slots__ = ("entries", "index", "meta", "pair")
 
     def __init__(self) -> None:
         self.entries: list[Entry] = []
         self.index: Any = None
         self.meta: Any = None
+        self.pair = 0
 
 
 class Rounds:

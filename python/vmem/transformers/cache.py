@@ -45,6 +45,7 @@ from ..kernels.blocks import FreshBlocks
 from ..kernels.buffers import RoundBuffers
 from ..kernels.fa import FaReader
 from ..kernels.fa_fi import DECODE_PAD, FaFlashInferReader
+from ..kernels.fa_prompts import PromptReader
 from ..kernels.fi_reader import FlashInferReader
 from ..kernels.flex import FlexReader
 from ..kernels.rounds import Rounds
@@ -212,8 +213,10 @@ class VmemCBCache:
             if why is not None:
                 _log.info("vmem: FA reads the split decode rounds, not vmem's slot kernel: %s", why)
             slot_kernel = why is None
+        prompts = PromptReader(g.max_context, self.device, config.num_attention_heads, g.kv_heads, g.head_dim,
+                               self.dtype) if self.options.prompt_reader == "flashinfer" else None
         fa = FaReader(g.max_context, fa_split.SplitBuffers(self.round_buffers.capacity, self.device,
-                                                           slot_kernel=slot_kernel) if split else None)
+                                                           slot_kernel=slot_kernel) if split else None, prompts)
         if self.kernel == "fa":
             return fa
         # FlashInfer reads decode rounds only: its workspace holds the largest one, a token a

@@ -110,6 +110,7 @@ def prepare_round(cache: Any, batch_data: dict[str, Any], padded: bool, stream: 
         padded=padded, bucket_k=_bucket_k(batch_data), seqlen_k=cache.options.graph_seqlen_k, stream=stream,
         decode=kind == DECODE,
     )
+    rnd.pair = pair
     if padded:
         cache.round_kind = kind
     before = getattr(getattr(cache, "read", None), "before_forward", None)

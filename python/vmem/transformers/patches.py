@@ -223,7 +223,7 @@ def installed() -> bool:
 def _checked(opts: Options) -> Options:
     """``opts``, once the optional kernel they choose is importable (:class:`~vmem.InvalidArgument`
     naming the install command otherwise)."""
-    if opts.kernel in FLASHINFER_KERNELS:
+    if opts.kernel in FLASHINFER_KERNELS or opts.prompt_reader == "flashinfer":
         load_flashinfer()
     return opts
 

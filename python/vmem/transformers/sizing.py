@@ -82,7 +82,8 @@ class Geometry:
             if head_dim % 8 or head_dim > 256:
                 raise InvalidArgument(f"{VMEM_ATTENTION} kernel={kernel!r}: head_dim {head_dim} is not a multiple of 8 "
                                       "up to 256; use kernel='flex'")
-        if kernel in FLASHINFER_KERNELS and device.type == "cuda":  # on the CPU its reference runs any model
+        flashinfer = kernel in FLASHINFER_KERNELS or options.prompt_reader == "flashinfer"
+        if flashinfer and device.type == "cuda":  # on the CPU its reference runs any model
             check_model(dtype, head_dim)
         self.token_bytes = self.token_bytes_of(config, dtype)
         page = options.page_size
