@@ -237,3 +237,14 @@ def test_greedy_tokens_with_flashinfers_prompts_equal_flash_attentions(padding, 
     assert tokens[0] == tokens[1]
     cmp = h.compare(fi, model, 6)
     assert cmp["counts_ok"] and cmp["max_rel_err"] < 1e-4 and cmp["top1_agree"] == cmp["decisive"] > 0, cmp
+
+
+def test_a_model_flashinfer_does_not_serve_is_refused_naming_the_option():
+    vk_fi.check_model(torch.bfloat16, 128, asked_by="prompt_reader='flashinfer'")
+    with pytest.raises(vmem.InvalidArgument, match=r"prompt_reader='flashinfer' serves head_dim 64 or 128, not 256; "
+                                                   r"use prompt_reader='fa'"):
+        vk_fi.check_model(torch.bfloat16, 256, asked_by="prompt_reader='flashinfer'")
+    with pytest.raises(vmem.InvalidArgument, match=r"serves float16 and bfloat16.*use prompt_reader='fa'"):
+        vk_fi.check_model(torch.float32, 128, asked_by="prompt_reader='flashinfer'")
+    with pytest.raises(vmem.InvalidArgument, match=r"kernel='flashinfer' serves head_dim .* use kernel='fa'"):
+        vk_fi.check_model(torch.bfloat16, 96)

@@ -67,13 +67,17 @@ def kernels_on(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def check_model(dtype: torch.dtype, head_dim: int) -> None:
+def check_model(dtype: torch.dtype, head_dim: int, asked_by: str = "kernel='flashinfer'") -> None:
     """Refuses what the FlashInfer reader does not serve: dtypes other than float16/bfloat16 and
-    head dims other than 64 or 128."""
+    head dims other than 64 or 128 (``asked_by``: the option that chose FlashInfer, named with
+    the way out)."""
+    prompts = asked_by.startswith("prompt_reader")
     if dtype not in DTYPES:
-        raise InvalidArgument(f"kernel='flashinfer' serves float16 and bfloat16, not {dtype}; use kernel='flex'")
+        instead = "prompt_reader='fa'" if prompts else "kernel='flex'"
+        raise InvalidArgument(f"{asked_by} serves float16 and bfloat16, not {dtype}; use {instead}")
     if head_dim not in HEAD_DIMS:
-        raise InvalidArgument(f"kernel='flashinfer' serves head_dim 64 or 128, not {head_dim}; use kernel='fa'")
+        instead = "prompt_reader='fa'" if prompts else "kernel='fa'"
+        raise InvalidArgument(f"{asked_by} serves head_dim 64 or 128, not {head_dim}; use {instead}")
 
 
 class PagedPlan:

@@ -82,9 +82,11 @@ class Geometry:
             if head_dim % 8 or head_dim > 256:
                 raise InvalidArgument(f"{VMEM_ATTENTION} kernel={kernel!r}: head_dim {head_dim} is not a multiple of 8 "
                                       "up to 256; use kernel='flex'")
-        flashinfer = kernel in FLASHINFER_KERNELS or options.prompt_reader == "flashinfer"
-        if flashinfer and device.type == "cuda":  # on the CPU its reference runs any model
-            check_model(dtype, head_dim)
+        if device.type == "cuda":  # on the CPU FlashInfer's reference runs any model
+            if kernel in FLASHINFER_KERNELS:
+                check_model(dtype, head_dim)
+            if options.prompt_reader == "flashinfer":
+                check_model(dtype, head_dim, asked_by="prompt_reader='flashinfer'")
         self.token_bytes = self.token_bytes_of(config, dtype)
         page = options.page_size
         per_token = kv_heads * head_dim * dtype.itemsize * (1 if options.layout == "per-layer" else 2 * layers)
