@@ -248,3 +248,20 @@ def test_a_model_flashinfer_does_not_serve_is_refused_naming_the_option():
         vk_fi.check_model(torch.float32, 128, asked_by="prompt_reader='flashinfer'")
     with pytest.raises(vmem.InvalidArgument, match=r"kernel='flashinfer' serves head_dim .* use kernel='fa'"):
         vk_fi.check_model(torch.bfloat16, 96)
+
+
+def test_install_refuses_the_prompt_reader_without_flashinfer_and_keeps_the_options(monkeypatch):
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    import tf_engine as eng
+
+    eng.skip_unless_served()
+    import vmem.transformers as vt
+
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    try:
+        vt.install(page_size="64K", max_requests=8)
+        with pytest.raises(vmem.InvalidArgument, match=r"prompt_reader='flashinfer' need FlashInfer"):
+            vt.install(prompt_reader="flashinfer")
+        assert vt.options().prompt_reader == "fa" and vt.options().max_requests == 8
+    finally:
+        vt.uninstall()
