@@ -196,6 +196,36 @@ def test_the_async_peer_asks_for_graphs_and_async_batching():
     assert kw["varlen_compile_config"].fullgraph is False and kw["num_blocks"] == (64 << 20) // (256 * 4096)
     kw, opts = contenders.contender_config(None, contenders.spec("fi-paged"), args, budget)
     assert "use_cuda_graph" not in kw and "use_async_batching" not in kw and opts == {}
+    kw, opts = contenders.contender_config(None, contenders.spec("fi-paged-fa3-graphs-async-512-compile"), args,
+                                           budget)
+    assert opts == {"graph_max_tokens": 512, "prompt_reader": "flashinfer"} and kw["use_cuda_graph"] is True
+
+
+def test_the_peer_takes_flashinfers_hopper_prefill_from_the_prompt_reader_option(monkeypatch):
+    """``prompt_reader="flashinfer"`` in the options (``fi-paged-fa3-...``): the peer's eager
+    prefill wrappers use the backend :func:`~vmem.kernels.flashinfer.prefill_backend` names
+    (``fa3`` on Hopper; here a stand-in FlashInfer and the backend forced); without it, ``fa2``;
+    the tokens are the reference run's."""
+    from fake_flashinfer import FakeFlashInfer
+
+    fake = FakeFlashInfer()
+    model = h.make_model("llama-gqa", torch.float32, "cpu", logit_scale=20.0)
+    prompts = h.make_prompts(len(LENGTHS), LENGTHS, model.config.vocab_size)
+    cbk = dict(max_batch_tokens=48, num_blocks=128, **eng.engine_block(32))
+    plain = h.run_engine(model, fipaged.FI_PAGED_ATTENTION, prompts, NEW, cb_kwargs=cbk)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake.module)
+    monkeypatch.setattr(vk_fi, "kernels_on", lambda device: True)
+    monkeypatch.setattr(vk_fi, "prefill_backend", lambda device: "fa3")
+    monkeypatch.setattr(fi_graphs, "WORKSPACE_BYTES", 1 << 10)
+    runs = {}
+    for reader in ("fa", "flashinfer"):
+        runs[reader] = h.run_engine(model, fipaged.FI_PAGED_ATTENTION, prompts, NEW, cb_kwargs=cbk,
+                                    serving={"prompt_reader": reader})
+        ws = runs[reader]["cache"].fi_wrappers
+        backends = {w.backend for (_, decode, _, _), w in ws.wrappers.items() if not decode}
+        assert ws.eager_prefill == ("fa3" if reader == "flashinfer" else "fa2") and backends == {ws.eager_prefill}
+        assert [list(runs[reader]["results"][r].generated_tokens) for r in runs[reader]["ids"]] == \
+            [list(plain["results"][r].generated_tokens) for r in plain["ids"]]
 
 
 def test_fi_paged_plans_into_the_packages_flashinfer_wrappers(graphed, monkeypatch):

@@ -313,3 +313,18 @@ def test_a_padded_round_after_unpadded_ones_is_refused(fake_fi):
     assert reader._wrappers(False) is reader.wrappers
     with pytest.raises(vmem.VmemError, match="a padded round after unpadded ones"):
         reader._wrappers(True)
+
+
+def test_the_eager_prefill_wrappers_take_the_backend_asked_for(fake_fi):
+    """``eager_prefill="fa3"`` (FlashInfer's Hopper kernel, the fi-paged peer's
+    ``prompt_reader="flashinfer"``): the eager prefill wrappers use it; the graph-mode ones and the
+    decode wrappers keep theirs; another backend name is refused."""
+    ws = vt_fig.WrapperSet(fake_fi.module, torch.device("cpu"), 1024, 6, 2, 8, torch.float32, eager_prefill="fa3")
+    eager = ws.plan(vt_fi.paged_plan([(3, 10, 5)], 48), pair=0, graph=False, scale=0.3)
+    graph = ws.plan(_padded([(3, 10, 5), (0, 0, 1)], 16, 8), pair=0, graph=True, scale=0.3)
+    decode = ws.plan(vt_fi.paged_plan([(3, 10, 1)], 48), pair=0, graph=False, scale=0.3)
+    assert (eager.backend, graph.backend) == ("fa3", "fa2") and decode.decode
+    assert vt_fig.WrapperSet(fake_fi.module, torch.device("cpu"), 1024, 6, 2, 8, torch.float32).eager_prefill == "fa2"
+    with pytest.raises(vmem.VmemError, match="backend"):
+        vt_fig.WrapperSet(fake_fi.module, torch.device("cpu"), 1024, 6, 2, 8, torch.float32, eager_prefill="auto")
+    assert vt_fi.prefill_backend(torch.device("cpu")) == "fa2"

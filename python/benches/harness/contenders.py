@@ -15,7 +15,7 @@ attention name), ``block_size`` (the engine's block / page tokens, engine caches
 (the engine's CUDA graphs on, async batching off unless ``async``), ``layout``/``kernel``/
 ``deferred_reclaim``/``admit_while_unmapping``/``reuse_while_unmapping``/``split_reader``/
 ``prompt_reader`` (vmem),
-``graph_max_tokens`` (fi-paged), ``sharing``, ``optional`` (needs FlashInfer: run only when named),
+``graph_max_tokens`` and ``prompt_reader`` (fi-paged too), ``sharing``, ``optional`` (needs FlashInfer: run only when named),
 ``compile`` (the engine's compiled forward: :func:`compile_config`)."""
 
 from __future__ import annotations
@@ -61,6 +61,11 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     "fi-paged": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256}),
     "fi-paged-graphs-async-512-compile": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256, "graphs": True,
                                                  "async": True, "graph_max_tokens": 512, "compile": True}),
+    # ... its eager rounds' prompts read by FlashInfer's Hopper prefill (vmem's prompt_reader option,
+    # which the peer takes as vmem's caches do).
+    "fi-paged-fa3-graphs-async-512-compile": (BOTH, {"attn": FI_PAGED_ATTENTION, "block_size": 256,
+                                                     "graphs": True, "async": True, "graph_max_tokens": 512,
+                                                     "compile": True, "prompt_reader": "flashinfer"}),
     "vmem-per-layer": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "fa"}),
     "vmem-token-major": (BOTH, {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa"}),
     "vmem-per-layer-flex": (BOTH, {"attn": VMEM_ATTENTION, "layout": "per-layer", "kernel": "flex"}),
@@ -235,8 +240,8 @@ def contender_config(model: Any, sp: Spec, args: Any, budget: dict[str, int],
     # pass; the blocks, not the percentage, set what the cache holds.
     kw.update({"block_size" if family() == V517 else "page_size": bs,
                "num_blocks": budget["kv_bytes"] // (bs * budget["token_bytes"]), "max_memory_percent": 0.95})
-    # graph_max_tokens reaches the fi-paged peer's cache through the serving options
-    return kw, ({"graph_max_tokens": sp["graph_max_tokens"]} if sp.get("graph_max_tokens") else {})
+    # graph_max_tokens and prompt_reader reach the fi-paged peer's cache through the serving options
+    return kw, {k: sp[k] for k in ("graph_max_tokens", "prompt_reader") if sp.get(k)}
 
 
 def compile_config() -> dict[str, Any]:

@@ -14,7 +14,9 @@ gather, with the engine's CUDA graphs: what vLLM and SGLang do, in the same engi
   ``kernel="flashinfer"`` builds (:class:`vmem.kernels.fi_graphs.WrapperSet`: one per IO pair and
   kind, and in graph mode one per padded size, over one workspace sized for padded rounds).
   Decode rounds: ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)``; prefill and
-  mixed rounds: ``BatchPrefillWithPagedKVCacheWrapper`` (causal).
+  mixed rounds: ``BatchPrefillWithPagedKVCacheWrapper`` (causal), backend ``fa2``; with vmem's
+  ``prompt_reader="flashinfer"`` in the options (``fi-paged-fa3-...``), the rounds run without
+  a graph use FlashInfer's Hopper kernel (``fa3``) where it runs, as vmem's prompt reader does.
 * **CUDA graphs.** The engine's own graphs (``use_cuda_graph=True``) capture the forward; each
   graph key gets its own wrappers in ``use_cuda_graph=True`` mode with fixed-size buffers (batch
   size fixed per key, as FlashInfer demands) and is re-planned before every replay. The engine
@@ -115,11 +117,13 @@ class FiPagedMixin:
     #: this peer alike): prefill rounds of more padded tokens run without a CUDA graph.
     fi_graph_max_tokens: int | None = None
 
-    def fi_setup(self, config: Any, dtype: torch.dtype, device: Any) -> None:
+    def fi_setup(self, config: Any, dtype: torch.dtype, device: Any, hopper_prefill: bool = False) -> None:
         """The round's state and, where FlashInfer's kernels run (CUDA), its wrappers: vmem's
         :class:`~vmem.kernels.fi_graphs.WrapperSet` over a workspace sized for padded rounds of the
         engine's ``max_batch_tokens`` (as every graph contender pads), each request's index
-        buffers holding the most pages a request or the padding can list."""
+        buffers holding the most pages a request or the padding can list; with
+        ``hopper_prefill``, its eager prefill wrappers use FlashInfer's Hopper kernel where it
+        runs (:func:`~vmem.kernels.flashinfer.prefill_backend`)."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.fi_round: list[Request] = []
         self.fi_scale = getattr(config, "attention_multiplier", None) or head_dim ** -0.5
@@ -138,7 +142,8 @@ class FiPagedMixin:
         longest = max(int(getattr(config, "max_position_embeddings", 0) or 0), max_tokens, 1)
         self.fi_wrappers = fi_graphs.WrapperSet(
             flashinfer, torch.device(device), fi_graphs.workspace_bytes(True, max_tokens, heads, head_dim), heads,
-            kv_heads, head_dim, dtype, max_pages=-(-longest // self.page_size) + 1)
+            kv_heads, head_dim, dtype, max_pages=-(-longest // self.page_size) + 1,
+            eager_prefill=fi.prefill_backend(torch.device(device)) if hopper_prefill else "fa2")
         self.fi_backend_name = "flashinfer"
 
     def fi_record(self, request_id: str, past_length: int, query_length: int) -> None:
@@ -325,7 +330,10 @@ def fi_paged_cache(request: vt.CacheRequest) -> Any:
     if cls is None:
         cls = _classes[request.engine_cache] = make(request.engine_cache)
     cache = request.build_engine_cache(cls)
-    cache.fi_setup(request.config, request.dtype, request.device)
+    # vmem's prompt_reader="flashinfer", the same for the peer: its eager rounds' prompts read by
+    # FlashInfer's Hopper prefill where it runs
+    cache.fi_setup(request.config, request.dtype, request.device,
+                   hopper_prefill=request.options.prompt_reader == "flashinfer")
     cache.fi_graph_max_tokens = request.options.graph_max_tokens
     _install_hooks()
     return cache

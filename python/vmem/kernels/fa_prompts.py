@@ -63,8 +63,7 @@ class PromptReader:
         self.num_heads, self.kv_heads, self.head_dim, self.dtype = num_heads, kv_heads, head_dim, dtype
         self.page = fi_plan.page_tokens(max_context)
         self._fi = fi_plan.load_flashinfer()
-        cuda = device.type == "cuda"
-        self.backend = "fa3" if cuda and torch.cuda.get_device_capability(device)[0] == 9 else "fa2"
+        self.backend = fi_plan.prefill_backend(device)
         self._workspace: torch.Tensor | None = None
         self.wrappers: dict[int, Any] = {}
         self._pages: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}

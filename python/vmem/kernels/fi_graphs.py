@@ -134,13 +134,17 @@ class WrapperSet:
     per IO pair: in graph mode one per ``(IO pair, decode, batch, tokens)`` with its fixed buffers
     (``buffers[key]``: ``kv_indptr``, ``kv_indices`` (room for ``max_pages`` a request: a row's
     pages), ``kv_last_page_len``, and ``qo_indptr`` for prefill), else one per ``(IO pair,
-    decode)``. ``fi`` is the ``flashinfer`` module."""
+    decode)``. ``fi`` is the ``flashinfer`` module; ``eager_prefill``: the backend of the eager
+    prefill wrappers (``"fa2"``, or ``"fa3"``, FlashInfer's Hopper kernel:
+    :func:`~vmem.kernels.flashinfer.prefill_backend`); graph-mode prefill wrappers use ``"fa2"``."""
 
     def __init__(self, fi: Any, device: torch.device, workspace: int, num_heads: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, *, max_pages: int = 1) -> None:
+                 head_dim: int, dtype: torch.dtype, *, max_pages: int = 1, eager_prefill: str = "fa2") -> None:
         if max_pages < 1:
             raise VmemError(f"{max_pages} pages a request")
-        self.fi, self.device, self.max_pages = fi, device, max_pages
+        if eager_prefill not in ("fa2", "fa3"):
+            raise VmemError(f"FlashInfer's prefill backend {eager_prefill!r} (fa2 or fa3)")
+        self.fi, self.device, self.max_pages, self.eager_prefill = fi, device, max_pages, eager_prefill
         self.num_heads, self.kv_heads, self.head_dim, self.dtype = num_heads, kv_heads, head_dim, dtype
         self.workspace = torch.zeros(workspace, dtype=torch.uint8, device=device)
         self.wrappers: dict[tuple[int, bool, int, int], Any] = {}
@@ -173,8 +177,10 @@ class WrapperSet:
         if decode:
             w = self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True, **kw)
         else:
-            # fa2: the module the tensor-core decode uses too (one JIT build), and it reads any strides.
-            w = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2", **kw)
+            # fa2 under graphs: the module the tensor-core decode uses too (one JIT build), and it
+            # reads any strides; eagerly, the backend asked for.
+            backend = "fa2" if graph else self.eager_prefill
+            w = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=backend, **kw)
         share_int_workspace(w, self.workspace, self.int_workspaces, pair)
         self.wrappers[key] = w
         return w

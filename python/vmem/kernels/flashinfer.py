@@ -67,6 +67,15 @@ def kernels_on(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def prefill_backend(device: torch.device) -> str:
+    """FlashInfer's prefill backend for rounds run without a CUDA graph on ``device``: ``"fa3"``,
+    its Hopper kernel, on a GPU of compute capability 9.x (0.66x ``"fa2"``'s time over a
+    serving round's prompts on the H100, ``python/benches/prefill_round.py``), else ``"fa2"``."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+        return "fa3"
+    return "fa2"
+
+
 def check_model(dtype: torch.dtype, head_dim: int, asked_by: str = "kernel='flashinfer'") -> None:
     """Refuses what the FlashInfer reader does not serve: dtypes other than float16/bfloat16 and
     head dims other than 64 or 128 (``asked_by``: the option that chose FlashInfer, named with
