@@ -76,6 +76,13 @@ def test_an_eager_round_with_prompts_reads_what_flash_attention_reads(seed, deco
     q = torch.randn(sum(e[2] for e in entries), HQ, D, generator=torch.Generator().manual_seed(seed))
     want = fa_varlen_reference(q, k, v, fa_varlen_indices(entries, mc), 0.3)
     prompts = _reader(mc)
+    attend, read = prompts.attend, []
+
+    def counted(q, *a):
+        read.append(q.shape[0])
+        return attend(q, *a)
+
+    monkeypatch.setattr(prompts, "attend", counted)
     reader = FaReader(mc, prompts=prompts)
     rnd = _round(entries)
     outs = [reader(layer, rnd, q.transpose(0, 1).unsqueeze(0), k, v, 0.3, True)[0] for layer in range(2)]
@@ -83,6 +90,8 @@ def test_an_eager_round_with_prompts_reads_what_flash_attention_reads(seed, deco
     assert split == (decodes and seed % 2 == 1 and any(e[2] == 1 for e in entries))
     assert isinstance(rnd.index.prompts if split else rnd.index, fa_prompts.PromptPlan)
     assert prompts.plans == 1  # planned once, at the first layer
+    prompt_tokens = sum(e[2] for e in entries if e[2] > 1) if split else q.shape[0]
+    assert read == [prompt_tokens] * 2  # FlashInfer read the prompts (a split round's: only those) at every layer
     for out in outs:
         assert torch.allclose(out, want, atol=1e-5), (out - want).abs().max()
 
@@ -138,6 +147,57 @@ def test_a_layer_with_another_scale_or_token_count_is_refused(flashinfer_module)
         _reader(mc).plan([(0, 120, 9)], pair=0, scale=0.5)  # past the row
 
 
+def test_a_plan_the_pair_has_replaced_and_bad_arguments_are_refused(flashinfer_module):
+    """FlashInfer's wrapper holds one plan per IO pair: a round planned before the pair's last
+    plan is refused, not read with another round's schedule; so are a pair that is no whole
+    number, queries of another shape or dtype, and K/V that are not whole rows."""
+    mc, entries = 128, [(0, 0, 6), (1, 3, 4)]
+    k, v = _kv(2, mc)
+    q = torch.randn(10, HQ, D)
+    prompts = _reader(mc)
+    old = prompts.plan(entries, pair=1, scale=0.5)
+    new = prompts.plan(entries, pair=1, scale=0.5)
+    other = prompts.plan(entries, pair=0, scale=0.5)
+    assert prompts.pairs_planned == [0, 1]
+    with pytest.raises(vmem.VmemError, match="before the pair's last plan"):
+        prompts.attend(q, k, v, old, 0.5)
+    for planned in (new, other):
+        got = prompts.attend(q, k, v, planned, 0.5)
+        assert torch.allclose(got, fa_varlen_reference(q, k, v, fa_varlen_indices(entries, mc), 0.5), atol=1e-5)
+    for pair in (True, -1, "0", 1.0):
+        with pytest.raises(vmem.VmemError, match="IO pair"):
+            prompts.plan(entries, pair=pair, scale=0.5)
+    with pytest.raises(vmem.VmemError, match="passed as"):
+        prompts.plan(entries, pair=0, scale=0.5, total_q=10.0)
+    for bad in (q[:, :4], q.double(), q.unsqueeze(0)):
+        with pytest.raises(vmem.VmemError, match="queries of shape"):
+            prompts.attend(bad, k, v, other, 0.5)
+    with pytest.raises(vmem.VmemError, match="not rows of"):
+        prompts.attend(q, k[:100], v[:100], other, 0.5)
+
+
+def test_the_engine_hook_gives_the_round_its_io_pair():
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    import tf_engine as eng
+
+    eng.skip_unless_served()
+    import types
+
+    from vmem.kernels.rounds import Rounds
+    from vmem.transformers import Options
+    from vmem.transformers import graphs as vt_graphs
+
+    mc = 64
+    cache = types.SimpleNamespace(rounds=Rounds(), round_buffers=RoundBuffers(4, mc, 3, CPU, max_tokens=16),
+                                  options=Options(), read=None, round_kind=None)
+    for pair in (1, 0):
+        cache.rounds.record(0, 5, 3)
+        cache.rounds.record(1, 0, 2)
+        batch = {"cu_seq_lens_q": torch.tensor([0, 3, 5]), "input_ids": torch.zeros(1, 5, dtype=torch.long)}
+        rnd = vt_graphs.prepare_round(cache, batch, padded=False, stream=None, pair=pair)
+        assert rnd.pair == pair and rnd.meta.total_q == 5
+
+
 def test_one_wrapper_per_io_pair_planned_with_the_rounds_arrays(monkeypatch, flashinfer_module):
     """With FlashInfer's wrappers (the stand-in): one eager prefill wrapper per IO pair, made at
     its first plan, over one float workspace; the plan's pages and each request's keys passed
@@ -157,7 +217,7 @@ def test_one_wrapper_per_io_pair_planned_with_the_rounds_arrays(monkeypatch, fla
         n = planned.tokens
         want = fa_varlen_reference(q[:n], k, v, fa_varlen_indices(entries, mc), 0.5)
         assert torch.allclose(got[:n], want, atol=1e-5) and torch.equal(got[n:], torch.zeros_like(got[n:]))
-    assert sorted(prompts.wrappers) == [0, 1] and len(flashinfer_module.made) == 2
+    assert sorted(prompts.wrappers) == [0, 1] and len(flashinfer_module.made) == 2  # made with the reader
     assert prompts.wrappers[0].workspace is prompts.wrappers[1].workspace
     assert prompts.plans == 3
 

@@ -766,8 +766,9 @@ def cb_compile(kernel: str = "fa", split_reader: str | None = "fa", prompt_reade
         if prompt_reader != "fa":
             reader = graph_run["cache"].read.prompts
             check(f"prompt_reader={prompt_reader!r}: FlashInfer read the eager rounds' prompts under graphs",
-                  reader.plans > 0 and (reader.backend == "fa3") == (torch.cuda.get_device_capability()[0] == 9),
-                  f"{reader.plans} rounds planned, backend {reader.backend}, IO pairs {sorted(reader.wrappers)}")
+                  reader.plans > 0 and (reader.backend == "fa3") == (torch.cuda.get_device_capability()[0] == 9)
+                  and reader.pairs_planned == [0, 1],
+                  f"{reader.plans} rounds planned, backend {reader.backend}, IO pairs {reader.pairs_planned}")
         if kernel == "fa+flashinfer":
             wrappers = graph_run["cache"].read.fi.wrappers
             kinds = sorted({decode for _, decode, _, _ in wrappers.wrappers}) if wrappers else []

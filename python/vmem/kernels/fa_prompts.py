@@ -38,24 +38,35 @@ from .fi_graphs import workspace_bytes
 FA3_WORKSPACE_BYTES = 1 << 20
 
 
+#: The IO pairs of the engine's async batching, whose wrappers are made with the reader (outside
+#: any round, so their buffers are not taken from the memory pool of a round's activations).
+PAIRS = 2
+
+
 class PromptPlan:
     """One round (or a mixed round's prompts) as FlashInfer reads it: ``plan``
     (:class:`~vmem.kernels.flashinfer.PagedPlan`), ``wrapper`` (``None`` on the CPU), ``scale``
-    it was planned with, ``tokens`` (the requests' query tokens) and ``total_q`` (the tokens the
-    engine passes, its padding included; the padded tokens get zeros)."""
+    it was planned with, ``tokens`` (the requests' query tokens), ``total_q`` (the tokens the
+    engine passes, its padding included; the padded tokens get zeros), and ``pair`` and
+    ``generation``: the wrapper's plan this is (a later plan of the pair replaces it)."""
 
-    __slots__ = ("plan", "scale", "tokens", "total_q", "wrapper")
+    __slots__ = ("generation", "pair", "plan", "scale", "tokens", "total_q", "wrapper")
 
-    def __init__(self, plan: Any, wrapper: Any, scale: float | None, total_q: int) -> None:
+    def __init__(self, plan: Any, wrapper: Any, scale: float | None, total_q: int, pair: int,
+                 generation: int) -> None:
         self.plan, self.wrapper, self.scale = plan, wrapper, scale
         self.tokens, self.total_q = plan.total_q, total_q
+        self.pair, self.generation = pair, generation
 
 
 class PromptReader:
     """FlashInfer's paged prefill over the rows of one cache (``max_context`` tokens a row; the
     model's ``num_heads`` query heads, ``kv_heads``, ``head_dim`` and ``dtype``) on ``device``.
     The ``flashinfer`` module is imported here (:class:`~vmem.InvalidArgument` naming the install
-    command when it cannot be); its wrappers are made at the first plan of each IO pair."""
+    command when it cannot be). ``backend``: FlashInfer's (``fa3`` on Hopper, else ``fa2``);
+    ``page``: the tokens of a page; ``wrappers``: the eager wrapper of each IO pair (made here
+    for :data:`PAIRS` pairs where FlashInfer's kernels run, for another pair at its first plan);
+    ``plans``: the plans made."""
 
     def __init__(self, max_context: int, device: torch.device, num_heads: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype) -> None:
@@ -66,8 +77,13 @@ class PromptReader:
         self.backend = fi_plan.prefill_backend(device)
         self._workspace: torch.Tensor | None = None
         self.wrappers: dict[int, Any] = {}
-        self._pages: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        self._generation: dict[int, int] = {}  # each pair's plans so far
+        self._planned: dict[int, Any] = {}  # each pair's last plan's copies, as a CUDA event
+        self._pages: dict[tuple[Any, ...], torch.Tensor] = {}
         self.plans = 0
+        if fi_plan.kernels_on(device):
+            for pair in range(PAIRS):
+                self._wrapper(pair)
 
     def _wrapper(self, pair: int) -> Any:
         """IO pair ``pair``'s eager wrapper (its own int workspace; the float one shared)."""
@@ -90,28 +106,48 @@ class PromptReader:
              total_q: int | None = None) -> PromptPlan:
         """The plan of ``entries`` (``(row, past, q)`` in the engine's query order), for IO pair
         ``pair`` with softmax ``scale``; ``total_q``: the tokens the engine passes (default the
-        requests' own). Host work, and copies queued on the current stream."""
+        requests' own). Host work, and copies queued on the current stream. The pair's plan
+        before is replaced: FlashInfer stages a plan in the wrapper's pinned buffer, so the host
+        first waits until the copy of that plan has run (in serving, long since: the engine
+        waited for the pair's outputs in between)."""
+        if isinstance(pair, bool) or not isinstance(pair, int) or pair < 0:
+            raise VmemError(f"an IO pair is a whole number from 0, got {pair!r}")
         plan = fi_plan.paged_plan(entries, self.max_context, self.page)
         total_q = plan.total_q if total_q is None else total_q
-        if total_q < plan.total_q:
-            raise VmemError(f"a round of {plan.total_q} query tokens passed as {total_q}")
+        if isinstance(total_q, bool) or not isinstance(total_q, int) or total_q < plan.total_q:
+            raise VmemError(f"a round of {plan.total_q} query tokens passed as {total_q!r}")
         wrapper = None
         if fi_plan.kernels_on(self.device):
             wrapper = self._wrapper(pair)
+            before = self._planned.get(pair)
+            if before is not None:
+                before.synchronize()
             pinned = [_pinned(t, self.device) for t in (plan.qo_indptr, plan.kv_indptr, plan.kv_last_page_len)]
             keys = _pinned(torch.tensor([past + q for _, past, q in entries], dtype=torch.int32), self.device)
             wrapper.plan(pinned[0], pinned[1], to_device(plan.kv_indices, self.device), pinned[2], self.num_heads,
                          self.kv_heads, self.head_dim, self.page, causal=True, q_data_type=self.dtype,
                          kv_data_type=self.dtype, sm_scale=scale, seq_lens=keys)
+            if self.device.type == "cuda":
+                self._planned[pair] = torch.cuda.Event()
+                self._planned[pair].record()
+        generation = self._generation[pair] = self._generation.get(pair, 0) + 1
         self.plans += 1
-        return PromptPlan(plan, wrapper, scale, total_q)
+        return PromptPlan(plan, wrapper, scale, total_q, pair, generation)
+
+    @property
+    def pairs_planned(self) -> list[int]:
+        """The IO pairs a round has been planned for."""
+        return sorted(self._generation)
 
     def pages(self, flat: torch.Tensor) -> torch.Tensor:
         """A layer's flat ``[rows * max_context, Hkv, D]`` K or V as ``[pages, page, Hkv, D]``
         (a view, kept per tensor address)."""
-        key = (flat.data_ptr(), tuple(flat.stride()))
+        key = (flat.data_ptr(), tuple(flat.shape), tuple(flat.stride()), flat.dtype)
         view = self._pages.get(key)
         if view is None:
+            if flat.dim() != 3 or flat.shape[0] % self.max_context or flat.shape[0] == 0:
+                raise VmemError(f"a layer's K or V of shape {tuple(flat.shape)} is not rows of {self.max_context} "
+                                "tokens")
             rows = flat.unflatten(0, (-1, self.max_context))
             view = self._pages[key] = fi_plan.page_view(rows, self.page)
             fi_plan.check_strides(view)
@@ -122,9 +158,15 @@ class PromptReader:
         """The attention of packed ``q`` ``[total_q, Hq, D]`` over the flat ``k``/``v`` (the new
         tokens written) for ``planned``: ``[total_q, Hq, D]``, the tokens past the requests'
         zeros. Every layer must pass the scale the round was planned with."""
+        if planned.generation != self._generation.get(planned.pair):
+            raise VmemError(f"a round planned for IO pair {planned.pair} before the pair's last plan (FlashInfer's "
+                            "wrapper holds one plan: plan the round again)")
         if scale != planned.scale:
             raise VmemError(f"prompt_reader='flashinfer': a layer passed the softmax scale {scale}, the round was "
                             f"planned with {planned.scale} (every layer must share one scale)")
+        if q.dim() != 3 or tuple(q.shape[1:]) != (self.num_heads, self.head_dim) or q.dtype != self.dtype:
+            raise VmemError(f"queries of shape {tuple(q.shape)} and {q.dtype}; the reader was made for "
+                            f"[tokens, {self.num_heads}, {self.head_dim}] in {self.dtype}")
         if q.shape[0] != planned.total_q:
             raise VmemError(f"the engine passed {q.shape[0]} query tokens for a round of {planned.total_q}")
         pages = self.pages(k), self.pages(v)
