@@ -204,13 +204,17 @@ class WrapperSet:
         common = {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": scale}
         h, hkv, d = self.num_heads, self.kv_heads, self.head_dim
         on_cuda = stream is not None and self.device.type == "cuda"
+        cuda = self.device.type == "cuda"
+        # Pinned: FlashInfer copies these to its device buffers itself, and a copy from pageable
+        # memory may hold the host until the stream reaches it (the round in flight).
+        qo, indptr, last = (t.pin_memory() if cuda else t for t in (plan.qo_indptr, plan.kv_indptr,
+                                                                    plan.kv_last_page_len))
         with torch.cuda.stream(stream) if on_cuda else contextlib.nullcontext():
             indices = self.device_indices(plan.kv_indices)
             if plan.decode:
-                w.plan(plan.kv_indptr, indices, plan.kv_last_page_len, h, hkv, d, plan.page_size, **common)
+                w.plan(indptr, indices, last, h, hkv, d, plan.page_size, **common)
             else:
-                w.plan(plan.qo_indptr, plan.kv_indptr, indices, plan.kv_last_page_len, h, hkv, d,
-                       plan.page_size, causal=True, **common)
+                w.plan(qo, indptr, indices, last, h, hkv, d, plan.page_size, causal=True, **common)
         self.plans += 1
         return w
 
