@@ -175,6 +175,13 @@ def copy_on_stream(buffer: torch.Tensor, host: torch.Tensor, stream: Any) -> Non
         buffer.copy_(pinned, non_blocking=True)
 
 
+def pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` in pinned memory from torch's host caching allocator when it is bound for a CUDA
+    ``device`` (a copy from it, here or inside a library, is then a plain asynchronous DMA that
+    does not hold the host), else unchanged."""
+    return host.pin_memory() if device.type == "cuda" else host
+
+
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CPU tensor on ``device``, on the current stream. On CUDA through pinned memory from
     torch's host caching allocator (kept until the copy has run), so the copy is a plain

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from . import fa_split
-from .buffers import to_device
+from .buffers import pinned, to_device
 from .varlen import fa_varlen_indices
 
 #: A round is split only when its decodes read at least this many keys in all. Each key is
@@ -126,8 +126,7 @@ def plan_mixed(entries: list[tuple[int, int, int]], max_context: int, device: to
         index = fa_varlen_indices(part, max_context)
         # The slot kernel reads the slot plan, and another kernel the rest's own plan, not this index.
         if not ((slots and part is decodes) or (prompts is not None and part is rest)):
-            if device.type == "cuda":
-                index.host = index.host.pin_memory()  # FaVarlenIndex.to's copy then does not wait
+            index.host = pinned(index.host, device)  # FaVarlenIndex.to's copy then does not wait
             index = index.to(device)
         parts.append(Part(index, pos, device))
     plan = None

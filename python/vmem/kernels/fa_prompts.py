@@ -29,7 +29,7 @@ import torch
 
 from .._vmem import VmemError
 from . import flashinfer as fi_plan
-from .buffers import to_device
+from .buffers import pinned, to_device
 from .fi_graphs import workspace_bytes
 
 #: Bytes of the float workspace the Hopper backend's wrappers get: FlashInfer 0.6.13's ``fa3``
@@ -122,11 +122,12 @@ class PromptReader:
             before = self._planned.get(pair)
             if before is not None:
                 before.synchronize()
-            pinned = [_pinned(t, self.device) for t in (plan.qo_indptr, plan.kv_indptr, plan.kv_last_page_len)]
-            keys = _pinned(torch.tensor([past + q for _, past, q in entries], dtype=torch.int32), self.device)
-            wrapper.plan(pinned[0], pinned[1], to_device(plan.kv_indices, self.device), pinned[2], self.num_heads,
-                         self.kv_heads, self.head_dim, self.page, causal=True, q_data_type=self.dtype,
-                         kv_data_type=self.dtype, sm_scale=scale, seq_lens=keys)
+            qo, indptr, last = (pinned(t, self.device) for t in (plan.qo_indptr, plan.kv_indptr,
+                                                                   plan.kv_last_page_len))
+            keys = pinned(torch.tensor([past + q for _, past, q in entries], dtype=torch.int32), self.device)
+            wrapper.plan(qo, indptr, to_device(plan.kv_indices, self.device), last, self.num_heads, self.kv_heads,
+                         self.head_dim, self.page, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype,
+                         sm_scale=scale, seq_lens=keys)
             if self.device.type == "cuda":
                 self._planned[pair] = torch.cuda.Event()
                 self._planned[pair].record()
@@ -180,8 +181,3 @@ class PromptReader:
             out[n:].zero_()
         planned.wrapper.run(real, pages, out=out[:n])
         return out
-
-
-def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` in pinned host memory on CUDA (a copy from it does not wait), else unchanged."""
-    return t.pin_memory() if device.type == "cuda" else t

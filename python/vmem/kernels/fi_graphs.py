@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from .._vmem import VmemError
-from .buffers import to_device
+from .buffers import pinned, to_device
 from .flashinfer import PagedPlan, paged_plan, plan_of
 
 #: Bytes of the float workspace FlashInfer's split-KV results use outside graphs (its
@@ -204,11 +204,9 @@ class WrapperSet:
         common = {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": scale}
         h, hkv, d = self.num_heads, self.kv_heads, self.head_dim
         on_cuda = stream is not None and self.device.type == "cuda"
-        cuda = self.device.type == "cuda"
         # Pinned: FlashInfer copies these to its device buffers itself, and a copy from pageable
         # memory may hold the host until the stream reaches it (the round in flight).
-        qo, indptr, last = (t.pin_memory() if cuda else t for t in (plan.qo_indptr, plan.kv_indptr,
-                                                                    plan.kv_last_page_len))
+        qo, indptr, last = (pinned(t, self.device) for t in (plan.qo_indptr, plan.kv_indptr, plan.kv_last_page_len))
         with torch.cuda.stream(stream) if on_cuda else contextlib.nullcontext():
             indices = self.device_indices(plan.kv_indices)
             if plan.decode:
