@@ -192,6 +192,34 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+class StagedPlans:
+    """The host's side of FlashInfer 0.6's ``plan()``: it writes a plan's scheduling data into the
+    wrapper's pinned staging buffer and queues an asynchronous copy of it to the device on the
+    current stream, so the next ``plan()`` into the same staging buffer must not start before that
+    copy has run, or the copy carries the newer plan to the kernels of the older. One CUDA event
+    per staging buffer (``key``: the wrappers that share one, e.g. an IO pair's): :meth:`wait`
+    before a plan, :meth:`record` after it. In serving the wait is free (the engine waited for the
+    pair's outputs in between); it matters where one round is planned twice in a row, as the
+    engine does when it runs a round eagerly and then captures its graph. Nothing off CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._copied: dict[Any, Any] = {}
+
+    def wait(self, key: Any) -> None:
+        """Blocks the host until the last plan staged under ``key`` has been copied to the device."""
+        event = self._copied.get(key)
+        if event is not None:
+            event.synchronize()
+
+    def record(self, key: Any) -> None:
+        """Marks the plan just staged under ``key`` (its copy queued on the current stream)."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[key] = event
+
+
 def capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph."""
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())

@@ -29,7 +29,7 @@ import torch
 
 from .._vmem import VmemError
 from . import flashinfer as fi_plan
-from .buffers import pinned, to_device
+from .buffers import StagedPlans, pinned, to_device
 from .fi_graphs import workspace_bytes
 
 #: Bytes of the float workspace the Hopper backend's wrappers get: FlashInfer 0.6.13's ``fa3``
@@ -78,7 +78,7 @@ class PromptReader:
         self._workspace: torch.Tensor | None = None
         self.wrappers: dict[int, Any] = {}
         self._generation: dict[int, int] = {}  # each pair's plans so far
-        self._planned: dict[int, Any] = {}  # each pair's last plan's copies, as a CUDA event
+        self._staged = StagedPlans(self.device)  # each pair's last plan's copy (a pair's wrapper, one staging buffer)
         self._pages: dict[tuple[Any, ...], torch.Tensor] = {}
         self.plans = 0
         if fi_plan.kernels_on(device):
@@ -119,18 +119,14 @@ class PromptReader:
         wrapper = None
         if fi_plan.kernels_on(self.device):
             wrapper = self._wrapper(pair)
-            before = self._planned.get(pair)
-            if before is not None:
-                before.synchronize()
+            self._staged.wait(pair)
             qo, indptr, last = (pinned(t, self.device) for t in (plan.qo_indptr, plan.kv_indptr,
                                                                    plan.kv_last_page_len))
             keys = pinned(torch.tensor([past + q for _, past, q in entries], dtype=torch.int32), self.device)
             wrapper.plan(qo, indptr, to_device(plan.kv_indices, self.device), last, self.num_heads, self.kv_heads,
                          self.head_dim, self.page, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype,
                          sm_scale=scale, seq_lens=keys)
-            if self.device.type == "cuda":
-                self._planned[pair] = torch.cuda.Event()
-                self._planned[pair].record()
+            self._staged.record(pair)
         generation = self._generation[pair] = self._generation.get(pair, 0) + 1
         self.plans += 1
         return PromptPlan(plan, wrapper, scale, total_q, pair, generation)

@@ -33,6 +33,10 @@ request). The wrappers of one pair share one scheduling (int) workspace and its 
 buffer: FlashInfer gives each wrapper 8 MiB of each, and a few hundred graph shapes made that
 gigabytes; within a pair rounds run one after another, and every replay follows its own plan, so
 one buffer serves them (a graph captured the wrapper's offsets into it, which its plans keep).
+A plan first waits until the pair's last plan has been copied out of the staging buffer
+(:class:`~vmem.kernels.buffers.StagedPlans`): the engine plans one round twice in a row when it
+runs the round eagerly and then captures its graph, and the second plan (another wrapper's,
+another layout) would otherwise reach the device as the first round's.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from typing import Any
 import torch
 
 from .._vmem import VmemError
-from .buffers import pinned, to_device
+from .buffers import StagedPlans, pinned, to_device
 from .flashinfer import PagedPlan, paged_plan, plan_of
 
 #: Bytes of the float workspace FlashInfer's split-KV results use outside graphs (its
@@ -150,6 +154,7 @@ class WrapperSet:
         self.wrappers: dict[tuple[int, bool, int, int], Any] = {}
         self.buffers: dict[tuple[int, bool, int, int], tuple[torch.Tensor, ...]] = {}
         self.int_workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._staged = StagedPlans(device)  # per IO pair: its wrappers share one staging buffer
         self.plans = 0
 
     def wrapper(self, pair: int, decode: bool, batch: int, tokens: int, graph: bool) -> Any:
@@ -207,12 +212,14 @@ class WrapperSet:
         # Pinned: FlashInfer copies these to its device buffers itself, and a copy from pageable
         # memory may hold the host until the stream reaches it (the round in flight).
         qo, indptr, last = (pinned(t, self.device) for t in (plan.qo_indptr, plan.kv_indptr, plan.kv_last_page_len))
+        self._staged.wait(pair)
         with torch.cuda.stream(stream) if on_cuda else contextlib.nullcontext():
             indices = self.device_indices(plan.kv_indices)
             if plan.decode:
                 w.plan(indptr, indices, last, h, hkv, d, plan.page_size, **common)
             else:
                 w.plan(qo, indptr, indices, last, h, hkv, d, plan.page_size, causal=True, **common)
+            self._staged.record(pair)
         self.plans += 1
         return w
 
