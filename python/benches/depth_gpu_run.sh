@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The serving suite's full-depth rows on a CUDA GPU, bounded at 10 minutes: Llama-3-8B shapes at
 # all 32 layers, the conv trace, 128 requests x 128 new tokens, both budgets (every request fits;
-# a tenth of the working set), the FlashInfer paged peer (its eager prefill rounds read with
-# FlashInfer's fa2, and with its Hopper kernel: fi-paged-fa3-...) beside vmem with its decode
-# rounds read by vmem's slot kernel (split_reader="triton") and its eager rounds' prompts by FA2
-# or by FlashInfer's Hopper prefill (prompt_reader="flashinfer"), then the profile of one of
-# vmem's contenders at a tenth: $DEPTH_PROFILE (none: no profile), by default the last.
+# a tenth of the working set), the two FlashInfer paged peers (their eager prompt rounds read
+# with FlashInfer's fa2, and with its Hopper kernel: fi-paged-fa3-...) beside vmem with its
+# decode rounds read by vmem's slot kernel (split_reader="triton") and its eager rounds' prompts
+# by FlashInfer's Hopper prefill (prompt_reader="flashinfer"), then the profile of one of vmem's
+# contenders at a tenth: $DEPTH_PROFILE (none: no profile), by default the one in the rows.
 # $DEPTH_CONTENDERS (comma-separated) names other contenders for the suite's rows, $DEPTH_MODEL
 # another of the suite's models (llama3.2-1b: Llama-3.2-1B's shapes at its 16 layers).
 #
@@ -18,9 +18,10 @@
 # transformers and its dependencies, installed the same way over the one installed (5.24: its
 # wheel and regex's; 5.25: also huggingface_hub 2.4, kernels 0.19 and theirs). Results in
 # $VMEM_BENCH_OUT/depth (/tmp/depth if it is unset). DEPTH_SECONDS bounds the whole run (570 by
-# default; the suite takes at most 300 of them, the profile what is left; two contenders at both
-# budgets took about 200 s on an H100 once compiled, and FlashInfer builds its kernels in the
-# first run on a machine, up to 110 s for the Hopper prefill).
+# default; the suite takes at most 400 of them, the profile what is left: the three contenders at
+# both budgets took 237-365 s on an H100, 47-123 s of it each peer's warm-up, which captures
+# every graph it replays and, the first time on a machine, has FlashInfer build its kernels;
+# the profile about 160 s).
 set -o pipefail
 usage="usage: $0 [WHEEL_DIR]"
 [ $# -le 1 ] || { echo "$usage" >&2; exit 2; }
@@ -50,13 +51,12 @@ python3 -c "import transformers, vmem.transformers; print('transformers', transf
   | tee "$out/versions.txt" || exit 1
 peer=fi-paged-graphs-async-512-compile
 peer_fa3=fi-paged-fa3-graphs-async-512-compile
-slots=vmem-token-major-fatri-graphs-async-compile
 slots_fi=vmem-token-major-fatri-fiprompts-graphs-async-compile
 w=(--only "model=${DEPTH_MODEL:-llama3-8b}" --only trace=conv --requests 128 --new-tokens 128)
 start=$(date +%s)
-suite_s=$(( seconds < 300 ? seconds : 300 ))
+suite_s=$(( seconds < 400 ? seconds : 400 ))
 timeout "$suite_s" python3 python/benches/serving_suite.py "${w[@]}" --check-requests 0 --rounds 1 \
-  --only "contender=${DEPTH_CONTENDERS:-$peer,$peer_fa3,$slots,$slots_fi}" --out "$out/suite" 2>&1 | tee "$out/suite.log"
+  --only "contender=${DEPTH_CONTENDERS:-$peer,$peer_fa3,$slots_fi}" --out "$out/suite" 2>&1 | tee "$out/suite.log"
 suite=$?
 [ "${DEPTH_PROFILE:-}" != none ] || exit "$suite"  # DEPTH_PROFILE=none: the suite's rows only
 left=$(( seconds - ($(date +%s) - start) ))
