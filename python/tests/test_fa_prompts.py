@@ -300,14 +300,25 @@ def test_greedy_tokens_with_flashinfers_prompts_equal_flash_attentions(padding, 
 
 
 def test_a_model_flashinfer_does_not_serve_is_refused_naming_the_option():
-    vk_fi.check_model(torch.bfloat16, 128, asked_by="prompt_reader='flashinfer'")
+    """The cache's geometry on CUDA (checked before anything touches the device): a head dim
+    FlashInfer's prefill does not serve is refused in the prompt reader's words, with its way
+    out; ``kernel='flashinfer'`` keeps its own."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    import vmem.transformers as vt
+    from vmem.transformers.sizing import Geometry
+
+    config = transformers.LlamaConfig(hidden_size=512, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                                      num_hidden_layers=2, intermediate_size=64, vocab_size=64)
     with pytest.raises(vmem.InvalidArgument, match=r"prompt_reader='flashinfer' serves head_dim 64 or 128, not 256; "
-                                                   r"use prompt_reader='fa'"):
-        vk_fi.check_model(torch.bfloat16, 256, asked_by="prompt_reader='flashinfer'")
-    with pytest.raises(vmem.InvalidArgument, match=r"serves float16 and bfloat16.*use prompt_reader='fa'"):
-        vk_fi.check_model(torch.float32, 128, asked_by="prompt_reader='flashinfer'")
-    with pytest.raises(vmem.InvalidArgument, match=r"kernel='flashinfer' serves head_dim .* use kernel='fa'"):
+                                                   r"use prompt_reader='fa'$"):
+        Geometry(config, torch.bfloat16, torch.device("cuda"), vt.Options(prompt_reader="flashinfer"), 1 << 30)
+    vk_fi.check_model(torch.bfloat16, 128, asked_by="prompt_reader='flashinfer'", other_dtypes="prompt_reader='fa'")
+    with pytest.raises(vmem.InvalidArgument, match=r"serves float16 and bfloat16.*use prompt_reader='fa'$"):
+        vk_fi.check_model(torch.float32, 128, asked_by="prompt_reader='flashinfer'", other_dtypes="prompt_reader='fa'")
+    with pytest.raises(vmem.InvalidArgument, match=r"kernel='flashinfer' serves head_dim .* use kernel='fa'$"):
         vk_fi.check_model(torch.bfloat16, 96)
+    with pytest.raises(vmem.InvalidArgument, match=r"kernel='flashinfer' serves float16 .* use kernel='flex'$"):
+        vk_fi.check_model(torch.float32, 64)
 
 
 def test_install_refuses_the_prompt_reader_without_flashinfer_and_keeps_the_options(monkeypatch):

@@ -71,12 +71,14 @@ def cache_bytes(cache: Any) -> int:
 
 
 def run_contender(model: Any, name: str, prompts: list[list[int]], args: Any, budget: dict[str, int],
-                  contenders: dict[str, ct.Spec], primers: int = 0, new_tokens: int | None = None) -> dict[str, Any]:
+                  contenders: dict[str, ct.Spec], primers: int = 0, new_tokens: int | None = None,
+                  token_times: bool = False) -> dict[str, Any]:
     """Serves ``prompts`` (``new_tokens``, default ``args.new_tokens``, each) with contender
     ``name`` of ``contenders`` on ``budget``. With ``primers``, the first ``primers`` prompts are
     served to the end first and the clock starts after them (a cache that has seen those prompts
     before). Returns tok/s over the wall time, TTFT and TBT percentiles, rounds, the most
-    requests running, torch's peak memory and :func:`cache_info`."""
+    requests running, torch's peak memory and :func:`cache_info`; with ``token_times``, also
+    each timed request's token timestamps (``perf_counter`` seconds) under ``token_times``."""
     new = args.new_tokens if new_tokens is None else new_tokens
     spec = contenders[name]
     kw: dict[str, Any] = {"max_batch_tokens": budget["max_batch_tokens"], "max_memory_percent": args.memory_percent,
@@ -106,6 +108,8 @@ def run_contender(model: Any, name: str, prompts: list[list[int]], args: Any, bu
         "graphs_at_end": run.get("graphs_at_end"),
         "preemptions": run["evictions"],  # the engine's count, the same for every cache
     }
+    if token_times:
+        out["token_times"] = [list(r.timestamps or []) for r in timed]
     info = run["cache_info"]
     info["kv_peak_in_use_mb"] = run["peak_blocks"] * info["block_size"] * budget["token_bytes"] / 2**20
     out.update(info)

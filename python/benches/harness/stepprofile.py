@@ -74,12 +74,13 @@ def profile(model: Any, name: str, prompts: list[list[int]], args: Any, kv: dict
             contenders: dict[str, Any], top: int = 15) -> str:
     """Serves ``prompts`` with contender ``name`` under the step clock and torch.profiler, then
     again without the profiler; returns profile.txt: per-step medians and totals, kernel time per
-    step, the top kernels, and for both runs the round report and the slowest decode rounds with
-    their probes (:mod:`harness.tailprobe`)."""
+    step, the top kernels, and for both runs the round report, the TBT tail's gaps by the round
+    they fall in (:mod:`harness.tailgaps`) and the slowest decode rounds with their probes
+    (:mod:`harness.tailprobe`)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from harness import serving, tailprobe
+    from harness import serving, tailgaps, tailprobe
 
     serving.run_contender(model, name, prompts[:8], args, kv, contenders, new_tokens=4)  # warm
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -88,7 +89,7 @@ def profile(model: Any, name: str, prompts: list[list[int]], args: Any, kv: dict
         tailprobe.attach(rounds)
         try:
             with torch_profile(activities=acts) as prof:
-                r = serving.run_contender(model, name, prompts, args, kv, contenders)
+                r = serving.run_contender(model, name, prompts, args, kv, contenders, token_times=True)
         finally:
             clock.remove()
         rounds.close_round()
@@ -99,16 +100,18 @@ def profile(model: Any, name: str, prompts: list[list[int]], args: Any, kv: dict
     # own): the round clock and the probes only.
     with round_clock() as plain:
         tailprobe.attach(plain)
-        r2 = serving.run_contender(model, name, prompts, args, kv, contenders)
+        r2 = serving.run_contender(model, name, prompts, args, kv, contenders, token_times=True)
         plain.close_round()
     return "\n".join([report(name, r, steps, kernel_us / 1e3, prof, top), "", gpu_busy(prof, r2["wall_s"]), "",
                       round_report(rounds.rounds, kernel_us / 1e3), timeline(rounds, r), "",
+                      tailgaps.report(r["token_times"], rounds.rounds), "",
                       tailprobe.slowest(rounds.rounds), "",
                       tailprobe.slowest(rounds.rounds, "prefill", 3), "",
                       f"again without torch.profiler: {r2['tok_s']:.0f} tok/s, TBT p50 {r2['tbt_p50_ms']:.2f} ms, "
                       f"p99 {r2['tbt_p99_ms']:.2f} ms, TTFT p99 {r2['ttft_p99_ms']:.0f} ms, "
                       f"{r2['preemptions']} preemptions, {r2['wall_s']:.2f} s",
-                      round_report(plain.rounds, None), timeline(plain, r2), "", tailprobe.slowest(plain.rounds), "",
+                      round_report(plain.rounds, None), timeline(plain, r2), "",
+                      tailgaps.report(r2["token_times"], plain.rounds), "", tailprobe.slowest(plain.rounds), "",
                       tailprobe.slowest(plain.rounds, "prefill", 3)])
 
 

@@ -76,17 +76,15 @@ def prefill_backend(device: torch.device) -> str:
     return "fa2"
 
 
-def check_model(dtype: torch.dtype, head_dim: int, asked_by: str = "kernel='flashinfer'") -> None:
-    """Refuses what the FlashInfer reader does not serve: dtypes other than float16/bfloat16 and
-    head dims other than 64 or 128 (``asked_by``: the option that chose FlashInfer, named with
-    the way out)."""
-    prompts = asked_by.startswith("prompt_reader")
+def check_model(dtype: torch.dtype, head_dim: int, *, asked_by: str = "kernel='flashinfer'",
+                other_dtypes: str = "kernel='flex'", other_head_dims: str = "kernel='fa'") -> None:
+    """Refuses what FlashInfer's kernels do not serve: dtypes other than float16/bfloat16 and head
+    dims other than 64 or 128. The error names the option that chose FlashInfer (``asked_by``)
+    and the way out for a dtype (``other_dtypes``) or a head dim (``other_head_dims``)."""
     if dtype not in DTYPES:
-        instead = "prompt_reader='fa'" if prompts else "kernel='flex'"
-        raise InvalidArgument(f"{asked_by} serves float16 and bfloat16, not {dtype}; use {instead}")
+        raise InvalidArgument(f"{asked_by} serves float16 and bfloat16, not {dtype}; use {other_dtypes}")
     if head_dim not in HEAD_DIMS:
-        instead = "prompt_reader='fa'" if prompts else "kernel='fa'"
-        raise InvalidArgument(f"{asked_by} serves head_dim 64 or 128, not {head_dim}; use {instead}")
+        raise InvalidArgument(f"{asked_by} serves head_dim 64 or 128, not {head_dim}; use {other_head_dims}")
 
 
 class PagedPlan:
