@@ -28,6 +28,7 @@ class FakeEvent:
     log: list = []
 
     def record(self, stream=None):
+        assert stream == ("stream of", torch.device("cuda")), "recorded on the device's current stream"
         FakeEvent.log.append(("record", id(self)))
 
     def synchronize(self):
@@ -38,6 +39,7 @@ class FakeEvent:
 def fake_events(monkeypatch):
     FakeEvent.log = []
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
     return FakeEvent.log
 
 
@@ -66,7 +68,8 @@ def test_off_cuda_nothing_is_recorded_or_waited_for(fake_events):
 
 
 class Recorder:
-    """A :class:`StagedPlans` stand-in logging each call with the plans made so far."""
+    """A :class:`StagedPlans` stand-in logging each call with the plans made so far. (The stream a
+    mark lands on is the guard's own test's, above: here the CPU runs no stream.)"""
 
     def __init__(self, plans_made):
         self.calls, self.plans_made = [], plans_made

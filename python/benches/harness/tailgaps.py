@@ -1,17 +1,21 @@
 """Where time-between-tokens p99 comes from (``serving_suite.py --profile``): every gap between two
 consecutive tokens of one request, pooled over requests as the suite's TBT p99 is
 (:func:`harness.stats.serving_metrics`), set against the engine rounds the round clock timed
-(:mod:`harness.hostclock`; both read ``perf_counter``).
+(:mod:`harness.hostclock`, whose filed rounds all carry ``t_open_ns`` and ``wall_ns``; both
+clocks read ``perf_counter``).
 
-A gap *falls in* the round whose wall time covers most of it, when that covers at least half the
-gap (else in none: the gap spans several short rounds). Rounds are told apart as ``prefill``
-(the round has a prompt), ``after prefill`` (a decode round right after one: under async
-batching it waits for the prefill round's GPU work, so a prefill round's stall shows there) and
-``decode``. The report counts the gaps at or past p99 by the round they fall in, and every gap
-in a prefill round or the round after one, beside the rank p99 sits at: where those gaps
-outnumber that rank, p99 is a prefill round's stall; where they do not, p99 is among the
-decode rounds' own gaps, and the more gaps prefill rounds stall (the more requests run beside
-each), the nearer it sits to the stalls."""
+**How a gap is placed.** A gap *falls in* the round whose wall time covers most of it, when that
+covers at least half the gap; else in no one round (it spans several short rounds, or lies
+outside every round). Rounds are told apart as ``prefill`` (the round has a prompt), ``after
+prefill`` (a decode round right after one: under async batching it waits for the prefill round's
+GPU work, so a prefill round's stall shows there) and ``decode``.
+
+**What the report says.** The gaps at or past p99 by the round they fall in; every gap in a
+prefill round or the round after one (a prefill round's stall), per prefill round; and the
+longest gaps of the other decode rounds. Where the stalled gaps outnumber p99's rank, p99 is a
+prefill round's stall; where they do not, p99 is among the decode rounds' own gaps, and the more
+gaps each prefill round stalls (the more requests run beside it), the nearer it sits to the
+stalls."""
 
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from harness.stats import percentile
 KINDS = ("prefill", "after prefill", "decode")
 #: How the report names the gaps of each kind (and those no one round covers half of).
 LABELS = {"prefill": "in prefill rounds", "after prefill": "in decode rounds right after a prefill round",
-          "decode": "in other decode rounds", "no one round": "over several rounds"}
+          "decode": "in other decode rounds", "no one round": "in no one round (several, or none)"}
 
 
 def pooled_gaps(token_times: Sequence[Sequence[float]]) -> list[tuple[float, float]]:
@@ -49,7 +53,8 @@ def round_kinds(rounds: Sequence[dict[str, Any]]) -> list[str]:
 
 def fall_in(gap: tuple[float, float], opens: Sequence[int], ends: Sequence[int]) -> int | None:
     """The index of the round (``opens``/``ends`` in ``perf_counter_ns``, in order, not
-    overlapping) covering most of ``gap`` (seconds), if that covers at least half of it."""
+    overlapping) covering most of ``gap`` (seconds), if that covers at least half of it; of two
+    covering as much, the later. ``None`` for a gap of no length."""
     a, b = gap[0] * 1e9, gap[1] * 1e9
     best, most = None, 0.0
     i = bisect.bisect_left(opens, b) - 1
@@ -77,7 +82,9 @@ def report(token_times: Sequence[Sequence[float]], rounds: Sequence[dict[str, An
     kind_of = ["no one round" if w is None else kinds[w] for w in where]
     tail = Counter(k for k, x in zip(kind_of, lengths) if x >= p)
     stalled = [x for k, x in zip(kind_of, lengths) if k in ("prefill", "after prefill")]
-    per_prefill = Counter(w for w, k in zip(where, kind_of) if k in ("prefill", "after prefill"))
+    # each stalled gap filed under its prefill round (the one before, for the round after one)
+    per_prefill = Counter(w if k == "prefill" else w - 1 for w, k in zip(where, kind_of)
+                          if w is not None and k in ("prefill", "after prefill"))
     prefills = sum(k == "prefill" for k in kinds)
     named = ", ".join(f"{tail[k]} {LABELS[k]}" for k in (*KINDS, "no one round") if tail[k])
     lines = [f"TBT tail: {len(gaps)} gaps between tokens, p{q:g} {p * 1e3:.2f} ms ({rank} gaps as long or longer); "
@@ -86,7 +93,7 @@ def report(token_times: Sequence[Sequence[float]], rounds: Sequence[dict[str, An
     if stalled:
         lines.append(f"  gaps in a prefill round or the round after one: {len(stalled)} (median "
                      f"{statistics.median(stalled) * 1e3:.1f} ms), over {prefills} prefill rounds: "
-                     f"{len(stalled) / max(prefills, 1):.1f} a prefill round, the most in one round {max(per_prefill.values())}")
+                     f"{len(stalled) / max(prefills, 1):.1f} a prefill round, at most {max(per_prefill.values())}")
     decode_tail = sorted((x for k, x in zip(kind_of, lengths) if k == "decode"), reverse=True)[:rank]
     if decode_tail:
         lines.append(f"  the {len(decode_tail)} longest gaps in decode rounds: {decode_tail[-1] * 1e3:.2f}-"

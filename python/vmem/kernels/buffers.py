@@ -213,10 +213,11 @@ class StagedPlans:
             event.synchronize()
 
     def record(self, key: Any) -> None:
-        """Marks the plan just staged under ``key`` (its copy queued on the current stream)."""
+        """Marks the plan just staged under ``key`` (its copy queued on the device's current
+        stream, where FlashInfer queues it)."""
         if self.device.type == "cuda":
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
             self._copied[key] = event
 
 

@@ -86,8 +86,9 @@ class Geometry:
             if kernel in FLASHINFER_KERNELS:
                 check_model(dtype, head_dim)
             if options.prompt_reader == "flashinfer":
+                # (a dtype FlashInfer refuses, FlashAttention refused above)
                 check_model(dtype, head_dim, asked_by="prompt_reader='flashinfer'",
-                            other_dtypes="prompt_reader='fa'", other_head_dims="prompt_reader='fa'")
+                            other_head_dims="prompt_reader='fa'")
         self.token_bytes = self.token_bytes_of(config, dtype)
         page = options.page_size
         per_token = kv_heads * head_dim * dtype.itemsize * (1 if options.layout == "per-layer" else 2 * layers)
