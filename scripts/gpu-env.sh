@@ -10,7 +10,7 @@
 gpu_site() {
   local site=$1
   shift
-  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$site" "$@" || return 1
+  PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$site" "$@" || return 1
   export PYTHONPATH=$site PYTHONUNBUFFERED=1
 }
 

@@ -35,12 +35,14 @@ case "$seconds" in ''|*[!0-9]*) seconds=bad ;; esac
   && [ "$seconds" -le 86400 ] || {
   echo "$0: DEPTH_SECONDS must be a whole number of seconds from 1 to 86400, not '${DEPTH_SECONDS}'" >&2; exit 2; }
 [ -f python/benches/serving_suite.py ] || { echo "$0: run it from the repository root; $usage" >&2; exit 2; }
+command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1 || {
+  echo "$0: needs a CUDA GPU (nvidia-smi finds none here)" >&2; exit 1; }
 . "$(dirname "$0")/../../scripts/gpu-env.sh"
 if compgen -G ".whl/vmem*.whl" > /dev/null; then
   gpu_site /tmp/site-depth .whl/*.whl || exit 1
 fi
 if [ $# -eq 1 ]; then
-  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site-depth-tf "$1"/*.whl || exit 1
+  PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site-depth-tf "$1"/*.whl || exit 1
   export PYTHONPATH=/tmp/site-depth-tf:$PYTHONPATH
 fi
 export USE_HUB_KERNELS=NO FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer}
@@ -48,7 +50,10 @@ out=${VMEM_BENCH_OUT:-/tmp}/depth
 mkdir -p "$out"
 gpu_name > "$out/nvidia-smi.txt"
 python3 -c "import transformers, vmem.transformers; print('transformers', transformers.__version__)" \
-  | tee "$out/versions.txt" || exit 1
+  > "$out/versions.txt" 2> "$out/import.log" || {
+  echo "$0: torch, transformers and vmem must import here (pip install \"vmem-kv[flashinfer]\"): $(tail -1 "$out/import.log")" >&2
+  exit 1; }
+cat "$out/versions.txt"
 peer=fi-paged-graphs-async-512-compile
 peer_fa3=fi-paged-fa3-graphs-async-512-compile
 slots_fi=vmem-token-major-fatri-fiprompts-graphs-async-compile
