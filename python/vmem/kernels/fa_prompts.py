@@ -14,7 +14,9 @@ slot kernel's): the reader plans at a round's first layer, which a replay never 
 One eager wrapper per IO pair of the engine's async batching: ``plan()`` stages its schedule in
 a pinned host buffer copied on the compute stream, and the next round may be planned while this
 one waits to run; a pair's wrapper is planned again two rounds later, after the engine waited for
-that pair's outputs (as :class:`~vmem.kernels.fi_graphs.WrapperSet`'s). The plan's arrays are
+that pair's outputs (as :class:`~vmem.kernels.fi_graphs.WrapperSet`'s), and a plan first waits
+for the copy of its pair's last (:class:`~vmem.kernels.buffers.StagedPlans`: the engine plans a
+round twice in a row when it captures a graph right after an eager pass). The plan's arrays are
 pinned before FlashInfer copies them, so planning never waits for the round in flight.
 
 On the CPU (no FlashInfer kernels) :func:`~vmem.kernels.flashinfer.paged_reference` reads the
