@@ -18,7 +18,8 @@ against a plain forward (top-1 agreement, ``--check-requests``).
 Writes suite.json, suite.txt and suite.svg to ``--out``. ``--only KEY=A,B`` (KEY: trace, model,
 budget, contender; repeatable) runs a part, ``--merge OUT1 OUT2 ...`` combines parts into
 ``--out``. ``--profile CONTENDER`` profiles that contender on the first selected workload
-instead (profile.txt; its kernel table lists ``--profile-top`` kernels). ``--tiny`` runs each
+instead (profile.txt, whose kernel table lists ``--profile-top`` kernels; rounds.jsonl, every
+round of its run without the profiler). ``--tiny`` runs each
 model's tiny fp32 stand-in on the CPU (a smoke test).
 ``--schedule`` runs the stand-ins on the CPU under the GPU run's limits (rows, context, batch
 tokens; each stand-in has the layers that make its 64K token-major page hold as many tokens as
@@ -187,7 +188,8 @@ def profile(args: argparse.Namespace, only: dict[str, list[str]]) -> int:
 
     model, w = _first_workload(args, only)
     try:
-        body = stepprofile.profile(model, args.profile, w.prompts, args, w.kv, suite.registry(), top=args.profile_top)
+        body = stepprofile.profile(model, args.profile, w.prompts, args, w.kv, suite.registry(), top=args.profile_top,
+                                   rounds_out=os.path.join(args.out, "rounds.jsonl"))
     except Exception as e:  # the engine's refusal (async batching without CUDA, ...): one line, exit 1
         print(f"serving_suite: --profile {args.profile} on {w.trace}/{w.model}/{w.budget} failed: "
               f"{type(e).__name__}: {e}", file=sys.stderr)

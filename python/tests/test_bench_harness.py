@@ -136,6 +136,9 @@ def test_serving_metrics_from_token_times() -> None:
     assert m["ttft_p99_s"] == 0.5 and m["ttft_mean_s"] == pytest.approx(0.375)
     assert m["tbt_p50_ms"] == 500.0 and m["tbt_p99_ms"] == 750.0
     assert m["requests_wrong_token_count"] == 2
+    assert m["tbt_gaps"] == 3 and m["tbt_slow_gaps"] == 1 and m["tbt_stalled_gaps"] == 0  # 0.75 > 1.25 x 0.5
+    stalled = stats.serving_metrics(0.0, [0.0], [[0.0, 1.0, 2.0, 3.0, 10.0]])
+    assert (stalled["tbt_slow_gaps"], stalled["tbt_stalled_gaps"]) == (1, 1)  # 7 s past 4 x 1 s
     with pytest.raises(ValueError, match="differ in length"):
         stats.serving_metrics(0.0, [0.0], [])
     empty = stats.serving_metrics(0.0, [0.0], [[]])

@@ -285,6 +285,9 @@ def test_tiny_suite_runs_end_to_end_and_merges(tmp_path) -> None:
                                "--out", b]) == 0
     assert serving_suite.main([*common, "--only", "trace=code", "--profile", "vmem-per-layer", "--out", b]) == 0
     prof = read(b, "profile.txt")
+    filed = [json.loads(line) for line in read(b, "rounds.jsonl").splitlines()]
+    assert filed and {r["kind"] for r in filed} <= {"decode", "prefill"}
+    assert all(r["wall_ns"] > 0 and "thread_ms" in r["extra"] for r in filed[:-1]), filed[0]
     assert "host in forward" in prof
     # the round clock (what a graph replay, which runs no forward hook, is profiled by)
     rounds = prof[prof.index("per engine round"):].splitlines()

@@ -41,6 +41,35 @@ def test_the_probes_file_their_calls_under_the_open_round_and_come_off() -> None
     assert len(clock.rounds) == 2
 
 
+def test_the_cpu_probe_tells_a_busy_host_from_a_waiting_one() -> None:
+    import time
+
+    with HookClock() as clock:
+        tailprobe.attach(clock)
+        _round(clock)
+        end = time.perf_counter() + 0.03
+        while time.perf_counter() < end:  # busy: the thread's own CPU
+            pass
+        _round(clock)
+        time.sleep(0.03)  # waiting: no CPU, a voluntary switch
+        _round(clock)
+    clock.close_round()
+    busy, waiting = (r["extra"] for r in clock.rounds[:2])
+    assert busy["thread_ms"] > 20 and busy["process_ms"] >= busy["thread_ms"] - 1
+    assert waiting["thread_ms"] < 10 and waiting["waits"] >= 1
+    assert "cpu thread" in tailprobe._describe(clock.rounds[0])
+    # the last round, closed from another thread than the one that opened it, gets no counters
+    import threading
+
+    with HookClock() as other:
+        tailprobe.attach(other)
+        _round(other)
+        t = threading.Thread(target=other.close_round)
+        t.start()
+        t.join()
+    assert "thread_ms" not in other.rounds[0].get("extra", {})
+
+
 def _r(kind: str, ms: float, **extra: float) -> dict:
     return {"kind": kind, "wall_ns": int(ms * 1e6), "hooks": {"compute": int(ms * 0.9e6)}, "sequences": 6,
             "extra": extra, "calls": {}}

@@ -90,6 +90,15 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     "vmem-token-major-fatri-fiprompts-graphs-async-compile": (BOTH, {**_VMEM_BEST, "split_reader": "triton",
                                                                      "prompt_reader": "flashinfer",
                                                                      "optional": True}),
+    # ... with a finished request's pages coming back only once unmapped (no second mapping while
+    # the unmapping thread works), and with deferred reclamation (no unmapping while serving unless
+    # a round is short of pages): what vmem's unmapping thread costs the tail.
+    "vmem-token-major-fatri-fiprompts-graphs-async-compile-no-reuse": (
+        BOTH, {**_VMEM_BEST, "split_reader": "triton", "prompt_reader": "flashinfer", "optional": True,
+               "reuse_while_unmapping": False}),
+    "vmem-token-major-fatri-fiprompts-graphs-async-compile-deferred": (
+        BOTH, {**_VMEM_BEST, "split_reader": "triton", "prompt_reader": "flashinfer", "optional": True,
+               "deferred_reclaim": True}),
     # ... and FlashInfer's decode kernel for the large decode rounds.
     "vmem-token-major-fafi-tri-graphs-async-compile": (BOTH, {**_VMEM_BEST, "kernel": "fa+flashinfer",
                                                               "split_reader": "triton", "optional": True}),

@@ -103,6 +103,7 @@ def run_contender(model: Any, name: str, prompts: list[list[int]], args: Any, bu
         "tok_s": generated / wall, "rounds": run["rounds"], "max_running": run["max_running"],
         "ttft_p50_ms": m["ttft_p50_s"] * 1e3, "ttft_p99_ms": m["ttft_p99_s"] * 1e3,
         "tbt_p50_ms": m["tbt_p50_ms"], "tbt_p99_ms": m["tbt_p99_ms"],
+        **{k: m[k] for k in ("tbt_gaps", "tbt_slow_gaps", "tbt_stalled_gaps")},
         "peak_torch_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
         "warmup_mb": run.get("warmup_mb"), "graphs_at_start": run.get("graphs_at_start"),
         "graphs_at_end": run.get("graphs_at_end"),

@@ -38,6 +38,12 @@ def mean(xs: Sequence[float]) -> float:
     return statistics.mean(xs) if xs else float("nan")
 
 
+#: A gap between tokens past this many times TBT p50 is *slow* (:func:`serving_metrics`).
+SLOW = 1.25
+#: ... and past this many, *stalled* (a decode round waiting for a prompt's round).
+STALLED = 4.0
+
+
 def serving_metrics(t_start: float, created: Sequence[float], token_times: Sequence[Sequence[float]],
                     expected_tokens: int | None = None) -> dict[str, Any]:
     """Metrics from per-request token timestamps (seconds, one clock).
@@ -46,8 +52,10 @@ def serving_metrics(t_start: float, created: Sequence[float], token_times: Seque
     submitted; ``token_times[i]``: the time each of its generated tokens was produced.
     Returns the requests, generated tokens, makespan (last token - ``t_start``), tok/s over the
     makespan, TTFT p50/p99/mean (first token - submission), TBT p50/p99/mean (gaps between
-    consecutive tokens of one request, pooled over requests), and how many requests did not
-    produce ``expected_tokens``."""
+    consecutive tokens of one request, pooled over requests), how many gaps there are and how
+    many are past :data:`SLOW` and :data:`STALLED` times TBT p50 (what p99 is made of: a round
+    slower than its peers, or a prompt's round everyone waited for), and how many requests did
+    not produce ``expected_tokens``."""
     if len(created) != len(token_times):
         raise ValueError(f"created ({len(created)}) and token_times ({len(token_times)}) differ in length")
     ttft, tbt = [], []
@@ -63,13 +71,15 @@ def serving_metrics(t_start: float, created: Sequence[float], token_times: Seque
         tbt.extend(ts[i + 1] - ts[i] for i in range(len(ts) - 1))
         last = max(last, ts[-1])
     span = last - t_start
+    p50 = percentile(tbt, 50)
     return {
         "requests": len(created),
         "generated_tokens": total,
         "makespan_s": span,
         "tok_per_s": total / span if span > 0 else math.nan,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "ttft_mean_s": mean(ttft),
-        "tbt_p50_ms": percentile(tbt, 50) * 1e3, "tbt_p99_ms": percentile(tbt, 99) * 1e3,
-        "tbt_mean_ms": mean(tbt) * 1e3,
+        "tbt_p50_ms": p50 * 1e3, "tbt_p99_ms": percentile(tbt, 99) * 1e3,
+        "tbt_mean_ms": mean(tbt) * 1e3, "tbt_gaps": len(tbt),
+        "tbt_slow_gaps": sum(g > SLOW * p50 for g in tbt), "tbt_stalled_gaps": sum(g > STALLED * p50 for g in tbt),
         "requests_wrong_token_count": short,
     }

@@ -15,6 +15,7 @@ from typing import Any
 from harness import clean
 from harness import contenders as ct
 from harness import roofline as rf
+from harness import stats
 from harness.trace import TRACES as BUNDLED
 from harness.trace import trace_path
 
@@ -153,7 +154,8 @@ def run_one(model: Any, w: Workload, name: str, args: Any, shape: rf.ModelShape,
         row.update(error=f"{type(e).__name__}: {e}"[:500], completed=0)
         print(f"{name} {w.trace}/{w.model}/{w.budget}: FAILED {row['error']}", flush=True)
         return row
-    row.update({k: r.get(k) for k in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tbt_p50_ms", "tbt_p99_ms", "completed",
+    row.update({k: r.get(k) for k in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tbt_p50_ms", "tbt_p99_ms", "tbt_gaps",
+                                      "tbt_slow_gaps", "tbt_stalled_gaps", "completed",
                                       "generated_tokens", "wall_s", "preemptions", "kv_reserved_mb",
                                       "kv_peak_mapped_mb", "max_running", "rounds", "warmup_mb",
                                       "graphs_at_start", "graphs_at_end", "device_mb")})
@@ -161,7 +163,9 @@ def run_one(model: Any, w: Workload, name: str, args: Any, shape: rf.ModelShape,
     row.update(bound_s=bound["bound_s"], bound_prefill_s=bound["prefill_s"], bound_decode_s=bound["decode_s"],
                roofline=bound["bound_s"] / r["wall_s"] if r["wall_s"] > 0 else None)
     print(f"{name} {w.trace}/{w.model}/{w.budget} round {rnd}: {time.perf_counter() - t:.1f} s, "
-          f"{row['tok_s']:.0f} tok/s, roofline {row['roofline']:.3f}", flush=True)
+          f"{row['tok_s']:.0f} tok/s, roofline {row['roofline']:.3f}, TBT p99 {row['tbt_p99_ms']:.2f} ms; "
+          f"of {row['tbt_gaps']} gaps {row['tbt_slow_gaps']} past {stats.SLOW}x p50, {row['tbt_stalled_gaps']} "
+          f"past {stats.STALLED:g}x", flush=True)
     return row
 
 

@@ -24,7 +24,14 @@ the probed calls, inclusive: nothing is taken off the loop part the call happene
   ``transfer_inputs_h2d``, and ``get_model_kwargs``): where a round's ``prepare`` goes;
 * ``device_alloc``/``device_free``/``alloc_retries``: the CUDA caching allocator's ``cudaMalloc``
   and ``cudaFree`` calls (``cudaFree`` synchronizes the device) and retries after freeing its
-  cache, from ``torch.cuda.memory_stats`` at the round's open and close.
+  cache, from ``torch.cuda.memory_stats`` at the round's open and close;
+* ``cpu``: whether a slow round's host was working or kept from working: the engine thread's
+  own CPU time over the round (``thread_ms``), of it in the kernel (``kernel_ms``: system calls,
+  page faults, interrupts taken on its core), every thread's (``process_ms``: vmem's mapping
+  and unmapping threads, the caller's), and the engine thread's page faults (``faults``) and
+  context switches, voluntary (``waits``: it blocked, on the GPU, a lock or the GIL) and not
+  (``preempted``: the kernel took the core away), from ``getrusage(RUSAGE_THREAD)`` where
+  Linux has it.
 
 :func:`slowest` lists the slowest rounds of a kind one per line with these, beside the median
 round's."""
@@ -40,6 +47,8 @@ from typing import Any
 #: ``torch.cuda.memory_stats`` keys counted per round, by the name they are filed under.
 ALLOCATOR = (("num_device_alloc", "device_alloc"), ("num_device_free", "device_free"),
              ("num_alloc_retries", "alloc_retries"))
+#: The engine thread's CPU counters per round (:func:`_attach_cpu`), by the name filed under.
+CPU = ("thread_ms", "process_ms", "kernel_ms", "faults", "waits", "preempted")
 #: The probes :func:`slowest` prints, in order.
 PROBES = ("gc", "sync", "replay", "capturing", "vmem_map", "vmem_step", "vmem_wait", "vmem_zero", "vmem_free",
           "vmem_round", "schedule", "batch_tensors", "cache_index", "h2d")
@@ -108,6 +117,38 @@ def attach(clock: Any) -> None:
 
         clock.on_open.append(opened)
         clock.on_close.append(closed)
+    _attach_cpu(clock)
+
+
+def _cpu_now() -> tuple[float, ...]:
+    """``(thread ident, then`` :data:`CPU` ``)`` for the calling thread, as running totals; those
+    from ``getrusage`` are NaN where ``RUSAGE_THREAD`` is missing."""
+    import resource
+    import threading
+
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    ru = resource.getrusage(who) if who is not None else None
+    nan = float("nan")
+    return (threading.get_ident(), time.thread_time_ns() / 1e6, time.process_time_ns() / 1e6,
+            ru.ru_stime * 1e3 if ru else nan, float(ru.ru_minflt + ru.ru_majflt) if ru else nan,
+            float(ru.ru_nvcsw) if ru else nan, float(ru.ru_nivcsw) if ru else nan)
+
+
+def _attach_cpu(clock: Any) -> None:
+    """Files :data:`CPU` under each round's ``extra``: deltas between the round's open and its
+    close, when both ran on one thread (the engine's; the last round, closed by the caller after
+    the run, is left without them)."""
+    def opened(r: dict[str, Any]) -> None:
+        r["_cpu"] = _cpu_now()
+
+    def closed(r: dict[str, Any]) -> None:
+        before, after = r.pop("_cpu", None), _cpu_now()
+        if before is None or before[0] != after[0]:
+            return
+        r.setdefault("extra", {}).update(dict(zip(CPU, (a - b for a, b in zip(after[1:], before[1:])))))
+
+    clock.on_open.append(opened)
+    clock.on_close.append(closed)
 
 
 def _probe_step(clock: Any, tenant: Any) -> None:
@@ -137,6 +178,10 @@ def _describe(r: dict[str, Any]) -> str:
     parts = ", ".join(f"{p} {hooks.get(p, 0) / 1e6:.2f}" for p in ("prepare", "compute", "update"))
     probes = [f"{p} {extra[p + '_ms']:.2f} ms/{extra.get(p + '_n', 0):.0f}" for p in PROBES if extra.get(p + "_n")]
     probes += [f"{name} {extra[name]:+d}" for _, name in ALLOCATOR if extra.get(name)]
+    if "thread_ms" in extra:
+        probes.append(f"cpu thread {extra['thread_ms']:.2f} ms (kernel {extra['kernel_ms']:.2f}), process "
+                      f"{extra['process_ms']:.2f} ms, faults {extra['faults']:.0f}, waits {extra['waits']:.0f}, "
+                      f"preempted {extra['preempted']:.0f}")
     captured = r.get("calls", {}).get("capture", 0)
     return (f"wall {r['wall_ns'] / 1e6:.2f} ms ({parts}); requests {r.get('sequences', 0)}; "
             f"{'; '.join(probes) or 'no probe fired'}" + (f"; {captured} graph captured" if captured else ""))
