@@ -27,7 +27,8 @@ the probed calls, inclusive: nothing is taken off the loop part the call happene
   cache, from ``torch.cuda.memory_stats`` at the round's open and close;
 * ``cpu``: whether a slow round's host was working or kept from working: the engine thread's
   own CPU time over the round (``thread_ms``), of it in the kernel (``kernel_ms``: system calls,
-  page faults, interrupts taken on its core), every thread's (``process_ms``: vmem's mapping
+  page faults; the kernel splits a thread's time by sampling at its tick, a few milliseconds,
+  so a round's share is coarse and often 0), every thread's (``process_ms``: vmem's mapping
   and unmapping threads, the caller's), and the engine thread's page faults (``faults``) and
   context switches, voluntary (``waits``: it blocked, on the GPU, a lock or the GIL) and not
   (``preempted``: the kernel took the core away), from ``getrusage(RUSAGE_THREAD)`` where
