@@ -44,6 +44,9 @@ BOTH = (V517, V519)
 #: vmem's best, the base of its variants.
 _VMEM_BEST: Spec = {"attn": VMEM_ATTENTION, "layout": "token-major", "kernel": "fa", "graphs": True, "async": True,
                     "compile": True}
+#: ... with vmem's slot kernel for decode rounds and FlashInfer's prefill for eager rounds' prompts:
+#: vmem's best on Hopper, the base of the variants that test its unmapping.
+_VMEM_FIPROMPTS: Spec = {**_VMEM_BEST, "split_reader": "triton", "prompt_reader": "flashinfer", "optional": True}
 #: The engine's best: its paged sdpa, 256-token blocks, its CUDA graphs, async batching and compiled forward.
 _ENGINE_BEST: Spec = {"block_size": 256, "graphs": True, "async": True, "compile": True}
 
@@ -87,18 +90,14 @@ CATALOG: dict[str, tuple[tuple[str, ...], Spec]] = {
     "vmem-token-major-fatri-graphs-async-compile": (BOTH, {**_VMEM_BEST, "split_reader": "triton"}),
     # ... and FlashInfer's prefill (its Hopper kernel on Hopper) for the prompts of rounds run
     # without a graph (prompt_reader="flashinfer").
-    "vmem-token-major-fatri-fiprompts-graphs-async-compile": (BOTH, {**_VMEM_BEST, "split_reader": "triton",
-                                                                     "prompt_reader": "flashinfer",
-                                                                     "optional": True}),
+    "vmem-token-major-fatri-fiprompts-graphs-async-compile": (BOTH, dict(_VMEM_FIPROMPTS)),
     # ... with a finished request's pages coming back only once unmapped (no second mapping while
     # the unmapping thread works), and with deferred reclamation (no unmapping while serving unless
     # a round is short of pages): what vmem's unmapping thread costs the tail.
     "vmem-token-major-fatri-fiprompts-graphs-async-compile-no-reuse": (
-        BOTH, {**_VMEM_BEST, "split_reader": "triton", "prompt_reader": "flashinfer", "optional": True,
-               "reuse_while_unmapping": False}),
+        BOTH, {**_VMEM_FIPROMPTS, "reuse_while_unmapping": False}),
     "vmem-token-major-fatri-fiprompts-graphs-async-compile-deferred": (
-        BOTH, {**_VMEM_BEST, "split_reader": "triton", "prompt_reader": "flashinfer", "optional": True,
-               "deferred_reclaim": True}),
+        BOTH, {**_VMEM_FIPROMPTS, "deferred_reclaim": True}),
     # ... and FlashInfer's decode kernel for the large decode rounds.
     "vmem-token-major-fafi-tri-graphs-async-compile": (BOTH, {**_VMEM_BEST, "kernel": "fa+flashinfer",
                                                               "split_reader": "triton", "optional": True}),
