@@ -33,6 +33,8 @@ times mean nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import sys
 import time
@@ -188,15 +190,28 @@ def profile(args: argparse.Namespace, only: dict[str, list[str]]) -> int:
 
     model, w = _first_workload(args, only)
     try:
-        body = stepprofile.profile(model, args.profile, w.prompts, args, w.kv, suite.registry(), top=args.profile_top,
-                                   rounds_out=os.path.join(args.out, "rounds.jsonl"))
+        body, rounds = stepprofile.profile(model, args.profile, w.prompts, args, w.kv, suite.registry(),
+                                           top=args.profile_top)
     except Exception as e:  # the engine's refusal (async batching without CUDA, ...): one line, exit 1
         print(f"serving_suite: --profile {args.profile} on {w.trace}/{w.model}/{w.budget} failed: "
               f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
     text = f"{w.trace}/{w.model}/{w.budget}\n" + body
-    with open(os.path.join(args.out, "profile.txt"), "w") as f:
-        f.write(text + "\n")
+    files = {os.path.join(args.out, name): data for name, data in (
+        ("profile.txt", text + "\n"), ("rounds.jsonl", "".join(json.dumps(r, default=str) + "\n" for r in rounds)))}
+    # both or neither: written beside first, so a full disk leaves a run before's files as they were
+    for path, data in files.items():
+        try:
+            with open(path + ".tmp", "w") as f:
+                f.write(data)
+        except OSError as e:
+            for other in files:
+                with contextlib.suppress(OSError):
+                    os.remove(other + ".tmp")
+            print(f"serving_suite: --profile: writing {path}: {e}", file=sys.stderr)
+            return 1
+    for path in files:
+        os.replace(path + ".tmp", path)
     print(text)
     return 0
 

@@ -236,6 +236,42 @@ def test_profile_of_what_the_engine_refuses_stops_with_one_line_and_exit_1(tmp_p
     assert not (out / "profile.txt").exists()
 
 
+def test_profile_on_a_full_disk_says_so_and_keeps_the_files_before(tmp_path, capsys, monkeypatch) -> None:
+    """Writing profile.txt or rounds.jsonl fails (ENOSPC): one line naming the file, exit 1,
+    nothing on stdout, and both files of a run before stay as they were, with no ``.tmp`` left."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import errno
+
+    import serving_suite
+    from harness import stepprofile
+
+    monkeypatch.setattr(stepprofile, "profile", lambda *a, **k: ("the body", [{"kind": "decode", "wall_ns": 1}]))
+    args = ["--tiny", "--requests", "2", "--new-tokens", "2", "--max-prompt", "50", "--only", "model=llama3-8b-x8",
+            "--only", "trace=conv", "--profile", "vmem-per-layer", "--out", str(tmp_path)]
+    assert serving_suite.main(args) == 0
+    before = {n: read(str(tmp_path), n) for n in ("profile.txt", "rounds.jsonl")}
+    assert "the body" in before["profile.txt"] and json.loads(before["rounds.jsonl"]) == {"kind": "decode", "wall_ns": 1}
+    capsys.readouterr()
+    real = open
+
+    for failing in ("profile.txt", "rounds.jsonl"):
+        def full(path, *a, failing: str = failing, **k):
+            if str(path).endswith(failing + ".tmp"):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(path, *a, **k)
+
+        monkeypatch.setattr("builtins.open", full)
+        monkeypatch.setattr(stepprofile, "profile", lambda *a, **k: ("another body", []))
+        assert serving_suite.main(args) == 1
+        monkeypatch.setattr("builtins.open", real)
+        cap = capsys.readouterr()
+        assert cap.out == "" and cap.err.strip().splitlines()[-1].startswith(
+            f"serving_suite: --profile: writing {tmp_path / failing}: [Errno 28]"), cap.err
+        assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+        assert {n: read(str(tmp_path), n) for n in before} == before
+
+
 def read(d: str, name: str) -> str:
     with open(os.path.join(d, name)) as f:
         return f.read()

@@ -13,7 +13,6 @@ where a synchronous engine waits for the GPU, and the requests' bookkeeping)."""
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
@@ -72,13 +71,13 @@ class StepClock:
 
 
 def profile(model: Any, name: str, prompts: list[list[int]], args: Any, kv: dict[str, int],
-            contenders: dict[str, Any], top: int = 15, rounds_out: str | None = None) -> str:
+            contenders: dict[str, Any], top: int = 15) -> tuple[str, list[dict[str, Any]]]:
     """Serves ``prompts`` with contender ``name`` under the step clock and torch.profiler, then
-    again without the profiler; returns profile.txt: per-step medians and totals, kernel time per
+    again without the profiler; returns profile.txt (per-step medians and totals, kernel time per
     step, the top kernels, and for both runs the round report, the TBT tail's gaps by the round
     they fall in (:mod:`harness.tailgaps`) and the slowest decode rounds with their probes
-    (:mod:`harness.tailprobe`). With ``rounds_out``, every round of the run without the profiler
-    goes there too, one JSON object a line (its kind, clock, loop parts and probes)."""
+    (:mod:`harness.tailprobe`)) and every round of the run without the profiler (its kind,
+    clock, loop parts and probes)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -104,9 +103,6 @@ def profile(model: Any, name: str, prompts: list[list[int]], args: Any, kv: dict
         tailprobe.attach(plain)
         r2 = serving.run_contender(model, name, prompts, args, kv, contenders, token_times=True)
         plain.close_round()
-    if rounds_out is not None:
-        with open(rounds_out, "w") as f:
-            f.writelines(json.dumps(r, default=str) + "\n" for r in plain.rounds)
     return "\n".join([report(name, r, steps, kernel_us / 1e3, prof, top), "", gpu_busy(prof, r2["wall_s"]), "",
                       round_report(rounds.rounds, kernel_us / 1e3), timeline(rounds, r), "",
                       tailgaps.report(r["token_times"], rounds.rounds), "",
@@ -117,7 +113,7 @@ def profile(model: Any, name: str, prompts: list[list[int]], args: Any, kv: dict
                       f"{r2['preemptions']} preemptions, {r2['wall_s']:.2f} s",
                       round_report(plain.rounds, None), timeline(plain, r2), "",
                       tailgaps.report(r2["token_times"], plain.rounds), "", tailprobe.slowest(plain.rounds), "",
-                      tailprobe.slowest(plain.rounds, "prefill", 3)])
+                      tailprobe.slowest(plain.rounds, "prefill", 3)]), plain.rounds
 
 
 #: The name :func:`round_clock` counts the engine's CUDA graph captures under (``calls``).
