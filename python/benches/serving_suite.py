@@ -33,7 +33,6 @@ times mean nothing.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -96,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.tiny = args.tiny or args.schedule
 
-    from harness import cli, suite_report
+    from harness import cli, outfiles, suite_report
 
     if args.merge:
         try:
@@ -107,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         from harness.suite import add_ratios
 
         add_ratios(rows)
-        suite_report.save(args.out, parts, rows, checks)
+        try:
+            suite_report.save(args.out, parts, rows, checks)
+        except outfiles.WriteError as e:
+            print(f"serving_suite: --merge: {e}", file=sys.stderr)
+            return 1
         print(suite_report.table(rows, checks))
         return 0
 
@@ -154,7 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     def save(rows: list, checks: list) -> None:
         suite_report.save(args.out, [part], rows, checks)
 
-    rows = suite.run_suite(args, names, only, peaks, save)
+    try:
+        rows = suite.run_suite(args, names, only, peaks, save)
+    except outfiles.WriteError as e:  # the last whole suite.json, .txt and .svg stay as they were
+        print(f"serving_suite: {e}", file=sys.stderr)
+        return 1
     text = suite_report.table(rows, [])
     print(text)
     failed = [r for r in rows if r.get("error")]
@@ -186,7 +193,7 @@ def check_map_count(ap: argparse.ArgumentParser, args: argparse.Namespace, model
 
 def profile(args: argparse.Namespace, only: dict[str, list[str]]) -> int:
     """``--profile``: the contender on the first selected model, trace and budget."""
-    from harness import stepprofile, suite
+    from harness import outfiles, stepprofile, suite
 
     model, w = _first_workload(args, only)
     try:
@@ -199,19 +206,11 @@ def profile(args: argparse.Namespace, only: dict[str, list[str]]) -> int:
     text = f"{w.trace}/{w.model}/{w.budget}\n" + body
     files = {os.path.join(args.out, name): data for name, data in (
         ("profile.txt", text + "\n"), ("rounds.jsonl", "".join(json.dumps(r, default=str) + "\n" for r in rounds)))}
-    # both or neither: written beside first, so a full disk leaves a run before's files as they were
-    for path, data in files.items():
-        try:
-            with open(path + ".tmp", "w") as f:
-                f.write(data)
-        except OSError as e:
-            for other in files:
-                with contextlib.suppress(OSError):
-                    os.remove(other + ".tmp")
-            print(f"serving_suite: --profile: writing {path}: {e}", file=sys.stderr)
-            return 1
-    for path in files:
-        os.replace(path + ".tmp", path)
+    try:  # both or neither: a full disk leaves a run before's files as they were
+        outfiles.replace(files)
+    except outfiles.WriteError as e:
+        print(f"serving_suite: --profile: {e}", file=sys.stderr)
+        return 1
     print(text)
     return 0
 

@@ -498,3 +498,35 @@ def test_the_defaults_run_the_engines_best_in_both_processes() -> None:
     assert suite.MODELS[0] == "llama3-8b" and suite.model_config("llama3-8b", False).num_hidden_layers == 32
     assert [suite.model_config(m, False).num_hidden_layers for m in suite.MODELS] == [32, 8, 16]
     assert [suite.model_config(m, True).num_hidden_layers for m in suite.MODELS] == [8, 2, 4]
+
+
+def test_merge_on_a_full_disk_is_one_line_and_keeps_the_merge_before(tmp_path, capsys, monkeypatch) -> None:
+    """--merge whose suite.svg cannot be written: one line naming it, exit 1, nothing on stdout,
+    and the merged output of a run before stays whole."""
+    import errno
+
+    import serving_suite
+    from harness import suite_report
+
+    a, out = tmp_path / "a", tmp_path / "m"
+    a.mkdir()
+    suite_report.save(str(a), [{"device": "A"}], fake_rows(["x"], "fits"), [])
+    assert serving_suite.main(["--merge", str(a), "--out", str(out)]) == 0
+    before = {n: read(str(out), n) for n in ("suite.json", "suite.txt", "suite.svg")}
+    capsys.readouterr()
+    real = open
+
+    def full(path, *args, **kw):
+        if str(path).endswith("suite.svg.tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *args, **kw)
+
+    suite_report.save(str(a), [{"device": "B"}], fake_rows(["x", "y"], "fits"), [])
+    monkeypatch.setattr("builtins.open", full)
+    assert serving_suite.main(["--merge", str(a), "--out", str(out)]) == 1
+    monkeypatch.setattr("builtins.open", real)
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    assert cap.err.strip() == f"serving_suite: --merge: writing {out / 'suite.svg'}: [Errno 28] No space left on device"
+    assert {n: read(str(out), n) for n in before} == before
+    assert not [p for p in os.listdir(out) if p.endswith(".tmp")]

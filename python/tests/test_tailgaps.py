@@ -1,5 +1,5 @@
 """The profile's TBT tail report (python/benches/harness/tailgaps.py): each gap between tokens set
-in the round covering most of it, a prefill round's stall found in the decode round after it,
+in the round covering most of it, a gap a prefill round holds found in the decode round after it,
 p99 the serving metrics' own, and the counts the report prints."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ROUNDS = _rounds([("decode", 0, 10), ("decode", 10, 20), ("prefill", 20, 120), (
                   ("decode", 230, 240), ("decode", 240, 250)])
 
 
-def test_a_prefill_rounds_stall_is_found_in_the_round_after_it():
+def test_a_gap_a_prefill_round_holds_is_found_in_the_round_after_it():
     times = [[t / 1e3 for t in (10, 20, 230, 240, 250)]] * 3  # three requests, a token per decode round
     text = tailgaps.report(times, ROUNDS)
     p99 = stats.serving_metrics(0.0, [0.0] * 3, times)["tbt_p99_ms"]

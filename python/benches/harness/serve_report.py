@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from harness import outfiles
 from harness.table import format_table
 
 #: a run's table columns, in order
@@ -62,21 +63,16 @@ def plain(v: Any) -> Any:
 
 def save(out_dir: str, name: str, doc: Mapping[str, Any], table: str) -> None:
     """Writes ``doc`` to ``out_dir/name.json`` (strict JSON: :func:`plain`) and ``table`` to
-    ``out_dir/name.txt`` (each replaced whole: written beside, then renamed)."""
+    ``out_dir/name.txt``, both replaced whole (:func:`harness.outfiles.replace`)."""
     os.makedirs(out_dir, exist_ok=True)
     text = json.dumps(plain(doc), indent=1, default=str, allow_nan=False)
-    for ext, data in (("json", text + "\n"), ("txt", table + "\n")):
-        path = os.path.join(out_dir, f"{name}.{ext}")
-        with open(path + ".tmp", "w") as f:
-            f.write(data)
-        os.replace(path + ".tmp", path)
+    outfiles.replace({os.path.join(out_dir, f"{name}.json"): text + "\n",
+                      os.path.join(out_dir, f"{name}.txt"): table + "\n"})
 
 
 def write_svg(path: str, svg_text: str) -> None:
-    """Writes ``svg_text`` to ``path`` (beside, then renamed)."""
-    with open(path + ".tmp", "w") as f:
-        f.write(svg_text)
-    os.replace(path + ".tmp", path)
+    """Writes ``svg_text`` to ``path``, replaced whole (:func:`harness.outfiles.replace`)."""
+    outfiles.replace_one(path, svg_text)
 
 
 def ticks(lo: float, hi: float, n: int = 5) -> list[float]:

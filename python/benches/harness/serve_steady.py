@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from harness import serve_multitenant, serve_report, server_proc
+from harness import outfiles, serve_multitenant, serve_report, server_proc
 
 NAME = "serve_steady"
 #: the states a run's status file goes through
@@ -26,13 +26,11 @@ STATES = ("building", "starting", "running", "done", "failed")
 
 
 def write_status(out_dir: str, **fields: Any) -> None:
-    """Merges ``fields`` into ``out_dir/status.json`` (written beside, then renamed)."""
-    path = os.path.join(out_dir, "status.json")
+    """Merges ``fields`` into ``out_dir/status.json``, replaced whole
+    (:func:`harness.outfiles.replace`)."""
     doc = read_status(out_dir) or {}
     doc.update(fields, updated=time.time())
-    with open(path + ".tmp", "w") as f:
-        json.dump(doc, f)
-    os.replace(path + ".tmp", path)
+    outfiles.replace_one(os.path.join(out_dir, "status.json"), json.dumps(doc))
 
 
 def read_status(out_dir: str) -> dict[str, Any] | None:

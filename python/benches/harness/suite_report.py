@@ -9,6 +9,7 @@ import os
 from html import escape
 from typing import Any
 
+from harness import outfiles
 from harness.table import format_table
 
 #: the table's columns, in order
@@ -38,13 +39,12 @@ def table(rows: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
 
 
 def save(out: str, parts: list[dict[str, Any]], rows: list[dict[str, Any]], checks: list[dict[str, Any]]) -> None:
-    """Writes suite.json, suite.txt and suite.svg to ``out``."""
-    with open(os.path.join(out, "suite.json"), "w") as f:
-        json.dump({"parts": parts, "rows": rows, "checks": checks}, f, indent=1)
-    with open(os.path.join(out, "suite.txt"), "w") as f:
-        f.write(table(rows, checks) + "\n")
-    with open(os.path.join(out, "suite.svg"), "w") as f:
-        f.write(svg(rows) + "\n")
+    """Writes suite.json, suite.txt and suite.svg to ``out``, all three replaced whole or none
+    (:func:`harness.outfiles.replace`)."""
+    outfiles.replace({os.path.join(out, "suite.json"): json.dumps({"parts": parts, "rows": rows, "checks": checks},
+                                                                  indent=1),
+                      os.path.join(out, "suite.txt"): table(rows, checks) + "\n",
+                      os.path.join(out, "suite.svg"): svg(rows) + "\n"})
 
 
 def load(out: str) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from harness import outfiles
 from harness.tenant_plan import Arrival, TenantSpec
 
 #: the modes a run serves a tenant in (``pool-floor``: the pool, each tenant with ``Serving.floor``;
@@ -88,11 +89,8 @@ def started_path(out_dir: str, key: str, index: int) -> str:
 
 
 def write_json(path: str, obj: Any) -> None:
-    """Writes ``obj`` as JSON to ``path`` atomically (a temporary file renamed into place)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+    """Writes ``obj`` as JSON to ``path``, replaced whole (:func:`harness.outfiles.replace`)."""
+    outfiles.replace_one(path, json.dumps(obj))
 
 
 def vmem_options(job: TenantJob, mode: str) -> dict[str, Any]:
