@@ -1,0 +1,48 @@
+"""The decode-round GEMM bench (python/benches/decode_gemms.py): the fused and separate forms
+hold the same weights (so the same FLOPs and bytes), the roofline's count of them; a ``--tiny``
+run on the CPU writes its table; bad flags are one usage line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("name", ["llama3.2-1b", "tiny"])
+def test_both_forms_hold_the_roofline_weights(name) -> None:
+    import decode_gemms as dg
+
+    dims = {**dg.SHAPES, **dg.TINY}[name]
+    small = (2, *dims[1:]) if name != "tiny" else dims  # two layers are enough to count
+    s = dg.shape_of(small, 100)
+    counts = {f: [sum(w.numel() for w in layer) for layer in dg.weights(s, f, "cpu", torch.float32)]
+              for f in dg.FORMS}
+    assert counts["separate"] == counts["fused"]
+    assert counts["fused"] == [s.layer_matmul_params] * s.layers + [s.head_params]
+    shapes = [tuple(w.shape) for w in dg.weights(s, "fused", "cpu", torch.float32)[0]]
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    assert shapes == [(q + 2 * kv, s.hidden), (s.hidden, q), (2 * s.intermediate, s.hidden), (s.hidden, s.intermediate)]
+
+
+def test_tiny_run_writes_its_table(tmp_path, capsys) -> None:
+    import decode_gemms as dg
+
+    assert dg.main(["--tiny", "--rows", "2,8", "--reps", "2", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "decode_gemms.json").read_text())
+    assert [(r["rows"], r["form"]) for r in doc["rows"]] == [(2, "separate"), (2, "fused"), (8, "separate"), (8, "fused")]
+    assert all(r["layers_ms"] > 0 and r["round_ms"] == pytest.approx(r["layers_ms"] + r["head_ms"]) for r in doc["rows"])
+    assert "median of 2 calls" in (tmp_path / "decode_gemms.txt").read_text() == capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, match", [(["--rows", "0"], "--rows: values must be at least 1"),
+                                          (["--rows", "x"], "--rows: not a comma-separated list"),
+                                          (["--reps", "0"], "--reps must be at least 1")])
+def test_bad_flags_are_one_usage_line(flags, match, capsys) -> None:
+    import decode_gemms as dg
+
+    with pytest.raises(SystemExit) as e:
+        dg.main(["--tiny", *flags])
+    assert e.value.code == 2 and match in capsys.readouterr().err.strip().splitlines()[-1]
