@@ -24,11 +24,10 @@ import argparse
 import json
 import os
 import statistics
-import time
 from typing import Any
 
 from harness import cli, outfiles
-from harness.roofline import ModelShape
+from harness.roofline import ModelShape, timed_call
 from harness.table import format_table
 
 #: the suite's shapes: (name, layers, hidden, intermediate, heads, kv_heads, head_dim)
@@ -94,17 +93,7 @@ def time_forms(fns: dict[str, Any], reps: int, cuda: bool) -> dict[str, float]:
     times: dict[str, list[float]] = {n: [] for n in fns}
     for _ in range(reps):
         for name, call in calls.items():
-            if cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                call()
-                b.record()
-                b.synchronize()
-                times[name].append(a.elapsed_time(b) / 1e3)
-            else:
-                t = time.perf_counter()
-                call()
-                times[name].append(time.perf_counter() - t)
+            times[name].append(timed_call(call, cuda))
     return {n: statistics.median(v) for n, v in times.items()}
 
 

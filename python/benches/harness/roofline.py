@@ -173,22 +173,23 @@ def measure_peaks(device: str, dtype: Any, n: int = 8192, copy_mib: int = 2048, 
 
 def _best(fn: Any, device: str, reps: int) -> float:
     """The shortest of ``reps`` timed calls of ``fn`` (seconds), after one untimed."""
+    fn()
+    cuda = str(device).startswith("cuda")
+    return min(timed_call(fn, cuda) for _ in range(reps))
+
+
+def timed_call(fn: Any, cuda: bool) -> float:
+    """Seconds one call of ``fn`` takes: between CUDA events on CUDA (the GPU's time), by the
+    wall clock on the CPU."""
+    if not cuda:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
     import torch
 
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     fn()
-    best = math.inf
-    cuda = str(device).startswith("cuda")
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            t = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            fn()
-            t = time.perf_counter() - t0
-        best = min(best, t)
-    return best
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
