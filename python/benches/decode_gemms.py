@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         cli.check_out(ap, args.out)
     if not args.tiny:
-        cli.need_gpu(ap)
+        cli.need_gpu(ap, "decode_gemms.py")
     import torch
 
     from harness.roofline import measure_peaks
