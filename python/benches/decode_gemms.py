@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 from typing import Any
 
 from harness import cli, outfiles
@@ -36,6 +37,8 @@ SHAPES = {"llama3.2-1b": (16, 2048, 8192, 32, 8, 64), "llama3-8b": (32, 4096, 14
 TINY = {"tiny": (2, 64, 128, 4, 2, 16)}
 FORMS = ("separate", "fused")
 VOCAB = 128256
+#: the most rows --rows takes (the engine's largest round is its max_batch_tokens, 8,192 by default)
+MOST_ROWS = 65536
 
 
 def shape_of(dims: tuple[int, ...], vocab: int) -> ModelShape:
@@ -106,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cli.check_int_list(ap, "--rows", args.rows)
     rows_list = cli.int_list(args.rows)
+    if max(rows_list) > MOST_ROWS:
+        ap.error(f"--rows must be at most {MOST_ROWS}, got {max(rows_list)}")
     cli.check_counts(ap, args, ["--reps"], [])
     if args.out is not None:
         cli.check_out(ap, args.out)
@@ -141,10 +146,14 @@ def main(argv: list[str] | None = None) -> int:
                               f"weights at the copy bandwidth, {copy / 1e9:.0f} GB/s; of_copy: the layers' weights' "
                               "bound over their time)")
     if args.out is not None:
-        outfiles.replace({os.path.join(args.out, "decode_gemms.txt"): text + "\n",
-                          os.path.join(args.out, "decode_gemms.json"): json.dumps(
-                              {"copy_bytes": copy, "device": torch.cuda.get_device_name() if device == "cuda"
-                               else "cpu", "rows": rows}, indent=1) + "\n"})
+        try:
+            outfiles.replace({os.path.join(args.out, "decode_gemms.txt"): text + "\n",
+                              os.path.join(args.out, "decode_gemms.json"): json.dumps(
+                                  {"copy_bytes": copy, "device": torch.cuda.get_device_name() if device == "cuda"
+                                   else "cpu", "rows": rows}, indent=1) + "\n"})
+        except outfiles.WriteError as e:
+            print(f"decode_gemms: {e}", file=sys.stderr)
+            return 1
     print(text)
     return 0
 

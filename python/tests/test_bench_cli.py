@@ -143,6 +143,7 @@ CASES = [
     ("decode_gemms", ["--rows", "0"], "--rows: values must be at least 1"),
     ("decode_gemms", ["--rows", "x"], "--rows: not a comma-separated list"),
     ("decode_gemms", ["--reps", "0"], "--reps must be at least 1"),
+    ("decode_gemms", ["--rows", "16,100000"], "--rows must be at most 65536, got 100000"),
     ("decode_gemms", ["--out", "/proc/version/x"], "--out '/proc/version/x' cannot be created"),
     ("decode_gemms", [], "no GPU: decode_gemms.py runs on CUDA only", "cpu"),
     ("tp_lockstep", ["--steps", "10", "--diverge-at", "11"], "--diverge-at must be at most 10"),

@@ -35,3 +35,23 @@ def test_tiny_run_writes_its_table(tmp_path, capsys) -> None:
     assert [(r["rows"], r["form"]) for r in doc["rows"]] == [(2, "separate"), (2, "fused"), (8, "separate"), (8, "fused")]
     assert all(r["layers_ms"] > 0 and r["round_ms"] == pytest.approx(r["layers_ms"] + r["head_ms"]) for r in doc["rows"])
     assert "median of 2 calls" in (tmp_path / "decode_gemms.txt").read_text() == capsys.readouterr().out
+
+
+def test_a_full_disk_is_one_line_and_exit_1(tmp_path, capsys, monkeypatch) -> None:
+    import errno
+
+    import decode_gemms as dg
+
+    real = open
+
+    def full(path, *a, **k):
+        if str(path).endswith(".json.tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr("builtins.open", full)
+    assert dg.main(["--tiny", "--rows", "2", "--reps", "1", "--out", str(tmp_path)]) == 1
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.strip() == (
+        f"decode_gemms: writing {tmp_path / 'decode_gemms.json'}: [Errno 28] No space left on device")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -100,3 +100,12 @@ def test_the_status_file_and_a_tenant_result_are_whole_json(tmp_path, monkeypatc
         tenant.write_json(str(tmp_path / "r.json"), {"tok_s": 2.5})
     assert json.loads((tmp_path / "r.json").read_text()) == {"tok_s": 1.5}
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+
+
+def test_a_folder_in_the_way_is_refused_before_anything_is_written(tmp_path) -> None:
+    a = str(tmp_path / "a.txt")
+    outfiles.replace_one(a, "before")
+    (tmp_path / "b.json").mkdir()
+    with pytest.raises(outfiles.WriteError, match=r"writing .*b\.json: \[Errno 21\] Is a directory"):
+        outfiles.replace({a: "after", str(tmp_path / "b.json"): "[1]"})
+    assert (tmp_path / "a.txt").read_text() == "before" and sorted(os.listdir(tmp_path)) == ["a.txt", "b.json"]

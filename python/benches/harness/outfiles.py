@@ -5,6 +5,7 @@ sees half a file and a full disk leaves the files of a run before as they were."
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Mapping
 
@@ -19,11 +20,15 @@ class WriteError(OSError):
 
 
 def replace(files: Mapping[str, str]) -> None:
-    """Replaces every ``path`` of ``files`` with its text, all or none: each text goes to
-    ``path.tmp`` first; an ``OSError`` there removes every ``.tmp`` of the set and is raised as
-    :class:`WriteError`, the files untouched; then the ``.tmp`` files are renamed into place."""
+    """Replaces every ``path`` of ``files`` with its text, all or none: a path that is a folder
+    is refused first; each text goes to ``path.tmp``; an ``OSError`` there removes every ``.tmp``
+    of the set and is raised as :class:`WriteError`, the files untouched; then the ``.tmp``
+    files are renamed into place."""
     if not isinstance(files, Mapping) or not all(isinstance(p, str) and isinstance(t, str) for p, t in files.items()):
         raise TypeError("outfiles.replace needs a mapping of path strings to text strings")
+    for path in files:
+        if os.path.isdir(path):
+            raise WriteError(path, IsADirectoryError(errno.EISDIR, "Is a directory"))
     for path, text in files.items():
         try:
             with open(path + ".tmp", "w") as f:
