@@ -31,7 +31,7 @@ from harness import cli, outfiles
 from harness.roofline import ModelShape, timed_call
 from harness.table import format_table
 
-#: the suite's shapes: (name, layers, hidden, intermediate, heads, kv_heads, head_dim)
+#: the suite's shapes, by name: (layers, hidden, intermediate, heads, kv_heads, head_dim)
 SHAPES = {"llama3.2-1b": (16, 2048, 8192, 32, 8, 64), "llama3-8b": (32, 4096, 14336, 32, 8, 128)}
 #: --tiny's one shape (CPU)
 TINY = {"tiny": (2, 64, 128, 4, 2, 16)}
@@ -48,20 +48,23 @@ def shape_of(dims: tuple[int, ...], vocab: int) -> ModelShape:
 
 
 def weights(s: ModelShape, form: str, device: str, dtype: Any) -> list[list[Any]]:
-    """Each layer's projection weights (``[out, in]``) in ``form``, then ``[[head]]``."""
-    import torch
-
+    """Each layer's projection weights (``[out, in]``) in ``form``; ``form`` ``"head"``: the LM
+    head's, as one layer of one."""
+    if form == "head":
+        return [[_random(s.vocab, s.hidden, device, dtype)]]
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     outs = {"separate": [(q, s.hidden), (kv, s.hidden), (kv, s.hidden), (s.hidden, q), (s.intermediate, s.hidden),
                          (s.intermediate, s.hidden), (s.hidden, s.intermediate)],
             "fused": [(q + 2 * kv, s.hidden), (s.hidden, q), (2 * s.intermediate, s.hidden),
                       (s.hidden, s.intermediate)]}[form]
-    g = torch.Generator(device=device).manual_seed(0)
+    return [[_random(o, i, device, dtype) for o, i in outs] for _ in range(s.layers)]
 
-    def w(o: int, i: int) -> Any:
-        return (torch.randn(o, i, device=device, generator=g) * i ** -0.5).to(dtype)
 
-    return [[w(o, i) for o, i in outs] for _ in range(s.layers)] + [[w(s.vocab, s.hidden)]]
+def _random(out: int, inp: int, device: str, dtype: Any) -> Any:
+    """A random ``[out, in]`` weight of ``dtype`` (scaled as a layer's init is)."""
+    import torch
+
+    return (torch.randn(out, inp, device=device) * inp ** -0.5).to(dtype)
 
 
 def round_fn(s: ModelShape, ws: list[list[Any]], rows: int, device: str, dtype: Any) -> Any:
@@ -127,19 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for name, dims in shapes.items():
         s = shape_of(dims, 512 if args.tiny else VOCAB)
-        ws = {f: weights(s, f, device, dtype) for f in FORMS}
-        head = {"head": [ws["separate"][-1]]}
+        ws = {f: weights(s, f, device, dtype) for f in (*FORMS, "head")}
         for m in rows_list:
-            fns = {f: round_fn(s, w[:-1], m, device, dtype) for f, w in ws.items()}
-            fns["head"] = round_fn(s, head["head"], m, device, dtype)
-            t = time_forms(fns, args.reps, device == "cuda")
+            t = time_forms({f: round_fn(s, w, m, device, dtype) for f, w in ws.items()}, args.reps, device == "cuda")
             layer_bytes = s.layers * s.layer_matmul_params * s.itemsize
             for form in FORMS:
                 rows.append({"model": name, "rows": m, "form": form, "layers_ms": t[form] * 1e3,
                              "head_ms": t["head"] * 1e3, "round_ms": (t[form] + t["head"]) * 1e3,
                              "bound_ms": s.decode_weight_bytes / copy * 1e3,
                              "of_copy": layer_bytes / copy / t[form]})
-        del ws
+        del ws  # this model's weights freed before the next model's are made
     text = format_table(rows, ["model", "rows", "form", "layers_ms", "head_ms", "round_ms", "bound_ms", "of_copy"],
                         title=f"a decode round's weight GEMMs (median of {args.reps} "
                               f"{'graph replays' if device == 'cuda' else 'calls'}; bound: the "

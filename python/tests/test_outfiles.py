@@ -109,3 +109,34 @@ def test_a_folder_in_the_way_is_refused_before_anything_is_written(tmp_path) -> 
     with pytest.raises(outfiles.WriteError, match=r"writing .*b\.json: \[Errno 21\] Is a directory"):
         outfiles.replace({a: "after", str(tmp_path / "b.json"): "[1]"})
     assert (tmp_path / "a.txt").read_text() == "before" and sorted(os.listdir(tmp_path)) == ["a.txt", "b.json"]
+
+
+def test_an_interrupt_while_writing_leaves_the_files_and_no_tmp(tmp_path, monkeypatch) -> None:
+    a, b = str(tmp_path / "a.txt"), str(tmp_path / "b.json")
+    outfiles.replace({a: "before", b: "[0]"})
+    real = open
+
+    def interrupted(path, *args, **kw):
+        if str(path).endswith("b.json.tmp"):
+            raise KeyboardInterrupt
+        return real(path, *args, **kw)
+
+    monkeypatch.setattr("builtins.open", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        outfiles.replace({a: "after", b: "[1]"})
+    assert listing(tmp_path) == {"a.txt": "before", "b.json": "[0]"}
+
+
+def test_a_failed_rename_is_a_write_error_and_leaves_no_tmp(tmp_path, monkeypatch) -> None:
+    a, b = str(tmp_path / "a.txt"), str(tmp_path / "b.json")
+    real = os.replace
+
+    def read_only(src, dst):
+        if str(dst).endswith("b.json"):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", read_only)
+    with pytest.raises(outfiles.WriteError, match=r"writing .*b\.json: \[Errno 30\] Read-only file system"):
+        outfiles.replace({a: "new", b: "[1]"})
+    assert listing(tmp_path) == {"a.txt": "new"}

@@ -272,6 +272,43 @@ def test_profile_on_a_full_disk_says_so_and_keeps_the_files_before(tmp_path, cap
         assert {n: read(str(tmp_path), n) for n in before} == before
 
 
+def test_a_full_disk_during_a_suite_run_is_one_line_and_keeps_the_last_whole_table(tmp_path, capsys,
+                                                                                   monkeypatch) -> None:
+    """The suite saves its table after each run; a save that cannot be written ends the suite
+    with one line naming the file and exit 1 (not a traceback), the last whole files kept."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import errno
+
+    import serving_suite
+    from harness import suite, suite_report
+
+    suite_report.save(str(tmp_path), [{"device": "before"}], fake_rows(["x"], "fits"), [])
+    before = {n: read(str(tmp_path), n) for n in ("suite.json", "suite.txt", "suite.svg")}
+    real = open
+
+    def full(path, *a, **k):
+        if str(path).endswith("suite.svg.tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *a, **k)
+
+    def one_run(args, names, only, peaks, on_row):
+        monkeypatch.setattr("builtins.open", full)
+        on_row(fake_rows(["y"], "fits"), [])
+        raise AssertionError("the save above must fail")
+
+    monkeypatch.setattr(suite, "run_suite", one_run)
+    code = serving_suite.main(["--tiny", "--requests", "2", "--new-tokens", "2", "--max-prompt", "50", "--only",
+                               "model=llama3-8b-x8", "--only", "trace=conv", "--only", "contender=vmem-per-layer",
+                               "--out", str(tmp_path)])
+    monkeypatch.setattr("builtins.open", real)
+    assert code == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"serving_suite: writing {tmp_path / 'suite.svg'}: [Errno 28] No space left on device")
+    assert {n: read(str(tmp_path), n) for n in before} == before
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
 def read(d: str, name: str) -> str:
     with open(os.path.join(d, name)) as f:
         return f.read()
