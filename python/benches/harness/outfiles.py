@@ -11,8 +11,9 @@ from collections.abc import Mapping
 
 
 class WriteError(OSError):
-    """Writing one of a set of output files failed; ``path`` names it, and no file of the set
-    was replaced. Its text is ``writing PATH: <the OS's error>``."""
+    """Writing one of a set of output files failed; ``path`` names it. No file of the set was
+    replaced, unless a rename failed part way (:func:`replace`). Its text is ``writing PATH:
+    <the OS's error>``."""
 
     def __init__(self, path: str, cause: OSError) -> None:
         super().__init__(f"writing {path}: {cause}")
