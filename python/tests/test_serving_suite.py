@@ -241,8 +241,6 @@ def test_profile_on_a_full_disk_says_so_and_keeps_the_files_before(tmp_path, cap
     nothing on stdout, and both files of a run before stay as they were, with no ``.tmp`` left."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import errno
-
     import serving_suite
     from harness import stepprofile
 
@@ -256,12 +254,7 @@ def test_profile_on_a_full_disk_says_so_and_keeps_the_files_before(tmp_path, cap
     real = open
 
     for failing in ("profile.txt", "rounds.jsonl"):
-        def full(path, *a, failing: str = failing, **k):
-            if str(path).endswith(failing + ".tmp"):
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return real(path, *a, **k)
-
-        monkeypatch.setattr("builtins.open", full)
+        monkeypatch.setattr("builtins.open", full_disk_at(failing + ".tmp"))
         monkeypatch.setattr(stepprofile, "profile", lambda *a, **k: ("another body", []))
         assert serving_suite.main(args) == 1
         monkeypatch.setattr("builtins.open", real)
@@ -278,8 +271,6 @@ def test_a_full_disk_during_a_suite_run_is_one_line_and_keeps_the_last_whole_tab
     with one line naming the file and exit 1 (not a traceback), the last whole files kept."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import errno
-
     import serving_suite
     from harness import suite, suite_report
 
@@ -287,13 +278,8 @@ def test_a_full_disk_during_a_suite_run_is_one_line_and_keeps_the_last_whole_tab
     before = {n: read(str(tmp_path), n) for n in ("suite.json", "suite.txt", "suite.svg")}
     real = open
 
-    def full(path, *a, **k):
-        if str(path).endswith("suite.svg.tmp"):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, *a, **k)
-
     def one_run(args, names, only, peaks, on_row):
-        monkeypatch.setattr("builtins.open", full)
+        monkeypatch.setattr("builtins.open", full_disk_at("suite.svg.tmp"))
         on_row(fake_rows(["y"], "fits"), [])
         raise AssertionError("the save above must fail")
 
@@ -312,6 +298,18 @@ def test_a_full_disk_during_a_suite_run_is_one_line_and_keeps_the_last_whole_tab
 def read(d: str, name: str) -> str:
     with open(os.path.join(d, name)) as f:
         return f.read()
+
+
+def full_disk_at(suffix: str, real=open):
+    """An ``open`` that fails with ENOSPC for a path ending in ``suffix`` (a file being written
+    beside its place, ``...tmp``) and opens anything else as ``real`` does."""
+    import errno
+
+    def fake(path, *a, **k):
+        if str(path).endswith(suffix):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *a, **k)
+    return fake
 
 
 def test_tiny_suite_runs_end_to_end_and_merges(tmp_path) -> None:
@@ -541,8 +539,6 @@ def test_merge_on_a_full_disk_is_one_line_and_keeps_the_merge_before(tmp_path, c
     """--merge whose suite.svg cannot be written: one line naming it, exit 1, nothing on stdout,
     and the merged output of a run before stays whole."""
     pytest.importorskip("transformers", reason="--merge's ratios import the contenders")
-    import errno
-
     import serving_suite
     from harness import suite_report
 
@@ -553,14 +549,8 @@ def test_merge_on_a_full_disk_is_one_line_and_keeps_the_merge_before(tmp_path, c
     before = {n: read(str(out), n) for n in ("suite.json", "suite.txt", "suite.svg")}
     capsys.readouterr()
     real = open
-
-    def full(path, *args, **kw):
-        if str(path).endswith("suite.svg.tmp"):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, *args, **kw)
-
     suite_report.save(str(a), [{"device": "B"}], fake_rows(["x", "y"], "fits"), [])
-    monkeypatch.setattr("builtins.open", full)
+    monkeypatch.setattr("builtins.open", full_disk_at("suite.svg.tmp"))
     assert serving_suite.main(["--merge", str(a), "--out", str(out)]) == 1
     monkeypatch.setattr("builtins.open", real)
     cap = capsys.readouterr()

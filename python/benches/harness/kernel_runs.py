@@ -33,6 +33,7 @@ from harness.kernels import (
     build_vmem_sdpa_pad,
 )
 from harness.log import log
+from harness.roofline import timed_call
 from harness.table import format_table
 
 #: every contender, in the table's order
@@ -65,19 +66,12 @@ def sync(dev: torch.device) -> None:
 
 
 def time_inner(fns: list[Callable], inner: int, dev: torch.device) -> float:
-    """Seconds per call over ``inner`` calls rotating through the sets."""
-    if dev.type == "cuda":
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+    """Seconds per call over ``inner`` calls rotating through the sets (timed as
+    :func:`harness.roofline.timed_call` times one call)."""
+    def calls() -> None:
         for i in range(inner):
             fns[i % len(fns)]()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / 1e3 / inner
-    t0 = time.perf_counter()
-    for i in range(inner):
-        fns[i % len(fns)]()
-    return (time.perf_counter() - t0) / inner
+    return timed_call(calls, dev.type == "cuda") / inner
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
